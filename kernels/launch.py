@@ -1,0 +1,138 @@
+"""Launch helpers shared by every kernel launcher in ``kernels/``.
+
+One place decides three things for all kernels:
+
+* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_2d``), so every
+  launcher sizes its grid the same way;
+* whether we run on real CUDA or in Numba's CUDA simulator (``SIMULATOR``);
+* how a configured kernel is launched (``launch``).
+
+Why ``launch`` exists: on a real GPU ``kernel[grid, block, stream]`` returns a
+new *configured* kernel object, which is cheap to keep and call again. In the
+simulator it returns the kernel itself, re-configured in place, so two replica
+threads launching the same kernel at once would overwrite each other's grid.
+Under the simulator we therefore serialise launches with one lock (the
+simulator is single-device and synchronous anyway); on real CUDA there is no
+lock and configured kernels are cached per (kernel, grid, block, stream).
+
+Neighbours: ``elementwise.py``, ``reduction.py``, ``gemm.py`` ... all import
+from here; ``mirrored/backends.py`` calls their launchers.
+"""
+import threading
+
+from numba import config as _numba_config
+from numba import cuda
+
+#: True when ``NUMBA_ENABLE_CUDASIM=1`` was set before numba.cuda was imported.
+SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
+
+#: Threads per block for 1-D kernels: a multiple of the 32-thread warp, large
+#: enough to hide memory latency, small enough for many blocks per SM.
+#: (The simulator runs each CUDA thread as a Python thread: it gets fewer.)
+THREADS_1D = 32 if SIMULATOR else 256
+
+#: Block edge for 2-D kernels (16 x 16 = 256 threads).
+TILE_2D = 16
+
+#: Upper bound on blocks for grid-stride 1-D kernels: enough to fill an H100's
+#: 132 SMs many times over; larger arrays loop inside the kernel.
+MAX_BLOCKS_1D = 65535
+
+#: In the simulator every CUDA thread is a Python thread: cap the block count so
+#: a tiny test never spawns thousands of them (grid-stride loops cover the rest).
+SIM_MAX_BLOCKS_1D = 4
+
+_sim_lock = threading.Lock()
+_configured = {}
+
+
+def ceil_div(a, b):
+    """Smallest integer >= a / b, for positive b: how many blocks cover a items."""
+    return -(-a // b)
+
+
+def grid_1d(n, threads=THREADS_1D):
+    """(blocks, threads) covering ``n`` items with a grid-stride loop.
+
+    The kernel must loop ``for i in range(cuda.grid(1), n, cuda.gridsize(1))``
+    so that any block count is correct; we pick enough blocks to give every
+    item its own thread up to ``MAX_BLOCKS_1D``.
+    """
+    cap = SIM_MAX_BLOCKS_1D if SIMULATOR else MAX_BLOCKS_1D
+    return max(1, min(ceil_div(max(n, 1), threads), cap)), threads
+
+
+def grid_2d(rows, cols, tile=TILE_2D):
+    """(grid, block) for one thread per (row, col): x runs over columns
+    (consecutive threads touch consecutive addresses), y over rows."""
+    return (ceil_div(max(cols, 1), tile), ceil_div(max(rows, 1), tile)), (tile, tile)
+
+
+def launch(kernel, grid, block, stream, *args):
+    """Run ``kernel[grid, block, stream](*args)``.
+
+    Real CUDA: the configured kernel is cached, so repeated launches skip
+    Numba's configuration step. Simulator: launches are serialised (see the
+    module docstring) and ``stream`` may be ``None`` or a simulated stream.
+    """
+    if SIMULATOR:
+        with _sim_lock:
+            kernel[grid, block, stream](*args)
+        return
+    key = (kernel, grid, block, stream)
+    configured = _configured.get(key)
+    if configured is None:
+        configured = _configured[key] = kernel[grid, block, stream]
+    configured(*args)
+
+
+# --- argument checks shared by every launcher ------------------------------
+# A launcher validates its arguments *before* launching, so bad input gets a
+# clear Python error instead of silent garbage or a crashed context.
+
+def _is_c_contiguous(arr):
+    flags = getattr(arr, "flags", None)
+    if flags is not None:  # NumPy
+        return bool(flags["C_CONTIGUOUS"])
+    return bool(arr.is_c_contiguous())
+
+
+def _data_range(arr):
+    """(first byte address, one past the last) of an array's memory."""
+    if hasattr(arr, "_ary"):  # simulator's FakeCUDAArray wraps a NumPy array
+        arr = arr._ary
+    iface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
+    start = iface["data"][0]
+    return start, start + arr.nbytes
+
+
+def check_array(what, arr, dtype, ndim=None, shape=None, contiguous=True):
+    """Raise a clear error unless ``arr`` has ``dtype`` (and ndim/shape), C order.
+
+    ``what`` names the argument in the message, e.g. ``"gemm: A"``.
+    """
+    import numpy as np
+
+    if np.dtype(arr.dtype) != np.dtype(dtype):
+        raise TypeError(f"{what} must be {np.dtype(dtype)}, got {arr.dtype}; "
+                        f"convert it first (e.g. mirrored.cast or .astype).")
+    if ndim is not None and len(arr.shape) != ndim:
+        raise ValueError(f"{what} must be {ndim}-D, got shape {tuple(arr.shape)}.")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{what} has shape {tuple(arr.shape)}, expected {tuple(shape)}.")
+    if contiguous and not _is_c_contiguous(arr):
+        raise ValueError(f"{what} must be C-contiguous (row-major, no gaps); "
+                         f"pass a contiguous copy.")
+
+
+def check_no_alias(what, out, *inputs):
+    """Raise if ``out`` shares memory with any of ``inputs`` (unsafe in-place)."""
+    o0, o1 = _data_range(out)
+    for x in inputs:
+        if x is None:
+            continue
+        x0, x1 = _data_range(x)
+        if o0 < x1 and x0 < o1:
+            raise ValueError(f"{what}: the output shares memory with an input; "
+                             f"this kernel reads inputs after writing outputs, so "
+                             f"pass a separate output array.")

@@ -1,0 +1,435 @@
+"""Devices: physical, logical, and the two backends behind one interface.
+
+A *device* here is what TensorFlow calls a logical device: a place where arrays
+live and kernels run, named like ``/job:localhost/replica:0/task:0/device:GPU:1``.
+Each one has
+
+* a backend: ``CudaDevice`` (Numba CUDA device arrays, the GPU's primary context,
+  its own non-default stream) or ``CpuDevice`` (NumPy arrays, no stream);
+* its own memory accounting, so a ``memory_limit`` can be enforced with a clear
+  ``ResourceExhaustedError``;
+* ``ops``: the backend's implementation of every kernel (``backends.py``).
+
+Code above this layer (tensors, strategies, Keras) calls the same methods on
+either kind and never asks which it has.
+
+Logical devices: ``mirrored.config.set_logical_device_configuration`` splits a
+physical GPU (or the CPU) into N logical devices, as TensorFlow does. On a GPU
+they share one CUDA context (the card's primary context) but have separate
+allocations and streams, so N replicas really run side by side on one card: this
+is how multi-GPU code runs, is tested and is timed on a one-GPU machine.
+
+The list of logical devices is built on first use and frozen from then on;
+configuring it after that raises ``RuntimeError`` (TensorFlow's rule).
+
+Neighbours: ``config.py`` (the TF-named functions over this module),
+``backends.py`` (ops), ``tensor.py`` (arrays on a device), ``kernels/launch.py``
+(real CUDA or the simulator).
+"""
+import contextlib
+import re
+import threading
+import weakref
+from collections import namedtuple
+
+import numpy as np
+
+from mirrored.errors import ResourceExhaustedError
+
+PhysicalDevice = namedtuple("PhysicalDevice", ["name", "device_type"])
+PhysicalDevice.__doc__ = "A physical device, e.g. PhysicalDevice(name='/physical_device:GPU:0', device_type='GPU')."
+LogicalDevice = namedtuple("LogicalDevice", ["name", "device_type"])
+LogicalDevice.__doc__ = ("A logical device, e.g. LogicalDevice(name='/job:localhost/replica:0/"
+                         "task:0/device:GPU:0', device_type='GPU').")
+
+LONG_PREFIX = "/job:localhost/replica:0/task:0/device:"
+MIB = 1024 * 1024
+
+
+class LogicalDeviceConfiguration:
+    """One logical device to carve out of a physical one.
+
+    ``memory_limit`` is in MiB, as in TensorFlow (``None``: no limit of ours;
+    the card's own memory still applies).
+    """
+
+    def __init__(self, memory_limit=None, experimental_priority=None, experimental_device_ordinal=None):
+        if memory_limit is not None and memory_limit <= 0:
+            raise ValueError(f"memory_limit must be a positive number of MiB or None, got {memory_limit!r}.")
+        self.memory_limit = memory_limit
+        self.experimental_priority = experimental_priority
+        self.experimental_device_ordinal = experimental_device_ordinal
+
+    def __repr__(self):
+        return f"LogicalDeviceConfiguration(memory_limit={self.memory_limit})"
+
+
+# --- the cuda module, imported lazily --------------------------------------------
+# Importing numba.cuda fixes the simulator-or-real choice for the process (tests
+# decide it in tests/conftest.py), so nothing here touches it at import time.
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+def cuda_mode():
+    """``"real"``, ``"simulator"`` or ``"none"`` (no usable CUDA GPU)."""
+    from kernels.launch import SIMULATOR
+    if SIMULATOR:
+        return "simulator"
+    try:
+        return "real" if _cuda().is_available() else "none"
+    except Exception:  # a broken driver counts as no GPU
+        return "none"
+
+
+# --- devices ----------------------------------------------------------------------
+
+class Device:
+    """A logical device: where arrays live and kernels run. Subclassed per backend."""
+
+    device_type = None  # "CPU" or "GPU"
+
+    def __init__(self, index, physical, memory_limit_mib=None):
+        self.index = index                  # logical index among devices of this type
+        self.physical = physical            # PhysicalDevice it was carved from
+        self.name = f"{LONG_PREFIX}{self.device_type}:{index}"
+        self.memory_limit = None if memory_limit_mib is None else int(memory_limit_mib * MIB)
+        self.bytes_in_use = 0
+        self.peak_bytes_in_use = 0
+        self._lock = threading.Lock()
+
+    # -- identity
+    @property
+    def short_name(self):
+        return f"{self.device_type}:{self.index}"
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.name}>"
+
+    def logical_device(self):
+        return LogicalDevice(self.name, self.device_type)
+
+    # -- memory accounting (every allocation of ours goes through _account)
+    def _check_fits(self, nbytes):
+        """Raise ResourceExhaustedError if ``nbytes`` more would pass the limit."""
+        if self.memory_limit is not None and self.bytes_in_use + nbytes > self.memory_limit:
+            raise ResourceExhaustedError(
+                f"OOM on {self.name}: allocating {nbytes:,} bytes would exceed its "
+                f"memory_limit of {self.memory_limit:,} bytes ({self.bytes_in_use:,} in use). "
+                f"Use a smaller batch or model, or a larger memory_limit in "
+                f"set_logical_device_configuration.")
+
+    def _account(self, buf, nbytes):
+        """Charge ``nbytes`` for ``buf``; refunded when ``buf`` is garbage-collected."""
+        with self._lock:
+            self._check_fits(nbytes)
+            self.bytes_in_use += nbytes
+            self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)
+        weakref.finalize(_memory_owner(buf), self._refund, nbytes)
+        return buf
+
+    def _refund(self, nbytes):
+        with self._lock:
+            self.bytes_in_use -= nbytes
+
+    def reset_peak(self):
+        self.peak_bytes_in_use = self.bytes_in_use
+
+    # -- the interface every backend implements
+    def empty(self, shape, dtype):
+        """An uninitialised array of ``shape``/``dtype`` on this device."""
+        raise NotImplementedError
+
+    def from_numpy(self, array):
+        """Copy a host (NumPy) array to this device."""
+        raise NotImplementedError
+
+    def to_numpy(self, buf):
+        """Copy an array of this device to a new NumPy array (waits for pending work)."""
+        raise NotImplementedError
+
+    def copy_from(self, buf, src):
+        """A copy, on this device, of ``buf`` living on device ``src``."""
+        raise NotImplementedError
+
+    def synchronize(self):
+        """Wait until every kernel and copy queued on this device has finished."""
+
+    def activate(self):
+        """Context manager binding the calling thread to this device (CUDA context)."""
+        return contextlib.nullcontext()
+
+    def memory_info(self):
+        """(free, total) bytes as far as we know; ``None`` where unknown."""
+        return None, self.memory_limit
+
+
+def _memory_owner(buf):
+    """The object whose lifetime is the allocation's: views (reshape, slices)
+    keep it alive, so the refund happens when the last view is gone."""
+    owner = getattr(buf, "gpu_data", None)      # Numba device array: its memory pointer
+    if owner is None:
+        owner = getattr(buf, "_ary", buf)       # simulator array: the NumPy array inside
+    return owner
+
+
+class CpuDevice(Device):
+    """The NumPy backend: arrays are ``np.ndarray``, ops are the kernels' references."""
+
+    device_type = "CPU"
+
+    def __init__(self, index, physical, memory_limit_mib=None):
+        super().__init__(index, physical, memory_limit_mib)
+        from mirrored.backends import CpuOps
+        self.ops = CpuOps(self)
+        self.stream = None
+
+    def empty(self, shape, dtype):
+        arr = np.empty(shape, dtype)
+        return self._account(arr, arr.nbytes)
+
+    def from_numpy(self, array):
+        arr = np.array(array, copy=True, order="C")
+        return self._account(arr, arr.nbytes)
+
+    def to_numpy(self, buf):
+        return np.array(buf, copy=True)
+
+    def copy_from(self, buf, src):
+        return self.from_numpy(src.to_numpy(buf) if src is not self else buf)
+
+
+class CudaDevice(Device):
+    """The CUDA backend: arrays are Numba device arrays, ops are our kernels.
+
+    Several logical devices may share one physical GPU (``gpu_id``): same
+    primary context, separate streams and allocation accounting.
+    """
+
+    device_type = "GPU"
+
+    def __init__(self, index, physical, gpu_id, memory_limit_mib=None):
+        super().__init__(index, physical, memory_limit_mib)
+        from mirrored.backends import CudaOps
+        self.gpu_id = gpu_id
+        with self.activate():
+            self.stream = _cuda().stream()   # never the legacy default stream
+        self.ops = CudaOps(self)
+
+    def activate(self):
+        return _cuda().gpus[self.gpu_id]
+
+    def _alloc(self, make, nbytes):
+        self._check_fits(nbytes)
+        cuda = _cuda()
+        try:
+            with self.activate():
+                buf = make(cuda)
+        except cuda.cudadrv.driver.CudaAPIError as err:
+            raise ResourceExhaustedError(
+                f"OOM on {self.name} (physical GPU {self.gpu_id}): the card could not "
+                f"allocate {nbytes:,} bytes ({err}). Free tensors, or use a smaller batch.") from err
+        return self._account(buf, nbytes)
+
+    def empty(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self._alloc(lambda cuda: cuda.device_array(shape, dtype, stream=self.stream), nbytes)
+
+    def from_numpy(self, array):
+        array = np.asarray(array, order="C")
+        return self._alloc(lambda cuda: cuda.to_device(array, stream=self.stream), array.nbytes)
+
+    def to_numpy(self, buf):
+        with self.activate():
+            host = buf.copy_to_host(stream=self.stream)
+            self.stream.synchronize()
+        return host
+
+    def copy_from(self, buf, src):
+        if not isinstance(src, CudaDevice):
+            return self.from_numpy(src.to_numpy(buf))
+        out = self.empty(buf.shape, buf.dtype)
+        wait_for(src, self)   # the copy must see every write queued on src
+        with self.activate():
+            out.copy_to_device(buf, stream=self.stream)
+        return out
+
+    def synchronize(self):
+        with self.activate():
+            self.stream.synchronize()
+
+    def memory_info(self):
+        with self.activate():
+            free, total = _cuda().current_context().get_memory_info()
+        if self.memory_limit is not None:
+            return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
+        return free, total
+
+
+def wait_for(src, dst):
+    """Make work queued on ``dst`` from now on wait for work queued on ``src``.
+
+    CUDA streams are ordered only within themselves; between two streams we
+    record an event on ``src`` and make ``dst`` wait on it (no host sync).
+    On CPU devices everything is already ordered: nothing to do.
+    """
+    if src is dst or src.stream is None or dst.stream is None:
+        return
+    cuda = _cuda()
+    with src.activate():
+        event = cuda.event(timing=False) if cuda_mode() == "real" else cuda.event()
+        event.record(src.stream)
+    with dst.activate():
+        event.wait(dst.stream)
+
+
+# --- the registry: physical devices, logical configuration, logical devices ------
+
+class _Registry:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.physical = None          # list[PhysicalDevice]
+        self.gpu_ids = {}             # physical GPU name -> CUDA device id
+        self.configs = {}             # physical name -> [LogicalDeviceConfiguration]
+        self.devices = None           # list[Device] once initialised (then frozen)
+
+
+_registry = _Registry()
+
+
+def list_physical():
+    """Every physical device: the CPU first, then each CUDA GPU."""
+    with _registry.lock:
+        if _registry.physical is None:
+            phys = [PhysicalDevice("/physical_device:CPU:0", "CPU")]
+            if cuda_mode() != "none":
+                for gpu in _cuda().gpus:
+                    name = f"/physical_device:GPU:{gpu.id}"
+                    phys.append(PhysicalDevice(name, "GPU"))
+                    _registry.gpu_ids[name] = gpu.id
+            _registry.physical = phys
+        return list(_registry.physical)
+
+
+def set_configuration(physical, configs):
+    """Split ``physical`` into ``len(configs)`` logical devices (see config.py)."""
+    if not isinstance(physical, PhysicalDevice) or physical not in list_physical():
+        raise ValueError(f"{physical!r} is not a physical device here; pass one from "
+                         f"mirrored.config.list_physical_devices(): {list_physical()}.")
+    configs = list(configs) if configs is not None else None
+    for c in configs or []:
+        if not isinstance(c, LogicalDeviceConfiguration):
+            raise TypeError(f"expected a list of LogicalDeviceConfiguration, got {c!r}.")
+    if configs is not None and not configs:
+        raise ValueError("the list of LogicalDeviceConfiguration is empty; give one per logical device.")
+    with _registry.lock:
+        if _registry.devices is not None:
+            raise RuntimeError("Virtual devices cannot be modified after being initialized: "
+                               "call set_logical_device_configuration before creating any "
+                               "tensor, variable or strategy (e.g. at the top of the program, "
+                               "or restart the notebook kernel).")
+        if configs is None:
+            _registry.configs.pop(physical.name, None)
+        else:
+            _registry.configs[physical.name] = configs
+
+
+def get_configuration(physical):
+    with _registry.lock:
+        return _registry.configs.get(physical.name)
+
+
+def logical_devices():
+    """Every logical device, created (and the configuration frozen) on first call."""
+    with _registry.lock:
+        if _registry.devices is None:
+            devices, counts = [], {"CPU": 0, "GPU": 0}
+            for phys in list_physical():
+                for cfg in _registry.configs.get(phys.name) or [LogicalDeviceConfiguration()]:
+                    i = counts[phys.device_type]
+                    counts[phys.device_type] += 1
+                    if phys.device_type == "CPU":
+                        devices.append(CpuDevice(i, phys, cfg.memory_limit))
+                    else:
+                        devices.append(CudaDevice(i, phys, _registry.gpu_ids[phys.name], cfg.memory_limit))
+            _registry.devices = devices
+        return list(_registry.devices)
+
+
+def _reset():
+    """Forget the configuration and the logical devices (for tests only: a real
+    program configures once, as in TensorFlow). Existing tensors keep working."""
+    global _registry
+    with _registry.lock:
+        _registry = _Registry()
+    _current.__dict__.clear()
+
+
+def is_initialized():
+    return _registry.devices is not None
+
+
+_SPEC = re.compile(
+    r"^(?:/job:localhost)?(?:/replica:0)?(?:/task:0)?/?(?:device:)?(?P<type>cpu|gpu):(?P<index>\d+)$",
+    re.IGNORECASE)
+
+
+def canonical_name(spec):
+    """``"gpu:1"``, ``"/GPU:1"``, ``"/device:GPU:1"``... -> the long canonical name."""
+    if isinstance(spec, Device):
+        return spec.name
+    if isinstance(spec, (LogicalDevice, PhysicalDevice)):
+        spec = spec.name.replace("/physical_device:", "")
+    if not isinstance(spec, str):
+        raise TypeError(f"a device must be a string such as 'GPU:0' or '/cpu:0', got {spec!r}.")
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise ValueError(f"cannot parse device string {spec!r}: expected a form such as 'GPU:0', "
+                         f"'/gpu:0', '/device:GPU:0' or '{LONG_PREFIX}GPU:0'. Devices here: "
+                         f"{[d.name for d in logical_devices()]}.")
+    return f"{LONG_PREFIX}{m.group('type').upper()}:{int(m.group('index'))}"
+
+
+def get_device(spec):
+    """The logical ``Device`` named by ``spec`` (any TF spelling), or ValueError listing them."""
+    if isinstance(spec, Device):
+        return spec
+    name = canonical_name(spec)
+    for d in logical_devices():
+        if d.name == name:
+            return d
+    raise ValueError(f"there is no device {spec!r} ({name}). Devices here: "
+                     f"{[d.name for d in logical_devices()]}.")
+
+
+def default_device():
+    """The first logical GPU if there is one, else CPU:0 (TensorFlow's placement)."""
+    devices = logical_devices()
+    gpus = [d for d in devices if d.device_type == "GPU"]
+    return gpus[0] if gpus else devices[0]
+
+
+# --- the current device of this thread: `with mirrored.device("GPU:1"):` ---------
+
+_current = threading.local()
+
+
+def current_device():
+    stack = getattr(_current, "stack", None)
+    return stack[-1] if stack else default_device()
+
+
+@contextlib.contextmanager
+def device_scope(spec):
+    """Place new tensors on ``spec`` inside the block (TensorFlow's ``tf.device``)."""
+    dev = get_device(spec)
+    stack = _current.__dict__.setdefault("stack", [])
+    stack.append(dev)
+    try:
+        with dev.activate():
+            yield dev
+    finally:
+        stack.pop()

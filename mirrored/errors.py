@@ -1,0 +1,16 @@
+"""Errors with TensorFlow's names (``tf.errors``), so ``except`` clauses port over.
+
+Every message says what was wrong, what was expected and what to do.
+"""
+
+
+class ResourceExhaustedError(MemoryError):
+    """A device ran out of memory (its ``memory_limit`` or the card itself).
+
+    TensorFlow raises ``tf.errors.ResourceExhaustedError`` ("OOM when allocating
+    tensor ..."); ours names the device, its limit, what was in use and the request.
+    """
+
+
+class InvalidArgumentError(ValueError):
+    """An op got arguments it cannot work with (mixed devices, shapes...)."""

@@ -1,0 +1,86 @@
+"""``python -m mirrored info``: what this machine offers, in one report.
+
+Versions of numba and numba-cuda, whether CUDA is real or Numba's simulator,
+every physical and logical device with its memory, and which physical GPUs can
+read each other's memory directly (the peer-access matrix the ring all-reduce
+uses). Call ``report()`` for the text, e.g. from a notebook.
+"""
+import platform
+import sys
+from importlib import metadata
+
+from mirrored import devices as _dev
+
+
+def _version(dist):
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _fmt_bytes(n):
+    if n is None:
+        return "unknown"
+    if n == float("inf"):
+        return "unlimited (simulated)"
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def peer_access_matrix():
+    """{(i, j): bool} for every ordered pair of distinct physical CUDA GPUs."""
+    if _dev.cuda_mode() != "real":
+        return {}
+    from numba import cuda
+    ids = [g.id for g in cuda.gpus]
+    matrix = {}
+    for i in ids:
+        with cuda.gpus[i]:
+            ctx = cuda.current_context()
+            for j in ids:
+                if i != j:
+                    matrix[(i, j)] = bool(ctx.can_access_peer(j))
+    return matrix
+
+
+def report():
+    """The whole report as a string."""
+    lines = ["mirrored: MirroredStrategy re-implemented with Numba CUDA kernels", ""]
+    lines.append(f"python       {platform.python_version()} ({sys.platform})")
+    for dist in ("numba", "numba-cuda", "numpy"):
+        lines.append(f"{dist:<12} {_version(dist)}")
+    mode = _dev.cuda_mode()
+    lines.append(f"CUDA         " + {
+        "real": "real GPU(s) (numba-cuda)",
+        "simulator": "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run as Python threads",
+        "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy)"}[mode])
+    lines += ["", "physical devices:"]
+    for phys in _dev.list_physical():
+        extra = ""
+        if phys.device_type == "GPU" and mode == "real":
+            from numba import cuda
+            gpu = cuda.gpus[_dev._registry.gpu_ids[phys.name]]
+            with gpu:
+                free, total = cuda.current_context().get_memory_info()
+            extra = f"  {gpu.name.decode() if isinstance(gpu.name, bytes) else gpu.name}, " \
+                    f"compute capability {gpu.compute_capability}, {_fmt_bytes(total)}"
+        elif phys.device_type == "GPU":
+            extra = "  simulated"
+        lines.append(f"  {phys.name:<26} {extra}")
+    lines += ["", "logical devices:"]
+    for d in _dev.logical_devices():
+        free, total = d.memory_info()
+        limit = "no limit" if d.memory_limit is None else f"memory_limit {_fmt_bytes(d.memory_limit)}"
+        mem = f"{limit}; device memory {_fmt_bytes(total)}" if d.memory_limit is None and total else limit
+        lines.append(f"  {d.name:<46} on {d.physical.name}  ({mem})")
+    matrix = peer_access_matrix()
+    lines += ["", "peer access between physical GPUs (row reads column's memory):"]
+    if not matrix:
+        lines.append("  n/a: fewer than two real GPUs (logical GPUs on one card share its memory)")
+    else:
+        ids = sorted({i for i, _ in matrix})
+        lines.append("        " + " ".join(f"GPU{j:<3}" for j in ids))
+        for i in ids:
+            cells = ["  -   " if i == j else ("  yes " if matrix[(i, j)] else "  no  ") for j in ids]
+            lines.append(f"  GPU{i:<3}" + " ".join(cells))
+    return "\n".join(lines)

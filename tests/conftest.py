@@ -1,0 +1,94 @@
+"""Test configuration: runs the CUDA code on every machine.
+
+Numba chooses between real CUDA and its CUDA *simulator* once, when
+``numba.cuda`` is first imported, from the environment variable
+``NUMBA_ENABLE_CUDASIM``. So this file must decide before anything imports
+numba: if the variable is unset we probe for a real GPU in a child process
+(importing numba.cuda here would lock the choice in) and turn the simulator on
+when there is none. Real and simulated CUDA cannot share one process.
+
+    NUMBA_ENABLE_CUDASIM=1 python -m pytest   # force the simulator
+    NUMBA_ENABLE_CUDASIM=0 python -m pytest   # force real CUDA (needs a GPU)
+"""
+import os
+import subprocess
+import sys
+
+
+def _real_gpu_present():
+    probe = "from numba import cuda; print(cuda.is_available())"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip().endswith("True")
+
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _real_gpu_present() else "1"
+
+import pytest  # noqa: E402  (after the environment is settled)
+
+SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+
+
+def pytest_report_header(config):
+    mode = "Numba CUDA simulator (no GPU found)" if SIMULATOR else "real CUDA GPU"
+    return f"mirrored tests: CUDA kernels run on the {mode}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not SIMULATOR:
+        from numba import cuda
+        n_gpus = len(cuda.gpus) if cuda.is_available() else 0
+    else:
+        n_gpus = 0
+    skip_gpu = pytest.mark.skip(reason="needs a real CUDA GPU; this run uses the CUDA simulator")
+    skip_multi = pytest.mark.skip(
+        reason=f"needs two physical CUDA GPUs; this machine has {n_gpus} real GPU(s)")
+    for item in items:
+        if item.get_closest_marker("gpu") and n_gpus < 1:
+            item.add_marker(skip_gpu)
+        if item.get_closest_marker("multigpu") and n_gpus < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh random generator per test; its seed is printed if the test fails."""
+    import numpy as np
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    print(f"[rng seed {seed}]")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def devices():
+    """Configure logical devices for one test: ``devices(cpus=2, gpus=4)``.
+
+    Resets mirrored's device registry before and after, so each test sees the
+    layout it asks for (a real program configures once, as in TensorFlow).
+    ``gpus`` splits the first GPU, real or simulated; the call skips the test
+    when there is no GPU at all. Returns the list of logical ``Device`` objects.
+    """
+    from mirrored import devices as registry
+    import mirrored as tf
+
+    def configure(cpus=1, gpus=0):
+        registry._reset()
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(cpus)])
+        if gpus:
+            phys = tf.config.list_physical_devices("GPU")
+            if not phys:
+                pytest.skip("needs a CUDA GPU or the CUDA simulator")
+            tf.config.set_logical_device_configuration(
+                phys[0], [tf.config.LogicalDeviceConfiguration() for _ in range(gpus)])
+        return registry.logical_devices()
+
+    yield configure
+    registry._reset()

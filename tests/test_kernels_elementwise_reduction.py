@@ -1,0 +1,102 @@
+"""kernels/elementwise.py and kernels/reduction.py launchers, in the simulator on CPU-only machines.
+
+Fresh random inputs (seed printed on failure), NaN-poisoned outputs so an
+unwritten element fails, sizes that are not multiples of any block size.
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kernels import elementwise, reduction
+from kernels.launch import ceil_div, grid_1d, grid_2d
+
+SIZES = [1, 17, 31, 33, 65, 300]
+#: float32 sums of n terms of size ~1 differ from float64 by ~n*eps; our sizes are small.
+SUM_RTOL_F32 = 1e-5
+
+
+def poisoned(shape, dtype):
+    fill = np.nan if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
+    return cuda.to_device(np.full(shape, fill, dtype))
+
+
+def test_ceil_div_and_grids():
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    blocks, threads = grid_1d(10 ** 9)
+    assert blocks >= 1 and threads % 32 == 0
+    grid, block = grid_2d(33, 17)
+    assert grid[0] * block[0] >= 17 and grid[1] * block[1] >= 33
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", sorted(elementwise.BINARY_REF))
+def test_binary_and_scalar_ops(op, n, rng):
+    x = rng.standard_normal(n).astype(np.float32)
+    y = (rng.standard_normal(n) + 4.0).astype(np.float32)
+    s = float(rng.uniform(1, 2))
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    oracle = {"add": x64 + y64, "sub": x64 - y64, "mul": x64 * y64, "div": x64 / y64,
+              "rsub": y64 - x64, "rdiv": y64 / x64}[op]
+    out = poisoned(n, np.float32)
+    elementwise.binary(op, cuda.to_device(x), cuda.to_device(y), out)
+    np.testing.assert_allclose(out.copy_to_host(), oracle, rtol=1e-6, err_msg=op)
+    np.testing.assert_array_equal(out.copy_to_host(), elementwise.binary_ref(op, x, y))
+    out = poisoned(n, np.float32)
+    elementwise.binary_scalar(op, cuda.to_device(x), s, out)
+    np.testing.assert_array_equal(out.copy_to_host(), elementwise.binary_scalar_ref(op, x, s))
+
+
+def test_unary_cast_fill(rng):
+    x = (rng.standard_normal((5, 7)) * 10).astype(np.float32)
+    out = poisoned((5, 7), np.float32)
+    elementwise.unary("neg", cuda.to_device(x), out)
+    np.testing.assert_array_equal(out.copy_to_host(), -x)
+    ints = poisoned((5, 7), np.int32)
+    elementwise.cast(cuda.to_device(x), ints)
+    np.testing.assert_array_equal(ints.copy_to_host(), np.trunc(x).astype(np.int32))
+    elementwise.fill(out, 2.5)
+    assert (out.copy_to_host() == 2.5).all()
+
+
+def test_launchers_refuse_bad_input_before_launching(rng):
+    x = cuda.to_device(np.ones(8, np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        elementwise.binary("add", x, cuda.to_device(np.ones(8, np.float64)), poisoned(8, np.float32))
+    with pytest.raises(ValueError, match=r"\(8,\).*\(9,\)|\(9,\).*\(8,\)"):
+        elementwise.binary("add", x, x, poisoned(9, np.float32))
+    with pytest.raises(ValueError, match="unknown elementwise operator"):
+        elementwise.binary("pow", x, x, x)
+    strided = cuda.to_device(np.ones((4, 6), np.float32))[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        elementwise.unary("neg", strided, poisoned((4, 3), np.float32))
+    with pytest.raises(ValueError, match="1 element"):
+        reduction.sum_all(x, poisoned(2, np.float32))
+    with pytest.raises(TypeError, match="no reduction kernel"):
+        reduction.sum_all(cuda.to_device(np.ones(3, np.float16)), poisoned(1, np.float16))
+
+
+@pytest.mark.parametrize("n", SIZES + [1000])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_sum_all(n, dtype, rng):
+    x = (rng.standard_normal(n) * 100).astype(dtype)
+    out = poisoned(1, dtype)
+    reduction.sum_all(cuda.to_device(x), out)
+    got = out.copy_to_host()[0]
+    if dtype == np.int32:
+        assert got == x.astype(np.int64).sum()
+    else:
+        np.testing.assert_allclose(got, x.astype(np.float64).sum(), rtol=SUM_RTOL_F32, atol=1e-3)
+    # fixed order of additions: the same input gives the same bits every time
+    again = poisoned(1, dtype)
+    reduction.sum_all(cuda.to_device(x), again)
+    assert again.copy_to_host()[0] == got or (np.isnan(got) and np.isnan(again.copy_to_host()[0]))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 33, 17), (3, 5, 2), (2, 1, 9), (1, 65, 1)])
+def test_sum_axis(shape, rng):
+    x = rng.standard_normal(shape).astype(np.float32)
+    out = poisoned((shape[0], shape[2]), np.float32)
+    reduction.sum_axis(cuda.to_device(x), out)
+    np.testing.assert_allclose(out.copy_to_host(), x.astype(np.float64).sum(axis=1),
+                               rtol=SUM_RTOL_F32, atol=1e-5)
+    np.testing.assert_allclose(reduction.sum_axis_ref(x), x.astype(np.float64).sum(axis=1), rtol=SUM_RTOL_F32)
