@@ -13,7 +13,7 @@ When a kernel file gains a new op, it gets one method here in each class.
 """
 import numpy as np
 
-from kernels import elementwise, reduction
+from kernels import allreduce, elementwise, reduction
 
 
 class CpuOps:
@@ -51,6 +51,13 @@ class CpuOps:
     def fill(self, out, value):
         return elementwise.fill_ref(out, value)
 
+    # ring all-reduce steps (kernels/allreduce.py), in place on own[lo:hi]
+    def ring_reduce_step(self, own, peer, lo, hi):
+        return allreduce.ring_reduce_step_ref(own, peer, lo, hi)
+
+    def ring_gather_step(self, own, peer, lo, hi):
+        return allreduce.ring_gather_step_ref(own, peer, lo, hi)
+
 
 class CudaOps:
     """Ops on Numba device arrays of a ``CudaDevice``: our kernels, on its stream."""
@@ -79,3 +86,9 @@ class CudaOps:
 
     def fill(self, out, value):
         return elementwise.fill(out, value, self.stream)
+
+    def ring_reduce_step(self, own, peer, lo, hi):
+        return allreduce.ring_reduce_step(own, peer, lo, hi, self.stream)
+
+    def ring_gather_step(self, own, peer, lo, hi):
+        return allreduce.ring_gather_step(own, peer, lo, hi, self.stream)

@@ -154,6 +154,10 @@ class Device:
         """A copy, on this device, of ``buf`` living on device ``src``."""
         raise NotImplementedError
 
+    def copy_into(self, dst, src):
+        """Copy ``src`` (same size, on this device) into the existing array ``dst``."""
+        raise NotImplementedError
+
     def synchronize(self):
         """Wait until every kernel and copy queued on this device has finished."""
 
@@ -199,6 +203,9 @@ class CpuDevice(Device):
 
     def copy_from(self, buf, src):
         return self.from_numpy(src.to_numpy(buf) if src is not self else buf)
+
+    def copy_into(self, dst, src):
+        dst.reshape(-1)[...] = src.reshape(-1)
 
 
 class CudaDevice(Device):
@@ -256,6 +263,10 @@ class CudaDevice(Device):
         with self.activate():
             out.copy_to_device(buf, stream=self.stream)
         return out
+
+    def copy_into(self, dst, src):
+        with self.activate():
+            dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
 
     def synchronize(self):
         with self.activate():

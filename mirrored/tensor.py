@@ -83,7 +83,7 @@ class Tensor:
         return host if dtype is None else host.astype(dtype)
 
     def __repr__(self):
-        return f"<Tensor: shape={self.shape}, dtype={self.dtype}, numpy={self.numpy()!r}>"
+        return f"<Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
 
     def __str__(self):
         return f"Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
@@ -95,6 +95,14 @@ class Tensor:
 
     def __float__(self):
         return float(self.numpy())
+
+    def __format__(self, spec):
+        return format(self.numpy(), spec) if spec else str(self)
+
+    def __index__(self):
+        if self.dtype.kind not in "iu" or self.shape != ():
+            raise TypeError(f"only integer scalar tensors can be used as an index, not {self.dtype} {self.shape}.")
+        return int(self.numpy())
 
     def __int__(self):
         return int(self.numpy())
@@ -137,6 +145,31 @@ class Tensor:
         return Tensor(out, self._device)
 
 
+def numpy_repr(value):
+    """How TensorFlow shows a tensor's value: ``1.0`` for scalars, ``array([0])`` otherwise."""
+    return str(value) if np.ndim(value) == 0 else repr(value)
+
+
+class HostTensor(np.ndarray):
+    """A result on the host: a NumPy array that also answers ``.numpy()``.
+
+    ``strategy.reduce`` and ``strategy.gather`` return these, so code written
+    for TensorFlow (``strategy.reduce(...).numpy()``) and NumPy code both work.
+    """
+
+    @classmethod
+    def wrap(cls, value):
+        return np.asarray(value).view(cls)
+
+    def numpy(self):
+        plain = self.view(np.ndarray)
+        return plain[()] if plain.ndim == 0 else plain
+
+    @property
+    def device(self):
+        return f"{_dev.LONG_PREFIX}CPU:0"
+
+
 def _empty(device, shape, dtype):
     return device.empty(shape, dtype)
 
@@ -160,6 +193,8 @@ def _binary(op, x, other):
         with dev.activate():
             dev.ops.binary_scalar(op, x._buf, other, out)
         return Tensor(out, dev)
+    if hasattr(other, "_as_tensor"):          # a Variable: use its value
+        other = other._as_tensor()
     if not isinstance(other, Tensor):
         other = constant(np.asarray(other), dtype=x.dtype, device=dev)
     if other._device is not dev:
@@ -216,6 +251,16 @@ def constant(value, dtype=None, shape=None, name=None, device=None):
             raise ValueError(f"cannot make a constant of shape {shape} from {arr.size} values.")
     dev = _dev.get_device(device) if device is not None else _dev.current_device()
     return Tensor(dev.from_numpy(arr), dev)
+
+
+def zeros(shape, dtype=float32, device=None):
+    """A tensor of zeros (``tf.zeros``)."""
+    return constant(np.zeros(shape, as_dtype(dtype)), device=device)
+
+
+def ones(shape, dtype=float32, device=None):
+    """A tensor of ones (``tf.ones``)."""
+    return constant(np.ones(shape, as_dtype(dtype)), device=device)
 
 
 def convert_to_tensor(value, dtype=None):

@@ -1,0 +1,606 @@
+"""Cross-device reductions: how N replicas' values become one sum.
+
+TensorFlow's boundary, kept: a ``CrossDeviceOps`` object's public methods
+(``reduce``, ``batch_reduce``, ``broadcast``) validate their arguments, pack the
+tensors, and then call ONE implementation hook,
+
+    _sum_in_place(buffers, devices)
+
+which receives one flat 1-D buffer per device (same size and dtype) and must
+leave every buffer holding the elementwise sum over all devices. Everything
+else — MEAN (sum, then divide by N), several tensors at once, copying a result
+to other destinations — is done here, once, for every algorithm:
+
+* ``ReductionToOneDevice``: copy every buffer to one device, add them there in
+  replica order, copy the sum back to every device. Simple; the one device's
+  links carry all the traffic. (TensorFlow's fallback when NCCL is missing.)
+* ``RingAllReduce`` (ring all-reduce over peer memory): see its class.
+
+Tensor fusion: ``batch_reduce`` packs all tensors of one dtype into a single
+flat buffer per device and reduces that once (as Horovod and PyTorch DDP do):
+one ring for all of a model's gradients instead of one per weight.
+
+Bad input (a device listed twice, different shapes or dtypes on different
+devices, an empty device list) is refused before anything runs, so no device is
+ever left holding a partial sum.
+"""
+import dataclasses
+import threading
+
+import numpy as np
+
+from mirrored import devices as _dev
+from mirrored.tensor import Tensor
+from mirrored.values import DistributedValues, Mirrored, PerReplica
+
+
+class ReduceOp:
+    """``ReduceOp.SUM`` / ``ReduceOp.MEAN``; the strings "SUM", "sum", "MEAN", "mean" work too."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @staticmethod
+    def from_variable_aggregation(aggregation):
+        name = getattr(aggregation, "name", str(aggregation))
+        return ReduceOp.validate(name)
+
+    @staticmethod
+    def validate(op):
+        name = getattr(op, "value", op)
+        if isinstance(name, str) and name.upper() in ("SUM", "MEAN"):
+            return name.upper()
+        raise ValueError(f"{op!r} is not a reduce op: use mirrored.distribute.ReduceOp.SUM or "
+                         f".MEAN (or the strings 'SUM' / 'MEAN').")
+
+
+def _device_of(component, what):
+    if not isinstance(component, Tensor):
+        raise TypeError(f"{what}: expected a mirrored.Tensor on each replica, got "
+                        f"{type(component).__name__} ({component!r:.60}). Only numeric tensors "
+                        f"can be reduced across replicas.")
+    if component.dtype.kind not in "fiu":
+        raise TypeError(f"{what}: cannot reduce tensors of dtype {component.dtype}; only numbers add up.")
+    return component._device
+
+
+def validate_components(components, what="reduce"):
+    """Check one component per distinct device, equal shapes and dtypes; return the devices."""
+    if not components:
+        raise ValueError(f"{what}: no devices to reduce over (the device list is empty).")
+    devices = [_device_of(c, what) for c in components]
+    names = [d.name for d in devices]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"{what}: device {dup} is listed twice; each replica needs its own device.")
+    first = components[0]
+    for c in components[1:]:
+        if c.shape != first.shape or c.dtype != first.dtype:
+            raise ValueError(f"{what}: replicas hold different tensors: {first.shape} {first.dtype} "
+                             f"on {first.device} but {c.shape} {c.dtype} on {c.device}. "
+                             f"Every replica must contribute the same shape and dtype.")
+    return devices
+
+
+def _as_components(value, what):
+    if isinstance(value, DistributedValues):
+        return list(value.values)
+    return [value]
+
+
+def _destination_devices(destinations, fallback):
+    """Devices named by ``destinations``: a device string, a DistributedValues or variable."""
+    if destinations is None:
+        return fallback
+    if isinstance(destinations, DistributedValues):
+        return [_dev.get_device(v.device) for v in destinations.values]
+    if hasattr(destinations, "device") and not isinstance(destinations, str):
+        return [_dev.get_device(destinations.device)]
+    if isinstance(destinations, (list, tuple)):
+        return [_dev.get_device(d) for d in destinations]
+    return [_dev.get_device(destinations)]
+
+
+class CrossDeviceOps:
+    """Base class: validation, packing and MEAN here; the sum in ``_sum_in_place``."""
+
+    def _sum_in_place(self, buffers, devices):
+        """Make every ``buffers[i]`` (flat, on ``devices[i]``) the elementwise sum of all."""
+        raise NotImplementedError
+
+    # -- public API (TensorFlow's)
+    def reduce(self, reduce_op, per_replica_value, destinations=None, options=None):
+        """Reduce one value across replicas; the result on every destination device."""
+        return self.batch_reduce(reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+        """Reduce several values at once (one fused buffer per dtype); list of Mirrored."""
+        reduce_op = ReduceOp.validate(reduce_op)
+        pairs = list(value_destination_pairs)
+        if not pairs:
+            return []
+        values = [_as_components(v, "batch_reduce") for v, _ in pairs]
+        reduced = self.all_reduce_components(reduce_op, values)
+        return [self._to_destinations(r, dest) for r, (_, dest) in zip(reduced, pairs)]
+
+    def broadcast(self, tensor, destinations):
+        """``tensor`` copied to every destination device, as a Mirrored."""
+        src = tensor.values[0] if isinstance(tensor, DistributedValues) else tensor
+        _device_of(src, "broadcast")
+        return self._to_destinations([src], destinations)
+
+    # -- shared machinery
+    def all_reduce_components(self, reduce_op, values):
+        """values[k] = [component on replica 0, 1, ...] for tensor k.
+
+        Returns, for every k, the list of reduced components, one per replica
+        device (views into the fused buffer: no copy on the way out).
+        """
+        reduce_op = ReduceOp.validate(reduce_op)
+        devices = None
+        for comps in values:
+            d = validate_components(comps, "all-reduce")
+            if devices is None:
+                devices = d
+            elif [x.name for x in d] != [x.name for x in devices]:
+                raise ValueError(f"all-reduce: the tensors live on different device lists: "
+                                 f"{[x.name for x in devices]} and {[x.name for x in d]}.")
+        n = len(devices)
+        results = [None] * len(values)
+        by_dtype = {}
+        for k, comps in enumerate(values):
+            by_dtype.setdefault(comps[0].dtype, []).append(k)
+        for dtype, ks in by_dtype.items():
+            sizes = [int(np.prod(values[k][0].shape, dtype=np.int64)) for k in ks]
+            total = sum(sizes)
+            fused = []
+            for r, dev in enumerate(devices):           # pack: tensor fusion
+                with dev.activate():
+                    flat = dev.empty((total,), dtype)
+                    off = 0
+                    for k, size in zip(ks, sizes):
+                        if size:
+                            dev.copy_into(flat[off:off + size], values[k][r]._buf)
+                        off += size
+                    fused.append(flat)
+            if n > 1 and total:
+                self._sum_in_place(fused, devices)
+            if reduce_op == ReduceOp.MEAN and n > 1 and total:
+                for dev, flat in zip(devices, fused):
+                    with dev.activate():
+                        dev.ops.binary_scalar("div", flat, n, flat)
+            for k, size, off in zip(ks, sizes, np.cumsum([0] + sizes[:-1])):
+                shape = values[k][0].shape
+                results[k] = [Tensor(flat[off:off + size].reshape(shape), dev)
+                              for dev, flat in zip(devices, fused)]
+        return results
+
+    def _to_destinations(self, components, destinations):
+        src_devices = [c._device for c in components]
+        dst_devices = _destination_devices(destinations, src_devices)
+        out = []
+        for dst in dst_devices:
+            match = next((c for c in components if c._device is dst), None)
+            if match is None:
+                src = components[0]
+                with dst.activate():
+                    match = Tensor(dst.copy_from(src._buf, src._device), dst)
+            out.append(match)
+        return Mirrored(out)
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Copy everything to one device, add there in replica order, copy the sum back.
+
+    ``reduce_to_device``: where the sum is formed (default: the first replica's
+    device). Each of the other N−1 devices sends its whole buffer in and gets
+    the whole sum back, all through the reducing device's links.
+    """
+
+    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+        self.reduce_to_device = reduce_to_device
+
+    def _sum_in_place(self, buffers, devices):
+        hub = _dev.get_device(self.reduce_to_device) if self.reduce_to_device else devices[0]
+        with hub.activate():
+            total = hub.copy_from(buffers[0], devices[0])
+            for buf, dev in zip(buffers[1:], devices[1:]):
+                incoming = hub.copy_from(buf, dev)
+                hub.ops.binary("add", total, incoming, total)
+        for buf, dev in zip(buffers, devices):
+            with dev.activate():
+                if dev is hub:
+                    dev.copy_into(buf, total)
+                else:
+                    copy = dev.copy_from(total, hub)
+                    dev.copy_into(buf, copy)
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """Not available: NCCL is not used here."""
+
+    def __init__(self, num_packs=1):
+        raise NotImplementedError(
+            "NcclAllReduce: mirrored does not use NCCL; its all-reduce is our own ring over "
+            "peer memory. Use mirrored.distribute.RingAllReduce() (the default), or "
+            "ReductionToOneDevice() as the simple baseline.")
+
+
+class HierarchicalCopyAllReduce(NcclAllReduce):
+    """Not available (it is DGX-1-specific in TensorFlow); use RingAllReduce."""
+
+
+# --- ring all-reduce ------------------------------------------------------------------
+# Plain data for the teaching trace (``RingAllReduce(trace=True)``): what moved in
+# each step and what every chunk holds afterwards. Frozen dataclasses so that a
+# notebook or ``mirrored.viz`` can keep, compare and draw them.
+
+@dataclasses.dataclass(frozen=True)
+class RingTransfer:
+    """One chunk moving one hop along the ring in one step.
+
+    ``src`` sends chunk ``chunk`` (elements ``[lo, hi)`` of the flat buffer) to
+    ``dst = (src + 1) % N``; ``op`` is ``"add"`` (reduce-scatter: dst's chunk +=
+    src's chunk) or ``"copy"`` (all-gather: dst's chunk = src's chunk). Device
+    numbers are positions in the ring (replica ids), not CUDA device ids.
+    """
+
+    src: int
+    dst: int
+    chunk: int
+    lo: int
+    hi: int
+    op: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+    """One step of the ring, for every device at once.
+
+    phase      "reduce-scatter" or "all-gather"
+    step       index within the phase, 0 .. N-2
+    transfers  one ``RingTransfer`` per device, ordered by sender (``transfers[i].src == i``)
+    holds      after the step: ``holds[d][c]`` is the frozenset of replica ids whose
+               contributions chunk ``c`` on device ``d`` now holds
+    buffer     which fused buffer (``batch_reduce`` fuses one per dtype), 0, 1, ...
+    dtype      that buffer's dtype name; ``size`` its number of elements
+    """
+
+    phase: str
+    step: int
+    transfers: tuple
+    holds: tuple
+    buffer: int = 0
+    dtype: str = "float32"
+    size: int = 0
+
+    def as_dict(self):
+        """JSON-friendly: dicts and lists, contribution sets as sorted lists."""
+        return {"phase": self.phase, "step": self.step, "buffer": self.buffer,
+                "dtype": self.dtype, "size": self.size,
+                "transfers": [dataclasses.asdict(t) for t in self.transfers],
+                "holds": [[sorted(c) for c in dev] for dev in self.holds]}
+
+
+# Peer access is a property of a pair of CUDA contexts, so it is cached for the
+# whole process: (reading GPU id, GPU id whose memory it reads) -> enabled?
+_peer_access = {}
+_peer_lock = threading.Lock()
+
+#: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: someone in this process enabled it first.
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def _enable_peer_access(reader_gpu, owner_gpu):
+    """Let kernels on GPU ``reader_gpu`` read memory of GPU ``owner_gpu``; False if impossible."""
+    key = (reader_gpu, owner_gpu)
+    with _peer_lock:
+        if key not in _peer_access:
+            cuda = _dev._cuda()
+            ok = False
+            with cuda.gpus[reader_gpu]:
+                ctx = cuda.current_context()
+                if ctx.can_access_peer(owner_gpu):
+                    try:
+                        ctx.enable_peer_access(cuda.gpus[owner_gpu].get_primary_context().handle)
+                        ok = True
+                    except cuda.cudadrv.driver.CudaAPIError as err:
+                        # Already on is fine; any other failure: stage through copies.
+                        ok = getattr(err, "code", None) == _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            _peer_access[key] = ok
+        return _peer_access[key]
+
+
+class RingAllReduce(CrossDeviceOps):
+    """Ring all-reduce: reduce-scatter, then all-gather, each device talking only to its neighbour.
+
+    The N devices form a ring 0 -> 1 -> ... -> N-1 -> 0, and every device's flat
+    buffer is cut into N chunks (chunk c = elements [c*size//N, (c+1)*size//N):
+    sizes differ by at most one; with size < N some chunks are empty). In each
+    of 2(N-1) steps every device sends ONE chunk to the next device:
+
+    * reduce-scatter step s (s = 0 .. N-2): device i sends chunk (i - s) mod N to
+      device i+1, which adds it into its own copy of that chunk. After N-1 steps
+      device i holds the full sum of chunk (i + 1) mod N.
+    * all-gather step g (g = 0 .. N-2): device i sends chunk (i + 1 - g) mod N,
+      fully reduced, to device i+1, which overwrites its own copy with it.
+
+    The schedule for N = 4 (cK = chunk K; RS adds, AG copies)::
+
+                    GPU0->GPU1   GPU1->GPU2   GPU2->GPU3   GPU3->GPU0
+        RS step 0      c0           c1           c2           c3
+        RS step 1      c3           c0           c1           c2
+        RS step 2      c2           c3           c0           c1
+                    now GPU0 has all of c1, GPU1 of c2, GPU2 of c3, GPU3 of c0
+        AG step 0      c1           c2           c3           c0
+        AG step 1      c0           c1           c2           c3
+        AG step 2      c3           c0           c1           c2
+
+    The life of chunk 0 (the replicas whose contributions it holds)::
+
+        GPU0 {0} -RS0-> GPU1 {0,1} -RS1-> GPU2 {0,1,2} -RS2-> GPU3 {0,1,2,3}
+                 -AG0-> GPU0 -AG1-> GPU1 -AG2-> GPU2          (all four have the sum)
+
+    Why a ring: every device sends and receives 2(N-1)/N of the buffer, no matter
+    how large N is, and all links are busy at once; reduce-to-one-device pushes
+    (N-1) whole buffers through one device. (``bytes_moved`` counts both.)
+
+    Bitwise determinism, by construction: each chunk's sum is formed on one path
+    around the ring in a fixed order (chunk c: replica c, then c+1, c+2, ...),
+    then *copied* to everyone. So every device ends with the same bits, and a
+    rerun adds in the same order. (ReductionToOneDevice adds in another order:
+    the two agree to float32 rounding, not bitwise.)
+
+    Where the bytes go:
+    * logical GPUs on one card: the receiving device's kernel reads the sender's
+      allocation directly (one address space);
+    * physical GPUs: peer access is enabled where ``can_access_peer`` allows it
+      (once per ordered pair, cached) and the kernel reads over NVLink/PCIe;
+      where it is impossible, or with ``peer_access=False`` (to test this path
+      on one card), each chunk is first copied device-to-device into a scratch
+      buffer on the receiving device, then added from there. Same algorithm,
+      same order of additions, so the same bits;
+    * CPU devices: the same schedule over NumPy slices (``CpuOps``: the refs).
+    * CPU and GPU devices in one ring: refused (use ``ReductionToOneDevice``).
+
+    Ordering without any device-wide synchronisation: each device works on its own
+    stream; after its step t device i records an event, and device i+1's step
+    t+1 waits on it — nothing else. (See ``_run_ring`` for why that suffices.)
+
+    ``trace=True``: after each reduction ``self.trace`` is a list with one
+    ``RingStep`` per step (per fused buffer; the list is reset on every call):
+    ``phase``, ``step``, ``transfers`` (for each device: ``RingTransfer(src,
+    dst, chunk, lo, hi, op)``) and ``holds`` (after the step, ``holds[d][c]`` =
+    frozenset of the replica ids whose contributions chunk c on device d
+    holds). The state before the first step is ``RingAllReduce.initial_holds(N)``.
+    ``step.as_dict()`` gives lists and dicts for JSON. With ``trace=False`` (the
+    default, nothing recorded) ``self.trace`` is None.
+    """
+
+    PHASES = ("reduce-scatter", "all-gather")
+
+    def __init__(self, peer_access=True, trace=False):
+        self.peer_access = bool(peer_access)
+        self.trace = [] if trace else None
+        self._events = {}      # device name -> [CUDA events, one per step], reused call after call
+        self._scratch = {}     # device name -> staging buffer (staged path only)
+        self._buffer_index = 0
+
+    # -- the schedule, as plain functions (the trace, the tests and the lab use them)
+    @staticmethod
+    def chunk_bounds(size, n):
+        """[(lo, hi)] of the N chunks of a buffer of ``size`` elements (balanced, maybe empty)."""
+        return [(c * size // n, (c + 1) * size // n) for c in range(n)]
+
+    @staticmethod
+    def schedule(n):
+        """[(phase, step, [(src, dst, chunk) for every device src])] for a ring of ``n``."""
+        steps = []
+        for s in range(n - 1):
+            steps.append(("reduce-scatter", s, [(i, (i + 1) % n, (i - s) % n) for i in range(n)]))
+        for g in range(n - 1):
+            steps.append(("all-gather", g, [(i, (i + 1) % n, (i + 1 - g) % n) for i in range(n)]))
+        return steps
+
+    @staticmethod
+    def initial_holds(n):
+        """Before the first step every device's chunks hold only its own contribution."""
+        return tuple(tuple(frozenset([d]) for _ in range(n)) for d in range(n))
+
+    @staticmethod
+    def bytes_moved(size, n, itemsize=4):
+        """Bytes each device sends and receives to all-reduce ``size`` elements over ``n`` devices.
+
+        Returns ``{"ring": [{"sent": .., "received": ..} per device],
+        "reduce_to_one": [...]}``. Ring: each device sends and receives about
+        2(N-1)/N of the buffer (exactly, from the chunk sizes). Reduce to one
+        (device 0, as ``ReductionToOneDevice``): device 0 receives N-1 buffers and
+        sends N-1 sums back; every other device sends 1 and receives 1.
+        """
+        bounds = RingAllReduce.chunk_bounds(size, n)
+        ring = [{"sent": 0, "received": 0} for _ in range(n)]
+        for _, _, sends in RingAllReduce.schedule(n):
+            for src, dst, c in sends:
+                nbytes = (bounds[c][1] - bounds[c][0]) * itemsize
+                ring[src]["sent"] += nbytes
+                ring[dst]["received"] += nbytes
+        whole = size * itemsize
+        to_one = [{"sent": (n - 1) * whole, "received": (n - 1) * whole}]
+        to_one += [{"sent": whole, "received": whole} for _ in range(n - 1)]
+        return {"ring": ring, "reduce_to_one": to_one if n > 1 else [{"sent": 0, "received": 0}]}
+
+    # -- CrossDeviceOps
+    def all_reduce_components(self, reduce_op, values):
+        # One reduce/batch_reduce call = one fresh trace (also when N == 1 or
+        # every tensor is empty and the hook below is never called).
+        if self.trace is not None:
+            self.trace = []
+        self._buffer_index = 0
+        return super().all_reduce_components(reduce_op, values)
+
+    def _sum_in_place(self, buffers, devices):
+        n = len(devices)
+        size = int(buffers[0].shape[0]) if n else 0
+        self._check(buffers, devices)               # refuse before anything is launched
+        buffer_index, self._buffer_index = self._buffer_index, self._buffer_index + 1
+        if n < 2 or size == 0:
+            return
+        links = [self._link(devices[(i - 1) % n], devices[i]) for i in range(n)]
+        self._run_ring(buffers, devices, links)
+        if self.trace is not None:
+            self.trace.extend(self._trace_steps(n, size, buffer_index, np.dtype(buffers[0].dtype)))
+
+    # -- checks and links
+    def _check(self, buffers, devices):
+        if not devices:
+            raise ValueError("RingAllReduce: no devices to reduce over (the device list is empty).")
+        names = [d.name for d in devices]
+        if len(set(names)) != len(names):
+            dup = next(x for x in names if names.count(x) > 1)
+            raise ValueError(f"RingAllReduce: device {dup} is listed twice; a ring needs N distinct devices.")
+        kinds = {d.device_type for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"RingAllReduce: the ring mixes CPU and GPU devices ({names}). Its steps read the "
+                f"neighbour's memory from a kernel (or a NumPy slice), which a GPU cannot do for "
+                f"host memory nor a CPU for device memory. Put every replica on the same kind of "
+                f"device, or use cross_device_ops=mirrored.distribute.ReductionToOneDevice(), "
+                f"which copies through the host.")
+        first = buffers[0]
+        for buf, dev in zip(buffers, devices):
+            if tuple(buf.shape) != (first.shape[0],) or np.dtype(buf.dtype) != np.dtype(first.dtype):
+                raise ValueError(f"RingAllReduce: buffer on {dev.name} is {tuple(buf.shape)} "
+                                 f"{buf.dtype}, expected flat ({first.shape[0]},) {first.dtype} "
+                                 f"like every other device.")
+
+    def _link(self, sender, receiver):
+        """How ``receiver`` reads ``sender``'s memory: "host", "direct", "peer" or "staged"."""
+        if receiver.device_type == "CPU":
+            return "host"                            # NumPy: one address space
+        if not self.peer_access:
+            return "staged"                          # forced (tests the staged path on one card)
+        if sender.gpu_id == receiver.gpu_id:
+            return "direct"                          # logical GPUs of one card: one context
+        return "peer" if _enable_peer_access(receiver.gpu_id, sender.gpu_id) else "staged"
+
+    def _step_events(self, dev, count):
+        """``count`` reusable events on ``dev`` (None on a CPU device, which needs none).
+
+        Reusing an event across calls is safe: ``event.wait(stream)`` captures the
+        event's *latest record at the time of the call*; re-recording it later
+        does not affect waits already queued.
+        """
+        if dev.stream is None:
+            return [None] * count
+        events = self._events.setdefault(dev.name, [])
+        if len(events) < count:
+            cuda = _dev._cuda()
+            with dev.activate():
+                while len(events) < count:
+                    # timing=False: cheaper events, we only order streams with them.
+                    events.append(cuda.event(timing=False) if _dev.cuda_mode() == "real" else cuda.event())
+        return events[:count]
+
+    def _scratch_for(self, dev, size, dtype):
+        buf = self._scratch.get(dev.name)
+        if buf is None or buf.shape[0] != size or np.dtype(buf.dtype) != np.dtype(dtype):
+            with dev.activate():
+                buf = self._scratch[dev.name] = dev.empty((size,), dtype)
+        return buf
+
+    # -- the ring itself
+    def _run_ring(self, buffers, devices, links):
+        """Issue the 2(N-1) steps on every device's stream, ordered only by events.
+
+        Events: ``done[i][t]`` is recorded on device i's stream after its step t
+        (``done[i][0]`` = "inputs ready", before step 1; steps are numbered
+        1 .. 2(N-1) here). Device i's step t waits on ``done[i-1][t-1]`` and on
+        nothing else — its own earlier steps are ordered by its own stream.
+
+        Why that is enough (the data hazards):
+        * Read after write. At step t device i reads the chunk that device i-1
+          sends; device i-1 finished it at step t-1 (or it is i-1's input, at
+          t = 1), so waiting on done[i-1][t-1] is exactly what is needed.
+        * Write after read, reduce-scatter. Device i writes chunk (i-1-s) at RS
+          step s, and device i+1 reads device i's chunk (i-s') at RS step s'.
+          They are the same chunk only when s' = s+1: the neighbour reads a
+          chunk *after* it was written, never before, and no chunk is written
+          twice in this phase. So device i may race ahead into another chunk
+          while device i+1 still reads: no conflict.
+        * Write after read, across phases. Device i overwrites chunk (i-g) at
+          AG step g — the very chunk device i+1 read from it at RS step g. Is
+          device i+1 done reading? Device i's AG step g (step N-1+g+1 here)
+          waits, through the chain i-1, i-2, ... around the ring, on device i+1's
+          step g+1 = RS step g: N-1 hops back, exactly the read in question.
+          The ring's own dependency chain protects it; no extra event needed.
+        * Write after read, at the end. Device i+1 reads device i's memory in the
+          last step, after which the caller may overwrite device i's buffer on
+          device i's stream (MEAN divides in place). So, last, every device
+          waits on its successor's last step: a device's buffer is handed back
+          only when nobody reads it any more.
+        On CPU devices everything runs in host order and the events are None.
+        """
+        n = len(devices)
+        size = int(buffers[0].shape[0])
+        dtype = buffers[0].dtype
+        bounds = self.chunk_bounds(size, n)
+        total = 2 * (n - 1)
+        done = [self._step_events(dev, total + 1) for dev in devices]
+        for i, dev in enumerate(devices):
+            with dev.activate():
+                _record(dev, done[i][0])             # inputs ready (packed on this stream)
+        for t, (phase, _, sends) in enumerate(self.schedule(n), start=1):
+            for src, dst, c in sends:
+                recv, send = devices[dst], devices[src]
+                with recv.activate():
+                    _wait(recv, done[src][t - 1])    # the sender finished this chunk at step t-1
+                    lo, hi = bounds[c]
+                    if hi > lo:
+                        self._step(phase, recv, buffers[dst], send, buffers[src], lo, hi, links[dst], dtype)
+                    _record(recv, done[dst][t])
+        for i, dev in enumerate(devices):            # nobody reads device i any more
+            with dev.activate():
+                _wait(dev, done[(i + 1) % n][total])
+
+    def _step(self, phase, recv, own, send, peer, lo, hi, link, dtype):
+        """One device's part of one step: receive chunk [lo, hi) from ``send``."""
+        if link == "staged":
+            if phase == "reduce-scatter":
+                # Copy the peer's chunk into our scratch at the same offsets, on our
+                # stream, then add from there: the kernel only reads local memory.
+                scratch = self._scratch_for(recv, own.shape[0], dtype)
+                recv.copy_into(scratch[lo:hi], peer[lo:hi])
+                recv.ops.ring_reduce_step(own, scratch, lo, hi)
+            else:
+                # All-gather is a plain copy: the device-to-device copy *is* the step.
+                recv.copy_into(own[lo:hi], peer[lo:hi])
+        elif phase == "reduce-scatter":
+            recv.ops.ring_reduce_step(own, peer, lo, hi)
+        else:
+            recv.ops.ring_gather_step(own, peer, lo, hi)
+
+    def _trace_steps(self, n, size, buffer_index, dtype):
+        """Replay the schedule symbolically: sets of replica ids instead of numbers."""
+        bounds = self.chunk_bounds(size, n)
+        holds = [list(row) for row in self.initial_holds(n)]
+        steps = []
+        for phase, step, sends in self.schedule(n):
+            before = [list(row) for row in holds]    # every device acts at once
+            op = "add" if phase == "reduce-scatter" else "copy"
+            transfers = []
+            for src, dst, c in sends:
+                transfers.append(RingTransfer(src, dst, c, bounds[c][0], bounds[c][1], op))
+                holds[dst][c] = before[dst][c] | before[src][c] if op == "add" else before[src][c]
+            steps.append(RingStep(phase, step, tuple(transfers), tuple(tuple(r) for r in holds),
+                                  buffer_index, dtype.name, size))
+        return steps
+
+
+def _record(dev, event):
+    if event is not None:
+        event.record(dev.stream)
+
+
+def _wait(dev, event):
+    if event is not None:
+        event.wait(dev.stream)

@@ -1,0 +1,636 @@
+"""mirrored.data — a small tf.data: input pipelines over NumPy values.
+
+What: `Dataset` with TensorFlow's names and semantics, so the course's MNIST lab
+pipeline runs unchanged with `tf` replaced by `mirrored`:
+
+    ds = ds_train.map(scale).cache().shuffle(10000).batch(64).prefetch(mirrored.data.AUTOTUNE)
+    for images, labels in ds: ...            # every iter() is a fresh epoch
+
+Elements are NumPy values: arrays, scalars, and tuples or dicts of them ("structures").
+`from_tensor_slices` slices along axis 0, `map` calls a Python function per element,
+`shuffle` is TF's *buffer* shuffle, `batch` stacks components along a new axis 0.
+
+Why it is shaped like this — two ways to run one pipeline:
+
+1. Element by element (`_generate`): each dataset pulls elements from its input,
+   exactly as tf.data's iterators do. Always correct, but in Python every element
+   costs microseconds, and a 60,000-image epoch pays that 60,000 times.
+2. By index (`_index_plan`): when the elements are rows of arrays we already hold
+   (`from_tensor_slices`, or a `cache()` that has been filled), a dataset can describe
+   its epoch as a stream of *row numbers* instead of elements. `shuffle` permutes the
+   row numbers (the same buffer algorithm, the same random draws, on ints),
+   `repeat`/`take` cut and join the stream, and `batch` turns each run of 64 row
+   numbers into one NumPy gather. A cached MNIST epoch is then a few tens of ms.
+
+Both ways give the same elements in the same order (tests check it); the second is
+only a faster schedule for the first.
+
+Neighbours: mirrored/datasets.py loads MNIST into a `Dataset`;
+`strategy.experimental_distribute_dataset` (mirrored/distribute) iterates our batches
+and splits each global batch across the replicas.
+"""
+import itertools
+import types
+
+import numpy as np
+
+AUTOTUNE = -1              # tf.data.AUTOTUNE: "let the runtime choose" (prefetch accepts it)
+INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
+UNKNOWN_CARDINALITY = -2   # tf.data.UNKNOWN_CARDINALITY
+
+# TF keeps these under tf.data.experimental too; old course notebooks use that spelling.
+experimental = types.SimpleNamespace(AUTOTUNE=AUTOTUNE,
+                                     INFINITE_CARDINALITY=INFINITE_CARDINALITY,
+                                     UNKNOWN_CARDINALITY=UNKNOWN_CARDINALITY)
+
+_CHUNK = 4096  # row numbers handed along per step of an index plan: big enough to be cheap
+
+
+# ---------------------------------------------------------------------------------------
+# Structures: an element is a leaf (array/scalar) or a tuple/dict of structures.
+# ---------------------------------------------------------------------------------------
+
+def _map_structure(fn, *structures):
+    """Apply fn leaf-wise to structures of the same shape (tf.nest.map_structure)."""
+    first = structures[0]
+    if isinstance(first, tuple):
+        if not all(isinstance(s, tuple) and len(s) == len(first) for s in structures):
+            raise ValueError(f"elements differ in structure: {_describe(structures)}")
+        parts = [_map_structure(fn, *group) for group in zip(*structures)]
+        return type(first)(*parts) if hasattr(first, "_fields") else tuple(parts)  # namedtuple
+    if isinstance(first, dict):
+        if not all(isinstance(s, dict) and s.keys() == first.keys() for s in structures):
+            raise ValueError(f"elements differ in structure: {_describe(structures)}")
+        return {key: _map_structure(fn, *(s[key] for s in structures)) for key in first}
+    return fn(*structures)
+
+
+def _leaves(structure):
+    """The leaves of a structure, in _map_structure's order."""
+    out = []
+    _map_structure(out.append, structure)
+    return out
+
+
+def _describe(structures):
+    shown = ", ".join(repr(type(s).__name__) for s in structures[:4])
+    return f"[{shown}{', ...' if len(structures) > 4 else ''}]"
+
+
+def _to_numpy(value):
+    """A leaf as a NumPy value; Python numbers get TF's default dtypes (float32, int32)."""
+    if hasattr(value, "numpy"):          # a mirrored.Tensor (or anything Tensor-like)
+        value = value.numpy()
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value
+    array = np.asarray(value)
+    if array.dtype == np.float64:        # tf.constant(0.5).dtype is float32
+        return array.astype(np.float32)
+    if array.dtype == np.int64 and array.size and np.abs(array).max() < 2**31:
+        return array.astype(np.int32)    # tf.constant(3).dtype is int32
+    return array
+
+
+def _stack_arrays(arrays):
+    """np.stack(arrays) for many small same-shape arrays, checked like TF's batch.
+
+    Filling a preallocated array is ~8x faster than np.stack for 60,000 MNIST images
+    (np.stack makes a reshaped view of every input first). Leaves are NumPy values
+    (arrays or NumPy scalars), so .shape and .dtype are there.
+    """
+    shape, dtype = arrays[0].shape, arrays[0].dtype
+    out = np.empty((len(arrays),) + shape, dtype)        # out: (n, *shape)
+    for i, array in enumerate(arrays):
+        if array.shape != shape or array.dtype != dtype:
+            raise ValueError(f"cannot stack a {array.dtype}{list(array.shape)} element "
+                             f"onto {dtype}{list(shape)} elements")
+        out[i] = array
+    return out
+
+
+def _stack(elements):
+    """Stack same-structure elements into one batch element (what batch() emits)."""
+    try:
+        return _map_structure(lambda *xs: _stack_arrays(xs), *elements)
+    except ValueError as error:
+        raise ValueError(
+            f"batch() stacks elements, so they must share structure, shape and dtype: "
+            f"{error}. Resize, pad or cast the elements in a map() first "
+            f"(padded_batch is not implemented here).") from error
+
+
+# ---------------------------------------------------------------------------------------
+# Rows: elements we hold in memory, addressed by row number (the index plans' source).
+# ---------------------------------------------------------------------------------------
+
+class _StackedRows:
+    """Elements that are the rows of stacked arrays: element i is `columns[...][i]`.
+
+    The arrays are read-only, so a map function that writes into its input in place
+    (`image /= 255` on an array it did not create) fails loudly instead of silently
+    changing the data for every later epoch.
+    """
+
+    def __init__(self, columns):
+        self.columns = columns          # a structure of arrays sharing axis 0
+        for array in _leaves(columns):
+            array.flags.writeable = False
+        self.count = len(_leaves(columns)[0])
+
+    def row(self, i):
+        return _map_structure(lambda array: array[i], self.columns)
+
+    def gather(self, rows):             # rows: (k,) int64 → structure of (k, ...) arrays
+        return _map_structure(lambda array: array.take(rows, axis=0), self.columns)
+
+
+class _ListRows:
+    """Elements kept as a Python list (when they cannot be stacked, e.g. ragged shapes)."""
+
+    def __init__(self, elements):
+        self.elements = elements
+        self.count = len(elements)
+
+    def row(self, i):
+        return self.elements[i]
+
+    def gather(self, rows):
+        return _stack([self.elements[i] for i in rows.tolist()])
+
+
+def _rows_from_elements(elements):
+    """Store a finished cache: stacked when every element has one structure and shape."""
+    if elements:
+        try:
+            columns = _map_structure(lambda *xs: _stack_arrays(xs), *elements)
+            return _StackedRows(columns)
+        except ValueError:               # ragged shapes or mixed structures
+            pass
+    return _ListRows(elements)
+
+
+# Index plans are (rows, chunks): `chunks` yields int64 arrays of row numbers that,
+# concatenated, are this epoch's elements in order. These helpers reshape the stream.
+
+def _in_order(count):
+    """Rows 0 .. count-1, chunked: the plan of a dataset that plays what it holds."""
+    return (np.arange(start, min(start + _CHUNK, count), dtype=np.int64)
+            for start in range(0, count, _CHUNK))
+
+
+def _row_numbers(chunks):
+    """The plan's row numbers one by one, as Python ints."""
+    return itertools.chain.from_iterable(chunk.tolist() for chunk in chunks)
+
+
+def _chunked(numbers, size=_CHUNK):
+    """Pack an iterator of ints back into int64 arrays of `size` (the last may be short)."""
+    while True:
+        chunk = np.fromiter(itertools.islice(numbers, size), dtype=np.int64)
+        if not len(chunk):
+            return
+        yield chunk
+
+
+def _rechunk(chunks, size):
+    """Regroup a stream of index arrays into arrays of exactly `size` (last may be short)."""
+    pending, pending_count = [], 0
+    for chunk in chunks:
+        while len(chunk):
+            piece = chunk[:size - pending_count]
+            chunk = chunk[len(piece):]
+            pending.append(piece)
+            pending_count += len(piece)
+            if pending_count == size:
+                yield np.concatenate(pending)
+                pending, pending_count = [], 0
+    if pending_count:
+        yield np.concatenate(pending)
+
+
+# ---------------------------------------------------------------------------------------
+# The buffer shuffle (shared by both schedules, so both give the same order).
+# ---------------------------------------------------------------------------------------
+
+_END = object()  # marks the end of an input iterator
+
+
+def _uniforms(rng):
+    """Uniform floats in [0, 1), drawn in blocks: the same sequence however it is consumed."""
+    while True:
+        yield from rng.random(_CHUNK).tolist()
+
+
+def _buffer_shuffle(items, buffer_size, rng):
+    """Yield `items` in tf.data's shuffle order.
+
+    Fill a buffer with the first buffer_size items; then repeatedly emit a uniformly
+    chosen buffer slot and refill that slot with the next input item. When the input
+    runs out, keep emitting random slots until the buffer is empty.
+
+    Consequences students should know: buffer_size=1 changes nothing; a buffer at
+    least as large as the data gives a uniform random permutation; with a small buffer
+    item i cannot come out before position i - (buffer_size - 1) (it is not read yet),
+    so shuffling sorted data with a small buffer leaves it nearly sorted.
+    """
+    items = iter(items)
+    buffer = list(itertools.islice(items, buffer_size))
+    uniforms = _uniforms(rng)
+    while buffer:
+        slot = int(next(uniforms) * len(buffer))   # uniform over the buffer
+        yield buffer[slot]
+        refill = next(items, _END)       # read the next input only now, as TF does
+        if refill is not _END:
+            buffer[slot] = refill
+        else:                            # input done: move the last item into the hole
+            buffer[slot] = buffer[-1]
+            buffer.pop()
+
+
+# ---------------------------------------------------------------------------------------
+# Dataset: the public API (TF's names).
+# ---------------------------------------------------------------------------------------
+
+class Dataset:
+    """A sequence of elements, re-iterable: each `iter(ds)` is a fresh epoch.
+
+    Build one with `Dataset.from_tensor_slices` or `Dataset.range`, then chain
+    transformations; each returns a new Dataset that reads from this one.
+    Subclasses implement `_generate` (element by element), `_cardinality`, and may
+    implement `_index_plan` (the fast schedule described in the module docstring).
+    """
+
+    # --- sources -------------------------------------------------------------------
+    @staticmethod
+    def from_tensor_slices(tensors):
+        """One element per index along axis 0 of every array in `tensors`.
+
+        `tensors` is an array, or a tuple/dict (nested allowed) of arrays that all have
+        the same length: `from_tensor_slices((images, labels))` → `(image, label)` elements.
+        """
+        return _TensorSliceDataset(tensors)
+
+    @staticmethod
+    def range(*args, output_type=np.int64):
+        """Like Python's range(stop) / range(start, stop[, step]); int64 scalar elements."""
+        return _RangeDataset(range(*args), np.dtype(output_type))
+
+    # --- transformations -------------------------------------------------------------
+    def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None):
+        """Apply map_func to each element; a tuple element is unpacked into arguments.
+
+        `ds.map(lambda image, label: ...)` works on `(image, label)` elements, as in TF;
+        a dict element is passed as one argument. Runs in this thread, in order
+        (num_parallel_calls and deterministic are accepted for compatibility).
+        """
+        return _MapDataset(self, map_func)
+
+    def filter(self, predicate, name=None):
+        """Keep the elements for which predicate (unpacked like map) is true."""
+        return _FilterDataset(self, predicate)
+
+    def cache(self, filename="", name=None):
+        """Remember the elements of the first complete epoch; later epochs replay them."""
+        if filename:
+            raise NotImplementedError(
+                "cache(filename) (a cache on disk) is not implemented; use cache() to "
+                "keep the elements in memory.")
+        return _CacheDataset(self)
+
+    def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True, name=None):
+        """TF's buffer shuffle (see _buffer_shuffle). Use buffer_size >= len(ds) for a
+        full shuffle. The same seed gives the same sequence of epochs; each epoch is
+        reshuffled unless reshuffle_each_iteration=False."""
+        return _ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
+
+    def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None,
+              deterministic=None, name=None):
+        """Stack runs of batch_size elements; the last batch may be short unless
+        drop_remainder=True drops it."""
+        return _BatchDataset(self, batch_size, drop_remainder)
+
+    def repeat(self, count=None, name=None):
+        """Play the dataset count times (None or -1: forever), a fresh epoch each time."""
+        return _RepeatDataset(self, count)
+
+    def take(self, count, name=None):
+        """The first count elements (-1: all)."""
+        return _TakeDataset(self, count)
+
+    def prefetch(self, buffer_size, name=None):
+        """Accepted for compatibility (AUTOTUNE too); a pass-through here.
+
+        tf.data prefetches on background threads. Here a cached epoch costs one NumPy
+        gather per batch, so a thread would have nothing worth overlapping, and Python's
+        GIL would serialise a map() anyway.
+        """
+        return _PrefetchDataset(self, buffer_size)
+
+    # --- inspection ------------------------------------------------------------------
+    def cardinality(self):
+        """Number of elements; INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2)."""
+        return self._cardinality()
+
+    def __len__(self):
+        n = self._cardinality()
+        if n == INFINITE_CARDINALITY:
+            raise TypeError("The dataset is infinite.")
+        if n == UNKNOWN_CARDINALITY:
+            raise TypeError("The dataset length is unknown.")
+        return n
+
+    def __bool__(self):
+        return True   # as TF: truth must not call __len__ (which fails on infinite data)
+
+    def __iter__(self):
+        plan = self._index_plan()
+        if plan is None:
+            return iter(self._generate())
+        rows, chunks = plan
+        return (rows.row(i) for i in _row_numbers(chunks))
+
+    def as_numpy_iterator(self):
+        """As TF; our elements are already NumPy values."""
+        return iter(self)
+
+    def __repr__(self):
+        n = self._cardinality()
+        shown = {INFINITE_CARDINALITY: "infinite", UNKNOWN_CARDINALITY: "unknown"}.get(n, n)
+        return f"<{type(self).__name__} cardinality={shown}>"
+
+    # --- what subclasses provide --------------------------------------------------------
+    def _generate(self):
+        """A generator over this epoch's elements (the element-by-element schedule)."""
+        raise NotImplementedError
+
+    def _cardinality(self):
+        raise NotImplementedError
+
+    def _index_plan(self):
+        """(rows, chunks) if this epoch is a stream of rows we hold, else None.
+
+        Must have no side effects when it returns None, so callers can ask first and
+        fall back to `_generate`.
+        """
+        return None
+
+
+def _call_unpacked(fn, element):
+    """TF's calling convention for map/filter: a tuple element is spread into arguments."""
+    return fn(*element) if isinstance(element, tuple) else fn(element)
+
+
+def _positive_int(value, what):
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{what} must be a positive integer; got {value!r}.")
+    return int(value)
+
+
+# --- sources -------------------------------------------------------------------------
+
+class _TensorSliceDataset(Dataset):
+    def __init__(self, tensors):
+        # Copy, as TF does when it makes a constant: later edits to the caller's arrays
+        # must not change the dataset.
+        columns = _map_structure(lambda leaf: np.array(_to_numpy(leaf)), tensors)
+        leaves = _leaves(columns)
+        if not leaves:
+            raise ValueError("from_tensor_slices needs at least one array.")
+        if any(leaf.ndim == 0 for leaf in leaves):
+            raise ValueError("from_tensor_slices slices along axis 0, so every component "
+                             "needs at least one dimension; got a scalar. Use an array.")
+        lengths = [len(leaf) for leaf in leaves]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"from_tensor_slices: all components must have the same "
+                             f"length along axis 0 (one element per index); got lengths "
+                             f"{lengths}.")
+        self._rows = _StackedRows(columns)
+
+    def _cardinality(self):
+        return self._rows.count
+
+    def _index_plan(self):               # always there: our elements are rows we hold
+        return self._rows, _in_order(self._rows.count)
+
+
+class _RangeDataset(Dataset):
+    def __init__(self, values, dtype):
+        self._values, self._dtype = values, dtype
+
+    def _cardinality(self):
+        return len(self._values)
+
+    def _generate(self):
+        return (self._dtype.type(v) for v in self._values)
+
+
+# --- element-wise transformations ----------------------------------------------------
+
+class _MapDataset(Dataset):
+    def __init__(self, input_dataset, map_func):
+        self._input, self._fn = input_dataset, map_func
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _generate(self):
+        for element in self._input:
+            yield _map_structure(_to_numpy, _call_unpacked(self._fn, element))
+
+
+class _FilterDataset(Dataset):
+    def __init__(self, input_dataset, predicate):
+        self._input, self._predicate = input_dataset, predicate
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
+
+    def _generate(self):
+        return (e for e in self._input if bool(_call_unpacked(self._predicate, e)))
+
+
+class _CacheDataset(Dataset):
+    """First complete epoch: pass elements through and keep them. After: replay rows.
+
+    An epoch abandoned half way keeps nothing (TF also discards a partial cache), so
+    `ds.cache().take(5)` never caches more than it has seen.
+    """
+
+    def __init__(self, input_dataset):
+        self._input = input_dataset
+        self._rows = None                # set once a full epoch has been seen
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _index_plan(self):
+        if self._rows is None:
+            return None
+        return self._rows, _in_order(self._rows.count)
+
+    def _generate(self):
+        elements = []
+        for element in self._input:
+            elements.append(element)
+            yield element
+        if self._rows is None:           # the input ran to its end: the cache is complete
+            self._rows = _rows_from_elements(elements)
+
+
+class _ShuffleDataset(Dataset):
+    def __init__(self, input_dataset, buffer_size, seed, reshuffle_each_iteration):
+        self._input = input_dataset
+        self._buffer_size = _positive_int(buffer_size, "shuffle buffer_size")
+        # seed=None: fresh entropy, drawn once, so reshuffle_each_iteration=False still
+        # repeats one order across epochs (as TF does).
+        self._seed = np.random.SeedSequence().entropy if seed is None else int(seed) % 2**64
+        self._reshuffle = bool(reshuffle_each_iteration)
+        self._epochs = itertools.count()  # next() on a count is atomic under the GIL
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _epoch_rng(self):
+        """The generator for the epoch now starting: seed + epoch number."""
+        epoch = next(self._epochs) if self._reshuffle else 0
+        return np.random.default_rng([self._seed, epoch])
+
+    def _index_plan(self):
+        plan = self._input._index_plan()
+        if plan is None:
+            return None
+        rows, chunks = plan
+        order = _buffer_shuffle(_row_numbers(chunks), self._buffer_size, self._epoch_rng())
+        return rows, _chunked(order)
+
+    def _generate(self):
+        return _buffer_shuffle(iter(self._input), self._buffer_size, self._epoch_rng())
+
+
+class _BatchDataset(Dataset):
+    def __init__(self, input_dataset, batch_size, drop_remainder):
+        self._input = input_dataset
+        self._batch_size = _positive_int(batch_size, "batch_size")
+        self._drop_remainder = bool(drop_remainder)
+
+    def _cardinality(self):
+        n, b = self._input._cardinality(), self._batch_size
+        if n < 0:
+            return n
+        return n // b if self._drop_remainder else -(-n // b)
+
+    def _generate(self):
+        plan = self._input._index_plan()
+        if plan is not None:            # fast: one gather per batch
+            rows, chunks = plan
+            for batch_rows in _rechunk(chunks, self._batch_size):
+                if len(batch_rows) < self._batch_size and self._drop_remainder:
+                    return
+                yield rows.gather(batch_rows)
+            return
+        elements = iter(self._input)    # element by element: collect, then stack
+        while batch := list(itertools.islice(elements, self._batch_size)):
+            if len(batch) < self._batch_size and self._drop_remainder:
+                return
+            yield _stack(batch)
+
+
+class _RepeatDataset(Dataset):
+    def __init__(self, input_dataset, count):
+        self._input = input_dataset
+        self._count = None if count is None or count == -1 else int(count)
+        if self._count is not None and self._count < 0:
+            raise ValueError(f"repeat count must be >= 0, or None/-1 for forever; got {count}.")
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if self._count == 0 or n == 0:
+            return 0
+        if self._count is None:
+            return INFINITE_CARDINALITY if n != UNKNOWN_CARDINALITY else UNKNOWN_CARDINALITY
+        return n * self._count if n >= 0 else n
+
+    def _epochs(self):
+        return itertools.count() if self._count is None else range(self._count)
+
+    def _index_plan(self):
+        if self._count == 0:
+            return None
+        first = self._input._index_plan()
+        if first is None:
+            return None
+        rows = first[0]
+
+        def chunks():
+            plan = first
+            for epoch in self._epochs():
+                if epoch:                   # a fresh epoch of the input (reshuffled)
+                    plan = self._input._index_plan()
+                    assert plan[0] is rows, "a held dataset changed its rows between epochs"
+                empty = True
+                for chunk in plan[1]:
+                    empty = empty and not len(chunk)
+                    yield chunk
+                if empty:                   # repeating nothing forever is nothing
+                    return
+        return rows, chunks()
+
+    def _generate(self):
+        for _ in self._epochs():
+            empty = True
+            for element in self._input:
+                empty = False
+                yield element
+            if empty:
+                return
+
+
+class _TakeDataset(Dataset):
+    def __init__(self, input_dataset, count):
+        self._input, self._count = input_dataset, int(count)
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if self._count < 0:
+            return n
+        if n == INFINITE_CARDINALITY:
+            return self._count
+        return n if n == UNKNOWN_CARDINALITY else min(n, self._count)
+
+    def _index_plan(self):
+        plan = self._input._index_plan()
+        if plan is None or self._count < 0:
+            return plan
+        rows, chunks = plan[0], iter(plan[1])
+
+        def first_rows():
+            left = self._count
+            while left:                 # never pull past what we need: the input may be infinite
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                yield chunk[:left]
+                left -= len(chunk[:left])
+        return rows, first_rows()
+
+    def _generate(self):
+        elements = iter(self._input)
+        return elements if self._count < 0 else itertools.islice(elements, self._count)
+
+
+class _PrefetchDataset(Dataset):
+    def __init__(self, input_dataset, buffer_size):
+        if buffer_size != AUTOTUNE and not (isinstance(buffer_size, int) and buffer_size >= 0):
+            raise ValueError(f"prefetch buffer_size must be >= 0 or AUTOTUNE (-1); "
+                             f"got {buffer_size!r}.")
+        self._input = input_dataset
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _index_plan(self):
+        return self._input._index_plan()
+
+    def _generate(self):
+        return iter(self._input)

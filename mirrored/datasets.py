@@ -1,0 +1,482 @@
+"""mirrored.datasets — `tfds.load` for MNIST, verified and offline-friendly.
+
+What: `load('mnist', ...)` returns `mirrored.data.Dataset`s the way
+`tensorflow_datasets.load` does, so the course lab's first cell runs unchanged:
+
+    datasets, info = mirrored.datasets.load('mnist', with_info=True, as_supervised=True)
+    train, test = datasets['train'], datasets['test']
+    info.splits['train'].num_examples          # 60000 (or 8000 from the bundled subset)
+
+Where the data comes from, in order:
+1. `<data_dir>/mnist/` — the four original IDX files (gzip), if present and their
+   SHA-256 matches the published full set. data_dir: the argument, else the env var
+   MIRRORED_DATA_DIR, else ~/tensorflow_datasets (where tfds keeps its data).
+2. The network: each missing or damaged file is fetched from MIRRORS in order, checked
+   against its SHA-256 while it streams, and written atomically (temporary file in the
+   same folder, fsync, os.replace): a failed or corrupt download never leaves a file
+   under the real name, and never touches a file already there.
+3. The bundled subset `mirrored/_data/mnist-10k` — 8,000 train / 2,000 test real MNIST
+   digits, so a lab runs on a laptop with no network. Using it warns once per process.
+
+`download=True` (default) tries 1, 2, 3. `download=False` (or env MIRRORED_OFFLINE=1,
+set by the test suite and CI) never touches the network: 1, then 3.
+`download='force'` insists on the full set: 1, 2, else an error that says which file
+was wrong and what to do (the subset is never substituted silently).
+
+Why IDX: it is MNIST's own format — a big-endian header (magic number, dimensions)
+then raw uint8 bytes — so a dozen lines of NumPy read it (see `read_idx`).
+
+Neighbours: mirrored/data.py (the Dataset returned here); tests/test_datasets.py
+replaces `_fetch` and `MNIST_FILES` so no test touches the network.
+"""
+import contextlib
+import gzip
+import hashlib
+import os
+import re
+import tempfile
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from mirrored.data import Dataset
+
+# The full MNIST set (LeCun, Cortes, Burges; CC BY-SA 3.0): file name → (bytes, SHA-256).
+MNIST_FILES = {
+    "train-images-idx3-ubyte.gz":
+        (9912422, "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609"),
+    "train-labels-idx1-ubyte.gz":
+        (28881, "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c"),
+    "t10k-images-idx3-ubyte.gz":
+        (1648877, "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6"),
+    "t10k-labels-idx1-ubyte.gz":
+        (4542, "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6"),
+}
+SPLIT_FILES = {  # split → (images file, labels file)
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
+}
+MIRRORS = (  # tried in order; every file is SHA-256 checked, so plain http is safe
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "http://yann.lecun.com/exdb/mnist/",
+)
+FETCH_TIMEOUT_S = 20       # per connect/read: a dead mirror costs at most this, not forever
+BUNDLED_DIR = Path(__file__).parent / "_data" / "mnist-10k"
+BUNDLED_NAME = "mnist-10k"
+IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049   # IDX: 0x0000 08 (uint8) 03/01 (dimensions)
+AVAILABLE = ("mnist",)
+
+_warned = set()            # messages already shown in this process (warn once each)
+
+
+class BundledSubsetWarning(UserWarning):
+    """load() fell back to the bundled 10k subset (filter it with warnings.filterwarnings)."""
+
+
+class DownloadError(OSError):
+    """The full MNIST set was required (download='force') but could not be had."""
+
+
+# ---------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------
+
+def load(name, split=None, with_info=False, as_supervised=False, data_dir=None,
+         download=True, shuffle_files=False, batch_size=None):
+    """Load MNIST as tfds.load does.
+
+    split: None → {'train': ds, 'test': ds}; 'train', 'test', slices 'train[:10%]',
+      'train[1000:2000]', joins 'train+test'; or a list of these → a list of datasets.
+    as_supervised: elements `(image, label)` instead of `{'image': ..., 'label': ...}`.
+      image: (28, 28, 1) uint8; label: int64 scalar.
+    with_info: return `(datasets, info)`; `info.source` says 'full' or the bundled subset.
+    download: True (fetch if needed, else fall back to the subset), False (never use
+      the network), or 'force' (the full set or an error).
+    shuffle_files: accepted; MNIST is one file per split, so there is nothing to shuffle.
+    batch_size: batch the datasets; -1 returns whole splits as NumPy arrays, as tfds does.
+    """
+    builder = _builder_name(name)
+    directory = _data_dir(data_dir) / builder
+    paths, source, problems = _locate_files(directory, _download_mode(download))
+    arrays = {split_name: _read_split(paths, split_name) for split_name in SPLIT_FILES}
+    info = _make_info(arrays, source, paths, problems)
+
+    def build(spec):
+        images, labels = _slice_split(arrays, spec)     # (n, 28, 28, 1) uint8, (n,) int64
+        elements = (images, labels) if as_supervised else {"image": images, "label": labels}
+        if batch_size == -1:                            # tfds: the whole split as arrays
+            return elements
+        dataset = Dataset.from_tensor_slices(elements)
+        return dataset.batch(batch_size) if batch_size else dataset
+
+    if split is None:
+        result = {split_name: build(split_name) for split_name in SPLIT_FILES}
+    elif isinstance(split, (list, tuple)):
+        result = [build(spec) for spec in split]
+    else:
+        result = build(split)
+    return (result, info) if with_info else result
+
+
+def _builder_name(name):
+    """'mnist' or 'mnist:3.0.1' → 'mnist'; anything else is a clear error."""
+    base = str(name).split(":")[0].strip().lower()
+    if base not in AVAILABLE:
+        raise ValueError(f"Dataset {name!r} is not available in mirrored.datasets; "
+                         f"available: {list(AVAILABLE)}.")
+    return base
+
+
+def _data_dir(data_dir):
+    chosen = data_dir or os.environ.get("MIRRORED_DATA_DIR") or "~/tensorflow_datasets"
+    return Path(chosen).expanduser()
+
+
+def _download_mode(download):
+    """'never', 'try' or 'force', from the argument and MIRRORED_OFFLINE."""
+    if download not in (True, False, "force"):
+        raise ValueError(f"download must be True, False or 'force'; got {download!r}.")
+    offline = os.environ.get("MIRRORED_OFFLINE", "").strip().lower() in ("1", "true", "yes")
+    if download == "force":
+        return "force-offline" if offline else "force"
+    return "try" if download and not offline else "never"
+
+
+# ---------------------------------------------------------------------------------------
+# Finding valid files: cache, then network, then the bundled subset
+# ---------------------------------------------------------------------------------------
+
+def _locate_files(directory, mode):
+    """Return ({file name: path}, source, {file name: problem}) for the files to read."""
+    problems = {}
+    network_down = mode not in ("try", "force")
+    for name, (size, sha256) in MNIST_FILES.items():
+        path = directory / name
+        problem = _check_file(path, size, sha256)
+        if problem and not network_down:
+            try:
+                _download(name, path, sha256)
+                problem = None
+            except _AllMirrorsFailed as failure:
+                problem += f"; downloading it failed: {failure}"
+                network_down = failure.unreachable   # don't wait on dead mirrors again
+        if problem:
+            problems[name] = problem
+    if not problems:
+        return {name: directory / name for name in MNIST_FILES}, "full", {}
+    if mode.startswith("force"):
+        raise DownloadError(_force_failure_message(directory, problems, mode))
+    _warn_once(_fallback_message(directory, problems, mode))
+    return _bundled_files(), f"bundled subset {BUNDLED_NAME}", problems
+
+
+def _check_file(path, size, sha256):
+    """None if the file at path is the expected one, else what is wrong with it."""
+    if not path.exists():
+        return f"{path} is missing"
+    actual_size = path.stat().st_size
+    if actual_size != size:
+        return f"{path} has {actual_size} bytes, expected {size} (truncated or not MNIST)"
+    actual = _sha256(path)
+    if actual != sha256:
+        return f"{path} has SHA-256 {actual}, expected {sha256} (corrupt)"
+    return None
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fallback_message(directory, problems, mode):
+    counts = {split: _idx_count(BUNDLED_DIR / files[1]) for split, files in SPLIT_FILES.items()}
+    why = ("download=False or MIRRORED_OFFLINE=1, so no download was tried"
+           if mode == "never" else "the full set could not be downloaded (no network?)")
+    bad = [p for p in problems.values() if "is missing" not in p]
+    details = f" Bad cached file(s): {'; '.join(bad)}." if bad else ""
+    return (f"mirrored.datasets.load('mnist'): using the bundled subset {BUNDLED_NAME}: "
+            f"{counts['train']:,} train / {counts['test']:,} test real MNIST images "
+            f"(the full set has 60,000 / 10,000), because {why}.{details} To get the full "
+            f"set, run load('mnist') with network access (download=True, MIRRORED_OFFLINE "
+            f"unset), or copy the four files "
+            f"{', '.join(MNIST_FILES)} into {directory}.")
+
+
+def _force_failure_message(directory, problems, mode):
+    lines = "\n".join(f"  - {problem}" for problem in problems.values())
+    hint = ("MIRRORED_OFFLINE=1 is set, so no download was tried: unset it"
+            if mode == "force-offline" else "check the network connection")
+    return (f"load('mnist', download='force') needs the full MNIST set in {directory}, "
+            f"but:\n{lines}\nWhat to do: delete any corrupt file named above, {hint}, "
+            f"and load again; or copy the original files from {MIRRORS[0]} into "
+            f"{directory}; or pass download=True to accept the bundled subset.")
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, BundledSubsetWarning, stacklevel=4)
+
+
+def _bundled_files():
+    """Paths of the bundled subset, checked against its SHA256SUMS."""
+    expected = {}
+    for line in (BUNDLED_DIR / "SHA256SUMS").read_text().splitlines():
+        if line.strip():
+            sha256, name = line.split()
+            expected[name] = sha256
+    for name, sha256 in expected.items():
+        if _sha256(BUNDLED_DIR / name) != sha256:
+            raise RuntimeError(f"The bundled subset file {BUNDLED_DIR / name} does not match "
+                               f"its SHA256SUMS: the installation is damaged; reinstall "
+                               f"mirrored.")
+    return {name: BUNDLED_DIR / name for name in MNIST_FILES}
+
+
+# ---------------------------------------------------------------------------------------
+# Downloading: mirrors in order, streamed, verified, written atomically
+# ---------------------------------------------------------------------------------------
+
+class _AllMirrorsFailed(Exception):
+    def __init__(self, errors, unreachable):
+        super().__init__("; ".join(errors))
+        self.unreachable = unreachable   # True when no mirror could even be reached
+
+
+def _fetch(url, timeout):
+    """Yield the bytes at url in chunks. Tests replace this to stay off the network."""
+    request = urllib.request.Request(url, headers={"User-Agent": "mirrored-datasets"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        while chunk := response.read(1 << 16):
+            yield chunk
+
+
+def _download(name, path, sha256):
+    """Fetch `name` into `path` from the first mirror that delivers the right bytes."""
+    errors, unreachable = [], True
+    for mirror in MIRRORS:
+        url = mirror + name
+        try:
+            _write_atomically(_fetch(url, FETCH_TIMEOUT_S), path, sha256)
+            return
+        except Exception as error:       # any failure here just means: try the next mirror
+            errors.append(f"{url}: {type(error).__name__}: {error}")
+            # An HTTP status or a checksum mismatch means the mirror answered.
+            if isinstance(error, (urllib.error.HTTPError, ValueError)):
+                unreachable = False
+    raise _AllMirrorsFailed(errors, unreachable)
+
+
+def _write_atomically(chunks, path, sha256):
+    """Write the byte chunks to path only if their SHA-256 matches; never a half file.
+
+    The bytes go to a temporary file in the same folder (so os.replace is a rename on
+    one file system, atomic), are flushed to disk, checked, and only then renamed onto
+    the final name. On any failure the temporary file is removed and whatever was at
+    `path` before is untouched.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                digest.update(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        if digest.hexdigest() != sha256:
+            raise ValueError(f"downloaded bytes have SHA-256 {digest.hexdigest()}, "
+                             f"expected {sha256}")
+        os.chmod(temp, 0o644)            # mkstemp makes 0600; data files are world-readable
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    _fsync_dir(path.parent)              # make the rename itself durable
+
+
+def _fsync_dir(directory):
+    with contextlib.suppress(OSError):   # not possible on every platform (Windows)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# Reading IDX files
+# ---------------------------------------------------------------------------------------
+
+def read_idx(path, expected_magic=None):
+    """Read a gzip-compressed IDX file into a uint8 array.
+
+    Layout: 4-byte big-endian magic 0x000008NN (08 = unsigned byte data, NN = number of
+    dimensions), then NN big-endian uint32 sizes, then the bytes in C order.
+    Any mismatch raises ValueError naming the file.
+    """
+    path = Path(path)
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path}: not a readable gzip file ({error}). Delete it and "
+                         f"load again.") from error
+    if len(raw) < 4:
+        raise ValueError(f"{path}: {len(raw)} bytes is too short for an IDX header.")
+    magic = int.from_bytes(raw[:4], "big")
+    if magic >> 8 != 0x08 or (expected_magic is not None and magic != expected_magic):
+        wanted = f"{expected_magic} ({expected_magic:#010x})" if expected_magic else "0x000008NN"
+        raise ValueError(f"{path}: bad IDX magic number {magic} ({magic:#010x}); expected "
+                         f"{wanted}. Is it the right MNIST file? Delete it and load again.")
+    ndim = magic & 0xFF
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes, need {header}).")
+    dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
+    expected = int(np.prod(dims))
+    if len(raw) - header != expected:
+        raise ValueError(f"{path}: the IDX header says {' x '.join(map(str, dims))} = "
+                         f"{expected} bytes of data, but the file holds {len(raw) - header}. "
+                         f"It is truncated or damaged: delete it and load again.")
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def _idx_count(path):
+    """The first dimension from an IDX header (cheap: reads 8 bytes)."""
+    with gzip.open(path, "rb") as f:
+        return int.from_bytes(f.read(8)[4:8], "big")
+
+
+def _read_split(paths, split):
+    images_file, labels_file = SPLIT_FILES[split]
+    images = read_idx(paths[images_file], IMAGES_MAGIC)   # images: (n, 28, 28) uint8
+    labels = read_idx(paths[labels_file], LABELS_MAGIC)   # labels: (n,) uint8
+    if len(images) != len(labels):
+        raise ValueError(f"{paths[images_file]} holds {len(images)} images but "
+                         f"{paths[labels_file]} holds {len(labels)} labels.")
+    return images[..., np.newaxis], labels.astype(np.int64)  # (n, 28, 28, 1), (n,) int64
+
+
+# ---------------------------------------------------------------------------------------
+# Split specs: 'train', 'test[:10%]', 'train[1000:2000]', 'train+test'
+# ---------------------------------------------------------------------------------------
+
+_SPEC = re.compile(r"^(?P<name>\w+)(?:\[(?P<start>-?\d*%?):(?P<stop>-?\d*%?)\])?$")
+
+
+def _slice_split(arrays, spec):
+    """(images, labels) for a split spec; '+' joins parts."""
+    parts = [_slice_one(arrays, part.strip()) for part in str(spec).split("+")]
+    if len(parts) == 1:
+        return parts[0]
+    return (np.concatenate([images for images, _ in parts]),
+            np.concatenate([labels for _, labels in parts]))
+
+
+def _slice_one(arrays, spec):
+    match = _SPEC.match(spec)
+    if not match or match["name"] not in arrays:
+        raise ValueError(f"Unknown split {spec!r}. Splits: {list(arrays)}; slices like "
+                         f"'train[:10%]', 'train[1000:2000]', 'train[-10%:]'; joins 'train+test'.")
+    images, labels = arrays[match["name"]]
+    n = len(images)
+    rows = slice(_bound(match["start"], n, spec), _bound(match["stop"], n, spec))
+    return images[rows], labels[rows]
+
+
+def _bound(text, n, spec):
+    """A slice bound: '' → None, '1000' → 1000, '10%' → 10% of n (rounded, as tfds)."""
+    if not text:
+        return None
+    if text.endswith("%"):
+        percent = int(text[:-1])
+        if not -100 <= percent <= 100:
+            raise ValueError(f"Split {spec!r}: percentages must be within -100%..100%.")
+        return int(round(percent * n / 100))
+    return int(text)
+
+
+# ---------------------------------------------------------------------------------------
+# info: what tfds's DatasetInfo offers that labs use
+# ---------------------------------------------------------------------------------------
+
+class SplitInfo:
+    def __init__(self, name, num_examples):
+        self.name, self.num_examples = name, num_examples
+
+    def __repr__(self):
+        return f"<SplitInfo num_examples={self.num_examples}>"
+
+
+class _SplitDict(dict):
+    """{'train': SplitInfo, 'test': SplitInfo}; also answers slices: splits['train[:10%]']."""
+
+    def __init__(self, arrays):
+        super().__init__({name: SplitInfo(name, len(images))
+                          for name, (images, _) in arrays.items()})
+        self._arrays = arrays
+
+    def __missing__(self, spec):
+        return SplitInfo(spec, len(_slice_split(self._arrays, spec)[0]))
+
+    @property
+    def total_num_examples(self):
+        return sum(split.num_examples for split in self.values())
+
+
+class ClassLabel:
+    def __init__(self, num_classes):
+        self.num_classes = num_classes
+        self.names = [str(i) for i in range(num_classes)]
+        self.shape, self.dtype = (), np.int64
+
+    def int2str(self, value):
+        return self.names[int(value)]
+
+    def str2int(self, name):
+        return self.names.index(str(name))
+
+    def __repr__(self):
+        return f"ClassLabel(shape=(), dtype=int64, num_classes={self.num_classes})"
+
+
+class Image:
+    def __init__(self, shape):
+        self.shape, self.dtype = shape, np.uint8
+
+    def __repr__(self):
+        return f"Image(shape={self.shape}, dtype=uint8)"
+
+
+class DatasetInfo:
+    """name, version, features, splits, supervised_keys, plus `source` and `files`."""
+
+    def __init__(self, splits, source, files, problems):
+        self.name, self.full_name, self.version = "mnist", "mnist/3.0.1", "3.0.1"
+        self.description = "The MNIST database of handwritten digits."
+        self.homepage = "http://yann.lecun.com/exdb/mnist/"
+        self.features = {"image": Image((28, 28, 1)), "label": ClassLabel(10)}
+        self.supervised_keys = ("image", "label")
+        self.splits = splits
+        self.source = source             # 'full' or 'bundled subset mnist-10k'
+        self.files = files               # {file name: path read}
+        self.problems = problems         # {file name: why the full file was not used}
+
+    def __repr__(self):
+        splits = ", ".join(f"'{k}': {v.num_examples}" for k, v in self.splits.items())
+        return (f"DatasetInfo(name='mnist', version={self.version}, source='{self.source}',\n"
+                f"    features={self.features},\n    splits={{{splits}}})")
+
+
+def _make_info(arrays, source, paths, problems):
+    return DatasetInfo(_SplitDict(arrays), source, dict(paths), problems)

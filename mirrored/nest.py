@@ -1,0 +1,49 @@
+"""Nested structures (tuples, lists, dicts, namedtuples) as ``tf.nest`` sees them.
+
+Strategies pass structures of values between replicas: ``run`` unpacks the
+``PerReplica`` leaves of its arguments, ``merge_call`` regroups what every
+replica passed, ``all_reduce`` reduces every leaf of a structure at once.
+"""
+
+
+def _is_namedtuple(x):
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def is_nested(x):
+    return isinstance(x, (list, tuple, dict))
+
+
+def flatten(structure):
+    """The leaves, depth first (dicts in sorted key order, as tf.nest)."""
+    if isinstance(structure, dict):
+        return [leaf for k in sorted(structure) for leaf in flatten(structure[k])]
+    if isinstance(structure, (list, tuple)):
+        return [leaf for item in structure for leaf in flatten(item)]
+    return [structure]
+
+
+def pack_sequence_as(structure, leaves):
+    """Rebuild ``structure``'s shape from a flat list of ``leaves``."""
+    it = iter(leaves)
+
+    def build(s):
+        if isinstance(s, dict):
+            built = {k: build(s[k]) for k in sorted(s)}
+            return type(s)((k, built[k]) for k in s)
+        if _is_namedtuple(s):
+            return type(s)(*[build(v) for v in s])
+        if isinstance(s, (list, tuple)):
+            return type(s)(build(v) for v in s)
+        return next(it)
+
+    return build(structure)
+
+
+def map_structure(fn, *structures):
+    """Apply ``fn`` to corresponding leaves of structures of the same shape."""
+    flats = [flatten(s) for s in structures]
+    if any(len(f) != len(flats[0]) for f in flats):
+        raise ValueError("the structures do not have the same number of elements: "
+                         f"{[len(f) for f in flats]}.")
+    return pack_sequence_as(structures[0], [fn(*leaves) for leaves in zip(*flats)])

@@ -1,0 +1,688 @@
+"""Strategies: ``MirroredStrategy``, ``OneDeviceStrategy`` and the default strategy.
+
+What ``tf.distribute.MirroredStrategy`` does, in the order a student meets it:
+
+1. ``strategy = MirroredStrategy()`` picks the devices (every logical GPU, else
+   the CPU) and prints TensorFlow's ``Using MirroredStrategy with devices (...)``.
+2. ``with strategy.scope():`` makes it the current strategy, so that
+   ``mirrored.Variable(...)`` (and every Keras weight) becomes a
+   ``MirroredVariable``: one copy per device, all from one initial value.
+3. ``strategy.run(fn, args)`` calls ``fn`` once per replica, each replica in its
+   own thread bound to its device (TensorFlow's design). ``PerReplica``
+   arguments are unpacked so each replica gets its own component.
+4. Inside ``fn``, ``get_replica_context().all_reduce(...)`` or an optimizer's
+   ``apply_gradients`` is a *merge point*: every replica thread stops there, one
+   thread runs the merge function in cross-replica context (where the
+   cross-device ops sum the values), then every replica continues with its own
+   copy of the result.
+5. ``strategy.reduce(op, per_replica, axis)`` combines the replicas' results on
+   the host.
+
+Replica threads are kept alive between calls (one worker per device), so a
+training step does not pay for starting threads. If a replica raises, the
+others are released from any merge point, and the exception reaches the caller
+with the replica id added; nothing is left waiting.
+
+Neighbours: ``values.py`` (PerReplica, MirroredVariable), ``cross_device_ops.py``
+(the sums), ``context.py`` (which strategy/replica this thread is in),
+``input_lib.py`` (distributed datasets).
+"""
+import contextlib
+import queue
+import threading
+
+import numpy as np
+
+from mirrored import context, nest
+from mirrored import devices as _dev
+from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice, _destination_devices
+from mirrored.tensor import HostTensor, Tensor, constant, reduce_sum
+from mirrored.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica, Variable,
+                             VariableAggregation, regroup, select_replica)
+
+
+# --- contexts ------------------------------------------------------------------------
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function``'s ``value_fn`` is told."""
+
+    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __repr__(self):
+        return (f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class InputContext:
+    """What ``distribute_datasets_from_function``'s ``dataset_fn`` is told."""
+
+    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size):
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(f"The `global_batch_size` {global_batch_size} is not divisible by "
+                             f"`num_replicas_in_sync` {self.num_replicas_in_sync}.")
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __repr__(self):
+        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, input_pipeline_id="
+                f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class _MergePoint:
+    """Where replica threads meet in ``merge_call``.
+
+    A barrier built on one Condition so that every decision (arrive, finish,
+    abort) happens under one lock: a replica that *returns* while others wait
+    at a merge point (the replicas made different numbers of merge calls) is
+    detected, and the waiting replicas are released with an error, never hung.
+    """
+
+    def __init__(self, n):
+        self.n = n
+        self.cond = threading.Condition()
+        self.arrived = {}          # replica id -> (merge_fn, args, kwargs)
+        self.generation = 0
+        self.result = None         # (value, exception) of the last merge
+        self.finished = 0
+        self.broken = None         # an Exception once aborted
+
+    def abort(self, reason):
+        with self.cond:
+            if self.broken is None:
+                self.broken = reason
+            self.cond.notify_all()
+
+    def finish(self, replica_id):
+        with self.cond:
+            self.finished += 1
+            if self.arrived and self.broken is None:
+                self.broken = RuntimeError(
+                    f"replica {replica_id} returned from the replica function while other replicas "
+                    f"wait in merge_call: every replica must make the same merge calls (all_reduce, "
+                    f"apply_gradients...) in the same order.")
+                self.cond.notify_all()
+
+    def arrive(self, replica_id, call, merge):
+        """Deposit this replica's call; the last to arrive runs ``merge(calls)``."""
+        with self.cond:
+            if self.broken is not None:
+                raise _Aborted(self.broken)
+            if self.finished:
+                self.broken = RuntimeError(
+                    f"replica {replica_id} called merge_call after another replica had already "
+                    f"returned: every replica must make the same merge calls.")
+                self.cond.notify_all()
+                raise _Aborted(self.broken)
+            gen = self.generation
+            self.arrived[replica_id] = call
+            if len(self.arrived) == self.n:
+                calls = [self.arrived[i] for i in range(self.n)]
+                self.arrived = {}
+                try:
+                    self.result = (merge(calls), None)
+                except BaseException as err:    # noqa: BLE001 (given to every replica)
+                    self.result = (None, err)
+                self.generation += 1
+                self.cond.notify_all()
+            else:
+                while self.generation == gen and self.broken is None:
+                    self.cond.wait()
+                if self.generation == gen:
+                    raise _Aborted(self.broken)
+            value, err = self.result
+        if err is not None:
+            raise err
+        return value
+
+
+class _Aborted(Exception):
+    """A replica released from a merge point because another replica failed."""
+
+
+class ReplicaContext:
+    """The replica's view inside ``strategy.run`` (TensorFlow's ``tf.distribute.ReplicaContext``)."""
+
+    def __init__(self, strategy, replica_id, merge_point=None):
+        self._strategy = strategy
+        self._replica_id = replica_id
+        self._merge_point = merge_point
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self):
+        """This replica's index as an int32 scalar Tensor on its device."""
+        dev = self._strategy.extended._devices[self._replica_id]
+        return constant(self._replica_id, dtype=np.int32, device=dev)
+
+    @property
+    def num_replicas_in_sync(self):
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self):
+        return (self._strategy.extended._devices[self._replica_id].name,)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Meet every other replica here; run ``merge_fn(strategy, *args, **kwargs)`` once.
+
+        Each replica's ``args`` are regrouped into ``PerReplica`` values (a value
+        that is the same object on every replica stays itself). The merge
+        function runs in cross-replica context; each replica gets its own
+        component of what it returns.
+        """
+        kwargs = kwargs or {}
+        strategy = self._strategy
+
+        def merge(calls):
+            fn = calls[0][0]
+            grouped_args = regroup([c[1] for c in calls])
+            grouped_kwargs = regroup([c[2] for c in calls])
+            context.push(strategy, None)
+            try:
+                return fn(strategy, *grouped_args, **grouped_kwargs)
+            finally:
+                context.pop()
+
+        if self._merge_point is None:             # one replica: merge on the spot
+            return select_replica(0, merge([(merge_fn, tuple(args), kwargs)]))
+        result = self._merge_point.arrive(self._replica_id, (merge_fn, tuple(args), kwargs), merge)
+        return select_replica(self._replica_id, result)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """Sum (or average) ``value`` over every replica; each gets the result on its device.
+
+        ``value`` may be a nested structure; all its tensors go through one
+        fused cross-device reduction. Every replica must call this.
+        """
+        reduce_op = ReduceOp.validate(reduce_op)
+        dev = self._strategy.extended._devices[self._replica_id]
+        local = nest.map_structure(lambda v: _to_tensor_on(v, dev), value)
+
+        def merge(strategy, per_replica):
+            leaves = nest.flatten(per_replica)
+            comps = [list(l.values) if isinstance(l, DistributedValues) else [l] for l in leaves]
+            reduced = strategy.extended._cross_device_ops.all_reduce_components(reduce_op, comps)
+            return nest.pack_sequence_as(per_replica, [Mirrored(r) for r in reduced])
+
+        return self.merge_call(merge, args=(local,))
+
+    def __repr__(self):
+        return f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync}>"
+
+
+def _to_tensor_on(value, dev):
+    """A Tensor on ``dev`` for a Tensor, Variable, NumPy value or Python number."""
+    if isinstance(value, Variable):
+        value = value.value()
+    if isinstance(value, Tensor):
+        if value._device is dev:
+            return value
+        with dev.activate():
+            return Tensor(dev.copy_from(value._buf, value._device), dev)
+    if isinstance(value, DistributedValues):
+        raise TypeError(f"expected this replica's own value, got a {type(value).__name__}; "
+                        f"pass PerReplica values as arguments of strategy.run instead.")
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(f"cannot reduce a value of type {type(value).__name__} ({value!r:.60}): "
+                        f"only numbers and numeric tensors can be reduced across replicas.")
+    return constant(arr if isinstance(value, (np.ndarray, np.generic)) else value, device=dev)
+
+
+# --- the replica workers ---------------------------------------------------------------
+
+class _ReplicaWorkers:
+    """One long-lived thread per replica device, each bound to its device."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.jobs = []
+        self.threads = []
+        for i, dev in enumerate(strategy.extended._devices):
+            q = queue.SimpleQueue()
+            t = threading.Thread(target=self._loop, args=(i, dev, q), daemon=True,
+                                 name=f"mirrored-replica-{i}")
+            t.start()
+            self.jobs.append(q)
+            self.threads.append(t)
+
+    def _loop(self, replica_id, dev, jobs):
+        with dev.activate():
+            while True:
+                job = jobs.get()
+                if job is None:
+                    return
+                job(replica_id)
+
+    def run(self, fn, args, kwargs, outer_stack):
+        n = len(self.jobs)
+        merge_point = _MergePoint(n)
+        results, errors = [None] * n, [None] * n
+        done = threading.Semaphore(0)
+        strategy = self.strategy
+
+        def job(i):
+            dev = strategy.extended._devices[i]
+            context.set_stack(outer_stack + [(strategy, ReplicaContext(strategy, i, merge_point))])
+            try:
+                with _dev.device_scope(dev):
+                    results[i] = fn(*select_replica(i, args), **select_replica(i, kwargs))
+                merge_point.finish(i)
+            except BaseException as err:  # noqa: BLE001 (handed to the caller)
+                errors[i] = err
+                merge_point.abort(err)
+            finally:
+                context.set_stack([])
+                done.release()
+
+        for q in self.jobs:
+            q.put(job)
+        for _ in range(n):
+            done.acquire()
+        _raise_first(errors, strategy)
+        return results
+
+    def close(self):
+        for q in self.jobs:
+            q.put(None)
+
+
+def _raise_first(errors, strategy):
+    """Re-raise the first real replica error (not a released waiter), naming the replica."""
+    real = [(i, e) for i, e in enumerate(errors) if e is not None and not isinstance(e, _Aborted)]
+    if not real:
+        aborted = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if not aborted:
+            return
+        i, e = aborted[0]
+        real = [(i, e.args[0] if e.args and isinstance(e.args[0], BaseException) else e)]
+    i, err = real[0]
+    dev = strategy.extended._devices[i]
+    if hasattr(err, "add_note"):
+        err.add_note(f"(raised in replica {i} of {len(errors)}, on {dev.name})")
+    raise err
+
+
+# --- the extended object (TensorFlow's StrategyExtended) ----------------------------------
+
+class StrategyExtended:
+    """Lower-level strategy API: devices, cross-device reductions."""
+
+    def __init__(self, strategy, devices, cross_device_ops):
+        self._strategy = strategy
+        self._devices = list(devices)
+        self._cross_device_ops = cross_device_ops
+
+    @property
+    def worker_devices(self):
+        return tuple(d.name for d in self._devices)
+
+    @property
+    def parameter_devices(self):
+        return self.worker_devices
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduce ``value`` across replicas to ``destinations`` (a device, a variable...)."""
+        reduce_op = ReduceOp.validate(reduce_op)
+        n = len(self._devices)
+        if not isinstance(value, DistributedValues):
+            # TensorFlow's rule for a value that is the same on every replica.
+            if reduce_op == ReduceOp.SUM and n > 1:
+                raise ValueError(f"A non-DistributedValues value {value!r:.60} cannot be reduced "
+                                 f"with the given reduce op SUM over {n} replicas.")
+            tensor = _to_tensor_on(value, self._devices[0])
+            return _single(self._cross_device_ops.broadcast(tensor, destinations))
+        if isinstance(value, Mirrored) and reduce_op == ReduceOp.MEAN:
+            return _single(self._cross_device_ops.broadcast(value, destinations))
+        comps = [_to_tensor_on(v, d) for v, d in zip(value.values, self._devices)]
+        return _single(self._cross_device_ops.reduce(reduce_op, PerReplica(comps), destinations))
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
+
+
+def _single(mirrored):
+    return mirrored.values[0] if len(mirrored.values) == 1 else mirrored
+
+
+# --- strategies ---------------------------------------------------------------------------
+
+class Strategy:
+    """What every strategy shares; subclasses choose devices and variable creation."""
+
+    def __init__(self, devices, cross_device_ops):
+        self._extended = StrategyExtended(self, devices, cross_device_ops)
+        self._workers = None
+        self._workers_lock = threading.Lock()
+
+    # -- properties
+    @property
+    def extended(self):
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self):
+        return len(self._extended._devices)
+
+    @property
+    def cluster_resolver(self):
+        return None
+
+    # -- scope
+    @contextlib.contextmanager
+    def scope(self):
+        """Make this the current strategy (variables created inside are distributed)."""
+        current, _ = context.top()
+        if current is not None and current is not self:
+            raise RuntimeError(
+                f"Mixing different tf.distribute.Strategy objects: {self!r} is not {current!r}. "
+                f"Leave the other strategy's scope first (variables belong to one strategy).")
+        context.push(self, None)
+        try:
+            yield self
+        finally:
+            context.pop()
+
+    def __enter__(self):  # pragma: no cover - TF does not support `with strategy:` either
+        raise TypeError("use `with strategy.scope():`, not `with strategy:`.")
+
+    # -- variables
+    def _create_variable(self, initial_value=None, trainable=True, name=None, dtype=None,
+                         aggregation=VariableAggregation.NONE, **kwargs):
+        return _plain_variable(initial_value, trainable=trainable, name=name, dtype=dtype,
+                               aggregation=aggregation, device=self._extended._devices[0])
+
+    # -- running replicas
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Call ``fn(*args, **kwargs)`` once per replica; returns PerReplica (or plain) values."""
+        kwargs = kwargs or {}
+        strategy, replica_ctx = context.top()
+        if replica_ctx is not None and strategy is not None and not isinstance(strategy, _DefaultStrategy):
+            raise RuntimeError("strategy.run was called inside a replica function; call it from "
+                               "the outer (cross-replica) code.")
+        outer = [e for e in context.stack() if e[1] is None]
+        if self.num_replicas_in_sync == 1:
+            dev = self._extended._devices[0]
+            context.push(self, ReplicaContext(self, 0))
+            try:
+                with _dev.device_scope(dev):
+                    return fn(*select_replica(0, args), **select_replica(0, kwargs))
+            finally:
+                context.pop()
+        with self._workers_lock:
+            if self._workers is None:
+                self._workers = _ReplicaWorkers(self)
+        results = self._workers.run(fn, args, kwargs, outer or [(self, None)])
+        return regroup(results)
+
+    # -- combining results
+    def experimental_local_results(self, value):
+        """The per-replica components as a tuple; ``(value,)`` for a plain value."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        return (value,)
+
+    def _host_components(self, value, what):
+        comps = self.experimental_local_results(value)
+        out = []
+        for c in comps:
+            if isinstance(c, (Tensor, Variable)):
+                arr = np.asarray(c.numpy())
+            else:
+                arr = np.asarray(c)
+            if arr.dtype.kind not in "fiub":
+                raise TypeError(f"{what}: cannot reduce a value of type {type(c).__name__} "
+                                f"({c!r:.60}): only numbers and numeric tensors.")
+            out.append(arr)
+        return out
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Combine ``value`` across replicas on the host.
+
+        ``axis=None``: across replicas only (SUM adds the components, MEAN
+        averages them). ``axis=0`` (or another axis): also across that axis of
+        each component, so MEAN divides by the true number of elements — with an
+        uneven last batch each replica counts what it really had.
+        """
+        reduce_op = ReduceOp.validate(reduce_op)
+        _, replica_ctx = context.top()
+        if replica_ctx is not None and not isinstance(self, _DefaultStrategy):
+            raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
+                               "function use get_replica_context().all_reduce(...).")
+        n = self.num_replicas_in_sync
+        if not isinstance(value, DistributedValues) and axis is None:
+            if reduce_op == ReduceOp.SUM and n > 1:
+                raise ValueError(f"A non-DistributedValues value {value!r:.60} cannot be reduced "
+                                 f"with the given reduce op SUM over {n} replicas; return it from "
+                                 f"strategy.run so that each replica contributes its own.")
+            return HostTensor.wrap(self._host_components(value, "reduce")[0])
+        comps = self._host_components(value, "reduce")
+        if axis is None:
+            total = comps[0].copy()
+            for c in comps[1:]:
+                if c.shape != total.shape:
+                    raise ValueError(f"reduce: replicas returned shapes {[x.shape for x in comps]}; "
+                                     f"with axis=None they must match (or pass axis=0).")
+                total = total + c
+            if reduce_op == ReduceOp.MEAN:
+                # divide in the values' own dtype (integers truncate), as the
+                # cross-device ops do on the devices
+                total = (total / len(comps)).astype(comps[0].dtype)
+            return HostTensor.wrap(total.astype(comps[0].dtype, copy=False))
+        sums = [c.sum(axis=axis, dtype=c.dtype) for c in comps]
+        total = sums[0]
+        for s in sums[1:]:
+            total = total + s
+        if reduce_op == ReduceOp.SUM:
+            return HostTensor.wrap(total)
+        count = sum(c.shape[axis] for c in comps)
+        mean = total / count if count else total * np.nan
+        return HostTensor.wrap(mean.astype(comps[0].dtype) if comps[0].dtype.kind == "f" else mean)
+
+    def gather(self, value, axis):
+        """Every replica's value concatenated along ``axis``, on the host."""
+        comps = self._host_components(value, "gather")
+        return HostTensor.wrap(np.concatenate([np.atleast_1d(c) for c in comps], axis=axis))
+
+    # -- distributing inputs
+    def experimental_distribute_values_from_function(self, value_fn):
+        """``value_fn(ValueContext)`` once per replica; results placed on each device."""
+        n = self.num_replicas_in_sync
+        comps = []
+        for i, dev in enumerate(self._extended._devices):
+            with _dev.device_scope(dev):
+                v = value_fn(ValueContext(i, n))
+                comps.append(nest.map_structure(
+                    lambda x: _to_tensor_on(x, dev) if isinstance(x, (Tensor, np.ndarray, np.generic, int, float))
+                    else x, v))
+        return nest.map_structure(lambda *c: PerReplica(c), *comps) if nest.is_nested(comps[0]) \
+            else PerReplica(comps)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Each global batch split over the replicas (TensorFlow's rebatching rule)."""
+        from mirrored.input_lib import DistributedDataset
+        return DistributedDataset(dataset, self, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """``dataset_fn(InputContext)`` once; each replica takes its own batch per step."""
+        from mirrored.input_lib import DistributedDatasetsFromFunction
+        ctx = InputContext(1, 0, self.num_replicas_in_sync)
+        return DistributedDatasetsFromFunction(dataset_fn(ctx), self, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input):
+        from mirrored.data import Dataset
+        return Dataset.from_tensor_slices(numpy_input)
+
+    def __repr__(self):
+        return f"<{type(self).__name__} on {[d.short_name for d in self._extended._devices]}>"
+
+    def __del__(self):
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            workers.close()
+
+
+def _plain_variable(initial_value, **kwargs):
+    """A single-device Variable, bypassing the scope's redirection."""
+    var = object.__new__(Variable)
+    Variable.__init__(var, initial_value, **kwargs)
+    return var
+
+
+def _default_cross_device_ops():
+    try:
+        from mirrored.cross_device_ops import RingAllReduce
+        return RingAllReduce()
+    except ImportError:
+        return ReductionToOneDevice()
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism on one machine: one replica per device.
+
+    ``devices``: device strings (any TensorFlow spelling); ``None`` means every
+    logical GPU, or the CPU if there is none. ``cross_device_ops``: how gradients
+    are summed; the default is our ring all-reduce (``RingAllReduce``).
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        if devices is None:
+            all_devices = _dev.logical_devices()
+            chosen = [d for d in all_devices if d.device_type == "GPU"] or \
+                     [d for d in all_devices if d.device_type == "CPU"][:1]
+        else:
+            if isinstance(devices, str):
+                devices = [devices]
+            devices = list(devices)
+            if not devices:
+                raise ValueError("MirroredStrategy needs at least one device; devices=[] was given.")
+            names = [_dev.canonical_name(d) for d in devices]
+            dup = [n for n in names if names.count(n) > 1]
+            if dup:
+                raise ValueError(f"No duplicates allowed in `devices` argument: {devices} "
+                                 f"({dup[0]} appears twice).")
+            chosen = [_dev.get_device(d) for d in devices]
+        if cross_device_ops is None:
+            cross_device_ops = _default_cross_device_ops()
+        if not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as RingAllReduce(), "
+                            f"got {cross_device_ops!r}.")
+        super().__init__(chosen, cross_device_ops)
+        print(f"Using MirroredStrategy with devices {tuple(d.name for d in chosen)}")
+
+    def _create_variable(self, initial_value=None, trainable=True, name=None, dtype=None,
+                         aggregation=VariableAggregation.NONE, **kwargs):
+        if callable(initial_value):
+            initial_value = initial_value()         # called once: every copy starts equal
+        base = name or "Variable"
+        components = []
+        for i, dev in enumerate(self._extended._devices):
+            comp = _plain_variable(initial_value, trainable=trainable, name=base, dtype=dtype,
+                                   aggregation=aggregation, device=dev)
+            if i:
+                comp._handle_name = f"{base}/replica_{i}:0"
+            components.append(comp)
+        return MirroredVariable._build(self, components, aggregation)
+
+
+class OneDeviceStrategy(Strategy):
+    """Everything on one device: one replica, plain variables there."""
+
+    def __init__(self, device):
+        super().__init__([_dev.get_device(device)], ReductionToOneDevice())
+
+    @contextlib.contextmanager
+    def scope(self):
+        with super().scope(), _dev.device_scope(self._extended._devices[0]):
+            yield self
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in force outside every scope: one replica on the current device."""
+
+    def __init__(self):
+        self._extended = None
+        self._workers = None
+        self._workers_lock = threading.Lock()
+
+    @property
+    def extended(self):
+        return StrategyExtended(self, [_dev.current_device()], ReductionToOneDevice())
+
+    @property
+    def num_replicas_in_sync(self):
+        return 1
+
+    def _create_variable(self, initial_value=None, **kwargs):
+        return _plain_variable(initial_value, **kwargs)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        return fn(*args, **(kwargs or {}))
+
+    def __repr__(self):
+        return "<default strategy>"
+
+
+_DEFAULT = None
+
+
+def _default_strategy():
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = _DefaultStrategy()
+    return _DEFAULT
+
+
+# --- module-level functions (tf.distribute.*) ------------------------------------------
+
+def get_strategy():
+    """The strategy whose scope we are in (or whose replica is running), else the default."""
+    strategy, _ = context.top()
+    return strategy if strategy is not None else _default_strategy()
+
+
+def has_strategy():
+    return context.top()[0] is not None
+
+
+def get_replica_context():
+    """The ReplicaContext inside ``run``; ``None`` in cross-replica context (a scope, outside run)."""
+    strategy, replica_ctx = context.top()
+    if strategy is None:
+        return _DefaultReplicaContext()
+    return replica_ctx
+
+
+def in_cross_replica_context():
+    """True inside a strategy's scope but outside ``run`` (and inside merge functions)."""
+    strategy, replica_ctx = context.top()
+    return strategy is not None and replica_ctx is None
+
+
+class _DefaultReplicaContext(ReplicaContext):
+    def __init__(self):
+        super().__init__(_default_strategy(), 0)
+
+    @property
+    def replica_id_in_sync_group(self):
+        return constant(0, dtype=np.int32)
+
+    @property
+    def devices(self):
+        return (_dev.current_device().name,)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        ReduceOp.validate(reduce_op)
+        return value
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        return merge_fn(self._strategy, *args, **(kwargs or {}))
