@@ -34,6 +34,12 @@ import pytest  # noqa: E402  (after the environment is settled)
 SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 
 
+def pytest_configure(config):
+    # Added here, not in pytest.ini: naming a numba warning class there would make
+    # pytest import numba before this file has chosen the simulator.
+    config.addinivalue_line("filterwarnings", "ignore::numba.core.errors.NumbaPerformanceWarning")
+
+
 def pytest_report_header(config):
     mode = "Numba CUDA simulator (no GPU found)" if SIMULATOR else "real CUDA GPU"
     return f"mirrored tests: CUDA kernels run on the {mode}"

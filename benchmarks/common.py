@@ -1,0 +1,264 @@
+"""Helpers shared by every benchmark program in ``benchmarks/``.
+
+The method (DESIGN.md, "Performance method"): count the floor first, warm up, time
+with CUDA events, repeat, quote the *median* and a ratio to a measured ceiling or a
+peer, never a single time. This module holds the parts every program needs:
+
+    choose_cuda(smoke)     decide real CUDA vs the simulator *before* numba is imported
+    gpu_status()           (True, name) or (False, why not)
+    device_info()          device name, compute capability, driver and library versions
+    time_gpu(fn)           CUDA-event timer: warm-up, samples of ``number`` calls, median
+    time_host(fn)          the same with time.perf_counter (simulator smoke runs, CPU)
+    copy_bandwidth(nbytes) measured device-to-device copy GB/s: the memory ceiling
+    print_table(rows, columns), write_json(name, payload, info, out)
+
+A benchmark never writes a number it did not measure: a peer that is missing, a check
+that failed, a size that did not fit is listed under "skipped" with its reason, with
+no number attached.
+
+Typical program::
+
+    from benchmarks import common
+    common.choose_cuda(smoke=args.smoke)      # first, before anything imports numba
+    ok, why = common.gpu_status()
+    ...
+    t = common.time_gpu(lambda: kernel(...))  # {"median_s": ..., ...}
+    common.write_json("kernels", {"results": rows}, common.device_info())
+"""
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+#: Where recorded runs live: benchmarks/results/<name>-<device>-<date>.json.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+#: Untimed calls before timing: the first call compiles the kernel and warms caches.
+WARMUP = 3
+#: Timed samples; the median of 20 shrugs off a few outliers (clock ramps, other jobs).
+REPEAT = 20
+#: Auto-calibrated samples last at least this long, so µs kernels are not dominated by
+#: the event-recording overhead (~µs) and the timer's resolution.
+MIN_SAMPLE_S = 1e-3
+#: Cap on calls per sample when auto-calibrating.
+MAX_NUMBER = 1000
+
+
+# --- choosing real CUDA or the simulator -------------------------------------------------
+
+def choose_cuda(smoke=False):
+    """Set ``NUMBA_ENABLE_CUDASIM`` before numba is imported (numba reads it once).
+
+    ``smoke=True``: the simulator, for checking that a benchmark program runs at all.
+    Otherwise real CUDA, unless the caller's environment already forces the simulator
+    (``gpu_status`` then reports that timings would be meaningless).
+    """
+    if "numba" in sys.modules and "numba.cuda" in sys.modules:
+        from numba import config
+        if bool(config.ENABLE_CUDASIM) != bool(smoke):
+            raise RuntimeError("numba.cuda was imported before choose_cuda(); call it first.")
+        return
+    if smoke:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    else:
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
+
+
+def simulator():
+    from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def gpu_status():
+    """(True, device name) when a real CUDA GPU is usable, else (False, reason)."""
+    if simulator():
+        return False, ("NUMBA_ENABLE_CUDASIM=1 is set: kernels would run in the CUDA "
+                       "simulator, whose timings mean nothing")
+    from numba import cuda
+    try:
+        if not cuda.is_available():
+            return False, "no CUDA GPU or driver found (numba.cuda.is_available() is False)"
+        return True, _name(cuda.get_current_device())
+    except Exception as exc:  # a broken driver install: report it, don't crash
+        return False, f"CUDA initialisation failed: {exc}"
+
+
+def _name(dev):
+    name = dev.name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _version(dist):
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def device_info():
+    """What ran the benchmark: device, versions, date. Goes into every JSON file."""
+    info = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": _version("numpy"),
+        "numba": _version("numba"),
+        "numba_cuda": _version("numba-cuda"),
+        "cupy": _version("cupy-cuda12x") or _version("cupy-cuda13x") or _version("cupy"),
+        "torch": _version("torch"),
+        "simulator": simulator(),
+    }
+    if info["simulator"]:
+        info["device"] = "Numba CUDA simulator"
+        return info
+    ok, why = gpu_status()
+    if not ok:
+        info["device"] = "none"
+        info["device_note"] = why
+        return info
+    from numba import cuda
+    dev = cuda.get_current_device()
+    info["device"] = _name(dev)
+    fields = {
+        "compute_capability": lambda: ".".join(map(str, dev.compute_capability)),
+        "multiprocessors": lambda: int(dev.MULTIPROCESSOR_COUNT),
+        "memory_bytes": lambda: int(cuda.current_context().get_memory_info()[1]),
+        "driver_version": lambda: ".".join(map(str, cuda.cudadrv.driver.driver.get_version())),
+        "runtime_version": lambda: ".".join(map(str, cuda.runtime.get_version())),
+        "numba_cuda_implementation": lambda: getattr(cuda, "implementation", None),
+    }
+    for key, read in fields.items():  # one unreadable field must not lose the run
+        try:
+            info[key] = read()
+        except Exception as exc:
+            info[key] = None
+            info.setdefault("unreadable", {})[key] = str(exc)[:200]
+    return info
+
+
+def device_slug(info):
+    """File-name-safe device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", str(info.get("device", "unknown")).lower()).strip("-")
+
+
+# --- timers ------------------------------------------------------------------------------
+
+def _summary(per_call, number):
+    return {
+        "median_s": statistics.median(per_call),
+        "min_s": min(per_call),
+        "max_s": max(per_call),
+        "samples": len(per_call),
+        "calls_per_sample": number,
+    }
+
+
+def time_gpu(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=0):
+    """Time ``fn()`` (which launches GPU work on ``stream``) with CUDA events.
+
+    Each sample records an event, calls ``fn`` ``number`` times, records another event
+    and waits for it; the sample's time per call is the elapsed GPU time / number.
+    ``number=None`` calibrates it so a sample lasts >= MIN_SAMPLE_S. ``stream=0`` is
+    the legacy default stream, which also orders work that CuPy or PyTorch launch on
+    their default streams, so one timer serves our kernels and the peers. (The hot path
+    never uses the legacy default stream; a benchmark is not the hot path.)
+    Returns a dict of seconds per call: median_s, min_s, max_s, samples, calls_per_sample.
+    """
+    from numba import cuda
+    start, end = cuda.event(timing=True), cuda.event(timing=True)
+
+    def sample(n):
+        start.record(stream)
+        for _ in range(n):
+            fn()
+        end.record(stream)
+        end.synchronize()
+        return cuda.event_elapsed_time(start, end) / 1e3 / n  # ms -> s, per call
+
+    for _ in range(warmup):
+        fn()
+    cuda.synchronize()
+    if number is None:
+        once = max(sample(1), 1e-7)
+        number = int(min(MAX_NUMBER, max(1, MIN_SAMPLE_S // once)))
+    return _summary([sample(number) for _ in range(repeat)], number)
+
+
+def time_host(fn, warmup=WARMUP, repeat=REPEAT, number=1, sync=None):
+    """Time ``fn()`` with time.perf_counter; ``sync()`` (if given) runs before each clock
+    read, e.g. ``cuda.synchronize``. For smoke runs in the simulator and CPU code."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    per_call = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        if sync:
+            sync()
+        per_call.append((time.perf_counter() - t0) / number)
+    return _summary(per_call, number)
+
+
+def copy_bandwidth(nbytes, timer=None):
+    """Measured device-to-device copy bandwidth, the practical memory ceiling.
+
+    Copies a float32 buffer of ``nbytes`` into another with ``copy_to_device``; a copy
+    reads and writes every byte, so bytes moved = 2 * nbytes. Returns
+    (GB/s, timing dict); ``timer`` defaults to ``time_gpu``.
+    """
+    from numba import cuda
+    n = max(1, nbytes // 4)
+    src = cuda.device_array(n, "float32")
+    dst = cuda.device_array(n, "float32")
+    timing = (timer or time_gpu)(lambda: dst.copy_to_device(src))
+    return 2 * n * 4 / timing["median_s"] / 1e9, timing
+
+
+# --- output ------------------------------------------------------------------------------
+
+def print_table(rows, columns, file=None):
+    """Print ``rows`` (dicts) as an aligned table; ``columns`` = [(key, header, fmt)],
+    fmt a format spec such as ".1f"; missing values print as '-'."""
+    file = file or sys.stdout
+
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        return format(value, fmt) if fmt else str(value)
+
+    table = [[header for _, header, _ in columns]]
+    table += [[cell(r, k, f) for k, _, f in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    for n, line in enumerate(table):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(line, widths))), file=file)
+        if n == 0:
+            print("  ".join("-" * w for w in widths), file=file)
+
+
+def results_path(name, info):
+    """benchmarks/results/<name>-<device>-<YYYY-MM-DD>.json"""
+    date = info.get("date_utc", _dt.datetime.now(_dt.timezone.utc).isoformat())[:10]
+    return RESULTS_DIR / f"{name}-{device_slug(info)}-{date}.json"
+
+
+def write_json(name, payload, info, out=None):
+    """Write ``{"benchmark": name, "device": info, **payload}`` to ``out`` (default
+    ``results_path(name, info)``), atomically (temp file, then rename). Returns the path."""
+    path = Path(out) if out else results_path(name, info)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "device": info, **payload}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,338 @@
+"""Kernel benchmarks: every GEMM version against cuBLAS, the memory-bound kernels
+against the measured copy bandwidth.
+
+    python -m benchmarks.kernels                          # on a CUDA GPU
+    python -m benchmarks.kernels --smoke --out k.json     # tiny sizes, CUDA simulator
+
+On a GPU it prints a table and writes benchmarks/results/kernels-<gpu>-<date>.json.
+Without one it says so and exits 0, writing nothing. ``--smoke`` runs tiny sizes in
+Numba's CUDA simulator with perf_counter timing: it proves the program works (the
+test suite runs it), its times mean nothing, and it writes JSON only to ``--out``.
+
+What is counted (the floors), per call:
+    GEMM             2 * M * N * K flops                    -> GFLOP/s, and / cuBLAS
+    binary add       3 * 4n bytes (read x, y; write out)    -> GB/s, and / copy GB/s
+    softmax_xent     B*C*4 logits + B*4 labels (int32) read;
+                     B*C*4 grad + B*4 loss + B*4 correct written
+    sgd (momentum)   5 * 4n bytes (read w, g, v; write w, v)
+    adam             7 * 4n bytes (read w, g, m, v; write w, m, v)
+    copy             2 * nbytes (read + write): the practical memory ceiling
+
+Peers: cuBLAS SGEMM through CuPy or PyTorch, whichever imports, with TF32 off (TF32
+would round the inputs to 10-bit mantissas: a different, faster computation).
+
+Targets on an H100 (issue 3): v3 >= 50% of cuBLAS FP32 at 4096^3; elementwise and
+softmax-xent >= 80% of copy bandwidth at >= 64 MB. The JSON records whether each
+was met, when it was measured.
+
+Every implementation's output is checked before it is timed (as llm.c does): a wrong
+kernel is reported as failed and never timed.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from benchmarks import common
+
+#: (name, M, N, K, trans_a, trans_b). MNIST's 784-64-10 MLP at batch 64, forward and
+#: backward (dW = x.T @ dy, dx = dy @ W.T), then squares big enough to be compute-bound.
+GEMM_SHAPES = [
+    ("dense1 forward  x @ W", 64, 64, 784, False, False),
+    ("dense1 backward x.T @ dy", 784, 64, 64, True, False),
+    ("dense1 backward dy @ W.T", 64, 784, 64, False, True),
+    ("dense2 forward  h @ W", 64, 10, 64, False, False),
+    ("dense2 backward h.T @ dy", 64, 10, 64, True, False),
+    ("dense2 backward dy @ W.T", 64, 64, 10, False, True),
+    ("square 1024", 1024, 1024, 1024, False, False),
+    ("square 4096", 4096, 4096, 4096, False, False),
+]
+#: Tiny shapes for --smoke: the simulator runs a Python thread per CUDA thread.
+SMOKE_GEMM_SHAPES = [("smoke transposed", 9, 17, 5, True, True)]
+#: --smoke timing: the checked first call warms up; two samples give a median.
+SMOKE_WARMUP = 0
+SMOKE_REPEAT = 2
+
+#: Memory-bound kernels move arrays of this many bytes each: the issue's ">= 64 MB",
+#: far beyond the H100's 50 MB L2, so DRAM bandwidth is what is measured.
+MEM_BYTES = 64 * 2**20
+SMOKE_MEM_BYTES = 2 * 1024
+#: softmax_xent's class count: MNIST's 10.
+XENT_CLASSES = 10
+
+#: Checks before timing. GEMM: |got - want| <= GEMM_CHECK_RTOL * K * max|want|, a
+#: float32 K-term sum's worst case with margin. Memory-bound kernels: float32 roundings.
+GEMM_CHECK_RTOL = 1e-6
+ELEMENTWISE_CHECK_RTOL = 1e-5
+
+TARGET_GEMM_FRACTION = 0.50  # v3 / cuBLAS at 4096^3
+TARGET_BANDWIDTH_FRACTION = 0.80  # elementwise and softmax-xent / copy, >= 64 MB
+
+
+# --- peers -------------------------------------------------------------------------------
+
+def cublas_peer():
+    """(description, prepare) where prepare(a, b, out, ta, tb) returns a no-argument
+    callable computing out = op(a) @ op(b) with cuBLAS on our device arrays (no
+    copies); or (None, reason) when neither CuPy nor PyTorch can run it."""
+    reasons = []
+    try:
+        import cupy
+
+        def prepare(a, b, out, ta, tb):
+            A, B, C = cupy.asarray(a), cupy.asarray(b), cupy.asarray(out)
+            A, B = (A.T if ta else A), (B.T if tb else B)
+            return lambda: cupy.matmul(A, B, out=C)
+        return f"cuBLAS via CuPy {cupy.__version__}", prepare
+    except Exception as exc:  # not installed, or no CUDA for it
+        reasons.append(f"CuPy: {type(exc).__name__}: {exc}"[:120])
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch.cuda.is_available() is False")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+
+        def prepare(a, b, out, ta, tb):
+            A, B, C = (torch.as_tensor(x, device="cuda") for x in (a, b, out))
+            A, B = (A.T if ta else A), (B.T if tb else B)
+            return lambda: torch.matmul(A, B, out=C)
+        return f"cuBLAS via PyTorch {torch.__version__}", prepare
+    except Exception as exc:
+        reasons.append(f"PyTorch: {type(exc).__name__}: {exc}"[:120])
+    return None, "; ".join(reasons)
+
+
+# --- checks ------------------------------------------------------------------------------
+
+def _check(got, want, atol, rtol=0.0):
+    """None when |got - want| <= atol + rtol * |want| everywhere, else a message."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    err = np.abs(got - want)
+    bad = ~(err <= atol + rtol * np.abs(want))
+    if not bad.any():
+        return None
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    return (f"{int(bad.sum())} of {bad.size} wrong, max abs err {np.nanmax(err):.3g}, "
+            f"first at {idx}: got {got[idx]}, want {want[idx]}")
+
+
+# --- the benchmarks ------------------------------------------------------------------------
+
+def bench_gemm(shapes, timer, peer, results, skipped):
+    from numba import cuda
+
+    from kernels.gemm import VERSIONS, gemm
+
+    rng = np.random.default_rng(0)
+    peer_name, prepare = peer
+    for name, m, n, k, ta, tb in shapes:
+        a_h = rng.uniform(-1, 1, (k, m) if ta else (m, k)).astype(np.float32)
+        b_h = rng.uniform(-1, 1, (n, k) if tb else (k, n)).astype(np.float32)
+        a, b = cuda.to_device(a_h), cuda.to_device(b_h)
+        out = cuda.device_array((m, n), np.float32)
+        shape = f"{m}x{n}x{k}"
+        trans = ("T" if ta else "N") + ("T" if tb else "N")
+        flops = 2.0 * m * n * k
+        want = None
+        peer_gflops = None
+        if prepare is not None:
+            run_peer = prepare(a, b, out, ta, tb)
+            run_peer()
+            want = out.copy_to_host()
+            t = timer(run_peer)
+            peer_gflops = flops / t["median_s"] / 1e9
+            results.append(dict(kind="gemm", name=name, shape=shape, trans=trans,
+                                impl=peer_name, gflops=peer_gflops, **t))
+        elif m * n * k <= 2**30:  # the host can afford a float64 check
+            op_a = (a_h.T if ta else a_h).astype(np.float64)
+            op_b = (b_h.T if tb else b_h).astype(np.float64)
+            want = op_a @ op_b
+        for version in VERSIONS:
+            run = (lambda v=version: gemm(a, b, out, ta, tb, version=v))
+            run()
+            if want is None:
+                skipped.append(dict(name=f"gemm {version} {shape}",
+                                    reason="no cuBLAS peer and too large to check on the host; "
+                                           "not timed unchecked"))
+                continue
+            bad = _check(out.copy_to_host(), want,
+                         atol=GEMM_CHECK_RTOL * k * float(np.abs(want).max() or 1.0))
+            if bad:
+                skipped.append(dict(name=f"gemm {version} {shape} {trans}",
+                                    reason=f"wrong result, not timed: {bad}"))
+                continue
+            t = timer(run)
+            gflops = flops / t["median_s"] / 1e9
+            results.append(dict(kind="gemm", name=name, shape=shape, trans=trans,
+                                impl=f"gemm {version}", gflops=gflops,
+                                vs_peer=gflops / peer_gflops if peer_gflops else None, **t))
+
+
+def bench_memory(nbytes, timer, results, skipped):
+    """Copy bandwidth, then each memory-bound kernel at arrays of ``nbytes``."""
+    from numba import cuda
+
+    from kernels.elementwise import binary
+    from kernels.optimizers import adam, adam_ref, sgd, sgd_ref
+    from kernels.softmax_xent import softmax_xent, softmax_xent_ref
+
+    copy_gbps, t = common.copy_bandwidth(nbytes, timer=timer)
+    results.append(dict(kind="memory", name="device-to-device copy", impl="copy_to_device",
+                        bytes=2 * (nbytes // 4) * 4, gbps=copy_gbps, vs_copy=1.0, **t))
+    rng = np.random.default_rng(0)
+    n = nbytes // 4
+
+    def record(name, impl, moved, run, check):
+        run()
+        bad = check()
+        if bad:
+            skipped.append(dict(name=name, reason=f"wrong result, not timed: {bad}"))
+            return
+        t = timer(run)
+        gbps = moved / t["median_s"] / 1e9
+        results.append(dict(kind="memory", name=name, impl=impl, bytes=moved, gbps=gbps,
+                            vs_copy=gbps / copy_gbps, **t))
+
+    # Elementwise add: read x, y; write out.
+    x_h, y_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+    x, y, out = cuda.to_device(x_h), cuda.to_device(y_h), cuda.device_array(n, np.float32)
+    record("elementwise add", "kernels.elementwise.binary", 3 * 4 * n,
+           lambda: binary("add", x, y, out),
+           lambda: _check(out.copy_to_host(), x_h + y_h, 0.0, ELEMENTWISE_CHECK_RTOL))
+    del x, y, out
+
+    # Softmax cross-entropy over B rows of XENT_CLASSES logits.
+    b = max(1, nbytes // (4 * XENT_CLASSES))
+    logits_h = rng.standard_normal((b, XENT_CLASSES), np.float32)
+    labels_h = rng.integers(0, XENT_CLASSES, b).astype(np.int32)
+    logits, labels = cuda.to_device(logits_h), cuda.to_device(labels_h)
+    loss, correct = cuda.device_array(b, np.float32), cuda.device_array(b, np.float32)
+    grad = cuda.device_array((b, XENT_CLASSES), np.float32)
+    want = softmax_xent_ref(logits_h, labels_h, scale=1.0 / b)
+    record("softmax_xent (10 classes)", "kernels.softmax_xent", 4 * b * (2 * XENT_CLASSES + 3),
+           lambda: softmax_xent(logits, labels, loss, grad, correct, 1.0 / b),
+           lambda: (_check(loss.copy_to_host(), want[0], 1e-5, 1e-5)
+                    or _check(grad.copy_to_host(), want[1], 1e-7 / b, 1e-5)
+                    or _check(correct.copy_to_host(), want[2], 0.0)))
+    del logits, labels, loss, correct, grad
+
+    # Optimizers on one flat buffer of n parameters (checked on their first step).
+    w_h, g_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+    w, g, v = cuda.to_device(w_h), cuda.to_device(g_h), cuda.to_device(np.zeros(n, np.float32))
+    w_ref, v_ref = w_h.copy(), np.zeros(n, np.float32)
+    sgd_ref(w_ref, g_h, v_ref, 0.01, 0.9)
+    record("sgd momentum", "kernels.optimizers.sgd", 5 * 4 * n,
+           lambda: sgd(w, g, v, 0.01, 0.9),
+           lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
+    m = cuda.to_device(np.zeros(n, np.float32))
+    w.copy_to_device(w_h)
+    v.copy_to_device(np.zeros(n, np.float32))
+    w_ref, m_ref, v_ref = w_h.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    adam_ref(w_ref, g_h, m_ref, v_ref, 1e-3, 1)
+    record("adam", "kernels.optimizers.adam", 7 * 4 * n,
+           lambda: adam(w, g, m, v, 1e-3, 1),
+           lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
+
+
+def targets(results):
+    """Each issue-3 target that was measured: value, threshold, met."""
+    out = []
+    v3 = [r for r in results if r.get("impl") == "gemm v3" and r["shape"] == "4096x4096x4096"]
+    if v3 and v3[0].get("vs_peer") is not None:
+        out.append(dict(target="gemm v3 / cuBLAS FP32 at 4096^3", measured=v3[0]["vs_peer"],
+                        threshold=TARGET_GEMM_FRACTION,
+                        met=v3[0]["vs_peer"] >= TARGET_GEMM_FRACTION))
+    for name in ("elementwise add", "softmax_xent (10 classes)"):
+        rows = [r for r in results if r.get("name") == name and r["bytes"] >= 64e6]
+        if rows:
+            out.append(dict(target=f"{name} / copy bandwidth at >= 64 MB",
+                            measured=rows[0]["vs_copy"], threshold=TARGET_BANDWIDTH_FRACTION,
+                            met=rows[0]["vs_copy"] >= TARGET_BANDWIDTH_FRACTION))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes in the CUDA simulator (checks the program runs; "
+                             "times mean nothing)")
+    parser.add_argument("--out", help="write the JSON here instead of benchmarks/results/ "
+                                      "(--smoke writes JSON only when --out is given)")
+    parser.add_argument("--repeat", type=int, default=common.REPEAT,
+                        help=f"timed samples per measurement (default {common.REPEAT})")
+    args = parser.parse_args(argv)
+
+    common.choose_cuda(smoke=args.smoke)  # before anything imports numba.cuda
+    os.environ.setdefault("CUPY_TF32", "0")  # read by CuPy at import: keep FP32 GEMMs FP32
+    if args.smoke:
+        from numba import cuda
+        repeat, warmup = min(args.repeat, SMOKE_REPEAT), SMOKE_WARMUP
+
+        def timer(fn):
+            return common.time_host(fn, warmup=warmup, repeat=repeat, sync=cuda.synchronize)
+        shapes, nbytes, peer = SMOKE_GEMM_SHAPES, SMOKE_MEM_BYTES, (None, None)
+        skipped = [dict(name="cuBLAS peer", reason="smoke run in the CUDA simulator")]
+    else:
+        ok, why = common.gpu_status()
+        if not ok:
+            print(f"benchmarks.kernels: no GPU to measure on ({why}).\n"
+                  f"Nothing was timed and nothing was written. On a machine with a CUDA GPU "
+                  f"run `python -m benchmarks.kernels`; to check that this program works, "
+                  f"`python -m benchmarks.kernels --smoke --out /tmp/kernels.json`.")
+            return 0
+
+        repeat, warmup = args.repeat, common.WARMUP
+
+        def timer(fn):
+            return common.time_gpu(fn, warmup=warmup, repeat=repeat)
+        shapes, nbytes = GEMM_SHAPES, MEM_BYTES
+        peer = cublas_peer()
+        skipped = [] if peer[0] else [dict(name="cuBLAS peer", reason=peer[1])]
+        if peer[0] is None:
+            peer = (None, None)
+
+    info = common.device_info()
+    print(f"device: {info['device']}" + ("  (simulator: times mean nothing)" if args.smoke else ""))
+    results = []
+    bench_gemm(shapes, timer, peer, results, skipped)
+    bench_memory(nbytes, timer, results, skipped)
+
+    for r in results:
+        r["median_us"] = r["median_s"] * 1e6
+    print()
+    common.print_table([r for r in results if r["kind"] == "gemm"], [
+        ("name", "GEMM", ""), ("shape", "MxNxK", ""), ("trans", "op", ""), ("impl", "impl", ""),
+        ("median_us", "median µs", ".1f"), ("gflops", "GFLOP/s", ".1f"),
+        ("vs_peer", "/ cuBLAS", ".2f")])
+    print()
+    common.print_table([r for r in results if r["kind"] == "memory"], [
+        ("name", "memory-bound", ""), ("bytes", "bytes moved", ","), ("median_us", "median µs", ".1f"),
+        ("gbps", "GB/s", ".1f"), ("vs_copy", "/ copy", ".2f")])
+    met = targets(results)
+    for t in met:
+        print(f"target: {t['target']}: {t['measured']:.2f} (want >= {t['threshold']:.2f}) "
+              f"{'met' if t['met'] else 'NOT met'}")
+    for s in skipped:
+        print(f"skipped: {s['name']}: {s['reason']}")
+
+    payload = {
+        "method": {"timer": "perf_counter (simulator)" if args.smoke else "CUDA events",
+                   "statistic": "median seconds per call", "repeat": repeat,
+                   "warmup": warmup, "smoke": args.smoke,
+                   "memory_bytes_per_array": nbytes},
+        "results": results, "targets": met, "skipped": skipped,
+    }
+    if args.smoke and not args.out:
+        print("\n(smoke run: no --out given, nothing written)")
+        return 0
+    path = common.write_json("kernels", payload, info, out=args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""GEMM: ``out = alpha * op(A) @ op(B) + beta * out``, the matrix multiply behind Dense.
+
+Three versions live side by side; the launcher ``gemm(..., version=...)`` picks one:
+
+    v1  naive: one thread per output element, every operand read from global memory
+        (K loads of A and K loads of B per output: limited by memory, not arithmetic).
+    v2  shared-memory tiled: a 16x16 block stages a 16x16 tile of op(A) and of op(B)
+        in shared memory, so each global value is read once per block, not 16 times.
+    v3  register-tiled: a 16x16 block computes a 128x128 tile of ``out``; each thread
+        keeps an 8x8 block of accumulators in registers and reuses every value it loads
+        from shared memory 8 times. Designed to be the fastest, so it is the default
+        (``DEFAULT_VERSION``); ``python -m benchmarks.kernels`` measures all three
+        against cuBLAS on a GPU (target: v3 >= 50% of cuBLAS FP32 at 4096^3).
+
+``op(X)`` is ``X`` or ``X.T`` (flags ``trans_a``, ``trans_b``). Transposes are never
+materialised: each kernel is compiled once per (trans_a, trans_b) pair with the flags
+as compile-time constants (closure variables of a kernel factory), so the choice of
+index expression costs nothing per element. Dense needs all four combinations:
+forward ``x @ W``, backward ``dx = dy @ W.T`` and ``dW = x.T @ dy``.
+
+Shapes: op(A) is (M, K), op(B) is (K, N), out is (M, N); float32, 2-D, C-contiguous.
+``beta == 0`` never reads ``out`` (it may hold garbage or NaN), as BLAS specifies.
+
+Layout of this file (as every file in ``kernels/``):
+    NumPy reference   ``gemm_ref`` (the CPU backend calls it, any float dtype)
+    kernel factories  ``_make_v1``, ``_make_v2``, ``_make_v3``, one kernel per trans pair
+    launcher          ``gemm``: check, pick grid and block, launch
+
+Checking v3's registers with no GPU (the local accumulator array must live in
+registers, not in a stack frame in slow local memory)::
+
+    NUMBA_ENABLE_CUDASIM=0 python -c "from kernels.gemm import v3_ptx; print(v3_ptx())" > v3.ptx
+    ptxas -v -arch=sm_90 v3.ptx -o /dev/null     # want: "0 bytes stack frame"
+
+Measured that way (numba-cuda 0.30.4, ptxas 13.0, sm_90): all four v3 kernels use 179
+registers with a 0-byte stack frame and no spills, 8 KiB shared memory. 179 x 256
+threads leaves room for one block per SM; capping at 128 registers (two blocks) costs
+a 16-byte stack frame of spills, so we keep the registers.
+
+``cuda.compile_ptx`` needs NVVM and NVRTC (``pip install nvidia-cuda-nvrtc``, with
+``CUDA_HOME`` pointing at a toolkit that has ``nvvm/``); ptxas comes with the CUDA
+toolkit. ``tests/test_kernels_gemm.py::test_v3_register_tile_has_no_stack_frame`` runs
+exactly this and skips, saying why, where either is missing.
+"""
+import numpy as np
+from numba import cuda, float32
+
+from kernels.launch import ceil_div, check_array, check_no_alias, launch
+
+VERSIONS = ("v1", "v2", "v3")
+
+#: The launcher's choice when ``version=None``: the fastest correct version.
+DEFAULT_VERSION = "v3"
+
+#: v1 and v2 block edge: 16 x 16 = 256 threads, and a 16 x 16 shared tile (2 KiB
+#: each for A and B) small enough for many resident blocks per SM.
+TILE = 16
+#: v2 shared tiles get one extra column, so a column of a tile (stride TILE_PADDED = 17
+#: floats) falls in 16 different memory banks, not one. (A shared-array shape must be
+#: a constant: Numba does not fold ``TILE + 1`` written inside the kernel.)
+TILE_PADDED = TILE + 1
+
+#: v3 block tile: each block computes a BM x BN tile of ``out``, stepping through K
+#: BK columns at a time. 128 x 128 x 8 is the classic SGEMM shape: 8 KiB of shared
+#: memory per block and enough reuse (8 FMAs per shared load) to approach FP32 peak.
+BM = 128
+BN = 128
+BK = 8
+
+#: v3 thread tile: each thread owns TM x TN outputs (64 accumulators in registers).
+TM = 8
+TN = 8
+
+#: v3 block shape: (BN / TN) x (BM / TM) = 16 x 16 = 256 threads.
+V3_THREADS_X = BN // TN  # 16, runs over columns of the tile
+V3_THREADS_Y = BM // TM  # 16, runs over rows of the tile
+V3_THREADS = V3_THREADS_X * V3_THREADS_Y  # 256
+
+#: Elements of the A tile (BM x BK) and of the B tile (BK x BN) each thread loads.
+A_LOADS = BM * BK // V3_THREADS  # 4
+B_LOADS = BK * BN // V3_THREADS  # 4
+assert A_LOADS * V3_THREADS == BM * BK and B_LOADS * V3_THREADS == BK * BN
+
+
+# --- NumPy reference ---------------------------------------------------------------
+
+def gemm_ref(a, b, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """``alpha * op(a) @ op(b) + beta * out``, written into ``out`` when given.
+
+    Any float dtype (the result has ``a``'s dtype). ``beta`` is ignored when ``out``
+    is None, and ``out`` is never read when ``beta == 0`` (it may hold NaN).
+    Equals the loop nest::
+
+        for i in range(M):
+            for j in range(N):
+                acc = sum(op(a)[i, k] * op(b)[k, j] for k in range(K))
+                out[i, j] = alpha * acc + beta * out[i, j]   # beta * out only if beta != 0
+    """
+    op_a = a.T if trans_a else a  # (M, K)
+    op_b = b.T if trans_b else b  # (K, N)
+    if out is None:
+        out = np.matmul(op_a, op_b)  # (M, N)
+        if alpha != 1.0:
+            out *= out.dtype.type(alpha)
+        return out
+    if beta == 0.0:
+        np.matmul(op_a, op_b, out=out)  # (M, N), old out never read
+        if alpha != 1.0:
+            out *= out.dtype.type(alpha)
+        return out
+    prod = np.matmul(op_a, op_b)  # (M, N)
+    if alpha != 1.0:
+        prod *= prod.dtype.type(alpha)
+    out *= out.dtype.type(beta)
+    out += prod
+    return out
+
+
+# --- device helpers: where op(A)[i, k] and op(B)[k, j] live in memory -----------------
+
+def _make_loaders(trans_a, trans_b):
+    """Return device functions ``a_at(a, i, k) = op(A)[i, k]`` and ``b_at(b, k, j)``.
+
+    ``trans_a``/``trans_b`` are Python bools captured at compile time: each pair of
+    flags yields its own straight-line indexing code, with no run-time branch.
+    """
+    if trans_a:
+        @cuda.jit(device=True, inline=True)
+        def a_at(a, i, k):
+            return a[k, i]  # a stored (K, M)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def a_at(a, i, k):
+            return a[i, k]  # a stored (M, K)
+    if trans_b:
+        @cuda.jit(device=True, inline=True)
+        def b_at(b, k, j):
+            return b[j, k]  # b stored (N, K)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def b_at(b, k, j):
+            return b[k, j]  # b stored (K, N)
+    return a_at, b_at
+
+
+@cuda.jit(device=True, inline=True)
+def _epilogue(out, i, j, acc, alpha, beta):
+    """out[i, j] = alpha * acc + beta * out[i, j], reading out only when beta != 0."""
+    if beta == 0:
+        out[i, j] = alpha * acc
+    else:
+        out[i, j] = alpha * acc + beta * out[i, j]
+
+
+# --- v1: naive ---------------------------------------------------------------------
+
+def _make_v1(trans_a, trans_b):
+    a_at, b_at = _make_loaders(trans_a, trans_b)
+
+    @cuda.jit
+    def gemm_v1(a, b, out, alpha, beta):
+        """v1, naive. One thread per out[i, j]: i = global y index, j = global x index
+        (consecutive threads take consecutive columns, so the reads of op(B) and the
+        write of out coalesce). Grid: ceil(N/16) x ceil(M/16) blocks of 16 x 16.
+        Preconditions: shapes agree (the launcher checks); K may be 0.
+        Loop nest: for k in range(K): acc += op(A)[i, k] * op(B)[k, j].
+        """
+        j, i = cuda.grid(2)  # x runs over columns j, y over rows i
+        M, N = out.shape
+        K = a.shape[0] if trans_a else a.shape[1]
+        if i < M and j < N:
+            acc = float32(0.0)
+            for k in range(K):
+                acc += a_at(a, i, k) * b_at(b, k, j)
+            _epilogue(out, i, j, acc, alpha, beta)
+
+    return gemm_v1
+
+
+# --- v2: shared-memory tiles ---------------------------------------------------------
+
+def _make_v2(trans_a, trans_b):
+    @cuda.jit
+    def gemm_v2(a, b, out, alpha, beta):
+        """v2, shared-memory tiled. One thread per out[i, j] as in v1; a 16 x 16 block
+        walks K in steps of 16. Each step, every thread loads one element of the A tile
+        and one of the B tile into shared memory (zero outside the matrices), the block
+        syncs, each thread does 16 multiply-adds from shared memory, the block syncs
+        again before the tiles are overwritten: two syncthreads per tile.
+
+        Loads coalesce in the *stored* layout: consecutive threads (tx) read consecutive
+        addresses of ``a``/``b`` whether or not the operand is transposed; a transposed
+        operand is written to shared memory transposed. Tiles are padded to 17 columns
+        so those transposed writes hit 16 different memory banks.
+        Preconditions: shapes agree (the launcher checks).
+        Loop nest: for k0 in range(0, K, 16): for kk in range(16):
+                       acc += op(A)[i, k0 + kk] * op(B)[k0 + kk, j]   (zero-padded)
+        """
+        sa = cuda.shared.array((TILE, TILE_PADDED), float32)  # sa[r, c] = op(A)[row0 + r, k0 + c]
+        sb = cuda.shared.array((TILE, TILE_PADDED), float32)  # sb[r, c] = op(B)[k0 + r, col0 + c]
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        row0 = cuda.blockIdx.y * TILE
+        col0 = cuda.blockIdx.x * TILE
+        M, N = out.shape
+        K = a.shape[0] if trans_a else a.shape[1]
+        acc = float32(0.0)
+        for k0 in range(0, K, TILE):
+            if trans_a:  # a is (K, M): tx runs along M, the contiguous axis
+                k, r = k0 + ty, row0 + tx
+                sa[tx, ty] = a[k, r] if (k < K and r < M) else float32(0.0)
+            else:        # a is (M, K): tx runs along K
+                r, k = row0 + ty, k0 + tx
+                sa[ty, tx] = a[r, k] if (r < M and k < K) else float32(0.0)
+            if trans_b:  # b is (N, K): tx runs along K
+                c, k = col0 + ty, k0 + tx
+                sb[tx, ty] = b[c, k] if (c < N and k < K) else float32(0.0)
+            else:        # b is (K, N): tx runs along N
+                k, c = k0 + ty, col0 + tx
+                sb[ty, tx] = b[k, c] if (k < K and c < N) else float32(0.0)
+            cuda.syncthreads()  # tiles complete before anyone reads them
+            for kk in range(TILE):
+                acc += sa[ty, kk] * sb[kk, tx]
+            cuda.syncthreads()  # everyone done reading before the next tile overwrites
+        i, j = row0 + ty, col0 + tx
+        if i < M and j < N:
+            _epilogue(out, i, j, acc, alpha, beta)
+
+    return gemm_v2
+
+
+# --- v3: register tiles ----------------------------------------------------------------
+
+def _make_v3(trans_a, trans_b):
+    @cuda.jit
+    def gemm_v3(a, b, out, alpha, beta):
+        """v3, register-tiled. A 16 x 16 block computes the 128 x 128 tile of ``out``
+        starting at (row0, col0); thread (ty, tx) owns the 8 x 8 outputs
+        out[row0 + ty + 16*p, col0 + tx + 16*q] for p, q in range(8). Strided ownership
+        keeps consecutive threads on consecutive columns, so shared-memory reads are
+        conflict-free and the final stores coalesce.
+
+        Per step of BK = 8 along K: the 256 threads load the 128 x 8 A tile (stored
+        k-major: as_[k, r]) and the 8 x 128 B tile, 4 elements each, zero outside the
+        matrices; sync; then for each of the 8 k's a thread copies 8 values of A and 8
+        of B into registers and does 64 multiply-adds; sync.
+
+        Registers, not local memory: ``acc``, ``frag_a``, ``frag_b`` are
+        ``cuda.local.array`` with compile-time sizes, indexed only by loop counters of
+        constant trip count, so the compiler unrolls the loops and keeps all 80 values
+        in registers (ptxas: 0-byte stack frame). Edges are handled by zero-padding the
+        shared tiles, never by run-time loop bounds, and by one bounds check per store.
+        Preconditions: shapes agree (the launcher checks).
+        Loop nest: for k0 in range(0, K, 8): for k in range(8): for p in range(8):
+                       for q in range(8): acc[p, q] += As[k, ty + 16p] * Bs[k, tx + 16q]
+        """
+        as_ = cuda.shared.array((BK, BM), float32)  # as_[k, r] = op(A)[row0 + r, k0 + k]
+        bs = cuda.shared.array((BK, BN), float32)   # bs[k, c]  = op(B)[k0 + k, col0 + c]
+        acc = cuda.local.array((TM, TN), float32)   # this thread's 8 x 8 outputs
+        frag_a = cuda.local.array(TM, float32)      # one column of A for its 8 rows
+        frag_b = cuda.local.array(TN, float32)      # one row of B for its 8 columns
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tid = ty * V3_THREADS_X + tx
+        row0 = cuda.blockIdx.y * BM
+        col0 = cuda.blockIdx.x * BN
+        M, N = out.shape
+        K = a.shape[0] if trans_a else a.shape[1]
+        for p in range(TM):
+            for q in range(TN):
+                acc[p, q] = float32(0.0)
+
+        for k0 in range(0, K, BK):
+            # Load the tiles. Element e of a tile goes to thread e % 256; within a load
+            # consecutive threads read consecutive addresses of the *stored* matrix.
+            for l in range(A_LOADS):
+                e = tid + l * V3_THREADS
+                if trans_a:  # a is (K, M): the tile is 8 rows of 128 contiguous floats
+                    k, r = e // BM, e % BM
+                    gk, gr = k0 + k, row0 + r
+                    as_[k, r] = a[gk, gr] if (gk < K and gr < M) else float32(0.0)
+                else:        # a is (M, K): the tile is 128 rows of 8 contiguous floats
+                    r, k = e // BK, e % BK
+                    gr, gk = row0 + r, k0 + k
+                    as_[k, r] = a[gr, gk] if (gr < M and gk < K) else float32(0.0)
+            for l in range(B_LOADS):
+                e = tid + l * V3_THREADS
+                if trans_b:  # b is (N, K): 128 rows of 8 contiguous floats
+                    c, k = e // BK, e % BK
+                    gc, gk = col0 + c, k0 + k
+                    bs[k, c] = b[gc, gk] if (gc < N and gk < K) else float32(0.0)
+                else:        # b is (K, N): 8 rows of 128 contiguous floats
+                    k, c = e // BN, e % BN
+                    gk, gc = k0 + k, col0 + c
+                    bs[k, c] = b[gk, gc] if (gk < K and gc < N) else float32(0.0)
+            cuda.syncthreads()
+
+            for k in range(BK):
+                for p in range(TM):
+                    frag_a[p] = as_[k, ty + p * V3_THREADS_Y]
+                for q in range(TN):
+                    frag_b[q] = bs[k, tx + q * V3_THREADS_X]
+                for p in range(TM):
+                    for q in range(TN):
+                        acc[p, q] += frag_a[p] * frag_b[q]
+            cuda.syncthreads()
+
+        for p in range(TM):
+            i = row0 + ty + p * V3_THREADS_Y
+            for q in range(TN):
+                j = col0 + tx + q * V3_THREADS_X
+                if i < M and j < N:
+                    _epilogue(out, i, j, acc[p, q], alpha, beta)
+
+    return gemm_v3
+
+
+_FACTORIES = {"v1": _make_v1, "v2": _make_v2, "v3": _make_v3}
+
+#: KERNELS[version][(trans_a, trans_b)] -> the compiled-on-first-use kernel.
+KERNELS = {v: {(ta, tb): make(ta, tb) for ta in (False, True) for tb in (False, True)}
+           for v, make in _FACTORIES.items()}
+
+
+def _grid(version, m, n):
+    """(grid, block) for ``version`` on an (m, n) output; x runs over columns."""
+    if version == "v3":
+        return (ceil_div(n, BN), ceil_div(m, BM)), (V3_THREADS_X, V3_THREADS_Y)
+    return (ceil_div(n, TILE), ceil_div(m, TILE)), (TILE, TILE)
+
+
+# --- launcher -------------------------------------------------------------------------
+
+def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, stream=None,
+         version=None):
+    """out = alpha * op(a) @ op(b) + beta * out on the GPU; returns ``out``.
+
+    a, b, out: float32, 2-D, C-contiguous device arrays; op(a) is (M, K), op(b) is
+    (K, N), out is (M, N) and must not overlap a or b. ``version``: "v1", "v2", "v3"
+    or None for ``DEFAULT_VERSION``. Every check runs before the launch.
+    """
+    version = DEFAULT_VERSION if version is None else version
+    if version not in KERNELS:
+        raise ValueError(f"gemm: unknown version {version!r}; expected one of {VERSIONS} "
+                         f"or None for the default ({DEFAULT_VERSION}).")
+    check_array("gemm: a", a, np.float32, ndim=2)
+    check_array("gemm: b", b, np.float32, ndim=2)
+    check_array("gemm: out", out, np.float32, ndim=2)
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    if k != kb:
+        raise ValueError(
+            f"gemm: inner dimensions differ: op(a) is ({m}, {k}) but op(b) is ({kb}, {n}) "
+            f"(a {tuple(a.shape)}, trans_a={trans_a}; b {tuple(b.shape)}, trans_b={trans_b}).")
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"gemm: out has shape {tuple(out.shape)}, expected ({m}, {n}) "
+                         f"= (rows of op(a), columns of op(b)).")
+    check_no_alias("gemm", out, a, b)
+    if m == 0 or n == 0:
+        return out
+    kernel = KERNELS[version][(bool(trans_a), bool(trans_b))]
+    launch(kernel, *_grid(version, m, n), stream, a, b, out,
+           np.float32(alpha), np.float32(beta))
+    return out
+
+
+# --- for ptxas: the PTX of v3 -------------------------------------------------------------
+
+#: The argument types every GEMM kernel is compiled for.
+SIGNATURE = "void(float32[:, ::1], float32[:, ::1], float32[:, ::1], float32, float32)"
+
+
+def v3_ptx(trans_a=False, trans_b=False, cc=(9, 0)):
+    """PTX text of the v3 kernel for one trans pair, compiled without a GPU.
+
+    Needs real (not simulated) numba-cuda with NVVM/NVRTC; feed the result to
+    ``ptxas -v -arch=sm_90`` to see registers and the stack frame.
+    """
+    ptx, _ = cuda.compile_ptx(KERNELS["v3"][(trans_a, trans_b)].py_func, SIGNATURE, cc=cc)
+    return ptx

@@ -1,0 +1,248 @@
+"""Fused sparse softmax cross-entropy: per-example loss, gradient and correct flag.
+
+Versions: v1 only, one thread per example row. Keras's
+``SparseCategoricalCrossentropy(from_logits=True)`` plus the accuracy metric, in one
+kernel:
+
+    loss[r]    = logsumexp(logits[r]) - logits[r, label[r]]
+    grad[r, j] = (softmax(logits[r])[j] - (j == label[r])) * scale
+    correct[r] = 1.0 if argmax(logits[r]) == label[r] else 0.0   (first max wins)
+
+``scale`` folds in the loss reduction: training with a mean over the *global* batch
+passes ``scale = 1 / global_batch``, so the gradient leaving this kernel is already
+the gradient of the averaged loss (this is what ``compute_average_loss`` is for).
+
+Numerically stable: the kernel keeps a running maximum m and a running sum
+s = sum_j exp(logits[r, j] - m), rescaling s whenever m grows ("online softmax",
+Milakov & Gimelshein 2018). Every exponent is <= 0, so nothing overflows, and the
+statistics take a single sweep over the row; a second sweep writes the gradient.
+One thread per row suits classifier rows (10 classes: 40 bytes, cached after the
+first sweep); a block per row would be the next version for very wide rows.
+
+The probabilities path (``from_logits=False``), as Keras computes it for the output
+of a softmax layer: p = clip(probs[r, label], EPSILON, 1 - EPSILON),
+loss = -log(p), grad wrt probs is -scale / probs[r, label] in the label column
+(0 elsewhere, and 0 where clipping was active, as TF's gradient of clip_by_value).
+Keras also divides ``probs`` by its row sum first; for softmax outputs that sum is
+1, so we leave that step (and its gradient) out.
+
+Bad labels: the NumPy references raise ``ValueError``. The kernels cannot raise, so a
+row whose label is outside [0, C) gets loss = NaN, grad row = NaN and correct = 0:
+the NaN reaches the reported loss rather than being silently ignored.
+"""
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from kernels.launch import check_array, check_no_alias, grid_1d, launch
+
+#: Keras's ``backend.epsilon()``: probabilities are clipped to [EPSILON, 1 - EPSILON]
+#: before the log, so log(0) never happens.
+EPSILON = 1e-7
+
+_LABEL_DTYPES = (np.int32, np.int64)
+
+
+# --- NumPy references -----------------------------------------------------------------
+
+def _check_labels_ref(labels, classes):
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        bad = labels[(labels < 0) | (labels >= classes)]
+        raise ValueError(f"labels must lie in [0, {classes}) for {classes} classes; got "
+                         f"{bad[:5].tolist()}{' ...' if bad.size > 5 else ''}. Check the "
+                         f"data set's label encoding and the last layer's width.")
+
+
+def _outputs(dtype, b, c, loss_out, grad_out, correct_out):
+    loss = np.empty(b, dtype) if loss_out is None else loss_out          # (B,)
+    grad = np.empty((b, c), dtype) if grad_out is None else grad_out     # (B, C)
+    correct = np.empty(b, dtype) if correct_out is None else correct_out  # (B,)
+    return loss, grad, correct
+
+
+def softmax_xent_ref(logits, labels, loss_out=None, grad_out=None, correct_out=None,
+                     scale=1.0):
+    """(loss (B,), grad (B, C), correct (B,)) from logits (B, C), integer labels (B,).
+
+    Any float dtype; results in logits' dtype, written into the ``*_out`` arrays when
+    given. Raises ValueError for a label outside [0, C).
+    """
+    b, c = logits.shape
+    _check_labels_ref(labels, c)
+    loss, grad, correct = _outputs(logits.dtype, b, c, loss_out, grad_out, correct_out)
+    rows = np.arange(b)
+    shifted = logits - logits.max(axis=1, keepdims=True)  # (B, C), every entry <= 0
+    np.exp(shifted, out=grad)                               # (B, C) unnormalised
+    sums = grad.sum(axis=1, keepdims=True)                  # (B, 1) >= 1
+    np.subtract(np.log(sums[:, 0]), shifted[rows, labels], out=loss)
+    np.equal(logits.argmax(axis=1), labels, out=correct, casting="unsafe")
+    grad /= sums                                            # softmax
+    grad[rows, labels] -= 1
+    grad *= grad.dtype.type(scale)
+    return loss, grad, correct
+
+
+def prob_xent_ref(probs, labels, loss_out=None, grad_out=None, correct_out=None,
+                  scale=1.0):
+    """(loss, grad wrt probs, correct) from probabilities (B, C), as Keras with
+    ``from_logits=False`` (see the module docstring). Raises ValueError on bad labels."""
+    b, c = probs.shape
+    _check_labels_ref(labels, c)
+    loss, grad, correct = _outputs(probs.dtype, b, c, loss_out, grad_out, correct_out)
+    rows = np.arange(b)
+    lo = probs.dtype.type(EPSILON)
+    hi = probs.dtype.type(1) - lo
+    p = probs[rows, labels]                    # (B,) probability of the true class
+    np.negative(np.log(np.clip(p, lo, hi)), out=loss)
+    np.equal(probs.argmax(axis=1), labels, out=correct, casting="unsafe")
+    grad.fill(0)
+    active = (p >= lo) & (p <= hi)             # (B,) where the clip passes gradient
+    grad[rows[active], labels[active]] = -probs.dtype.type(scale) / p[active]
+    return loss, grad, correct
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+def _make_softmax_xent_kernel(with_grad):
+    @cuda.jit
+    def softmax_xent_kernel(logits, labels, loss, grad, correct, scale):
+        """One thread per row r (grid-stride over rows); logits (B, C) with C >= 1,
+        labels (B,), loss/correct (B,), grad (B, C) (ignored unless ``with_grad``,
+        a compile-time constant). Loop nest:
+            for r in range(B):
+                m, s, best = -inf, 0, 0
+                for j in range(C):                 # sweep 1: online max, sum, argmax
+                    if logits[r, j] > m: s = s * exp(m - logits[r, j]) + 1; m = ...; best = j
+                    else: s += exp(logits[r, j] - m)
+                loss[r] = m + log(s) - logits[r, label]
+                for j in range(C):                 # sweep 2: the gradient
+                    grad[r, j] = (exp(logits[r, j] - m) / s - (j == label)) * scale
+        """
+        rows, cols = logits.shape
+        for r in range(cuda.grid(1), rows, cuda.gridsize(1)):
+            label = labels[r]
+            if label < 0 or label >= cols:  # can't raise in a kernel: poison the row
+                loss[r] = math.nan
+                correct[r] = float32(0.0)
+                if with_grad:
+                    for j in range(cols):
+                        grad[r, j] = math.nan
+                continue
+            m = logits[r, 0]
+            s = float32(1.0)  # exp(logits[r, 0] - m)
+            best = 0
+            for j in range(1, cols):
+                v = logits[r, j]
+                if v > m:  # strict: the first maximum wins, as np.argmax
+                    s = s * math.exp(m - v) + float32(1.0)
+                    m = v
+                    best = j
+                else:
+                    s += math.exp(v - m)
+            loss[r] = m + math.log(s) - logits[r, label]
+            correct[r] = float32(1.0) if best == label else float32(0.0)
+            if with_grad:
+                inv = scale / s  # softmax * scale = exp(v - m) * (scale / s)
+                for j in range(cols):
+                    g = math.exp(logits[r, j] - m) * inv
+                    if j == label:
+                        g -= scale
+                    grad[r, j] = g
+
+    return softmax_xent_kernel
+
+
+def _make_prob_xent_kernel(with_grad):
+    @cuda.jit
+    def prob_xent_kernel(probs, labels, loss, grad, correct, scale):
+        """One thread per row r (grid-stride over rows); probs (B, C), C >= 1. Loop nest:
+            for r in range(B):
+                p = probs[r, label]; loss[r] = -log(clip(p, eps, 1 - eps))
+                correct[r] = argmax_j probs[r, j] == label
+                for j in range(C): grad[r, j] = -scale / p if j == label and eps <= p <= 1 - eps else 0
+        """
+        rows, cols = probs.shape
+        lo = float32(EPSILON)
+        hi = float32(1.0) - lo
+        for r in range(cuda.grid(1), rows, cuda.gridsize(1)):
+            label = labels[r]
+            if label < 0 or label >= cols:
+                loss[r] = math.nan
+                correct[r] = float32(0.0)
+                if with_grad:
+                    for j in range(cols):
+                        grad[r, j] = math.nan
+                continue
+            best = 0
+            for j in range(1, cols):
+                if probs[r, j] > probs[r, best]:
+                    best = j
+            correct[r] = float32(1.0) if best == label else float32(0.0)
+            p = probs[r, label]
+            loss[r] = -math.log(min(max(p, lo), hi))
+            if with_grad:
+                for j in range(cols):
+                    grad[r, j] = float32(0.0)
+                if p >= lo and p <= hi:
+                    grad[r, label] = -scale / p
+
+    return prob_xent_kernel
+
+
+#: Compiled kernels, keyed by with_grad (False: evaluation, no gradient written).
+SOFTMAX_XENT_KERNELS = {g: _make_softmax_xent_kernel(g) for g in (False, True)}
+PROB_XENT_KERNELS = {g: _make_prob_xent_kernel(g) for g in (False, True)}
+
+
+# --- launchers -------------------------------------------------------------------------------
+
+def _check_args(what, x, labels, loss_out, grad_out, correct_out):
+    check_array(f"{what}: {'logits' if what == 'softmax_xent' else 'probs'}", x,
+                np.float32, ndim=2)
+    b, c = x.shape
+    if np.dtype(labels.dtype) not in [np.dtype(t) for t in _LABEL_DTYPES]:
+        raise TypeError(f"{what}: labels must be int32 or int64 class indices, got "
+                        f"{labels.dtype}; for one-hot labels take argmax first.")
+    check_array(f"{what}: labels", labels, labels.dtype, shape=(b,))
+    check_array(f"{what}: loss_out", loss_out, np.float32, shape=(b,))
+    check_array(f"{what}: correct_out", correct_out, np.float32, shape=(b,))
+    if grad_out is not None:
+        check_array(f"{what}: grad_out", grad_out, np.float32, shape=(b, c))
+    if b and not c:
+        raise ValueError(f"{what}: need at least one class, got shape {tuple(x.shape)}.")
+    outs = [o for o in (loss_out, grad_out, correct_out) if o is not None]
+    for i, o in enumerate(outs):  # each output clear of the inputs and the later outputs
+        check_no_alias(what, o, x, labels, *outs[i + 1:])
+
+
+def _launch(kernels, x, labels, loss_out, grad_out, correct_out, scale, stream):
+    if x.shape[0] == 0:
+        return
+    with_grad = grad_out is not None
+    # Without a gradient the kernel never touches ``grad`` (with_grad is a compile-time
+    # False): pass the input x, also (B, C) float32, to fill the argument slot.
+    grad_arg = grad_out if with_grad else x
+    launch(kernels[with_grad], *grid_1d(x.shape[0]), stream, x, labels, loss_out,
+           grad_arg, correct_out, np.float32(scale))
+
+
+def softmax_xent(logits, labels, loss_out, grad_out, correct_out, scale=1.0, stream=None):
+    """Fused softmax cross-entropy on the GPU (see the module docstring).
+
+    logits (B, C) float32; labels (B,) int32/int64; loss_out, correct_out (B,) float32;
+    grad_out (B, C) float32 or None to skip the gradient (evaluation). All C-contiguous,
+    outputs disjoint from inputs and each other. Returns (loss_out, grad_out, correct_out).
+    """
+    _check_args("softmax_xent", logits, labels, loss_out, grad_out, correct_out)
+    _launch(SOFTMAX_XENT_KERNELS, logits, labels, loss_out, grad_out, correct_out, scale,
+            stream)
+    return loss_out, grad_out, correct_out
+
+
+def prob_xent(probs, labels, loss_out, grad_out, correct_out, scale=1.0, stream=None):
+    """Cross-entropy from probabilities on the GPU; arguments as ``softmax_xent``."""
+    _check_args("prob_xent", probs, labels, loss_out, grad_out, correct_out)
+    _launch(PROB_XENT_KERNELS, probs, labels, loss_out, grad_out, correct_out, scale,
+            stream)
+    return loss_out, grad_out, correct_out

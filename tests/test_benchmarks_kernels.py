@@ -1,0 +1,34 @@
+"""``python -m benchmarks.kernels``: the smoke mode runs and writes valid JSON.
+
+The real benchmark needs a GPU; here we only prove the program works end to end, in
+the CUDA simulator, in a child process (it picks its own CUDA mode at import).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernels_benchmark_smoke_writes_valid_json(tmp_path):
+    out = tmp_path / "kernels.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)  # --smoke must choose the simulator itself
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--smoke", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "kernels"
+    assert doc["device"]["simulator"] is True
+    assert doc["method"]["smoke"] is True
+    impls = {r["impl"] for r in doc["results"]}
+    assert {"gemm v1", "gemm v2", "gemm v3", "copy_to_device"} <= impls, impls
+    names = {r["name"] for r in doc["results"]}
+    assert {"elementwise add", "softmax_xent (10 classes)", "sgd momentum", "adam"} <= names
+    for r in doc["results"]:  # every number written was measured
+        assert r["median_s"] > 0 and r["samples"] >= 1
+    assert not [s for s in doc["skipped"] if "wrong result" in s["reason"]], doc["skipped"]
+    # Simulator numbers must never land in benchmarks/results/.
+    assert not list((ROOT / "benchmarks" / "results").glob("kernels-numba-cuda-simulator-*"))

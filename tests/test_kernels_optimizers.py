@@ -1,0 +1,163 @@
+"""Optimizer kernels (kernels/optimizers.py) against float64 oracles of Keras's formulas.
+
+Several steps in a row (so velocity/m/v carry over), buffers of awkward sizes and any
+shape (1, 33, 1000, (7, 9), (2, 3, 5)), the float32 reference against the kernel, and
+bad input raising before any launch.
+"""
+import math
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import kernels.optimizers as opt
+
+#: A float32 update against the float64 oracle after STEPS steps: each step rounds a few
+#: times at ~6e-8 relative; 1e-5 of the value's magnitude (or of 1e-3, the typical size
+#: of one update) leaves room without hiding a wrong formula (those err by >1e-3).
+RTOL_F32 = 1e-5
+ATOL_F32 = 1e-8
+#: Kernel against the float32 reference: same float32 scalars, same order of operations;
+#: only NVVM's fused multiply-adds may change the last bit or two.
+RTOL_KERNEL_VS_REF = 1e-6
+#: The float64 references against the float64 oracles.
+RTOL_F64 = 1e-12
+STEPS = 3
+SHAPES = [(1,), (33,), (1000,), (7, 9), (2, 3, 5)]
+
+
+def assert_close(name, got, want, rtol, atol):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    err = np.abs(got - want)
+    bad = ~(err <= atol + rtol * np.abs(want))
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        rel = err / np.maximum(np.abs(want), np.finfo(np.float64).tiny)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.size} elements outside rtol={rtol}, "
+            f"atol={atol} (shape {got.shape}); max abs err {np.nanmax(err):.3g}, max rel "
+            f"err {np.nanmax(rel):.3g}; first bad index {idx}: got {got[idx]!r}, want "
+            f"{want[idx]!r}. (The rng seed is printed above.)")
+
+
+# --- float64 oracles, straight from the Keras source, one element at a time -----------
+
+def oracle_sgd(w, g, vel, lr, momentum, nesterov):
+    w, vel = w.astype(np.float64), vel.astype(np.float64)
+    for i in np.ndindex(w.shape):
+        if momentum:
+            vel[i] = momentum * vel[i] - lr * g[i]
+            w[i] += momentum * vel[i] - lr * g[i] if nesterov else vel[i]
+        else:
+            w[i] -= lr * g[i]
+    return w, vel
+
+
+def oracle_adam(w, g, m, v, lr, t, b1=0.9, b2=0.999, eps=1e-7):
+    w, m, v = (a.astype(np.float64) for a in (w, m, v))
+    alpha = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    for i in np.ndindex(w.shape):
+        m[i] += (g[i] - m[i]) * (1 - b1)
+        v[i] += (g[i] ** 2 - v[i]) * (1 - b2)
+        w[i] -= alpha * m[i] / (math.sqrt(v[i]) + eps)
+    return w, m, v
+
+
+def randn(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sgd_kernel(rng, shape, momentum, nesterov):
+    lr = 0.01
+    w, vel = randn(rng, shape), np.zeros(shape, np.float32)
+    d_w, d_v = cuda.to_device(w), cuda.to_device(vel)
+    w_ref, v_ref = w.copy(), vel.copy()
+    want_w, want_v = w.astype(np.float64), vel.astype(np.float64)
+    for _ in range(STEPS):
+        g = randn(rng, shape)
+        opt.sgd(d_w, cuda.to_device(g), d_v if momentum else None, lr, momentum, nesterov)
+        opt.sgd_ref(w_ref, g, v_ref, lr, momentum, nesterov)
+        want_w, want_v = oracle_sgd(want_w, g, want_v, lr, momentum, nesterov)
+    name = f"sgd momentum={momentum} nesterov={nesterov} {shape}"
+    assert_close(name + " w", d_w.copy_to_host(), want_w, RTOL_F32, ATOL_F32)
+    assert_close(name + " w vs ref", d_w.copy_to_host(), w_ref, RTOL_KERNEL_VS_REF, ATOL_F32)
+    if momentum:
+        assert_close(name + " velocity", d_v.copy_to_host(), want_v, RTOL_F32, ATOL_F32)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_adam_kernel(rng, shape):
+    lr = 1e-3
+    w, m, v = randn(rng, shape), np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    dev = [cuda.to_device(a) for a in (w, m, v)]
+    ref = [a.copy() for a in (w, m, v)]
+    want = [a.astype(np.float64) for a in (w, m, v)]
+    for t in range(1, STEPS + 1):
+        g = randn(rng, shape)
+        opt.adam(dev[0], cuda.to_device(g), dev[1], dev[2], lr, t)
+        opt.adam_ref(ref[0], g, ref[1], ref[2], lr, t)
+        want = list(oracle_adam(*want[:1], g, *want[1:], lr, t))
+    for name, d, r, o in zip("wmv", dev, ref, want):
+        assert_close(f"adam {name} {shape}", d.copy_to_host(), o, RTOL_F32, ATOL_F32)
+        assert_close(f"adam {name} vs ref {shape}", d.copy_to_host(), r, RTOL_KERNEL_VS_REF,
+                     ATOL_F32)
+
+
+def test_refs_in_float64_match_oracles(rng):
+    shape = (7, 9)
+    for momentum, nesterov in [(0.0, False), (0.5, False), (0.5, True)]:
+        w, vel = rng.standard_normal(shape), rng.standard_normal(shape)
+        g = rng.standard_normal(shape)
+        want_w, want_v = oracle_sgd(w, g, vel, 0.1, momentum, nesterov)
+        opt.sgd_ref(w, g, vel, 0.1, momentum, nesterov)
+        assert_close("sgd_ref w", w, want_w, RTOL_F64, 0.0)
+        if momentum:
+            assert_close("sgd_ref velocity", vel, want_v, RTOL_F64, 0.0)
+    w, m, v = rng.standard_normal(shape), rng.standard_normal(shape), rng.random(shape)
+    g = rng.standard_normal(shape)
+    want = oracle_adam(w, g, m, v, 0.01, 4, 0.8, 0.99, 1e-7)
+    opt.adam_ref(w, g, m, v, 0.01, 4, 0.8, 0.99, 1e-7)
+    for name, got, o in zip("wmv", (w, m, v), want):
+        assert_close(f"adam_ref {name}", got, o, RTOL_F64, 0.0)
+
+
+def test_adam_alpha_is_rounded_once_to_float32():
+    alpha, omb1, omb2, eps = opt.adam_scalars(1e-3, 1)
+    assert all(type(s) is np.float32 for s in (alpha, omb1, omb2, eps))
+    assert alpha == np.float32(1e-3 * math.sqrt(1 - 0.999) / (1 - 0.9))
+    with pytest.raises(ValueError, match="step"):
+        opt.adam_scalars(1e-3, 0)
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher launched a kernel despite bad input")
+    monkeypatch.setattr(opt, "launch", refuse)
+
+
+def _dev(shape, dtype=np.float32):
+    return cuda.to_device(np.zeros(shape, dtype))
+
+
+def test_bad_input_raises_before_launch(no_launch):
+    w, g, a, b = _dev(10), _dev(10), _dev(10), _dev(10)
+    with pytest.raises(TypeError, match="float32"):
+        opt.sgd(_dev(10, np.float64), g, a, 0.1, 0.9)
+    with pytest.raises(ValueError, match="shape"):
+        opt.sgd(w, _dev(11), a, 0.1, 0.9)
+    with pytest.raises(ValueError, match="velocity"):
+        opt.sgd(w, g, None, 0.1, 0.9)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        opt.adam(_dev(20)[::2], g, a, b, 1e-3, 1)
+    with pytest.raises(ValueError, match="shares memory"):
+        opt.adam(w, g, a, a, 1e-3, 1)          # m and v in one buffer
+    with pytest.raises(ValueError, match="shares memory"):
+        opt.sgd(w, w, a, 0.1, 0.9)             # gradient buffer is the weights
+    with pytest.raises(ValueError, match="step"):
+        opt.adam(w, g, a, b, 1e-3, 0)
