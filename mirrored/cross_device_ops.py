@@ -130,6 +130,24 @@ class CrossDeviceOps:
         return self._to_destinations([src], destinations)
 
     # -- shared machinery
+    def all_reduce_flat(self, reduce_op, buffers, devices):
+        """All-reduce buffers that are already flat and fused (a model's packed
+        gradients): one per device, same size and dtype; in place."""
+        reduce_op = ReduceOp.validate(reduce_op)
+        names = [d.name for d in devices]
+        if len(set(names)) != len(names) or len(buffers) != len(devices) or not devices:
+            raise ValueError(f"all_reduce_flat: need one buffer per distinct device, got "
+                             f"{len(buffers)} buffers for {names}.")
+        if any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
+            raise ValueError("all_reduce_flat: the buffers differ in shape or dtype.")
+        if len(devices) > 1 and buffers[0].size:
+            self._sum_in_place(buffers, devices)
+            if reduce_op == ReduceOp.MEAN:
+                for dev, flat in zip(devices, buffers):
+                    with dev.activate():
+                        dev.ops.binary_scalar("div", flat, len(devices), flat)
+        return buffers
+
     def all_reduce_components(self, reduce_op, values):
         """values[k] = [component on replica 0, 1, ...] for tensor k.
 
@@ -433,10 +451,17 @@ class RingAllReduce(CrossDeviceOps):
     def all_reduce_components(self, reduce_op, values):
         # One reduce/batch_reduce call = one fresh trace (also when N == 1 or
         # every tensor is empty and the hook below is never called).
+        self._start_call()
+        return super().all_reduce_components(reduce_op, values)
+
+    def all_reduce_flat(self, reduce_op, buffers, devices):
+        self._start_call()
+        return super().all_reduce_flat(reduce_op, buffers, devices)
+
+    def _start_call(self):
         if self.trace is not None:
             self.trace = []
         self._buffer_index = 0
-        return super().all_reduce_components(reduce_op, values)
 
     def _sum_in_place(self, buffers, devices):
         n = len(devices)

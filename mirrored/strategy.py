@@ -538,12 +538,12 @@ def _plain_variable(initial_value, **kwargs):
     return var
 
 
-def _default_cross_device_ops():
-    try:
-        from mirrored.cross_device_ops import RingAllReduce
-        return RingAllReduce()
-    except ImportError:
+def _default_cross_device_ops(devices):
+    """Our ring all-reduce; reduce-to-one-device when CPUs and GPUs are mixed (as TF)."""
+    from mirrored.cross_device_ops import RingAllReduce
+    if len({d.device_type for d in devices}) > 1:
         return ReductionToOneDevice()
+    return RingAllReduce()
 
 
 class MirroredStrategy(Strategy):
@@ -572,7 +572,7 @@ class MirroredStrategy(Strategy):
                                  f"({dup[0]} appears twice).")
             chosen = [_dev.get_device(d) for d in devices]
         if cross_device_ops is None:
-            cross_device_ops = _default_cross_device_ops()
+            cross_device_ops = _default_cross_device_ops(chosen)
         if not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as RingAllReduce(), "
                             f"got {cross_device_ops!r}.")
