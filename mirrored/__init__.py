@@ -17,13 +17,17 @@ Map of the package:
     input_lib.py  distributed datasets (global batch -> per-replica slices)
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
+    keras/        Sequential, Dense, losses, optimizers, GradientTape (mirrored.keras)
+    nn.py         compute_average_loss
+    random.py     set_seed
 The kernels themselves live in the top-level ``kernels/`` package.
 """
-from mirrored import config, data, datasets, distribute, errors
+from mirrored import config, data, datasets, distribute, errors, keras, nn, random
 from mirrored.devices import device_scope as device
 from mirrored.distribute import (InputContext, MirroredStrategy, OneDeviceStrategy, ReduceOp,
                                  ReplicaContext, ValueContext, get_replica_context, get_strategy,
                                  in_cross_replica_context)
+from mirrored.keras.tape import GradientTape
 from mirrored.values import Variable, VariableAggregation, VariableSynchronization
 from mirrored.tensor import (Tensor, as_dtype, bool_, cast, constant, convert_to_tensor, float16,
                              float32, float64, identity, int8, int16, int32, int64, ones, reduce_mean,

@@ -13,7 +13,15 @@ When a kernel file gains a new op, it gets one method here in each class.
 """
 import numpy as np
 
-from kernels import allreduce, elementwise, reduction
+from kernels import activations, allreduce, elementwise, gemm, optimizers, reduction, softmax_xent
+
+from kernels.launch import SIMULATOR
+
+#: The GEMM version the library uses: the fastest (gemm.DEFAULT_VERSION) on a GPU.
+#: In the CUDA simulator every thread is a Python thread, so the register-tiled
+#: v3 (256 threads per block whatever the matrix size) is the slowest there; the
+#: library uses v1 (one thread per output) and the kernel tests cover every version.
+GEMM_VERSION = "v1" if SIMULATOR else gemm.DEFAULT_VERSION
 
 
 class CpuOps:
@@ -58,6 +66,35 @@ class CpuOps:
     def ring_gather_step(self, own, peer, lo, hi):
         return allreduce.ring_gather_step_ref(own, peer, lo, hi)
 
+    # the dense layer stack (kernels/gemm.py, activations.py, softmax_xent.py)
+    def gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+        return gemm.gemm_ref(a, b, out, trans_a, trans_b, alpha, beta)
+
+    def bias_relu(self, x, bias, out):
+        return activations.bias_relu_ref(x, bias, out)
+
+    def bias_add(self, x, bias, out):
+        return activations.bias_add_ref(x, bias, out)
+
+    def relu_backward(self, dy, y, out):
+        return activations.relu_backward_ref(dy, y, out)
+
+    def softmax(self, x, out):
+        return activations.softmax_ref(x, out)
+
+    def softmax_xent(self, logits, labels, loss, grad, correct, scale=1.0):
+        return softmax_xent.softmax_xent_ref(logits, labels, loss, grad, correct, scale)
+
+    def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
+        return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
+
+    # optimizers (kernels/optimizers.py): one call per (packed) parameter buffer
+    def sgd(self, w, g, velocity, lr, momentum=0.0, nesterov=False):
+        return optimizers.sgd_ref(w, g, velocity, lr, momentum, nesterov)
+
+    def adam(self, w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        return optimizers.adam_ref(w, g, m, v, lr, step, beta_1, beta_2, epsilon)
+
 
 class CudaOps:
     """Ops on Numba device arrays of a ``CudaDevice``: our kernels, on its stream."""
@@ -92,3 +129,30 @@ class CudaOps:
 
     def ring_gather_step(self, own, peer, lo, hi):
         return allreduce.ring_gather_step(own, peer, lo, hi, self.stream)
+
+    def gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+        return gemm.gemm(a, b, out, trans_a, trans_b, alpha, beta, self.stream, version=GEMM_VERSION)
+
+    def bias_relu(self, x, bias, out):
+        return activations.bias_relu(x, bias, out, self.stream)
+
+    def bias_add(self, x, bias, out):
+        return activations.bias_add(x, bias, out, self.stream)
+
+    def relu_backward(self, dy, y, out):
+        return activations.relu_backward(dy, y, out, self.stream)
+
+    def softmax(self, x, out):
+        return activations.softmax(x, out, self.stream)
+
+    def softmax_xent(self, logits, labels, loss, grad, correct, scale=1.0):
+        return softmax_xent.softmax_xent(logits, labels, loss, grad, correct, scale, self.stream)
+
+    def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
+        return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
+
+    def sgd(self, w, g, velocity, lr, momentum=0.0, nesterov=False):
+        return optimizers.sgd(w, g, velocity, lr, momentum, nesterov, self.stream)
+
+    def adam(self, w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        return optimizers.adam(w, g, m, v, lr, step, beta_1, beta_2, epsilon, self.stream)

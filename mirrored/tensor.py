@@ -49,11 +49,12 @@ def as_dtype(dtype):
 class Tensor:
     """An array on one device. Create with ``mirrored.constant`` or from ops."""
 
-    __slots__ = ("_buf", "_device", "__weakref__")
+    __slots__ = ("_buf", "_device", "_node", "__weakref__")
 
-    def __init__(self, buf, device):
+    def __init__(self, buf, device, node=None):
         self._buf = buf          # np.ndarray (CPU) or Numba device array (GPU)
         self._device = device    # mirrored.devices.Device
+        self._node = node        # how it was computed, for GradientTape (keras/tape.py)
 
     # -- what it is
     @property

@@ -1,0 +1,29 @@
+"""``mirrored.keras``: the Keras API the course lab uses, over our dense stack.
+
+    model = mirrored.keras.Sequential([
+        mirrored.keras.layers.Flatten(input_shape=(28, 28, 1)),
+        mirrored.keras.layers.Dense(64, activation="relu"),
+        mirrored.keras.layers.Dense(10)])
+    model.compile(loss=mirrored.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=mirrored.keras.optimizers.Adam(), metrics=["accuracy"])
+    model.fit(train_dataset, epochs=12)
+
+Files: layers.py (Input, Flatten, Dense), losses.py, optimizers.py (SGD, Adam),
+metrics.py, callbacks.py, models.py (Sequential), engine.py (packed weights and
+the per-replica forward/backward), tape.py (GradientTape), progbar.py.
+"""
+from mirrored.keras import callbacks, layers, losses, metrics, optimizers
+from mirrored.keras.layers import Input
+from mirrored.keras.models import Sequential
+
+
+class utils:  # noqa: N801 (Keras's namespace)
+    @staticmethod
+    def set_random_seed(seed):
+        """Seed the initialisers and shuffles (``tf.keras.utils.set_random_seed``)."""
+        from mirrored import random
+        random.set_seed(seed)
+
+
+class models:  # noqa: N801
+    Sequential = Sequential
