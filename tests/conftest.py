@@ -98,3 +98,22 @@ def devices():
 
     yield configure
     registry._reset()
+
+
+#: A float32 sum of n terms is within about n * 2^-24 * sum(|terms|) of the exact sum,
+#: whatever the order of additions; relative to the result itself it can be far worse
+#: (cancellation), so sums are checked against this bound, not an rtol on the result.
+SUM_F32_REL_TO_ABS = 1e-6
+
+
+def assert_sum_close(got, terms, axis=None, keepdims=False):
+    """Check a float32 sum of ``terms`` against float64, scaled by sum(|terms|) and n."""
+    import numpy as np
+    terms = np.asarray(terms, np.float64)
+    want = terms.sum(axis=axis, keepdims=keepdims)
+    n = terms.size if axis is None else terms.shape[axis]
+    bound = SUM_F32_REL_TO_ABS * max(n, 1) * np.abs(terms).sum(axis=axis, keepdims=keepdims) + 1e-30
+    err = np.abs(np.asarray(got, np.float64) - want)
+    bad = err > bound
+    assert not np.any(bad), (f"sum off by {err.max():.3g} (bound {np.max(bound):.3g}) at "
+                             f"{np.argwhere(bad)[:3].tolist()}; shape {terms.shape}, axis {axis}")
