@@ -117,3 +117,48 @@ def assert_sum_close(got, terms, axis=None, keepdims=False):
     bad = err > bound
     assert not np.any(bad), (f"sum off by {err.max():.3g} (bound {np.max(bound):.3g}) at "
                              f"{np.argwhere(bad)[:3].tolist()}; shape {terms.shape}, axis {axis}")
+
+
+# --- helpers shared by the kernel tests -------------------------------------------------
+
+def assert_close(name, got, want, rtol, atol=0.0):
+    """Fail unless |got - want| <= atol + rtol * |want| elementwise (NaN fails), with
+    the count, the worst errors and the first bad index in the message."""
+    import numpy as np
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    err = np.abs(got - want)
+    bad = ~(err <= atol + rtol * np.abs(want))
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        rel = err / np.maximum(np.abs(want), np.finfo(np.float64).tiny)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.size} elements outside rtol={rtol}, "
+            f"atol={atol} (shape {got.shape}); max abs err {np.nanmax(err):.3g}, max rel "
+            f"err {np.nanmax(rel):.3g}; first bad index {idx}: got {got[idx]!r}, want "
+            f"{want[idx]!r}. (The rng seed is printed above.)")
+
+
+def poisoned(shape, dtype="float32"):
+    """A device array full of NaN (or the most negative integer): unwritten elements fail."""
+    import numpy as np
+    from numba import cuda
+    fill = np.nan if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
+    return cuda.to_device(np.full(shape, fill, dtype))
+
+
+def device_zeros(shape, dtype="float32"):
+    import numpy as np
+    from numba import cuda
+    return cuda.to_device(np.zeros(shape, dtype))
+
+
+@pytest.fixture
+def forbid_launches(monkeypatch):
+    """``forbid_launches(module)``: any kernel launch from ``module`` fails the test
+    (bad input must be refused before anything is launched)."""
+    def forbid(module):
+        def refuse(*args, **kwargs):
+            raise AssertionError("the launcher launched a kernel despite bad input")
+        monkeypatch.setattr(module, "launch", refuse)
+    return forbid

@@ -8,6 +8,7 @@ import pytest
 from numba import cuda
 
 import kernels.activations as act
+from conftest import assert_close, device_zeros, poisoned
 
 #: float32 elementwise results: one rounding of x + bias, so 2**-24 relative; 1e-6
 #: allows a couple of roundings.
@@ -22,23 +23,8 @@ RTOL_F64 = 1e-12
 SHAPES = [(1, 1), (1, 65), (17, 31), (33, 17), (17, 65)]
 
 
-def assert_close(name, got, want, rtol, atol=0.0):
-    """Fail unless |got - want| <= atol + rtol * |want| elementwise (NaN fails)."""
-    got = np.asarray(got, np.float64)
-    err = np.abs(got - want)
-    bad = ~(err <= atol + rtol * np.abs(want))
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        rel = err / np.maximum(np.abs(want), np.finfo(np.float64).tiny)
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.size} elements outside rtol={rtol} "
-            f"(shape {got.shape}); max abs err {np.nanmax(err):.3g}, max rel err "
-            f"{np.nanmax(rel):.3g}; first bad index {idx}: got {got[idx]!r}, "
-            f"want {want[idx]!r}. (The rng seed is printed above.)")
 
 
-def poisoned(shape):
-    return cuda.to_device(np.full(shape, np.nan, np.float32))
 
 
 # --- float64 oracles, written as plain loops over rows -------------------------------
@@ -128,14 +114,11 @@ def test_refs_match_oracles(rng, dtype, rtol):
 # --- bad input ---------------------------------------------------------------------------
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the launcher launched a kernel despite bad input")
-    monkeypatch.setattr(act, "launch", refuse)
+def no_launch(forbid_launches):
+    forbid_launches(act)
 
 
-def _dev(shape, dtype=np.float32):
-    return cuda.to_device(np.zeros(shape, dtype))
+_dev = device_zeros
 
 
 def test_bad_input_raises_before_launch(no_launch):

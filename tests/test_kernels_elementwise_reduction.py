@@ -8,15 +8,12 @@ import pytest
 from numba import cuda
 
 from kernels import elementwise, reduction
-from conftest import assert_sum_close
+from conftest import assert_sum_close, poisoned
 from kernels.launch import ceil_div, grid_1d, grid_2d
 
 SIZES = [1, 17, 31, 33, 65, 300]
 
 
-def poisoned(shape, dtype):
-    fill = np.nan if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
-    return cuda.to_device(np.full(shape, fill, dtype))
 
 
 def test_ceil_div_and_grids():

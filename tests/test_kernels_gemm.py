@@ -17,6 +17,7 @@ from numba import cuda
 
 import kernels.gemm as gemm_mod
 from kernels.gemm import DEFAULT_VERSION, VERSIONS, gemm, gemm_ref
+from conftest import device_zeros
 
 #: float32 GEMM: each output is a K-term dot product; with float32 rounding each step
 #: the error stays below ~K * 2**-24 relative to sum_k |a_ik * b_kj|. 1e-5 covers K <= 65
@@ -161,14 +162,11 @@ def test_gemm_ref_matches_oracle(rng, trans_a, trans_b):
 # --- bad input: a clear error, and no launch ---------------------------------------
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the launcher launched a kernel despite bad input")
-    monkeypatch.setattr(gemm_mod, "launch", refuse)
+def no_launch(forbid_launches):
+    forbid_launches(gemm_mod)
 
 
-def _dev(shape, dtype=np.float32):
-    return cuda.to_device(np.zeros(shape, dtype))
+_dev = device_zeros
 
 
 @pytest.mark.parametrize("case,error,match", [

@@ -11,6 +11,7 @@ import pytest
 from numba import cuda
 
 import kernels.optimizers as opt
+from conftest import assert_close, device_zeros
 
 #: A float32 update against the float64 oracle after STEPS steps: each step rounds a few
 #: times at ~6e-8 relative; 1e-5 of the value's magnitude (or of 1e-3, the typical size
@@ -26,19 +27,6 @@ STEPS = 3
 SHAPES = [(1,), (33,), (1000,), (7, 9), (2, 3, 5)]
 
 
-def assert_close(name, got, want, rtol, atol):
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    err = np.abs(got - want)
-    bad = ~(err <= atol + rtol * np.abs(want))
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        rel = err / np.maximum(np.abs(want), np.finfo(np.float64).tiny)
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.size} elements outside rtol={rtol}, "
-            f"atol={atol} (shape {got.shape}); max abs err {np.nanmax(err):.3g}, max rel "
-            f"err {np.nanmax(rel):.3g}; first bad index {idx}: got {got[idx]!r}, want "
-            f"{want[idx]!r}. (The rng seed is printed above.)")
 
 
 # --- float64 oracles, straight from the Keras source, one element at a time -----------
@@ -135,14 +123,11 @@ def test_adam_alpha_is_rounded_once_to_float32():
 # --- bad input ---------------------------------------------------------------------------
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the launcher launched a kernel despite bad input")
-    monkeypatch.setattr(opt, "launch", refuse)
+def no_launch(forbid_launches):
+    forbid_launches(opt)
 
 
-def _dev(shape, dtype=np.float32):
-    return cuda.to_device(np.zeros(shape, dtype))
+_dev = device_zeros
 
 
 def test_bad_input_raises_before_launch(no_launch):

@@ -10,6 +10,7 @@ import pytest
 from numba import cuda
 
 import kernels.softmax_xent as sx
+from conftest import assert_close, device_zeros
 
 #: float32 loss and gradient: log-sum-exp over C <= 65 terms plus a subtraction; a few
 #: ulps relative to the magnitudes involved. 1e-5 relative plus 1e-6 absolute (loss
@@ -25,18 +26,6 @@ SHAPES = [(1, 1), (1, 10), (17, 10), (33, 17), (5, 65)]
 EPS = 1e-7
 
 
-def assert_close(name, got, want, rtol, atol):
-    got = np.asarray(got, np.float64)
-    err = np.abs(got - want)
-    bad = ~(err <= atol + rtol * np.abs(want))
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        rel = err / np.maximum(np.abs(want), np.finfo(np.float64).tiny)
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.size} elements outside rtol={rtol}, "
-            f"atol={atol} (shape {got.shape}); max abs err {np.nanmax(err):.3g}, max rel "
-            f"err {np.nanmax(rel):.3g}; first bad index {idx}: got {got[idx]!r}, want "
-            f"{want[idx]!r}. (The rng seed is printed above.)")
 
 
 # --- float64 oracles: per-row loops, independent of the references ---------------------
@@ -169,14 +158,11 @@ def test_ref_rejects_out_of_range_labels(ref):
 # --- bad input ---------------------------------------------------------------------------
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the launcher launched a kernel despite bad input")
-    monkeypatch.setattr(sx, "launch", refuse)
+def no_launch(forbid_launches):
+    forbid_launches(sx)
 
 
-def _dev(shape, dtype=np.float32):
-    return cuda.to_device(np.zeros(shape, dtype))
+_dev = device_zeros
 
 
 @pytest.mark.parametrize("launcher", [sx.softmax_xent, sx.prob_xent])
