@@ -430,3 +430,14 @@ def test_distribute_datasets_from_function(devices):
     assert [t.numpy().tolist() for t in steps[1].values] == [[2] * 4, [3] * 4]
     with pytest.raises(ValueError, match="not divisible"):
         seen[0].get_per_replica_batch_size(7)
+
+
+def test_experimental_make_numpy_dataset(devices, rng):
+    devices(cpus=2)
+    s = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((10, 3)).astype(np.float32)
+    ds = s.experimental_make_numpy_dataset(x).batch(4)
+    batches = list(s.experimental_distribute_dataset(ds))
+    assert len(batches) == 3
+    assert [t.shape[0] for t in batches[-1].values] == [1, 1]          # the last batch of 2
+    np.testing.assert_array_equal(np.concatenate([t.numpy() for b in batches for t in b.values]), x)
