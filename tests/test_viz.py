@@ -259,3 +259,49 @@ def test_viz_never_opens_pyplot_figures():
     viz.sharding(6, 4)
     viz.timeline(EVENTS)
     assert plt.get_fignums() == before
+
+
+# --- GEMM mapping -----------------------------------------------------------------------
+
+def _cells_of(ax):
+    """The image drawn in a gemm_mapping panel: 0 untouched, 1 block, 2 thread."""
+    return np.asarray(ax.images[0].get_array())
+
+
+def test_gemm_mapping_v1_one_output_one_row_one_column():
+    fig = viz.gemm_mapping("v1", block=(1, 1), thread=(3, 5))
+    ax_text, ax_b, ax_a, ax_out = fig.axes
+    out, a, b = _cells_of(ax_out), _cells_of(ax_a), _cells_of(ax_b)
+    assert out.shape == (48, 48) and a.shape == (48, 40) and b.shape == (40, 48)
+    assert np.argwhere(out == 2).tolist() == [[21, 19]]             # i = 16 + 5, j = 16 + 3
+    assert (out >= 1).sum() == 16 * 16                               # the block's tile
+    assert np.argwhere(a == 2)[:, 0].tolist() == [21] * 40           # all of row 21 of A
+    assert np.argwhere(b == 2)[:, 1].tolist() == [19] * 40           # all of column 19 of B
+    assert len(ax_a.collections) == 0 == len(ax_b.collections)       # v1 stages nothing
+    render(fig)
+
+
+def test_gemm_mapping_v2_and_v3_stage_tiles_and_loads():
+    fig = viz.gemm_mapping("v2", block=(1, 1), thread=(3, 5), k_step=1)
+    _, ax_b, ax_a, ax_out = fig.axes
+    a = _cells_of(ax_a)
+    assert (a >= 1).sum() == 16 * 16 and (a == 2).sum() == 16        # a staged tile, one row read
+    loads = ax_a.collections[0].get_offsets() - 0.5                  # (x = k, y = row) of the x marks
+    assert loads.tolist() == [[16 + 3, 16 + 5]]                      # sa[ty, tx] = A[row0+ty, k0+tx]
+    fig = viz.gemm_mapping("v3", block=(1, 0), thread=(3, 5), k_step=1)
+    _, ax_b, ax_a, ax_out = fig.axes
+    assert (_cells_of(ax_out) == 2).sum() == 64                      # 8 x 8 outputs per thread
+    assert (_cells_of(ax_a) >= 1).sum() == 128 * 8 and (_cells_of(ax_b) >= 1).sum() == 8 * 128
+    assert len(ax_a.collections[-1].get_offsets()) == 4 == len(ax_b.collections[-1].get_offsets())
+    render(fig)
+
+
+def test_gemm_mapping_bad_input():
+    with pytest.raises(ValueError, match="unknown version"):
+        viz.gemm_mapping("v4")
+    with pytest.raises(ValueError, match="block"):
+        viz.gemm_mapping("v2", block=(3, 0))                           # 48 columns: blocks 0..2
+    with pytest.raises(ValueError, match="thread"):
+        viz.gemm_mapping("v3", thread=(16, 0))
+    with pytest.raises(ValueError, match="k_step"):
+        viz.gemm_mapping("v2", k_step=3)                               # K = 40: steps 0..2
