@@ -158,6 +158,16 @@ class Device:
         """Copy ``src`` (same size, on this device) into the existing array ``dst``."""
         raise NotImplementedError
 
+    def upload_into(self, dst, array):
+        """Copy the host (NumPy) ``array`` into ``dst``, an existing array of this
+        device with the same shape and dtype: ``from_numpy`` without an allocation.
+
+        Training reuses one input buffer per batch size this way: a fresh array
+        per step would cost its accounting (a ``weakref.finalize``) on the CPU, and
+        a device allocation (cudaMalloc, then a free) on the GPU, every step.
+        """
+        raise NotImplementedError
+
     def synchronize(self):
         """Wait until every kernel and copy queued on this device has finished."""
 
@@ -206,6 +216,10 @@ class CpuDevice(Device):
 
     def copy_into(self, dst, src):
         dst.reshape(-1)[...] = src.reshape(-1)
+
+    def upload_into(self, dst, array):
+        np.copyto(dst, array, casting="no")     # same shape and dtype, or a clear error
+        return dst
 
 
 class CudaDevice(Device):
@@ -267,6 +281,19 @@ class CudaDevice(Device):
     def copy_into(self, dst, src):
         with self.activate():
             dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
+
+    def upload_into(self, dst, array):
+        # A host-to-device copy queued on this device's stream, so it runs after
+        # the kernels that still read ``dst`` from the previous step. From pageable
+        # host memory the driver stages the bytes before returning, so the caller
+        # may reuse ``array`` at once.
+        array = np.ascontiguousarray(array)
+        if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
+            raise ValueError(f"upload_into: {array.dtype}{list(array.shape)} does not fit the "
+                             f"device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")
+        with self.activate():
+            dst.copy_to_device(array, stream=self.stream)
+        return dst
 
     def synchronize(self):
         with self.activate():

@@ -6,6 +6,7 @@ also available at the top level (``mirrored.MirroredStrategy``).
 """
 from mirrored.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                        ReduceOp, ReductionToOneDevice)
+from mirrored.input_lib import InputOptions
 from mirrored.strategy import (InputContext, MirroredStrategy, OneDeviceStrategy, ReplicaContext,
                                Strategy, StrategyExtended, ValueContext, get_replica_context,
                                get_strategy, has_strategy, in_cross_replica_context)

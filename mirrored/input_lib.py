@@ -14,13 +14,63 @@ Each slice is copied to its replica's device, as a ``PerReplica`` value of
 builds a dataset that is already batched per replica; replica r takes batch
 ``step * N + r``.
 
+Keeping the data set on the devices (issue 6). Copying every batch from the host
+costs a copy per step (on a GPU: a host-to-device transfer of 64 x 784 float32 =
+200 KB for the lab's batch). With
+
+    options = mirrored.distribute.InputOptions(experimental_place_dataset_on_device=True)
+    dist = strategy.experimental_distribute_dataset(ds, options)
+    model.fit(dist, epochs=5)           # or: for x, y in dist: strategy.run(step, (x, y))
+
+the rows of the data set are copied ONCE to every replica device (``ResidentRows``)
+and each step sends only the batch's row numbers; each replica gathers its rows
+where they already are (``kernels/gather.py`` on a GPU, ``np.take`` on a CPU). It
+applies when the epoch is a stream of rows we hold: ``from_tensor_slices(...)`` or a
+filled ``cache()``, then ``shuffle``/``repeat``/``take``, then ``batch`` last (before
+``prefetch``) — the lab's ``map(scale).cache().shuffle(...).batch(...)`` is resident
+from its second epoch (the first one fills the cache). Otherwise the batches are
+copied as usual and a warning says why. (TensorFlow has this option for
+``distribute_datasets_from_function`` only; here it is for
+``experimental_distribute_dataset``, whose batches we can plan by row number.)
+
 Neighbours: ``data.py`` (the Dataset), ``strategy.py``, ``values.py``.
 """
+import warnings
+
 import numpy as np
 
 from mirrored import nest
 from mirrored.tensor import Tensor
 from mirrored.values import PerReplica
+
+
+class InputOptions:
+    """``tf.distribute.InputOptions``: how a distributed dataset feeds its replicas.
+
+    ``experimental_place_dataset_on_device=True``: keep the whole data set on every
+    replica device and gather each batch there (see the module docstring). As in
+    TensorFlow it cannot be combined with ``experimental_fetch_to_device=True``.
+    The other fields are accepted for compatibility (batches always go to the
+    devices; there is no prefetch buffer).
+    """
+
+    def __init__(self, experimental_fetch_to_device=None, experimental_replication_mode=None,
+                 experimental_place_dataset_on_device=False, experimental_per_replica_buffer_size=1):
+        if experimental_place_dataset_on_device and experimental_fetch_to_device:
+            raise ValueError("`experimental_place_dataset_on_device` can not be set to True when "
+                             "experimental_fetch_to_device is True: the data is on the device "
+                             "already, there is nothing to fetch. Leave experimental_fetch_to_device unset.")
+        self.experimental_place_dataset_on_device = bool(experimental_place_dataset_on_device)
+        self.experimental_fetch_to_device = (not self.experimental_place_dataset_on_device
+                                             if experimental_fetch_to_device is None
+                                             else bool(experimental_fetch_to_device))
+        self.experimental_replication_mode = experimental_replication_mode
+        self.experimental_per_replica_buffer_size = experimental_per_replica_buffer_size
+
+    def __repr__(self):
+        return (f"InputOptions(experimental_place_dataset_on_device="
+                f"{self.experimental_place_dataset_on_device}, experimental_fetch_to_device="
+                f"{self.experimental_fetch_to_device})")
 
 
 def rebatch_bounds(batch_size, num_replicas):
@@ -35,6 +85,89 @@ def _to_device(leaf, dev):
         return Tensor(dev.from_numpy(arr), dev)
 
 
+# --- a data set kept on the devices ----------------------------------------------------
+
+def index_batches(dataset):
+    """This epoch of a batched ``mirrored.data.Dataset`` as row numbers: ``(rows, batches)``.
+
+    ``rows`` holds the elements (``rows.columns``: a structure of arrays, one row per
+    element); ``batches`` yields one int64 array of row numbers per batch, in the
+    order the dataset would play them (the same shuffle draws). Returns
+    ``(None, why)`` when the epoch is not a stream of held rows; asking has no side
+    effect then, so the caller can iterate the dataset as usual instead.
+    """
+    from mirrored import data as _data        # the pipeline's internals: same package
+    while isinstance(dataset, _data._PrefetchDataset):
+        dataset = dataset._input
+    if not isinstance(dataset, _data._BatchDataset):
+        return None, ("the dataset does not end in .batch(GLOBAL_BATCH_SIZE) (optionally "
+                      "followed by .prefetch)")
+    plan = dataset._input._index_plan()
+    if plan is None:
+        return None, ("its elements are not rows held in memory yet: start from "
+                      "from_tensor_slices, or put .cache() after any map(); a cache is "
+                      "filled by the first epoch, and the data is resident from the second")
+    rows, chunks = plan
+    if not isinstance(rows, _data._StackedRows):
+        return None, "its elements differ in shape, so they cannot be stored as one array per device"
+    size, drop = dataset._batch_size, dataset._drop_remainder
+
+    def batches():
+        for idx in _data._rechunk(chunks, size):       # idx: (<= size,) int64 row numbers
+            if len(idx) < size and drop:
+                return
+            yield idx
+    return rows, batches()
+
+
+class ResidentRows:
+    """One data set's rows, copied once to each of ``devices``, gathered by row number.
+
+    ``leaves[r]`` are device r's copies of the data set's arrays (in
+    ``nest.flatten`` order of ``rows.columns``), each viewed as 2-D (n, row size) so
+    that one gather kernel serves images and labels alike. The memory is charged to
+    each device like any tensor (``get_memory_info`` shows it).
+    """
+
+    def __init__(self, rows, devices):
+        self.rows = rows                                   # keeps the host rows identifiable
+        self.devices = list(devices)
+        host = nest.flatten(rows.columns)
+        self.shapes = [a.shape[1:] for a in host]          # one element's shape per leaf
+        self.dtypes = [a.dtype for a in host]
+        self.row_sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
+        self.leaves = []
+        for dev in self.devices:
+            with dev.activate():
+                self.leaves.append([dev.from_numpy(np.ascontiguousarray(a).reshape(len(a), size))
+                                    for a, size in zip(host, self.row_sizes)])   # (n, row size) per leaf
+        self._idx = {}                                      # (replica, b) -> (b,) int64 on its device
+
+    def gather(self, r, idx, k, out):
+        """Rows ``idx`` (host int64, (b,)) of leaf ``k`` into ``out`` on device r: (b, row size)."""
+        dev = self.devices[r]
+        key = (r, len(idx))
+        idx_dev = self._idx.get(key)
+        if idx_dev is None:
+            with dev.activate():
+                idx_dev = self._idx[key] = dev.empty((len(idx),), np.int64)
+        if len(idx):
+            with dev.activate():
+                dev.upload_into(idx_dev, idx)                # b row numbers: the step's only upload
+                dev.ops.gather_rows(self.leaves[r][k], idx_dev, out.reshape(len(idx), self.row_sizes[k]))
+        return out
+
+    def element(self, r, idx):
+        """The batch ``idx`` as the dataset's structure of fresh Tensors on device r."""
+        dev = self.devices[r]
+        out = []
+        for k, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes)):
+            with dev.activate():
+                buf = dev.empty((len(idx),) + tuple(shape), dtype)
+            out.append(Tensor(self.gather(r, idx, k, buf), dev))
+        return nest.pack_sequence_as(self.rows.columns, out)
+
+
 class DistributedDataset:
     """Iterating gives, per step, the global batch split into PerReplica slices."""
 
@@ -42,6 +175,30 @@ class DistributedDataset:
         self._dataset = dataset
         self._strategy = strategy
         self._options = options
+        self._resident = None              # ResidentRows, made on the first resident epoch
+        self._warned = False
+
+    @property
+    def place_on_device(self):
+        return bool(self._options is not None and self._options.experimental_place_dataset_on_device)
+
+    def resident_epoch(self):
+        """``(ResidentRows, batches of row numbers)`` for one epoch, or None (copy batches).
+
+        The rows are uploaded to the devices the first time and reused while the
+        dataset keeps the same rows (a cache is filled once).
+        """
+        rows, batches = index_batches(self._dataset)
+        if rows is None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"experimental_place_dataset_on_device: this epoch's batches are "
+                              f"copied from the host, because {batches}.", stacklevel=3)
+            return None
+        if self._resident is None or self._resident.rows is not rows:
+            self._resident = None                               # free the old copies first
+            self._resident = ResidentRows(rows, self._strategy.extended._devices)
+        return self._resident, batches
 
     def _split(self, batch):
         devices = self._strategy.extended._devices
@@ -61,11 +218,23 @@ class DistributedDataset:
                                      for (lo, hi), dev in zip(bounds, devices)]), batch)
 
     def __iter__(self):
-        for batch in self._dataset:
-            yield self._split(batch)
+        epoch = self.resident_epoch() if self.place_on_device else None
+        if epoch is None:
+            for batch in self._dataset:
+                yield self._split(batch)
+            return
+        resident, batches = epoch
+        n = len(resident.devices)
+        for idx in batches:
+            if n == 1:
+                yield resident.element(0, idx)
+                continue
+            parts = [resident.element(r, idx[lo:hi]) for r, (lo, hi) in enumerate(rebatch_bounds(len(idx), n))]
+            yield nest.map_structure(lambda *c: PerReplica(c), *parts)
 
     def __repr__(self):
-        return f"<DistributedDataset over {self._strategy.num_replicas_in_sync} replicas>"
+        where = ", resident on the devices" if self.place_on_device else ""
+        return f"<DistributedDataset over {self._strategy.num_replicas_in_sync} replicas{where}>"
 
 
 class DistributedDatasetsFromFunction:

@@ -294,3 +294,30 @@ def test_summary_and_unsupported_layers(devices, capsys):
         tf.keras.layers.Dense(3, activation="tanh")
     with pytest.raises(RuntimeError, match="compile"):
         model.fit(np.zeros((2, 28, 28, 1)), np.zeros(2), verbose=0)
+
+
+def test_a_replica_with_an_empty_slice_in_the_custom_loop(devices, rng):
+    """A last batch of 1 row over 2 replicas: replica 1 gets nothing and contributes zero."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Flatten(input_shape=(2, 3)),
+                                     tf.keras.layers.Dense(4, activation="relu"),
+                                     tf.keras.layers.Dense(3)])
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    x = rng.standard_normal((1, 2, 3)).astype(np.float32)
+    y = rng.integers(0, 3, 1)
+    _, expected = _numpy_gradients(model.get_weights(), x.reshape(1, 6), y)
+    (batch,) = list(strategy.experimental_distribute_dataset([(x, y)]))
+    assert [t.shape[0] for t in batch[0].values] == [1, 0]
+
+    def step(inputs):
+        xs, ys = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(ys, model(xs, training=True)), global_batch_size=1)
+        return tf.distribute.get_replica_context().all_reduce(
+            "SUM", tape.gradient(loss, model.trainable_variables))
+
+    summed = strategy.run(step, args=(batch,))
+    for g, e in zip(summed, expected):
+        np.testing.assert_allclose(strategy.experimental_local_results(g)[1].numpy(), e, rtol=1e-5, atol=1e-6)

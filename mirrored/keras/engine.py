@@ -116,6 +116,7 @@ class ReplicaProgram:
         self.units = [layer.units for layer in dense_layers]
         self.in_dim = dense_layers[0].input_dim
         self._buffers = {}
+        self._inputs = {}                          # (b, label dtype) -> (x (b, in), y (b,)) upload buffers
         self.x = None                              # the last forward's input (b, in)
         self.last_b = 0
         with self.dev.activate():
@@ -132,6 +133,31 @@ class ReplicaProgram:
         if buf is None:
             buf = self._buffers[b] = _Buffers(self.dev, b, self.units, self.in_dim)
         return buf
+
+    def upload(self, x, y):
+        """Copy a host batch into this device's input buffers: ``(x_dev, y_dev)``.
+
+        x: (b, in_dim) float32, y: (b,) integer labels, both C-contiguous NumPy.
+        The buffers are made once per (batch size, label dtype) and reused every
+        step, as the activations are: an epoch of equal batches allocates nothing.
+        The next ``upload`` of the same size overwrites them (on a GPU, in stream
+        order, after the kernels of this step have read them).
+        """
+        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype)
+        if x.shape[0]:
+            self.dev.upload_into(x_dev, x)
+            self.dev.upload_into(y_dev, y)
+        return x_dev, y_dev
+
+    def input_buffers(self, b, label_dtype):
+        """This device's reusable input buffers for batches of ``b``: x (b, in_dim)
+        float32 and y (b,) of ``label_dtype`` (filled by ``upload`` or a gather)."""
+        key = (b, np.dtype(label_dtype))
+        bufs = self._inputs.get(key)
+        if bufs is None:
+            bufs = self._inputs[key] = (self.dev.empty((b, self.in_dim), FLOAT),   # x: (b, in) float32
+                                        self.dev.empty((b,), label_dtype))         # y: (b,) labels
+        return bufs
 
     # -- forward
     def forward(self, x, probabilities=False):

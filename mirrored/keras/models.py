@@ -9,10 +9,17 @@ calls ``compile`` outside it with ``optimizers.Adam()`` created there.
 One training step (``fit``), with N replicas and a global batch of B examples:
 
     host      split the batch: replica r gets rows [r*k, (r+1)*k), k = ceil(B/N)
-    replica r copy its slice to its device; forward; loss scaled by 1/B; backward
+    replica r copy its slice into its device's input buffers (made once per batch
+              size, reused every step); forward; loss scaled by 1/B; backward
               into its packed gradient buffer            (engine.ReplicaProgram)
     merge     all-reduce SUM of the N gradient buffers   (the ring, one buffer)
               one optimizer launch per device            (every copy, same update)
+
+With a data set kept on the devices (``fit(strategy.experimental_distribute_dataset(
+ds, InputOptions(experimental_place_dataset_on_device=True)))``) the host sends
+only row numbers and each replica gathers its rows on its device instead.
+N replicas on logical CPU devices share the cores' BLAS threads during fit
+(``backends.blas_threads_for_replicas``).
 
 The loss and accuracy stay on the devices and are read when the progress line
 is drawn. ``GradientTape`` custom loops use the same replica programs
@@ -27,8 +34,8 @@ import tempfile
 
 import numpy as np
 
-from mirrored import context, strategy as _strategy
-from mirrored.input_lib import rebatch_bounds
+from mirrored import backends, context, nest, strategy as _strategy
+from mirrored.input_lib import DistributedDataset, rebatch_bounds
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -244,6 +251,8 @@ class Sequential:
             return _ArrayBatchesWithLen(x, y, batch_size or 32, shuffle)
         if y is not None:
             raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
+        if isinstance(x, DistributedDataset):
+            return self._distributed_batches(x)
         if not hasattr(x, "__iter__"):
             raise TypeError(f"x must be a NumPy array or a mirrored.data.Dataset, got {type(x).__name__}.")
         try:
@@ -251,6 +260,24 @@ class Sequential:
         except TypeError:
             steps = None
         return _DatasetBatches(x), steps
+
+    def _distributed_batches(self, dist):
+        """fit/evaluate on ``strategy.experimental_distribute_dataset(ds, options)``.
+
+        Plain: the same as passing ``ds`` (fit splits each global batch itself, into
+        its reusable device buffers). With ``experimental_place_dataset_on_device``:
+        epochs the data set can plan by row number yield ``_ResidentBatch``es,
+        gathered on the devices from the copy kept there (``input_lib.ResidentRows``).
+        """
+        if dist._strategy is not self._strategy:
+            raise ValueError(f"this distributed dataset was made by {dist._strategy!r}, but the model "
+                             f"was built under {self._strategy!r}: distribute the dataset with the "
+                             f"strategy whose scope created the model.")
+        try:
+            steps = len(dist._dataset)
+        except TypeError:
+            steps = None
+        return _DistributedBatches(dist), steps
 
     def _host_batch(self, batch):
         if isinstance(batch, dict):
@@ -276,24 +303,37 @@ class Sequential:
         return len(self._programs)
 
     def _run_replicas(self, fn, xb, yb, *extra):
-        """Run ``fn(program, x_dev, y_dev, *extra)`` on every replica's slice of the batch."""
+        """Run ``fn(program, x_dev, y_dev, *extra)`` on every replica's slice of a host batch."""
+        bounds = rebatch_bounds(xb.shape[0], self._n())
+        parts = [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds]      # views: no copy on the host
+        return self._run_parts(fn, parts, _upload, *extra)
+
+    def _run_parts(self, fn, parts, load, *extra):
+        """Replica r puts ``parts[r]`` (its share of the batch) on its device with
+        ``load(program, part) -> (x_dev, y_dev)``, then runs ``fn(program, x_dev, y_dev, *extra)``.
+
+        One replica runs here, in this thread; N replicas run in ``strategy.run``
+        (one thread per device, TensorFlow's design).
+        """
         n = self._n()
         if n == 1:
-            return [self._on_replica(0, fn, xb, yb, *extra)]
-        bounds = rebatch_bounds(xb.shape[0], n)
-        xs = PerReplica([xb[lo:hi] for lo, hi in bounds])
-        ys = PerReplica([yb[lo:hi] for lo, hi in bounds])
-        r_fn = lambda x, y: self._on_replica(context.top()[1]._replica_id, fn, x, y, *extra)  # noqa: E731
-        out = self._strategy.run(r_fn, args=(xs, ys))
+            return [self._on_replica(0, fn, load, parts[0], *extra)]
+        r_fn = lambda part: self._on_replica(context.top()[1]._replica_id, fn, load, part, *extra)  # noqa: E731
+        out = self._strategy.run(r_fn, args=(PerReplica(parts),))
         return list(out.values) if isinstance(out, PerReplica) else [out] * n
 
-    def _on_replica(self, r, fn, x, y, *extra):
+    def _on_replica(self, r, fn, load, part, *extra):
         p = self._programs[r]
-        dev = p.dev
-        with dev.activate():
-            x_dev = dev.from_numpy(x)                 # (b, in) float32 on this replica's device
-            y_dev = dev.from_numpy(y)                 # (b,) labels
+        with p.dev.activate():
+            x_dev, y_dev = load(p, part)              # (b, in) float32, (b,) labels: reused buffers
             return fn(p, x_dev, y_dev, *extra)
+
+    def _replica_threads(self):
+        """Around fit/evaluate/predict: N replicas on CPU devices share the cores' BLAS
+        threads (``backends.blas_threads_for_replicas``); a no-op for one replica or GPUs."""
+        if self.built and self._n() > 1 and self._programs[0].dev.device_type == "CPU":
+            return backends.blas_threads_for_replicas(self._n())
+        return contextlib.nullcontext()
 
     def _train_program(self, p, x_dev, y_dev, mode, scale):
         p.forward(x_dev)
@@ -310,6 +350,25 @@ class Sequential:
         """One step on a host batch (x (B, ...), y (B,)): forward, backward, all-reduce, update."""
         mode = self._loss_mode(self.loss)
         self._run_replicas(self._train_program, xb, yb, mode, 1.0 / max(xb.shape[0], 1))
+        if self._n() == 1:
+            self.optimizer.apply_packed(self._pack)
+
+    def _step_on(self, batch, fn, *extra):
+        """Run ``fn`` on one batch from ``_batches``: a host batch or a ``_ResidentBatch``."""
+        if isinstance(batch, _ResidentBatch):
+            loader = batch.loader(self)
+            bounds = rebatch_bounds(len(batch.idx), self._n())
+            return self._run_parts(fn, [batch.idx[lo:hi] for lo, hi in bounds], loader.load, *extra)
+        xb, yb = self._host_batch(batch)
+        return self._run_replicas(fn, xb, yb, *extra)
+
+    def _train_on(self, batch):
+        """One training step on a batch from ``_batches`` (``train_step`` for host batches)."""
+        if not isinstance(batch, _ResidentBatch):
+            xb, yb = self._host_batch(batch)
+            return self.train_step(xb, yb)
+        mode = self._loss_mode(self.loss)
+        self._step_on(batch, self._train_program, mode, 1.0 / max(len(batch.idx), 1))
         if self._n() == 1:
             self.optimizer.apply_packed(self._pack)
 
@@ -341,8 +400,20 @@ class Sequential:
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_data=None, shuffle=True, initial_epoch=0, steps_per_epoch=None,
             validation_split=0.0, **kwargs):
-        """Train for ``epochs`` epochs; prints Keras's progress line; returns a ``History``."""
+        """Train for ``epochs`` epochs; prints Keras's progress line; returns a ``History``.
+
+        ``x``: arrays (with ``y``), a batched ``mirrored.data.Dataset``, or
+        ``strategy.experimental_distribute_dataset(ds, options)`` (TensorFlow accepts
+        it too); with ``InputOptions(experimental_place_dataset_on_device=True)`` the
+        data set stays on the devices (``input_lib``'s docstring).
+        """
         self._check_compiled("training")
+        with self._replica_threads():
+            return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
+                             initial_epoch, steps_per_epoch, validation_split)
+
+    def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
+             initial_epoch, steps_per_epoch, validation_split):
         if validation_split:
             raise NotImplementedError("validation_split is not implemented; pass validation_data.")
         verbose = 1 if verbose == "auto" else int(verbose)
@@ -371,8 +442,7 @@ class Sequential:
                     break
                 for cb in cbs:
                     cb.on_train_batch_begin(step)
-                xb, yb = self._host_batch(batch)
-                self.train_step(xb, yb)
+                self._train_on(batch)
                 step += 1
                 for cb in cbs:
                     cb.on_train_batch_end(step - 1)
@@ -405,8 +475,7 @@ class Sequential:
         self._zero_metrics()
         step = 0
         for batch in batches:
-            xb, yb = self._host_batch(batch)
-            self._run_replicas(self._eval_program, xb, yb, mode)
+            self._step_on(batch, self._eval_program, mode)
             step += 1
         logs = self._logs(prefix)
         if verbose:
@@ -417,7 +486,8 @@ class Sequential:
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         self._check_compiled("evaluating")
         verbose = 1 if verbose == "auto" else int(verbose)
-        logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
+        with self._replica_threads():
+            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -425,6 +495,10 @@ class Sequential:
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
         """The model's outputs (probabilities after a softmax layer) as one NumPy array."""
+        with self._replica_threads():
+            return self._predict(x, batch_size, verbose)
+
+    def _predict(self, x, batch_size, verbose):
         verbose = 1 if verbose == "auto" else int(verbose)
         if isinstance(x, (np.ndarray, list)):
             arr = np.asarray(x)
@@ -468,6 +542,7 @@ class Sequential:
         """
         shape = inputs.shape if hasattr(inputs, "shape") else np.shape(inputs)
         self._ensure_built(shape)
+        features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         strategy, replica_ctx = context.top()
         r = replica_ctx._replica_id if (replica_ctx is not None and strategy is self._strategy) else 0
         p = self._programs[r]
@@ -478,9 +553,9 @@ class Sequential:
                     raise TypeError(f"the model takes float32 inputs, got {inputs.dtype}; "
                                     f"use mirrored.cast(x, mirrored.float32).")
                 buf = inputs._buf if inputs._device is dev else dev.copy_from(inputs._buf, inputs._device)
-                x = buf.reshape(shape[0], -1)
+                x = buf.reshape(shape[0], features)
             else:
-                x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], -1))
+                x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], features))
             out = p.forward(x, probabilities=True)
             result = dev.copy_from(out, dev)           # the program reuses `out` next call
         return Tensor(result, dev, _ModelOutput(self, p, x))
@@ -506,6 +581,90 @@ class Sequential:
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:
             print_fn(line)
+
+
+def _upload(p, part):
+    """Put a host slice ``(x (b, in) float32, y (b,))`` into program p's input buffers."""
+    x, y = part
+    return p.upload(x, y)
+
+
+class _DistributedBatches:
+    """Epochs of a DistributedDataset as fit sees them: host batches, or resident ones."""
+
+    def __init__(self, dist):
+        self.dist = dist
+
+    def __iter__(self):
+        epoch = self.dist.resident_epoch() if self.dist.place_on_device else None
+        if epoch is None:
+            return iter(self.dist._dataset)            # host batches: fit splits and uploads them
+        resident, batches = epoch
+        return (_ResidentBatch(resident, idx) for idx in batches)
+
+
+class _ResidentBatch:
+    """One global batch of a data set kept on the devices: its row numbers, (B,) int64."""
+
+    __slots__ = ("resident", "idx")
+
+    def __init__(self, resident, idx):
+        self.resident, self.idx = resident, idx
+
+    def loader(self, model):
+        loader = getattr(model, "_resident_loader", None)
+        if loader is None or loader.resident is not self.resident:
+            loader = model._resident_loader = _ResidentLoader(model, self.resident)
+        return loader
+
+
+class _ResidentLoader:
+    """Gathers a replica's rows of a resident data set into its program's input buffers.
+
+    Per step and replica: the row numbers go up (b int64), then one gather for x
+    and one for y on the device; a cast follows only when the stored dtype is not
+    what the model takes (uint8 images: float32; float labels: int64).
+    """
+
+    def __init__(self, model, resident):
+        self.resident = resident
+        leaf = nest.pack_sequence_as(resident.rows.columns, list(range(len(resident.dtypes))))
+        if isinstance(leaf, dict):
+            leaf = (leaf.get("image"), leaf.get("label"))
+        if not (isinstance(leaf, (tuple, list)) and len(leaf) == 2 and all(isinstance(k, int) for k in leaf)):
+            raise ValueError("each dataset element must be an (x, y) pair: load with "
+                             "as_supervised=True or map to (image, label).")
+        self.kx, self.ky = leaf
+        model._ensure_built((0,) + tuple(resident.shapes[self.kx]))
+        in_dim = model._dense[0].input_dim
+        if resident.row_sizes[self.kx] != in_dim:
+            raise ValueError(f"examples have {resident.row_sizes[self.kx]} features, the model expects "
+                             f"{in_dim} (input shape {model._input_shape}).")
+        for p, dev in zip(model._programs, resident.devices):
+            if p.dev is not dev:
+                raise ValueError(f"the resident data set lives on {dev.name} but replica {p.r} runs on "
+                                 f"{p.dev.name}: distribute the dataset with the model's strategy.")
+        y_dtype = np.dtype(resident.dtypes[self.ky])
+        self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
+        self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
+
+    def load(self, p, idx):
+        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)
+        self._gather(p, self.kx, idx, x_dev)                  # (b, in) float32
+        self._gather(p, self.ky, idx, y_dev)                  # (b,) labels
+        return x_dev, y_dev
+
+    def _gather(self, p, k, idx, out):
+        if np.dtype(self.resident.dtypes[k]) == np.dtype(out.dtype):
+            return self.resident.gather(p.r, idx, k, out)
+        key = (p.r, k, len(idx))
+        tmp = self._scratch.get(key)
+        if tmp is None:
+            tmp = self._scratch[key] = p.dev.empty((len(idx), self.resident.row_sizes[k]), self.resident.dtypes[k])
+        self.resident.gather(p.r, idx, k, tmp)
+        if len(idx):
+            p.dev.ops.cast(tmp.reshape(out.shape), out)
+        return out
 
 
 class _ArrayBatches:

@@ -1,0 +1,881 @@
+"""Training speed: our MirroredStrategy beside PyTorch and TensorFlow, in one run.
+
+    python -m benchmarks.training                              # the GPU if there is one, else the CPU
+    python -m benchmarks.training --tf-python /tmp/tfvenv/bin/python    # TF from another venv
+    python -m benchmarks.training --smoke --out /tmp/training.json   # tiny; the test suite runs this
+
+What is timed: one epoch of ``model.fit`` over MNIST (the bundled 8,000-image subset
+offline, the full 60,000 when present), after one untimed warm-up epoch, for two
+models with Adam and sparse cross-entropy from logits:
+
+    lab    Flatten -> Dense 64 relu -> Dense 10       64 examples per replica (the course lab)
+    wide   784 -> 1024 relu -> 1024 relu -> 10         256 examples per replica
+
+The global batch is (examples per replica) x (replicas), TensorFlow's convention, so
+samples/s compares replica counts fairly. Rows, each with the same initial weights:
+
+    ours      no strategy; OneDeviceStrategy; MirroredStrategy on 1, 2 and 4 devices
+              (logical CPUs without a GPU, logical GPUs carved from GPU:0 with one);
+              MirroredStrategy 1 and 2 with the data set kept on the devices
+              (InputOptions(experimental_place_dataset_on_device=True))
+    torch     PyTorch eager, the same layers, weights, batches (the same mirrored.data
+              pipeline and shuffle seed) and Adam (epsilon 1e-7 as Keras), CPU or CUDA
+    tf        TensorFlow/Keras without a strategy, and MirroredStrategy on 1 and 2
+              devices, run in a child process (``--tf-python``: an interpreter that has
+              TensorFlow, e.g. a separate venv); same weights, data and batch sizes,
+              tf.data's own shuffle order
+
+A peer that cannot be imported is listed under "skipped" with the reason; it is not a
+requirement of this project. Rows are timed in interleaved rounds (every row runs
+its epoch 1, then every row its epoch 2..., each round in a new random order), so a
+slow spell on a shared machine hits all rows alike; each row reports the median of its
+epochs (at least 3 s of epochs per row, at most 40 epochs: 40 for the lab model on
+the bundled subset, 5 for the wide one). Ratios ours/peer are taken
+within this one run. Timing: perf_counter on the CPU; on a GPU, CUDA events on the
+legacy default stream, which orders after every stream of the primary context (ours
+and PyTorch's), recorded around each epoch after the warm-up.
+
+The floor (DESIGN.md, "Performance method"), per step of each row's global batch:
+
+    FLOPs   2*B*sum(d_in*d_out) forward + the same for dW + 2*B*sum(d_in*d_out) for dX
+            (not for the first layer)                  / the measured GEMM rate
+    bytes   input batch, bias/ReLU passes, loss, bias gradients, Adam (7 floats per
+            parameter per device), ring all-reduce     / the measured copy bandwidth
+    GPU     also launches per step x the measured cost of one launch (host-side)
+
+Two GEMM rates are measured: the peak (a 1024^3 product) and this step's own GEMM
+shapes, timed alone. ``peak_floor_ms`` = FLOPs at the peak rate + bytes; ``floor_ms``
+(the table's) = the step's GEMMs as timed alone, times the replicas (they share the
+cores, or the card) + bytes, and on a GPU at least launches x launch cost: what a
+perfect implementation of this very step could reach. ``vs_floor`` = measured / floor.
+Rates take the fastest of RATE_SAMPLES samples (a floor is what the machine can do).
+
+Besides time: peak memory per device (ours: mirrored.config.experimental.
+get_memory_info, measured over building the row and its warm-up epoch; PyTorch
+CUDA: max_memory_allocated; TF GPU: its get_memory_info), and for our rows the ops
+(kernel launches on a GPU), device allocations and host-to-device uploads per step,
+counted in one extra untimed epoch.
+
+Writes benchmarks/results/training-<device>-<date>.json (``--out`` to choose) and
+prints a table; ``--smoke`` writes JSON only with ``--out``.
+"""
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The two models: hidden/out units and examples per replica.
+MODELS = {
+    "lab": {"units": (64, 10), "per_replica": 64, "what": "Flatten -> Dense 64 relu -> Dense 10"},
+    "wide": {"units": (1024, 1024, 10), "per_replica": 256, "what": "784 -> 1024 -> 1024 -> 10"},
+}
+#: --smoke: the same shapes of program, tiny sizes (it proves the program runs).
+SMOKE_MODELS = {
+    "lab": {"units": (16, 10), "per_replica": 16, "what": "smoke: 784 -> 16 -> 10"},
+    "wide": {"units": (32, 32, 10), "per_replica": 32, "what": "smoke: 784 -> 32 -> 32 -> 10"},
+}
+SMOKE_EXAMPLES = 512
+#: Logical devices configured once at start (a process cannot reconfigure them).
+LOGICAL_DEVICES = 4
+REPLICA_COUNTS = (1, 2, 4)
+RESIDENT_COUNTS = (1, 2)
+TF_REPLICA_COUNTS = (1, 2)
+#: Timed epochs per row: enough for ROW_SECONDS of timing per row (a lab epoch on the
+#: bundled subset is ~50 ms: one slow spell of a shared machine must not decide the
+#: median), at least EPOCHS, at most MAX_EPOCHS; --epochs fixes the number. Untimed
+#: warm-up epochs come first.
+EPOCHS = 5
+MAX_EPOCHS = 40
+ROW_SECONDS = 3.0
+WARMUP_EPOCHS = 1
+ROUND_ORDER_SEED = 0            # the rows' order in each timed round (a fixed shuffle)
+#: The same shuffle for every row: mirrored.data seeds each epoch with (seed, epoch).
+SHUFFLE_SEED = 1234
+LEARNING_RATE = 1e-3
+ADAM_EPSILON = 1e-7            # Keras's default; PyTorch's is 1e-8
+#: TF logical GPUs need a memory limit (MiB each) when GPU:0 is split.
+TF_LOGICAL_GPU_MIB = 4096
+#: Floors: sizes of the rate measurements, and which sample they use. A floor is what
+#: the machine CAN do, so it takes the fastest of its samples ("min_s"): on a shared
+#: machine a median would let someone else's burst raise the floor above our step.
+PEAK_GEMM = 1024
+BANDWIDTH_BYTES = 64 * 2**20
+BEST = "min_s"
+RATE_SAMPLES = 15
+#: Issue 8's targets on the CPU (ratios within one run).
+TARGET_VS_TORCH = 1.0          # ours MirroredStrategy(1 CPU) ms/step / PyTorch eager, lab model
+TARGET_OVERHEAD = 1.10         # ours MirroredStrategy(1) / ours no strategy
+TARGET_TWO_REPLICAS = 0.8      # samples/s of 2 logical CPU replicas / 1 replica
+
+
+# --- the data ---------------------------------------------------------------------------
+
+def load_mnist(limit=None):
+    """x: (n, 28, 28, 1) float32 in [0, 1]; y: (n,) int64; and where they came from."""
+    from mirrored import datasets
+    (x, y), info = datasets.load("mnist", split="train", as_supervised=True, batch_size=-1,
+                                 with_info=True)
+    x = np.asarray(x, np.float32) / np.float32(255.0)          # (n, 28, 28, 1) float32
+    y = np.asarray(y, np.int64)                                # (n,) int64
+    if limit:
+        x, y = x[:limit], y[:limit]
+    return np.ascontiguousarray(x), y, str(getattr(info, "source", "unknown"))
+
+
+def initial_weights(units, seed=0):
+    """Keras's initialisers, computed once: glorot-uniform kernels (in, out), zero biases."""
+    rng = np.random.default_rng(seed)
+    dims = (784,) + tuple(units)
+    weights = []
+    for d_in, d_out in zip(dims[:-1], dims[1:]):
+        limit = np.sqrt(6.0 / (d_in + d_out))
+        weights.append(rng.uniform(-limit, limit, (d_in, d_out)).astype(np.float32))  # (in, out)
+        weights.append(np.zeros(d_out, np.float32))                                  # (out,)
+    return weights
+
+
+# --- our rows ---------------------------------------------------------------------------
+
+class OursRow:
+    """One configuration of our library: a model, its strategy and its dataset."""
+
+    framework = "ours"
+
+    def __init__(self, tf, kind, strategy, n, resident, spec, x, y, weights):
+        self.n = n
+        self.strategy_label = {"none": "no strategy", "one": "OneDeviceStrategy"}.get(
+            strategy, "MirroredStrategy" + (" resident" if resident else ""))
+        self.name = {"none": "ours no strategy", "one": "ours OneDeviceStrategy"}.get(
+            strategy, f"ours MirroredStrategy x{n}" + (" resident" if resident else ""))
+        self.global_batch = spec["per_replica"] * n
+        self.examples = len(x)
+        if strategy == "none":
+            self.strategy = tf.distribute.get_strategy()
+        elif strategy == "one":
+            self.strategy = tf.distribute.OneDeviceStrategy(f"{kind}:0")
+        else:
+            with contextlib.redirect_stdout(None):          # "Using MirroredStrategy with ..."
+                self.strategy = tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
+        scope = contextlib.nullcontext() if strategy == "none" else self.strategy.scope()
+        with scope:
+            self.model = tf.keras.Sequential(
+                [tf.keras.layers.Flatten(input_shape=(28, 28, 1))]
+                + [tf.keras.layers.Dense(u, activation="relu") for u in spec["units"][:-1]]
+                + [tf.keras.layers.Dense(spec["units"][-1])])
+        self.model.set_weights(weights)
+        self.model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
+                           loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           metrics=["accuracy"])
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
+        ds = ds.batch(self.global_batch)
+        if resident:
+            options = tf.distribute.InputOptions(experimental_place_dataset_on_device=True)
+            ds = self.strategy.experimental_distribute_dataset(ds, options)
+        self.ds = ds
+        self.devices = [p.dev for p in self.model._programs]
+
+    def epoch(self):
+        self.model.fit(self.ds, epochs=1, verbose=0)
+
+    def final_loss(self):
+        return float(self.model.history.history["loss"][-1])
+
+
+class Counter:
+    """Counts our device ops, kernel launches, allocations and uploads during one epoch.
+
+    It wraps methods of the device objects (and ``launch`` in every kernel module),
+    which costs time: counting happens in an extra epoch, never in a timed one.
+    """
+
+    def __init__(self, devices):
+        import threading
+        self.devices = devices
+        self.counts = {"ops": 0, "launches": 0, "allocations": 0, "uploads": 0}
+        self._undo = []
+        self._lock = threading.Lock()           # replica threads count at the same time
+
+    def _wrap(self, obj, name, key):
+        original = getattr(obj, name, None)
+        if original is None:                    # an older library without this method
+            return
+        counts, lock = self.counts, self._lock
+
+        def counted(*args, **kwargs):
+            with lock:
+                counts[key] += 1
+            return original(*args, **kwargs)
+        had = name in vars(obj)
+        setattr(obj, name, counted)
+        self._undo.append((obj, name, original if had else None))
+
+    def __enter__(self):
+        for dev in self.devices:
+            for op in [m for m in vars(type(dev.ops)) if not m.startswith("_")]:
+                self._wrap(dev.ops, op, "ops")
+            self._wrap(dev, "empty", "allocations")
+            self._wrap(dev, "from_numpy", "allocations")
+            self._wrap(dev, "upload_into", "uploads")
+        import kernels.launch as launch_mod
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("kernels.") and mod is not launch_mod \
+                    and getattr(mod, "launch", None) is launch_mod.launch:
+                self._wrap(mod, "launch", "launches")
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, original in reversed(self._undo):
+            if original is None:
+                delattr(obj, name)               # back to the class's method
+            else:
+                setattr(obj, name, original)
+
+
+# --- PyTorch --------------------------------------------------------------------------------
+
+def torch_status():
+    try:
+        import torch
+        return torch, None
+    except Exception as exc:  # not installed, or broken
+        return None, f"PyTorch not importable ({type(exc).__name__}: {exc})"[:200]
+
+
+class TorchRow:
+    """PyTorch eager: the same layers, initial weights, batches and Adam."""
+
+    framework = "torch"
+
+    def __init__(self, torch, tf, gpu, spec, x, y, weights):
+        self.torch = torch
+        self.name = f"PyTorch {torch.__version__} eager" + (" (CUDA)" if gpu else " (CPU)")
+        self.strategy_label = "eager"
+        self.n = 1
+        self.global_batch = spec["per_replica"]
+        self.examples = len(x)
+        self.device = torch.device("cuda" if gpu else "cpu")
+        layers = []
+        for i in range(0, len(weights), 2):
+            kernel, bias = weights[i], weights[i + 1]         # Keras: (in, out), (out,)
+            lin = torch.nn.Linear(kernel.shape[0], kernel.shape[1])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(kernel.T.copy()))   # PyTorch keeps (out, in)
+                lin.bias.copy_(torch.from_numpy(bias))
+            layers.append(lin)
+            if i + 2 < len(weights):
+                layers.append(torch.nn.ReLU())
+        self.net = torch.nn.Sequential(*layers).to(self.device)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=LEARNING_RATE, eps=ADAM_EPSILON)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
+        self.ds = self.ds.batch(self.global_batch)
+        self.devices = []
+        self.last_loss = None
+
+    def epoch(self):
+        torch, dev = self.torch, self.device
+        loss = None
+        for xb, yb in self.ds:                                  # NumPy batches, as ours get
+            xt = torch.from_numpy(xb).reshape(len(xb), -1).to(dev)    # (B, 784) float32
+            yt = torch.from_numpy(yb).to(dev)                          # (B,) int64
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.loss_fn(self.net(xt), yt)
+            loss.backward()
+            self.opt.step()
+        self.last_loss = loss
+
+    def final_loss(self):
+        return float(self.last_loss) if self.last_loss is not None else None
+
+
+# --- TensorFlow, in a child process ----------------------------------------------------------
+
+def tf_worker(spec_path, out_path):
+    """Run the TensorFlow rows (in an interpreter that has TensorFlow) and write JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    arrays = np.load(spec["arrays"])
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+    gpu = spec["gpu"]
+    kind = "GPU" if gpu else "CPU"
+    phys = tf.config.list_physical_devices(kind)
+    nmax = max(spec["replicas"])
+    if gpu:
+        tf.config.set_logical_device_configuration(
+            phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=TF_LOGICAL_GPU_MIB)] * nmax)
+    else:
+        tf.config.set_logical_device_configuration(phys[0], [tf.config.LogicalDeviceConfiguration()] * nmax)
+    x, y = arrays["x"], arrays["y"]
+    # One strategy per replica count, shared by both models: two MirroredStrategy
+    # objects over the same devices can draw the same collective-op keys in TF and
+    # then abort with "Shape mismatch in the collective instance".
+    strategies = {n: tf.distribute.MirroredStrategy([f"/{kind.lower()}:{i}" for i in range(n)])
+                  for n in spec["replicas"]}
+    strategies[0] = tf.distribute.get_strategy()
+    results = []
+    for model_name, m in spec["models"].items():
+        weights = [arrays[f"{model_name}_w{i}"] for i in range(m["n_weights"])]
+        rows = []
+        for label, n in [("no strategy", 0)] + [(f"MirroredStrategy x{n}", n) for n in spec["replicas"]]:
+            strategy = strategies[n]
+            with strategy.scope():
+                model = tf.keras.Sequential(
+                    [tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten()]
+                    + [tf.keras.layers.Dense(u, activation="relu") for u in m["units"][:-1]]
+                    + [tf.keras.layers.Dense(m["units"][-1])])
+                model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
+                              loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                              metrics=["accuracy"])
+            model.set_weights(weights)
+            batch = m["per_replica"] * max(n, 1)
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
+            ds = ds.batch(batch).prefetch(tf.data.AUTOTUNE)
+            rows.append({"label": label, "n": max(n, 1), "model": model, "ds": ds, "batch": batch})
+        # Interleaved rounds, as in the parent; one fit() per epoch, timed by callbacks
+        # at epoch begin/end so that fit's own per-call setup is not counted.
+        times = {id(r["model"]): [] for r in rows}
+
+        class EpochTimer(tf.keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.t0 = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.seconds = time.perf_counter() - self.t0
+                self.loss = float(logs["loss"])
+
+        for r in rows:
+            r["timer"] = EpochTimer()
+            for _ in range(spec["warmup"]):
+                r["model"].fit(r["ds"], epochs=1, verbose=0, callbacks=[r["timer"]])
+            if gpu:
+                r["peak_bytes"] = [tf.config.experimental.get_memory_info(f"GPU:{i}")["peak"]
+                                   for i in range(r["n"])]
+        for _ in range(m["epochs"]):
+            for r in rows:
+                r["model"].fit(r["ds"], epochs=1, verbose=0, callbacks=[r["timer"]])
+                times[id(r["model"])].append(r["timer"].seconds)
+        for r in rows:
+            results.append({"model": model_name, "framework": "tf", "row": f"TensorFlow {tf.__version__} "
+                            f"{r['label']}", "strategy": r["label"], "replicas": r["n"],
+                            "global_batch": r["batch"], "epoch_seconds": times[id(r["model"])],
+                            "peak_bytes_per_device": r.get("peak_bytes"),
+                            "final_loss": r["timer"].loss})
+    info = {"tensorflow": tf.__version__, "keras": getattr(tf.keras, "__version__", None),
+            "python": platform.python_version(),
+            "tf_threads": {"intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+                           "inter_op": tf.config.threading.get_inter_op_parallelism_threads()}}
+    Path(out_path).write_text(json.dumps({"info": info, "results": results}))
+
+
+def run_tf_rows(python, gpu, models, x, y, weights, epochs, warmup):
+    """The TF rows from a child process: (rows, info) or (None, why skipped)."""
+    if python is None:
+        return None, ("TensorFlow is not importable here; give --tf-python PATH, an interpreter "
+                      "with TensorFlow (e.g. a separate venv)")
+    with tempfile.TemporaryDirectory() as tmp:
+        arrays = {"x": x, "y": y}
+        spec_models = {}
+        for name, m in models.items():
+            for i, w in enumerate(weights[name]):
+                arrays[f"{name}_w{i}"] = w
+            spec_models[name] = {"units": list(m["units"]), "per_replica": m["per_replica"],
+                                 "n_weights": len(weights[name]), "epochs": epochs[name]}
+        np.savez(Path(tmp) / "arrays.npz", **arrays)
+        spec = {"arrays": str(Path(tmp) / "arrays.npz"), "gpu": gpu, "models": spec_models,
+                "replicas": list(TF_REPLICA_COUNTS), "warmup": warmup}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        out = Path(tmp) / "tf.json"
+        env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+        try:
+            proc = subprocess.run([python, "-m", "benchmarks.training", "--tf-worker",
+                                   str(Path(tmp) / "spec.json"), "--out", str(out)],
+                                  cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, f"the TensorFlow child process failed to run: {exc}"[:300]
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return None, f"the TensorFlow child process failed (rc {proc.returncode}): {' | '.join(tail)}"[:400]
+        doc = json.loads(out.read_text())
+    return doc["results"], doc["info"]
+
+
+def find_tf_python(arg):
+    if arg:
+        return arg
+    return sys.executable if importlib.util.find_spec("tensorflow") else None
+
+
+# --- floors ----------------------------------------------------------------------------------
+
+def step_flops(units, batch):
+    """FLOPs of one training step on a batch: forward, dW, and dX below the first layer."""
+    dims = (784,) + tuple(units)
+    pairs = [d_in * d_out for d_in, d_out in zip(dims[:-1], dims[1:])]
+    return 2 * batch * (2 * sum(pairs) + sum(pairs[1:]))
+
+
+def step_gemm_shapes(units, batch):
+    """(M, N, K, trans_a, trans_b) of every GEMM of one replica's step, as engine.py runs them."""
+    dims = (784,) + tuple(units)
+    shapes = []
+    for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+        shapes.append((batch, d_out, d_in, False, False))       # z = a @ W
+        shapes.append((d_in, d_out, batch, True, False))         # dW = a^T dz
+        if i:
+            shapes.append((batch, d_in, d_out, False, True))     # da = dz W^T
+    return shapes
+
+
+def step_bytes(units, batch, n_devices):
+    """Bytes the non-GEMM work of one step moves (all devices together), float32."""
+    dims = (784,) + tuple(units)
+    params = sum(d_in * d_out + d_out for d_in, d_out in zip(dims[:-1], dims[1:]))
+    hidden = sum(units[:-1])
+    classes = units[-1]
+    per_example = (2 * 784                  # the input batch: read on the host, written on the device
+                   + 2 * hidden + 3 * hidden   # bias+ReLU (read, write); ReLU backward (read 2, write)
+                   + 2 * classes            # bias add on the logits
+                   + 3 * classes            # softmax cross-entropy: read logits, write gradient, loss
+                   + sum(units))            # bias gradients: column sums read dz
+    floats = batch * per_example + 7 * params * n_devices     # Adam: read w, g, m, v; write w, m, v
+    if n_devices > 1:                       # ring: 2(N-1)/N of the buffer read + written per device
+        floats += 3 * params * 2 * (n_devices - 1)
+    return 4 * floats
+
+
+def measure_rates(gpu, models, smoke, torch=None):
+    """GEMM peak rate, GEMM time of each (model, replicas) step's shapes, copy bandwidth,
+    and (GPU) the host cost of one kernel launch."""
+    timer = ((lambda f: common.time_gpu(f, repeat=RATE_SAMPLES)) if gpu
+             else (lambda f: common.time_host(f, repeat=RATE_SAMPLES)))
+    n = 256 if smoke else PEAK_GEMM
+    rates = {}
+    if gpu:
+        from numba import cuda
+
+        from kernels import elementwise
+        from kernels.gemm import gemm
+        a = cuda.to_device(np.random.rand(n, n).astype(np.float32))
+        c = cuda.device_array((n, n), np.float32)
+        t = timer(lambda: gemm(a, a, c))
+        rates["gemm_peak_gflops"] = 2 * n ** 3 / t[BEST] / 1e9
+        rates["gemm_peak_impl"] = f"our GEMM ({n}^3)"
+        if torch is not None:                 # cuBLAS FP32 (no TF32): the card's real ceiling
+            torch.backends.cuda.matmul.allow_tf32 = False
+            ta = torch.as_tensor(a, device="cuda")
+            tc = torch.as_tensor(c, device="cuda")
+            t = timer(lambda: torch.matmul(ta, ta, out=tc))
+            cublas = 2 * n ** 3 / t[BEST] / 1e9
+            rates["gemm_cublas_gflops"] = cublas
+            if cublas > rates["gemm_peak_gflops"]:
+                rates["gemm_peak_gflops"], rates["gemm_peak_impl"] = cublas, f"cuBLAS via PyTorch ({n}^3)"
+        gbps, _ = common.copy_bandwidth(BANDWIDTH_BYTES if not smoke else 2**20)
+        rates["copy_gbps"] = gbps
+        one = cuda.device_array(1, np.float32)
+        t = common.time_host(lambda: elementwise.fill(one, 0.0), repeat=RATE_SAMPLES, number=200,
+                             sync=cuda.synchronize)
+        rates["launch_us"] = t[BEST] * 1e6
+    else:
+        a = np.random.rand(n, n).astype(np.float32)
+        c = np.empty((n, n), np.float32)
+        t = timer(lambda: np.matmul(a, a, out=c))
+        rates["gemm_peak_gflops"] = 2 * n ** 3 / t[BEST] / 1e9
+        rates["gemm_peak_impl"] = f"NumPy matmul ({n}^3, BLAS's default threads)"
+        big = np.ones((BANDWIDTH_BYTES if not smoke else 2**20) // 4, np.float32)
+        dst = np.empty_like(big)
+        t = timer(lambda: np.copyto(dst, big))
+        rates["copy_gbps"] = 2 * big.nbytes / t[BEST] / 1e9
+    shape_ms = {}
+    for name, m in models.items():
+        total = 0.0
+        for (mm, nn, kk, ta, tb) in step_gemm_shapes(m["units"], m["per_replica"]):
+            if gpu:
+                from numba import cuda
+
+                from kernels.gemm import gemm
+                A = cuda.device_array((kk, mm) if ta else (mm, kk), np.float32)
+                B = cuda.device_array((nn, kk) if tb else (kk, nn), np.float32)
+                C = cuda.device_array((mm, nn), np.float32)
+                t = timer(lambda A=A, B=B, C=C, ta=ta, tb=tb: gemm(A, B, C, ta, tb))
+            else:
+                A = np.random.rand(*((kk, mm) if ta else (mm, kk))).astype(np.float32)
+                B = np.random.rand(*((nn, kk) if tb else (kk, nn))).astype(np.float32)
+                C = np.empty((mm, nn), np.float32)
+                opA, opB = (A.T if ta else A), (B.T if tb else B)
+                t = timer(lambda opA=opA, opB=opB, C=C: np.matmul(opA, opB, out=C))
+            total += t[BEST]
+        shape_ms[name] = total * 1e3               # one replica's GEMMs, alone on the machine
+    rates["step_gemm_ms_one_replica"] = shape_ms
+    return rates
+
+
+def floor_for(row, model, units, rates, gpu, launches_per_step=None):
+    """The floors of one step of this row, and how its median compares.
+
+    ``peak_floor_ms``: FLOPs at the peak GEMM rate + bytes at the copy bandwidth.
+    ``floor_ms``: the GEMMs at this step's own shapes as measured (one replica's,
+    times the replicas: they share the same cores, or the same card) + the bytes;
+    on a GPU, at least the launches x the cost of one launch (the host issues them
+    while the GPU works, so the larger of the two bounds the step).
+    """
+    flops = step_flops(units, row["global_batch"])
+    nbytes = step_bytes(units, row["global_batch"], row["replicas"])
+    compute_ms = flops / (rates["gemm_peak_gflops"] * 1e9) * 1e3
+    memory_ms = nbytes / (rates["copy_gbps"] * 1e9) * 1e3
+    shapes_ms = rates["step_gemm_ms_one_replica"][model] * row["replicas"]
+    out = {"flops_per_step": flops, "bytes_per_step": nbytes, "compute_ms_at_peak": compute_ms,
+           "gemm_ms_at_step_shapes": shapes_ms, "memory_ms": memory_ms,
+           "peak_floor_ms": compute_ms + memory_ms, "floor_ms": shapes_ms + memory_ms}
+    if gpu and launches_per_step:
+        out["launch_ms"] = launches_per_step * rates["launch_us"] / 1e3
+        out["floor_ms"] = max(out["floor_ms"], out["launch_ms"])
+    out["vs_peak_floor"] = row["ms_per_step"] / out["peak_floor_ms"]
+    out["vs_floor"] = row["ms_per_step"] / out["floor_ms"]
+    return out
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+def epoch_timer(gpu):
+    """A function timing one call of ``fn`` in seconds: CUDA events on a GPU, else perf_counter."""
+    if not gpu:
+        def host(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        return host
+    from numba import cuda
+    start, end = cuda.event(timing=True), cuda.event(timing=True)
+
+    def events(fn):
+        start.record(0)             # legacy default stream: after all earlier work of every stream
+        fn()
+        end.record(0)
+        end.synchronize()
+        return cuda.event_elapsed_time(start, end) / 1e3
+    return events
+
+
+def peak_per_device(tf, devices, baselines):
+    return [tf.config.experimental.get_memory_info(d.name)["peak"] - base
+            for d, base in zip(devices, baselines)]
+
+
+def time_rows(makers, tf, epochs, warmup, timer, gpu, torch):
+    """Build and warm up each row in turn (its peak memory is measured over both:
+    weights, optimizer slots, buffers, the resident data), then time interleaved rounds.
+
+    ``epochs=None``: as many as give every row at least ROW_SECONDS of timing (from the
+    fastest row's warm-up epoch), within [EPOCHS, MAX_EPOCHS]. Returns (rows, epochs).
+    """
+    import mirrored.devices as registry
+    all_devices = registry.logical_devices()
+    rows = []
+    for make in makers:
+        for d in all_devices:
+            tf.config.experimental.reset_memory_stats(d.name)
+        baselines = {d.name: d.bytes_in_use for d in all_devices}
+        if gpu and torch is not None:
+            torch.cuda.reset_peak_memory_stats()
+        row = make()
+        row.warmup_seconds = [timer(row.epoch) for _ in range(max(warmup, 1))]
+        if row.framework == "ours":
+            row.peak = peak_per_device(tf, row.devices, [baselines[d.name] for d in row.devices])
+        elif row.framework == "torch" and gpu:
+            row.peak = [int(torch.cuda.max_memory_allocated())]
+        else:
+            row.peak = None               # PyTorch on the CPU keeps no per-device count
+        row.seconds = []
+        rows.append(row)
+    if epochs is None:                  # the fastest row gets ROW_SECONDS too
+        fastest = min(r.warmup_seconds[-1] for r in rows)
+        epochs = int(min(MAX_EPOCHS, max(EPOCHS, -(-ROW_SECONDS // fastest))))
+    order = np.random.default_rng(ROUND_ORDER_SEED)
+    for _ in range(epochs):
+        # Each round in a fresh random order: what a row leaves behind (PyTorch's OpenMP
+        # threads still spinning, a cold cache) must not always land on the same next row.
+        for k in order.permutation(len(rows)):
+            rows[k].seconds.append(timer(rows[k].epoch))
+    return rows, epochs
+
+
+def summarise(model, row_name, framework, strategy, replicas, global_batch, examples, seconds, peak,
+              final_loss):
+    steps = -(-examples // global_batch)
+    median = statistics.median(seconds)
+    return {"model": model, "row": row_name, "framework": framework, "strategy": strategy,
+            "replicas": replicas, "global_batch": global_batch, "steps_per_epoch": steps,
+            "epoch_seconds": seconds, "ms_per_step": median / steps * 1e3,
+            "ms_per_step_min": min(seconds) / steps * 1e3,
+            "samples_per_s": examples / median, "peak_bytes_per_device": peak,
+            "final_loss": final_loss}
+
+
+# --- ratios and targets ------------------------------------------------------------------------
+
+def find(results, model, framework, strategy, replicas=1):
+    for r in results:
+        if (r["model"], r["framework"], r["strategy"], r["replicas"]) == (model, framework, strategy, replicas):
+            return r
+    return None
+
+
+def ratios_and_targets(results, models, gpu):
+    ratios, targets = [], []
+    for model in models:
+        ours1 = find(results, model, "ours", "MirroredStrategy")
+        none = find(results, model, "ours", "no strategy")
+        torch_row = find(results, model, "torch", "eager")
+        tf_none = find(results, model, "tf", "no strategy")
+        tf1 = find(results, model, "tf", "MirroredStrategy x1")
+
+        def add(what, a, b, key="ms_per_step"):
+            if a and b:
+                ratios.append({"model": model, "ratio": what, "value": a[key] / b[key]})
+                return a[key] / b[key]
+            return None
+
+        vs_torch = add("ours MirroredStrategy x1 / PyTorch eager (ms/step)", ours1, torch_row)
+        overhead = add("ours MirroredStrategy x1 / ours no strategy (ms/step)", ours1, none)
+        add("ours no strategy / PyTorch eager (ms/step)", none, torch_row)
+        add("ours no strategy / TensorFlow no strategy (ms/step)", none, tf_none)
+        add("ours MirroredStrategy x1 / TensorFlow MirroredStrategy x1 (ms/step)", ours1, tf1)
+        add("TensorFlow MirroredStrategy x1 / TensorFlow no strategy (ms/step)", tf1, tf_none)
+        scaling = None
+        for n in REPLICA_COUNTS[1:]:
+            v = add(f"ours MirroredStrategy x{n} / x1 (samples/s)",
+                    find(results, model, "ours", "MirroredStrategy", n), ours1, "samples_per_s")
+            if n == 2:
+                scaling = v
+        for n in RESIDENT_COUNTS:
+            add(f"ours MirroredStrategy x{n} resident / x{n} copied (ms/step)",
+                find(results, model, "ours", "MirroredStrategy resident", n),
+                find(results, model, "ours", "MirroredStrategy", n))
+        tf2 = find(results, model, "tf", "MirroredStrategy x2", 2)
+        add("TensorFlow MirroredStrategy x2 / x1 (samples/s)", tf2, tf1, "samples_per_s")
+        if gpu or model != "lab":
+            continue
+        for what, value, threshold, better in (
+                ("ours MirroredStrategy on 1 CPU / PyTorch eager, lab model (ms/step)", vs_torch,
+                 TARGET_VS_TORCH, "<="),
+                ("ours MirroredStrategy x1 / ours no strategy, lab model (ms/step)", overhead,
+                 TARGET_OVERHEAD, "<="),
+                ("2 logical CPU replicas / 1 replica, lab model (samples/s)", scaling,
+                 TARGET_TWO_REPLICAS, ">=")):
+            if value is not None:
+                met = value <= threshold if better == "<=" else value >= threshold
+                targets.append({"target": what, "measured": value, "threshold": threshold,
+                                "want": better, "met": met})
+    return ratios, targets
+
+
+# --- machine description -----------------------------------------------------------------------
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def thread_settings(torch):
+    from mirrored import backends
+    env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    blas = getattr(backends, "blas_info", None)         # absent in older versions of the library
+    out = {"cpu_count": os.cpu_count(), "env": env, "numpy_blas": blas() if blas else None,
+           "python_switch_interval_s": sys.getswitchinterval(),
+           "multi_replica_blas_threads": ("max(1, BLAS threads // replicas) during fit "
+                                          "(mirrored.backends.blas_threads_for_replicas)"
+                                          if blas else "not changed")}
+    if torch is not None:
+        out["torch_threads"] = torch.get_num_threads()
+    return out
+
+
+# --- the program ---------------------------------------------------------------------------------
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny models and data on logical CPU devices (checks the program runs)")
+    parser.add_argument("--out", help="where to write the JSON (default benchmarks/results/"
+                                      "training-<device>-<date>.json; --smoke writes only with --out)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"timed epochs per row (default: at least {ROW_SECONDS:g} s of timing per row, "
+                             f"{EPOCHS} to {MAX_EPOCHS} epochs; 1 with --smoke)")
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="auto: GPU:0 when a real GPU is usable, else the CPU")
+    parser.add_argument("--models", default="lab,wide", help="comma-separated: lab, wide")
+    parser.add_argument("--tf-python", help="an interpreter with TensorFlow for the TF rows "
+                                            "(default: this one, if it can import tensorflow)")
+    parser.add_argument("--no-peers", action="store_true", help="time our rows only")
+    parser.add_argument("--tf-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.tf_worker:                      # the child process: TensorFlow only, no numba
+        tf_worker(args.tf_worker, args.out)
+        return 0
+
+    common.choose_cuda(smoke=False)         # real CUDA or none: never the simulator here
+    if args.smoke:
+        os.environ.setdefault("MIRRORED_OFFLINE", "1")     # the bundled subset: no download
+    gpu = False
+    skipped = []
+    if args.device != "cpu" and not args.smoke:
+        gpu, why = common.gpu_status()
+        if not gpu:
+            if args.device == "gpu":
+                print(f"benchmarks.training: --device gpu, but {why}. Nothing was timed.")
+                return 1
+            skipped.append({"name": "GPU rows", "reason": why})
+    kind = "GPU" if gpu else "CPU"
+    if args.epochs is not None and args.epochs < 1:
+        parser.error("--epochs must be at least 1")
+    fixed_epochs = args.epochs or (1 if args.smoke else None)     # None: calibrated per model
+    warmup = WARMUP_EPOCHS
+    models = SMOKE_MODELS if args.smoke else MODELS
+    models = {k: models[k] for k in args.models.split(",")}
+
+    import mirrored as tf
+    phys = tf.config.list_physical_devices(kind)[0]
+    tf.config.set_logical_device_configuration(
+        phys, [tf.config.LogicalDeviceConfiguration() for _ in range(LOGICAL_DEVICES)])
+    print(f"devices: {[d.name.rsplit('/', 1)[-1] for d in tf.config.list_logical_devices(kind)]} "
+          f"(logical, carved from {phys.name})")
+
+    x, y, source = load_mnist(SMOKE_EXAMPLES if args.smoke else None)
+    print(f"data: {len(x):,} MNIST training images ({source})")
+    weights = {name: initial_weights(m["units"]) for name, m in models.items()}
+
+    torch, why = (None, "--no-peers") if args.no_peers else torch_status()
+    if gpu and torch is not None and not torch.cuda.is_available():
+        torch, why = None, "PyTorch has no CUDA here (torch.cuda.is_available() is False)"
+    if torch is None:
+        skipped.append({"name": "PyTorch rows", "reason": why})
+
+    timer = epoch_timer(gpu)
+    results, epochs = [], {}
+    for model_name, m in models.items():
+        w = weights[model_name]
+        makers = [lambda: OursRow(tf, kind, "none", 1, False, m, x, y, w),
+                  lambda: OursRow(tf, kind, "one", 1, False, m, x, y, w)]
+        makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w) for n in REPLICA_COUNTS]
+        if hasattr(tf.distribute, "InputOptions"):
+            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w) for n in RESIDENT_COUNTS]
+        elif model_name == next(iter(models)):
+            skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
+        if torch is not None:
+            makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
+        print(f"\n{model_name}: {m['what']}, {m['per_replica']} per replica: warm-up {warmup}, "
+              f"then {fixed_epochs or 'calibrated'} timed epoch(s) per row, interleaved")
+        rows, epochs[model_name] = time_rows(makers, tf, fixed_epochs, warmup, timer, gpu, torch)
+        for row in rows:
+            results.append(summarise(model_name, row.name, row.framework, row.strategy_label, row.n,
+                                     row.global_batch, row.examples, row.seconds, row.peak,
+                                     row.final_loss()))
+            if row.framework == "ours":
+                with Counter(row.devices) as counter:
+                    row.epoch()
+                steps = results[-1]["steps_per_epoch"]
+                results[-1].update({f"{k}_per_step": v / steps for k, v in counter.counts.items()})
+                if not gpu:
+                    results[-1]["launches_per_step"] = None     # no kernels on the CPU backend
+        del rows
+
+    tf_python = None if args.no_peers or (args.smoke and not args.tf_python) else find_tf_python(args.tf_python)
+    tf_info = None
+    if args.smoke and not args.tf_python:
+        skipped.append({"name": "TensorFlow rows", "reason": "smoke run (give --tf-python to include them)"})
+    elif args.no_peers:
+        skipped.append({"name": "TensorFlow rows", "reason": "--no-peers"})
+    else:
+        print("\nTensorFlow rows (child process) ...")
+        tf_rows, tf_info = run_tf_rows(tf_python, gpu, models, x, y, weights, epochs, warmup)
+        if tf_rows is None:
+            skipped.append({"name": "TensorFlow rows", "reason": tf_info})
+            tf_info = None
+        else:
+            for r in tf_rows:
+                results.append(summarise(r["model"], r["row"], "tf", r["strategy"], r["replicas"],
+                                         r["global_batch"], len(x), r["epoch_seconds"],
+                                         r["peak_bytes_per_device"], r["final_loss"]))
+
+    print("\nmeasuring the floors (GEMM rate, copy bandwidth) ...")
+    rates = measure_rates(gpu, models, args.smoke, torch if gpu else None)
+    for r in results:
+        r["floor"] = floor_for(r, r["model"], models[r["model"]]["units"], rates, gpu,
+                               r.get("launches_per_step"))
+    ratios, targets = ratios_and_targets(results, models, gpu)
+
+    for model_name in models:
+        print(f"\n{model_name}: {models[model_name]['what']}")
+        common.print_table([dict(r, peak_mib=(max(r["peak_bytes_per_device"]) / 2**20
+                                              if r["peak_bytes_per_device"] else None),
+                                 vs_floor=r["floor"]["vs_floor"], floor_ms=r["floor"]["floor_ms"])
+                            for r in results if r["model"] == model_name], [
+            ("row", "row", ""), ("global_batch", "batch", "d"), ("ms_per_step", "ms/step", ".3f"),
+            ("samples_per_s", "samples/s", ",.0f"), ("peak_mib", "peak MiB/dev", ".2f"),
+            ("ops_per_step", "ops/step", ".1f"), ("launches_per_step", "launches/step", ".1f"),
+            ("allocations_per_step", "allocs/step", ".2f"), ("floor_ms", "floor ms", ".3f"),
+            ("vs_floor", "/ floor", ".1f")])
+    print()
+    for r in ratios:
+        print(f"ratio [{r['model']}] {r['ratio']}: {r['value']:.2f}")
+    for t in targets:
+        print(f"target: {t['target']}: {t['measured']:.2f} (want {t['want']} {t['threshold']:.2f}) "
+              f"{'met' if t['met'] else 'NOT met'}")
+    for s in skipped:
+        print(f"skipped: {s['name']}: {s['reason']}")
+
+    info = common.device_info()
+    if gpu:
+        info["gpu_name"] = info["device"]
+    else:
+        info["device_note"] = info.get("device_note")
+        info["device"] = "CPU"
+    info["cpu_model"] = cpu_model()
+    info["threads"] = thread_settings(torch)
+    info["tensorflow"] = tf_info
+    payload = {
+        "mode": "smoke" if args.smoke else "full",
+        "method": {"timer": "CUDA events (legacy default stream)" if gpu else "time.perf_counter",
+                   "statistic": "median over timed epochs of (epoch seconds / steps)",
+                   "epochs": epochs, "warmup_epochs": warmup,
+                   "rounds": "interleaved, each round in a new random order",
+                   "epochs_rule": (f"--epochs {fixed_epochs}" if fixed_epochs else
+                                   f"at least {ROW_SECONDS} s of timing per row, within [{EPOCHS}, {MAX_EPOCHS}]"),
+                   "examples": len(x), "data": source, "shuffle_seed": SHUFFLE_SEED,
+                   "optimizer": f"Adam(lr={LEARNING_RATE}, epsilon={ADAM_EPSILON})",
+                   "logical_devices": LOGICAL_DEVICES, "backend": kind},
+        "models": {k: {"units": list(v["units"]), "per_replica": v["per_replica"], "what": v["what"]}
+                   for k, v in models.items()},
+        "rates": rates, "results": results, "ratios": ratios, "targets": targets, "skipped": skipped,
+    }
+    if args.smoke and not args.out:
+        print("\n(smoke run: no --out given, nothing written)")
+        return 0
+    path = common.write_json("training", payload, info, out=args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

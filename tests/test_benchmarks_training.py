@@ -1,0 +1,82 @@
+"""benchmarks/training.py runs and writes valid JSON (``--smoke``: tiny models, logical CPUs).
+
+The benchmark configures logical devices, which a process may do only once, so it runs
+in a child process, as a user would run it:
+
+    MIRRORED_OFFLINE=1 python -m benchmarks.training --smoke --out /tmp/training.json
+
+No test asserts a time: only that every number that was measured is there and positive.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OURS = {("no strategy", 1), ("OneDeviceStrategy", 1), ("MirroredStrategy", 1), ("MirroredStrategy", 2),
+        ("MirroredStrategy", 4), ("MirroredStrategy resident", 1), ("MirroredStrategy resident", 2)}
+
+
+def _positive(value):
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_smoke_run_writes_valid_json(tmp_path):
+    out = tmp_path / "training.json"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}  # the program decides
+    env["MIRRORED_OFFLINE"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.training", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+
+    assert doc["benchmark"] == "training" and doc["mode"] == "smoke"
+    info = doc["device"]
+    assert {"numpy", "numba", "numba_cuda", "date_utc", "device", "cpu_model", "threads"} <= set(info)
+    assert info["device"] == "CPU" and info["threads"]["cpu_count"] >= 1
+    assert doc["method"]["backend"] == "CPU"
+    assert set(doc["models"]) == {"lab", "wide"} == set(doc["method"]["epochs"])
+
+    for model in ("lab", "wide"):
+        rows = [r for r in doc["results"] if r["model"] == model]
+        ours = {(r["strategy"], r["replicas"]) for r in rows if r["framework"] == "ours"}
+        assert ours == OURS, ours
+        for r in rows:
+            for key in ("ms_per_step", "samples_per_s", "global_batch", "steps_per_epoch"):
+                assert _positive(r[key]), (key, r)
+            assert len(r["epoch_seconds"]) == doc["method"]["epochs"][model] >= 1
+            assert all(_positive(t) for t in r["epoch_seconds"])
+            assert _positive(r["floor"]["floor_ms"]) and _positive(r["floor"]["flops_per_step"])
+            assert _positive(r["floor"]["vs_floor"])
+            if r["framework"] == "ours":
+                assert all(_positive(b) for b in r["peak_bytes_per_device"]), r
+                assert len(r["peak_bytes_per_device"]) == r["replicas"]
+                assert _positive(r["ops_per_step"]) and r["allocations_per_step"] >= 0
+                assert math.isfinite(r["final_loss"])
+        peers = {r["framework"] for r in rows} - {"ours"}
+        skipped = {s["name"] for s in doc["skipped"]}
+        assert "torch" in peers or "PyTorch rows" in skipped        # a peer is there or says why not
+        assert "tf" in peers or "TensorFlow rows" in skipped
+
+    rates = doc["rates"]
+    assert _positive(rates["gemm_peak_gflops"]) and _positive(rates["copy_gbps"])
+    for r in doc["ratios"]:
+        assert _positive(r["value"]), r
+    for t in doc["targets"]:
+        assert isinstance(t["met"], bool) and _positive(t["measured"])
+    assert "ms/step" in proc.stdout and "samples/s" in proc.stdout       # the table was printed
+
+
+def test_smoke_without_out_writes_nothing(tmp_path):
+    results = ROOT / "benchmarks" / "results"
+    before = set(results.iterdir()) if results.exists() else set()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["MIRRORED_OFFLINE"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.training", "--smoke", "--models", "lab",
+                           "--no-peers"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "nothing written" in proc.stdout
+    assert (set(results.iterdir()) if results.exists() else set()) == before
