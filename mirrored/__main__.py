@@ -1,13 +1,24 @@
 """``python -m mirrored``: the project's main job, from the command line.
 
+    python -m mirrored                          # the MNIST lab: no strategy vs MirroredStrategy
+    python -m mirrored --logical-gpus 4         # ... over 1, 2 and 4 logical devices
+    python -m mirrored --devices GPU:0,GPU:1    # ... over these devices
+    python -m mirrored --quick                  # a few steps on a little data (seconds)
     python -m mirrored info                     # versions, devices, peer access
     python -m mirrored info --logical-gpus 4    # ... after splitting GPU:0 (or the CPU) in 4
 
-Until the training workflow lands, ``python -m mirrored`` with no command prints
-the same report as ``info``.
+The lab trains the course's MNIST model with no strategy and with
+MirroredStrategy, every run from the same initial weights, prints Keras's
+progress lines, then a table (epoch time, ms/step, samples/s, scaling
+efficiency, test accuracy) and writes a bar chart (--plot). With no GPU,
+--logical-gpus splits the CPU. The data is full MNIST when it is cached or can
+be downloaded, else the bundled 8k/2k subset (the report says which).
+The logic lives in mirrored/workflow.py.
 """
 import argparse
 import sys
+
+EXIT_USAGE = 2          # argparse's code for a bad command line; also a device that is not there
 
 
 def _split_devices(n):
@@ -20,23 +31,58 @@ def _split_devices(n):
 
 
 def build_parser():
+    from mirrored.workflow import BATCH_PER_REPLICA, DEFAULT_EPOCHS, DEFAULT_PLOT, QUICK
     parser = argparse.ArgumentParser(prog="python -m mirrored", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="info", choices=["info"],
-                        help="what to do (default: info)")
+    parser.add_argument("command", nargs="?", default="lab", choices=["lab", "info"],
+                        help="lab: train and time the MNIST lab (default); info: the device report")
     parser.add_argument("--logical-gpus", type=int, default=None, metavar="N",
                         help="split GPU:0 (or the CPU where there is no GPU) into N logical devices")
+    parser.add_argument("--epochs", type=int, default=None, metavar="E",
+                        help=f"epochs per run, the first one untimed warm-up (default {DEFAULT_EPOCHS}; "
+                             f"{QUICK['epochs']} with --quick)")
+    parser.add_argument("--devices", default=None, metavar="LIST",
+                        help="comma-separated devices to compare on, e.g. GPU:0,GPU:1 or CPU:0 "
+                             "(default: every logical GPU, else the CPU)")
+    parser.add_argument("--batch-per-replica", type=int, default=BATCH_PER_REPLICA, metavar="B",
+                        help=f"examples per replica per step; global batch = B × replicas "
+                             f"(default {BATCH_PER_REPLICA})")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="where MNIST is kept (default $MIRRORED_DATA_DIR or ~/tensorflow_datasets)")
+    parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
+                        help=f"where to write the PNG bar chart (default ./{DEFAULT_PLOT})")
+    parser.add_argument("--no-plot", action="store_true", help="do not write the chart")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small settings: first {QUICK['train_examples']} / {QUICK['test_examples']} "
+                             f"examples, {QUICK['epochs']} epochs (a few seconds)")
     return parser
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.logical_gpus is not None:
-        if args.logical_gpus < 1:
-            build_parser().error("--logical-gpus must be at least 1")
-        _split_devices(args.logical_gpus)
-    from mirrored.info import report
-    print(report())
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.logical_gpus is not None and args.logical_gpus < 1:
+        parser.error("--logical-gpus must be at least 1")
+    if args.command == "info":
+        if args.logical_gpus is not None:
+            _split_devices(args.logical_gpus)
+        from mirrored.info import report
+        print(report())
+        return 0
+    if args.epochs is not None and args.epochs < 1:
+        parser.error("--epochs must be at least 1")
+    if args.batch_per_replica < 1:
+        parser.error("--batch-per-replica must be at least 1")
+    import matplotlib
+    matplotlib.use("Agg")                 # a command line only writes the PNG
+    from mirrored import workflow
+    try:
+        workflow.run(epochs=args.epochs, devices=args.devices, logical_gpus=args.logical_gpus,
+                     batch_per_replica=args.batch_per_replica, data_dir=args.data_dir,
+                     plot=None if args.no_plot else args.plot, quick=args.quick)
+    except workflow.DeviceError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

@@ -1,0 +1,738 @@
+"""Timing single- against multi-device training: a phase timer, ``compare``, a
+per-step breakdown, and a performance model for N physical GPUs.
+
+The questions a student asks of MirroredStrategy, and where they are answered:
+
+    How long does each part of a step take?        PhaseTimer, timed_train_step,
+                                                   step_breakdown, format_breakdown
+    Is 2 or 4 devices faster than 1? By how much?  compare (EpochTimer per run),
+                                                   format_table, plot_comparison
+    What would N real GPUs over PCIe or NVLink do? predict_step_time, performance_model,
+                                                   calibrate, predict_throughput,
+                                                   plot_performance_model
+
+Everything returns plain structures (lists of dicts, tuples, floats) so a notebook
+can print them, a test can check them, and ``mirrored.viz`` can draw them.
+
+Clocks. On a real GPU a kernel launch returns long before the kernel has run, so
+the host clock measures launches, not work. There the timer records a CUDA event
+on the device's stream at each phase boundary (``numba.cuda.event()``,
+``event.record(stream)``) and reads ``event_elapsed_time`` after synchronising.
+On CPU devices the work is done when the call returns, so ``time.perf_counter``
+is the truth; in Numba's CUDA simulator events do not time, so the host clock is
+used there too.
+
+Typical use (a notebook or ``python -m mirrored``; see mirrored/workflow.py)::
+
+    from mirrored import timing
+    rows = timing.compare(make_model, data_fn, timing.lab_strategies(devices, (1, 2, 4)),
+                          epochs=3, batch_per_replica=64)
+    print(timing.format_table(rows))
+    bd = timing.step_breakdown(model, dataset, steps=20)
+    bd["timeline"]     # [(replica, phase, start_s, end_s), ...] for mirrored.viz.timeline
+
+Logical devices are configured once per process (``set_logical_device_configuration``
+raises ``RuntimeError`` afterwards, as in TensorFlow): configure the largest number
+you need first, then build strategies over subsets, e.g. ``MirroredStrategy(["CPU:0",
+"CPU:1"])`` after splitting the CPU into 4. ``lab_strategies`` does that.
+
+Neighbours: ``keras/models.py`` (the step that ``timed_train_step`` mirrors),
+``cross_device_ops.py`` (the ring), ``workflow.py`` (the command-line lab),
+``viz.py`` (the drawings).
+"""
+import contextlib
+import math
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from mirrored import context
+from mirrored import devices as _dev
+from mirrored.keras.callbacks import Callback
+
+#: Phase names of one training step, in the order they happen (mirrored.viz colours them).
+INPUT_COPY = "input copy"            # host slice -> the replica's device
+FORWARD_BACKWARD = "forward+backward"  # the dense stack, the loss, the gradients
+ALL_REDUCE = "all-reduce"            # SUM of the replicas' packed gradients (the ring)
+OPTIMIZER = "optimizer"              # one update launch per device
+STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
+
+#: Link bandwidths (bytes/s, one direction, what a ring step can use). Rounded
+#: practical figures; pass your own measured numbers where you have them.
+LINKS = {
+    "PCIe 3.0 x16": 12e9,            # 16 GB/s theoretical, ~12 achieved
+    "PCIe 4.0 x16": 25e9,            # 32 GB/s theoretical, ~25 achieved
+    "NVLink (V100, 6 links)": 150e9,
+    "NVLink (A100, 12 links)": 300e9,
+    "NVLink (H100, 18 links)": 450e9,
+}
+#: The two a lab plots by default.
+DEFAULT_LINKS = ("PCIe 4.0 x16", "NVLink (A100, 12 links)")
+
+
+# ---------------------------------------------------------------------------------------
+# The phase timer
+# ---------------------------------------------------------------------------------------
+
+def _uses_events(device):
+    """True where the host clock would lie: a CUDA device on a real GPU."""
+    return device is not None and device.device_type == "GPU" and _dev.cuda_mode() == "real"
+
+
+class _Anchor:
+    """Ties one GPU's event clock to the host clock: an event recorded on an idle stream."""
+
+    def __init__(self, device):
+        from numba import cuda
+        with device.activate():
+            device.stream.synchronize()
+            self.event = cuda.event(timing=True)
+            self.event.record(device.stream)
+            self.event.synchronize()
+            self.host_s = time.perf_counter()      # the event happened (about) now
+
+
+class PhaseTimer:
+    """Named phases, per replica, on the right clock for each device.
+
+    ``with timer.phase("forward", replica=0, device=dev): ...`` times the block;
+    ``device=None`` (or a CPU device) uses the host clock. Several threads may
+    time phases at once (replicas run in their own threads).
+
+    ``records()``: ``[(replica, phase, start_s, end_s)]``, seconds since the timer
+    was created (or ``reset``), sorted by start. ``summary()``: per phase
+    ``{"count", "total_s", "median_s", "mean_s", "min_s", "max_s"}``.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._anchors = {}
+        self.reset()
+
+    def reset(self):
+        """Forget every record; times restart from now."""
+        with self._lock:
+            self._t0 = time.perf_counter()
+            self._raw = []        # (replica, phase, start mark, end mark)
+
+    # -- marks: a host time (float) or (anchor, CUDA event)
+    def _mark(self, device):
+        if not _uses_events(device):
+            return time.perf_counter()
+        from numba import cuda
+        anchor = self._anchors.get(device.name)
+        if anchor is None:
+            with self._lock:
+                anchor = self._anchors.get(device.name)
+                if anchor is None:
+                    anchor = self._anchors[device.name] = _Anchor(device)
+        with device.activate():
+            event = cuda.event(timing=True)
+            event.record(device.stream)
+        return anchor, event
+
+    def _seconds(self, mark):
+        if isinstance(mark, float):
+            return mark - self._t0
+        from numba import cuda
+        anchor, event = mark
+        event.synchronize()
+        return anchor.host_s - self._t0 + cuda.event_elapsed_time(anchor.event, event) / 1e3
+
+    # -- recording
+    def begin(self, name, replica=0, device=None):
+        """Start phase ``name``; returns a token for ``end``."""
+        return (name, replica, device, self._mark(device))
+
+    def end(self, token):
+        name, replica, device, start = token
+        stop = self._mark(device)
+        with self._lock:
+            self._raw.append((replica, name, start, stop))
+
+    @contextlib.contextmanager
+    def phase(self, name, replica=0, device=None):
+        """Time the block as phase ``name`` of ``replica`` (on ``device``'s clock)."""
+        token = self.begin(name, replica, device)
+        try:
+            yield
+        finally:
+            self.end(token)
+
+    def begin_all(self, name, devices):
+        """Start ``name`` on every device at once (a collective: replica i on devices[i])."""
+        return [self.begin(name, i, d) for i, d in enumerate(devices)]
+
+    def end_all(self, tokens):
+        for t in tokens:
+            self.end(t)
+
+    @contextlib.contextmanager
+    def collective(self, name, devices):
+        """Time the block as phase ``name`` of every replica (e.g. the all-reduce)."""
+        tokens = self.begin_all(name, devices)
+        try:
+            yield
+        finally:
+            self.end_all(tokens)
+
+    # -- results
+    def records(self):
+        """``[(replica, phase, start_s, end_s)]`` sorted by start (waits for GPU events)."""
+        with self._lock:
+            raw = list(self._raw)
+        out = [(r, name, self._seconds(a), self._seconds(b)) for r, name, a, b in raw]
+        return sorted(out, key=lambda rec: (rec[2], rec[0]))
+
+    def summary(self, by_replica=False):
+        """Per phase (first-seen order): count, total, median, mean, min, max seconds.
+
+        ``by_replica=True``: ``{replica: {phase: {...}}}`` instead.
+        """
+        recs = self.records()
+        if by_replica:
+            return {r: _summarise([x for x in recs if x[0] == r])
+                    for r in sorted({x[0] for x in recs})}
+        return _summarise(recs)
+
+
+def _summarise(records):
+    durations = {}
+    for _, name, start, end in records:
+        durations.setdefault(name, []).append(end - start)
+    return {name: {"count": len(d), "total_s": float(sum(d)), "median_s": float(statistics.median(d)),
+                   "mean_s": float(sum(d) / len(d)), "min_s": float(min(d)), "max_s": float(max(d))}
+            for name, d in durations.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# One instrumented training step (the same building blocks as Sequential.train_step)
+# ---------------------------------------------------------------------------------------
+
+def timed_train_step(model, xb, yb, timer):
+    """``model.train_step(xb, yb)``, with every phase of every replica timed.
+
+    The same calls, in the same order, as ``Sequential.train_step`` (models.py):
+    split the batch (TensorFlow's rebatching rule); on each replica upload the slice
+    into its device's input buffers, forward, loss scaled by 1/global batch, backward into the
+    packed gradient buffer; then, at the merge point, the all-reduce SUM of the
+    packed gradients and one optimizer launch per device. The weights it produces
+    are exactly those of ``train_step`` (the tests check it).
+
+    On CPU devices the merge thread updates every copy in turn, so the optimizer
+    span is one host interval shared by all replicas; on a real GPU each device's
+    events give its own span.
+    """
+    from mirrored.input_lib import rebatch_bounds
+    from mirrored.values import PerReplica
+    model._check_compiled("timing a training step")
+    xb, yb = model._host_batch((xb, yb))        # x: (B, in) float32, y: (B,) ints; builds the model
+    mode = model._loss_mode(model.loss)
+    scale = 1.0 / max(xb.shape[0], 1)
+    programs, pack, optimizer = model._programs, model._pack, model.optimizer
+    n = len(programs)
+
+    def merge(strategy):
+        cross_ops = strategy.extended._cross_device_ops
+        opt_tokens = []
+
+        def reduce_fn(buffers, devs):
+            with timer.collective(ALL_REDUCE, devs):
+                cross_ops.all_reduce_flat("SUM", buffers, devs)
+            opt_tokens.extend(timer.begin_all(OPTIMIZER, devs))   # the updates start now
+        optimizer.apply_packed(pack, reduce_fn)
+        timer.end_all(opt_tokens)
+
+    def replica(r, x, y):
+        p = programs[r]
+        dev = p.dev
+        with dev.activate():
+            with timer.phase(INPUT_COPY, r, dev):
+                x_dev, y_dev = p.upload(x, y)         # (b, in) float32, (b,) labels: reused device buffers
+            with timer.phase(FORWARD_BACKWARD, r, dev):
+                p.forward(x_dev)
+                p.loss_and_backward(y_dev, mode, scale)
+            if n > 1:
+                context.top()[1].merge_call(merge)
+
+    if n == 1:
+        replica(0, xb, yb)
+        with timer.phase(OPTIMIZER, 0, programs[0].dev):
+            optimizer.apply_packed(pack)
+        return
+    bounds = rebatch_bounds(xb.shape[0], n)
+    xs = PerReplica([xb[lo:hi] for lo, hi in bounds])
+    ys = PerReplica([yb[lo:hi] for lo, hi in bounds])
+    model._strategy.run(lambda x, y: replica(context.top()[1]._replica_id, x, y), args=(xs, ys))
+
+
+def _synchronize(model):
+    for p in model._programs:
+        p.dev.synchronize()
+
+
+def _host_batches(data, batch_size=None):
+    """Host (x, y) batches from a batched Dataset, an iterable of pairs, or (x, y) arrays."""
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[0], np.ndarray):
+        x, y = data
+        bs = batch_size or 32
+        while True:
+            for i in range(0, len(x), bs):
+                yield x[i:i + bs], y[i:i + bs]
+    else:
+        while True:
+            empty = True
+            for batch in data:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError("step_breakdown: the data gave no batches.")
+
+
+def step_breakdown(model, data, steps=20, warmup=3, batch_size=None, timeline_steps=1):
+    """Time ``steps`` training steps phase by phase, per replica (after ``warmup`` steps).
+
+    ``model``: a compiled Sequential (built inside a strategy's scope for N replicas).
+    ``data``: a Dataset batched by the GLOBAL batch, or ``(x, y)`` arrays with
+    ``batch_size``. The steps really train the model (they are ``train_step``s).
+    Each step ends with a device synchronisation, so steps do not overlap.
+
+    Returns a plain dict::
+
+        {"replicas": N, "steps": steps, "global_batch": B,
+         "step_s": median seconds per step (wall clock, synchronised),
+         "phases": {phase: {"count", "total_s", "median_s", ...}},      # over all replicas
+         "per_replica": {replica: {phase: median_s}},
+         "timeline": [(replica, phase, start_s, end_s)],   # the last `timeline_steps`
+         "timeline_step_s": [(start_s, end_s)] of those steps}           # steps, from 0
+    """
+    model._check_compiled("timing training steps")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"step_breakdown: need steps >= 1 and warmup >= 0, got {steps} and {warmup}.")
+    timeline_steps = min(max(int(timeline_steps), 1), steps)
+    replica_threads = getattr(model, "_replica_threads", None)    # BLAS threads shared by CPU replicas
+    with replica_threads() if replica_threads else contextlib.nullcontext():
+        return _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps)
+
+
+def _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps):
+    timer = PhaseTimer()
+    batches = _host_batches(data, batch_size)
+    step_times, step_spans, global_batch = [], [], 0
+    for k in range(warmup + steps):
+        xb, yb = next(batches)
+        if k == warmup:
+            timer.reset()
+        t0 = time.perf_counter() - timer._t0
+        timed_train_step(model, xb, yb, timer)
+        _synchronize(model)
+        t1 = time.perf_counter() - timer._t0
+        if k >= warmup:
+            step_times.append(t1 - t0)
+            step_spans.append((t0, t1))
+            global_batch = max(global_batch, xb.shape[0])
+    records = timer.records()
+    first = step_spans[-timeline_steps][0] if step_spans else 0.0
+    timeline = [(r, name, s - first, e - first) for r, name, s, e in records if s >= first - 1e-9]
+    per_replica = {r: {name: stats["median_s"] for name, stats in phases.items()}
+                   for r, phases in timer.summary(by_replica=True).items()}
+    return {"replicas": len(model._programs), "steps": steps, "global_batch": int(global_batch),
+            "step_s": float(statistics.median(step_times)) if step_times else float("nan"),
+            "phases": _summarise(records), "per_replica": per_replica, "timeline": timeline,
+            "timeline_step_s": [(a - first, b - first) for a, b in step_spans[-timeline_steps:]]}
+
+
+def format_breakdown(breakdown):
+    """A text table of the median time per phase and replica (milliseconds)."""
+    phases = [p for p in STEP_PHASES if p in breakdown["phases"]] + \
+             [p for p in breakdown["phases"] if p not in STEP_PHASES]
+    head = f"{'replica':<8}" + "".join(f"{p:>18}" for p in phases)
+    lines = [f"{breakdown['replicas']} replica(s), global batch {breakdown['global_batch']}, "
+             f"median step {breakdown['step_s'] * 1e3:.2f} ms (ms per phase, median of "
+             f"{breakdown['steps']} steps)", head, "-" * len(head)]
+    for r, medians in sorted(breakdown["per_replica"].items()):
+        lines.append(f"{r:<8}" + "".join(f"{medians.get(p, float('nan')) * 1e3:>18.3f}" for p in phases))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# compare(): the same model under several strategies
+# ---------------------------------------------------------------------------------------
+
+class EpochTimer(Callback):
+    """A Keras callback: wall time, steps and examples of every epoch.
+
+        clock = timing.EpochTimer()
+        model.fit(train_dataset, epochs=12, callbacks=[clock])
+        clock.epochs                                  # [(seconds, steps, examples), ...]
+        clock.row("MirroredStrategy ×2", replicas=2)  # a row like compare()'s
+
+    ``fit`` reads the metrics from the devices before ``on_epoch_end`` (a
+    synchronisation), so the epoch's GPU work is finished when the clock stops.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = []            # [(seconds, steps, examples)]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+        self._steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = time.perf_counter() - self._start
+        examples = sum(p.seen for p in self.model._programs)     # counted on the replicas
+        self.epochs.append((seconds, self._steps, examples))
+        self.last_logs = dict(logs or {})
+
+    def row(self, name, replicas=None, global_batch=None, warmup_epochs=1):
+        """The timing columns of a ``compare`` row from the epochs seen so far.
+
+        The first ``warmup_epochs`` are left out of the median (unless nothing else
+        is left). ``replicas`` defaults to the model's; ``global_batch`` to the
+        largest examples-per-step seen.
+        """
+        if not self.epochs:
+            raise ValueError("EpochTimer.row: no epoch has been timed yet; pass the timer to fit().")
+        timed = self.epochs[warmup_epochs:] or self.epochs
+        epoch_s = statistics.median(e[0] for e in timed)
+        steps = statistics.median(e[1] for e in timed)
+        examples = statistics.median(e[2] for e in timed)
+        programs = self.model._programs
+        logs = getattr(self, "last_logs", {})
+        if global_batch is None and steps:
+            global_batch = int(math.ceil(examples / steps))
+        return {
+            "name": name, "devices": [p.dev.short_name for p in programs],
+            "replicas": replicas or len(programs),
+            "global_batch": global_batch,
+            "steps_per_epoch": int(steps), "epochs_timed": len(timed),
+            "epoch_time_s": float(epoch_s), "epoch_times_s": [float(e[0]) for e in self.epochs],
+            "ms_per_step": float(epoch_s / steps * 1e3) if steps else float("nan"),
+            "samples_per_s": float(examples / epoch_s) if epoch_s else float("nan"),
+            "loss": float(logs.get("loss", float("nan"))),
+            "accuracy": float(logs.get("accuracy", float("nan"))),
+        }
+
+
+def strategy_name(strategy):
+    """"no strategy" or "MirroredStrategy ×N"."""
+    if strategy is None:
+        return "no strategy"
+    return f"{type(strategy).__name__} ×{strategy.num_replicas_in_sync}"
+
+
+def lab_strategies(devices, counts=(1, 2, 4), include_default=True):
+    """``[(name, strategy)]``: no strategy, then MirroredStrategy over the first k devices.
+
+    ``devices``: device names (e.g. the logical GPUs, or the logical CPUs on a
+    machine with none); counts larger than ``len(devices)`` are skipped.
+    """
+    from mirrored.strategy import MirroredStrategy
+    entries = [("no strategy", None)] if include_default else []
+    for k in sorted(set(counts)):
+        if 1 <= k <= len(devices):
+            entries.append((f"MirroredStrategy ×{k}", MirroredStrategy(list(devices[:k]))))
+    return entries
+
+
+def _entries(strategies):
+    out = []
+    for item in strategies:
+        if isinstance(item, tuple):
+            name, strategy = item
+        else:
+            name, strategy = strategy_name(item), item
+        out.append((name, strategy))
+    return out
+
+
+def _data_for(data, global_batch):
+    """(fit args, evaluate args) for one global batch, from a data function or arrays."""
+    if callable(data):
+        train, test = data(global_batch)
+        return (train, None, None), ((test, None, None) if test is not None else None)
+    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], (tuple, list)):
+        (x, y), test = data
+        test_args = (test[0], test[1], global_batch) if test is not None else None
+        return (x, y, global_batch), test_args
+    if isinstance(data, (tuple, list)) and len(data) in (2, 4):
+        x, y = data[0], data[1]
+        test_args = (data[2], data[3], global_batch) if len(data) == 4 else None
+        return (x, y, global_batch), test_args
+    raise TypeError("compare: data must be a function global_batch -> (train_ds, test_ds), or arrays "
+                    "(x_train, y_train[, x_test, y_test]) or ((x_train, y_train), (x_test, y_test)).")
+
+
+def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_epochs=1,
+            verbose=1, baseline=None, log=print):
+    """Train the same model under each strategy; one row of timings per strategy.
+
+    ``model_fn()``: returns a compiled ``Sequential`` with known input shape; it is
+      called inside each strategy's scope (bare for "no strategy"), so its weights
+      are mirrored there. Every model starts from the FIRST model's weights
+      (``get_weights``/``set_weights``): same start, same work, different devices.
+    ``data``: ``data_fn(global_batch) -> (train_ds, test_ds)`` (datasets batched by
+      that global batch, test may be None), or arrays ``(x_train, y_train, x_test,
+      y_test)``.
+    ``strategies``: a list of ``None`` (no strategy), strategies, or ``(name,
+      strategy)`` pairs (see ``lab_strategies``).
+    The global batch is ``batch_per_replica × replicas`` (the course lab's rule), so
+    more replicas mean fewer, bigger steps per epoch: compare samples/s.
+    ``epochs``: the first ``warmup_epochs`` (compilation, caches, the dataset's
+    ``cache()`` filling) are trained but not timed, unless nothing else is left.
+    ``baseline``: the row name for the scaling efficiency; default the first
+    single-replica row.
+
+    Returns a list of dicts, one per strategy: ``name, devices, replicas,
+    global_batch, steps_per_epoch, epoch_time_s`` (median of the timed epochs),
+    ``epoch_times_s, ms_per_step, samples_per_s, efficiency`` (samples/s over
+    replicas × the baseline's), ``initial_loss`` (the untrained model's test loss:
+    equal in every row when the start is the same), ``loss, accuracy`` (last
+    training epoch), ``test_loss, test_accuracy``.
+    """
+    rows, first_weights = [], None
+    for name, strategy in _entries(strategies):
+        replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+        global_batch = batch_per_replica * replicas
+        with (strategy.scope() if strategy is not None else contextlib.nullcontext()):
+            model = model_fn()
+        if not model.built:
+            raise ValueError("compare: model_fn must return a built model (give the first layer "
+                             "input_shape=...), so that every strategy starts from the same weights.")
+        if first_weights is None:
+            first_weights = model.get_weights()
+        else:
+            model.set_weights(first_weights)
+        devices = [p.dev.short_name for p in model._programs]
+        fit_args, test_args = _data_for(data, global_batch)
+        initial_loss = float("nan")
+        if test_args is not None:
+            initial_loss = _evaluate(model, test_args)[0]
+        if verbose:
+            log(f"--- {name}: {replicas} replica(s) on {', '.join(devices)}, "
+                f"global batch {global_batch} ---")
+        clock = EpochTimer()
+        model.fit(fit_args[0], fit_args[1], batch_size=fit_args[2], epochs=epochs,
+                  verbose=verbose, callbacks=[clock])
+        row = clock.row(name, replicas, global_batch, warmup_epochs)
+        test_loss = test_acc = float("nan")
+        if test_args is not None:
+            test_loss, test_acc = _evaluate(model, test_args)
+        row.update(initial_loss=initial_loss, test_loss=test_loss, test_accuracy=test_acc)
+        rows.append(row)
+    add_efficiency(rows, baseline)
+    return rows
+
+
+def _evaluate(model, test_args):
+    x, y, bs = test_args
+    logs = model.evaluate(x, y, batch_size=bs, verbose=0, return_dict=True)
+    return float(logs["loss"]), float(logs.get("accuracy", float("nan")))
+
+
+def add_efficiency(rows, baseline=None):
+    """Set each row's ``efficiency``: samples/s ÷ (replicas × the baseline row's samples/s).
+
+    1.0 is perfect scaling; the baseline is the row named ``baseline``, else the
+    first single-replica row.
+    """
+    base = next((r for r in rows if r["name"] == baseline), None) if baseline else None
+    base = base or next((r for r in rows if r["replicas"] == 1), None)
+    for r in rows:
+        r["efficiency"] = (r["samples_per_s"] / (r["replicas"] * base["samples_per_s"])
+                           if base and base["samples_per_s"] else float("nan"))
+        r["baseline"] = base["name"] if base else None
+    return rows
+
+
+def format_table(rows, title=None):
+    """The comparison as a fixed-width text table (what ``python -m mirrored`` prints)."""
+    cols = [("strategy", "name", "{}"), ("replicas", "replicas", "{:d}"),
+            ("batch", "global_batch", "{:d}"), ("steps", "steps_per_epoch", "{:d}"),
+            ("epoch s", "epoch_time_s", "{:.3f}"), ("ms/step", "ms_per_step", "{:.2f}"),
+            ("samples/s", "samples_per_s", "{:,.0f}"), ("efficiency", "efficiency", "{:.0%}"),
+            ("test acc", "test_accuracy", "{:.4f}")]
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None or isinstance(value, float) and math.isnan(value):
+            return "-"
+        return fmt.format(value)
+    cells = [[cell(r, key, fmt) for _, key, fmt in cols] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
+    line = lambda items: "  ".join(s.ljust(w) if i == 0 else s.rjust(w)   # noqa: E731
+                                   for i, (s, w) in enumerate(zip(items, widths)))
+    out = [title] if title else []
+    out += [line([h for h, _, _ in cols]), line(["-" * w for w in widths])]
+    out += [line(c) for c in cells]
+    if rows and rows[0].get("baseline"):
+        out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); "
+                   f"epoch s = median of {rows[0].get('epochs_timed', '?')} timed epoch(s) after warm-up")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------
+# The performance model for N physical GPUs
+# ---------------------------------------------------------------------------------------
+
+def ring_allreduce_time(grad_bytes, n, link_bandwidth, latency_s=0.0):
+    """Seconds for a ring all-reduce of ``grad_bytes`` over ``n`` devices.
+
+    2(N-1) steps (reduce-scatter, then all-gather), each moving a 1/N chunk to the
+    next device while receiving one from the previous: 2(N-1)/N · bytes / bandwidth,
+    plus ``latency_s`` per step. Zero for one device (nothing to sum).
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * grad_bytes / link_bandwidth + 2 * (n - 1) * latency_s
+
+
+def predict_step_time(n, compute_s, grad_bytes, link_bandwidth, overhead_s=0.0, latency_s=0.0):
+    """t(N) = compute/N + 2(N-1)/N · bytes/link_bandwidth + overhead (seconds per step).
+
+    ``compute_s``: one device's time for the step's whole global batch (forward,
+    backward, optimizer). ``grad_bytes``: the packed gradient buffer (4 × params).
+    ``link_bandwidth``: bytes/s of the slowest link in the ring, one direction.
+    ``overhead_s``: per-step cost that does not shrink with N (Python, launches,
+    the merge point). ``latency_s``: per ring step (the α of an α-β model).
+
+    Assumptions (say them when you quote a prediction):
+      * compute divides perfectly: each of N identical GPUs does B/N of the batch
+        (small per-GPU batches run a GPU below its peak, so this is optimistic);
+      * no overlap: the all-reduce starts after the whole backward pass (true here:
+        one packed buffer, one ring; frameworks that bucket gradients overlap it);
+      * the ring is bandwidth-bound by its slowest link, every link used in both
+        directions at once, the additions in the ring cost nothing extra;
+      * nothing else shares the links (no PCIe switch contention, no host traffic);
+      * the optimizer runs on every GPU on its own copy: it does not shrink with N,
+        count it in ``overhead_s`` if you want it exact.
+    """
+    return compute_s / n + ring_allreduce_time(grad_bytes, n, link_bandwidth, latency_s) + overhead_s
+
+
+def performance_model(ns, compute_s, grad_bytes, links=None, overhead_s=0.0, latency_s=0.0):
+    """Predicted step times for every N and link: a list of dicts.
+
+    ``links``: {name: bytes/s}, default the ``DEFAULT_LINKS`` entries of ``LINKS``.
+    Each row: ``link, bandwidth, n, step_s, compute_s, allreduce_s, overhead_s,
+    speedup`` (t(1)/t(N)), ``efficiency`` (speedup/N).
+    """
+    links = links or {k: LINKS[k] for k in DEFAULT_LINKS}
+    rows = []
+    for link, bw in links.items():
+        t1 = predict_step_time(1, compute_s, grad_bytes, bw, overhead_s, latency_s)
+        for n in ns:
+            t = predict_step_time(n, compute_s, grad_bytes, bw, overhead_s, latency_s)
+            rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
+                         "compute_s": compute_s / n,
+                         "allreduce_s": ring_allreduce_time(grad_bytes, n, bw, latency_s),
+                         "overhead_s": overhead_s, "speedup": t1 / t, "efficiency": t1 / t / n})
+    return rows
+
+
+def calibrate(breakdown, grad_bytes=None, model=None):
+    """Model parameters measured on ONE replica: per-example compute and per-step overhead.
+
+    ``breakdown``: ``step_breakdown`` of a single-replica model. Compute is the
+    median input copy + forward+backward (work that a GPU count divides); the
+    overhead is everything else in the measured step (optimizer, Python, the
+    strategy's bookkeeping). ``grad_bytes`` (or ``model``): the gradient buffer size.
+    """
+    phases = breakdown["phases"]
+    compute = sum(phases[p]["median_s"] for p in (INPUT_COPY, FORWARD_BACKWARD) if p in phases)
+    if grad_bytes is None and model is not None:
+        grad_bytes = 4 * model.count_params()
+    return {"compute_per_example_s": compute / max(breakdown["global_batch"], 1),
+            "overhead_s": max(breakdown["step_s"] - compute, 0.0),
+            "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"]}
+
+
+def predict_throughput(calibration, ns, batch_per_replica, links=None, latency_s=0.0):
+    """Samples/s on N physical GPUs with ``batch_per_replica`` each (the lab's rule).
+
+    The global batch grows with N, so compute(N·b)/N = compute(b): each step costs
+    ``b · compute_per_example + ring(N) + overhead`` and moves N·b examples.
+    Returns a list of dicts ``link, n, step_s, samples_per_s``.
+    """
+    links = links or {k: LINKS[k] for k in DEFAULT_LINKS}
+    rows = []
+    for link, bw in links.items():
+        for n in ns:
+            compute = calibration["compute_per_example_s"] * batch_per_replica * n   # whole global batch
+            t = predict_step_time(n, compute, calibration["grad_bytes"], bw,
+                                  calibration["overhead_s"], latency_s)
+            rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
+                         "samples_per_s": n * batch_per_replica / t})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Plots (matplotlib; timelines and scaling curves are drawn by mirrored/viz.py)
+# ---------------------------------------------------------------------------------------
+
+def plot_comparison(rows, path=None, title=None):
+    """Bar charts of epoch time and samples/s per strategy (efficiency on the bars).
+
+    Writes a PNG to ``path`` if given; returns the matplotlib Figure (a bare
+    Figure, as ``mirrored.viz`` makes them: a notebook shows it when a cell returns it).
+    """
+    from matplotlib.figure import Figure
+    names = [r["name"] for r in rows]
+    fig = Figure(figsize=(max(8, 2.4 * len(rows)), 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    colors = ["#888888" if r["name"] == "no strategy" else "#1f77b4" for r in rows]
+    ax1.bar(names, [r["epoch_time_s"] for r in rows], color=colors)
+    ax1.set_ylabel("seconds per epoch (median)")
+    ax1.set_title("epoch time (lower is better)")
+    bars = ax2.bar(names, [r["samples_per_s"] for r in rows], color=colors)
+    ax2.set_ylabel("training examples per second")
+    ax2.set_title("throughput (higher is better)")
+    for bar, r in zip(bars, rows):
+        if not math.isnan(r.get("efficiency", float("nan"))):
+            ax2.annotate(f"{r['efficiency']:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                         ha="center", va="bottom", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(title or "MNIST lab: no strategy vs MirroredStrategy")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def plot_performance_model(measured, predicted, ax=None, title=None):
+    """Samples/s against devices: measured rows (``compare``) and model lines per link.
+
+    ``measured``: rows with ``replicas`` and ``samples_per_s`` (e.g. the MirroredStrategy
+    rows of ``compare``); ``predicted``: ``predict_throughput`` rows. Returns the Figure.
+    (The per-replica timeline and the scaling plot are ``mirrored.viz.timeline`` and
+    ``mirrored.viz.scaling_plot``.)
+    """
+    from matplotlib.figure import Figure
+    if ax is None:
+        fig = Figure(figsize=(7, 4.5), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    styles = iter(["--", ":", "-.", (0, (5, 1))])
+    for link in dict.fromkeys(p["link"] for p in predicted):
+        pts = sorted((p["n"], p["samples_per_s"]) for p in predicted if p["link"] == link)
+        bw = next(p["bandwidth"] for p in predicted if p["link"] == link)
+        ax.plot(*zip(*pts), linestyle=next(styles, "--"), marker="x",
+                label=f"model: {link} ({bw / 1e9:g} GB/s)")
+    pts = sorted((r["replicas"], r["samples_per_s"]) for r in measured)
+    if pts:
+        ax.plot(*zip(*pts), "o-", color="black", linewidth=2, label="measured here")
+    ax.set_xlabel("devices (replicas)")
+    ax.set_ylabel("training throughput (samples/s)")
+    ax.set_xticks(sorted({n for n, _ in pts} | {p["n"] for p in predicted}))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "Performance model for N physical GPUs vs measurement")
+    return fig

@@ -1,0 +1,234 @@
+"""The lab workflow behind ``python -m mirrored``: the course's MNIST lab, timed.
+
+    python -m mirrored                          # no strategy vs MirroredStrategy, 5 epochs
+    python -m mirrored --logical-gpus 4         # ... and on 1, 2, 4 logical devices
+    python -m mirrored --devices GPU:0,GPU:1    # ... on these devices
+    python -m mirrored --quick                  # a few steps on a little data: seconds
+
+What it does, in the lab's order:
+
+1. Devices: ``--logical-gpus N`` splits GPU:0 into N logical GPUs (or, with no
+   real GPU, the CPU into N logical CPUs) — once, before anything else uses a
+   device, as TensorFlow requires. The comparison runs over ``--devices``, else
+   every logical GPU, else the logical CPUs.
+2. Data: MNIST from ``--data-dir`` (or ~/tensorflow_datasets), downloaded if it
+   can be, else the bundled 8k/2k subset (said so). The lab's pipeline:
+   ``map(scale).cache().shuffle(10000).batch(GLOBAL_BATCH)``.
+3. The lab's model — ``Flatten → Dense(64, relu) → Dense(10)``, Adam,
+   ``SparseCategoricalCrossentropy(from_logits=True)``, ``['accuracy']`` — trained
+   with no strategy and with MirroredStrategy on 1, 2, 4, ... of the devices,
+   every run from the same initial weights (``timing.compare``), printing
+   Keras's progress lines.
+4. A table (epoch time, ms/step, samples/s, scaling efficiency, test accuracy)
+   with the data source and the devices, and a PNG bar chart of it.
+
+Notebooks use the same pieces: ``make_model``, ``scale``, ``load_mnist``,
+``make_data_fn``, ``configure_devices`` (labs/01 and labs/05).
+
+Neighbours: ``__main__.py`` (the command line), ``timing.py`` (the measurements).
+"""
+import os
+import warnings
+
+import mirrored as tf
+from mirrored import devices as _dev
+from mirrored import timing
+
+BATCH_PER_REPLICA = 64           # the course lab's BATCH_SIZE_PER_REPLICA
+BUFFER_SIZE = 10000              # the lab's shuffle buffer
+DEFAULT_EPOCHS = 5               # 1 warm-up + 4 timed: seconds on a 2-core laptop (subset), ~1 min (full set)
+QUICK = {"train_examples": 1024, "test_examples": 512, "epochs": 2}   # --quick / MIRRORED_QUICK=1
+DEFAULT_PLOT = "mirrored-timing.png"
+
+
+class DeviceError(ValueError):
+    """A device asked for on the command line is not there (the message lists those that are)."""
+
+
+def quick_mode():
+    """True when the environment asks for small settings (``MIRRORED_QUICK=1``; labs, tests)."""
+    return os.environ.get("MIRRORED_QUICK", "").strip().lower() in ("1", "true", "yes")
+
+
+# --- the lab's pieces ---------------------------------------------------------------------
+
+def scale(image, label):
+    """The lab's map function: uint8 pixels → float32 in [0, 1]."""
+    image = tf.cast(image, tf.float32)
+    image /= 255
+    return image, label
+
+
+def make_model():
+    """The lab's model, compiled as the lab compiles it (call inside ``strategy.scope()``)."""
+    model = tf.keras.Sequential([
+        tf.keras.layers.Flatten(input_shape=(28, 28, 1)),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10),
+    ])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"])
+    return model
+
+
+def load_mnist(data_dir=None, quick=False):
+    """``(train, test, source)``: MNIST datasets of (image, label) and where they came from.
+
+    ``source`` is a short sentence for the report ("MNIST, full set: 60,000 train /
+    10,000 test" or the bundled subset and why). ``quick``: the first
+    ``QUICK['train_examples']`` / ``QUICK['test_examples']`` examples only.
+    The loader's warning about the subset is turned into that sentence.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tf.datasets.BundledSubsetWarning)
+        datasets, info = tf.datasets.load("mnist", with_info=True, as_supervised=True,
+                                          data_dir=data_dir)
+    train, test = datasets["train"], datasets["test"]
+    n_train, n_test = info.splits["train"].num_examples, info.splits["test"].num_examples
+    if info.source == "full":
+        source = f"MNIST, full set: {n_train:,} train / {n_test:,} test"
+    else:
+        offline = os.environ.get("MIRRORED_OFFLINE", "").strip().lower() in ("1", "true", "yes")
+        why = "MIRRORED_OFFLINE=1" if offline else "the full set is not cached and could not be downloaded"
+        source = (f"MNIST, {info.source}: {n_train:,} train / {n_test:,} test ({why}; "
+                  f"the full 60,000 / 10,000 lives in <data_dir>/mnist once downloaded)")
+    if quick:
+        train, test = train.take(QUICK["train_examples"]), test.take(QUICK["test_examples"])
+        source += f"; --quick: first {min(n_train, QUICK['train_examples']):,} / " \
+                  f"{min(n_test, QUICK['test_examples']):,}"
+    return train, test, source
+
+
+def make_data_fn(train, test):
+    """``data_fn(global_batch) -> (train_ds, test_ds)`` with the lab's pipeline.
+
+    ``map(scale).cache()`` is built once and shared, so the scaled images are
+    computed once for every strategy compared; each call adds the lab's
+    ``shuffle(BUFFER_SIZE).batch(global_batch)``.
+    """
+    train_cached = train.map(scale).cache()
+    test_cached = test.map(scale).cache()
+
+    def data_fn(global_batch):
+        return (train_cached.shuffle(BUFFER_SIZE).batch(global_batch),
+                test_cached.batch(global_batch))
+    return data_fn
+
+
+# --- devices ------------------------------------------------------------------------------
+
+def configure_devices(logical=None, use_physical_gpus=True):
+    """Set up the devices for a comparison; returns ``(device names, description)``.
+
+    * two or more real GPUs and ``use_physical_gpus``: the physical GPUs (the first
+      ``logical`` of them if given), unsplit;
+    * one real GPU: split into ``logical`` logical GPUs (each its own stream);
+    * no real GPU (or only Numba's simulator, far too slow to train on): split the
+      CPU into ``logical`` logical CPUs.
+
+    The split can happen once per process; if devices are already in use (a
+    notebook cell run twice) the existing ones are used and the description says so.
+    """
+    mode = _dev.cuda_mode()
+    real_gpus = tf.config.list_physical_devices("GPU") if mode == "real" else []
+    kind = "GPU" if real_gpus else "CPU"
+    note = ""
+    if logical is not None and logical < 1:
+        raise ValueError(f"the number of logical devices must be at least 1, got {logical}.")
+    if _dev.is_initialized():
+        note = " (devices were already configured in this process; restart to change them)"
+    elif logical and not (use_physical_gpus and len(real_gpus) >= 2):
+        target = real_gpus[0] if real_gpus else tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            target, [tf.config.LogicalDeviceConfiguration() for _ in range(logical)])
+    names = [d.name for d in tf.config.list_logical_devices(kind)]
+    if logical:
+        names = names[:logical]
+    elif kind == "CPU":
+        names = names[:1]
+    short = [_dev.get_device(n).short_name for n in names]
+    if kind == "GPU" and len(real_gpus) >= 2 and use_physical_gpus:
+        what = f"{len(names)} physical GPU(s)"
+    elif kind == "GPU":
+        what = f"{len(names)} logical GPU(s) on one physical GPU"
+    else:
+        why = {"simulator": "the CUDA simulator is for testing kernels, far too slow to train on",
+               "none": "no CUDA GPU found", "real": ""}[mode]
+        what = f"{len(names)} logical CPU device(s) split from the CPU ({why})" if len(names) > 1 \
+            else f"the CPU ({why})"
+    return names, f"{', '.join(short)}: {what}{note}"
+
+
+def resolve_devices(spec):
+    """``"GPU:0,GPU:1"`` → canonical device names; ``ValueError`` listing the devices there are."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"--devices {spec!r} names no device; e.g. --devices GPU:0,GPU:1 or CPU:0. "
+                         f"Devices here: {[d.name for d in _dev.logical_devices()]}.")
+    devices = [_dev.get_device(n) for n in names]
+    canonical = [d.name for d in devices]
+    dup = [n for n in canonical if canonical.count(n) > 1]
+    if dup:
+        raise ValueError(f"--devices names {dup[0]} twice; each device may appear once.")
+    return canonical
+
+
+def replica_counts(n):
+    """1, 2, 4, ... up to ``n``, and ``n`` itself: the rows of a scaling table."""
+    counts = {n}
+    k = 1
+    while k < n:
+        counts.add(k)
+        k *= 2
+    return sorted(counts)
+
+
+# --- the whole job ---------------------------------------------------------------------------
+
+def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PER_REPLICA,
+        data_dir=None, plot=DEFAULT_PLOT, quick=False, out=print):
+    """Run the lab workflow; returns ``(rows, report_text)``.
+
+    ``devices``: a comma-separated device string (``--devices``), or None.
+    Raises ``DeviceError`` (a ``ValueError``) for a device that does not exist; its
+    message lists the devices there are.
+    """
+    quick = quick or quick_mode()
+    if epochs is None:
+        epochs = QUICK["epochs"] if quick else DEFAULT_EPOCHS
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}.")
+    try:
+        names, device_text = configure_devices(logical_gpus)
+        if devices is not None:
+            names = resolve_devices(devices)
+            device_text = ", ".join(_dev.get_device(n).short_name for n in names) + ": chosen with --devices"
+    except ValueError as err:
+        raise DeviceError(str(err)) from err
+    train, test, source = load_mnist(data_dir, quick=quick)
+    out(f"data:    {source}")
+    out(f"devices: {device_text}")
+    strategies = timing.lab_strategies(names, replica_counts(len(names)))
+    data_fn = make_data_fn(train, test)
+    with tf.device(names[0]):             # "no strategy" runs on the first device compared
+        rows = timing.compare(make_model, data_fn, strategies, epochs=epochs,
+                              batch_per_replica=batch_per_replica, verbose=1, log=out)
+    warm = "first epoch is warm-up, not timed" if epochs > 1 else "one epoch: warm-up included"
+    report = "\n".join([
+        "",
+        "MNIST lab: no strategy vs MirroredStrategy",
+        f"data:    {source}",
+        f"devices: {device_text}",
+        f"epochs:  {epochs} ({warm}); batch {batch_per_replica} per replica, global batch = "
+        f"{batch_per_replica} × replicas",
+        "",
+        timing.format_table(rows),
+    ])
+    out(report)
+    if plot:
+        path = os.path.abspath(plot)
+        timing.plot_comparison(rows, path, title=f"MNIST lab ({'quick, ' if quick else ''}"
+                                                 f"{device_text.split(':')[0]})")
+        out(f"plot:    {path}")
+    return rows, report
+
