@@ -16,8 +16,16 @@ REFRESH_S = 0.5         # redraw interval: each redraw synchronises the devices
 
 
 def _dynamic():
-    """True on a terminal or in a Jupyter kernel, where '\\r' redraws the line."""
-    return (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()) or "ipykernel" in sys.modules
+    """True on a terminal or in a running Jupyter kernel, where '\r' redraws the line.
+
+    (Only a running kernel counts: merely importing ipykernel — as nbclient does in a
+    test process — must not turn captured output into redrawn lines.)
+    """
+    if hasattr(sys.stdout, "isatty") and sys.stdout.isatty():
+        return True
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def format_metrics(metrics):
