@@ -11,6 +11,7 @@ when there is none. Real and simulated CUDA cannot share one process.
     NUMBA_ENABLE_CUDASIM=0 python -m pytest   # force real CUDA (needs a GPU)
 """
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -162,3 +163,60 @@ def forbid_launches(monkeypatch):
             raise AssertionError("the launcher launched a kernel despite bad input")
         monkeypatch.setattr(module, "launch", refuse)
     return forbid
+
+
+# --- running the lab notebooks -----------------------------------------------------------
+
+#: Seconds any one notebook cell may take (with MIRRORED_QUICK=1 the slowest takes ~10 s).
+NOTEBOOK_CELL_TIMEOUT = 120
+
+
+@pytest.fixture
+def run_lab(monkeypatch, tmp_path):
+    """``run_lab("01_....ipynb")`` executes labs/<name> top to bottom; returns (text, images).
+
+    The notebook runs with nbclient in a fresh Jupyter kernel, a child process that
+    inherits this process's environment, so the environment is set first:
+    ``MIRRORED_QUICK=1`` (small settings), ``MIRRORED_OFFLINE=1`` (bundled MNIST),
+    ``MPLBACKEND=Agg``, the repository root on ``PYTHONPATH``, and NO
+    ``NUMBA_ENABLE_CUDASIM``: a lab runs as a student's would, real CUDA where there is
+    a GPU and CPU devices where there is none (training in the simulator would take
+    hours). The kernel's working directory is labs/. Notebooks must be committed
+    without outputs; the executed copy is written to tmp_path for a look after a failure.
+    """
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    labs = root / "labs"
+
+    def run(name):
+        nb = nbformat.read(labs / name, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, \
+                    f"{name}: commit the notebook without outputs (clear them first)"
+        monkeypatch.setenv("MIRRORED_QUICK", "1")
+        monkeypatch.setenv("MIRRORED_OFFLINE", "1")
+        monkeypatch.setenv("MPLBACKEND", "Agg")
+        monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+        path = os.environ.get("PYTHONPATH", "")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(root), path) if p))
+        client = nbclient.NotebookClient(nb, timeout=NOTEBOOK_CELL_TIMEOUT, kernel_name="python3",
+                                         resources={"metadata": {"path": str(labs)}})
+        try:
+            client.execute()
+        finally:
+            nbformat.write(nb, tmp_path / name)
+        errors = [(i, cell.source.splitlines()[0] if cell.source else "",
+                   f"{o.get('ename')}: {o.get('evalue')}")
+                  for i, cell in enumerate(nb.cells) for o in cell.get("outputs", [])
+                  if o.get("output_type") == "error"]
+        assert not errors, errors
+        texts, images = [], 0
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                texts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+                images += "image/png" in out.get("data", {})
+        return "\n".join(texts), images
+
+    return run

@@ -1,72 +1,13 @@
 """Labs 01 (Mirrored Strategy: Basic) and 05 (single- vs multi-device timing) run top to bottom.
 
-Each notebook is executed with nbclient in a fresh Jupyter kernel, a child process
-that inherits this process's environment, so the environment is set here (with
-monkeypatch) before the kernel starts:
-
-* ``MIRRORED_QUICK=1``   the labs' small settings (1,024 training images, 2 epochs, few steps);
-* ``MIRRORED_OFFLINE=1`` the bundled MNIST subset, no download attempts;
-* ``MPLBACKEND=Agg``     no display needed;
-* no ``NUMBA_ENABLE_CUDASIM``: tests/conftest.py turns the simulator on for this pytest
-  process when there is no GPU, but a lab must run as a student's would — real CUDA
-  where there is a GPU, CPU devices where there is none (training in the simulator
-  would take hours);
-* the repository root on ``PYTHONPATH``, so ``import mirrored`` works in the kernel
-  (whose working directory is labs/, as when a student opens the notebook).
-
-The notebooks are committed without outputs; the executed copies are written to
-pytest's tmp_path for a look when a test fails.
+Executed by the ``run_lab`` fixture (tests/conftest.py): MIRRORED_QUICK=1, the bundled
+MNIST subset, CPU devices where there is no GPU.
 
     python -m pytest tests/test_labs_01_05.py            # ~15 s on a 2-core laptop
 """
-import os
-import pathlib
 import re
 
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-LABS = ROOT / "labs"
-
-#: Seconds any one cell may take (with MIRRORED_QUICK=1 the slowest takes a few seconds).
-CELL_TIMEOUT = 120
-
-
-def _kernel_environment(monkeypatch):
-    monkeypatch.setenv("MIRRORED_QUICK", "1")
-    monkeypatch.setenv("MIRRORED_OFFLINE", "1")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
-    path = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), path) if p))
-
-
-def _run(name, monkeypatch, tmp_path):
-    """Execute labs/<name>; returns (all text output, number of images)."""
-    nb = nbformat.read(LABS / name, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, \
-                f"{name}: commit the notebook without outputs (clear them first)"
-    _kernel_environment(monkeypatch)
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
-                                     resources={"metadata": {"path": str(LABS)}})
-    try:
-        client.execute()
-    finally:
-        nbformat.write(nb, tmp_path / name)           # for a look after a failure
-    errors = [(i, f"{o.get('ename')}: {o.get('evalue')}") for i, c in enumerate(nb.cells)
-              for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors, errors
-    texts, images = [], 0
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            texts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
-            images += "image/png" in out.get("data", {})
-    return "\n".join(texts), images
 
 
 def _table_rows(text):
@@ -80,8 +21,8 @@ def _table_rows(text):
 
 
 @pytest.mark.notebook
-def test_lab_01_basic_mirrored_strategy(monkeypatch, tmp_path):
-    text, images = _run("01_basic_mirrored_strategy.ipynb", monkeypatch, tmp_path)
+def test_lab_01_basic_mirrored_strategy(run_lab):
+    text, images = run_lab("01_basic_mirrored_strategy.ipynb")
     assert "Number of devices: 2" in text                     # the CPU split in two (or 2 GPUs)
     assert "per replica: 64  global batch: 128" in text
     assert "MirroredVariable" in text
@@ -93,8 +34,8 @@ def test_lab_01_basic_mirrored_strategy(monkeypatch, tmp_path):
 
 
 @pytest.mark.notebook
-def test_lab_05_single_vs_multi_device_timing(monkeypatch, tmp_path):
-    text, images = _run("05_single_vs_multi_gpu_timing.ipynb", monkeypatch, tmp_path)
+def test_lab_05_single_vs_multi_device_timing(run_lab):
+    text, images = run_lab("05_single_vs_multi_gpu_timing.ipynb")
     rows = _table_rows(text)
     assert set(rows) == {"no strategy", "MirroredStrategy ×1", "MirroredStrategy ×2",
                          "MirroredStrategy ×4"}
