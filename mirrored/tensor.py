@@ -49,12 +49,13 @@ def as_dtype(dtype):
 class Tensor:
     """An array on one device. Create with ``mirrored.constant`` or from ops."""
 
-    __slots__ = ("_buf", "_device", "_node", "__weakref__")
+    __slots__ = ("_buf", "_device", "_node", "_mirrored_parent", "__weakref__")
 
     def __init__(self, buf, device, node=None):
         self._buf = buf          # np.ndarray (CPU) or Numba device array (GPU)
         self._device = device    # mirrored.devices.Device
         self._node = node        # how it was computed, for GradientTape (keras/tape.py)
+        self._mirrored_parent = None   # the Mirrored it is a component of (values.py)
 
     # -- what it is
     @property

@@ -82,7 +82,18 @@ class PerReplica(DistributedValues):
 
 
 class Mirrored(DistributedValues):
-    """Components that are equal on every replica."""
+    """Components that are equal on every replica.
+
+    Each component remembers this Mirrored (``_mirrored_parent``), so when every
+    replica of ``strategy.run`` returns its own component — e.g. the result of
+    ``all_reduce`` — ``run`` hands back the Mirrored, as TensorFlow does.
+    """
+
+    def __init__(self, values):
+        super().__init__(values)
+        for v in self._values:
+            if isinstance(v, Tensor):
+                v._mirrored_parent = self
 
 
 def select_replica(replica_id, structure):
@@ -102,7 +113,8 @@ def regroup(per_replica_structures, wrap=PerReplica):
         if all(leaf is first for leaf in leaves):
             return first
         parent = getattr(first, "_mirrored_parent", None)
-        if parent is not None and all(getattr(leaf, "_mirrored_parent", None) is parent for leaf in leaves):
+        if parent is not None and len(parent.values) == len(leaves) and \
+                all(leaf is comp for leaf, comp in zip(leaves, parent.values)):
             return parent
         return wrap(leaves)
     if len(per_replica_structures) == 1:
