@@ -248,7 +248,8 @@ class Sequential:
             x, y = np.asarray(x), np.asarray(y)
             if len(x) != len(y):
                 raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
-            return _ArrayBatchesWithLen(x, y, batch_size or 32, shuffle)
+            batches = _ArrayBatches(x, y, batch_size or 32, shuffle)
+            return batches, len(batches)
         if y is not None:
             raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
         if isinstance(x, DistributedDataset):
@@ -683,11 +684,6 @@ class _ArrayBatches:
 
     def __len__(self):
         return -(-len(self.x) // self.bs)
-
-
-def _ArrayBatchesWithLen(x, y, batch_size, shuffle):  # noqa: N802
-    b = _ArrayBatches(x, y, batch_size, shuffle)
-    return b, len(b)
 
 
 class _DatasetBatches:
