@@ -199,12 +199,7 @@ def run(args):
         "copy": copy,
         "results": rows,
     }
-    if args.smoke and not args.out:
-        print("\n(--smoke without --out: no JSON written)")
-        return 0
-    path = common.write_json("allreduce", payload, info, args.out)
-    print(f"\nwrote {path}")
-    return 0
+    return common.save_results("allreduce", payload, info, args.smoke, args.out)
 
 
 def main(argv=None):

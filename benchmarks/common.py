@@ -262,3 +262,17 @@ def write_json(name, payload, info, out=None):
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def save_results(name, payload, info, smoke, out=None):
+    """The end of every benchmark's main(): write the JSON (``write_json``) and say where.
+
+    A smoke run (tiny sizes, no GPU) writes only where ``--out`` points, never into
+    benchmarks/results/, which keeps measured runs only. Returns the exit status, 0.
+    """
+    if smoke and not out:
+        print("\n(smoke run: no --out given, nothing written)")
+        return 0
+    path = write_json(name, payload, info, out=out)
+    print(f"\nwrote {path}")
+    return 0

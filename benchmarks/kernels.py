@@ -326,12 +326,7 @@ def main(argv=None):
                    "memory_bytes_per_array": nbytes},
         "results": results, "targets": met, "skipped": skipped,
     }
-    if args.smoke and not args.out:
-        print("\n(smoke run: no --out given, nothing written)")
-        return 0
-    path = common.write_json("kernels", payload, info, out=args.out)
-    print(f"\nwrote {path}")
-    return 0
+    return common.save_results("kernels", payload, info, args.smoke, args.out)
 
 
 if __name__ == "__main__":

@@ -869,12 +869,7 @@ def main(argv=None):
                    for k, v in models.items()},
         "rates": rates, "results": results, "ratios": ratios, "targets": targets, "skipped": skipped,
     }
-    if args.smoke and not args.out:
-        print("\n(smoke run: no --out given, nothing written)")
-        return 0
-    path = common.write_json("training", payload, info, out=args.out)
-    print(f"\nwrote {path}")
-    return 0
+    return common.save_results("training", payload, info, args.smoke, args.out)
 
 
 if __name__ == "__main__":
