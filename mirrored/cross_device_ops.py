@@ -140,13 +140,18 @@ class CrossDeviceOps:
                              f"{len(buffers)} buffers for {names}.")
         if any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
             raise ValueError("all_reduce_flat: the buffers differ in shape or dtype.")
-        if len(devices) > 1 and buffers[0].size:
-            self._sum_in_place(buffers, devices)
-            if reduce_op == ReduceOp.MEAN:
-                for dev, flat in zip(devices, buffers):
-                    with dev.activate():
-                        dev.ops.binary_scalar("div", flat, len(devices), flat)
+        self._reduce_fused(reduce_op, buffers, devices)
         return buffers
+
+    def _reduce_fused(self, reduce_op, buffers, devices):
+        """Sum equal flat buffers across devices (the hook), then divide for MEAN."""
+        if len(devices) < 2 or not buffers[0].size:
+            return
+        self._sum_in_place(buffers, devices)
+        if reduce_op == ReduceOp.MEAN:
+            for dev, flat in zip(devices, buffers):
+                with dev.activate():
+                    dev.ops.binary_scalar("div", flat, len(devices), flat)
 
     def all_reduce_components(self, reduce_op, values):
         """values[k] = [component on replica 0, 1, ...] for tensor k.
@@ -163,7 +168,6 @@ class CrossDeviceOps:
             elif [x.name for x in d] != [x.name for x in devices]:
                 raise ValueError(f"all-reduce: the tensors live on different device lists: "
                                  f"{[x.name for x in devices]} and {[x.name for x in d]}.")
-        n = len(devices)
         results = [None] * len(values)
         by_dtype = {}
         for k, comps in enumerate(values):
@@ -181,12 +185,7 @@ class CrossDeviceOps:
                             dev.copy_into(flat[off:off + size], values[k][r]._buf)
                         off += size
                     fused.append(flat)
-            if n > 1 and total:
-                self._sum_in_place(fused, devices)
-            if reduce_op == ReduceOp.MEAN and n > 1 and total:
-                for dev, flat in zip(devices, fused):
-                    with dev.activate():
-                        dev.ops.binary_scalar("div", flat, n, flat)
+            self._reduce_fused(reduce_op, fused, devices)
             for k, size, off in zip(ks, sizes, np.cumsum([0] + sizes[:-1])):
                 shape = values[k][0].shape
                 results[k] = [Tensor(flat[off:off + size].reshape(shape), dev)
