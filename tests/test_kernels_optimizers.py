@@ -83,15 +83,22 @@ def test_adam_kernel(rng, shape):
     dev = [cuda.to_device(a) for a in (w, m, v)]
     ref = [a.copy() for a in (w, m, v)]
     want = [a.astype(np.float64) for a in (w, m, v)]
+    # m is a running mean of gradients of both signs: it can cancel to almost 0 while
+    # its float32 rounding error stays at the size of its terms. So m's errors are
+    # measured against m_terms = the same running mean of |g| (w and v do not cancel).
+    m_terms = np.zeros(shape)
     for t in range(1, STEPS + 1):
         g = randn(rng, shape)
         opt.adam(dev[0], cuda.to_device(g), dev[1], dev[2], lr, t)
         opt.adam_ref(ref[0], g, ref[1], ref[2], lr, t)
         want = list(oracle_adam(*want[:1], g, *want[1:], lr, t))
+        m_terms = 0.9 * m_terms + 0.1 * np.abs(g)
     for name, d, r, o in zip("wmv", dev, ref, want):
-        assert_close(f"adam {name} {shape}", d.copy_to_host(), o, RTOL_F32, ATOL_F32)
+        scale = m_terms if name == "m" else 0.0
+        assert_close(f"adam {name} {shape}", d.copy_to_host(), o, RTOL_F32,
+                     ATOL_F32 + RTOL_F32 * scale)
         assert_close(f"adam {name} vs ref {shape}", d.copy_to_host(), r, RTOL_KERNEL_VS_REF,
-                     ATOL_F32)
+                     ATOL_F32 + RTOL_KERNEL_VS_REF * scale)
 
 
 def test_refs_in_float64_match_oracles(rng):
