@@ -20,6 +20,7 @@ import threading
 import numpy as np
 
 from mirrored import context
+from mirrored.strategy import _to_tensor_on
 from mirrored.tensor import Tensor
 from mirrored.values import DistributedValues, MirroredVariable, Variable
 
@@ -143,15 +144,10 @@ def _copies(variable):
 
 
 def _on_device(g, dev):
-    if isinstance(g, Variable):
-        g = g.value()
-    if isinstance(g, Tensor):
-        if g._device is dev:
-            return g._buf
-        with dev.activate():
-            return dev.copy_from(g._buf, g._device)
-    with dev.activate():
-        return dev.from_numpy(np.asarray(g, np.float32))
+    """The raw float32 buffer of gradient ``g`` on ``dev`` (copied there if need be)."""
+    if not isinstance(g, (Tensor, Variable)):
+        g = np.asarray(g, np.float32)
+    return _to_tensor_on(g, dev)._buf
 
 
 def _packed_group(variables, grads):
