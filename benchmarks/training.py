@@ -701,9 +701,7 @@ def thread_settings(torch):
     blas = getattr(backends, "blas_info", None)         # absent in older versions of the library
     out = {"cpu_count": os.cpu_count(), "env": env, "numpy_blas": blas() if blas else None,
            "python_switch_interval_s": sys.getswitchinterval(),
-           "multi_replica_blas_threads": ("max(1, BLAS threads // replicas) during fit "
-                                          "(mirrored.backends.blas_threads_for_replicas)"
-                                          if blas else "not changed")}
+           "fit_replicas": "driven in turn by one host thread; BLAS threads not changed"}
     if torch is not None:
         out["torch_threads"] = torch.get_num_threads()
     return out

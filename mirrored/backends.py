@@ -11,13 +11,7 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-import contextlib
-import threading
-
-import numpy as np
-
 from kernels import activations, allreduce, elementwise, gather, gemm, optimizers, reduction, softmax_xent
-
 from kernels.launch import SIMULATOR
 
 #: The GEMM version the library uses: the fastest (gemm.DEFAULT_VERSION) on a GPU.
@@ -168,86 +162,35 @@ class CudaOps:
         return gather.gather_rows(src, idx, out, self.stream)
 
 
-# --- BLAS threads under the CPU backend ---------------------------------------------------
+# --- which BLAS the CPU backend calls (recorded by the benchmarks) ------------------------
 # NumPy's matmul calls OpenBLAS, which splits every large enough GEMM over one thread per
-# core. N replicas on N logical CPU devices run in N threads that call matmul at the same
-# time, so they ask for N x cores BLAS threads on `cores` cores: the threads oversubscribe
-# the machine and take turns at OpenBLAS's shared thread pool. While N replicas train we
-# therefore give BLAS cores // N threads (at least 1), so each replica thread keeps about
-# its share of the cores.
-#
-# OpenBLAS's thread count is ONE process-wide setting (even its
-# ``openblas_set_num_threads_local``: in the pthreads builds NumPy ships it sets the
-# global), and environment variables such as OPENBLAS_NUM_THREADS are read only when the
-# library loads. So we change the setting around a multi-replica fit() through ctypes,
-# with no new dependency, and put it back after. With another BLAS (Accelerate, MKL) or
-# on a system without /proc/self/maps, ``blas_info()`` says so and nothing is changed.
+# core. ``fit`` drives its replicas from one thread (models.py), so one product at a time
+# gets all the cores. ``blas_info`` reports the library and its thread count through
+# ctypes (no new dependency); with another BLAS (Accelerate, MKL) or on a system without
+# /proc/self/maps it says so.
 
-#: Names of OpenBLAS's get/set functions: the plain build, and the symbol-prefixed
+#: Names of OpenBLAS's thread-count getter: the plain build, and the symbol-prefixed
 #: 64-bit-integer builds that NumPy's and SciPy's wheels bundle.
 _OPENBLAS_GET = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
                  "openblas_get_num_threads64_")
-_OPENBLAS_SET = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
-                 "openblas_set_num_threads64_")
-
-_blas = None                      # (path, get, set) or (None, reason) once looked up
-_blas_lock = threading.RLock()    # one fit at a time changes the setting (re-entered by evaluate)
 
 
-def _find_openblas():
-    """(library path, get_threads, set_threads) of the OpenBLAS NumPy loaded, or (None, why)."""
+def blas_info():
+    """What the CPU backend's BLAS is: ``{"library", "threads", "note"}`` (for benchmarks)."""
     import ctypes
     try:
         with open("/proc/self/maps") as maps:        # the libraries this process has loaded
             paths = sorted({line.split()[-1] for line in maps
                             if "openblas" in line.rsplit("/", 1)[-1].lower()})
     except OSError:
-        return None, "cannot list loaded libraries (no /proc/self/maps): BLAS threads left as they are"
+        return {"library": None, "threads": None, "note": "cannot list loaded libraries (no /proc/self/maps)"}
     for path in paths:
         try:
             lib = ctypes.CDLL(path)                  # already loaded: this only looks it up
         except OSError:
             continue
         get = next((getattr(lib, n) for n in _OPENBLAS_GET if hasattr(lib, n)), None)
-        put = next((getattr(lib, n) for n in _OPENBLAS_SET if hasattr(lib, n)), None)
-        if get is not None and put is not None:
-            get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
-            return path, get, put
-    return None, "NumPy's BLAS is not OpenBLAS (or not found): BLAS threads left as they are"
-
-
-def _openblas():
-    global _blas
-    if _blas is None:
-        _blas = _find_openblas()
-    return _blas
-
-
-def blas_info():
-    """What the CPU backend's BLAS is: ``{"library", "threads", "note"}`` (for benchmarks)."""
-    found = _openblas()
-    if found[0] is None:
-        return {"library": None, "threads": None, "note": found[1]}
-    path, get, _ = found
-    return {"library": path, "threads": int(get()), "note": "OpenBLAS, thread count settable"}
-
-
-@contextlib.contextmanager
-def blas_threads_for_replicas(num_replicas):
-    """Inside the block, BLAS uses ``max(1, threads // num_replicas)`` threads.
-
-    ``threads`` is the setting found on entry (OpenBLAS's default: one per core).
-    A no-op for one replica or when the BLAS cannot be controlled (see ``blas_info``).
-    """
-    found = _openblas() if num_replicas > 1 else (None,)
-    if found[0] is None:
-        yield
-        return
-    _, get, put = found
-    with _blas_lock:
-        before = int(get())
-        put(max(1, before // num_replicas))
-        try:
-            yield
-        finally:
-            put(before)
+        if get is not None:
+            get.restype = ctypes.c_int
+            return {"library": path, "threads": int(get()), "note": "OpenBLAS"}
+    return {"library": None, "threads": None, "note": "NumPy's BLAS is not OpenBLAS (or not found)"}

@@ -31,7 +31,7 @@ import numpy as np
 
 from mirrored import devices as _dev
 from mirrored.tensor import Tensor
-from mirrored.values import DistributedValues, Mirrored, PerReplica
+from mirrored.values import DistributedValues, Mirrored
 
 
 class ReduceOp:

@@ -50,7 +50,7 @@ def report():
     for dist in ("numba", "numba-cuda", "numpy"):
         lines.append(f"{dist:<12} {_version(dist)}")
     mode = _dev.cuda_mode()
-    lines.append(f"CUDA         " + {
+    lines.append("CUDA         " + {
         "real": "real GPU(s) (numba-cuda)",
         "simulator": "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run as Python threads",
         "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy)"}[mode])

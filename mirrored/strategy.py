@@ -35,8 +35,8 @@ import numpy as np
 
 from mirrored import context, nest
 from mirrored import devices as _dev
-from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice, _destination_devices
-from mirrored.tensor import HostTensor, Tensor, constant, reduce_sum
+from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice
+from mirrored.tensor import HostTensor, Tensor, constant
 from mirrored.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica, Variable,
                              VariableAggregation, regroup, select_replica)
 

@@ -3,7 +3,8 @@ per-step breakdown, and a performance model for N physical GPUs.
 
 The questions a student asks of MirroredStrategy, and where they are answered:
 
-    How long does each part of a step take?        PhaseTimer, timed_train_step,
+    How long does each part of a step take?        PhaseTimer (passed to
+                                                   Sequential.train_step),
                                                    step_breakdown, format_breakdown
     Is 2 or 4 devices faster than 1? By how much?  compare (EpochTimer per run),
                                                    format_table, plot_comparison
@@ -36,7 +37,7 @@ raises ``RuntimeError`` afterwards, as in TensorFlow): configure the largest num
 you need first, then build strategies over subsets, e.g. ``MirroredStrategy(["CPU:0",
 "CPU:1"])`` after splitting the CPU into 4. ``lab_strategies`` does that.
 
-Neighbours: ``keras/models.py`` (the step that ``timed_train_step`` mirrors),
+Neighbours: ``keras/models.py`` (the step; ``train_step(x, y, timer=...)`` times it),
 ``cross_device_ops.py`` (the ring), ``workflow.py`` (the command-line lab),
 ``viz.py`` (the drawings).
 """
@@ -48,16 +49,10 @@ import time
 
 import numpy as np
 
-from mirrored import context
 from mirrored import devices as _dev
 from mirrored.keras.callbacks import Callback
+from mirrored.keras.engine import ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY, OPTIMIZER, STEP_PHASES  # noqa: F401 (timing's names)
 
-#: Phase names of one training step, in the order they happen (mirrored.viz colours them).
-INPUT_COPY = "input copy"            # host slice -> the replica's device
-FORWARD_BACKWARD = "forward+backward"  # the dense stack, the loss, the gradients
-ALL_REDUCE = "all-reduce"            # SUM of the replicas' packed gradients (the ring)
-OPTIMIZER = "optimizer"              # one update launch per device
-STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
 
 #: Link bandwidths (bytes/s, one direction, what a ring step can use). Rounded
 #: practical figures; pass your own measured numbers where you have them.
@@ -207,67 +202,6 @@ def _summarise(records):
             for name, d in durations.items()}
 
 
-# ---------------------------------------------------------------------------------------
-# One instrumented training step (the same building blocks as Sequential.train_step)
-# ---------------------------------------------------------------------------------------
-
-def timed_train_step(model, xb, yb, timer):
-    """``model.train_step(xb, yb)``, with every phase of every replica timed.
-
-    The same calls, in the same order, as ``Sequential.train_step`` (models.py):
-    split the batch (TensorFlow's rebatching rule); on each replica upload the slice
-    into its device's input buffers, forward, loss scaled by 1/global batch, backward into the
-    packed gradient buffer; then, at the merge point, the all-reduce SUM of the
-    packed gradients and one optimizer launch per device. The weights it produces
-    are exactly those of ``train_step`` (the tests check it).
-
-    On CPU devices the merge thread updates every copy in turn, so the optimizer
-    span is one host interval shared by all replicas; on a real GPU each device's
-    events give its own span.
-    """
-    from mirrored.input_lib import rebatch_bounds
-    from mirrored.values import PerReplica
-    model._check_compiled("timing a training step")
-    xb, yb = model._host_batch((xb, yb))        # x: (B, in) float32, y: (B,) ints; builds the model
-    mode = model._loss_mode(model.loss)
-    scale = 1.0 / max(xb.shape[0], 1)
-    programs, pack, optimizer = model._programs, model._pack, model.optimizer
-    n = len(programs)
-
-    def merge(strategy):
-        cross_ops = strategy.extended._cross_device_ops
-        opt_tokens = []
-
-        def reduce_fn(buffers, devs):
-            with timer.collective(ALL_REDUCE, devs):
-                cross_ops.all_reduce_flat("SUM", buffers, devs)
-            opt_tokens.extend(timer.begin_all(OPTIMIZER, devs))   # the updates start now
-        optimizer.apply_packed(pack, reduce_fn)
-        timer.end_all(opt_tokens)
-
-    def replica(r, x, y):
-        p = programs[r]
-        dev = p.dev
-        with dev.activate():
-            with timer.phase(INPUT_COPY, r, dev):
-                x_dev, y_dev = p.upload(x, y)         # (b, in) float32, (b,) labels: reused device buffers
-            with timer.phase(FORWARD_BACKWARD, r, dev):
-                p.forward(x_dev)
-                p.loss_and_backward(y_dev, mode, scale)
-            if n > 1:
-                context.top()[1].merge_call(merge)
-
-    if n == 1:
-        replica(0, xb, yb)
-        with timer.phase(OPTIMIZER, 0, programs[0].dev):
-            optimizer.apply_packed(pack)
-        return
-    bounds = rebatch_bounds(xb.shape[0], n)
-    xs = PerReplica([xb[lo:hi] for lo, hi in bounds])
-    ys = PerReplica([yb[lo:hi] for lo, hi in bounds])
-    model._strategy.run(lambda x, y: replica(context.top()[1]._replica_id, x, y), args=(xs, ys))
-
-
 def _synchronize(model):
     for p in model._programs:
         p.dev.synchronize()
@@ -312,9 +246,7 @@ def step_breakdown(model, data, steps=20, warmup=3, batch_size=None, timeline_st
     if steps < 1 or warmup < 0:
         raise ValueError(f"step_breakdown: need steps >= 1 and warmup >= 0, got {steps} and {warmup}.")
     timeline_steps = min(max(int(timeline_steps), 1), steps)
-    replica_threads = getattr(model, "_replica_threads", None)    # BLAS threads shared by CPU replicas
-    with replica_threads() if replica_threads else contextlib.nullcontext():
-        return _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps)
+    return _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps)
 
 
 def _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps):
@@ -326,7 +258,7 @@ def _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps):
         if k == warmup:
             timer.reset()
         t0 = time.perf_counter() - timer._t0
-        timed_train_step(model, xb, yb, timer)
+        model.train_step(xb, yb, timer=timer)
         _synchronize(model)
         t1 = time.perf_counter() - timer._t0
         if k >= warmup:

@@ -20,7 +20,6 @@ them), ``context.py`` (which replica is running), ``tensor.py`` (components).
 """
 import enum
 
-import numpy as np
 
 from mirrored import context, nest
 from mirrored import devices as _dev

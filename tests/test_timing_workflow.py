@@ -3,7 +3,7 @@
 What is checked, and why it cannot flake:
 * the phase timer never reports less than a known sleep inside a phase (a sleep
   lasts at least its length; no upper bound is asserted);
-* ``timed_train_step`` changes the weights exactly as ``train_step`` does;
+* ``train_step(x, y, timer=...)`` changes the weights exactly as an untimed step does;
 * ``compare`` starts every strategy from the same weights (equal initial test
   loss, although each model drew different random weights) and returns sane rows;
 * the performance model equals a hand computation;
@@ -110,7 +110,7 @@ def test_cuda_events_time_gpu_work(devices):
 # --- the instrumented step ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,n", [("CPU", 1), ("CPU", 3), ("GPU", 2)])
-def test_timed_train_step_updates_weights_exactly_like_train_step(devices, rng, kind, n):
+def test_a_timed_train_step_updates_weights_exactly_like_an_untimed_one(devices, rng, kind, n):
     devices(cpus=n if kind == "CPU" else 1, gpus=n if kind == "GPU" else 0)
     din, hidden, classes, batch = (5, 4, 3, 7) if kind == "GPU" else (12, 8, 4, 19)   # B not divisible by N
     names = [f"{kind}:{i}" for i in range(n)]
@@ -125,10 +125,10 @@ def test_timed_train_step_updates_weights_exactly_like_train_step(devices, rng, 
     for _ in range(steps):
         x = rng.standard_normal((batch, din)).astype(np.float32)
         y = rng.integers(0, classes, batch)
-        timing.timed_train_step(timed, x, y, timer)
+        timed.train_step(x, y, timer=timer)
         plain.train_step(x, y)
     for a, b in zip(timed.get_weights(), plain.get_weights()):
-        assert np.array_equal(a, b), "the timed step must do exactly what train_step does"
+        assert np.array_equal(a, b), "timing a step must not change what it does"
     for v in timed.trainable_variables:
         if isinstance(v, MirroredVariable):
             assert all(np.array_equal(v.values[0].numpy(), c.numpy()) for c in v.values[1:])

@@ -4,7 +4,6 @@ The key invariant (DESIGN.md): N replicas with global batch B reach the same
 weights as one replica with batch B, step after step, to float32 rounding; and
 the replicas' copies stay bitwise equal.
 """
-import os
 
 import numpy as np
 import pytest

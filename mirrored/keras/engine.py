@@ -32,12 +32,44 @@ device would compute on the whole batch (TensorFlow's rule; the tests check it).
 Neighbours: ``models.py`` (Sequential drives this), ``optimizers.py`` (updates
 the packed buffers), ``mirrored/cross_device_ops.py`` (the ring).
 """
+import contextlib
+
 import numpy as np
 
 from mirrored.tensor import Tensor
 from mirrored.values import MirroredVariable
 
 FLOAT = np.dtype(np.float32)
+
+#: The phases of one training step, in the order they happen. ``Sequential``'s step
+#: names them for whoever times it (``mirrored.timing``; ``mirrored.viz`` colours them).
+INPUT_COPY = "input copy"              # host slice (or row numbers) -> the replica's device
+FORWARD_BACKWARD = "forward+backward"  # the dense stack, the loss, the gradients
+ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)
+OPTIMIZER = "optimizer"                # one update launch per device
+STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
+
+
+class Untimed:
+    """The timer a step uses when nobody times it: every phase is a plain block.
+
+    ``mirrored.timing.PhaseTimer`` has the same four methods and records the phases.
+    """
+
+    def phase(self, name, replica, device):
+        return contextlib.nullcontext()
+
+    def collective(self, name, devices):
+        return contextlib.nullcontext()
+
+    def begin_all(self, name, devices):
+        return ()
+
+    def end_all(self, tokens):
+        pass
+
+
+UNTIMED = Untimed()
 
 
 def components(variable):

@@ -15,11 +15,13 @@ One training step (``fit``), with N replicas and a global batch of B examples:
     merge     all-reduce SUM of the N gradient buffers   (the ring, one buffer)
               one optimizer launch per device            (every copy, same update)
 
+One host thread drives the replicas in turn (``_run_parts`` says why: it is what
+TensorFlow's traced step does too); ``strategy.run`` in a custom loop gives each
+replica its own thread instead.
+
 With a data set kept on the devices (``fit(strategy.experimental_distribute_dataset(
 ds, InputOptions(experimental_place_dataset_on_device=True)))``) the host sends
 only row numbers and each replica gathers its rows on its device instead.
-N replicas on logical CPU devices share the cores' BLAS threads during fit
-(``backends.blas_threads_for_replicas``).
 
 The loss and accuracy stay on the devices and are read when the progress line
 is drawn. ``GradientTape`` custom loops use the same replica programs
@@ -34,18 +36,18 @@ import tempfile
 
 import numpy as np
 
-from mirrored import backends, context, nest, strategy as _strategy
+from mirrored import context, nest, strategy as _strategy
 from mirrored.input_lib import DistributedDataset, rebatch_bounds
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
-from mirrored.keras.engine import ParameterPack, ReplicaProgram, components
+from mirrored.keras.engine import (ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY, OPTIMIZER, UNTIMED,
+                                   ParameterPack, ReplicaProgram, components)
 from mirrored.keras.layers import Dense, Flatten, InputLayer, Layer
 from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.tape import _ModelOutput
 from mirrored.tensor import Tensor
-from mirrored.values import PerReplica
 
 
 class Sequential:
@@ -303,56 +305,69 @@ class Sequential:
     def _n(self):
         return len(self._programs)
 
-    def _run_replicas(self, fn, xb, yb, *extra):
+    def _run_replicas(self, fn, xb, yb, *extra, timer=UNTIMED):
         """Run ``fn(program, x_dev, y_dev, *extra)`` on every replica's slice of a host batch."""
         bounds = rebatch_bounds(xb.shape[0], self._n())
         parts = [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds]      # views: no copy on the host
-        return self._run_parts(fn, parts, _upload, *extra)
+        return self._run_parts(fn, parts, _upload, *extra, timer=timer)
 
-    def _run_parts(self, fn, parts, load, *extra):
+    def _run_parts(self, fn, parts, load, *extra, timer=UNTIMED):
         """Replica r puts ``parts[r]`` (its share of the batch) on its device with
         ``load(program, part) -> (x_dev, y_dev)``, then runs ``fn(program, x_dev, y_dev, *extra)``.
 
-        One replica runs here, in this thread; N replicas run in ``strategy.run``
-        (one thread per device, TensorFlow's design).
+        This thread drives every replica in turn. On a GPU each call only queues
+        kernels on that device's stream, so the devices still work at the same time.
+        On logical CPU devices (which share the cores) the replicas' work runs one
+        after the other, and NumPy's BLAS spreads each large product over all cores.
+        TensorFlow's ``fit`` does the same in effect: its step is a traced
+        ``tf.function``, one graph holding every replica's ops, with no replica
+        threads once traced. A thread per replica (``strategy.run``, used by custom
+        loops) would only add hand-offs here: the step is a few hundred microseconds
+        of Python, which holds the GIL, so two replica threads measured 0.6-0.7x of
+        one replica's samples/s on 2 cores, against 0.95x for this loop
+        (``benchmarks/training.py``).
         """
-        n = self._n()
-        if n == 1:
-            return [self._on_replica(0, fn, load, parts[0], *extra)]
-        r_fn = lambda part: self._on_replica(context.top()[1]._replica_id, fn, load, part, *extra)  # noqa: E731
-        out = self._strategy.run(r_fn, args=(PerReplica(parts),))
-        return list(out.values) if isinstance(out, PerReplica) else [out] * n
-
-    def _on_replica(self, r, fn, load, part, *extra):
-        p = self._programs[r]
-        with p.dev.activate():
-            x_dev, y_dev = load(p, part)              # (b, in) float32, (b,) labels: reused buffers
-            return fn(p, x_dev, y_dev, *extra)
-
-    def _replica_threads(self):
-        """Around fit/evaluate/predict: N replicas on CPU devices share the cores' BLAS
-        threads (``backends.blas_threads_for_replicas``); a no-op for one replica or GPUs."""
-        if self.built and self._n() > 1 and self._programs[0].dev.device_type == "CPU":
-            return backends.blas_threads_for_replicas(self._n())
-        return contextlib.nullcontext()
+        out = []
+        for r, part in enumerate(parts):
+            p = self._programs[r]
+            with p.dev.activate():
+                with timer.phase(INPUT_COPY, r, p.dev):
+                    x_dev, y_dev = load(p, part)              # (b, in) float32, (b,) labels: reused buffers
+                with timer.phase(FORWARD_BACKWARD, r, p.dev):
+                    out.append(fn(p, x_dev, y_dev, *extra))
+        return out
 
     def _train_program(self, p, x_dev, y_dev, mode, scale):
         p.forward(x_dev)
         p.loss_and_backward(y_dev, mode, scale)
-        ctx = context.top()[1]
-        if self._n() > 1:
-            ctx.merge_call(self._merge_update)
 
-    def _merge_update(self, strategy):
-        cross_ops = strategy.extended._cross_device_ops
-        self.optimizer.apply_packed(self._pack, lambda bufs, devs: cross_ops.all_reduce_flat("SUM", bufs, devs))
-
-    def train_step(self, xb, yb):
-        """One step on a host batch (x (B, ...), y (B,)): forward, backward, all-reduce, update."""
-        mode = self._loss_mode(self.loss)
-        self._run_replicas(self._train_program, xb, yb, mode, 1.0 / max(xb.shape[0], 1))
+    def _update(self, timer=UNTIMED):
+        """The merge: all-reduce SUM of the packed gradients, then one optimizer launch per device."""
+        pack = self._pack
         if self._n() == 1:
-            self.optimizer.apply_packed(self._pack)
+            with timer.phase(OPTIMIZER, 0, pack.devices[0]):
+                self.optimizer.apply_packed(pack)
+            return
+        cross_ops = self._strategy.extended._cross_device_ops
+        updates = []
+
+        def all_reduce(buffers, devices):
+            with timer.collective(ALL_REDUCE, devices):
+                cross_ops.all_reduce_flat("SUM", buffers, devices)
+            updates.extend(timer.begin_all(OPTIMIZER, devices))    # the updates start now
+        self.optimizer.apply_packed(pack, all_reduce)
+        timer.end_all(updates)
+
+    def train_step(self, xb, yb, timer=UNTIMED):
+        """One step on a host batch (x (B, ...), y (B,)): forward, backward, all-reduce, update.
+
+        ``timer`` (a ``mirrored.timing.PhaseTimer``) records each phase of each
+        replica; ``mirrored.timing.step_breakdown`` passes one.
+        """
+        xb, yb = self._host_batch((xb, yb))        # x: (B, in) float32, y: (B,) ints; builds the model
+        mode = self._loss_mode(self.loss)
+        self._run_replicas(self._train_program, xb, yb, mode, 1.0 / max(xb.shape[0], 1), timer=timer)
+        self._update(timer)
 
     def _step_on(self, batch, fn, *extra):
         """Run ``fn`` on one batch from ``_batches``: a host batch or a ``_ResidentBatch``."""
@@ -366,12 +381,10 @@ class Sequential:
     def _train_on(self, batch):
         """One training step on a batch from ``_batches`` (``train_step`` for host batches)."""
         if not isinstance(batch, _ResidentBatch):
-            xb, yb = self._host_batch(batch)
-            return self.train_step(xb, yb)
+            return self.train_step(*self._host_batch(batch))
         mode = self._loss_mode(self.loss)
         self._step_on(batch, self._train_program, mode, 1.0 / max(len(batch.idx), 1))
-        if self._n() == 1:
-            self.optimizer.apply_packed(self._pack)
+        self._update()
 
     def _eval_program(self, p, x_dev, y_dev, mode):
         p.forward(x_dev)
@@ -409,8 +422,7 @@ class Sequential:
         data set stays on the devices (``input_lib``'s docstring).
         """
         self._check_compiled("training")
-        with self._replica_threads():
-            return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
+        return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split)
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
@@ -487,8 +499,7 @@ class Sequential:
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         self._check_compiled("evaluating")
         verbose = 1 if verbose == "auto" else int(verbose)
-        with self._replica_threads():
-            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
+        logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -496,8 +507,7 @@ class Sequential:
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
         """The model's outputs (probabilities after a softmax layer) as one NumPy array."""
-        with self._replica_threads():
-            return self._predict(x, batch_size, verbose)
+        return self._predict(x, batch_size, verbose)
 
     def _predict(self, x, batch_size, verbose):
         verbose = 1 if verbose == "auto" else int(verbose)
