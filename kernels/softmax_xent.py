@@ -104,6 +104,17 @@ def prob_xent_ref(probs, labels, loss_out=None, grad_out=None, correct_out=None,
 
 # --- kernels -------------------------------------------------------------------------------
 
+@cuda.jit(device=True)
+def _poison_row(r, loss, grad, correct, with_grad):
+    """Row r has a label outside [0, C): a kernel cannot raise, so the row's loss (and,
+    ``with_grad``, its gradient) becomes NaN and its correct flag 0, where it shows."""
+    loss[r] = math.nan
+    correct[r] = float32(0.0)
+    if with_grad:
+        for j in range(grad.shape[1]):
+            grad[r, j] = math.nan
+
+
 def _make_softmax_xent_kernel(with_grad):
     @cuda.jit
     def softmax_xent_kernel(logits, labels, loss, grad, correct, scale):
@@ -122,12 +133,8 @@ def _make_softmax_xent_kernel(with_grad):
         rows, cols = logits.shape
         for r in range(cuda.grid(1), rows, cuda.gridsize(1)):
             label = labels[r]
-            if label < 0 or label >= cols:  # can't raise in a kernel: poison the row
-                loss[r] = math.nan
-                correct[r] = float32(0.0)
-                if with_grad:
-                    for j in range(cols):
-                        grad[r, j] = math.nan
+            if label < 0 or label >= cols:
+                _poison_row(r, loss, grad, correct, with_grad)
                 continue
             m = logits[r, 0]
             s = float32(1.0)  # exp(logits[r, 0] - m)
@@ -168,11 +175,7 @@ def _make_prob_xent_kernel(with_grad):
         for r in range(cuda.grid(1), rows, cuda.gridsize(1)):
             label = labels[r]
             if label < 0 or label >= cols:
-                loss[r] = math.nan
-                correct[r] = float32(0.0)
-                if with_grad:
-                    for j in range(cols):
-                        grad[r, j] = math.nan
+                _poison_row(r, loss, grad, correct, with_grad)
                 continue
             best = 0
             for j in range(1, cols):
