@@ -176,7 +176,7 @@ def bench_memory(nbytes, timer, results, skipped):
     from numba import cuda
 
     from kernels.elementwise import binary
-    from kernels.optimizers import adam, adam_ref, sgd, sgd_ref
+    from kernels.optimizers import adam, adam_ref, adam_scalars, sgd, sgd_ref, sgd_scalars
     from kernels.softmax_xent import softmax_xent, softmax_xent_ref
 
     copy_gbps, t = common.copy_bandwidth(nbytes, timer=timer)
@@ -223,17 +223,21 @@ def bench_memory(nbytes, timer, results, skipped):
     w_h, g_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
     w, g, v = cuda.to_device(w_h), cuda.to_device(g_h), cuda.to_device(np.zeros(n, np.float32))
     w_ref, v_ref = w_h.copy(), np.zeros(n, np.float32)
-    sgd_ref(w_ref, g_h, v_ref, 0.01, 0.9)
+    hyper_h = sgd_scalars(0.01, 0.9)                  # (2,) float32: lr, momentum
+    hyper = cuda.to_device(hyper_h)
+    sgd_ref(w_ref, g_h, v_ref, hyper_h)
     record("sgd momentum", "kernels.optimizers.sgd", 5 * 4 * n,
-           lambda: sgd(w, g, v, 0.01, 0.9),
+           lambda: sgd(w, g, v, hyper),
            lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
     m = cuda.to_device(np.zeros(n, np.float32))
     w.copy_to_device(w_h)
     v.copy_to_device(np.zeros(n, np.float32))
     w_ref, m_ref, v_ref = w_h.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
-    adam_ref(w_ref, g_h, m_ref, v_ref, 1e-3, 1)
+    hyper_h = adam_scalars(1e-3, 1)                   # (4,) float32 for step 1
+    hyper = cuda.to_device(hyper_h)
+    adam_ref(w_ref, g_h, m_ref, v_ref, hyper_h)
     record("adam", "kernels.optimizers.adam", 7 * 4 * n,
-           lambda: adam(w, g, m, v, 1e-3, 1),
+           lambda: adam(w, g, m, v, hyper),
            lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
 
 

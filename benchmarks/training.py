@@ -17,7 +17,9 @@ samples/s compares replica counts fairly. Rows, each with the same initial weigh
     ours      no strategy; OneDeviceStrategy; MirroredStrategy on 1, 2 and 4 devices
               (logical CPUs without a GPU, logical GPUs carved from GPU:0 with one);
               MirroredStrategy 1 and 2 with the data set kept on the devices
-              (InputOptions(experimental_place_dataset_on_device=True))
+              (InputOptions(experimental_place_dataset_on_device=True)); on a GPU also
+              MirroredStrategy 1 and 2 with compile(cuda_graph=True) ("graph": the
+              device part of each step replayed as one CUDA graph), copied and resident
     torch     PyTorch eager, the same layers, weights, batches (the same mirrored.data
               pipeline and shuffle seed) and Adam (epsilon 1e-7 as Keras), CPU or CUDA
     tf        TensorFlow/Keras without a strategy, and MirroredStrategy on 1 and 2
@@ -93,6 +95,7 @@ SMOKE_EXAMPLES = 512
 LOGICAL_DEVICES = 4
 REPLICA_COUNTS = (1, 2, 4)
 RESIDENT_COUNTS = (1, 2)
+GRAPH_COUNTS = (1, 2)             # GPU only: compile(cuda_graph=True)
 TF_REPLICA_COUNTS = (1, 2)
 #: Timed epochs per row: enough for ROW_SECONDS of timing per row (a lab epoch on the
 #: bundled subset is ~50 ms: one slow spell of a shared machine must not decide the
@@ -120,6 +123,9 @@ RATE_SAMPLES = 15
 TARGET_VS_TORCH = 1.0          # ours MirroredStrategy(1 CPU) ms/step / PyTorch eager, lab model
 TARGET_OVERHEAD = 1.10         # ours MirroredStrategy(1) / ours no strategy
 TARGET_TWO_REPLICAS = 0.8      # samples/s of 2 logical CPU replicas / 1 replica
+#: ... and on one GPU: ours MirroredStrategy(1 GPU) / PyTorch eager, per model; overhead.
+TARGET_GPU_VS_TORCH = {"lab": 1.0, "wide": 1.2}
+TARGET_GPU_OVERHEAD = 1.05
 
 
 # --- the data ---------------------------------------------------------------------------
@@ -155,12 +161,13 @@ class OursRow:
 
     framework = "ours"
 
-    def __init__(self, tf, kind, strategy, n, resident, spec, x, y, weights):
+    def __init__(self, tf, kind, strategy, n, resident, spec, x, y, weights, graph=False):
         self.n = n
+        suffix = (" resident" if resident else "") + (" graph" if graph else "")
         self.strategy_label = {"none": "no strategy", "one": "OneDeviceStrategy"}.get(
-            strategy, "MirroredStrategy" + (" resident" if resident else ""))
+            strategy, "MirroredStrategy" + suffix)
         self.name = {"none": "ours no strategy", "one": "ours OneDeviceStrategy"}.get(
-            strategy, f"ours MirroredStrategy x{n}" + (" resident" if resident else ""))
+            strategy, f"ours MirroredStrategy x{n}" + suffix)
         self.global_batch = spec["per_replica"] * n
         self.examples = len(x)
         if strategy == "none":
@@ -179,7 +186,7 @@ class OursRow:
         self.model.set_weights(weights)
         self.model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
                            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                           metrics=["accuracy"])
+                           metrics=["accuracy"], **({"cuda_graph": True} if graph else {}))
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
         ds = ds.batch(self.global_batch)
         if resident:
@@ -575,9 +582,11 @@ def peak_per_device(tf, devices, baselines):
             for d, base in zip(devices, baselines)]
 
 
-def time_rows(makers, tf, epochs, warmup, timer, gpu, torch):
+def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     """Build and warm up each row in turn (its peak memory is measured over both:
     weights, optimizer slots, buffers, the resident data), then time interleaved rounds.
+    A row whose maker is marked ``optional`` and fails while building or warming up is
+    left out and listed in ``skipped`` with its error, so the other rows still run.
 
     ``epochs=None``: as many as give every row at least ROW_SECONDS of timing (from the
     fastest row's warm-up epoch), within [EPOCHS, MAX_EPOCHS]. Returns (rows, epochs).
@@ -591,8 +600,18 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch):
         baselines = {d.name: d.bytes_in_use for d in all_devices}
         if gpu and torch is not None:
             torch.cuda.reset_peak_memory_stats()
-        row = make()
-        row.warmup_seconds = [timer(row.epoch) for _ in range(max(warmup, 1))]
+        try:
+            row = make()
+            # Optional (graph) rows warm up 2 epochs: a graph is captured the second time
+            # its batch size comes up, and the last, smaller batch comes once per epoch.
+            n_warm = max(warmup, 2 if getattr(make, "optional", False) else 1)
+            row.warmup_seconds = [timer(row.epoch) for _ in range(n_warm)]
+        except Exception as err:                       # noqa: BLE001 (reported, not hidden)
+            if not getattr(make, "optional", False) or skipped is None:
+                raise
+            skipped.append({"name": getattr(make, "label", "a row"), "reason": f"{type(err).__name__}: {err}"})
+            print(f"  skipped {getattr(make, 'label', 'a row')}: {type(err).__name__}: {err}")
+            continue
         if row.framework == "ours":
             row.peak = peak_per_device(tf, row.devices, [baselines[d.name] for d in row.devices])
         elif row.framework == "torch" and gpu:
@@ -667,7 +686,25 @@ def ratios_and_targets(results, models, gpu):
                 find(results, model, "ours", "MirroredStrategy", n))
         tf2 = find(results, model, "tf", "MirroredStrategy x2", 2)
         add("TensorFlow MirroredStrategy x2 / x1 (samples/s)", tf2, tf1, "samples_per_s")
-        if gpu or model != "lab":
+        graph1 = find(results, model, "ours", "MirroredStrategy graph")
+        for n in GRAPH_COUNTS:
+            add(f"ours MirroredStrategy x{n} graph / x{n} eager (ms/step)",
+                find(results, model, "ours", "MirroredStrategy graph", n),
+                find(results, model, "ours", "MirroredStrategy", n))
+        graph_vs_torch = add("ours MirroredStrategy x1 graph / PyTorch eager (ms/step)", graph1, torch_row)
+        if gpu:
+            for what, value, threshold in (
+                    (f"ours MirroredStrategy on 1 GPU / PyTorch eager, {model} model (ms/step)",
+                     vs_torch, TARGET_GPU_VS_TORCH.get(model)),
+                    (f"ours MirroredStrategy on 1 GPU, CUDA graph / PyTorch eager, {model} model (ms/step)",
+                     graph_vs_torch, TARGET_GPU_VS_TORCH.get(model)),
+                    (f"ours MirroredStrategy x1 / ours no strategy on 1 GPU, {model} model (ms/step)",
+                     overhead, TARGET_GPU_OVERHEAD)):
+                if value is not None and threshold is not None:
+                    targets.append({"target": what, "measured": value, "threshold": threshold,
+                                    "want": "<=", "met": value <= threshold})
+            continue
+        if model != "lab":
             continue
         for what, value, threshold, better in (
                 ("ours MirroredStrategy on 1 CPU / PyTorch eager, lab model (ms/step)", vs_torch,
@@ -780,11 +817,20 @@ def main(argv=None):
             makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w) for n in RESIDENT_COUNTS]
         elif model_name == next(iter(models)):
             skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
+        if gpu and hasattr(tf, "graphs"):
+            for r in (False, True):
+                for n in GRAPH_COUNTS:
+                    make = lambda n=n, r=r: OursRow(tf, kind, "mirrored", n, r, m, x, y, w, graph=True)  # noqa: E731
+                    make.optional = True                 # a failed capture must not cost the other rows
+                    make.label = f"{model_name} ours MirroredStrategy x{n}{' resident' if r else ''} graph"
+                    makers.append(make)
+        elif gpu and model_name == next(iter(models)):
+            skipped.append({"name": "graph rows", "reason": "this mirrored has no mirrored.graphs"})
         if torch is not None:
             makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
         print(f"\n{model_name}: {m['what']}, {m['per_replica']} per replica: warm-up {warmup}, "
               f"then {fixed_epochs or 'calibrated'} timed epoch(s) per row, interleaved")
-        rows, epochs[model_name] = time_rows(makers, tf, fixed_epochs, warmup, timer, gpu, torch)
+        rows, epochs[model_name] = time_rows(makers, tf, fixed_epochs, warmup, timer, gpu, torch, skipped)
         for row in rows:
             results.append(summarise(model_name, row.name, row.framework, row.strategy_label, row.n,
                                      row.global_batch, row.examples, row.seconds, row.peak,

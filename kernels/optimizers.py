@@ -16,9 +16,13 @@ Keras's formulas (``keras/src/optimizers/sgd.py`` and ``adam.py``)::
                           v += (g*g - v) * (1 - beta_2)
                           w -= alpha * m / (sqrt(v) + epsilon)        epsilon = 1e-7
 
-Scalars are computed once on the host in float64 and handed to the kernel as float32
-(``adam_scalars``); the NumPy references use the very same float32 scalars and do
-float32 math in the same order. The GPU may still differ from NumPy in the last bit:
+Scalars are computed once per step on the host in float64 and rounded once to float32
+(``sgd_scalars``, ``adam_scalars``: a small vector, the *hyper-parameter vector*). The
+kernels read that vector from DEVICE memory rather than take the numbers as launch
+arguments: a launch argument is frozen into a captured CUDA graph, a device buffer is
+not, so a training step captured once (``mirrored/graphs.py``) still updates with each
+step's alpha once the host has copied the new vector into the buffer. The NumPy
+references read the very same float32 vector and do float32 math in the same order. The GPU may still differ from NumPy in the last bit:
 NVVM fuses ``a * b + c`` into one fused multiply-add (one rounding instead of two).
 Replicas all run the same kernel, so their copies stay bit-identical regardless.
 
@@ -33,32 +37,37 @@ from numba import cuda
 from kernels.launch import check_array, check_no_alias, grid_1d, launch
 
 
-# --- host-side scalars shared by the kernels and the references ------------------------
+# --- the hyper-parameter vectors shared by the kernels and the references ------------------
+
+#: Where each scalar sits in the vectors below (the kernels index them by these names).
+SGD_LR, SGD_MOMENTUM = 0, 1
+SGD_HYPER_SIZE = 2
+ADAM_ALPHA, ADAM_ONE_MINUS_B1, ADAM_ONE_MINUS_B2, ADAM_EPSILON = 0, 1, 2, 3
+ADAM_HYPER_SIZE = 4
+
 
 def sgd_scalars(lr, momentum, dtype=np.float32):
-    """(lr, momentum) as ``dtype`` scalars, exactly what the kernel receives."""
-    t = np.dtype(dtype).type
-    return t(lr), t(momentum)
+    """[lr, momentum]: (2,) ``dtype``, exactly what the kernel reads."""
+    return np.array([lr, momentum], dtype)
 
 
 def adam_scalars(lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7, dtype=np.float32):
-    """(alpha, 1 - beta_1, 1 - beta_2, epsilon) for step ``step`` (>= 1), each computed
-    in float64 on the host and then rounded once to ``dtype``."""
+    """[alpha, 1 - beta_1, 1 - beta_2, epsilon] for step ``step`` (>= 1): (4,) ``dtype``,
+    each computed in float64 on the host and then rounded once."""
     if int(step) != step or step < 1:
         raise ValueError(f"adam: step must be an integer >= 1 (the first update is step "
                          f"1, as Keras's iterations + 1), got {step!r}.")
-    t = np.dtype(dtype).type
     alpha = lr * math.sqrt(1.0 - beta_2 ** step) / (1.0 - beta_1 ** step)
-    return t(alpha), t(1.0 - beta_1), t(1.0 - beta_2), t(epsilon)
+    return np.array([alpha, 1.0 - beta_1, 1.0 - beta_2, epsilon], dtype)
 
 
 # --- NumPy references (in place) -----------------------------------------------------------
 
-def sgd_ref(w, g, velocity, lr, momentum=0.0, nesterov=False):
-    """Keras SGD step, in place on ``w`` (and ``velocity`` when momentum != 0).
-    Any float dtype; the scalars are rounded to w's dtype first, as on the GPU."""
-    lr, mom = sgd_scalars(lr, momentum, w.dtype)
-    if momentum == 0:
+def sgd_ref(w, g, velocity, hyper, nesterov=False):
+    """Keras SGD step, in place on ``w`` (and on ``velocity``; None means momentum == 0).
+    ``hyper``: ``sgd_scalars(lr, momentum, w.dtype)``. Any float dtype."""
+    lr, mom = hyper[SGD_LR], hyper[SGD_MOMENTUM]
+    if velocity is None:
         w -= g * lr
         return w
     velocity *= mom
@@ -70,10 +79,11 @@ def sgd_ref(w, g, velocity, lr, momentum=0.0, nesterov=False):
     return w
 
 
-def adam_ref(w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-    """Keras Adam step ``step`` (>= 1), in place on w, m, v."""
-    alpha, one_minus_b1, one_minus_b2, eps = adam_scalars(lr, step, beta_1, beta_2,
-                                                          epsilon, w.dtype)
+def adam_ref(w, g, m, v, hyper):
+    """Keras Adam step, in place on w, m, v. ``hyper``: ``adam_scalars(lr, step, ...,
+    dtype=w.dtype)`` for this step (>= 1)."""
+    alpha, one_minus_b1 = hyper[ADAM_ALPHA], hyper[ADAM_ONE_MINUS_B1]
+    one_minus_b2, eps = hyper[ADAM_ONE_MINUS_B2], hyper[ADAM_EPSILON]
     m += (g - m) * one_minus_b1
     v += (g * g - v) * one_minus_b2
     w -= (m * alpha) / (np.sqrt(v) + eps)
@@ -81,19 +91,24 @@ def adam_ref(w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
 
 
 # --- kernels -------------------------------------------------------------------------------------
+# Every thread reads the few scalars of ``hyper`` (the same addresses for all threads:
+# one memory transaction per warp, then cached) before its grid-stride loop.
 
 @cuda.jit
-def sgd_kernel(w, g, lr):
+def sgd_kernel(w, g, hyper):
     """One thread per element i (grid-stride), all arrays 1-D of one size.
     Loop nest: for i in range(size): w[i] -= lr * g[i]."""
+    lr = hyper[SGD_LR]
     for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
         w[i] -= g[i] * lr
 
 
 @cuda.jit
-def sgd_momentum_kernel(w, g, velocity, lr, momentum):
+def sgd_momentum_kernel(w, g, velocity, hyper):
     """One thread per element i (grid-stride). Loop nest:
     for i in range(size): v[i] = momentum * v[i] - lr * g[i]; w[i] += v[i]."""
+    lr = hyper[SGD_LR]
+    momentum = hyper[SGD_MOMENTUM]
     for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
         vi = velocity[i] * momentum - g[i] * lr
         velocity[i] = vi
@@ -101,9 +116,11 @@ def sgd_momentum_kernel(w, g, velocity, lr, momentum):
 
 
 @cuda.jit
-def sgd_nesterov_kernel(w, g, velocity, lr, momentum):
+def sgd_nesterov_kernel(w, g, velocity, hyper):
     """One thread per element i (grid-stride). Loop nest: for i in range(size):
     v[i] = momentum * v[i] - lr * g[i]; w[i] += momentum * v[i] - lr * g[i]."""
+    lr = hyper[SGD_LR]
+    momentum = hyper[SGD_MOMENTUM]
     for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
         gi = g[i] * lr
         vi = velocity[i] * momentum - gi
@@ -112,10 +129,14 @@ def sgd_nesterov_kernel(w, g, velocity, lr, momentum):
 
 
 @cuda.jit
-def adam_kernel(w, g, m, v, alpha, one_minus_b1, one_minus_b2, epsilon):
+def adam_kernel(w, g, m, v, hyper):
     """One thread per element i (grid-stride); every value read once, written once.
     Loop nest: for i in range(size): m[i] += (g[i] - m[i]) * (1 - b1);
                v[i] += (g[i]**2 - v[i]) * (1 - b2); w[i] -= alpha * m[i] / (sqrt(v[i]) + eps)."""
+    alpha = hyper[ADAM_ALPHA]
+    one_minus_b1 = hyper[ADAM_ONE_MINUS_B1]
+    one_minus_b2 = hyper[ADAM_ONE_MINUS_B2]
+    epsilon = hyper[ADAM_EPSILON]
     for i in range(cuda.grid(1), w.size, cuda.gridsize(1)):
         gi = g[i]
         mi = m[i]
@@ -133,42 +154,44 @@ def _flat(a):
     return a.reshape(a.size)
 
 
-def _check_buffers(what, w, g, state):
-    """w float32 contiguous; g and each state buffer the same shape; no overlaps."""
+def _check_buffers(what, w, g, state, hyper, hyper_size):
+    """w float32 contiguous; g and each state buffer the same shape; no overlaps;
+    hyper a float32 vector of ``hyper_size`` on the device."""
     check_array(f"{what}: w", w, np.float32)
     check_array(f"{what}: g", g, np.float32, shape=w.shape)
     for name, s in state.items():
         check_array(f"{what}: {name}", s, np.float32, shape=w.shape)
+    check_array(f"{what}: hyper (the {what}_scalars(...) vector, on the device)", hyper,
+                np.float32, shape=(hyper_size,))
     written = [w, *state.values()]
     for i, out in enumerate(written):
-        check_no_alias(what, out, g, *written[i + 1:])
+        check_no_alias(what, out, g, hyper, *written[i + 1:])
 
 
-def sgd(w, g, velocity, lr, momentum=0.0, nesterov=False, stream=None):
-    """Keras SGD step on the GPU, in place. w, g (and velocity, needed only when
-    momentum != 0; may be None otherwise): float32, same shape, C-contiguous.
-    As in Keras, ``nesterov`` has no effect when momentum == 0."""
-    if momentum != 0 and velocity is None:
-        raise ValueError("sgd: momentum != 0 needs a velocity buffer (zeros, shaped like w).")
-    _check_buffers("sgd", w, g, {"velocity": velocity} if momentum != 0 else {})
+def sgd(w, g, velocity, hyper, nesterov=False, stream=None):
+    """Keras SGD step on the GPU, in place. w, g (and velocity, None when momentum
+    == 0): float32, same shape, C-contiguous. ``hyper``: a (2,) float32 device
+    array holding ``sgd_scalars(lr, momentum)``. As in Keras, ``nesterov`` has no
+    effect without momentum."""
+    _check_buffers("sgd", w, g, {"velocity": velocity} if velocity is not None else {},
+                   hyper, SGD_HYPER_SIZE)
     if not w.size:
         return w
-    lr32, mom32 = sgd_scalars(lr, momentum)
     grid, block = grid_1d(w.size)
-    if momentum == 0:
-        launch(sgd_kernel, grid, block, stream, _flat(w), _flat(g), lr32)
+    if velocity is None:
+        launch(sgd_kernel, grid, block, stream, _flat(w), _flat(g), hyper)
     else:
         kernel = sgd_nesterov_kernel if nesterov else sgd_momentum_kernel
-        launch(kernel, grid, block, stream, _flat(w), _flat(g), _flat(velocity), lr32, mom32)
+        launch(kernel, grid, block, stream, _flat(w), _flat(g), _flat(velocity), hyper)
     return w
 
 
-def adam(w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7, stream=None):
-    """Keras Adam step ``step`` (>= 1) on the GPU, in place on w, m, v (float32, same
-    shape, C-contiguous, m and v start as zeros)."""
-    _check_buffers("adam", w, g, {"m": m, "v": v})
-    scalars = adam_scalars(lr, step, beta_1, beta_2, epsilon)
+def adam(w, g, m, v, hyper, stream=None):
+    """Keras Adam step on the GPU, in place on w, m, v (float32, same shape,
+    C-contiguous, m and v start as zeros). ``hyper``: a (4,) float32 device array
+    holding ``adam_scalars(lr, step, ...)`` for this step."""
+    _check_buffers("adam", w, g, {"m": m, "v": v}, hyper, ADAM_HYPER_SIZE)
     if w.size:
         launch(adam_kernel, *grid_1d(w.size), stream, _flat(w), _flat(g), _flat(m),
-               _flat(v), *scalars)
+               _flat(v), hyper)
     return w

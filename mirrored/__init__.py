@@ -18,11 +18,12 @@ Map of the package:
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
     keras/        Sequential, Dense, losses, optimizers, GradientTape (mirrored.keras)
+    graphs.py     a training step captured once as a CUDA graph, replayed every step
     nn.py         compute_average_loss
     random.py     set_seed
 The kernels themselves live in the top-level ``kernels/`` package.
 """
-from mirrored import config, data, datasets, distribute, errors, keras, nn, random
+from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored.devices import device_scope as device
 from mirrored.distribute import (InputContext, MirroredStrategy, OneDeviceStrategy, ReduceOp,
                                  ReplicaContext, ValueContext, get_replica_context, get_strategy,

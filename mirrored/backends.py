@@ -86,11 +86,11 @@ class CpuOps:
         return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
 
     # optimizers (kernels/optimizers.py): one call per (packed) parameter buffer
-    def sgd(self, w, g, velocity, lr, momentum=0.0, nesterov=False):
-        return optimizers.sgd_ref(w, g, velocity, lr, momentum, nesterov)
+    def sgd(self, w, g, velocity, hyper, nesterov=False):
+        return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
 
-    def adam(self, w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        return optimizers.adam_ref(w, g, m, v, lr, step, beta_1, beta_2, epsilon)
+    def adam(self, w, g, m, v, hyper):
+        return optimizers.adam_ref(w, g, m, v, hyper)
 
     # a batch from a data set kept on the device (kernels/gather.py)
     def gather_rows(self, src, idx, out):
@@ -152,11 +152,11 @@ class CudaOps:
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
 
-    def sgd(self, w, g, velocity, lr, momentum=0.0, nesterov=False):
-        return optimizers.sgd(w, g, velocity, lr, momentum, nesterov, self.stream)
+    def sgd(self, w, g, velocity, hyper, nesterov=False):
+        return optimizers.sgd(w, g, velocity, hyper, nesterov, self.stream)
 
-    def adam(self, w, g, m, v, lr, step, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        return optimizers.adam(w, g, m, v, lr, step, beta_1, beta_2, epsilon, self.stream)
+    def adam(self, w, g, m, v, hyper):
+        return optimizers.adam(w, g, m, v, hyper, self.stream)
 
     def gather_rows(self, src, idx, out):
         return gather.gather_rows(src, idx, out, self.stream)

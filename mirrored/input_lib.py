@@ -143,8 +143,10 @@ class ResidentRows:
                                     for a, size in zip(host, self.row_sizes)])   # (n, row size) per leaf
         self._idx = {}                                      # (replica, b) -> (b,) int64 on its device
 
-    def gather(self, r, idx, k, out):
-        """Rows ``idx`` (host int64, (b,)) of leaf ``k`` into ``out`` on device r: (b, row size)."""
+    def gather(self, r, idx, targets):
+        """Rows ``idx`` (host int64, (b,)) of each leaf k into its ``out`` on device r,
+        for ``(k, out)`` in ``targets`` (out: (b, row size of k)). The b row numbers go
+        up once — the step's only upload — and serve every leaf."""
         dev = self.devices[r]
         key = (r, len(idx))
         idx_dev = self._idx.get(key)
@@ -153,19 +155,18 @@ class ResidentRows:
                 idx_dev = self._idx[key] = dev.empty((len(idx),), np.int64)
         if len(idx):
             with dev.activate():
-                dev.upload_into(idx_dev, idx)                # b row numbers: the step's only upload
-                dev.ops.gather_rows(self.leaves[r][k], idx_dev, out.reshape(len(idx), self.row_sizes[k]))
-        return out
+                dev.upload_into(idx_dev, idx)
+                for k, out in targets:
+                    dev.ops.gather_rows(self.leaves[r][k], idx_dev, out.reshape(len(idx), self.row_sizes[k]))
+        return [out for _, out in targets]
 
     def element(self, r, idx):
         """The batch ``idx`` as the dataset's structure of fresh Tensors on device r."""
         dev = self.devices[r]
-        out = []
-        for k, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes)):
-            with dev.activate():
-                buf = dev.empty((len(idx),) + tuple(shape), dtype)
-            out.append(Tensor(self.gather(r, idx, k, buf), dev))
-        return nest.pack_sequence_as(self.rows.columns, out)
+        with dev.activate():
+            bufs = [dev.empty((len(idx),) + tuple(shape), dtype) for shape, dtype in zip(self.shapes, self.dtypes)]
+        self.gather(r, idx, list(enumerate(bufs)))
+        return nest.pack_sequence_as(self.rows.columns, [Tensor(buf, dev) for buf in bufs])
 
 
 class DistributedDataset:

@@ -318,7 +318,7 @@ class EpochTimer(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
-        examples = sum(p.seen for p in self.model._programs)     # counted on the replicas
+        examples = sum(p.read_metrics()[2] for p in self.model._programs)   # counted on the devices
         self.epochs.append((seconds, self._steps, examples))
         self.last_logs = dict(logs or {})
 

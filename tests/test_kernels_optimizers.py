@@ -66,8 +66,9 @@ def test_sgd_kernel(rng, shape, momentum, nesterov):
     want_w, want_v = w.astype(np.float64), vel.astype(np.float64)
     for _ in range(STEPS):
         g = randn(rng, shape)
-        opt.sgd(d_w, cuda.to_device(g), d_v if momentum else None, lr, momentum, nesterov)
-        opt.sgd_ref(w_ref, g, v_ref, lr, momentum, nesterov)
+        hyper = opt.sgd_scalars(lr, momentum)                   # (2,) float32
+        opt.sgd(d_w, cuda.to_device(g), d_v if momentum else None, cuda.to_device(hyper), nesterov)
+        opt.sgd_ref(w_ref, g, v_ref if momentum else None, hyper, nesterov)
         want_w, want_v = oracle_sgd(want_w, g, want_v, lr, momentum, nesterov)
     name = f"sgd momentum={momentum} nesterov={nesterov} {shape}"
     assert_close(name + " w", d_w.copy_to_host(), want_w, RTOL_F32, ATOL_F32)
@@ -89,8 +90,9 @@ def test_adam_kernel(rng, shape):
     m_terms = np.zeros(shape)
     for t in range(1, STEPS + 1):
         g = randn(rng, shape)
-        opt.adam(dev[0], cuda.to_device(g), dev[1], dev[2], lr, t)
-        opt.adam_ref(ref[0], g, ref[1], ref[2], lr, t)
+        hyper = opt.adam_scalars(lr, t)                         # (4,) float32 for step t
+        opt.adam(dev[0], cuda.to_device(g), dev[1], dev[2], cuda.to_device(hyper))
+        opt.adam_ref(ref[0], g, ref[1], ref[2], hyper)
         want = list(oracle_adam(*want[:1], g, *want[1:], lr, t))
         m_terms = 0.9 * m_terms + 0.1 * np.abs(g)
     for name, d, r, o in zip("wmv", dev, ref, want):
@@ -107,24 +109,39 @@ def test_refs_in_float64_match_oracles(rng):
         w, vel = rng.standard_normal(shape), rng.standard_normal(shape)
         g = rng.standard_normal(shape)
         want_w, want_v = oracle_sgd(w, g, vel, 0.1, momentum, nesterov)
-        opt.sgd_ref(w, g, vel, 0.1, momentum, nesterov)
+        opt.sgd_ref(w, g, vel if momentum else None, opt.sgd_scalars(0.1, momentum, np.float64), nesterov)
         assert_close("sgd_ref w", w, want_w, RTOL_F64, 0.0)
         if momentum:
             assert_close("sgd_ref velocity", vel, want_v, RTOL_F64, 0.0)
     w, m, v = rng.standard_normal(shape), rng.standard_normal(shape), rng.random(shape)
     g = rng.standard_normal(shape)
     want = oracle_adam(w, g, m, v, 0.01, 4, 0.8, 0.99, 1e-7)
-    opt.adam_ref(w, g, m, v, 0.01, 4, 0.8, 0.99, 1e-7)
+    opt.adam_ref(w, g, m, v, opt.adam_scalars(0.01, 4, 0.8, 0.99, 1e-7, np.float64))
     for name, got, o in zip("wmv", (w, m, v), want):
         assert_close(f"adam_ref {name}", got, o, RTOL_F64, 0.0)
 
 
 def test_adam_alpha_is_rounded_once_to_float32():
-    alpha, omb1, omb2, eps = opt.adam_scalars(1e-3, 1)
-    assert all(type(s) is np.float32 for s in (alpha, omb1, omb2, eps))
-    assert alpha == np.float32(1e-3 * math.sqrt(1 - 0.999) / (1 - 0.9))
+    hyper = opt.adam_scalars(1e-3, 1)
+    assert hyper.dtype == np.float32 and hyper.shape == (opt.ADAM_HYPER_SIZE,)
+    assert hyper[opt.ADAM_ALPHA] == np.float32(1e-3 * math.sqrt(1 - 0.999) / (1 - 0.9))
+    assert hyper[opt.ADAM_EPSILON] == np.float32(1e-7)
     with pytest.raises(ValueError, match="step"):
         opt.adam_scalars(1e-3, 0)
+
+
+def test_kernels_read_the_hyper_vector_at_run_time(rng):
+    """Two launches with the SAME arguments but new numbers written into the hyper
+    buffer in between update with the new numbers (what a replayed CUDA graph relies on)."""
+    w = randn(rng, (33,))
+    g = randn(rng, (33,))
+    d_w, d_g = cuda.to_device(w), cuda.to_device(g)
+    d_hyper = cuda.to_device(opt.sgd_scalars(0.5, 0.0))
+    opt.sgd(d_w, d_g, None, d_hyper)
+    d_hyper.copy_to_device(opt.sgd_scalars(0.25, 0.0))
+    opt.sgd(d_w, d_g, None, d_hyper)
+    assert_close("sgd after lr 0.5 then 0.25", d_w.copy_to_host(), w - 0.75 * g.astype(np.float64),
+                 RTOL_F32, ATOL_F32)
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -139,17 +156,18 @@ _dev = device_zeros
 
 def test_bad_input_raises_before_launch(no_launch):
     w, g, a, b = _dev(10), _dev(10), _dev(10), _dev(10)
+    h2, h4 = cuda.to_device(opt.sgd_scalars(0.1, 0.9)), cuda.to_device(opt.adam_scalars(1e-3, 1))
     with pytest.raises(TypeError, match="float32"):
-        opt.sgd(_dev(10, np.float64), g, a, 0.1, 0.9)
+        opt.sgd(_dev(10, np.float64), g, a, h2)
     with pytest.raises(ValueError, match="shape"):
-        opt.sgd(w, _dev(11), a, 0.1, 0.9)
-    with pytest.raises(ValueError, match="velocity"):
-        opt.sgd(w, g, None, 0.1, 0.9)
+        opt.sgd(w, _dev(11), a, h2)
+    with pytest.raises(ValueError, match="hyper"):
+        opt.sgd(w, g, a, h4)                   # Adam's vector handed to SGD
+    with pytest.raises(TypeError, match="hyper"):
+        opt.adam(w, g, a, b, cuda.to_device(opt.adam_scalars(1e-3, 1, dtype=np.float64)))
     with pytest.raises(ValueError, match="C-contiguous"):
-        opt.adam(_dev(20)[::2], g, a, b, 1e-3, 1)
+        opt.adam(_dev(20)[::2], g, a, b, h4)
     with pytest.raises(ValueError, match="shares memory"):
-        opt.adam(w, g, a, a, 1e-3, 1)          # m and v in one buffer
+        opt.adam(w, g, a, a, h4)               # m and v in one buffer
     with pytest.raises(ValueError, match="shares memory"):
-        opt.sgd(w, w, a, 0.1, 0.9)             # gradient buffer is the weights
-    with pytest.raises(ValueError, match="step"):
-        opt.adam(w, g, a, b, 1e-3, 0)
+        opt.sgd(w, w, a, h2)                   # gradient buffer is the weights

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
+from kernels.optimizers import ADAM_HYPER_SIZE
 
 RESIDENT = tf.distribute.InputOptions(experimental_place_dataset_on_device=True)
 
@@ -82,8 +83,12 @@ def test_a_resident_epoch_uploads_row_numbers_only(devices, rng, monkeypatch):
                             lambda dst, a, original=original: uploads.append(np.asarray(a)) or original(dst, a))
         monkeypatch.setattr(dev, "from_numpy", lambda a: pytest.fail("a step allocated a host copy"))
     model.fit(dist, epochs=1, verbose=0)
-    assert uploads and all(a.dtype == np.int64 and a.ndim == 1 for a in uploads), \
-        [(a.dtype, a.shape) for a in uploads]
+    # Per step and device: the replica's row numbers (once, for x and y), and Adam's 4
+    # scalars for the step.
+    rows = [a for a in uploads if a.dtype == np.int64 and a.ndim == 1]
+    hyper = [a for a in uploads if a.dtype == np.float32 and a.shape == (ADAM_HYPER_SIZE,)]
+    assert rows and len(rows) + len(hyper) == len(uploads), [(a.dtype, a.shape) for a in uploads]
+    assert len(hyper) == len(rows) == 2 * -(-len(x) // 8)           # 2 devices x 5 steps
     after = [tf.config.experimental.get_memory_info(d.name)["current"] for d in devs]
     assert after == before                              # nothing new kept per epoch
     assert before[0] >= x.nbytes                        # the rows are charged to each device

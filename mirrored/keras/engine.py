@@ -126,8 +126,10 @@ class _Buffers:
         self.act = [dev.empty((b, u), FLOAT) for u in units]     # a_i: (b, units_i)
         self.dact = [dev.empty((b, u), FLOAT) for u in units]    # dz_i: (b, units_i)
         self.probs = dev.empty((b, units[-1]), FLOAT)            # softmax output, for predict
-        self.stats = dev.empty((2, b), FLOAT)   # row 0: per-example loss; row 1: 1.0 where argmax == label
+        # row 0: per-example loss; row 1: 1.0 where argmax == label; row 2: 1.0 (counts examples)
+        self.stats = dev.empty((3, b), FLOAT)
         self.loss, self.correct = self.stats[0], self.stats[1]
+        dev.ops.fill(self.stats[2], 1.0)
 
 
 class ReplicaProgram:
@@ -152,13 +154,12 @@ class ReplicaProgram:
         self.x = None                              # the last forward's input (b, in)
         self.last_b = 0
         with self.dev.activate():
-            self.acc = self.dev.empty((2,), FLOAT)     # [loss sum, correct count]
-            self.tmp = self.dev.empty((2, 1), FLOAT)
+            self.acc = self.dev.empty((3,), FLOAT)     # [loss sum, correct count, examples]
+            self.tmp = self.dev.empty((3, 1), FLOAT)
             self.zero_metrics()
 
     def zero_metrics(self):
         self.ops.fill(self.acc, 0.0)
-        self.seen = 0                              # examples this replica has seen (host int)
 
     def buffers(self, b):
         buf = self._buffers.get(b)
@@ -230,7 +231,6 @@ class ReplicaProgram:
             else:
                 self.ops.softmax_xent(out, labels, buf.loss, grad, buf.correct, scale)
             self._accumulate(buf)
-        self.seen += b
         if not with_grad:
             return
         if not b:                                   # an empty slice: zero gradient
@@ -251,12 +251,17 @@ class ReplicaProgram:
                     self.ops.relu_backward(da, buf.act[i - 1], da)
 
     def _accumulate(self, buf):
-        """acc += [sum of losses, number correct]: one column-sum launch, one add."""
+        """acc += [sum of losses, number correct, examples]: one column-sum launch, one add.
+
+        Even the example count is summed on the device (a row of ones), so a step
+        changes no host state here and can be replayed as a CUDA graph
+        (``mirrored/graphs.py``). float32 counts exactly up to 2**24 examples per epoch.
+        """
         b = buf.stats.shape[1]
-        self.ops.sum_axis(buf.stats.reshape(2, b, 1), self.tmp)     # (2, 1)
-        self.ops.binary("add", self.acc, self.tmp.reshape(2), self.acc)
+        self.ops.sum_axis(buf.stats.reshape(3, b, 1), self.tmp)     # (3, 1)
+        self.ops.binary("add", self.acc, self.tmp.reshape(3), self.acc)
 
     def read_metrics(self):
         """(loss sum, correct count, examples) so far — the one host read."""
-        loss, correct = self.dev.to_numpy(self.acc)
-        return float(loss), float(correct), self.seen
+        loss, correct, seen = self.dev.to_numpy(self.acc)
+        return float(loss), float(correct), int(seen)

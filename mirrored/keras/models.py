@@ -33,10 +33,12 @@ Neighbours: ``layers.py``, ``losses.py``, ``optimizers.py``, ``engine.py``,
 import contextlib
 import os
 import tempfile
+import warnings
 
 import numpy as np
 
 from mirrored import context, nest, strategy as _strategy
+from mirrored.graphs import StepGraphs
 from mirrored.input_lib import DistributedDataset, rebatch_bounds
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import losses as _losses
@@ -205,7 +207,16 @@ class Sequential:
 
     # -- compile -------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                weighted_metrics=None, run_eagerly=None, steps_per_execution=None, jit_compile=None, **kwargs):
+                weighted_metrics=None, run_eagerly=None, steps_per_execution=None, jit_compile=None,
+                cuda_graph=False, **kwargs):
+        """Keras's ``compile``: optimizer, loss, ``metrics=['accuracy']``.
+
+        ``cuda_graph=True`` (this library's own option, not Keras's): on a GPU, ``fit``
+        captures the device part of its training step once as a CUDA graph and replays
+        it every step (``mirrored/graphs.py`` says how and why). Where there is nothing
+        to capture (CPU devices, the CUDA simulator) it warns once and runs eagerly;
+        the weights come out the same either way.
+        """
         if optimizer == "rmsprop":
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
@@ -225,6 +236,21 @@ class Sequential:
             raise NotImplementedError("one accuracy metric per model here.")
         if self.built:
             self._loss_mode(self.loss)
+        if getattr(self, "_graphs", None) is not None:
+            self._graphs.close()                    # they hold the old optimizer's buffers
+        self._cuda_graph, self._graphs = bool(cuda_graph), None
+
+    @property
+    def _step_graphs(self):
+        """The CUDA graphs of this model's step (``compile(cuda_graph=True)``), else None."""
+        if not getattr(self, "_cuda_graph", False):
+            return None
+        if self._graphs is None:
+            self._graphs = StepGraphs(self._pack.devices, self._strategy.extended._cross_device_ops)
+            if self._graphs.reason:
+                warnings.warn(f"compile(cuda_graph=True): {self._graphs.reason}; every training "
+                              f"step runs eagerly (the same launches, one by one).", stacklevel=4)
+        return self._graphs
 
     def _loss_mode(self, loss_obj):
         """Which fused loss kernel applies to this model's output (see losses.py)."""
@@ -305,48 +331,72 @@ class Sequential:
     def _n(self):
         return len(self._programs)
 
-    def _run_replicas(self, fn, xb, yb, *extra, timer=UNTIMED):
-        """Run ``fn(program, x_dev, y_dev, *extra)`` on every replica's slice of a host batch."""
-        bounds = rebatch_bounds(xb.shape[0], self._n())
-        parts = [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds]      # views: no copy on the host
-        return self._run_parts(fn, parts, _upload, *extra, timer=timer)
+    def _split(self, xb, yb):
+        """Each replica's share of a host batch: TensorFlow's rebatching rule, as views."""
+        return [(xb[lo:hi], yb[lo:hi]) for lo, hi in rebatch_bounds(xb.shape[0], self._n())]
 
-    def _run_parts(self, fn, parts, load, *extra, timer=UNTIMED):
+    def _load_parts(self, parts, load, timer=UNTIMED):
         """Replica r puts ``parts[r]`` (its share of the batch) on its device with
-        ``load(program, part) -> (x_dev, y_dev)``, then runs ``fn(program, x_dev, y_dev, *extra)``.
+        ``load(program, part) -> (x_dev, y_dev)``: (b, in) float32 and (b,) labels in
+        buffers made once per batch size and reused every step.
 
-        This thread drives every replica in turn. On a GPU each call only queues
-        kernels on that device's stream, so the devices still work at the same time.
-        On logical CPU devices (which share the cores) the replicas' work runs one
-        after the other, and NumPy's BLAS spreads each large product over all cores.
-        TensorFlow's ``fit`` does the same in effect: its step is a traced
-        ``tf.function``, one graph holding every replica's ops, with no replica
-        threads once traced. A thread per replica (``strategy.run``, used by custom
-        loops) would only add hand-offs here: the step is a few hundred microseconds
-        of Python, which holds the GIL, so two replica threads measured 0.6-0.7x of
-        one replica's samples/s on 2 cores, against 0.95x for this loop
-        (``benchmarks/training.py``).
+        This thread drives every replica in turn, here and in every phase of a step.
+        On a GPU each call only queues work on that device's stream, so the devices
+        still work at the same time. Logical CPU devices share the cores: there the
+        replicas' work runs one after the other, and NumPy's BLAS spreads each large
+        product over all cores. TensorFlow's ``fit`` does the same in effect: its step
+        is a traced ``tf.function``, one graph holding every replica's ops, with no
+        replica threads once traced. A thread per replica (``strategy.run``, used by
+        custom loops) would only add hand-offs here: the step is a few hundred
+        microseconds of Python, which holds the GIL, so two replica threads measured
+        0.6-0.7x of one replica's samples/s on 2 cores, against 0.95x for this loop.
         """
-        out = []
+        inputs = []
         for r, part in enumerate(parts):
             p = self._programs[r]
+            with p.dev.activate(), timer.phase(INPUT_COPY, r, p.dev):
+                inputs.append(load(p, part))
+        return inputs
+
+    def _run_parts(self, fn, parts, load, *extra):
+        """Load every replica's part, then ``fn(program, x_dev, y_dev, *extra)`` on each."""
+        inputs = self._load_parts(parts, load)
+        out = []
+        for p, (x_dev, y_dev) in zip(self._programs, inputs):
             with p.dev.activate():
-                with timer.phase(INPUT_COPY, r, p.dev):
-                    x_dev, y_dev = load(p, part)              # (b, in) float32, (b,) labels: reused buffers
-                with timer.phase(FORWARD_BACKWARD, r, p.dev):
-                    out.append(fn(p, x_dev, y_dev, *extra))
+                out.append(fn(p, x_dev, y_dev, *extra))
         return out
 
-    def _train_program(self, p, x_dev, y_dev, mode, scale):
-        p.forward(x_dev)
-        p.loss_and_backward(y_dev, mode, scale)
+    # -- the training step: a host part, then a device part ---------------------------------
+    def _train_parts(self, parts, load, scale, timer=UNTIMED):
+        """One training step on the replicas' shares ``parts`` of a global batch.
 
-    def _update(self, timer=UNTIMED):
-        """The merge: all-reduce SUM of the packed gradients, then one optimizer launch per device."""
+        Host part: every share onto its device (``load``), and the optimizer's scalars
+        for this step onto every device (``begin_step``). Device part
+        (``_device_step``): launches only, so with ``compile(cuda_graph=True)`` on a GPU
+        it is captured once and replayed as one CUDA graph (``mirrored/graphs.py``).
+        """
+        inputs = self._load_parts(parts, load, timer)
+        self.optimizer.begin_step(self._pack.devices)
+        mode = self._loss_mode(self.loss)
+        graphs = self._step_graphs if timer is UNTIMED else None    # a timed step stays eager
+        if graphs is None:
+            self._device_step(inputs, mode, scale, timer)
+        else:
+            key = (mode, scale) + tuple((_address(x), _address(y)) for x, y in inputs)
+            graphs.run(key, self._device_step, inputs, mode, scale)
+
+    def _device_step(self, inputs, mode, scale, timer=UNTIMED):
+        """Forward, loss and backward on every replica, then the all-reduce SUM of the
+        packed gradients and one optimizer launch per device (the merge)."""
+        for r, (p, (x_dev, y_dev)) in enumerate(zip(self._programs, inputs)):
+            with p.dev.activate(), timer.phase(FORWARD_BACKWARD, r, p.dev):
+                p.forward(x_dev)
+                p.loss_and_backward(y_dev, mode, scale)
         pack = self._pack
         if self._n() == 1:
             with timer.phase(OPTIMIZER, 0, pack.devices[0]):
-                self.optimizer.apply_packed(pack)
+                self.optimizer.update_packed(pack)
             return
         cross_ops = self._strategy.extended._cross_device_ops
         updates = []
@@ -355,7 +405,7 @@ class Sequential:
             with timer.collective(ALL_REDUCE, devices):
                 cross_ops.all_reduce_flat("SUM", buffers, devices)
             updates.extend(timer.begin_all(OPTIMIZER, devices))    # the updates start now
-        self.optimizer.apply_packed(pack, all_reduce)
+        self.optimizer.update_packed(pack, all_reduce)
         timer.end_all(updates)
 
     def train_step(self, xb, yb, timer=UNTIMED):
@@ -365,26 +415,27 @@ class Sequential:
         replica; ``mirrored.timing.step_breakdown`` passes one.
         """
         xb, yb = self._host_batch((xb, yb))        # x: (B, in) float32, y: (B,) ints; builds the model
-        mode = self._loss_mode(self.loss)
-        self._run_replicas(self._train_program, xb, yb, mode, 1.0 / max(xb.shape[0], 1), timer=timer)
-        self._update(timer)
+        self._train_parts(self._split(xb, yb), _upload, 1.0 / max(xb.shape[0], 1), timer)
 
     def _step_on(self, batch, fn, *extra):
         """Run ``fn`` on one batch from ``_batches``: a host batch or a ``_ResidentBatch``."""
         if isinstance(batch, _ResidentBatch):
-            loader = batch.loader(self)
-            bounds = rebatch_bounds(len(batch.idx), self._n())
-            return self._run_parts(fn, [batch.idx[lo:hi] for lo, hi in bounds], loader.load, *extra)
-        xb, yb = self._host_batch(batch)
-        return self._run_replicas(fn, xb, yb, *extra)
+            return self._run_parts(fn, *self._resident_parts(batch), *extra)
+        return self._run_parts(fn, self._split(*self._host_batch(batch)), _upload, *extra)
+
+    def _resident_parts(self, batch):
+        """(each replica's row numbers, the loader that gathers them on its device)."""
+        loader = batch.loader(self)
+        bounds = rebatch_bounds(len(batch.idx), self._n())
+        return [batch.idx[lo:hi] for lo, hi in bounds], loader.load
 
     def _train_on(self, batch):
-        """One training step on a batch from ``_batches`` (``train_step`` for host batches)."""
-        if not isinstance(batch, _ResidentBatch):
-            return self.train_step(*self._host_batch(batch))
-        mode = self._loss_mode(self.loss)
-        self._step_on(batch, self._train_program, mode, 1.0 / max(len(batch.idx), 1))
-        self._update()
+        """One training step on a batch from ``_batches``."""
+        if isinstance(batch, _ResidentBatch):
+            parts, load = self._resident_parts(batch)
+            return self._train_parts(parts, load, 1.0 / max(len(batch.idx), 1))
+        xb, yb = self._host_batch(batch)
+        self._train_parts(self._split(xb, yb), _upload, 1.0 / max(xb.shape[0], 1))
 
     def _eval_program(self, p, x_dev, y_dev, mode):
         p.forward(x_dev)
@@ -531,7 +582,7 @@ class Sequential:
             self._ensure_built(xb.shape)
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)
             dummy = np.zeros(xb.shape[0], np.int32)
-            outs.extend(self._run_replicas(self._predict_program, xb, dummy))
+            outs.extend(self._run_parts(self._predict_program, self._split(xb, dummy), _upload))
             done += 1
         if verbose:
             bar.finish(done, {})
@@ -592,6 +643,12 @@ class Sequential:
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:
             print_fn(line)
+
+
+def _address(buf):
+    """Where a device buffer's data starts (what a captured graph reads)."""
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    return cai["data"][0] if cai is not None else id(buf)
 
 
 def _upload(p, part):
@@ -660,22 +717,25 @@ class _ResidentLoader:
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
 
     def load(self, p, idx):
-        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)
-        self._gather(p, self.kx, idx, x_dev)                  # (b, in) float32
-        self._gather(p, self.ky, idx, y_dev)                  # (b,) labels
+        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)   # (b, in) float32, (b,) labels
+        wanted = [(self.kx, x_dev), (self.ky, y_dev)]
+        landing = [(k, self._landing(p, k, len(idx), out)) for k, out in wanted]
+        self.resident.gather(p.r, idx, landing)                  # one upload of b row numbers
+        for (_, out), (_, land) in zip(wanted, landing):
+            if land is not out and len(idx):
+                p.dev.ops.cast(land.reshape(out.shape), out)     # e.g. uint8 images -> float32
         return x_dev, y_dev
 
-    def _gather(self, p, k, idx, out):
+    def _landing(self, p, k, b, out):
+        """Where leaf k's rows are gathered: ``out`` itself when the stored dtype is
+        what the model takes, else a scratch buffer in the stored dtype (cast after)."""
         if np.dtype(self.resident.dtypes[k]) == np.dtype(out.dtype):
-            return self.resident.gather(p.r, idx, k, out)
-        key = (p.r, k, len(idx))
+            return out
+        key = (p.r, k, b)
         tmp = self._scratch.get(key)
         if tmp is None:
-            tmp = self._scratch[key] = p.dev.empty((len(idx), self.resident.row_sizes[k]), self.resident.dtypes[k])
-        self.resident.gather(p.r, idx, k, tmp)
-        if len(idx):
-            p.dev.ops.cast(tmp.reshape(out.shape), out)
-        return out
+            tmp = self._scratch[key] = p.dev.empty((b, self.resident.row_sizes[k]), self.resident.dtypes[k])
+        return tmp
 
 
 class _ArrayBatches:

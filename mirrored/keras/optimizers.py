@@ -4,6 +4,13 @@ The math is in ``kernels/optimizers.py`` (one kernel launch per parameter
 buffer); this file holds the hyper-parameters, the step counter and the slot
 buffers (velocity; Adam's m and v), one set per device.
 
+A step has a host part and a device part. ``begin_step`` counts the step and
+copies its hyper-parameter vector (Adam's alpha changes every step) into a small
+buffer on every device; ``update_packed`` only launches kernels, which read that
+buffer. The device part can therefore be captured once as a CUDA graph and
+replayed (``mirrored/graphs.py``): each replay updates with the alpha that the
+host part of its step wrote.
+
 ``apply_gradients(zip(grads, variables))`` called inside ``strategy.run`` is a
 *merge point*: the replicas meet, their gradients are summed by the strategy's
 cross-device ops (the ring all-reduce), and then every copy of every variable
@@ -19,6 +26,7 @@ import threading
 
 import numpy as np
 
+from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context
 from mirrored.strategy import _to_tensor_on
 from mirrored.tensor import Tensor
@@ -56,6 +64,7 @@ class Optimizer:
         self.name = name
         self._step = 0
         self._slots = {}
+        self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
 
     lr = property(lambda self: self.learning_rate,
@@ -80,19 +89,41 @@ class Optimizer:
                     self._slots[key] = slots
         return slots
 
-    def _update(self, dev, w, g, key):
-        """One kernel launch: update ``w`` with gradient ``g`` (both on ``dev``), step ``self._step``."""
+    def _scalars(self):
+        """This step's hyper-parameter vector, (k,) float32 (``kernels.optimizers``)."""
         raise NotImplementedError
 
+    def _update(self, dev, w, g, key):
+        """One kernel launch: update ``w`` with gradient ``g`` (both on ``dev``), reading
+        the hyper-parameter vector ``self._hyper[dev.name]``."""
+        raise NotImplementedError
+
+    def begin_step(self, devices):
+        """The host part of a step: count it, and copy its hyper-parameter vector into
+        every device's buffer (queued on the device's stream, before the update)."""
+        self._step += 1
+        host = self._scalars()                       # (k,) float32
+        for dev in devices:
+            buf = self._hyper.get(dev.name)
+            if buf is None:
+                with dev.activate():
+                    buf = self._hyper[dev.name] = dev.empty(host.shape, host.dtype)
+            dev.upload_into(buf, host)
+
     # -- the packed fast path (used by fit and by apply_gradients when it can)
-    def apply_packed(self, pack, reduce_fn=None):
-        """Sum ``pack.grads`` across devices (``reduce_fn``) and update every copy, once."""
+    def update_packed(self, pack, reduce_fn=None):
+        """The device part of a step: sum ``pack.grads`` across devices (``reduce_fn``),
+        then one update launch per device. Launches only (after ``begin_step``)."""
         if reduce_fn is not None and len(pack.devices) > 1:
             reduce_fn(pack.grads, pack.devices)
-        self._step += 1
         for r, dev in enumerate(pack.devices):
             with dev.activate():
                 self._update(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
+
+    def apply_packed(self, pack, reduce_fn=None):
+        """Sum ``pack.grads`` across devices (``reduce_fn``) and update every copy, once."""
+        self.begin_step(pack.devices)
+        self.update_packed(pack, reduce_fn)
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -103,7 +134,7 @@ class Optimizer:
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is not None and strategy.num_replicas_in_sync > 1:
             return replica_ctx.merge_call(self._distributed_apply, args=(pairs,))
-        self._step += 1
+        self.begin_step(_devices_of(v for _, v in pairs))
         for g, v in pairs:
             for c in _copies(v):
                 dev = c._tensor._device
@@ -123,7 +154,7 @@ class Optimizer:
         comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * strategy.num_replicas_in_sync
                  for g in grads]
         reduced = cross_ops.all_reduce_components("SUM", comps)
-        self._step += 1
+        self.begin_step(_devices_of(variables))
         for k, v in enumerate(variables):
             for r, c in enumerate(_copies(v)):
                 dev = c._tensor._device
@@ -141,6 +172,15 @@ def _copies(variable):
     if isinstance(variable, Variable):
         return [variable]
     raise TypeError(f"apply_gradients expects (gradient, variable) pairs, got {type(variable).__name__}.")
+
+
+def _devices_of(variables):
+    """The devices holding copies of ``variables``, each once, in first-seen order."""
+    seen = {}
+    for v in variables:
+        for c in _copies(v):
+            seen.setdefault(c._tensor._device.name, c._tensor._device)
+    return list(seen.values())
 
 
 def _on_device(g, dev):
@@ -176,9 +216,12 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if self.momentum else ()
 
+    def _scalars(self):
+        return sgd_scalars(self.learning_rate, self.momentum)
+
     def _update(self, dev, w, g, key):
         velocity = self._slot_buffers(key, dev, w)[0] if self.momentum else None
-        dev.ops.sgd(w, g, velocity, self.learning_rate, self.momentum, self.nesterov)
+        dev.ops.sgd(w, g, velocity, self._hyper[dev.name], self.nesterov)
 
 
 class Adam(Optimizer):
@@ -193,9 +236,12 @@ class Adam(Optimizer):
             raise NotImplementedError("Adam(amsgrad=True) is not implemented.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
+    def _scalars(self):
+        return adam_scalars(self.learning_rate, self._step, self.beta_1, self.beta_2, self.epsilon)
+
     def _update(self, dev, w, g, key):
         m, v = self._slot_buffers(key, dev, w)
-        dev.ops.adam(w, g, m, v, self.learning_rate, self._step, self.beta_1, self.beta_2, self.epsilon)
+        dev.ops.adam(w, g, m, v, self._hyper[dev.name])
 
 
 def get(identifier):

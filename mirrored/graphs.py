@@ -1,0 +1,165 @@
+"""Capture the device part of a training step once as a CUDA graph; replay it every step.
+
+Why. One step of the lab model is about twenty small kernels. Launching a kernel
+from Python costs several microseconds of host time, more than many of these
+kernels take to run, so an eager step is bound by the host, not by the GPU.
+CUDA can *record* a sequence of launches, copies and cross-stream waits once,
+as a graph, and then replay the whole sequence with one call: the driver then
+does per replay what Python did per kernel. (PyTorch offers the same through
+``torch.cuda.CUDAGraph``.)
+
+How, with the CUDA driver API that numba-cuda itself calls (``cuda.bindings``)::
+
+    cuStreamBeginCapture(s0)          work queued on stream s0 is now recorded, not run
+    fork.record(s0); fork.wait(s_i)   every other replica's stream joins the capture
+    step(...)                         the very same Python function an eager step runs
+    join_i.record(s_i); join_i.wait(s0)   ... and joins back
+    graph = cuStreamEndCapture(s0)
+    exe = cuGraphInstantiate(graph, 0)
+    cuGraphLaunch(exe, s0)            one call per step from then on
+
+What a captured step must not do, and how ``Sequential``'s step avoids it:
+
+* Take numbers from the host that change from step to step: launch arguments are
+  frozen into the graph. The optimizer's per-step scalars (Adam's alpha) live in
+  a device buffer that the host part of each step writes (``keras/optimizers.py``,
+  ``begin_step``); the metrics count examples on the device (``keras/engine.py``).
+* Allocate, free or synchronise. Buffers are made during the first, eager step
+  of each batch size and reused: activations, gradients, the ring's events.
+* Read other buffers than the ones it was captured with. Each replica's slice is
+  copied (outside the graph, in the host part) into the same per-batch-size
+  input buffers every step, so a graph is keyed by those buffers' addresses.
+
+So a step = host part (inputs, optimizer scalars; eager) + device part (forward,
+backward, all-reduce, update: launches only). ``StepGraphs.run`` runs the device
+part eagerly the first time a key is seen, captures it the second time, and
+replays it from then on. Where there is nothing to capture (CPU devices, Numba's
+CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
+time and ``reason`` says why.
+
+Neighbours: ``keras/models.py`` (``compile(cuda_graph=True)``; the step),
+``cross_device_ops.py`` (the ring: events between neighbours, captured as graph edges).
+"""
+from mirrored import devices as _dev
+
+
+def why_not_capturable(devices, cross_device_ops=None):
+    """None if a step over ``devices`` (summed by ``cross_device_ops``) can be captured
+    as one graph, else the reason."""
+    if any(d.device_type != "GPU" for d in devices):
+        return "the step runs on CPU devices: there are no kernel launches to capture"
+    if len(devices) > 1:
+        from mirrored.cross_device_ops import RingAllReduce
+        if not isinstance(cross_device_ops, RingAllReduce):
+            return (f"the gradients are summed by {type(cross_device_ops).__name__}; only "
+                    f"RingAllReduce keeps its buffers and events from one call to the next")
+        if cross_device_ops.trace is not None:
+            return "the ring records a teaching trace on every call, which a replay would skip"
+        if len({d.gpu_id for d in devices}) > 1:
+            return ("the replicas sit on several physical GPUs; this capture covers one GPU "
+                    "(logical GPUs of one card)")
+    if _dev.cuda_mode() != "real":
+        return "Numba's CUDA simulator has no CUDA graphs"
+    return None
+
+
+class StepGraphs:
+    """The captured device parts of a step, one graph per key (see the module docstring)."""
+
+    def __init__(self, devices, cross_device_ops=None):
+        self.devices = list(devices)
+        self.reason = why_not_capturable(self.devices, cross_device_ops)   # None: graphs are used
+        self._graphs = {}          # key -> _Graph
+        self._seen = set()         # keys that have run once, eagerly
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+
+    @property
+    def enabled(self):
+        return self.reason is None
+
+    def run(self, key, fn, *args):
+        """Run the device part ``fn(*args)`` of this step; returns "eager" or "replayed".
+
+        ``key`` must name everything the launches depend on: the buffers' addresses,
+        the batch sizes, the loss mode. A key seen for the first time runs eagerly
+        (it compiles kernels and allocates buffers); the second time it is captured,
+        and from then on the graph is replayed.
+        """
+        if not self.enabled or key not in self._seen:
+            self._seen.add(key)
+            fn(*args)
+            self.counts["eager"] += 1
+            return "eager"
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _Graph.capture(self.devices, fn, args)
+            self.counts["captured"] += 1
+        graph.launch()
+        self.counts["replayed"] += 1
+        return "replayed"
+
+    def close(self):
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
+
+
+class _Graph:
+    """One instantiated graph over the streams of ``devices`` (``devices[0]``'s is the origin)."""
+
+    def __init__(self, devices, graph, exe, events):
+        self.devices, self.graph, self.exe = devices, graph, exe
+        self.before, self.after = events
+
+    @classmethod
+    def capture(cls, devices, fn, args):
+        from numba import cuda
+        from numba.cuda.cudadrv.driver import binding, driver
+        origin, others = devices[0], devices[1:]
+        s0 = int(origin.stream.handle)
+        with origin.activate(), cuda.defer_cleanup():     # no frees (they would sync) while capturing
+            fork = cuda.event(timing=False)                # every event made before the capture
+            joins = [cuda.event(timing=False) for _ in others]
+            before = [cuda.event(timing=False) for _ in others]
+            after = cuda.event(timing=False)
+            # THREAD_LOCAL: an unsafe call from this thread (an allocation, a sync) fails
+            # loudly instead of being recorded or silently breaking the capture.
+            driver.cuStreamBeginCapture(s0, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            try:
+                fork.record(origin.stream)
+                for d in others:
+                    fork.wait(d.stream)                    # d's stream joins the capture
+                fn(*args)
+                for d, join in zip(others, joins):
+                    join.record(d.stream)
+                    join.wait(origin.stream)               # ... and joins back before the end
+            except BaseException:
+                try:
+                    driver.cuGraphDestroy(driver.cuStreamEndCapture(s0))
+                except Exception:                          # noqa: BLE001 (the first error is the one to see)
+                    pass
+                raise
+            graph = driver.cuStreamEndCapture(s0)
+            exe = driver.cuGraphInstantiate(graph, 0)
+        return cls(devices, graph, exe, (before, after))
+
+    def launch(self):
+        """Replay: after the work already queued on every replica's stream (this step's
+        inputs), and before whatever is queued on them next."""
+        from numba.cuda.cudadrv.driver import driver
+        origin, others = self.devices[0], self.devices[1:]
+        with origin.activate():
+            for d, ev in zip(others, self.before):
+                ev.record(d.stream)
+                ev.wait(origin.stream)
+            driver.cuGraphLaunch(self.exe, int(origin.stream.handle))
+            self.after.record(origin.stream)
+            for d in others:
+                self.after.wait(d.stream)
+
+    def close(self):
+        from numba.cuda.cudadrv.driver import driver
+        if self.exe is not None:
+            driver.cuGraphExecDestroy(self.exe)
+            driver.cuGraphDestroy(self.graph)
+            self.exe = self.graph = None
