@@ -118,29 +118,26 @@ def gemm_ref(a, b, out=None, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
 
 # --- device helpers: where op(A)[i, k] and op(B)[k, j] live in memory -----------------
 
-def _make_loaders(trans_a, trans_b):
-    """Return device functions ``a_at(a, i, k) = op(A)[i, k]`` and ``b_at(b, k, j)``.
+def _element_at(transposed):
+    """A device function ``at(x, r, c) = op(X)[r, c]``: ``x[r, c]``, or ``x[c, r]`` when
+    X is stored transposed. ``transposed`` is a Python bool fixed at compile time, so
+    each kernel gets straight-line indexing code with no run-time branch."""
+    if transposed:
+        @cuda.jit(device=True, inline=True)
+        def at(x, r, c):
+            return x[c, r]  # x stored (cols, rows)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def at(x, r, c):
+            return x[r, c]  # x stored (rows, cols)
+    return at
 
-    ``trans_a``/``trans_b`` are Python bools captured at compile time: each pair of
-    flags yields its own straight-line indexing code, with no run-time branch.
-    """
-    if trans_a:
-        @cuda.jit(device=True, inline=True)
-        def a_at(a, i, k):
-            return a[k, i]  # a stored (K, M)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def a_at(a, i, k):
-            return a[i, k]  # a stored (M, K)
-    if trans_b:
-        @cuda.jit(device=True, inline=True)
-        def b_at(b, k, j):
-            return b[j, k]  # b stored (N, K)
-    else:
-        @cuda.jit(device=True, inline=True)
-        def b_at(b, k, j):
-            return b[k, j]  # b stored (K, N)
-    return a_at, b_at
+
+def _make_loaders(trans_a, trans_b):
+    """Return device functions ``a_at(a, i, k) = op(A)[i, k]`` (a stored (K, M) when
+    ``trans_a``, else (M, K)) and ``b_at(b, k, j) = op(B)[k, j]`` (b stored (N, K) when
+    ``trans_b``, else (K, N))."""
+    return _element_at(trans_a), _element_at(trans_b)
 
 
 @cuda.jit(device=True, inline=True)

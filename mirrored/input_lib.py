@@ -158,7 +158,6 @@ class ResidentRows:
                 dev.upload_into(idx_dev, idx)
                 for k, out in targets:
                     dev.ops.gather_rows(self.leaves[r][k], idx_dev, out.reshape(len(idx), self.row_sizes[k]))
-        return [out for _, out in targets]
 
     def element(self, r, idx):
         """The batch ``idx`` as the dataset's structure of fresh Tensors on device r."""

@@ -246,10 +246,6 @@ def step_breakdown(model, data, steps=20, warmup=3, batch_size=None, timeline_st
     if steps < 1 or warmup < 0:
         raise ValueError(f"step_breakdown: need steps >= 1 and warmup >= 0, got {steps} and {warmup}.")
     timeline_steps = min(max(int(timeline_steps), 1), steps)
-    return _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps)
-
-
-def _step_breakdown(model, data, steps, warmup, batch_size, timeline_steps):
     timer = PhaseTimer()
     batches = _host_batches(data, batch_size)
     step_times, step_spans, global_batch = [], [], 0
