@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# What a session that is lent a GPU runs, in as few device calls as possible.
+#
+#   bash benchmarks/gpu_session.sh versions tests      # versions, graphs test, then the suite
+#   bash benchmarks/gpu_session.sh kernels allreduce    # benchmarks (JSON under $OUT)
+#   bash benchmarks/gpu_session.sh training
+#
+# Every stage writes its log (and JSON, for benchmarks) under $OUT (default /tmp/gpu-out),
+# with a time limit of its own so that one stuck stage cannot eat the whole call.
+# Real CUDA only: NUMBA_ENABLE_CUDASIM=0 everywhere.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu-out}"
+mkdir -p "$OUT"
+export NUMBA_ENABLE_CUDASIM=0 MIRRORED_OFFLINE=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+# Per-stage time limits (seconds); override with e.g. TESTS_S=300.
+: "${TESTS_S:=330}" "${KERNELS_S:=200}" "${ALLREDUCE_S:=200}" "${TRAINING_S:=420}"
+
+stage() {  # stage NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, say how it ended
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+}
+
+for what in "$@"; do
+  case "$what" in
+    versions)
+      { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+        "$PY" - <<'PYEOF'
+import importlib.metadata as md, platform
+for d in ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "cuda-toolkit",
+          "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc", "cupy-cuda13x", "torch", "mpi4py", "h5py",
+          "pytest", "pytest-xdist", "pytest-timeout", "nbclient", "hypothesis"):
+    try:
+        print(f"{d:22s} {md.version(d)}")
+    except md.PackageNotFoundError:
+        print(f"{d:22s} (not installed)")
+print("python", platform.python_version())
+from numba import cuda
+print("numba.cuda.implementation:", getattr(cuda, "implementation", None))
+print("cuda.is_available():", cuda.is_available())
+cuda.detect()
+print("driver:", cuda.cudadrv.driver.driver.get_version(), "runtime:", cuda.runtime.get_version())
+PYEOF
+      } > "$OUT/versions.log" 2>&1
+      cat "$OUT/versions.log" ;;
+    graphs)
+      stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py ;;
+    tests)
+      stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py
+      stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n 8 --timeout 240 -rfEs ;;
+    kernels)
+      stage kernels "$KERNELS_S" "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" ;;
+    allreduce)
+      stage allreduce "$ALLREDUCE_S" "$PY" -m benchmarks.allreduce --out "$OUT/allreduce.json" ;;
+    training)
+      stage training "$TRAINING_S" "$PY" -m benchmarks.training --out "$OUT/training.json" ;;
+    *) echo "unknown stage $what"; exit 2 ;;
+  esac
+done
