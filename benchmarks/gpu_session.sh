@@ -14,8 +14,15 @@ OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
 export NUMBA_ENABLE_CUDASIM=0 MIRRORED_OFFLINE=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+# Wheels carried to the machine in .whl/ (e.g. numpy<2.5, which numba-cuda 0.30 needs: numpy
+# 2.5 removed np.row_stack, which numba-cuda's CUDA target imports on its first compile).
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 # Per-stage time limits (seconds); override with e.g. TESTS_S=300.
-: "${TESTS_S:=330}" "${KERNELS_S:=200}" "${ALLREDUCE_S:=200}" "${TRAINING_S:=420}"
+: "${TESTS_S:=330}" "${KERNELS_S:=200}" "${ALLREDUCE_S:=200}" "${TRAINING_S:=420}" "${XDIST:=12}"
 
 stage() {  # stage NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, say how it ended
   local name=$1 limit=$2; shift 2
@@ -53,7 +60,7 @@ PYEOF
       stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py ;;
     tests)
       stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py
-      stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n 8 --timeout 240 -rfEs ;;
+      stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout 240 -rfEs ;;
     kernels)
       stage kernels "$KERNELS_S" "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" ;;
     allreduce)
