@@ -60,13 +60,13 @@ PYEOF
       stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py ;;
     tests)
       stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py
-      stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout 240 -rfEs ;;
+      stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout "${TEST_TIMEOUT:-120}" -rfEs ;;
     kernels)
-      stage kernels "$KERNELS_S" "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" ;;
+      stage kernels "$KERNELS_S" "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" ${KERNELS_ARGS:-} ;;
     allreduce)
-      stage allreduce "$ALLREDUCE_S" "$PY" -m benchmarks.allreduce --out "$OUT/allreduce.json" ;;
+      stage allreduce "$ALLREDUCE_S" "$PY" -m benchmarks.allreduce --out "$OUT/allreduce.json" ${ALLREDUCE_ARGS:-} ;;
     training)
-      stage training "$TRAINING_S" "$PY" -m benchmarks.training --out "$OUT/training.json" ;;
+      stage training "$TRAINING_S" "$PY" -m benchmarks.training --out "$OUT/training.json" ${TRAINING_ARGS:-} ;;
     *) echo "unknown stage $what"; exit 2 ;;
   esac
 done
