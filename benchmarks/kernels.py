@@ -180,7 +180,7 @@ def bench_memory(nbytes, timer, results, skipped):
     from kernels.softmax_xent import softmax_xent, softmax_xent_ref
 
     copy_gbps, t = common.copy_bandwidth(nbytes, timer=timer)
-    results.append(dict(kind="memory", name="device-to-device copy", impl="copy_to_device",
+    results.append(dict(kind="memory", name="device-to-device copy", impl=t["copy_method"],
                         bytes=2 * (nbytes // 4) * 4, gbps=copy_gbps, vs_copy=1.0, **t))
     rng = np.random.default_rng(0)
     n = nbytes // 4
