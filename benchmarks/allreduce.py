@@ -6,7 +6,10 @@
 
 What is timed: ``CrossDeviceOps._sum_in_place(buffers, devices)`` on flat float32
 buffers already on the devices (in place, as nccl-tests' all_reduce_perf), for
-``RingAllReduce`` and ``ReductionToOneDevice``; medians of CUDA-event timings after
+``RingAllReduce`` and ``ReductionToOneDevice``, and on a GPU the ring once more captured
+as a CUDA graph and replayed (``mirrored.graphs``, as ``fit`` with
+``compile(cuda_graph=True)`` runs it: the same kernels and events, without Python's
+cost per launch, which dominates the eager ring on logical GPUs); medians of CUDA-event timings after
 warm-up (``benchmarks/common.py``). Each algorithm's result is checked first
 (buffer i holds i+1 everywhere, so the sum N(N+1)/2 is exact in float32); the timed
 calls then run on zeros, which keeps the values from growing to inf and costs the
@@ -120,6 +123,43 @@ def _check(algorithm, devs, elements):
                              f"elements): not timing a wrong result.")
 
 
+def _fill(devs, bufs, value_of):
+    for i, (dev, buf) in enumerate(zip(devs, bufs)):
+        with dev.activate():
+            dev.ops.fill(buf, value_of(i))
+
+
+def _time_ring_graph(devs, elements, timer):
+    """The ring captured once as a CUDA graph and replayed (what ``fit`` does with
+    ``compile(cuda_graph=True)``): the same launches and events, without Python's cost
+    per launch. Checked like the eager ring before it is timed. Returns (timing, None)
+    or (None, why it was not timed)."""
+    import numpy as np
+    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.graphs import StepGraphs
+    ring = RingAllReduce()
+    graphs = StepGraphs(devs, ring)
+    if not graphs.enabled:
+        return None, graphs.reason
+    n = len(devs)
+    bufs = _buffers(devs, elements, lambda i: i + 1)
+    key = ("ring", elements)
+    try:
+        graphs.run(key, ring._sum_in_place, bufs, devs)       # eager: compiles, allocates
+        _fill(devs, bufs, lambda i: i + 1)
+        graphs.run(key, ring._sum_in_place, bufs, devs)       # captured, then replayed
+        want = n * (n + 1) / 2
+        for dev, buf in zip(devs, bufs):
+            if not np.all(dev.to_numpy(buf) == want):
+                return None, f"the replayed graph gave a wrong sum (want {want}): not timed"
+        _fill(devs, bufs, lambda i: 0.0)
+        return timer(lambda: graphs.run(key, ring._sum_in_place, bufs, devs)), None
+    except Exception as exc:                                  # report it; time the rest
+        return None, f"capture failed: {type(exc).__name__}: {exc}"
+    finally:
+        graphs.close()
+
+
 def run(args):
     common.choose_cuda(smoke=args.smoke)        # before anything imports numba
     if not args.smoke:
@@ -152,7 +192,7 @@ def run(args):
         gbps, copy_t = common.copy_bandwidth(COPY_BYTES)
         copy = {"bytes": COPY_BYTES, "GBps": gbps, **copy_t}
 
-    rows = []
+    rows, skipped = [], []
     for n in args.ns:
         devs = all_devs[:n]
         for nbytes in sizes:
@@ -173,6 +213,15 @@ def run(args):
             row["ring_mem_GBps"] = mem
             row["ring_mem_frac_of_copy"] = mem / copy["GBps"]
             row["ring_speedup"] = row["reduce_to_one"]["median_s"] / row["ring"]["median_s"]
+            if not args.smoke:
+                t, why = _time_ring_graph(devs, elements, timer)
+                if t is None:
+                    skipped.append({"name": f"ring graph N={n} {row['size']}", "reason": why})
+                else:
+                    row["ring_graph"] = t
+                    row["ring_graph_us"] = t["median_s"] * 1e6
+                    row["ring_graph_mem_frac_of_copy"] = (
+                        5 * (n - 1) * row["bytes"] / t["median_s"] / 1e9 / copy["GBps"])
             rows.append(row)
 
     where = "logical CPU devices (smoke: perf_counter)" if args.smoke else f"logical GPUs on {info['device']}"
@@ -183,7 +232,10 @@ def run(args):
         ("ring_us", "ring µs", ".1f"), ("ring_algbw", "algbw GB/s", ".2f"),
         ("ring_busbw", "busbw GB/s", ".2f"), ("ring_mem_frac_of_copy", "mem/copy", ".2f"),
         ("reduce_to_one_us", "to-one µs", ".1f"), ("reduce_to_one_busbw", "to-one busbw", ".2f"),
-        ("ring_speedup", "ring ×", ".2f")])
+        ("ring_speedup", "ring ×", ".2f"), ("ring_graph_us", "graph µs", ".1f"),
+        ("ring_graph_mem_frac_of_copy", "graph mem/copy", ".2f")])
+    for skip in skipped:
+        print(f"skipped: {skip['name']}: {skip['reason']}")
 
     payload = {
         "mode": "smoke" if args.smoke else "cuda",
@@ -195,9 +247,12 @@ def run(args):
             "busbw_GBps": "algbw * 2(N-1)/N (nccl-tests)",
             "ring_mem_GBps": "5(N-1) * bytes / median ring time / 1e9",
             "copy_GBps": "2 * bytes / median device-to-device copy time / 1e9",
+            "ring_graph": "the same ring captured once as a CUDA graph and replayed "
+                          "(mirrored.graphs.StepGraphs, as fit(cuda_graph=True) does)",
         },
         "copy": copy,
         "results": rows,
+        "skipped": skipped,
     }
     return common.save_results("allreduce", payload, info, args.smoke, args.out)
 
