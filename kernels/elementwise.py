@@ -20,6 +20,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.launch import check_array, grid_1d, launch
+from kernels.registry import TENSOR_DTYPES, register, sig, vec
 
 #: Operator name -> NumPy function: the reference definition of each operator.
 #: ``rsub``/``rdiv`` are the reflected forms (``scalar - x``, ``scalar / x``).
@@ -146,6 +147,31 @@ _DEVICE_FN = {"add": _add, "sub": _sub, "mul": _mul, "div": _div,
 BINARY_KERNELS = {op: _make_binary_kernel(_DEVICE_FN[op]) for op in BINARY_REF}
 SCALAR_KERNELS = {op: _make_scalar_kernel(_DEVICE_FN[op]) for op in BINARY_REF}
 UNARY_KERNELS = {op: _make_unary_kernel(_DEVICE_FN[op]) for op in UNARY_REF}
+
+
+# --- what the real compiler checks (kernels/registry.py) -----------------------
+
+#: Division is launched for floats only: ``mirrored.Tensor`` casts integer operands to
+#: float before ``/`` (TensorFlow's truediv), so an integer div kernel never runs.
+FLOAT_DTYPES = ("float32", "float64")
+_OP_DTYPES = {op: FLOAT_DTYPES if op in ("div", "rdiv") else TENSOR_DTYPES for op in BINARY_REF}
+#: ``cast`` also meets uint8: images as stored, converted to float32 on the device.
+CAST_DTYPES = ("uint8",) + TENSOR_DTYPES
+
+_BLOCK = grid_1d(1)[1]
+for _op, _kernel in BINARY_KERNELS.items():
+    register(_kernel, "binary_kernel", [sig(vec(t), vec(t), vec(t)) for t in _OP_DTYPES[_op]],
+             block=_BLOCK, variant=f"op={_op}")
+for _op, _kernel in SCALAR_KERNELS.items():
+    register(_kernel, "binary_scalar_kernel", [sig(vec(t), t, vec(t)) for t in _OP_DTYPES[_op]],
+             block=_BLOCK, variant=f"op={_op}")
+for _op, _kernel in UNARY_KERNELS.items():
+    register(_kernel, "unary_kernel", [sig(vec(t), vec(t)) for t in TENSOR_DTYPES],
+             block=_BLOCK, variant=f"op={_op}")
+register(cast_kernel, "cast_kernel",
+         [sig(vec(src), vec(dst)) for src in CAST_DTYPES for dst in CAST_DTYPES if src != dst],
+         block=_BLOCK)
+register(fill_kernel, "fill_kernel", [sig(vec(t), t) for t in TENSOR_DTYPES], block=_BLOCK)
 
 
 # --- launchers ----------------------------------------------------------------

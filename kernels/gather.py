@@ -27,6 +27,11 @@ import numpy as np
 from numba import cuda
 
 from kernels.launch import check_array, check_no_alias, grid_1d, launch
+from kernels.registry import mat, register, sig, vec
+
+#: Row dtypes of resident data sets: float32 and uint8 images, int64 and int32 labels
+#: (seen as (n, 1)). Row numbers are always int64 (``mirrored/input_lib.py``).
+GATHER_DTYPES = ("float32", "uint8", "int64", "int32")
 
 
 # --- NumPy reference -----------------------------------------------------------------
@@ -60,6 +65,10 @@ def gather_rows_kernel(src, idx, out):
         i = t // cols
         j = t - i * cols
         out[i, j] = src[idx[i], j]
+
+
+register(gather_rows_kernel, "gather_rows_kernel",
+         [sig(mat(t), vec("int64"), mat(t)) for t in GATHER_DTYPES], block=grid_1d(1)[1])
 
 
 # --- launcher --------------------------------------------------------------------------

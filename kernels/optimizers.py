@@ -35,6 +35,7 @@ import numpy as np
 from numba import cuda
 
 from kernels.launch import check_array, check_no_alias, grid_1d, launch
+from kernels.registry import register, sig, vec
 
 
 # --- the hyper-parameter vectors shared by the kernels and the references ------------------
@@ -146,6 +147,17 @@ def adam_kernel(w, g, m, v, hyper):
         m[i] = mi
         v[i] = vi
         w[i] -= (mi * alpha) / (math.sqrt(vi) + epsilon)
+
+
+# What the real compiler checks (kernels/registry.py): flat float32 buffers and the
+# float32 hyper-parameter vector.
+_F32 = vec("float32")
+register(sgd_kernel, "sgd_kernel", sig(_F32, _F32, _F32), block=grid_1d(1)[1])
+register(sgd_momentum_kernel, "sgd_momentum_kernel", sig(_F32, _F32, _F32, _F32),
+         block=grid_1d(1)[1])
+register(sgd_nesterov_kernel, "sgd_nesterov_kernel", sig(_F32, _F32, _F32, _F32),
+         block=grid_1d(1)[1])
+register(adam_kernel, "adam_kernel", sig(_F32, _F32, _F32, _F32, _F32), block=grid_1d(1)[1])
 
 
 # --- launchers ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda, from_dtype
 
 from kernels.launch import SIMULATOR, ceil_div, check_array, launch
+from kernels.registry import TENSOR_DTYPES, arr3, mat, register, sig, vec
 
 #: Threads per block in ``sum_all``: a power of two (the tree halves it each
 #: step) and a multiple of the 32-thread warp. (Fewer in the simulator, where
@@ -120,8 +121,15 @@ def _make_kernels(nb_dtype):
 
 
 #: dtype -> (block_sums, axis_sums)
-KERNELS = {np.dtype(t): _make_kernels(from_dtype(np.dtype(t)))
-           for t in (np.float32, np.float64, np.int32, np.int64)}
+KERNELS = {np.dtype(t): _make_kernels(from_dtype(np.dtype(t))) for t in TENSOR_DTYPES}
+
+# What the real compiler checks (kernels/registry.py): one kernel pair per dtype, each
+# compiled for its own dtype (the shared-memory dtype is baked in).
+for _dtype, (_block_sums, _axis_sums) in KERNELS.items():
+    register(_block_sums, "block_sums", sig(vec(_dtype.name), vec(_dtype.name)),
+             block=SUM_THREADS, variant=_dtype.name)
+    register(_axis_sums, "axis_sums", sig(arr3(_dtype.name), mat(_dtype.name)),
+             block=(AXIS_COLS, AXIS_ROWS), variant=_dtype.name)
 
 
 def _kernels_for(what, dtype):

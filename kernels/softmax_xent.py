@@ -36,6 +36,7 @@ import numpy as np
 from numba import cuda, float32
 
 from kernels.launch import check_array, check_no_alias, grid_1d, launch
+from kernels.registry import mat, register, sig, vec
 
 #: Keras's ``backend.epsilon()``: probabilities are clipped to [EPSILON, 1 - EPSILON]
 #: before the log, so log(0) never happens.
@@ -104,10 +105,15 @@ def prob_xent_ref(probs, labels, loss_out=None, grad_out=None, correct_out=None,
 
 # --- kernels -------------------------------------------------------------------------------
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline="always")
 def _poison_row(r, loss, grad, correct, with_grad):
     """Row r has a label outside [0, C): a kernel cannot raise, so the row's loss (and,
-    ``with_grad``, its gradient) becomes NaN and its correct flag 0, where it shows."""
+    ``with_grad``, its gradient) becomes NaN and its correct flag 0, where it shows.
+
+    Inlined into the calling kernel (``inline="always"``, at Numba IR level): a
+    non-inline device function is compiled separately and linked, and numba-cuda asks
+    the CUDA driver for that step, so ``cuda.compile_ptx`` fails on a machine with no
+    driver, i.e. CI (tests/test_kernels_compile.py)."""
     loss[r] = math.nan
     correct[r] = float32(0.0)
     if with_grad:
@@ -196,6 +202,21 @@ def _make_prob_xent_kernel(with_grad):
 #: Compiled kernels, keyed by with_grad (False: evaluation, no gradient written).
 SOFTMAX_XENT_KERNELS = {g: _make_softmax_xent_kernel(g) for g in (False, True)}
 PROB_XENT_KERNELS = {g: _make_prob_xent_kernel(g) for g in (False, True)}
+
+
+# What the real compiler checks (kernels/registry.py): each kernel with int32 and int64
+# labels (both accepted by ``_check_args``). Without a gradient the launcher passes x in
+# the grad slot, so both variants have the same signature.
+def _xent_signature(label_dtype):
+    return sig(mat("float32"), vec(label_dtype), vec("float32"), mat("float32"),
+               vec("float32"), "float32")
+
+
+for _name, _kernels in (("softmax_xent_kernel", SOFTMAX_XENT_KERNELS),
+                        ("prob_xent_kernel", PROB_XENT_KERNELS)):
+    for _with_grad, _kernel in _kernels.items():
+        register(_kernel, _name, [_xent_signature(np.dtype(t).name) for t in _LABEL_DTYPES],
+                 block=grid_1d(1)[1], variant=f"with_grad={_with_grad}")
 
 
 # --- launchers -------------------------------------------------------------------------------

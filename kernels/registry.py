@@ -1,0 +1,163 @@
+"""The registry of every kernel the library launches, with the signatures it is launched with.
+
+Why. Numba compiles a kernel the first time it is launched, for the argument types of
+that launch. A kernel that is never launched in a test is never compiled, and the CUDA
+simulator (which runs kernels as Python) compiles nothing at all. So that the real CUDA
+compiler sees every kernel on every machine, even one with no GPU, each kernel file
+declares, right below its kernels, what its launcher passes them::
+
+    register(gemm_v3, "gemm_v3", [SIGNATURE], block=(16, 16), variant="trans_a=False, trans_b=True")
+
+``python -m kernels.report`` (``kernels/report.py``) compiles every registered
+(kernel, signature) with ``cuda.compile_ptx`` and ``ptxas -v`` and prints registers,
+shared memory, spills and stack; ``tests/test_kernels_compile.py`` runs it in CI and
+fails on a compile error, a spill, a float64 instruction in a float32 kernel, or a
+kernel that is defined in ``kernels/`` but not registered (``unregistered``): the
+registry cannot fall behind the code.
+
+What a signature is. Numba's type string for one launch, e.g.
+``"void(float32[:, ::1], int64[::1], float32)"``: ``[::1]`` is a C-contiguous 1-D
+array, ``[:, ::1]`` a C-contiguous 2-D one (every launcher checks contiguity and passes
+flattened or 2-D C-order arrays), a bare dtype a scalar. ``vec``, ``mat`` and ``arr3``
+below spell them. Compile-time variants (gemm's transposes and versions, softmax_xent's
+``with_grad``, elementwise's operator) are separate kernel objects, each registered
+with its ``variant`` written out.
+
+``block``: the threads per block the launcher uses on a real GPU, taken from the
+launcher's own grid function (never a second copy of the number), so the report can
+compute the occupancy that launch gets.
+
+Neighbours: every ``kernels/*.py`` calls ``register``; ``kernels/report.py`` compiles
+what is here; ``kernels/launch.py`` holds the launch helpers the blocks come from.
+"""
+import gc
+import importlib
+import math
+import pkgutil
+from dataclasses import dataclass
+
+#: The dtypes that Tensor arithmetic, fills, reductions and the ring all-reduce are
+#: compiled for: the numeric dtypes ``mirrored`` creates (float32 by default, float64 and
+#: the integer label and counter dtypes). A launch with another dtype compiles on the
+#: fly, unchecked here: add the dtype to this tuple when the library starts using it.
+TENSOR_DTYPES = ("float32", "float64", "int32", "int64")
+
+#: Modules of this package that hold no kernels (skipped when importing them all).
+_NOT_KERNEL_MODULES = ("registry", "report", "launch")
+
+
+def vec(dtype):
+    """A C-contiguous 1-D array of ``dtype`` in Numba's signature syntax: ``float32[::1]``."""
+    return f"{dtype}[::1]"
+
+
+def mat(dtype):
+    """A C-contiguous 2-D array: ``float32[:, ::1]``."""
+    return f"{dtype}[:, ::1]"
+
+
+def arr3(dtype):
+    """A C-contiguous 3-D array: ``float32[:, :, ::1]``."""
+    return f"{dtype}[:, :, ::1]"
+
+
+def sig(*args):
+    """``void(<args>)``: kernels return nothing."""
+    return f"void({', '.join(args)})"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One registered kernel: the Numba kernel object and how the library launches it.
+
+    name       the kernel's name (``gemm_v3``, ``softmax_xent_kernel``)
+    variant    its compile-time variant in words (``"trans_a=True, trans_b=False"``) or ""
+    kernel     the ``@cuda.jit`` kernel object (``kernel.py_func`` is the Python source)
+    signatures the Numba signature strings it is launched with
+    block      threads per block its launcher uses on a GPU, as (x, y, z)
+    module     the kernels/ module that defines it
+    """
+    name: str
+    variant: str
+    kernel: object
+    signatures: tuple
+    block: tuple
+    module: str
+
+    @property
+    def label(self):
+        """``name[variant]``: unique across the registry, used in reports and errors."""
+        return f"{self.name}[{self.variant}]" if self.variant else self.name
+
+    @property
+    def block_threads(self):
+        return math.prod(self.block)
+
+
+_REGISTRY = []
+
+
+def register(kernel, name, signatures, block, variant=""):
+    """Declare that the library launches ``kernel`` with each of ``signatures`` and
+    ``block`` threads per block (an int or a tuple). Returns ``kernel``.
+
+    Called at import time, right below the kernels, by every file in ``kernels/``.
+    """
+    if isinstance(signatures, str):
+        signatures = (signatures,)
+    if not signatures:
+        raise ValueError(f"register({name!r}): give at least one signature the kernel is "
+                         f"launched with, e.g. sig(vec('float32'), vec('float32')).")
+    block = tuple(block) if isinstance(block, (tuple, list)) else (int(block),)
+    spec = KernelSpec(name, variant, kernel, tuple(signatures), block,
+                      getattr(getattr(kernel, "py_func", None), "__module__", "?"))
+    if any(s.label == spec.label for s in _REGISTRY):
+        raise ValueError(f"register: {spec.label} is registered twice; give each compile-time "
+                         f"variant its own variant string.")
+    _REGISTRY.append(spec)
+    return kernel
+
+
+def import_all():
+    """Import every kernel module of this package (registration happens at import)."""
+    import kernels
+    for info in pkgutil.iter_modules(kernels.__path__):
+        if info.name not in _NOT_KERNEL_MODULES and not info.name.startswith("_"):
+            importlib.import_module(f"kernels.{info.name}")
+
+
+def registered():
+    """Every registered ``KernelSpec``, in module order (imports the kernel modules first)."""
+    import_all()
+    return list(_REGISTRY)
+
+
+def _kernel_class():
+    """(the class of a ``@cuda.jit`` object, a test "is a kernel, not a device function"),
+    for real numba-cuda or the CUDA simulator, whichever this process uses."""
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+        return FakeCUDAKernel, lambda k: not k._device
+    from numba.cuda.dispatcher import CUDADispatcher
+    return CUDADispatcher, lambda k: not k.targetoptions.get("device", False)
+
+
+def unregistered(module_prefix="kernels."):
+    """Kernel objects defined in modules named ``module_prefix*`` that are not registered.
+
+    Walks every live object (``gc.get_objects``), so a kernel made by a factory and kept
+    only in a dict or a closure is found too. Returns a sorted list of
+    ``"module.function"`` names (a factory's kernels share one name: fix them all).
+    """
+    import_all()
+    known = {id(s.kernel) for s in _REGISTRY}
+    cls, is_kernel = _kernel_class()
+    found = []
+    for obj in gc.get_objects():
+        if not isinstance(obj, cls) or not is_kernel(obj):
+            continue
+        module = getattr(obj.py_func, "__module__", "") or ""
+        if module.startswith(module_prefix) and id(obj) not in known:
+            found.append(f"{module}.{obj.py_func.__qualname__}")
+    return sorted(found)
