@@ -64,37 +64,37 @@ def cast_ref(x, dtype):
 
 # --- device functions: the scalar math of each operator ---------------------
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _add(a, b):
     return a + b
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _sub(a, b):
     return a - b
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _mul(a, b):
     return a * b
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _div(a, b):
     return a / b
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _rsub(a, b):
     return b - a
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _rdiv(a, b):
     return b / a
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _neg(a):
     return -a
 

@@ -211,6 +211,12 @@ def _short(message):
     return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + " ..."
 
 
+#: Added to a compile error that asks for the CUDA driver: compile_ptx itself needs none.
+_DRIVER_HINT = (" [compile_ptx needs no driver; numba-cuda asks for one when a kernel calls a "
+                "device function that is not inline: declare it "
+                "@cuda.jit(device=True, inline=\"always\")]")
+
+
 def compile_ptx(spec, signature, cc):
     """PTX of ``spec.kernel`` for one signature, with the options its ``@cuda.jit`` set."""
     from numba import cuda
@@ -270,7 +276,8 @@ def compile_rows(specs, ccs, ptxas=None, workers=None):
                         ptx = compile_ptx(spec, signature, cc)
                     except Exception as err:  # any compiler error becomes a row, named
                         row["error"] = (f"{spec.label} {signature} (sm_{cc[0]}{cc[1]}) does "
-                                        f"not compile: {type(err).__name__}: {_short(err)}")
+                                        f"not compile: {type(err).__name__}: {_short(err)}"
+                                        f"{_DRIVER_HINT if 'driver' in str(err) else ''}")
                         jobs.append(row)
                         continue
                     jobs.append(pool.submit(_assemble, row, ptx, cc, ptxas))

@@ -41,6 +41,19 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::numba.core.errors.NumbaPerformanceWarning")
 
 
+#: Lines a test adds (``request.config.stash[SUMMARY_KEY]``) for the end of the run:
+#: e.g. how many kernels the real CUDA compiler compiled (tests/test_kernels_compile.py).
+SUMMARY_KEY = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(SUMMARY_KEY, [])
+    if lines:
+        terminalreporter.section("mirrored")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def pytest_report_header(config):
     mode = "Numba CUDA simulator (no GPU found)" if SIMULATOR else "real CUDA GPU"
     return f"mirrored tests: CUDA kernels run on the {mode}"

@@ -1,0 +1,220 @@
+"""Every kernel the library launches, through the real CUDA compiler, with no GPU.
+
+The simulator tests (test_kernels_*.py) check what each kernel computes; these check that
+each is a valid, efficient GPU program: for every (kernel, signature) registered in
+``kernels/registry.py``, ``python -m kernels.report`` runs NVVM (``cuda.compile_ptx``)
+for sm_80 and sm_90 and ``ptxas -v`` on the result. Then, for every row:
+
+    it compiled and assembled               no error, nothing missing from the registry
+    0 spill bytes and a 0-byte stack frame  registers, not local memory
+    no float64 instruction                  in a kernel whose signature has no float64
+    registers x block threads <= 65,536     the launcher's block fits an SM's register file
+
+and every ``@cuda.jit`` kernel defined in ``kernels/`` is registered. None of this needs a
+GPU, only the numba-cuda[cu12] wheels of requirements.txt, so nothing here skips. The real
+compiler and the simulator cannot share a process (this one may run the simulator:
+tests/conftest.py), so the report runs ONCE in a child process with
+``NUMBA_ENABLE_CUDASIM=0`` and every test reads its JSON rows (module-scoped fixture).
+
+    python -m pytest tests/test_kernels_compile.py        # ~30 s on 2 cores
+    python -m kernels.report                              # the same numbers as a table
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import SUMMARY_KEY
+from kernels import registry, report
+
+#: The compute capabilities CI compiles for: A100 and H100, the GPUs the course uses.
+CCS = ("8.0", "9.0")
+
+#: Seconds the child process may take compiling everything (measured: ~30 s on 2 busy cores).
+REPORT_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def rows(request):
+    """The report's rows for every registered kernel, signature and cc in CCS."""
+    args = [a for cc in CCS for a in ("--cc", cc)]
+    rows, done = report.run_report(*args, timeout=REPORT_TIMEOUT_S)
+    assert rows is not None, (f"python -m kernels.report {' '.join(args)} printed no JSON "
+                              f"(exit {done.returncode}):\n{done.stderr[-3000:]}")
+    # The report's last line counts what was compiled: shown at the end of the pytest run.
+    last = done.stderr.strip().splitlines()[-1:] or ["(the report printed no summary)"]
+    request.config.stash.setdefault(SUMMARY_KEY, []).append(f"real CUDA compiler: {last[0]}")
+    return rows
+
+
+def _good(rows):
+    return [r for r in rows if not r["error"]]
+
+
+def _where(r):
+    return f"{r['kernel']} {r['signature']} on sm_{r['cc'].replace('.', '')}"
+
+
+def test_every_registered_kernel_compiles_and_assembles(rows):
+    errors = [r["error"] for r in rows if r["error"]]
+    assert not errors, "\n\n".join(errors)
+    want = {(s.label, sig, cc) for s in registry.registered() for sig in s.signatures
+            for cc in CCS}
+    got = {(r["kernel"], r["signature"], r["cc"]) for r in rows}
+    assert got == want, (f"the report skipped {sorted(want - got)[:5]} and/or made up "
+                         f"{sorted(got - want)[:5]}")
+
+
+def test_no_spills_and_no_stack_frame(rows):
+    bad = [f"{_where(r)}: {r['spill_stores_bytes']} B spill stores, {r['spill_loads_bytes']} B "
+           f"spill loads, {r['stack_bytes']} B stack" for r in _good(rows)
+           if r["spill_bytes"] or r["stack_bytes"]]
+    assert not bad, ("kernels that use local memory (a local array indexed at run time, or "
+                     "more registers than ptxas allows):\n" + "\n".join(bad))
+
+
+def test_float32_kernels_have_no_float64_instructions(rows):
+    bad = [f"{_where(r)}: {r['f64_instructions']} float64 instruction(s)" for r in _good(rows)
+           if not r["float64_allowed"] and r["f64_instructions"]]
+    assert not bad, ("float64 arithmetic in kernels with no float64 argument: look for a "
+                     "Python float (0.0, 1e-7, math.nan) mixed into float32 math, or ``/`` "
+                     "on integers; write float32(...) instead:\n" + "\n".join(bad))
+
+
+def test_launch_block_fits_the_register_file(rows):
+    bad = [f"{_where(r)}: {r['registers']} registers x {r['block_threads']} threads = "
+           f"{r['registers'] * r['block_threads']}" for r in _good(rows)
+           if r["registers"] * r["block_threads"] > report.REGISTERS_PER_SM
+           or r["blocks_per_sm"] < 1]
+    assert not bad, (f"blocks that cannot launch (more than {report.REGISTERS_PER_SM} "
+                     f"registers per block): use a smaller block or fewer registers:\n"
+                     + "\n".join(bad))
+
+
+# --- the registry cannot fall behind the code ---------------------------------------------
+
+def test_every_kernel_in_kernels_is_registered():
+    missing = registry.unregistered()
+    assert not missing, (f"CUDA kernels in kernels/ that are not registered: {missing}. Call "
+                         f"kernels.registry.register(kernel, name, signatures, block) below "
+                         f"each, with every signature its launcher passes.")
+
+
+def test_an_unregistered_kernel_is_found():
+    """The walk that the test above relies on does find a kernel nobody registered."""
+    from numba import cuda
+
+    @cuda.jit
+    def stray_kernel(x):
+        x[0] = 1
+
+    found = registry.unregistered(module_prefix=__name__)
+    assert any(name.endswith("stray_kernel") for name in found), found
+    del stray_kernel
+
+
+def test_every_registered_signature_parses():
+    """Each registered signature is one Numba accepts (a typo is caught without compiling)."""
+    from numba.core import sigutils
+    for spec in registry.registered():
+        assert spec.signatures and spec.block_threads >= 1, spec.label
+        for sig in spec.signatures:
+            args, ret = sigutils.normalize_signature(sig)
+            assert str(ret) == "none" and args, f"{spec.label}: {sig!r} must be void(...)"
+
+
+# --- bad input: what a broken kernel looks like in the report --------------------------------
+
+_BROKEN_KERNELS = r'''
+import json, math
+from numba import cuda, float32
+from kernels import report
+from kernels.registry import KernelSpec
+
+@cuda.jit
+def sums_in_float64(x, out):
+    acc = 0.0                      # a Python float: float64, carried through the loop
+    for i in range(x.size):
+        acc += x[i]
+    out[0] = acc
+
+@cuda.jit
+def local_array_at_run_time_index(x, n):
+    buf = cuda.local.array(64, float32)
+    for i in range(64):
+        buf[i] = x[i]
+    buf[n] += float32(1.0)         # n unknown at compile time: buf lives on the stack
+    x[0] = buf[n + 1]
+
+@cuda.jit
+def stores_a_string(x):
+    x[0] = "not a number"
+
+specs = [KernelSpec("sums_in_float64", "", sums_in_float64, ("void(float32[::1], float32[::1])",), (256,), "t"),
+         KernelSpec("local_array_at_run_time_index", "", local_array_at_run_time_index, ("void(float32[::1], int64)",), (256,), "t"),
+         KernelSpec("stores_a_string", "", stores_a_string, ("void(float32[::1])",), (256,), "t")]
+print(json.dumps(report.compile_rows(specs, [(9, 0)])))
+'''
+
+
+def test_broken_kernels_are_reported_with_name_signature_and_message():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_BROKEN_KERNELS)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=REPORT_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    f64, stack, string = json.loads(done.stdout)
+    assert f64["error"] is None and f64["f64_instructions"] > 0, f64
+    assert stack["error"] is None and stack["stack_bytes"] > 0, stack
+    message = string["error"] or ""
+    assert ("stores_a_string" in message and "void(float32[::1])" in message
+            and "does not compile" in message and "TypingError" in message), string
+
+
+def test_unknown_compute_capability_names_the_known_ones():
+    assert report.parse_cc("9.0") == (9, 0) == report.parse_cc("sm_90")
+    with pytest.raises(ValueError, match=r"unknown compute capability '4\.2'; known: 7\.5 .*9\.0"):
+        report.parse_cc("4.2")
+
+
+# --- reading ptxas and PTX ------------------------------------------------------------------
+
+#: What ptxas 12.9 prints for gemm v2 on sm_90 (entry name shortened).
+_PTXAS_V2 = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_ZN7kernels4gemm7gemm_v2' for 'sm_90'
+ptxas info    : Function properties for _ZN7kernels4gemm7gemm_v2
+    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 32 registers, used 1 barriers, 2176 bytes smem, 400 bytes cmem[0]
+"""
+
+
+def test_ptxas_output_is_read():
+    assert report.parse_ptxas(_PTXAS_V2) == {
+        "registers": 32, "stack_bytes": 0, "spill_stores_bytes": 8, "spill_loads_bytes": 4,
+        "shared_bytes": 2176}
+    with pytest.raises(ValueError, match="printed 0"):
+        report.parse_ptxas("ptxas info    : 0 bytes gmem\n")
+
+
+def test_float64_instructions_are_counted():
+    ptx = """
+    .reg .f64 %fd<4>;
+    ld.global.f32 %f1, [%rd1];
+    cvt.f64.f32 %fd1, %f1;
+    @%p1 add.f64 %fd2, %fd1, %fd1;
+    add.f32 %f2, %f1, %f1;
+    """
+    assert report.count_f64_instructions(ptx) == 2
+
+
+def test_occupancy_of_gemm_v3_shapes():
+    """179 registers x 256 threads: one block of 8 warps per SM (12.5% of 64 warps on sm_90);
+    32 registers: 8 blocks, every warp slot filled."""
+    assert report.occupancy(179, 8192, 256, (9, 0))[:2] == (1, 0.125)
+    assert report.occupancy(32, 0, 256, (9, 0))[:2] == (8, 1.0)
+    assert report.occupancy(255, 0, 1024, (9, 0))[0] == 0
