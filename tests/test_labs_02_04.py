@@ -28,3 +28,6 @@ def test_lab_runs_top_to_bottom(name, run_lab):
     else:
         assert text.count(" OK ") == 12 and "WRONG" not in text        # 3 versions x 4 transposes
         assert "out[1, 3] =" in text and "thread (3, 1) of block (0, 0)" in text
+        # the real compiler's table (kernels.report): the four v3 rows, then one row per version
+        assert text.count("gemm_v3[trans_a=") == 4 and "problem(s)" not in text
+        assert "spill+stack B" in text
