@@ -32,6 +32,7 @@ fixes the order of the steps (see ``RingAllReduce``).
 Layout of this file (as every file in ``kernels/``):
     NumPy references  ``ring_reduce_step_ref``, ``ring_gather_step_ref`` (in place, like the kernels)
     kernels           ``ring_reduce_step_kernel``, ``ring_gather_step_kernel``
+    registration      both, for every dtype the strategy reduces (``kernels/registry.py``)
     launchers         ``ring_reduce_step``, ``ring_gather_step``: check, then launch
 The CPU backend (``mirrored/backends.py``, ``CpuOps.ring_*``) calls the refs.
 """

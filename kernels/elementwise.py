@@ -12,6 +12,7 @@ Layout of this file (as every file in ``kernels/``):
     NumPy references  ``binary_ref``, ``binary_scalar_ref``, ``unary_ref``, ``cast_ref``, ``fill_ref``
     device functions  one per operator
     kernels           built from the device functions by small factories
+    registration      each kernel with the dtypes it is launched with (``kernels/registry.py``)
     launchers         ``binary``, ``binary_scalar``, ``unary``, ``cast``, ``fill``: check, then launch
 The CPU backend (``mirrored/backends.py``) calls the ``*_ref`` functions, so the
 math has one definition.

@@ -16,7 +16,9 @@ simulator is single-device and synchronous anyway); on real CUDA there is no
 lock and configured kernels are cached per (kernel, grid, block, stream).
 
 Neighbours: ``elementwise.py``, ``reduction.py``, ``gemm.py`` ... all import
-from here; ``mirrored/backends.py`` calls their launchers.
+from here; ``mirrored/backends.py`` calls their launchers; ``registry.py`` records, for
+the real compiler's checks (``python -m kernels.report``), the block each launcher
+takes from here.
 """
 import threading
 
