@@ -89,7 +89,7 @@ class SMLimits:
     shared_bytes: int     # shared memory per SM at the largest carve-out
 
 
-#: The compute capabilities the report knows (NVVM in both CUDA 12 and 13 compiles all).
+#: The compute capabilities the report knows (CUDA 12.9's NVVM and ptxas compile every one).
 SM_LIMITS = {
     (7, 5): SMLimits("T4", 32, 16, 64 * 1024),
     (8, 0): SMLimits("A100", 64, 32, 164 * 1024),
