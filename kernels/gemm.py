@@ -6,11 +6,22 @@ Three versions live side by side; the launcher ``gemm(..., version=...)`` picks 
         (K loads of A and K loads of B per output: limited by memory, not arithmetic).
     v2  shared-memory tiled: a 16x16 block stages a 16x16 tile of op(A) and of op(B)
         in shared memory, so each global value is read once per block, not 16 times.
-    v3  register-tiled: a 16x16 block computes a 128x128 tile of ``out``; each thread
-        keeps an 8x8 block of accumulators in registers and reuses every value it loads
-        from shared memory 8 times. Designed to be the fastest, so it is the default
-        (``DEFAULT_VERSION``); ``python -m benchmarks.kernels`` measures all three
+    v3  register-tiled: a 16x16 block computes a 128x64 tile of ``out``; each thread
+        keeps an 8x4 block of accumulators in registers and reuses every value it loads
+        from shared memory 4 or 8 times. The fastest for large outputs, so it is the
+        default (``DEFAULT_VERSION``); ``python -m benchmarks.kernels`` measures all three
         against cuBLAS on a GPU (target: v3 >= 50% of cuBLAS FP32 at 4096^3).
+
+Which version for which shape (``choose_version``, what ``version=None`` does): a v3
+block covers 128 x 64 outputs, so a small output (a Dense layer at batch 64 is 64 x 64)
+is ONE block on ONE of the GPU's 132 SMs, looping over all of K alone: measured on an
+H100, 318 µs for 64x64x784 where v2's sixteen 16x16 blocks take 49. The launcher takes
+v3 only when its grid has at least one block per SM, else v2.
+
+Tile shape, measured on an H100 at 4096^3 (cuBLAS FP32: 50 TFLOP/s): a 128x128 tile with
+8x8 per thread (179 registers: one 256-thread block per SM) ran at 7.8 TFLOP/s; 128x64 with
+8x4 per thread (about 120 registers: two blocks per SM, twice the warps to hide latency)
+at 18.0; the same without the padding of the A tile (below) at 13.7.
 
 ``op(X)`` is ``X`` or ``X.T`` (flags ``trans_a``, ``trans_b``). Transposes are never
 materialised: each kernel is compiled once per (trans_a, trans_b) pair with the flags
@@ -33,15 +44,10 @@ registers, not in a stack frame in slow local memory)::
 
     python -m kernels.report --only gemm          # NVVM + ptxas -v for sm_90, every variant
 
-Measured that way (numba-cuda 0.30.4, ptxas 12.9, sm_90): v1 30-32 registers, v2 31-37
-registers and 2,176 bytes of shared tiles, v3 179 registers and 8 KiB of shared tiles; all
-with a 0-byte stack frame, no spills, no float64 instruction. 179 x 256 threads leaves room
-for one block per SM (12.5% occupancy: 8 of 64 warps), and two blocks would need at most
-128 registers; capping there cost a 16-byte stack frame of spills (measured earlier with
-ptxas 13.0 and ``max_registers=128``), so v3 keeps its
-registers and hides latency with 64 independent multiply-adds per thread instead of warps.
-``tests/test_kernels_compile.py`` checks all of this in every test run (the kernels are
-registered below, with ``SIGNATURE`` and each launcher's block).
+``tests/test_kernels_compile.py`` checks in every test run that every version has a
+0-byte stack frame, no spills and no float64 instruction (``python -m kernels.report``
+prints the registers, shared memory and occupancy; the README quotes them). The kernels
+are registered below, with ``SIGNATURE`` and each launcher's block.
 """
 import numpy as np
 from numba import cuda, float32
@@ -63,15 +69,24 @@ TILE = 16
 TILE_PADDED = TILE + 1
 
 #: v3 block tile: each block computes a BM x BN tile of ``out``, stepping through K
-#: BK columns at a time. 128 x 128 x 8 is the classic SGEMM shape: 8 KiB of shared
-#: memory per block and enough reuse (8 FMAs per shared load) to approach FP32 peak.
+#: BK columns at a time: 6 KiB of shared memory per block. (128 x 128 with 8 x 8 per
+#: thread is the textbook shape, but its 179 registers allow one block per SM; measured
+#: 2.3x slower at 4096^3, see the module docstring.)
 BM = 128
-BN = 128
+BN = 64
 BK = 8
 
-#: v3 thread tile: each thread owns TM x TN outputs (64 accumulators in registers).
+#: v3 thread tile: each thread owns TM x TN outputs (32 accumulators in registers).
 TM = 8
-TN = 8
+TN = 4
+
+#: The A tile is stored k-major with this many floats of padding per k-row. A thread
+#: loading op(A)[r, k] (non-transposed A: eight consecutive threads share r and walk k)
+#: stores at as_[k, r]; with rows of exactly BM = 128 floats those eight stores would
+#: hit one of the 32 shared-memory banks eight times over. 4 floats of padding move
+#: each k-row 4 banks along: the eight land in eight banks (measured 13.7 -> 18.0 TFLOP/s).
+A_PAD = 4
+BM_PADDED = BM + A_PAD   # a constant: Numba does not fold ``BM + A_PAD`` inside a kernel
 
 #: v3 block shape: (BN / TN) x (BM / TM) = 16 x 16 = 256 threads.
 V3_THREADS_X = BN // TN  # 16, runs over columns of the tile
@@ -80,7 +95,7 @@ V3_THREADS = V3_THREADS_X * V3_THREADS_Y  # 256
 
 #: Elements of the A tile (BM x BK) and of the B tile (BK x BN) each thread loads.
 A_LOADS = BM * BK // V3_THREADS  # 4
-B_LOADS = BK * BN // V3_THREADS  # 4
+B_LOADS = BK * BN // V3_THREADS  # 2
 assert A_LOADS * V3_THREADS == BM * BK and B_LOADS * V3_THREADS == BK * BN
 
 
@@ -233,31 +248,32 @@ def _make_v2(trans_a, trans_b):
 def _make_v3(trans_a, trans_b):
     @cuda.jit
     def gemm_v3(a, b, out, alpha, beta):
-        """v3, register-tiled. A 16 x 16 block computes the 128 x 128 tile of ``out``
-        starting at (row0, col0); thread (ty, tx) owns the 8 x 8 outputs
-        out[row0 + ty + 16*p, col0 + tx + 16*q] for p, q in range(8). Strided ownership
+        """v3, register-tiled. A 16 x 16 block computes the 128 x 64 tile of ``out``
+        starting at (row0, col0); thread (ty, tx) owns the 8 x 4 outputs
+        out[row0 + ty + 16*p, col0 + tx + 16*q] for p in range(8), q in range(4). Strided ownership
         keeps consecutive threads on consecutive columns, so shared-memory reads are
         conflict-free and the final stores coalesce.
 
         Per step of BK = 8 along K: the 256 threads load the 128 x 8 A tile (stored
-        k-major: as_[k, r]) and the 8 x 128 B tile, 4 elements each, zero outside the
-        matrices; sync; then for each of the 8 k's a thread copies 8 values of A and 8
-        of B into registers and does 64 multiply-adds; sync.
+        k-major: as_[k, r], rows padded by A_PAD) and the 8 x 64 B tile, 4 and 2
+        elements each, zero outside the matrices; sync; then for each of the 8 k's a
+        thread copies 8 values of A and 4 of B into registers and does 32 multiply-adds;
+        sync.
 
         Registers, not local memory: ``acc``, ``frag_a``, ``frag_b`` are
         ``cuda.local.array`` with compile-time sizes, indexed only by loop counters of
-        constant trip count, so the compiler unrolls the loops and keeps all 80 values
+        constant trip count, so the compiler unrolls the loops and keeps all 44 values
         in registers (ptxas: 0-byte stack frame). Edges are handled by zero-padding the
         shared tiles, never by run-time loop bounds, and by one bounds check per store.
         Preconditions: shapes agree (the launcher checks).
         Loop nest: for k0 in range(0, K, 8): for k in range(8): for p in range(8):
-                       for q in range(8): acc[p, q] += As[k, ty + 16p] * Bs[k, tx + 16q]
+                       for q in range(4): acc[p, q] += As[k, ty + 16p] * Bs[k, tx + 16q]
         """
-        as_ = cuda.shared.array((BK, BM), float32)  # as_[k, r] = op(A)[row0 + r, k0 + k]
+        as_ = cuda.shared.array((BK, BM_PADDED), float32)  # as_[k, r] = op(A)[row0 + r, k0 + k]
         bs = cuda.shared.array((BK, BN), float32)   # bs[k, c]  = op(B)[k0 + k, col0 + c]
-        acc = cuda.local.array((TM, TN), float32)   # this thread's 8 x 8 outputs
+        acc = cuda.local.array((TM, TN), float32)   # this thread's 8 x 4 outputs
         frag_a = cuda.local.array(TM, float32)      # one column of A for its 8 rows
-        frag_b = cuda.local.array(TN, float32)      # one row of B for its 8 columns
+        frag_b = cuda.local.array(TN, float32)      # one row of B for its 4 columns
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * V3_THREADS_X + tx
@@ -284,11 +300,11 @@ def _make_v3(trans_a, trans_b):
                     as_[k, r] = a[gr, gk] if (gr < M and gk < K) else float32(0.0)
             for l in range(B_LOADS):
                 e = tid + l * V3_THREADS
-                if trans_b:  # b is (N, K): 128 rows of 8 contiguous floats
+                if trans_b:  # b is (N, K): 64 rows of 8 contiguous floats
                     c, k = e // BK, e % BK
                     gc, gk = col0 + c, k0 + k
                     bs[k, c] = b[gc, gk] if (gc < N and gk < K) else float32(0.0)
-                else:        # b is (K, N): 8 rows of 128 contiguous floats
+                else:        # b is (K, N): 8 rows of 64 contiguous floats
                     k, c = e // BN, e % BN
                     gk, gc = k0 + k, col0 + c
                     bs[k, c] = b[gk, gc] if (gk < K and gc < N) else float32(0.0)
@@ -339,6 +355,30 @@ for _version, _by_trans in KERNELS.items():
                  variant=f"trans_a={_ta}, trans_b={_tb}")
 
 
+# --- which version -------------------------------------------------------------------
+
+_SM_COUNTS = {}
+
+
+def _sm_count():
+    """Multiprocessors of the current GPU (1 in the simulator, which has no such number)."""
+    dev = cuda.get_current_device()
+    key = getattr(dev, "id", 0)
+    if key not in _SM_COUNTS:
+        _SM_COUNTS[key] = int(getattr(dev, "MULTIPROCESSOR_COUNT", 1))
+    return _SM_COUNTS[key]
+
+
+def choose_version(m, n, sm_count=None):
+    """The version ``gemm(..., version=None)`` runs for an (m, n) output: v3 when its
+    grid gives every SM at least one block, else v2, whose 16 x 16 tiles make 32 times
+    as many blocks (a 64 x 64 output: one v3 block on one SM, sixteen v2 blocks).
+    ``sm_count`` defaults to the current GPU's."""
+    sm_count = _sm_count() if sm_count is None else sm_count
+    v3_blocks = ceil_div(n, BN) * ceil_div(m, BM)
+    return DEFAULT_VERSION if v3_blocks >= sm_count else "v2"
+
+
 # --- launcher -------------------------------------------------------------------------
 
 def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, stream=None,
@@ -347,12 +387,12 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, stream=No
 
     a, b, out: float32, 2-D, C-contiguous device arrays; op(a) is (M, K), op(b) is
     (K, N), out is (M, N) and must not overlap a or b. ``version``: "v1", "v2", "v3"
-    or None for ``DEFAULT_VERSION``. Every check runs before the launch.
+    or None for ``choose_version`` by the output's shape. Every check runs before the
+    launch.
     """
-    version = DEFAULT_VERSION if version is None else version
-    if version not in KERNELS:
+    if version is not None and version not in KERNELS:
         raise ValueError(f"gemm: unknown version {version!r}; expected one of {VERSIONS} "
-                         f"or None for the default ({DEFAULT_VERSION}).")
+                         f"or None to choose by shape (choose_version).")
     check_array("gemm: a", a, np.float32, ndim=2)
     check_array("gemm: b", b, np.float32, ndim=2)
     check_array("gemm: out", out, np.float32, ndim=2)
@@ -368,6 +408,7 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, stream=No
     check_no_alias("gemm", out, a, b)
     if m == 0 or n == 0:
         return out
+    version = choose_version(m, n) if version is None else version
     kernel = KERNELS[version][(bool(trans_a), bool(trans_b))]
     launch(kernel, *_grid(version, m, n), stream, a, b, out,
            np.float32(alpha), np.float32(beta))

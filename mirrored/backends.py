@@ -14,11 +14,12 @@ When a kernel file gains a new op, it gets one method here in each class.
 from kernels import activations, allreduce, elementwise, gather, gemm, optimizers, reduction, softmax_xent
 from kernels.launch import SIMULATOR
 
-#: The GEMM version the library uses: the fastest (gemm.DEFAULT_VERSION) on a GPU.
+#: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
+#: by the output's shape (v3 for outputs that fill the GPU, v2 for small ones).
 #: In the CUDA simulator every thread is a Python thread, so the register-tiled
 #: v3 (256 threads per block whatever the matrix size) is the slowest there; the
 #: library uses v1 (one thread per output) and the kernel tests cover every version.
-GEMM_VERSION = "v1" if SIMULATOR else gemm.DEFAULT_VERSION
+GEMM_VERSION = "v1" if SIMULATOR else None      # None: gemm.choose_version by shape
 
 
 class CpuOps:

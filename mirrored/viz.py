@@ -546,13 +546,13 @@ _GEMM_STORY = {
            "of the tiles (orange) from shared memory.\n"
            "Each global value is loaded once per block."),
     "v3": ("v3, register tiles: the 16 x 16 threads of a\n"
-           "block compute a 128 x 128 tile of out; each\n"
-           "thread owns 8 x 8 outputs, 16 apart (orange).\n"
+           "block compute a 128 x 64 tile of out; each\n"
+           "thread owns 8 x 4 outputs, 16 apart (orange).\n"
            "Per k-step of 8 the block stages a 128 x 8\n"
-           "A tile and an 8 x 128 B tile (light blue);\n"
-           "each thread loads 4 elements of each (x).\n"
-           "For every k it copies 8 A and 8 B values\n"
-           "into registers and does 64 multiply-adds."),
+           "A tile and an 8 x 64 B tile (light blue);\n"
+           "each thread loads 4 and 2 elements (x).\n"
+           "For every k it copies 8 A and 4 B values\n"
+           "into registers and does 32 multiply-adds."),
 }
 
 
@@ -627,7 +627,7 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
     from global into shared memory. Grey lines are block-tile and k-tile
     boundaries. ``block`` and ``thread`` are in CUDA order ``(x, y)``: x runs
     over columns of ``out``, y over rows. Sizes come from ``kernels/gemm.py``
-    (TILE = 16; v3: BM = BN = 128, BK = 8, 8 x 8 outputs per thread).
+    (TILE = 16; v3: BM = 128, BN = 64, BK = 8, 8 x 4 outputs per thread).
     Default shapes: 48 x 48 x 40 for v1 and v2 (3 x 3 blocks), 256 x 256 x 24 for v3.
     """
     from kernels import gemm as g

@@ -213,8 +213,10 @@ def test_float64_instructions_are_counted():
 
 
 def test_occupancy_of_gemm_v3_shapes():
-    """179 registers x 256 threads: one block of 8 warps per SM (12.5% of 64 warps on sm_90);
-    32 registers: 8 blocks, every warp slot filled."""
+    """179 registers x 256 threads (an 8 x 8 register tile): one block of 8 warps per SM
+    (12.5% of 64 warps on sm_90); 122 (v3's 8 x 4 tile): two blocks; 32 registers: 8
+    blocks, every warp slot filled."""
     assert report.occupancy(179, 8192, 256, (9, 0))[:2] == (1, 0.125)
+    assert report.occupancy(122, 6272, 256, (9, 0))[:2] == (2, 0.25)
     assert report.occupancy(32, 0, 256, (9, 0))[:2] == (8, 1.0)
     assert report.occupancy(255, 0, 1024, (9, 0))[0] == 0

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from numba import cuda
 
 import kernels.gemm as gemm_mod
-from kernels.gemm import DEFAULT_VERSION, VERSIONS, gemm, gemm_ref
+from kernels.gemm import DEFAULT_VERSION, VERSIONS, choose_version, gemm, gemm_ref
 from conftest import device_zeros
 
 #: float32 GEMM: each output is a K-term dot product; with float32 rounding each step
@@ -24,7 +24,7 @@ RTOL_F64 = 1e-12
 #: (M, N, K): every size in {1, 17, 31, 33, 65} appears in every position, and a batch
 #: of 1 (M = 1). None is a multiple of a tile edge (16, 128, 8), so every edge is ragged.
 SHAPES = [(17, 33, 65), (65, 31, 17), (33, 17, 31), (31, 65, 33), (1, 65, 33), (1, 17, 31)]
-#: More than one 128 x 128 v3 block in each direction (v1, v2 get many blocks anyway).
+#: More than one 128 x 64 v3 block in each direction (v1, v2 get many blocks anyway).
 V3_MULTI_BLOCK = (130, 129, 5)
 
 
@@ -112,6 +112,33 @@ def test_gemm_beta_accumulates_into_out(rng, version):
 def test_default_version_is_v3():
     assert DEFAULT_VERSION == "v3"
     assert DEFAULT_VERSION in VERSIONS
+
+
+@pytest.mark.parametrize("m, n, sms, want", [
+    (64, 64, 132, "v2"),          # a Dense layer at batch 64: one v3 block, 131 SMs idle
+    (784, 64, 132, "v2"),         # 7 v3 blocks
+    (1024, 1024, 132, "v2"),      # 8 x 16 = 128 v3 blocks: four SMs would idle
+    (1152, 1024, 132, "v3"),      # 9 x 16 = 144 blocks: every SM has one
+    (4096, 4096, 132, "v3"),
+    (64, 64, 1, "v3"),            # a one-SM device: any grid fills it
+])
+def test_choose_version_takes_v3_only_when_its_grid_fills_the_gpu(m, n, sms, want):
+    assert choose_version(m, n, sm_count=sms) == want
+
+
+def test_version_none_runs_the_chosen_version(rng, monkeypatch):
+    """gemm(version=None) launches the kernel choose_version names, and its result is right."""
+    import kernels.gemm as gemm_mod
+    launched = []
+    real_launch = gemm_mod.launch
+    monkeypatch.setattr(gemm_mod, "launch",
+                        lambda kernel, *rest: (launched.append(kernel), real_launch(kernel, *rest)))
+    monkeypatch.setattr(gemm_mod, "_sm_count", lambda: 1000)      # small output: v2
+    a, b = operands(rng, 9, 7, 5, False, False)
+    got = run_gemm(a, b, False, False, None)
+    assert launched == [gemm_mod.KERNELS["v2"][(False, False)]]
+    want, scale = oracle(a, b, False, False)
+    assert_close("gemm version=None", got, want, RTOL_F32, scale)
 
 
 def test_k_zero_gives_zeros():

@@ -290,9 +290,10 @@ def test_gemm_mapping_v2_and_v3_stage_tiles_and_loads():
     assert loads.tolist() == [[16 + 3, 16 + 5]]                      # sa[ty, tx] = A[row0+ty, k0+tx]
     fig = viz.gemm_mapping("v3", block=(1, 0), thread=(3, 5), k_step=1)
     _, ax_b, ax_a, ax_out = fig.axes
-    assert (_cells_of(ax_out) == 2).sum() == 64                      # 8 x 8 outputs per thread
-    assert (_cells_of(ax_a) >= 1).sum() == 128 * 8 and (_cells_of(ax_b) >= 1).sum() == 8 * 128
-    assert len(ax_a.collections[-1].get_offsets()) == 4 == len(ax_b.collections[-1].get_offsets())
+    assert (_cells_of(ax_out) == 2).sum() == 8 * 4                   # 8 x 4 outputs per thread
+    assert (_cells_of(ax_a) >= 1).sum() == 128 * 8 and (_cells_of(ax_b) >= 1).sum() == 8 * 64
+    assert len(ax_a.collections[-1].get_offsets()) == 4                # A: 128 x 8 / 256 threads
+    assert len(ax_b.collections[-1].get_offsets()) == 2                # B: 8 x 64 / 256 threads
     render(fig)
 
 
