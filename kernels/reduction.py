@@ -137,8 +137,10 @@ def _kernels_for(what, dtype):
 def sum_all(x, out, partial=None, stream=None):
     """out[0] = sum(x) on the GPU in two fixed-order passes (see module docstring).
 
-    ``out``: shape (1,) (or any 1-element array), x's dtype. ``partial``: an
-    optional scratch array of SUM_BLOCKS elements (allocated if not given).
+    ``out``: shape (1,) (or any 1-element array), x's dtype. ``partial``: a
+    scratch array of SUM_BLOCKS elements of x's dtype. The library passes one that its
+    device charged and keeps (``backends.CudaOps``); without it this launcher allocates
+    one per call (fine for tests and benchmarks, but uncounted and a cudaMalloc each time).
     """
     block_sums, _ = _kernels_for("sum_all", x.dtype)
     check_array("sum_all: x", x, x.dtype)
@@ -149,6 +151,10 @@ def sum_all(x, out, partial=None, stream=None):
     blocks = min(SUM_BLOCKS, max(1, ceil_div(x.size, SUM_THREADS)))
     if partial is None:
         partial = cuda.device_array(SUM_BLOCKS, dtype=x.dtype, stream=stream or 0)
+    check_array("sum_all: partial", partial, x.dtype, ndim=1)
+    if partial.shape[0] < blocks:
+        raise ValueError(f"sum_all: partial holds {partial.shape[0]} elements, pass 1 writes "
+                         f"{blocks}; pass a scratch array of SUM_BLOCKS = {SUM_BLOCKS}.")
     launch(block_sums, blocks, SUM_THREADS, stream, flat, partial)
     launch(block_sums, 1, SUM_THREADS, stream, partial[:blocks], out.reshape(1))
     return out

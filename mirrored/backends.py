@@ -103,6 +103,7 @@ class CudaOps:
     def __init__(self, device):
         self.device = device
         self.stream = device.stream
+        self._sum_partials = {}    # dtype -> sum_all's scratch, made once per dtype
 
     def binary(self, op, x, y, out):
         return elementwise.binary(op, x, y, out, self.stream)
@@ -117,7 +118,16 @@ class CudaOps:
         return elementwise.cast(x, out, self.stream)
 
     def sum_all(self, x, out):
-        return reduction.sum_all(x, out, stream=self.stream)
+        return reduction.sum_all(x, out, self._sum_partial(x.dtype), stream=self.stream)
+
+    def _sum_partial(self, dtype):
+        """sum_all's SUM_BLOCKS partial sums for ``dtype``: allocated once through the
+        device (so ``memory_info`` and ``memory_limit`` see it) and reused by every call.
+        Reuse is safe: every sum_all of this device runs on its one stream, in order."""
+        partial = self._sum_partials.get(dtype)
+        if partial is None:
+            partial = self._sum_partials[dtype] = self.device.empty((reduction.SUM_BLOCKS,), dtype)
+        return partial
 
     def sum_axis(self, x3, out):
         return reduction.sum_axis(x3, out, self.stream)

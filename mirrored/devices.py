@@ -181,12 +181,25 @@ class Device:
 
 
 def _memory_owner(buf):
-    """The object whose lifetime is the allocation's: views (reshape, slices)
-    keep it alive, so the refund happens when the last view is gone."""
-    owner = getattr(buf, "gpu_data", None)      # Numba device array: its memory pointer
-    if owner is None:
-        owner = getattr(buf, "_ary", buf)       # simulator array: the NumPy array inside
-    return owner
+    """The object whose lifetime is the allocation's, so the refund happens when
+    the memory is really freed, not when the first array over it goes.
+
+    * Real numba-cuda: ``buf.gpu_data`` is an ``OwnedPointer``, and every slice or
+      reshape gets its *own* ``OwnedPointer`` (a reference count on the allocation).
+      The base array's pointer can be collected while views still hold the memory
+      (``batch_reduce`` returns slices of a fused buffer and drops the buffer), so we
+      follow ``.owner`` to the allocation itself: numba keeps it in its context's
+      table until the last view goes, then frees it and drops it.
+    * Simulator: the NumPy array inside (``_ary``); CPU: the array itself. A NumPy
+      view keeps its ``.base`` alive, so we walk to the array that owns the bytes.
+    """
+    gpu_data = getattr(buf, "gpu_data", None)
+    if gpu_data is not None:
+        return gpu_data.owner                   # the MemoryPointer all views count on
+    arr = getattr(buf, "_ary", buf)
+    while isinstance(getattr(arr, "base", None), np.ndarray):
+        arr = arr.base
+    return arr
 
 
 class CpuDevice(Device):
