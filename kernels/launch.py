@@ -2,8 +2,9 @@
 
 One place decides three things for all kernels:
 
-* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_2d``), so every
-  launcher sizes its grid the same way;
+* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_2d``, ``grid_rows``),
+  so every launcher sizes its grid the same way, within the GPU's limits
+  (``check_launch``, which ``launch`` applies to every launch);
 * whether we run on real CUDA or in Numba's CUDA simulator (``SIMULATOR``);
 * how a configured kernel is launched (``launch``).
 
@@ -42,6 +43,17 @@ MAX_BLOCKS_1D = 65535
 #: a tiny test never spawns thousands of them (grid-stride loops cover the rest).
 SIM_MAX_BLOCKS_1D = 4
 
+#: Hardware limits on one launch (CUDA C Programming Guide, "Technical Specifications
+#: per Compute Capability", the same on every GPU since compute capability 3.0): blocks
+#: along x, along y and z; threads per block; threads along z of a block. Numba checks
+#: none of them, the simulator ignores them, and a launch past one fails on a GPU with
+#: CUDA_ERROR_INVALID_VALUE. Kernels with more rows than MAX_GRID_YZ blocks cover
+#: loop over them in y (a grid-stride loop), as 1-D kernels loop in x.
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+MAX_THREADS_PER_BLOCK = 1024
+MAX_BLOCK_Z = 64
+
 _sim_lock = threading.Lock()
 _configured = {}
 
@@ -68,20 +80,62 @@ def grid_2d(rows, cols, tile=TILE_2D):
     return (ceil_div(max(cols, 1), tile), ceil_div(max(rows, 1), tile)), (tile, tile)
 
 
+def grid_rows(rows):
+    """Blocks along y for ``rows`` block-rows: all of them up to the hardware's
+    ``MAX_GRID_YZ``; a kernel launched with it loops ``for r in range(blockIdx.y,
+    rows, gridDim.y)`` so that any count is covered."""
+    return max(1, min(rows, MAX_GRID_YZ))
+
+
+def _dims(what, dims):
+    """A grid or block as a 3-tuple (x, y, z) of ints (Numba accepts an int or 1-3 ints)."""
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if not 1 <= len(dims) <= 3:
+        raise ValueError(f"a launch {what} has 1 to 3 dimensions, got {dims}.")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def check_launch(kernel, grid, block):
+    """Raise a clear error unless ``grid`` and ``block`` are within the GPU's limits
+    (the constants above): a real GPU refuses such a launch with an opaque
+    CUDA_ERROR_INVALID_VALUE, and the simulator would run it anyway."""
+    gx, gy, gz = _dims("grid", grid)
+    bx, by, bz = _dims("block", block)
+    name = getattr(getattr(kernel, "py_func", kernel), "__name__", repr(kernel))
+    problems = []
+    if min(gx, gy, gz, bx, by, bz) < 1:
+        problems.append("every grid and block dimension must be at least 1")
+    if gx > MAX_GRID_X:
+        problems.append(f"grid x = {gx:,} > {MAX_GRID_X:,}")
+    if gy > MAX_GRID_YZ or gz > MAX_GRID_YZ:
+        problems.append(f"grid y, z = {gy:,}, {gz:,}: each must be <= {MAX_GRID_YZ:,}")
+    if bx * by * bz > MAX_THREADS_PER_BLOCK:
+        problems.append(f"{bx * by * bz:,} threads per block > {MAX_THREADS_PER_BLOCK:,}")
+    if bz > MAX_BLOCK_Z:
+        problems.append(f"block z = {bz} > {MAX_BLOCK_Z}")
+    if problems:
+        raise ValueError(f"launch of {name} with grid {grid} and block {block} is past the "
+                         f"GPU's limits: {'; '.join(problems)}. The launcher must cap the grid "
+                         f"(grid_1d, grid_rows) and let the kernel loop over the rest.")
+
+
 def launch(kernel, grid, block, stream, *args):
-    """Run ``kernel[grid, block, stream](*args)``.
+    """Run ``kernel[grid, block, stream](*args)``, after ``check_launch``.
 
     Real CUDA: the configured kernel is cached, so repeated launches skip
-    Numba's configuration step. Simulator: launches are serialised (see the
-    module docstring) and ``stream`` may be ``None`` or a simulated stream.
+    Numba's configuration step (and the limits check, done when it is cached).
+    Simulator: launches are serialised (see the module docstring), checked every
+    time, and ``stream`` may be ``None`` or a simulated stream.
     """
     if SIMULATOR:
+        check_launch(kernel, grid, block)
         with _sim_lock:
             kernel[grid, block, stream](*args)
         return
     key = (kernel, grid, block, stream)
     configured = _configured.get(key)
     if configured is None:
+        check_launch(kernel, grid, block)
         configured = _configured[key] = kernel[grid, block, stream]
     configured(*args)
 

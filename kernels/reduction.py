@@ -22,7 +22,7 @@ Neighbours: ``launch.py`` (grids), ``elementwise.py`` (the same file layout),
 import numpy as np
 from numba import cuda, from_dtype
 
-from kernels.launch import SIMULATOR, ceil_div, check_array, launch
+from kernels.launch import SIMULATOR, ceil_div, check_array, grid_rows, launch
 
 #: Threads per block in ``sum_all``: a power of two (the tree halves it each
 #: step) and a multiple of the 32-thread warp. (Fewer in the simulator, where
@@ -91,30 +91,34 @@ def _make_kernels(nb_dtype):
         """out[o, i] = sum over n of x[o, n, i].
 
         Block (AXIS_COLS, AXIS_ROWS) covers AXIS_COLS consecutive columns i of
-        one outer index o = blockIdx.y. Thread (tx, ty) adds rows n = ty,
+        the outer indices o = blockIdx.y, blockIdx.y + gridDim.y, ... (a
+        grid-stride loop in y: the hardware allows at most 65,535 blocks in y,
+        and O may be larger). For each o, thread (tx, ty) adds rows n = ty,
         ty + AXIS_ROWS, ... privately; then the AXIS_ROWS partials of each
-        column are tree-reduced in shared memory.
+        column are tree-reduced in shared memory. The loop bound is the same for
+        every thread of a block, so the syncthreads inside it are safe; thread
+        (0, tx) reads partial[0, tx] before anyone writes it again.
         Equals:  for o, i: out[o, i] = sum(x[o, n, i] for n in range(N))
         """
         partial = cuda.shared.array((AXIS_ROWS, AXIS_COLS), nb_dtype)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
-        o = cuda.blockIdx.y
         i = cuda.blockIdx.x * AXIS_COLS + tx
-        acc = nb_dtype(0)
-        if i < x.shape[2]:
-            for n in range(ty, x.shape[1], AXIS_ROWS):
-                acc += x[o, n, i]
-        partial[ty, tx] = acc
-        cuda.syncthreads()
-        stride = AXIS_ROWS // 2
-        while stride > 0:
-            if ty < stride:
-                partial[ty, tx] += partial[ty + stride, tx]
+        for o in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
+            acc = nb_dtype(0)
+            if i < x.shape[2]:
+                for n in range(ty, x.shape[1], AXIS_ROWS):
+                    acc += x[o, n, i]
+            partial[ty, tx] = acc
             cuda.syncthreads()
-            stride //= 2
-        if ty == 0 and i < x.shape[2]:
-            out[o, i] = partial[0, tx]
+            stride = AXIS_ROWS // 2
+            while stride > 0:
+                if ty < stride:
+                    partial[ty, tx] += partial[ty + stride, tx]
+                cuda.syncthreads()
+                stride //= 2
+            if ty == 0 and i < x.shape[2]:
+                out[o, i] = partial[0, tx]
 
     return block_sums, axis_sums
 
@@ -167,5 +171,5 @@ def sum_axis(x3, out, stream=None):
     o, _, i = x3.shape
     check_array("sum_axis: out", out, x3.dtype, shape=(o, i))
     if out.size:
-        launch(axis_sums, (ceil_div(i, AXIS_COLS), o), (AXIS_COLS, AXIS_ROWS), stream, x3, out)
+        launch(axis_sums, (ceil_div(i, AXIS_COLS), grid_rows(o)), (AXIS_COLS, AXIS_ROWS), stream, x3, out)
     return out

@@ -19,6 +19,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import assert_close, poisoned
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Seconds a child process may take to import numba-cuda and run a few lines.
@@ -95,3 +97,75 @@ def test_sum_all_scratch_is_charged_once_and_reused(devices, rng):
         f"sum_all's partial buffer must be charged to the device once ({scratch} bytes) "
         f"and reused; bytes_in_use went from {before} to {gpu.bytes_in_use}")
     np.testing.assert_allclose(gpu.to_numpy(out)[0], x.astype(np.float64).sum(), rtol=1e-5)
+
+
+# --- 2. grid limits: checked at every launch, and launchers tile past them ---------------
+
+@pytest.mark.parametrize("grid,block,why", [
+    ((1, 65536), (32, 8), "grid y"),
+    ((2, 1, 65536), 32, "grid y, z"),
+    (2**31, 256, "grid x"),
+    (4, (32, 33), "threads per block"),
+    (4, (1, 1, 65), "block z"),
+    ((0, 1), 32, "at least 1"),
+])
+def test_launch_refuses_a_grid_past_the_hardware_limits(grid, block, why):
+    from kernels import launch
+    with pytest.raises(ValueError, match=why):
+        launch.check_launch(launch.launch, grid, block)
+
+
+def test_launch_checks_the_limits_before_launching(monkeypatch):
+    from kernels import launch
+
+    class Kernel:
+        def __getitem__(self, config):
+            raise AssertionError("configured a launch past the hardware's limits")
+
+    with pytest.raises(ValueError, match="past the GPU's limits"):
+        launch.launch(Kernel(), (1, 70000), (32, 8), None)
+
+
+def record_launches(monkeypatch, *modules):
+    """Replace ``launch`` in ``modules`` by a recorder: [(kernel, grid, block)], nothing runs."""
+    launches = []
+    for module in modules:
+        monkeypatch.setattr(module, "launch", lambda k, g, b, s, *a: launches.append((k, g, b)))
+    return launches
+
+
+def test_launchers_keep_huge_shapes_within_the_limits(monkeypatch):
+    # reduce_sum(x, axis=1) on (70000, 10) used grid y = 70000; GEMM v1/v2 used
+    # grid y = ceil(M / 16), past 65,535 for M > 1,048,560. Real GPUs refuse both.
+    from numba import cuda
+    from kernels import gemm, launch, reduction
+    launches = record_launches(monkeypatch, reduction, gemm)
+    rows = 70000
+    reduction.sum_axis(cuda.device_array((rows, 10, 1), np.float32),
+                       cuda.device_array((rows, 1), np.float32))
+    m = 16 * launch.MAX_GRID_YZ + 17          # 1,048,577 rows
+    a = cuda.device_array((m, 1), np.float32)
+    b = cuda.device_array((1, 3), np.float32)
+    out = cuda.device_array((m, 3), np.float32)
+    for version in gemm.VERSIONS:
+        gemm.gemm(a, b, out, version=version)
+    assert len(launches) == 1 + len(gemm.VERSIONS)
+    for kernel, grid, block in launches:
+        launch.check_launch(kernel, grid, block)
+
+
+def test_kernels_loop_over_rows_past_the_grid_cap(monkeypatch, rng):
+    # With the cap at 2 blocks in y, every kernel that tiles rows must loop over the rest.
+    from numba import cuda
+    from kernels import gemm, launch, reduction
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 2)
+    x3 = rng.standard_normal((5, 3, 4)).astype(np.float32)          # 5 outer rows > 2
+    out = poisoned((5, 4))
+    reduction.sum_axis(cuda.to_device(x3), out)
+    assert_close("sum_axis past the y cap", out.copy_to_host(), reduction.sum_axis_ref(x3), 1e-5, 1e-6)
+    for version, m in (("v1", 37), ("v2", 37), ("v3", 2 * gemm.BM + 3)):   # 3 row tiles > 2
+        a = rng.standard_normal((m, 2)).astype(np.float32)
+        b = rng.standard_normal((2, 3)).astype(np.float32)
+        out = poisoned((m, 3))
+        gemm.gemm(cuda.to_device(a), cuda.to_device(b), out, version=version)
+        assert_close(f"gemm {version} past the y cap", out.copy_to_host(), a.astype(np.float64) @ b, 1e-5, 1e-5)
