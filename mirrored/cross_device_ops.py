@@ -400,7 +400,7 @@ class RingAllReduce(CrossDeviceOps):
         self.peer_access = bool(peer_access)
         self.trace = [] if trace else None
         self._events = {}      # device name -> [CUDA events, one per step], reused call after call
-        self._scratch = {}     # device name -> staging buffer (staged path only)
+        self._scratch = {}     # (device name, size, dtype) -> staging buffer (staged path only)
         self._buffer_index = 0
 
     # -- the schedule, as plain functions (the trace, the tests and the lab use them)
@@ -526,10 +526,19 @@ class RingAllReduce(CrossDeviceOps):
         return events[:count]
 
     def _scratch_for(self, dev, size, dtype):
-        buf = self._scratch.get(dev.name)
-        if buf is None or buf.shape[0] != size or np.dtype(buf.dtype) != np.dtype(dtype):
+        """The staging buffer of ``dev`` for reductions of ``size`` elements of ``dtype``.
+
+        One per (device, size, dtype), kept for the life of this object and never
+        replaced: a CUDA graph captured over an all-reduce keeps writing into the
+        scratch it was captured with, so an all-reduce of another size in between
+        (a scalar ``strategy.reduce`` during ``fit``) must get its own buffer, not
+        free and replace that one.
+        """
+        key = (dev.name, int(size), np.dtype(dtype))
+        buf = self._scratch.get(key)
+        if buf is None:
             with dev.activate():
-                buf = self._scratch[dev.name] = dev.empty((size,), dtype)
+                buf = self._scratch[key] = dev.empty((size,), dtype)
         return buf
 
     # -- the ring itself

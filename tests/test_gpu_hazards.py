@@ -169,3 +169,33 @@ def test_kernels_loop_over_rows_past_the_grid_cap(monkeypatch, rng):
         out = poisoned((m, 3))
         gemm.gemm(cuda.to_device(a), cuda.to_device(b), out, version=version)
         assert_close(f"gemm {version} past the y cap", out.copy_to_host(), a.astype(np.float64) @ b, 1e-5, 1e-5)
+
+
+# --- 3. the ring's staging buffer is never replaced under a captured graph ---------------
+
+def test_ring_scratch_is_kept_per_size_and_dtype(devices, rng):
+    # A graph captured over an all-reduce of size A keeps writing into A's scratch; a
+    # reduce of size B in between (a scalar strategy.reduce during fit) used to free it
+    # and put B's in its place.
+    import mirrored as tf
+    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.values import PerReplica
+    devs = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]
+    ring = RingAllReduce(peer_access=False)                 # the staged path has scratch
+
+    def reduce(size, dtype):
+        xs = [rng.standard_normal(size).astype(dtype) for _ in devs]
+        comps = []
+        for dev, x in zip(devs, xs):
+            with tf.device(dev.name):
+                comps.append(tf.constant(x))
+        got = ring.reduce("SUM", PerReplica(comps)).values[0].numpy()
+        np.testing.assert_allclose(got, sum(x.astype(np.float64) for x in xs), rtol=1e-5, atol=1e-5)
+
+    reduce(11, np.float32)
+    first = dict(ring._scratch)
+    reduce(1, np.float32)
+    reduce(11, np.float64)
+    reduce(11, np.float32)
+    for key, buf in first.items():
+        assert ring._scratch[key] is buf, f"the scratch {key} was replaced by a reduce of another size"
