@@ -286,9 +286,13 @@ class CudaDevice(Device):
         if not isinstance(src, CudaDevice):
             return self.from_numpy(src.to_numpy(buf))
         out = self.empty(buf.shape, buf.dtype)
-        wait_for(src, self)   # the copy must see every write queued on src
+        wait_for(src, self)   # read after write: the copy sees every write queued on src
         with self.activate():
             out.copy_to_device(buf, stream=self.stream)
+        # Write after read: the copy is only queued on our stream; without this, the next
+        # in-place write queued on src's stream (the next backward into a packed gradient,
+        # an assign) could overtake it, and the replicas would silently diverge.
+        wait_for(self, src)
         return out
 
     def copy_into(self, dst, src):
@@ -326,6 +330,9 @@ def wait_for(src, dst):
     CUDA streams are ordered only within themselves; between two streams we
     record an event on ``src`` and make ``dst`` wait on it (no host sync).
     On CPU devices everything is already ordered: nothing to do.
+    A copy between streams needs it both ways: the reader waits for the writes
+    before it (read after write), and the writer's later writes wait for the
+    copy (write after read); see ``CudaDevice.copy_from``.
     """
     if src is dst or src.stream is None or dst.stream is None:
         return

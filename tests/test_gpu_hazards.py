@@ -199,3 +199,28 @@ def test_ring_scratch_is_kept_per_size_and_dtype(devices, rng):
     reduce(11, np.float32)
     for key, buf in first.items():
         assert ring._scratch[key] is buf, f"the scratch {key} was replaced by a reduce of another size"
+
+
+# --- 4. a cross-device copy orders both ways ----------------------------------------------
+
+def test_cross_device_copy_waits_both_ways(devices, monkeypatch, rng):
+    # The destination must wait for the source's writes (read after write), and the
+    # source's next in-place write must wait for the copy to have read (write after read).
+    # The simulator is synchronous, so we record the waits the copy asks for.
+    from mirrored import devices as registry
+    gpu0, gpu1 = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]
+    x = rng.standard_normal(9).astype(np.float32)
+    buf = gpu0.from_numpy(x)
+    waits = []
+    real_wait_for = registry.wait_for
+
+    def recording(src, dst):
+        waits.append((src.short_name, dst.short_name))
+        return real_wait_for(src, dst)
+
+    monkeypatch.setattr(registry, "wait_for", recording)
+    out = gpu1.copy_from(buf, gpu0)
+    assert waits == [("GPU:0", "GPU:1"), ("GPU:1", "GPU:0")], (
+        f"a copy from GPU:0 to GPU:1 must make GPU:1 wait for GPU:0, then GPU:0 wait for "
+        f"the copy; it asked for {waits}")
+    np.testing.assert_array_equal(gpu1.to_numpy(out), x)
