@@ -224,3 +224,113 @@ def test_cross_device_copy_waits_both_ways(devices, monkeypatch, rng):
         f"a copy from GPU:0 to GPU:1 must make GPU:1 wait for GPU:0, then GPU:0 wait for "
         f"the copy; it asked for {waits}")
     np.testing.assert_array_equal(gpu1.to_numpy(out), x)
+
+
+# --- 5. a failed capture rejoins the streams, ends the capture, falls back to eager -------
+
+class FakeCapture:
+    """numba.cuda, the driver and its bindings as graphs.py uses them, logging every call:
+    ("record", event, stream), ("wait", event, stream), ("begin", stream), ("end", stream),
+    ("destroy", graph), ... The capture is on between "begin" and "end"."""
+
+    def __init__(self):
+        self.log = []
+        self.capturing = False
+        self.events = 0
+        fake = self
+
+        class Event:
+            def __init__(self):
+                fake.events += 1
+                self.name = f"ev{fake.events}"
+
+            def record(self, stream):
+                fake.log.append(("record", self.name, stream.name))
+
+            def wait(self, stream):
+                fake.log.append(("wait", self.name, stream.name))
+
+        self.event = lambda timing=True: Event()
+        self.CUstreamCaptureMode = type("Mode", (), {"CU_STREAM_CAPTURE_MODE_THREAD_LOCAL": 2})
+
+    def defer_cleanup(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def cuStreamBeginCapture(self, stream, mode):
+        self.capturing = True
+        self.log.append(("begin", stream))
+
+    def cuStreamEndCapture(self, stream):
+        self.capturing = False
+        self.log.append(("end", stream))
+        return "graph"
+
+    def cuGraphDestroy(self, graph):
+        self.log.append(("destroy", graph))
+
+    def cuGraphInstantiate(self, graph, flags):
+        self.log.append(("instantiate", graph))
+        return "exe"
+
+    def cuGraphLaunch(self, exe, stream):
+        self.log.append(("launch", exe, stream))
+
+    def cuGraphExecDestroy(self, exe):
+        self.log.append(("exec-destroy", exe))
+
+
+def fake_gpus(n):
+    """Stand-ins for n logical GPUs of one card: a named stream with a handle each."""
+    import contextlib
+    from types import SimpleNamespace
+    return [SimpleNamespace(name=f"GPU:{i}", device_type="GPU", gpu_id=0,
+                            stream=SimpleNamespace(name=f"s{i}", handle=100 + i),
+                            activate=contextlib.nullcontext) for i in range(n)]
+
+
+def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(monkeypatch):
+    from mirrored import graphs
+    from mirrored.cross_device_ops import RingAllReduce
+    fake = FakeCapture()
+    monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
+    monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
+    devs = fake_gpus(3)
+    steps = graphs.StepGraphs(devs, RingAllReduce())
+    assert steps.enabled, steps.reason
+    ran = []
+
+    def step(x):
+        if fake.capturing:     # what numba raises when a step syncs or allocates mid-capture
+            raise RuntimeError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        ran.append(x)
+
+    assert steps.run("k", step, 1) == "eager"                # first sight: eager
+    with pytest.warns(RuntimeWarning, match="CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"):
+        assert steps.run("k", step, 2) == "eager"            # capture fails: eager instead
+    assert ran == [1, 2], "the step whose capture failed must still run, eagerly"
+    end = fake.log.index(("end", 100))
+    for d in devs[1:]:
+        rejoined = [e[1] for e in fake.log[:end] if e[0] == "record" and e[2] == d.stream.name]
+        assert rejoined and ("wait", rejoined[-1], "s0") in fake.log[:end], (
+            f"{d.name}'s stream was not joined back to the origin before the capture ended: {fake.log}")
+    assert ("destroy", "graph") in fake.log[end:], "the broken capture's graph must be destroyed"
+    assert not fake.capturing
+    assert "failed" in steps.reason and not steps.enabled
+    assert steps.run("k", step, 3) == "eager" and ran == [1, 2, 3]   # and eager from then on
+    assert steps.counts == {"eager": 3, "captured": 0, "replayed": 0}
+
+
+def test_capture_that_works_still_replays_with_the_fake_driver(monkeypatch):
+    # The same fakes on the good path: captured once, launched, every stream rejoined.
+    from mirrored import graphs
+    from mirrored.cross_device_ops import RingAllReduce
+    fake = FakeCapture()
+    monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
+    monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
+    steps = graphs.StepGraphs(fake_gpus(2), RingAllReduce())
+    assert [steps.run("k", lambda: None) for _ in range(3)] == ["eager", "replayed", "replayed"]
+    assert [e[0] for e in fake.log].count("launch") == 2
+    assert ("instantiate", "graph") in fake.log
+    steps.close()
+    assert ("exec-destroy", "exe") in fake.log
