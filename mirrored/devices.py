@@ -45,6 +45,11 @@ LogicalDevice.__doc__ = ("A logical device, e.g. LogicalDevice(name='/job:localh
 LONG_PREFIX = "/job:localhost/replica:0/task:0/device:"
 MIB = 1024 * 1024
 
+#: Pinned host buffers per (shape, dtype) that ``CudaDevice.upload_into`` stages
+#: through: two, so the host fills one while the copy queued the step before may
+#: still be reading the other.
+STAGING_BUFFERS = 2
+
 
 class LogicalDeviceConfiguration:
     """One logical device to carve out of a physical one.
@@ -251,6 +256,7 @@ class CudaDevice(Device):
         with self.activate():
             self.stream = _cuda().stream()   # never the legacy default stream
         self.ops = CudaOps(self)
+        self._staging = {}                   # (shape, dtype) -> [[pinned host array, event], ...]
 
     def activate(self):
         return _cuda().gpus[self.gpu_id]
@@ -301,16 +307,39 @@ class CudaDevice(Device):
 
     def upload_into(self, dst, array):
         # A host-to-device copy queued on this device's stream, so it runs after
-        # the kernels that still read ``dst`` from the previous step. From pageable
-        # host memory the driver stages the bytes before returning, so the caller
-        # may reuse ``array`` at once.
+        # the kernels that still read ``dst`` from the previous step.
+        # Why a pinned staging buffer: from pageable memory the driver may block the
+        # host until the stream drains (it has to stage the bytes itself), which
+        # would serialise the one host thread that feeds every replica. From pinned
+        # (page-locked) memory the copy is truly asynchronous. We copy ``array``
+        # into one of STAGING_BUFFERS pinned buffers of its shape (so the caller may
+        # reuse ``array`` at once) after the copy that last read that buffer is done.
         array = np.ascontiguousarray(array)
         if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
             raise ValueError(f"upload_into: {array.dtype}{list(array.shape)} does not fit the "
                              f"device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")
         with self.activate():
-            dst.copy_to_device(array, stream=self.stream)
+            host, copied = self._staging_slot(array.shape, array.dtype)
+            copied.synchronize()          # its last copy has read it (normally long ago)
+            np.copyto(host, array)
+            dst.copy_to_device(host, stream=self.stream)
+            copied.record(self.stream)
         return dst
+
+    def _staging_slot(self, shape, dtype):
+        """The next (pinned host buffer, event after its last copy) for (shape, dtype),
+        made on first use (pinned memory is costly to allocate, cheap to reuse)."""
+        key = (tuple(shape), np.dtype(dtype))
+        slots = self._staging.get(key)
+        if slots is None:
+            cuda = _cuda()
+            slots = self._staging[key] = [
+                [cuda.pinned_array(key[0], key[1]),
+                 cuda.event(timing=False) if cuda_mode() == "real" else cuda.event()]
+                for _ in range(STAGING_BUFFERS)]
+        slot = slots.pop(0)
+        slots.append(slot)                # take turns
+        return slot
 
     def synchronize(self):
         with self.activate():
