@@ -103,7 +103,6 @@ class CudaOps:
     def __init__(self, device):
         self.device = device
         self.stream = device.stream
-        self._sum_partials = {}    # dtype -> sum_all's scratch, made once per dtype
 
     def binary(self, op, x, y, out):
         return elementwise.binary(op, x, y, out, self.stream)
@@ -118,16 +117,10 @@ class CudaOps:
         return elementwise.cast(x, out, self.stream)
 
     def sum_all(self, x, out):
-        return reduction.sum_all(x, out, self._sum_partial(x.dtype), stream=self.stream)
-
-    def _sum_partial(self, dtype):
-        """sum_all's SUM_BLOCKS partial sums for ``dtype``: allocated once through the
-        device (so ``memory_info`` and ``memory_limit`` see it) and reused by every call.
-        Reuse is safe: every sum_all of this device runs on its one stream, in order."""
-        partial = self._sum_partials.get(dtype)
-        if partial is None:
-            partial = self._sum_partials[dtype] = self.device.empty((reduction.SUM_BLOCKS,), dtype)
-        return partial
+        # The SUM_BLOCKS partial sums live in a scratch buffer of the device: charged to
+        # it once (memory_info and memory_limit see it), never allocated per call.
+        partial = self.device.scratch("sum_all partials", (reduction.SUM_BLOCKS,), x.dtype)
+        return reduction.sum_all(x, out, partial, stream=self.stream)
 
     def sum_axis(self, x3, out):
         return reduction.sum_axis(x3, out, self.stream)

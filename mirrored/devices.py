@@ -104,6 +104,7 @@ class Device:
         self.bytes_in_use = 0
         self.peak_bytes_in_use = 0
         self._lock = threading.Lock()
+        self._scratch = {}                  # (key, shape, dtype) -> buffer; see scratch()
 
     # -- identity
     @property
@@ -141,6 +142,23 @@ class Device:
 
     def reset_peak(self):
         self.peak_bytes_in_use = self.bytes_in_use
+
+    def scratch(self, key, shape, dtype):
+        """A buffer this device keeps for internal use under ``key``: made (and charged)
+        once per (key, shape, dtype), then the same buffer on every call.
+
+        For buffers no caller ever holds (a reduction's partial sums, a count nobody
+        reads). Allocating those per call costs a cudaMalloc each time, and numba's
+        deferred frees then flush with cuMemFree, which synchronises the whole card,
+        about every ten frees, stalling every logical device on it. Reuse is safe:
+        every op of this device runs on its one stream, in order, so the next user of
+        the buffer starts after the last one finished.
+        """
+        full_key = (key, tuple(shape), np.dtype(dtype))
+        buf = self._scratch.get(full_key)
+        if buf is None:
+            buf = self._scratch[full_key] = self.empty(shape, dtype)
+        return buf
 
     # -- the interface every backend implements
     def empty(self, shape, dtype):

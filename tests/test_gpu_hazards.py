@@ -373,3 +373,29 @@ def test_uploads_stage_through_reused_pinned_buffers(devices, monkeypatch, rng):
         f"expected {registry.STAGING_BUFFERS} pinned buffers for one batch shape, made once "
         f"and reused; made {made}")
     assert len({id(a.base if a.base is not None else a) for a in sources}) <= registry.STAGING_BUFFERS
+
+
+# --- 7. no allocation per call for buffers nobody holds -----------------------------------
+
+def test_custom_loop_loss_reuses_its_internal_buffers(devices, monkeypatch, rng):
+    # Each allocation freed later joins numba's deferred frees, flushed with a device-wide
+    # sync about every ten: a buffer nobody holds must be made once, not every step.
+    import mirrored as tf
+    dev = devices(cpus=1, gpus=1)[1]                          # a (simulated) GPU
+    with tf.device(dev.name):
+        model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 5)
+    made = []
+    real_empty = type(dev).empty
+    monkeypatch.setattr(type(dev), "empty", lambda self, shape, dtype: made.append(tuple(shape)) or real_empty(self, shape, dtype))
+    steps = 3
+    for _ in range(steps):
+        with tf.device(dev.name), tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(y, model(x, training=True)), global_batch_size=5)
+        assert loss.device == dev.name
+        tape.gradient(loss, model.trainable_variables)
+    # per step: the per-example losses and the scalar loss, which the caller holds;
+    # once: the correct-prediction flags that nobody reads.
+    assert made.count((5,)) == steps + 1, f"per-example-sized allocations in {steps} steps: {made}"
