@@ -399,3 +399,85 @@ def test_custom_loop_loss_reuses_its_internal_buffers(devices, monkeypatch, rng)
     # per step: the per-example losses and the scalar loss, which the caller holds;
     # once: the correct-prediction flags that nobody reads.
     assert made.count((5,)) == steps + 1, f"per-example-sized allocations in {steps} steps: {made}"
+
+
+# --- 8. timing: one anchor per card, precise far from it, no sync after the first ----------
+
+class FakeEventClock:
+    """numba.cuda's events on a fake clock shared by host and GPU (the GPU runs work the
+    moment it is queued), with cuEventElapsedTime's float32 milliseconds."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.syncs = []
+        clock = self
+
+        class Event:
+            def record(self, stream=0):
+                self.t = clock.now
+
+            def synchronize(self):
+                pass
+
+        self.Event = Event
+
+    def perf_counter(self):
+        return self.now
+
+    def event(self, timing=True):
+        return self.Event()
+
+    def event_elapsed_time(self, a, b):
+        return float(np.float32((b.t - a.t) * 1e3))          # what the driver returns
+
+    def device(self, name, gpu_id=0):
+        import contextlib
+        from types import SimpleNamespace
+        stream = SimpleNamespace(synchronize=lambda: self.syncs.append(name))
+        return SimpleNamespace(name=name, gpu_id=gpu_id, device_type="GPU", stream=stream,
+                               activate=contextlib.nullcontext)
+
+
+@pytest.fixture
+def event_clock(monkeypatch):
+    from types import SimpleNamespace
+    from numba import cuda
+    from mirrored import timing
+    clock = FakeEventClock()
+    monkeypatch.setattr(timing, "_uses_events", lambda device: device is not None)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(cuda, "event", clock.event)
+    monkeypatch.setattr(cuda, "event_elapsed_time", clock.event_elapsed_time, raising=False)  # not in the simulator
+    return clock
+
+
+def test_logical_gpus_of_one_card_share_one_anchor(event_clock):
+    # One anchor (one host sync) per card: a second per logical device only adds skew.
+    from mirrored import timing
+    gpu0, gpu1 = event_clock.device("GPU:0"), event_clock.device("GPU:1")
+    timer = timing.PhaseTimer()
+    event_clock.now = 0.5
+    with timer.phase("forward", 0, gpu0):
+        event_clock.now = 0.6
+    with timer.phase("forward", 1, gpu1):
+        event_clock.now = 0.7
+    assert len(event_clock.syncs) == 1, f"host syncs to anchor two logical GPUs of one card: {event_clock.syncs}"
+    starts = sorted(round(r[2], 9) for r in timer.records())
+    assert starts == [0.5, 0.6]
+
+
+def test_phase_times_stay_precise_long_after_the_first_mark(event_clock):
+    # cuEventElapsedTime is float32 ms: measured from a 100 s old anchor, an 8 µs phase
+    # came out as a multiple of 7.8 µs.
+    from mirrored import timing
+    gpu0 = event_clock.device("GPU:0")
+    timer = timing.PhaseTimer()
+    with timer.phase("warm-up", 0, gpu0):
+        event_clock.now = 0.001
+    event_clock.now = 100.0
+    with timer.phase("step", 0, gpu0):
+        event_clock.now = 100.000008
+    (_, _, start, end), = [r for r in timer.records() if r[1] == "step"]
+    assert abs((end - start) - 8e-6) < 1e-7, f"an 8 µs phase measured as {(end - start) * 1e6:.3f} µs"
+    assert abs(start - 100.0) < 1e-5
+    assert len(event_clock.syncs) == 1, "only the card's first anchor may sync the host"
