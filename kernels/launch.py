@@ -63,13 +63,15 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-def grid_1d(n, threads=THREADS_1D):
+def grid_1d(n, threads=None):
     """(blocks, threads) covering ``n`` items with a grid-stride loop.
 
     The kernel must loop ``for i in range(cuda.grid(1), n, cuda.gridsize(1))``
     so that any block count is correct; we pick enough blocks to give every
-    item its own thread up to ``MAX_BLOCKS_1D``.
+    item its own thread up to ``MAX_BLOCKS_1D``. ``threads``: THREADS_1D unless
+    given (read at each call, so a test can run the simulator with the GPU's).
     """
+    threads = THREADS_1D if threads is None else threads
     cap = SIM_MAX_BLOCKS_1D if SIMULATOR else MAX_BLOCKS_1D
     return max(1, min(ceil_div(max(n, 1), threads), cap)), threads
 

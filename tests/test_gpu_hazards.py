@@ -481,3 +481,64 @@ def test_phase_times_stay_precise_long_after_the_first_mark(event_clock):
     assert abs((end - start) - 8e-6) < 1e-7, f"an 8 µs phase measured as {(end - start) * 1e6:.3f} µs"
     assert abs(start - 100.0) < 1e-5
     assert len(event_clock.syncs) == 1, "only the card's first anchor may sync the host"
+
+
+# --- 9. kernel level: gather's row numbers checked on the host; the GPU's launch constants --
+
+def test_resident_gather_checks_row_numbers_before_launching(devices, forbid_launches):
+    # Out-of-range row numbers: the simulator raises inside the kernel, a GPU reads
+    # other memory or loses its context. They must be refused on the host.
+    from types import SimpleNamespace
+    from kernels import gather
+    from mirrored.input_lib import ResidentRows
+    gpu = devices(cpus=1, gpus=1)[1]
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    resident = ResidentRows(SimpleNamespace(columns=(x,)), [gpu])
+    out = gpu.empty((2, 2), np.float32)
+    forbid_launches(gather)
+    for bad in ([0, 6], [-1, 2]):
+        with pytest.raises(IndexError, match=r"\[0, 6\)"):
+            resident.gather(0, np.array(bad, np.int64), [(0, out)])
+
+
+#: The launch constants a GPU uses (kernels/launch.py, kernels/reduction.py); the
+#: simulator's defaults are smaller because each CUDA thread is a Python thread.
+GPU_LAUNCH_CONSTANTS = {"launch": {"THREADS_1D": 256},
+                        "reduction": {"SUM_THREADS": 256, "SUM_BLOCKS": 256,
+                                      "AXIS_COLS": 32, "AXIS_ROWS": 8}}
+
+
+def test_kernels_compute_the_same_with_the_gpu_launch_constants(monkeypatch, rng):
+    # The simulator normally runs 32-thread blocks, a 4-block sum_all and an 8 x 4
+    # sum_axis block: the shared-memory trees at the GPU's sizes (256; 32 x 8) never ran.
+    # Small grids keep it quick: a few blocks of 256 threads each.
+    import importlib
+    from numba import cuda
+    from kernels import elementwise, reduction, softmax_xent
+    from conftest import assert_sum_close
+    for module, constants in GPU_LAUNCH_CONSTANTS.items():
+        mod = importlib.import_module(f"kernels.{module}")
+        for name, value in constants.items():
+            monkeypatch.setattr(mod, name, value)
+    from kernels.launch import grid_1d
+    assert grid_1d(300)[1] == 256, "the launchers must read THREADS_1D when they launch"
+    x = rng.standard_normal(700).astype(np.float32)              # 3 blocks of 256
+    out = poisoned((1,))
+    reduction.sum_all(cuda.to_device(x), out)
+    assert_sum_close(out.copy_to_host()[0], x)
+    x3 = rng.standard_normal((2, 19, 33)).astype(np.float32)     # 2 x 2 blocks of 32 x 8
+    out = poisoned((2, 33))
+    reduction.sum_axis(cuda.to_device(x3), out)
+    assert_sum_close(out.copy_to_host(), x3, axis=1)
+    y = rng.standard_normal(300).astype(np.float32)
+    out = poisoned((300,))
+    elementwise.binary("add", cuda.to_device(x[:300]), cuda.to_device(y), out)
+    assert_close("add with 256-thread blocks", out.copy_to_host(), x[:300].astype(np.float64) + y, 1e-6)
+    logits = rng.standard_normal((260, 3)).astype(np.float32)    # one row per thread: 2 blocks
+    labels = rng.integers(0, 3, 260).astype(np.int64)
+    loss, grad, correct = poisoned((260,)), poisoned((260, 3)), poisoned((260,))
+    softmax_xent.softmax_xent(cuda.to_device(logits), cuda.to_device(labels), loss, grad, correct)
+    want = np.zeros(260), np.zeros((260, 3)), np.zeros(260)
+    softmax_xent.softmax_xent_ref(logits.astype(np.float64), labels, *want)
+    assert_close("softmax_xent loss with 256-thread blocks", loss.copy_to_host(), want[0], 1e-5, 1e-6)
+    assert_close("softmax_xent grad with 256-thread blocks", grad.copy_to_host(), want[1], 1e-5, 1e-6)
