@@ -602,11 +602,11 @@ class RingAllReduce(CrossDeviceOps):
                 # Copy the peer's chunk into our scratch at the same offsets, on our
                 # stream, then add from there: the kernel only reads local memory.
                 scratch = self._scratch_for(recv, own.shape[0], dtype)
-                recv.copy_into(scratch[lo:hi], peer[lo:hi])
+                recv.copy_peer_into(scratch[lo:hi], peer[lo:hi], send)
                 recv.ops.ring_reduce_step(own, scratch, lo, hi)
             else:
                 # All-gather is a plain copy: the device-to-device copy *is* the step.
-                recv.copy_into(own[lo:hi], peer[lo:hi])
+                recv.copy_peer_into(own[lo:hi], peer[lo:hi], send)
         elif phase == "reduce-scatter":
             recv.ops.ring_reduce_step(own, peer, lo, hi)
         else:

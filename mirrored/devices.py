@@ -181,6 +181,13 @@ class Device:
         """Copy ``src`` (same size, on this device) into the existing array ``dst``."""
         raise NotImplementedError
 
+    def copy_peer_into(self, dst, buf, src):
+        """Copy ``buf``, an array of device ``src`` (same kind as this one), into ``dst``
+        on this device, queued on this device's stream. Ordering against ``src``'s
+        stream is the caller's (``wait_for``, or the ring's events). One address space
+        (CPU, logical GPUs of one card): a plain copy."""
+        self.copy_into(dst, buf)
+
     def upload_into(self, dst, array):
         """Copy the host (NumPy) ``array`` into ``dst``, an existing array of this
         device with the same shape and dtype: ``from_numpy`` without an allocation.
@@ -311,8 +318,7 @@ class CudaDevice(Device):
             return self.from_numpy(src.to_numpy(buf))
         out = self.empty(buf.shape, buf.dtype)
         wait_for(src, self)   # read after write: the copy sees every write queued on src
-        with self.activate():
-            out.copy_to_device(buf, stream=self.stream)
+        self.copy_peer_into(out, buf, src)
         # Write after read: the copy is only queued on our stream; without this, the next
         # in-place write queued on src's stream (the next backward into a packed gradient,
         # an assign) could overtake it, and the replicas would silently diverge.
@@ -322,6 +328,21 @@ class CudaDevice(Device):
     def copy_into(self, dst, src):
         with self.activate():
             dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
+
+    def copy_peer_into(self, dst, buf, src):
+        if src.gpu_id == self.gpu_id:             # one context: an ordinary device-to-device copy
+            self.copy_into(dst, buf)
+            return
+        # Two physical GPUs: cuMemcpyPeerAsync, the copy CUDA documents for memory of
+        # two contexts (numba's copy_to_device would issue cuMemcpyDtoDAsync, which
+        # only works between contexts by relying on unified addressing).
+        nbytes = int(np.prod(dst.shape, dtype=np.int64)) * np.dtype(dst.dtype).itemsize
+        src_bytes = int(np.prod(buf.shape, dtype=np.int64)) * np.dtype(buf.dtype).itemsize
+        if src_bytes != nbytes:
+            raise ValueError(f"copy_peer_into: {src_bytes:,} bytes on {src.name} do not fit "
+                             f"{nbytes:,} bytes on {self.name}; pass arrays of one size.")
+        if nbytes:
+            _memcpy_peer(self, dst, src, buf, nbytes)
 
     def upload_into(self, dst, array):
         # A host-to-device copy queued on this device's stream, so it runs after
@@ -369,6 +390,19 @@ class CudaDevice(Device):
         if self.memory_limit is not None:
             return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
         return free, total
+
+
+def _memcpy_peer(dst_dev, dst, src_dev, src, nbytes):
+    """``cuMemcpyPeerAsync``: ``nbytes`` from ``src`` (GPU ``src_dev.gpu_id``) to ``dst``
+    (GPU ``dst_dev.gpu_id``), queued on ``dst_dev``'s stream. Needs no peer access
+    (the driver stages through the host where the GPUs cannot reach each other)."""
+    cuda = _cuda()
+    from numba.cuda.cudadrv.driver import device_pointer, driver
+    dst_ctx = cuda.gpus[dst_dev.gpu_id].get_primary_context().handle
+    src_ctx = cuda.gpus[src_dev.gpu_id].get_primary_context().handle
+    with dst_dev.activate():
+        driver.cuMemcpyPeerAsync(device_pointer(dst), dst_ctx, device_pointer(src), src_ctx,
+                                 nbytes, dst_dev.stream.handle)
 
 
 def wait_for(src, dst):

@@ -542,3 +542,43 @@ def test_kernels_compute_the_same_with_the_gpu_launch_constants(monkeypatch, rng
     softmax_xent.softmax_xent_ref(logits.astype(np.float64), labels, *want)
     assert_close("softmax_xent loss with 256-thread blocks", loss.copy_to_host(), want[0], 1e-5, 1e-6)
     assert_close("softmax_xent grad with 256-thread blocks", grad.copy_to_host(), want[1], 1e-5, 1e-6)
+
+
+# --- 10. copies between physical GPUs use the peer copy --------------------------------------
+
+def test_copies_between_physical_gpus_use_the_peer_copy(devices, monkeypatch, rng):
+    # numba's copy_to_device between two contexts issues cuMemcpyDtoDAsync, which only
+    # works through unified addressing; CUDA names cuMemcpyPeerAsync for it. The
+    # simulator has one GPU, so the second logical GPU pretends to be on card 1 and the
+    # peer copy is recorded (and done with a plain copy).
+    from mirrored import devices as registry
+    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.values import PerReplica
+    import mirrored as tf
+    gpu0, gpu1 = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]
+    monkeypatch.setattr(gpu1, "gpu_id", 1)
+    monkeypatch.setattr(gpu1, "activate", gpu0.activate)      # the simulator's one card
+    peer = []
+
+    def memcpy_peer(dst_dev, dst, src_dev, src, nbytes):
+        peer.append((src_dev.gpu_id, dst_dev.gpu_id, nbytes))
+        dst.reshape(dst.size).copy_to_device(src.reshape(src.size))
+
+    monkeypatch.setattr(registry, "_memcpy_peer", memcpy_peer)
+    x = rng.standard_normal(10).astype(np.float32)
+    out = gpu1.copy_from(gpu0.from_numpy(x), gpu0)
+    np.testing.assert_array_equal(gpu1.to_numpy(out), x)
+    assert peer == [(0, 1, 40)], f"copy_from across cards must be one peer copy: {peer}"
+    peer.clear()
+    gpu0.copy_from(gpu0.from_numpy(x), gpu0)                  # same card: no peer copy
+    assert peer == []
+    xs = [rng.standard_normal(11).astype(np.float32) for _ in range(2)]
+    comps = []
+    for dev, xi in zip((gpu0, gpu1), xs):
+        with tf.device(dev.name):
+            comps.append(tf.constant(xi))
+    got = RingAllReduce(peer_access=False).reduce("SUM", PerReplica(comps))
+    for value in got.values:
+        np.testing.assert_allclose(value.numpy(), xs[0].astype(np.float64) + xs[1], rtol=1e-6)
+    # a 2-ring moves each of its 2 chunks once per phase per device: 4 copies, all peer copies
+    assert len(peer) == 4 and {p[:2] for p in peer} == {(0, 1), (1, 0)}, peer
