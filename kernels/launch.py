@@ -20,6 +20,7 @@ Neighbours: ``elementwise.py``, ``reduction.py``, ``gemm.py`` ... all import
 from here; ``mirrored/backends.py`` calls their launchers.
 """
 import threading
+import warnings
 
 from numba import config as _numba_config
 from numba import cuda
@@ -55,7 +56,17 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_Z = 64
 
 _sim_lock = threading.Lock()
+_configure_lock = threading.Lock()
 _configured = {}
+
+#: The warning numba-cuda gives when a launch is configured with fewer than 128 blocks
+#: ("Grid size N will likely result in GPU under-utilization due to low occupancy").
+#: Our small grids are by design (MNIST-sized batches, one block per chunk of a ring
+#: step, pass 2 of a reduction), and a notebook would print it at every first launch,
+#: so ``launch`` silences exactly this message, for our kernels only. (Matched by its
+#: text: numba-cuda raises its own ``numba.cuda.core.errors.NumbaPerformanceWarning``,
+#: not a subclass of ``numba.core.errors.NumbaPerformanceWarning``.)
+LOW_OCCUPANCY_MESSAGE = r"Grid size \d+ will likely result in GPU under-utilization"
 
 
 def ceil_div(a, b):
@@ -132,14 +143,23 @@ def launch(kernel, grid, block, stream, *args):
     if SIMULATOR:
         check_launch(kernel, grid, block)
         with _sim_lock:
-            kernel[grid, block, stream](*args)
+            _configure(kernel, grid, block, stream)(*args)
         return
     key = (kernel, grid, block, stream)
     configured = _configured.get(key)
     if configured is None:
         check_launch(kernel, grid, block)
-        configured = _configured[key] = kernel[grid, block, stream]
+        with _configure_lock:             # warnings.catch_warnings is process-wide state
+            configured = _configured[key] = _configure(kernel, grid, block, stream)
     configured(*args)
+
+
+def _configure(kernel, grid, block, stream):
+    """``kernel[grid, block, stream]`` without numba's low-occupancy warning (see
+    ``LOW_OCCUPANCY_MESSAGE``); every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LOW_OCCUPANCY_MESSAGE)
+        return kernel[grid, block, stream]
 
 
 # --- argument checks shared by every launcher ------------------------------

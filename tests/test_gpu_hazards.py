@@ -582,3 +582,35 @@ def test_copies_between_physical_gpus_use_the_peer_copy(devices, monkeypatch, rn
         np.testing.assert_allclose(value.numpy(), xs[0].astype(np.float64) + xs[1], rtol=1e-6)
     # a 2-ring moves each of its 2 chunks once per phase per device: 4 copies, all peer copies
     assert len(peer) == 4 and {p[:2] for p in peer} == {(0, 1), (1, 0)}, peer
+
+
+# --- 11. numba's low-occupancy warning is silenced for our (small by design) launches -------
+
+@pytest.mark.parametrize("simulator", [True, False])
+def test_launch_silences_only_the_low_occupancy_warning(monkeypatch, simulator):
+    # numba-cuda warns when a launch is configured with fewer than 128 blocks; the
+    # simulator never does, so a fake kernel warns as numba-cuda's configuration does.
+    import warnings
+    from kernels import launch
+    monkeypatch.setattr(launch, "SIMULATOR", simulator)
+    monkeypatch.setattr(launch, "_configured", {})
+
+    class Kernel:
+        def __init__(self, message):
+            self.message, self.calls = message, 0
+
+        def __getitem__(self, config):
+            warnings.warn(self.message, UserWarning)    # the category differs by numba version
+            return self
+
+        def __call__(self, *args):
+            self.calls += 1
+
+    quiet = Kernel("Grid size 1 will likely result in GPU under-utilization due to low occupancy.")
+    other = Kernel("something else about this kernel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launch.launch(quiet, 1, 32, None)
+        launch.launch(other, 1, 32, None)
+    assert quiet.calls == other.calls == 1
+    assert [str(w.message) for w in caught] == ["something else about this kernel"]
