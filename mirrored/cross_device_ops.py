@@ -375,7 +375,8 @@ class RingAllReduce(CrossDeviceOps):
       (once per ordered pair, cached) and the kernel reads over NVLink/PCIe;
       where it is impossible, or with ``peer_access=False`` (to test this path
       on one card), each chunk is first copied device-to-device into a scratch
-      buffer on the receiving device, then added from there. Same algorithm,
+      buffer on the receiving device (``Device.copy_peer_into``: cuMemcpyPeerAsync
+      between two cards), then added from there. Same algorithm,
       same order of additions, so the same bits;
     * CPU devices: the same schedule over NumPy slices (``CpuOps``: the refs).
     * CPU and GPU devices in one ring: refused (use ``ReductionToOneDevice``).

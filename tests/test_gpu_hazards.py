@@ -342,15 +342,16 @@ def test_uploads_stage_through_reused_pinned_buffers(devices, monkeypatch, rng):
     # From pageable memory a real driver may block the host until the stream drains; the
     # simulator copies synchronously either way, so we check where the bytes come from.
     from numba import cuda
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
     from mirrored import devices as registry
     gpu = devices(cpus=1, gpus=1)[1]
+    dst = gpu.empty((5, 3), np.float32)
+    DeviceArray = type(dst)                   # the simulator's, or numba-cuda's on a GPU
 
     class Pinned(np.ndarray):
         """Marks the arrays that cuda.pinned_array made."""
 
     made, sources = [], []
-    real_pinned, real_copy = cuda.pinned_array, FakeCUDAArray.copy_to_device
+    real_pinned, real_copy = cuda.pinned_array, DeviceArray.copy_to_device
 
     def pinned_array(shape, dtype=np.float64, **kw):
         made.append((tuple(shape), np.dtype(dtype)))
@@ -361,8 +362,7 @@ def test_uploads_stage_through_reused_pinned_buffers(devices, monkeypatch, rng):
         return real_copy(self, ary, stream)
 
     monkeypatch.setattr(cuda, "pinned_array", pinned_array)
-    monkeypatch.setattr(FakeCUDAArray, "copy_to_device", copy_to_device)
-    dst = gpu.empty((5, 3), np.float32)
+    monkeypatch.setattr(DeviceArray, "copy_to_device", copy_to_device)
     for step in range(4):
         x = rng.standard_normal((5, 3)).astype(np.float32)
         gpu.upload_into(dst, x)
