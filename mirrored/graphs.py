@@ -30,18 +30,18 @@ What a captured step must not do, and how ``Sequential``'s step avoids it:
   copied (outside the graph, in the host part) into the same per-batch-size
   input buffers every step, so a graph is keyed by those buffers' addresses.
 
+If a capture fails (the step did something a graph cannot hold, or the driver refused
+it), ``_Graph.capture`` rejoins every replica's stream to the origin and ends the
+capture, so no stream is left inside a broken capture, and ``StepGraphs.run`` warns
+with the error and runs this step, and every later one, eagerly. Nothing queued during
+a capture has run, so running the step eagerly then is a complete step.
+
 So a step = host part (inputs, optimizer scalars; eager) + device part (forward,
 backward, all-reduce, update: launches only). ``StepGraphs.run`` runs the device
 part eagerly the first time a key is seen, captures it the second time, and
 replays it from then on. Where there is nothing to capture (CPU devices, Numba's
 CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
 time and ``reason`` says why.
-
-If a capture fails (the step did something a graph cannot hold, or the driver refused
-it), ``_Graph.capture`` rejoins every replica's stream to the origin and ends the
-capture, so no stream is left inside a broken capture, and ``StepGraphs.run`` warns
-with the error and runs this step, and every later one, eagerly. Nothing queued during
-a capture has run, so running the step eagerly then is a complete step.
 
 Neighbours: ``keras/models.py`` (``compile(cuda_graph=True)``; the step),
 ``cross_device_ops.py`` (the ring: events between neighbours, captured as graph edges).
