@@ -102,7 +102,7 @@ def grid_rows(rows):
 
 def _dims(what, dims):
     """A grid or block as a 3-tuple (x, y, z) of ints (Numba accepts an int or 1-3 ints)."""
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)   # an int, NumPy's too
     if not 1 <= len(dims) <= 3:
         raise ValueError(f"a launch {what} has 1 to 3 dimensions, got {dims}.")
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))

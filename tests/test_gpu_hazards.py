@@ -105,6 +105,7 @@ def test_sum_all_scratch_is_charged_once_and_reused(devices, rng):
     ((1, 65536), (32, 8), "grid y"),
     ((2, 1, 65536), 32, "grid y, z"),
     (2**31, 256, "grid x"),
+    (np.int64(2**31), 256, "grid x"),                 # NumPy integers count too
     (4, (32, 33), "threads per block"),
     (4, (1, 1, 65), "block z"),
     ((0, 1), 32, "at least 1"),
