@@ -36,6 +36,17 @@ GATHER_DTYPES = ("float32", "uint8", "int64", "int32")
 
 # --- NumPy reference -----------------------------------------------------------------
 
+def check_rows(what, idx, n):
+    """Raise IndexError unless every row number in the host array ``idx`` lies in [0, n).
+
+    The kernel cannot check (see ``gather_rows_kernel``), so whoever holds the row
+    numbers on the host checks them here before they go to the device."""
+    idx = np.asarray(idx)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"{what}: row numbers must lie in [0, {n}) (the rows of the data); "
+                         f"got min {idx.min()}, max {idx.max()}. Pass row numbers of this data set.")
+
+
 def gather_rows_ref(src, idx, out=None):
     """out[i, :] = src[idx[i], :] for src (n, L), idx (b,) ints; into ``out`` when given.
 
@@ -45,10 +56,7 @@ def gather_rows_ref(src, idx, out=None):
             for j in range(L):
                 out[i, j] = src[idx[i], j]
     """
-    n = src.shape[0]
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise IndexError(f"gather_rows: row numbers must lie in [0, {n}); got "
-                         f"min {idx.min()}, max {idx.max()}.")
+    check_rows("gather_rows", idx, src.shape[0])
     # mode="clip": the bounds are checked above, and "raise" would make NumPy gather
     # into a temporary and copy it into ``out`` (a second pass over the batch).
     return np.take(src, idx, axis=0, out=out, mode="clip")       # (b, L)
@@ -59,7 +67,14 @@ def gather_rows_ref(src, idx, out=None):
 @cuda.jit
 def gather_rows_kernel(src, idx, out):
     """One thread per out[i, j] of the flattened (b, L) output (grid-stride).
-    Loop nest: for t in range(b * L): out[t // L, t % L] = src[idx[t // L], t % L]."""
+    Loop nest: for t in range(b * L): out[t // L, t % L] = src[idx[t // L], t % L].
+
+    No bounds check on idx[i], on purpose: a kernel cannot raise, so the only choices
+    would be a silent clamp or zero (wrong rows, unnoticed) or reading past ``src``.
+    The simulator raises IndexError there; a real GPU reads other memory, or faults
+    with an illegal address that ends the CUDA context. So the precondition "every
+    idx in [0, n)" is checked on the host, where the row numbers come from
+    (``check_rows``, called by ``mirrored.input_lib.ResidentRows.gather``)."""
     cols = out.shape[1]
     for t in range(cuda.grid(1), out.shape[0] * cols, cuda.gridsize(1)):
         i = t // cols

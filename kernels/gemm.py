@@ -52,7 +52,7 @@ are registered below, with ``SIGNATURE`` and each launcher's block.
 import numpy as np
 from numba import cuda, float32
 
-from kernels.launch import ceil_div, check_array, check_no_alias, launch
+from kernels.launch import ceil_div, check_array, check_no_alias, grid_rows, launch
 from kernels.registry import mat, register, sig
 
 VERSIONS = ("v1", "v2", "v3")
@@ -175,18 +175,21 @@ def _make_v1(trans_a, trans_b):
     def gemm_v1(a, b, out, alpha, beta):
         """v1, naive. One thread per out[i, j]: i = global y index, j = global x index
         (consecutive threads take consecutive columns, so the reads of op(B) and the
-        write of out coalesce). Grid: ceil(N/16) x ceil(M/16) blocks of 16 x 16.
+        write of out coalesce). Grid: ceil(N/16) x min(ceil(M/16), 65535) blocks of
+        16 x 16; past 65,535 block-rows (the hardware's limit in y) a thread also takes
+        rows i + 16 * gridDim.y, ... (a grid-stride loop in y).
         Preconditions: shapes agree (the launcher checks); K may be 0.
         Loop nest: for k in range(K): acc += op(A)[i, k] * op(B)[k, j].
         """
-        j, i = cuda.grid(2)  # x runs over columns j, y over rows i
+        j, i0 = cuda.grid(2)  # x runs over columns j, y over rows i
         M, N = out.shape
         K = a.shape[0] if trans_a else a.shape[1]
-        if i < M and j < N:
-            acc = float32(0.0)
-            for k in range(K):
-                acc += a_at(a, i, k) * b_at(b, k, j)
-            _epilogue(out, i, j, acc, alpha, beta)
+        if j < N:
+            for i in range(i0, M, cuda.gridDim.y * TILE):
+                acc = float32(0.0)
+                for k in range(K):
+                    acc += a_at(a, i, k) * b_at(b, k, j)
+                _epilogue(out, i, j, acc, alpha, beta)
 
     return gemm_v1
 
@@ -206,6 +209,8 @@ def _make_v2(trans_a, trans_b):
         addresses of ``a``/``b`` whether or not the operand is transposed; a transposed
         operand is written to shared memory transposed. Tiles are padded to 17 columns
         so those transposed writes hit 16 different memory banks.
+        Grid: ceil(N/16) x min(ceil(M/16), 65535); a block takes tile rows blockIdx.y,
+        blockIdx.y + gridDim.y, ... (a grid-stride loop in y, the hardware's y limit).
         Preconditions: shapes agree (the launcher checks).
         Loop nest: for k0 in range(0, K, 16): for kk in range(16):
                        acc += op(A)[i, k0 + kk] * op(B)[k0 + kk, j]   (zero-padded)
@@ -214,31 +219,33 @@ def _make_v2(trans_a, trans_b):
         sb = cuda.shared.array((TILE, TILE_PADDED), float32)  # sb[r, c] = op(B)[k0 + r, col0 + c]
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
-        row0 = cuda.blockIdx.y * TILE
         col0 = cuda.blockIdx.x * TILE
         M, N = out.shape
         K = a.shape[0] if trans_a else a.shape[1]
-        acc = float32(0.0)
-        for k0 in range(0, K, TILE):
-            if trans_a:  # a is (K, M): tx runs along M, the contiguous axis
-                k, r = k0 + ty, row0 + tx
-                sa[tx, ty] = a[k, r] if (k < K and r < M) else float32(0.0)
-            else:        # a is (M, K): tx runs along K
-                r, k = row0 + ty, k0 + tx
-                sa[ty, tx] = a[r, k] if (r < M and k < K) else float32(0.0)
-            if trans_b:  # b is (N, K): tx runs along K
-                c, k = col0 + ty, k0 + tx
-                sb[tx, ty] = b[c, k] if (c < N and k < K) else float32(0.0)
-            else:        # b is (K, N): tx runs along N
-                k, c = k0 + ty, col0 + tx
-                sb[ty, tx] = b[k, c] if (k < K and c < N) else float32(0.0)
-            cuda.syncthreads()  # tiles complete before anyone reads them
-            for kk in range(TILE):
-                acc += sa[ty, kk] * sb[kk, tx]
-            cuda.syncthreads()  # everyone done reading before the next tile overwrites
-        i, j = row0 + ty, col0 + tx
-        if i < M and j < N:
-            _epilogue(out, i, j, acc, alpha, beta)
+        # Grid-stride over tile rows (at most 65,535 blocks in y): the same bound for
+        # every thread of the block, so the syncthreads inside stay uniform.
+        for row0 in range(cuda.blockIdx.y * TILE, M, cuda.gridDim.y * TILE):
+            acc = float32(0.0)
+            for k0 in range(0, K, TILE):
+                if trans_a:  # a is (K, M): tx runs along M, the contiguous axis
+                    k, r = k0 + ty, row0 + tx
+                    sa[tx, ty] = a[k, r] if (k < K and r < M) else float32(0.0)
+                else:        # a is (M, K): tx runs along K
+                    r, k = row0 + ty, k0 + tx
+                    sa[ty, tx] = a[r, k] if (r < M and k < K) else float32(0.0)
+                if trans_b:  # b is (N, K): tx runs along K
+                    c, k = col0 + ty, k0 + tx
+                    sb[tx, ty] = b[c, k] if (c < N and k < K) else float32(0.0)
+                else:        # b is (K, N): tx runs along N
+                    k, c = k0 + ty, col0 + tx
+                    sb[ty, tx] = b[k, c] if (k < K and c < N) else float32(0.0)
+                cuda.syncthreads()  # tiles complete before anyone reads them
+                for kk in range(TILE):
+                    acc += sa[ty, kk] * sb[kk, tx]
+                cuda.syncthreads()  # everyone done reading before the next tile overwrites
+            i, j = row0 + ty, col0 + tx
+            if i < M and j < N:
+                _epilogue(out, i, j, acc, alpha, beta)
 
     return gemm_v2
 
@@ -265,6 +272,8 @@ def _make_v3(trans_a, trans_b):
         constant trip count, so the compiler unrolls the loops and keeps all 44 values
         in registers (ptxas: 0-byte stack frame). Edges are handled by zero-padding the
         shared tiles, never by run-time loop bounds, and by one bounds check per store.
+        Grid: ceil(N/64) x min(ceil(M/128), 65535); a block takes tile rows blockIdx.y,
+        blockIdx.y + gridDim.y, ... (a grid-stride loop in y, the hardware's y limit).
         Preconditions: shapes agree (the launcher checks).
         Loop nest: for k0 in range(0, K, 8): for k in range(8): for p in range(8):
                        for q in range(4): acc[p, q] += As[k, ty + 16p] * Bs[k, tx + 16q]
@@ -277,55 +286,57 @@ def _make_v3(trans_a, trans_b):
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tid = ty * V3_THREADS_X + tx
-        row0 = cuda.blockIdx.y * BM
         col0 = cuda.blockIdx.x * BN
         M, N = out.shape
         K = a.shape[0] if trans_a else a.shape[1]
-        for p in range(TM):
-            for q in range(TN):
-                acc[p, q] = float32(0.0)
-
-        for k0 in range(0, K, BK):
-            # Load the tiles. Element e of a tile goes to thread e % 256; within a load
-            # consecutive threads read consecutive addresses of the *stored* matrix.
-            for l in range(A_LOADS):
-                e = tid + l * V3_THREADS
-                if trans_a:  # a is (K, M): the tile is 8 rows of 128 contiguous floats
-                    k, r = e // BM, e % BM
-                    gk, gr = k0 + k, row0 + r
-                    as_[k, r] = a[gk, gr] if (gk < K and gr < M) else float32(0.0)
-                else:        # a is (M, K): the tile is 128 rows of 8 contiguous floats
-                    r, k = e // BK, e % BK
-                    gr, gk = row0 + r, k0 + k
-                    as_[k, r] = a[gr, gk] if (gr < M and gk < K) else float32(0.0)
-            for l in range(B_LOADS):
-                e = tid + l * V3_THREADS
-                if trans_b:  # b is (N, K): 64 rows of 8 contiguous floats
-                    c, k = e // BK, e % BK
-                    gc, gk = col0 + c, k0 + k
-                    bs[k, c] = b[gc, gk] if (gc < N and gk < K) else float32(0.0)
-                else:        # b is (K, N): 8 rows of 64 contiguous floats
-                    k, c = e // BN, e % BN
-                    gk, gc = k0 + k, col0 + c
-                    bs[k, c] = b[gk, gc] if (gk < K and gc < N) else float32(0.0)
-            cuda.syncthreads()
-
-            for k in range(BK):
-                for p in range(TM):
-                    frag_a[p] = as_[k, ty + p * V3_THREADS_Y]
+        # Grid-stride over 128-row tiles (at most 65,535 blocks in y): the same bound
+        # for every thread of the block, so the syncthreads inside stay uniform.
+        for row0 in range(cuda.blockIdx.y * BM, M, cuda.gridDim.y * BM):
+            for p in range(TM):
                 for q in range(TN):
-                    frag_b[q] = bs[k, tx + q * V3_THREADS_X]
-                for p in range(TM):
-                    for q in range(TN):
-                        acc[p, q] += frag_a[p] * frag_b[q]
-            cuda.syncthreads()
+                    acc[p, q] = float32(0.0)
 
-        for p in range(TM):
-            i = row0 + ty + p * V3_THREADS_Y
-            for q in range(TN):
-                j = col0 + tx + q * V3_THREADS_X
-                if i < M and j < N:
-                    _epilogue(out, i, j, acc[p, q], alpha, beta)
+            for k0 in range(0, K, BK):
+                # Load the tiles. Element e of a tile goes to thread e % 256; within a load
+                # consecutive threads read consecutive addresses of the *stored* matrix.
+                for l in range(A_LOADS):
+                    e = tid + l * V3_THREADS
+                    if trans_a:  # a is (K, M): the tile is 8 rows of 128 contiguous floats
+                        k, r = e // BM, e % BM
+                        gk, gr = k0 + k, row0 + r
+                        as_[k, r] = a[gk, gr] if (gk < K and gr < M) else float32(0.0)
+                    else:        # a is (M, K): the tile is 128 rows of 8 contiguous floats
+                        r, k = e // BK, e % BK
+                        gr, gk = row0 + r, k0 + k
+                        as_[k, r] = a[gr, gk] if (gr < M and gk < K) else float32(0.0)
+                for l in range(B_LOADS):
+                    e = tid + l * V3_THREADS
+                    if trans_b:  # b is (N, K): 64 rows of 8 contiguous floats
+                        c, k = e // BK, e % BK
+                        gc, gk = col0 + c, k0 + k
+                        bs[k, c] = b[gc, gk] if (gc < N and gk < K) else float32(0.0)
+                    else:        # b is (K, N): 8 rows of 64 contiguous floats
+                        k, c = e // BN, e % BN
+                        gk, gc = k0 + k, col0 + c
+                        bs[k, c] = b[gk, gc] if (gk < K and gc < N) else float32(0.0)
+                cuda.syncthreads()
+
+                for k in range(BK):
+                    for p in range(TM):
+                        frag_a[p] = as_[k, ty + p * V3_THREADS_Y]
+                    for q in range(TN):
+                        frag_b[q] = bs[k, tx + q * V3_THREADS_X]
+                    for p in range(TM):
+                        for q in range(TN):
+                            acc[p, q] += frag_a[p] * frag_b[q]
+                cuda.syncthreads()
+
+            for p in range(TM):
+                i = row0 + ty + p * V3_THREADS_Y
+                for q in range(TN):
+                    j = col0 + tx + q * V3_THREADS_X
+                    if i < M and j < N:
+                        _epilogue(out, i, j, acc[p, q], alpha, beta)
 
     return gemm_v3
 
@@ -343,8 +354,8 @@ SIGNATURE = sig(mat("float32"), mat("float32"), mat("float32"), "float32", "floa
 def _grid(version, m, n):
     """(grid, block) for ``version`` on an (m, n) output; x runs over columns."""
     if version == "v3":
-        return (ceil_div(n, BN), ceil_div(m, BM)), (V3_THREADS_X, V3_THREADS_Y)
-    return (ceil_div(n, TILE), ceil_div(m, TILE)), (TILE, TILE)
+        return (ceil_div(n, BN), grid_rows(ceil_div(m, BM))), (V3_THREADS_X, V3_THREADS_Y)
+    return (ceil_div(n, TILE), grid_rows(ceil_div(m, TILE))), (TILE, TILE)
 
 
 # What the real compiler checks (kernels/registry.py, python -m kernels.report): all

@@ -2,8 +2,9 @@
 
 One place decides three things for all kernels:
 
-* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_2d``), so every
-  launcher sizes its grid the same way;
+* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_2d``, ``grid_rows``),
+  so every launcher sizes its grid the same way, within the GPU's limits
+  (``check_launch``, which ``launch`` applies to every launch);
 * whether we run on real CUDA or in Numba's CUDA simulator (``SIMULATOR``);
 * how a configured kernel is launched (``launch``).
 
@@ -21,6 +22,7 @@ the real compiler's checks (``python -m kernels.report``), the block each launch
 takes from here.
 """
 import threading
+import warnings
 
 from numba import config as _numba_config
 from numba import cuda
@@ -44,8 +46,29 @@ MAX_BLOCKS_1D = 65535
 #: a tiny test never spawns thousands of them (grid-stride loops cover the rest).
 SIM_MAX_BLOCKS_1D = 4
 
+#: Hardware limits on one launch (CUDA C Programming Guide, "Technical Specifications
+#: per Compute Capability", the same on every GPU since compute capability 3.0): blocks
+#: along x, along y and z; threads per block; threads along z of a block. Numba checks
+#: none of them, the simulator ignores them, and a launch past one fails on a GPU with
+#: CUDA_ERROR_INVALID_VALUE. Kernels with more rows than MAX_GRID_YZ blocks cover
+#: loop over them in y (a grid-stride loop), as 1-D kernels loop in x.
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+MAX_THREADS_PER_BLOCK = 1024
+MAX_BLOCK_Z = 64
+
 _sim_lock = threading.Lock()
+_configure_lock = threading.Lock()
 _configured = {}
+
+#: The warning numba-cuda gives when a launch is configured with fewer than 128 blocks
+#: ("Grid size N will likely result in GPU under-utilization due to low occupancy").
+#: Our small grids are by design (MNIST-sized batches, one block per chunk of a ring
+#: step, pass 2 of a reduction), and a notebook would print it at every first launch,
+#: so ``launch`` silences exactly this message, for our kernels only. (Matched by its
+#: text: numba-cuda raises its own ``numba.cuda.core.errors.NumbaPerformanceWarning``,
+#: not a subclass of ``numba.core.errors.NumbaPerformanceWarning``.)
+LOW_OCCUPANCY_MESSAGE = r"Grid size \d+ will likely result in GPU under-utilization"
 
 
 def ceil_div(a, b):
@@ -53,13 +76,15 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-def grid_1d(n, threads=THREADS_1D):
+def grid_1d(n, threads=None):
     """(blocks, threads) covering ``n`` items with a grid-stride loop.
 
     The kernel must loop ``for i in range(cuda.grid(1), n, cuda.gridsize(1))``
     so that any block count is correct; we pick enough blocks to give every
-    item its own thread up to ``MAX_BLOCKS_1D``.
+    item its own thread up to ``MAX_BLOCKS_1D``. ``threads``: THREADS_1D unless
+    given (read at each call, so a test can run the simulator with the GPU's).
     """
+    threads = THREADS_1D if threads is None else threads
     cap = SIM_MAX_BLOCKS_1D if SIMULATOR else MAX_BLOCKS_1D
     return max(1, min(ceil_div(max(n, 1), threads), cap)), threads
 
@@ -70,22 +95,73 @@ def grid_2d(rows, cols, tile=TILE_2D):
     return (ceil_div(max(cols, 1), tile), ceil_div(max(rows, 1), tile)), (tile, tile)
 
 
+def grid_rows(rows):
+    """Blocks along y for ``rows`` block-rows: all of them up to the hardware's
+    ``MAX_GRID_YZ``; a kernel launched with it loops ``for r in range(blockIdx.y,
+    rows, gridDim.y)`` so that any count is covered."""
+    return max(1, min(rows, MAX_GRID_YZ))
+
+
+def _dims(what, dims):
+    """A grid or block as a 3-tuple (x, y, z) of ints (Numba accepts an int or 1-3 ints)."""
+    dims = tuple(dims) if isinstance(dims, (tuple, list)) else (dims,)   # an int, NumPy's too
+    if not 1 <= len(dims) <= 3:
+        raise ValueError(f"a launch {what} has 1 to 3 dimensions, got {dims}.")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def check_launch(kernel, grid, block):
+    """Raise a clear error unless ``grid`` and ``block`` are within the GPU's limits
+    (the constants above): a real GPU refuses such a launch with an opaque
+    CUDA_ERROR_INVALID_VALUE, and the simulator would run it anyway."""
+    gx, gy, gz = _dims("grid", grid)
+    bx, by, bz = _dims("block", block)
+    name = getattr(getattr(kernel, "py_func", kernel), "__name__", repr(kernel))
+    problems = []
+    if min(gx, gy, gz, bx, by, bz) < 1:
+        problems.append("every grid and block dimension must be at least 1")
+    if gx > MAX_GRID_X:
+        problems.append(f"grid x = {gx:,} > {MAX_GRID_X:,}")
+    if gy > MAX_GRID_YZ or gz > MAX_GRID_YZ:
+        problems.append(f"grid y, z = {gy:,}, {gz:,}: each must be <= {MAX_GRID_YZ:,}")
+    if bx * by * bz > MAX_THREADS_PER_BLOCK:
+        problems.append(f"{bx * by * bz:,} threads per block > {MAX_THREADS_PER_BLOCK:,}")
+    if bz > MAX_BLOCK_Z:
+        problems.append(f"block z = {bz} > {MAX_BLOCK_Z}")
+    if problems:
+        raise ValueError(f"launch of {name} with grid {grid} and block {block} is past the "
+                         f"GPU's limits: {'; '.join(problems)}. The launcher must cap the grid "
+                         f"(grid_1d, grid_rows) and let the kernel loop over the rest.")
+
+
 def launch(kernel, grid, block, stream, *args):
-    """Run ``kernel[grid, block, stream](*args)``.
+    """Run ``kernel[grid, block, stream](*args)``, after ``check_launch``.
 
     Real CUDA: the configured kernel is cached, so repeated launches skip
-    Numba's configuration step. Simulator: launches are serialised (see the
-    module docstring) and ``stream`` may be ``None`` or a simulated stream.
+    Numba's configuration step (and the limits check, done when it is cached).
+    Simulator: launches are serialised (see the module docstring), checked every
+    time, and ``stream`` may be ``None`` or a simulated stream.
     """
     if SIMULATOR:
+        check_launch(kernel, grid, block)
         with _sim_lock:
-            kernel[grid, block, stream](*args)
+            _configure(kernel, grid, block, stream)(*args)
         return
     key = (kernel, grid, block, stream)
     configured = _configured.get(key)
     if configured is None:
-        configured = _configured[key] = kernel[grid, block, stream]
+        check_launch(kernel, grid, block)
+        with _configure_lock:             # warnings.catch_warnings is process-wide state
+            configured = _configured[key] = _configure(kernel, grid, block, stream)
     configured(*args)
+
+
+def _configure(kernel, grid, block, stream):
+    """``kernel[grid, block, stream]`` without numba's low-occupancy warning (see
+    ``LOW_OCCUPANCY_MESSAGE``); every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LOW_OCCUPANCY_MESSAGE)
+        return kernel[grid, block, stream]
 
 
 # --- argument checks shared by every launcher ------------------------------

@@ -22,7 +22,7 @@ Neighbours: ``launch.py`` (grids), ``elementwise.py`` (the same file layout),
 import numpy as np
 from numba import cuda, from_dtype
 
-from kernels.launch import SIMULATOR, ceil_div, check_array, launch
+from kernels.launch import SIMULATOR, ceil_div, check_array, grid_rows, launch
 from kernels.registry import TENSOR_DTYPES, arr3, mat, register, sig, vec
 
 #: Threads per block in ``sum_all``: a power of two (the tree halves it each
@@ -92,30 +92,34 @@ def _make_kernels(nb_dtype):
         """out[o, i] = sum over n of x[o, n, i].
 
         Block (AXIS_COLS, AXIS_ROWS) covers AXIS_COLS consecutive columns i of
-        one outer index o = blockIdx.y. Thread (tx, ty) adds rows n = ty,
+        the outer indices o = blockIdx.y, blockIdx.y + gridDim.y, ... (a
+        grid-stride loop in y: the hardware allows at most 65,535 blocks in y,
+        and O may be larger). For each o, thread (tx, ty) adds rows n = ty,
         ty + AXIS_ROWS, ... privately; then the AXIS_ROWS partials of each
-        column are tree-reduced in shared memory.
+        column are tree-reduced in shared memory. The loop bound is the same for
+        every thread of a block, so the syncthreads inside it are safe; thread
+        (0, tx) reads partial[0, tx] before anyone writes it again.
         Equals:  for o, i: out[o, i] = sum(x[o, n, i] for n in range(N))
         """
         partial = cuda.shared.array((AXIS_ROWS, AXIS_COLS), nb_dtype)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
-        o = cuda.blockIdx.y
         i = cuda.blockIdx.x * AXIS_COLS + tx
-        acc = nb_dtype(0)
-        if i < x.shape[2]:
-            for n in range(ty, x.shape[1], AXIS_ROWS):
-                acc += x[o, n, i]
-        partial[ty, tx] = acc
-        cuda.syncthreads()
-        stride = AXIS_ROWS // 2
-        while stride > 0:
-            if ty < stride:
-                partial[ty, tx] += partial[ty + stride, tx]
+        for o in range(cuda.blockIdx.y, x.shape[0], cuda.gridDim.y):
+            acc = nb_dtype(0)
+            if i < x.shape[2]:
+                for n in range(ty, x.shape[1], AXIS_ROWS):
+                    acc += x[o, n, i]
+            partial[ty, tx] = acc
             cuda.syncthreads()
-            stride //= 2
-        if ty == 0 and i < x.shape[2]:
-            out[o, i] = partial[0, tx]
+            stride = AXIS_ROWS // 2
+            while stride > 0:
+                if ty < stride:
+                    partial[ty, tx] += partial[ty + stride, tx]
+                cuda.syncthreads()
+                stride //= 2
+            if ty == 0 and i < x.shape[2]:
+                out[o, i] = partial[0, tx]
 
     return block_sums, axis_sums
 
@@ -145,8 +149,10 @@ def _kernels_for(what, dtype):
 def sum_all(x, out, partial=None, stream=None):
     """out[0] = sum(x) on the GPU in two fixed-order passes (see module docstring).
 
-    ``out``: shape (1,) (or any 1-element array), x's dtype. ``partial``: an
-    optional scratch array of SUM_BLOCKS elements (allocated if not given).
+    ``out``: shape (1,) (or any 1-element array), x's dtype. ``partial``: a
+    scratch array of SUM_BLOCKS elements of x's dtype. The library passes one that its
+    device charged and keeps (``backends.CudaOps``); without it this launcher allocates
+    one per call (fine for tests and benchmarks, but uncounted and a cudaMalloc each time).
     """
     block_sums, _ = _kernels_for("sum_all", x.dtype)
     check_array("sum_all: x", x, x.dtype)
@@ -157,6 +163,10 @@ def sum_all(x, out, partial=None, stream=None):
     blocks = min(SUM_BLOCKS, max(1, ceil_div(x.size, SUM_THREADS)))
     if partial is None:
         partial = cuda.device_array(SUM_BLOCKS, dtype=x.dtype, stream=stream or 0)
+    check_array("sum_all: partial", partial, x.dtype, ndim=1)
+    if partial.shape[0] < blocks:
+        raise ValueError(f"sum_all: partial holds {partial.shape[0]} elements, pass 1 writes "
+                         f"{blocks}; pass a scratch array of SUM_BLOCKS = {SUM_BLOCKS}.")
     launch(block_sums, blocks, SUM_THREADS, stream, flat, partial)
     launch(block_sums, 1, SUM_THREADS, stream, partial[:blocks], out.reshape(1))
     return out
@@ -169,5 +179,5 @@ def sum_axis(x3, out, stream=None):
     o, _, i = x3.shape
     check_array("sum_axis: out", out, x3.dtype, shape=(o, i))
     if out.size:
-        launch(axis_sums, (ceil_div(i, AXIS_COLS), o), (AXIS_COLS, AXIS_ROWS), stream, x3, out)
+        launch(axis_sums, (ceil_div(i, AXIS_COLS), grid_rows(o)), (AXIS_COLS, AXIS_ROWS), stream, x3, out)
     return out

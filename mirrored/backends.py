@@ -118,7 +118,10 @@ class CudaOps:
         return elementwise.cast(x, out, self.stream)
 
     def sum_all(self, x, out):
-        return reduction.sum_all(x, out, stream=self.stream)
+        # The SUM_BLOCKS partial sums live in a scratch buffer of the device: charged to
+        # it once (memory_info and memory_limit see it), never allocated per call.
+        partial = self.device.scratch("sum_all partials", (reduction.SUM_BLOCKS,), x.dtype)
+        return reduction.sum_all(x, out, partial, stream=self.stream)
 
     def sum_axis(self, x3, out):
         return reduction.sum_axis(x3, out, self.stream)

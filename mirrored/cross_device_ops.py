@@ -375,7 +375,8 @@ class RingAllReduce(CrossDeviceOps):
       (once per ordered pair, cached) and the kernel reads over NVLink/PCIe;
       where it is impossible, or with ``peer_access=False`` (to test this path
       on one card), each chunk is first copied device-to-device into a scratch
-      buffer on the receiving device, then added from there. Same algorithm,
+      buffer on the receiving device (``Device.copy_peer_into``: cuMemcpyPeerAsync
+      between two cards), then added from there. Same algorithm,
       same order of additions, so the same bits;
     * CPU devices: the same schedule over NumPy slices (``CpuOps``: the refs).
     * CPU and GPU devices in one ring: refused (use ``ReductionToOneDevice``).
@@ -400,7 +401,7 @@ class RingAllReduce(CrossDeviceOps):
         self.peer_access = bool(peer_access)
         self.trace = [] if trace else None
         self._events = {}      # device name -> [CUDA events, one per step], reused call after call
-        self._scratch = {}     # device name -> staging buffer (staged path only)
+        self._scratch = {}     # (device name, size, dtype) -> staging buffer (staged path only)
         self._buffer_index = 0
 
     # -- the schedule, as plain functions (the trace, the tests and the lab use them)
@@ -526,10 +527,19 @@ class RingAllReduce(CrossDeviceOps):
         return events[:count]
 
     def _scratch_for(self, dev, size, dtype):
-        buf = self._scratch.get(dev.name)
-        if buf is None or buf.shape[0] != size or np.dtype(buf.dtype) != np.dtype(dtype):
+        """The staging buffer of ``dev`` for reductions of ``size`` elements of ``dtype``.
+
+        One per (device, size, dtype), kept for the life of this object and never
+        replaced: a CUDA graph captured over an all-reduce keeps writing into the
+        scratch it was captured with, so an all-reduce of another size in between
+        (a scalar ``strategy.reduce`` during ``fit``) must get its own buffer, not
+        free and replace that one.
+        """
+        key = (dev.name, int(size), np.dtype(dtype))
+        buf = self._scratch.get(key)
+        if buf is None:
             with dev.activate():
-                buf = self._scratch[dev.name] = dev.empty((size,), dtype)
+                buf = self._scratch[key] = dev.empty((size,), dtype)
         return buf
 
     # -- the ring itself
@@ -593,11 +603,11 @@ class RingAllReduce(CrossDeviceOps):
                 # Copy the peer's chunk into our scratch at the same offsets, on our
                 # stream, then add from there: the kernel only reads local memory.
                 scratch = self._scratch_for(recv, own.shape[0], dtype)
-                recv.copy_into(scratch[lo:hi], peer[lo:hi])
+                recv.copy_peer_into(scratch[lo:hi], peer[lo:hi], send)
                 recv.ops.ring_reduce_step(own, scratch, lo, hi)
             else:
                 # All-gather is a plain copy: the device-to-device copy *is* the step.
-                recv.copy_into(own[lo:hi], peer[lo:hi])
+                recv.copy_peer_into(own[lo:hi], peer[lo:hi], send)
         elif phase == "reduce-scatter":
             recv.ops.ring_reduce_step(own, peer, lo, hi)
         else:

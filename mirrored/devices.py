@@ -45,6 +45,11 @@ LogicalDevice.__doc__ = ("A logical device, e.g. LogicalDevice(name='/job:localh
 LONG_PREFIX = "/job:localhost/replica:0/task:0/device:"
 MIB = 1024 * 1024
 
+#: Pinned host buffers per (shape, dtype) that ``CudaDevice.upload_into`` stages
+#: through: two, so the host fills one while the copy queued the step before may
+#: still be reading the other.
+STAGING_BUFFERS = 2
+
 
 class LogicalDeviceConfiguration:
     """One logical device to carve out of a physical one.
@@ -99,6 +104,7 @@ class Device:
         self.bytes_in_use = 0
         self.peak_bytes_in_use = 0
         self._lock = threading.Lock()
+        self._scratch = {}                  # (key, shape, dtype) -> buffer; see scratch()
 
     # -- identity
     @property
@@ -137,6 +143,23 @@ class Device:
     def reset_peak(self):
         self.peak_bytes_in_use = self.bytes_in_use
 
+    def scratch(self, key, shape, dtype):
+        """A buffer this device keeps for internal use under ``key``: made (and charged)
+        once per (key, shape, dtype), then the same buffer on every call.
+
+        For buffers no caller ever holds (a reduction's partial sums, a count nobody
+        reads). Allocating those per call costs a cudaMalloc each time, and numba's
+        deferred frees then flush with cuMemFree, which synchronises the whole card,
+        about every ten frees, stalling every logical device on it. Reuse is safe:
+        every op of this device runs on its one stream, in order, so the next user of
+        the buffer starts after the last one finished.
+        """
+        full_key = (key, tuple(shape), np.dtype(dtype))
+        buf = self._scratch.get(full_key)
+        if buf is None:
+            buf = self._scratch[full_key] = self.empty(shape, dtype)
+        return buf
+
     # -- the interface every backend implements
     def empty(self, shape, dtype):
         """An uninitialised array of ``shape``/``dtype`` on this device."""
@@ -157,6 +180,13 @@ class Device:
     def copy_into(self, dst, src):
         """Copy ``src`` (same size, on this device) into the existing array ``dst``."""
         raise NotImplementedError
+
+    def copy_peer_into(self, dst, buf, src):
+        """Copy ``buf``, an array of device ``src`` (same kind as this one), into ``dst``
+        on this device, queued on this device's stream. Ordering against ``src``'s
+        stream is the caller's (``wait_for``, or the ring's events). One address space
+        (CPU, logical GPUs of one card): a plain copy."""
+        self.copy_into(dst, buf)
 
     def upload_into(self, dst, array):
         """Copy the host (NumPy) ``array`` into ``dst``, an existing array of this
@@ -181,12 +211,25 @@ class Device:
 
 
 def _memory_owner(buf):
-    """The object whose lifetime is the allocation's: views (reshape, slices)
-    keep it alive, so the refund happens when the last view is gone."""
-    owner = getattr(buf, "gpu_data", None)      # Numba device array: its memory pointer
-    if owner is None:
-        owner = getattr(buf, "_ary", buf)       # simulator array: the NumPy array inside
-    return owner
+    """The object whose lifetime is the allocation's, so the refund happens when
+    the memory is really freed, not when the first array over it goes.
+
+    * Real numba-cuda: ``buf.gpu_data`` is an ``OwnedPointer``, and every slice or
+      reshape gets its *own* ``OwnedPointer`` (a reference count on the allocation).
+      The base array's pointer can be collected while views still hold the memory
+      (``batch_reduce`` returns slices of a fused buffer and drops the buffer), so we
+      follow ``.owner`` to the allocation itself: numba keeps it in its context's
+      table until the last view goes, then frees it and drops it.
+    * Simulator: the NumPy array inside (``_ary``); CPU: the array itself. A NumPy
+      view keeps its ``.base`` alive, so we walk to the array that owns the bytes.
+    """
+    gpu_data = getattr(buf, "gpu_data", None)
+    if gpu_data is not None:
+        return gpu_data.owner                   # the MemoryPointer all views count on
+    arr = getattr(buf, "_ary", buf)
+    while isinstance(getattr(arr, "base", None), np.ndarray):
+        arr = arr.base
+    return arr
 
 
 class CpuDevice(Device):
@@ -238,6 +281,7 @@ class CudaDevice(Device):
         with self.activate():
             self.stream = _cuda().stream()   # never the legacy default stream
         self.ops = CudaOps(self)
+        self._staging = {}                   # (shape, dtype) -> [[pinned host array, event], ...]
 
     def activate(self):
         return _cuda().gpus[self.gpu_id]
@@ -273,27 +317,68 @@ class CudaDevice(Device):
         if not isinstance(src, CudaDevice):
             return self.from_numpy(src.to_numpy(buf))
         out = self.empty(buf.shape, buf.dtype)
-        wait_for(src, self)   # the copy must see every write queued on src
-        with self.activate():
-            out.copy_to_device(buf, stream=self.stream)
+        wait_for(src, self)   # read after write: the copy sees every write queued on src
+        self.copy_peer_into(out, buf, src)
+        # Write after read: the copy is only queued on our stream; without this, the next
+        # in-place write queued on src's stream (the next backward into a packed gradient,
+        # an assign) could overtake it, and the replicas would silently diverge.
+        wait_for(self, src)
         return out
 
     def copy_into(self, dst, src):
         with self.activate():
             dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
 
+    def copy_peer_into(self, dst, buf, src):
+        if src.gpu_id == self.gpu_id:             # one context: an ordinary device-to-device copy
+            self.copy_into(dst, buf)
+            return
+        # Two physical GPUs: cuMemcpyPeerAsync, the copy CUDA documents for memory of
+        # two contexts (numba's copy_to_device would issue cuMemcpyDtoDAsync, which
+        # only works between contexts by relying on unified addressing).
+        nbytes = int(np.prod(dst.shape, dtype=np.int64)) * np.dtype(dst.dtype).itemsize
+        src_bytes = int(np.prod(buf.shape, dtype=np.int64)) * np.dtype(buf.dtype).itemsize
+        if src_bytes != nbytes:
+            raise ValueError(f"copy_peer_into: {src_bytes:,} bytes on {src.name} do not fit "
+                             f"{nbytes:,} bytes on {self.name}; pass arrays of one size.")
+        if nbytes:
+            _memcpy_peer(self, dst, src, buf, nbytes)
+
     def upload_into(self, dst, array):
         # A host-to-device copy queued on this device's stream, so it runs after
-        # the kernels that still read ``dst`` from the previous step. From pageable
-        # host memory the driver stages the bytes before returning, so the caller
-        # may reuse ``array`` at once.
+        # the kernels that still read ``dst`` from the previous step.
+        # Why a pinned staging buffer: from pageable memory the driver may block the
+        # host until the stream drains (it has to stage the bytes itself), which
+        # would serialise the one host thread that feeds every replica. From pinned
+        # (page-locked) memory the copy is truly asynchronous. We copy ``array``
+        # into one of STAGING_BUFFERS pinned buffers of its shape (so the caller may
+        # reuse ``array`` at once) after the copy that last read that buffer is done.
         array = np.ascontiguousarray(array)
         if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
             raise ValueError(f"upload_into: {array.dtype}{list(array.shape)} does not fit the "
                              f"device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")
         with self.activate():
-            dst.copy_to_device(array, stream=self.stream)
+            host, copied = self._staging_slot(array.shape, array.dtype)
+            copied.synchronize()          # its last copy has read it (normally long ago)
+            np.copyto(host, array)
+            dst.copy_to_device(host, stream=self.stream)
+            copied.record(self.stream)
         return dst
+
+    def _staging_slot(self, shape, dtype):
+        """The next (pinned host buffer, event after its last copy) for (shape, dtype),
+        made on first use (pinned memory is costly to allocate, cheap to reuse)."""
+        key = (tuple(shape), np.dtype(dtype))
+        slots = self._staging.get(key)
+        if slots is None:
+            cuda = _cuda()
+            slots = self._staging[key] = [
+                [cuda.pinned_array(key[0], key[1]),
+                 cuda.event(timing=False) if cuda_mode() == "real" else cuda.event()]
+                for _ in range(STAGING_BUFFERS)]
+        slot = slots.pop(0)
+        slots.append(slot)                # take turns
+        return slot
 
     def synchronize(self):
         with self.activate():
@@ -307,12 +392,28 @@ class CudaDevice(Device):
         return free, total
 
 
+def _memcpy_peer(dst_dev, dst, src_dev, src, nbytes):
+    """``cuMemcpyPeerAsync``: ``nbytes`` from ``src`` (GPU ``src_dev.gpu_id``) to ``dst``
+    (GPU ``dst_dev.gpu_id``), queued on ``dst_dev``'s stream. Needs no peer access
+    (the driver stages through the host where the GPUs cannot reach each other)."""
+    cuda = _cuda()
+    from numba.cuda.cudadrv.driver import device_pointer, driver
+    dst_ctx = cuda.gpus[dst_dev.gpu_id].get_primary_context().handle
+    src_ctx = cuda.gpus[src_dev.gpu_id].get_primary_context().handle
+    with dst_dev.activate():
+        driver.cuMemcpyPeerAsync(device_pointer(dst), dst_ctx, device_pointer(src), src_ctx,
+                                 nbytes, dst_dev.stream.handle)
+
+
 def wait_for(src, dst):
     """Make work queued on ``dst`` from now on wait for work queued on ``src``.
 
     CUDA streams are ordered only within themselves; between two streams we
     record an event on ``src`` and make ``dst`` wait on it (no host sync).
     On CPU devices everything is already ordered: nothing to do.
+    A copy between streams needs it both ways: the reader waits for the writes
+    before it (read after write), and the writer's later writes wait for the
+    copy (write after read); see ``CudaDevice.copy_from``.
     """
     if src is dst or src.stream is None or dst.stream is None:
         return

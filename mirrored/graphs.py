@@ -30,6 +30,12 @@ What a captured step must not do, and how ``Sequential``'s step avoids it:
   copied (outside the graph, in the host part) into the same per-batch-size
   input buffers every step, so a graph is keyed by those buffers' addresses.
 
+If a capture fails (the step did something a graph cannot hold, or the driver refused
+it), ``_Graph.capture`` rejoins every replica's stream to the origin and ends the
+capture, so no stream is left inside a broken capture, and ``StepGraphs.run`` warns
+with the error and runs this step, and every later one, eagerly. Nothing queued during
+a capture has run, so running the step eagerly then is a complete step.
+
 So a step = host part (inputs, optimizer scalars; eager) + device part (forward,
 backward, all-reduce, update: launches only). ``StepGraphs.run`` runs the device
 part eagerly the first time a key is seen, captures it the second time, and
@@ -40,7 +46,20 @@ time and ``reason`` says why.
 Neighbours: ``keras/models.py`` (``compile(cuda_graph=True)``; the step),
 ``cross_device_ops.py`` (the ring: events between neighbours, captured as graph edges).
 """
+import warnings
+
 from mirrored import devices as _dev
+
+
+def _driver_api():
+    """(numba.cuda, the CUDA driver, its bindings): one place, so tests can put fakes here."""
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import binding, driver
+    return cuda, driver, binding
+
+
+class CaptureError(RuntimeError):
+    """Capturing a step as a CUDA graph failed; the step can still run eagerly."""
 
 
 def why_not_capturable(devices, cross_device_ops=None):
@@ -92,7 +111,19 @@ class StepGraphs:
             return "eager"
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _Graph.capture(self.devices, fn, args)
+            try:
+                graph = _Graph.capture(self.devices, fn, args)
+            except CaptureError as err:
+                # Nothing of the step ran during the capture: run it eagerly, now and from
+                # now on (a step that cannot be captured once will not be the next time).
+                self.reason = f"capturing the step as a CUDA graph failed ({err})"
+                warnings.warn(f"compile(cuda_graph=True): {self.reason}; this and every later "
+                              f"step runs eagerly (same results, more launch overhead).",
+                              RuntimeWarning, stacklevel=2)
+                fn(*args)
+                self.counts["eager"] += 1
+                return "eager"
+            self._graphs[key] = graph
             self.counts["captured"] += 1
         graph.launch()
         self.counts["replayed"] += 1
@@ -113,8 +144,13 @@ class _Graph:
 
     @classmethod
     def capture(cls, devices, fn, args):
-        from numba import cuda
-        from numba.cuda.cudadrv.driver import binding, driver
+        """Record ``fn(*args)`` over the streams of ``devices`` as one instantiated graph.
+
+        Raises ``CaptureError`` (after ending the capture, every stream rejoined) if the
+        step or the driver fails; other exceptions (KeyboardInterrupt) pass through after
+        the same clean-up.
+        """
+        cuda, driver, binding = _driver_api()
         origin, others = devices[0], devices[1:]
         s0 = int(origin.stream.handle)
         with origin.activate(), cuda.defer_cleanup():     # no frees (they would sync) while capturing
@@ -130,23 +166,62 @@ class _Graph:
                 for d in others:
                     fork.wait(d.stream)                    # d's stream joins the capture
                 fn(*args)
-                for d, join in zip(others, joins):
-                    join.record(d.stream)
-                    join.wait(origin.stream)               # ... and joins back before the end
-            except BaseException:
-                try:
-                    driver.cuGraphDestroy(driver.cuStreamEndCapture(s0))
-                except Exception:                          # noqa: BLE001 (the first error is the one to see)
-                    pass
+            except BaseException as err:
+                cls._abandon(driver, origin, others, joins, s0)
+                if isinstance(err, Exception):
+                    raise CaptureError(f"{type(err).__name__}: {err}") from err
                 raise
-            graph = driver.cuStreamEndCapture(s0)
-            exe = driver.cuGraphInstantiate(graph, 0)
+            problems = cls._rejoin(origin, others, joins)  # ... and join back before the end
+            try:
+                graph = driver.cuStreamEndCapture(s0)
+            except Exception as err:                       # noqa: BLE001 (reported below)
+                raise CaptureError(f"cuStreamEndCapture failed: {type(err).__name__}: {err}"
+                                   + "".join(f"; {p}" for p in problems)) from err
+            if problems:                                   # a stream did not rejoin: unusable
+                driver.cuGraphDestroy(graph)
+                raise CaptureError("; ".join(problems))
+            try:
+                exe = driver.cuGraphInstantiate(graph, 0)
+            except Exception as err:                       # noqa: BLE001
+                driver.cuGraphDestroy(graph)
+                raise CaptureError(f"cuGraphInstantiate failed: {type(err).__name__}: {err}") from err
         return cls(devices, graph, exe, (before, after))
+
+    @staticmethod
+    def _rejoin(origin, others, joins):
+        """Join every other replica's stream back into the origin's; the errors, as text.
+
+        The capture can only end once every stream forked into it has joined back; a
+        stream left behind stays in capture mode and fails its next launch."""
+        problems = []
+        for d, join in zip(others, joins):
+            try:
+                join.record(d.stream)
+                join.wait(origin.stream)
+            except Exception as err:                       # noqa: BLE001 (each one is reported)
+                problems.append(f"rejoining {getattr(d, 'name', d)}: {type(err).__name__}: {err}")
+        return problems
+
+    @classmethod
+    def _abandon(cls, driver, origin, others, joins, s0):
+        """After a failure mid-capture: rejoin every stream, end the capture, drop the graph.
+
+        Errors here are secondary (the capture is already broken by the first one) and
+        are not raised: the first error is the one to see."""
+        cls._rejoin(origin, others, joins)
+        try:
+            graph = driver.cuStreamEndCapture(s0)
+        except Exception:                                  # noqa: BLE001 (invalidated capture)
+            return
+        try:
+            driver.cuGraphDestroy(graph)
+        except Exception:                                  # noqa: BLE001
+            pass
 
     def launch(self):
         """Replay: after the work already queued on every replica's stream (this step's
         inputs), and before whatever is queued on them next."""
-        from numba.cuda.cudadrv.driver import driver
+        _, driver, _ = _driver_api()
         origin, others = self.devices[0], self.devices[1:]
         with origin.activate():
             for d, ev in zip(others, self.before):
@@ -158,7 +233,7 @@ class _Graph:
                 self.after.wait(d.stream)
 
     def close(self):
-        from numba.cuda.cudadrv.driver import driver
+        _, driver, _ = _driver_api()
         if self.exe is not None:
             driver.cuGraphExecDestroy(self.exe)
             driver.cuGraphDestroy(self.graph)

@@ -136,6 +136,7 @@ class ResidentRows:
         self.shapes = [a.shape[1:] for a in host]          # one element's shape per leaf
         self.dtypes = [a.dtype for a in host]
         self.row_sizes = [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
+        self.rows_count = len(host[0])                     # n: valid row numbers are [0, n)
         self.leaves = []
         for dev in self.devices:
             with dev.activate():
@@ -147,6 +148,8 @@ class ResidentRows:
         """Rows ``idx`` (host int64, (b,)) of each leaf k into its ``out`` on device r,
         for ``(k, out)`` in ``targets`` (out: (b, row size of k)). The b row numbers go
         up once — the step's only upload — and serve every leaf."""
+        from kernels.gather import check_rows          # (lazily: kernels import numba.cuda)
+        check_rows("ResidentRows.gather", idx, self.rows_count)   # the kernel cannot check
         dev = self.devices[r]
         key = (r, len(idx))
         idx_dev = self._idx.get(key)

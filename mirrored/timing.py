@@ -76,17 +76,52 @@ def _uses_events(device):
     return device is not None and device.device_type == "GPU" and _dev.cuda_mode() == "real"
 
 
-class _Anchor:
-    """Ties one GPU's event clock to the host clock: an event recorded on an idle stream."""
+#: A mark's time is its anchor's host time plus ``cuEventElapsedTime`` from the anchor,
+#: which is a float32 count of milliseconds: its resolution falls with the distance
+#: (about 8 µs at 100 s). So a mark made more than this long after its card's anchor
+#: becomes the card's next anchor, timed from the previous one with no host sync.
+ANCHOR_REFRESH_S = 1.0
 
-    def __init__(self, device):
-        from numba import cuda
-        with device.activate():
-            device.stream.synchronize()
-            self.event = cuda.event(timing=True)
-            self.event.record(device.stream)
-            self.event.synchronize()
+
+class _Anchor:
+    """Ties one GPU's event clock to the host clock (one chain of anchors per card).
+
+    The first anchor of a card is an event recorded on an idle stream, then waited for:
+    one host sync per card and timer. Every later anchor is a mark's own event, whose
+    host time is the previous anchor's plus the elapsed time between the two, read when
+    first needed (after the events have happened), never by syncing mid-step. Events
+    of one card compare directly whichever stream recorded them, so all the logical
+    devices of a card share its anchors: no skew between replicas of one card.
+    """
+
+    def __init__(self, device, event=None, previous=None):
+        self.previous = previous
+        if previous is None:
+            from numba import cuda
+            with device.activate():
+                device.stream.synchronize()
+                event = cuda.event(timing=True)
+                event.record(device.stream)
+                event.synchronize()
             self.host_s = time.perf_counter()      # the event happened (about) now
+        else:
+            self.host_s = None                     # previous.seconds() + elapsed, when asked
+        self.event = event
+        self.made_s = time.perf_counter()          # host time of creation, for the refresh rule
+
+    def seconds(self):
+        """This anchor's time on the host clock (perf_counter seconds)."""
+        from numba import cuda
+        chain = []
+        anchor = self
+        while anchor.host_s is None:               # walk back to a resolved anchor...
+            chain.append(anchor)
+            anchor = anchor.previous
+        for later in reversed(chain):              # ... then forward, each hop short and precise
+            later.event.synchronize()
+            later.host_s = later.previous.host_s + cuda.event_elapsed_time(later.previous.event, later.event) / 1e3
+            later.previous = None                  # resolved: the chain behind it can go
+        return self.host_s
 
 
 class PhaseTimer:
@@ -117,15 +152,20 @@ class PhaseTimer:
         if not _uses_events(device):
             return time.perf_counter()
         from numba import cuda
-        anchor = self._anchors.get(device.name)
+        card = device.gpu_id                       # one anchor chain per physical GPU
+        anchor = self._anchors.get(card)
         if anchor is None:
             with self._lock:
-                anchor = self._anchors.get(device.name)
+                anchor = self._anchors.get(card)
                 if anchor is None:
-                    anchor = self._anchors[device.name] = _Anchor(device)
+                    anchor = self._anchors[card] = _Anchor(device)
         with device.activate():
             event = cuda.event(timing=True)
             event.record(device.stream)
+        if time.perf_counter() - anchor.made_s > ANCHOR_REFRESH_S:
+            with self._lock:
+                if self._anchors[card] is anchor:  # this mark is the card's next anchor
+                    anchor = self._anchors[card] = _Anchor(device, event, previous=anchor)
         return anchor, event
 
     def _seconds(self, mark):
@@ -134,7 +174,7 @@ class PhaseTimer:
         from numba import cuda
         anchor, event = mark
         event.synchronize()
-        return anchor.host_s - self._t0 + cuda.event_elapsed_time(anchor.event, event) / 1e3
+        return anchor.seconds() - self._t0 + cuda.event_elapsed_time(anchor.event, event) / 1e3
 
     # -- recording
     def begin(self, name, replica=0, device=None):

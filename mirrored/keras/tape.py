@@ -75,8 +75,8 @@ def loss_from_model_output(loss_obj, y_true, y_pred):
     if labels.shape[0] != b:
         raise ValueError(f"{labels.shape[0]} labels for a batch of {b} predictions.")
     with dev.activate():
-        per_example = dev.empty((b,), np.float32)
-        correct = dev.empty((b,), np.float32)
+        per_example = dev.empty((b,), np.float32)          # the caller's: a new tensor each call
+        correct = dev.scratch("xent correct", (b,), np.float32)   # nobody reads it here: reused
         if b:
             logits = program.buffers(b).act[-1]
             op = dev.ops.prob_xent if mode == "probs" else dev.ops.softmax_xent
