@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.launch import _data_range, check_array, check_no_alias, grid_1d, launch
+from kernels.launch import _data_range, check_array, check_no_alias, flat, grid_1d, launch
 from kernels.registry import mat, register, sig, vec
 
 
@@ -131,9 +131,6 @@ register(softmax_kernel, "softmax_kernel", sig(mat("float32"), mat("float32")),
 
 # --- launchers -----------------------------------------------------------------------
 
-def _flat(a):
-    return a.reshape(a.size)
-
 
 def _check_out(what, out, same_ok, others):
     """``out`` may be exactly one of ``same_ok`` (in place, safe for elementwise
@@ -156,7 +153,7 @@ def bias_relu(x, bias, out, stream=None):
     all C-contiguous; ``out`` may be ``x`` (in place)."""
     _check_bias_args("bias_relu", x, bias, out)
     if out.size:
-        launch(bias_relu_kernel, *grid_1d(out.size), stream, _flat(x), bias, _flat(out))
+        launch(bias_relu_kernel, *grid_1d(out.size), stream, flat(x), bias, flat(out))
     return out
 
 
@@ -168,8 +165,8 @@ def relu_backward(dy, y, out, stream=None):
     check_array("relu_backward: out", out, np.float32, shape=dy.shape)
     _check_out("relu_backward", out, same_ok=(dy, y), others=())
     if out.size:
-        launch(relu_backward_kernel, *grid_1d(out.size), stream, _flat(dy), _flat(y),
-               _flat(out))
+        launch(relu_backward_kernel, *grid_1d(out.size), stream, flat(dy), flat(y),
+               flat(out))
     return out
 
 
@@ -177,7 +174,7 @@ def bias_add(x, bias, out, stream=None):
     """out = x + bias on the GPU. x, out: (B, N) float32; bias (N,) float32."""
     _check_bias_args("bias_add", x, bias, out)
     if out.size:
-        launch(bias_add_kernel, *grid_1d(out.size), stream, _flat(x), bias, _flat(out))
+        launch(bias_add_kernel, *grid_1d(out.size), stream, flat(x), bias, flat(out))
     return out
 
 

@@ -20,7 +20,7 @@ math has one definition.
 import numpy as np
 from numba import cuda
 
-from kernels.launch import check_array, grid_1d, launch
+from kernels.launch import check_array, flat, grid_1d, launch
 from kernels.registry import TENSOR_DTYPES, register, sig, vec
 
 #: Operator name -> NumPy function: the reference definition of each operator.
@@ -177,9 +177,6 @@ register(fill_kernel, "fill_kernel", [sig(vec(t), t) for t in TENSOR_DTYPES], bl
 
 # --- launchers ----------------------------------------------------------------
 
-def _flat(a):
-    return a.reshape(a.size)
-
 
 def _check_op(op, table):
     if op not in table:
@@ -193,7 +190,7 @@ def binary(op, x, y, out, stream=None):
     check_array(f"{op}: y", y, x.dtype, shape=x.shape)
     check_array(f"{op}: out", out, x.dtype, shape=x.shape)
     if out.size:
-        launch(BINARY_KERNELS[op], *grid_1d(out.size), stream, _flat(x), _flat(y), _flat(out))
+        launch(BINARY_KERNELS[op], *grid_1d(out.size), stream, flat(x), flat(y), flat(out))
     return out
 
 
@@ -204,7 +201,7 @@ def binary_scalar(op, x, s, out, stream=None):
     check_array(f"{op}: out", out, x.dtype, shape=x.shape)
     if out.size:
         s = np.dtype(x.dtype).type(s)
-        launch(SCALAR_KERNELS[op], *grid_1d(out.size), stream, _flat(x), s, _flat(out))
+        launch(SCALAR_KERNELS[op], *grid_1d(out.size), stream, flat(x), s, flat(out))
     return out
 
 
@@ -214,7 +211,7 @@ def unary(op, x, out, stream=None):
     check_array(f"{op}: x", x, x.dtype)
     check_array(f"{op}: out", out, x.dtype, shape=x.shape)
     if out.size:
-        launch(UNARY_KERNELS[op], *grid_1d(out.size), stream, _flat(x), _flat(out))
+        launch(UNARY_KERNELS[op], *grid_1d(out.size), stream, flat(x), flat(out))
     return out
 
 
@@ -223,7 +220,7 @@ def cast(x, out, stream=None):
     check_array("cast: x", x, x.dtype)
     check_array("cast: out", out, out.dtype, shape=x.shape)
     if out.size:
-        launch(cast_kernel, *grid_1d(out.size), stream, _flat(x), _flat(out))
+        launch(cast_kernel, *grid_1d(out.size), stream, flat(x), flat(out))
     return out
 
 
@@ -231,5 +228,5 @@ def fill(out, value, stream=None):
     """out[...] = value on the GPU (zeros for gradients, slots, counters)."""
     check_array("fill: out", out, out.dtype)
     if out.size:
-        launch(fill_kernel, *grid_1d(out.size), stream, _flat(out), np.dtype(out.dtype).type(value))
+        launch(fill_kernel, *grid_1d(out.size), stream, flat(out), np.dtype(out.dtype).type(value))
     return out

@@ -34,7 +34,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels.launch import check_array, check_no_alias, grid_1d, launch
+from kernels.launch import check_array, check_no_alias, flat, grid_1d, launch
 from kernels.registry import register, sig, vec
 
 
@@ -162,9 +162,6 @@ register(adam_kernel, "adam_kernel", sig(_F32, _F32, _F32, _F32, _F32), block=gr
 
 # --- launchers ------------------------------------------------------------------------------------
 
-def _flat(a):
-    return a.reshape(a.size)
-
 
 def _check_buffers(what, w, g, state, hyper, hyper_size):
     """w float32 contiguous; g and each state buffer the same shape; no overlaps;
@@ -191,10 +188,10 @@ def sgd(w, g, velocity, hyper, nesterov=False, stream=None):
         return w
     grid, block = grid_1d(w.size)
     if velocity is None:
-        launch(sgd_kernel, grid, block, stream, _flat(w), _flat(g), hyper)
+        launch(sgd_kernel, grid, block, stream, flat(w), flat(g), hyper)
     else:
         kernel = sgd_nesterov_kernel if nesterov else sgd_momentum_kernel
-        launch(kernel, grid, block, stream, _flat(w), _flat(g), _flat(velocity), hyper)
+        launch(kernel, grid, block, stream, flat(w), flat(g), flat(velocity), hyper)
     return w
 
 
@@ -204,6 +201,6 @@ def adam(w, g, m, v, hyper, stream=None):
     holding ``adam_scalars(lr, step, ...)`` for this step."""
     _check_buffers("adam", w, g, {"m": m, "v": v}, hyper, ADAM_HYPER_SIZE)
     if w.size:
-        launch(adam_kernel, *grid_1d(w.size), stream, _flat(w), _flat(g), _flat(m),
-               _flat(v), hyper)
+        launch(adam_kernel, *grid_1d(w.size), stream, flat(w), flat(g), flat(m),
+               flat(v), hyper)
     return w

@@ -1,6 +1,9 @@
 """Fused sparse softmax cross-entropy: per-example loss, gradient and correct flag.
 
-Versions: v1 only, one thread per example row. Keras's
+Versions: v1, one thread per example row, reading its row straight from global memory;
+v2, the same per-row arithmetic on rows a block first stages in shared memory, so that
+global memory is read and written in coalesced runs (rows of at most MAX_STAGED_COLS
+classes: the launcher's default there). Keras's
 ``SparseCategoricalCrossentropy(from_logits=True)`` plus the accuracy metric, in one
 kernel:
 
@@ -16,8 +19,13 @@ Numerically stable: the kernel keeps a running maximum m and a running sum
 s = sum_j exp(logits[r, j] - m), rescaling s whenever m grows ("online softmax",
 Milakov & Gimelshein 2018). Every exponent is <= 0, so nothing overflows, and the
 statistics take a single sweep over the row; a second sweep writes the gradient.
-One thread per row suits classifier rows (10 classes: 40 bytes, cached after the
-first sweep); a block per row would be the next version for very wide rows.
+Why v2: in v1 the 32 threads of a warp read 32 rows, so each load instruction touches
+32 addresses C floats apart, and each store of the gradient writes 32 scattered floats.
+A block's rows are one contiguous run of memory, so v2 copies the run into shared
+memory with consecutive threads on consecutive addresses (coalesced), computes there,
+and copies the gradient back out the same way. Measured on an H100 over 64 MB of
+10-class logits: v1 523-687 GB/s, v2 1,198-1,369 GB/s (cudaMemcpy: 2,760). For very wide
+rows a block per row would be the next version.
 
 The probabilities path (``from_logits=False``), as Keras computes it for the output
 of a softmax layer: p = clip(probs[r, label], EPSILON, 1 - EPSILON),
@@ -35,7 +43,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.launch import check_array, check_no_alias, grid_1d, launch
+from kernels.launch import THREADS_1D, check_array, check_no_alias, flat, grid_1d, launch
 from kernels.registry import mat, register, sig, vec
 
 #: Keras's ``backend.epsilon()``: probabilities are clipped to [EPSILON, 1 - EPSILON]
@@ -166,6 +174,77 @@ def _make_softmax_xent_kernel(with_grad):
     return softmax_xent_kernel
 
 
+#: v2 stages the rows of a block in shared memory when a row has at most this many
+#: classes (a 256-row block then needs 16 KiB); wider rows run v1.
+MAX_STAGED_COLS = 16
+#: Rows per v2 block: one thread per row, the library's 1-D block size.
+STAGE_ROWS = THREADS_1D
+#: v2's shared tile, in floats (a constant: Numba needs the size at compile time).
+STAGE_FLOATS = STAGE_ROWS * MAX_STAGED_COLS
+
+
+def _make_softmax_xent_v2_kernel(with_grad):
+    @cuda.jit
+    def softmax_xent_v2_kernel(logits, labels, loss, grad, correct, scale):
+        """v2, on logits and grad seen flat, (B * C,): row r is elements [r*C, (r+1)*C).
+        A block of STAGE_ROWS threads takes the rows [r0, r0 + STAGE_ROWS), one
+        thread per row (grid-stride over such groups); C <= MAX_STAGED_COLS. Those rows'
+        n = rows * C logits are one contiguous run: thread t copies run elements t,
+        t + STAGE_ROWS, ... into the shared tile (consecutive threads, consecutive
+        addresses); sync; thread t computes row r0 + t exactly as v1 does, reading the
+        tile, and overwrites its tile row with the gradient; sync; the block copies the
+        tile out to grad the same coalesced way; sync (the next group reuses the tile).
+        Same loop nest and the same float32 operations as v1: the results are equal."""
+        tile = cuda.shared.array(STAGE_FLOATS, float32)   # the group's rows, (rows, C) flat
+        rows = labels.shape[0]
+        cols = logits.shape[0] // rows                     # the launcher skips rows == 0
+        t = cuda.threadIdx.x
+        for r0 in range(cuda.blockIdx.x * STAGE_ROWS, rows, cuda.gridDim.x * STAGE_ROWS):
+            base = r0 * cols                               # the group's run starts here
+            n = min(STAGE_ROWS, rows - r0) * cols
+            for e in range(t, n, STAGE_ROWS):
+                tile[e] = logits[base + e]
+            cuda.syncthreads()
+            r = r0 + t
+            if r < rows:
+                o = t * cols                                # this row's start in the tile
+                label = labels[r]
+                if label < 0 or label >= cols:              # as _poison_row, in the tile
+                    loss[r] = math.nan
+                    correct[r] = float32(0.0)
+                    if with_grad:
+                        for j in range(cols):
+                            tile[o + j] = math.nan
+                else:
+                    m = tile[o]
+                    s = float32(1.0)
+                    best = 0
+                    for j in range(1, cols):
+                        v = tile[o + j]
+                        if v > m:
+                            s = s * math.exp(m - v) + float32(1.0)
+                            m = v
+                            best = j
+                        else:
+                            s += math.exp(v - m)
+                    loss[r] = m + math.log(s) - tile[o + label]
+                    correct[r] = float32(1.0) if best == label else float32(0.0)
+                    if with_grad:
+                        inv = scale / s
+                        for j in range(cols):
+                            g = math.exp(tile[o + j] - m) * inv
+                            if j == label:
+                                g -= scale
+                            tile[o + j] = g
+            cuda.syncthreads()
+            if with_grad:
+                for e in range(t, n, STAGE_ROWS):
+                    grad[base + e] = tile[e]
+                cuda.syncthreads()
+
+    return softmax_xent_v2_kernel
+
+
 def _make_prob_xent_kernel(with_grad):
     @cuda.jit
     def prob_xent_kernel(probs, labels, loss, grad, correct, scale):
@@ -201,21 +280,26 @@ def _make_prob_xent_kernel(with_grad):
 
 #: Compiled kernels, keyed by with_grad (False: evaluation, no gradient written).
 SOFTMAX_XENT_KERNELS = {g: _make_softmax_xent_kernel(g) for g in (False, True)}
+SOFTMAX_XENT_V2_KERNELS = {g: _make_softmax_xent_v2_kernel(g) for g in (False, True)}
 PROB_XENT_KERNELS = {g: _make_prob_xent_kernel(g) for g in (False, True)}
+#: softmax_xent's versions by name.
+SOFTMAX_XENT_VERSIONS = {"v1": SOFTMAX_XENT_KERNELS, "v2": SOFTMAX_XENT_V2_KERNELS}
 
 
 # What the real compiler checks (kernels/registry.py): each kernel with int32 and int64
 # labels (both accepted by ``_check_args``). Without a gradient the launcher passes x in
 # the grad slot, so both variants have the same signature.
-def _xent_signature(label_dtype):
-    return sig(mat("float32"), vec(label_dtype), vec("float32"), mat("float32"),
+def _xent_signature(label_dtype, logits=mat):
+    return sig(logits("float32"), vec(label_dtype), vec("float32"), logits("float32"),
                vec("float32"), "float32")
 
 
-for _name, _kernels in (("softmax_xent_kernel", SOFTMAX_XENT_KERNELS),
-                        ("prob_xent_kernel", PROB_XENT_KERNELS)):
+for _name, _kernels, _logits in (("softmax_xent_kernel", SOFTMAX_XENT_KERNELS, mat),
+                                 ("softmax_xent_v2_kernel", SOFTMAX_XENT_V2_KERNELS, vec),
+                                 ("prob_xent_kernel", PROB_XENT_KERNELS, mat)):
     for _with_grad, _kernel in _kernels.items():
-        register(_kernel, _name, [_xent_signature(np.dtype(t).name) for t in _LABEL_DTYPES],
+        register(_kernel, _name,
+                 [_xent_signature(np.dtype(t).name, _logits) for t in _LABEL_DTYPES],
                  block=grid_1d(1)[1], variant=f"with_grad={_with_grad}")
 
 
@@ -240,27 +324,44 @@ def _check_args(what, x, labels, loss_out, grad_out, correct_out):
         check_no_alias(what, o, x, labels, *outs[i + 1:])
 
 
-def _launch(kernels, x, labels, loss_out, grad_out, correct_out, scale, stream):
+def _launch(kernels, x, labels, loss_out, grad_out, correct_out, scale, stream,
+            flat_rows=False):
     if x.shape[0] == 0:
         return
     with_grad = grad_out is not None
     # Without a gradient the kernel never touches ``grad`` (with_grad is a compile-time
     # False): pass the input x, also (B, C) float32, to fill the argument slot.
     grad_arg = grad_out if with_grad else x
-    launch(kernels[with_grad], *grid_1d(x.shape[0]), stream, x, labels, loss_out,
-           grad_arg, correct_out, np.float32(scale))
+    threads = None                    # grid_1d's THREADS_1D
+    if flat_rows:                     # v2 walks logits and grad as one flat run each, and
+        x, grad_arg = flat(x), flat(grad_arg)
+        threads = STAGE_ROWS          # its shared tile holds exactly one row per thread
+    launch(kernels[with_grad], *grid_1d(labels.shape[0], threads), stream, x, labels,
+           loss_out, grad_arg, correct_out, np.float32(scale))
 
 
-def softmax_xent(logits, labels, loss_out, grad_out, correct_out, scale=1.0, stream=None):
+def softmax_xent(logits, labels, loss_out, grad_out, correct_out, scale=1.0, stream=None,
+                 version=None):
     """Fused softmax cross-entropy on the GPU (see the module docstring).
 
     logits (B, C) float32; labels (B,) int32/int64; loss_out, correct_out (B,) float32;
     grad_out (B, C) float32 or None to skip the gradient (evaluation). All C-contiguous,
-    outputs disjoint from inputs and each other. Returns (loss_out, grad_out, correct_out).
+    outputs disjoint from inputs and each other. ``version``: "v1", "v2" (C <=
+    MAX_STAGED_COLS) or None for v2 where it applies, else v1.
+    Returns (loss_out, grad_out, correct_out).
     """
+    cols = logits.shape[1] if len(logits.shape) == 2 else 0
+    if version is None:
+        version = "v2" if cols <= MAX_STAGED_COLS else "v1"
+    if version not in SOFTMAX_XENT_VERSIONS:
+        raise ValueError(f"softmax_xent: unknown version {version!r}; expected one of "
+                         f"{sorted(SOFTMAX_XENT_VERSIONS)} or None.")
+    if version == "v2" and cols > MAX_STAGED_COLS:
+        raise ValueError(f"softmax_xent: v2 stages at most {MAX_STAGED_COLS} classes per row "
+                         f"in shared memory, got {cols}; use v1 (or version=None).")
     _check_args("softmax_xent", logits, labels, loss_out, grad_out, correct_out)
-    _launch(SOFTMAX_XENT_KERNELS, logits, labels, loss_out, grad_out, correct_out, scale,
-            stream)
+    _launch(SOFTMAX_XENT_VERSIONS[version], logits, labels, loss_out, grad_out, correct_out,
+            scale, stream, flat_rows=version == "v2")
     return loss_out, grad_out, correct_out
 
 

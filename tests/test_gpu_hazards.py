@@ -506,7 +506,8 @@ def test_resident_gather_checks_row_numbers_before_launching(devices, forbid_lau
 #: simulator's defaults are smaller because each CUDA thread is a Python thread.
 GPU_LAUNCH_CONSTANTS = {"launch": {"THREADS_1D": 256},
                         "reduction": {"SUM_THREADS": 256, "SUM_BLOCKS": 256,
-                                      "AXIS_COLS": 32, "AXIS_ROWS": 8}}
+                                      "AXIS_COLS": 32, "AXIS_ROWS": 8},
+                        "softmax_xent": {"STAGE_ROWS": 256, "STAGE_FLOATS": 256 * 16}}
 
 
 def test_kernels_compute_the_same_with_the_gpu_launch_constants(monkeypatch, rng):

@@ -9,7 +9,7 @@ from numba import cuda
 
 from kernels import elementwise, reduction
 from conftest import assert_sum_close, poisoned
-from kernels.launch import ceil_div, grid_1d, grid_2d
+from kernels.launch import ceil_div, flat, grid_1d, grid_2d
 
 SIZES = [1, 17, 31, 33, 65, 300]
 
@@ -22,6 +22,30 @@ def test_ceil_div_and_grids():
     assert blocks >= 1 and threads % 32 == 0
     grid, block = grid_2d(33, 17)
     assert grid[0] * block[0] >= 17 and grid[1] * block[1] >= 33
+
+
+class _Array:
+    """Just enough of a device array for ``flat``: a shape and a counted reshape."""
+    reshapes = 0
+
+    def __init__(self, shape):
+        self.shape = shape
+        self.size = int(np.prod(shape))
+
+    def reshape(self, *shape):
+        _Array.reshapes += 1
+        return _Array(shape)
+
+
+def test_flat_makes_each_arrays_view_once():
+    """A 1-D array goes to the kernel as it is; a 2-D one gets one view, made at the
+    first launch and reused (a new view object costs numba-cuda its typing again)."""
+    one_d, two_d = _Array((12,)), _Array((3, 4))
+    _Array.reshapes = 0
+    assert flat(one_d) is one_d and _Array.reshapes == 0
+    first = flat(two_d)
+    assert first.shape == (12,) and flat(two_d) is first and _Array.reshapes == 1
+    assert flat(_Array((3, 4))) is not first and _Array.reshapes == 2   # another array
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -76,23 +76,32 @@ def make_probs(rng, b, c):
     return probs, labels
 
 
-def run(launcher, x, labels, with_grad, scale):
+def run(launcher, x, labels, with_grad, scale, **kwargs):
     b, c = x.shape
     loss, correct = (cuda.to_device(np.full(b, np.nan, np.float32)) for _ in range(2))
     grad = cuda.to_device(np.full((b, c), np.nan, np.float32)) if with_grad else None
-    launcher(cuda.to_device(x), cuda.to_device(labels), loss, grad, correct, scale=scale)
+    launcher(cuda.to_device(x), cuda.to_device(labels), loss, grad, correct, scale=scale,
+             **kwargs)
     return loss.copy_to_host(), grad.copy_to_host() if with_grad else None, correct.copy_to_host()
 
 
+#: Rows of more than one v2 block group (the simulator's blocks stage 32 rows; 4 blocks).
+MANY_ROWS = 4 * sx.STAGE_ROWS + 33
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", None])
 @pytest.mark.parametrize("label_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_softmax_xent_kernel(rng, shape, label_dtype):
+@pytest.mark.parametrize("shape", SHAPES + [(MANY_ROWS, 10)])
+def test_softmax_xent_kernel(rng, shape, label_dtype, version):
+    if version == "v2" and shape[1] > sx.MAX_STAGED_COLS:
+        pytest.skip("v2 refuses rows wider than MAX_STAGED_COLS (tested below)")
     logits, labels = make_logits(rng, *shape)
     labels = labels.astype(label_dtype)
     scale = 1.0 / shape[0]
     want = oracle_softmax_xent(logits, labels, scale)
     for with_grad in (True, False):
-        loss, grad, correct = run(sx.softmax_xent, logits, labels, with_grad, scale)
+        loss, grad, correct = run(sx.softmax_xent, logits, labels, with_grad, scale,
+                                  version=version)
         assert_close(f"softmax_xent loss {shape}", loss, want[0], RTOL_F32, ATOL_F32)
         assert np.array_equal(correct, want[2]), f"correct {correct} != {want[2]}"
         if with_grad:
@@ -113,8 +122,28 @@ def test_prob_xent_kernel(rng, shape, label_dtype):
             assert_close(f"prob_xent grad {shape}", grad, want[1], RTOL_F32, ATOL_F32)
 
 
+def test_v1_and_v2_give_bitwise_equal_results(rng):
+    """v2 only moves where the row is read from: the same float32 operations, in order."""
+    logits, labels = make_logits(rng, MANY_ROWS, 10)
+    labels[5] = 10                                            # a bad label: a NaN row in both
+    v1 = run(sx.softmax_xent, logits, labels, True, 1 / MANY_ROWS, version="v1")
+    v2 = run(sx.softmax_xent, logits, labels, True, 1 / MANY_ROWS, version="v2")
+    for a, b in zip(v1, v2):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_v2_refuses_wide_rows_and_unknown_versions(forbid_launches, rng):
+    forbid_launches(sx)
+    x = rng.random((3, sx.MAX_STAGED_COLS + 1)).astype(np.float32)
+    with pytest.raises(ValueError, match="v2 stages at most"):
+        run(sx.softmax_xent, x, np.zeros(3, np.int32), True, 1.0, version="v2")
+    with pytest.raises(ValueError, match="unknown version"):
+        run(sx.softmax_xent, x, np.zeros(3, np.int32), True, 1.0, version="v3")
+
+
 @pytest.mark.parametrize("with_grad", [True, False])
-@pytest.mark.parametrize("launcher", [sx.softmax_xent, sx.prob_xent])
+@pytest.mark.parametrize("launcher", [sx.softmax_xent, sx.prob_xent,
+                                      lambda *a, **k: sx.softmax_xent(*a, **k, version="v1")])
 def test_out_of_range_label_gives_nan_row(rng, launcher, with_grad):
     x = rng.random((4, 10)).astype(np.float32)
     labels = np.array([3, -1, 10, 0], np.int32)
