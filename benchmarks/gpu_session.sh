@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh versions tests      # versions, graphs test, then the suite
 #   bash benchmarks/gpu_session.sh kernels allreduce    # benchmarks (JSON under $OUT)
-#   bash benchmarks/gpu_session.sh training
+#   bash benchmarks/gpu_session.sh training report      # report: kernels.report --hardware
 #
 # Every stage writes its log (and JSON, for benchmarks) under $OUT (default /tmp/gpu-out),
 # with a time limit of its own so that one stuck stage cannot eat the whole call.
@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
 export NUMBA_ENABLE_CUDASIM=0 MIRRORED_OFFLINE=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1
+# ptxas for kernels.report and the compile tests: a CUDA toolkit's, where no wheel brings one.
+[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
 PY="${PYTHON:-python3}"
 # Wheels carried to the machine in .whl/ (e.g. numpy<2.5, which numba-cuda 0.30 needs: numpy
 # 2.5 removed np.row_stack, which numba-cuda's CUDA target imports on its first compile).
@@ -61,6 +63,8 @@ PYEOF
     tests)
       stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py
       stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout "${TEST_TIMEOUT:-120}" -rfEs ;;
+    report)
+      stage report 240 "$PY" -m kernels.report --hardware ;;
     kernels)
       stage kernels "$KERNELS_S" "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" ${KERNELS_ARGS:-} ;;
     allreduce)

@@ -10,6 +10,7 @@ into GPU machine code and says what that code needs::
     python -m kernels.report --cc 8.0         # for sm_80 (A100); --cc may repeat
     python -m kernels.report --only gemm      # the rows whose kernel name contains "gemm"
     python -m kernels.report --json           # the same rows as a JSON list of objects
+    python -m kernels.report --hardware       # on a GPU: beside what the driver loaded
 
 One row per kernel and signature (JSON keys in brackets):
 
@@ -37,6 +38,12 @@ One row per kernel and signature (JSON keys in brackets):
 Numba's type string, ``[cc]`` the compute capability. A kernel that fails to compile is
 reported with its name, signature and the compiler's message ([error]); so is a kernel
 defined in ``kernels/`` that is not registered. Either makes the exit status 1.
+
+``--hardware`` (a real GPU only) compiles for the GPU's own compute capability and also
+loads every kernel through Numba's dispatcher, as a launch does, and reads back what the
+driver reports for the loaded code: [hw_registers], [hw_local_bytes] (stack + spills),
+[hw_shared_bytes]. Equal numbers say that this table, made with no GPU, is the code that
+runs.
 
 ``tests/test_kernels_compile.py`` runs this for sm_80 and sm_90 in every test run and
 fails on any error, spill, stack frame, float64 instruction in a float32 kernel, or a
@@ -293,6 +300,40 @@ def unregistered_rows():
             for name in registry.unregistered()]
 
 
+def add_hardware_numbers(rows, specs):
+    """On a real GPU: load each row's kernel through its dispatcher (as a launch would)
+    and add what the driver reports for the loaded code (see the module docstring)."""
+    by_label = {s.label: s for s in specs}
+    for row in rows:
+        if row["error"] or not row["signature"]:
+            continue
+        try:
+            loaded = by_label[row["kernel"]].kernel.compile(row["signature"])
+            row["hw_registers"] = int(loaded.regs_per_thread)
+            row["hw_local_bytes"] = int(loaded.local_mem_per_thread)
+            row["hw_shared_bytes"] = int(loaded.shared_mem_per_block)
+        except Exception as err:          # report it in the row; the table still prints
+            row["hw_error"] = f"{type(err).__name__}: {_short(err)}"
+    return rows
+
+
+def format_hardware(rows):
+    """ptxas's numbers (no GPU) beside the driver's for the same kernels."""
+    lines = [f"{'kernel':<44} {'ptxas regs':>10} {'GPU regs':>8} {'GPU local B':>11} "
+             f"{'GPU smem B':>10}  same?"]
+    for r in rows:
+        if r["error"] or not r["signature"]:
+            continue
+        if "hw_error" in r:
+            lines.append(f"{r['kernel']:<44} {r['registers']:>10} -- {r['hw_error']}")
+            continue
+        same = (r["hw_registers"] == r["registers"] and r["hw_shared_bytes"] == r["shared_bytes"]
+                and r["hw_local_bytes"] == r["stack_bytes"])
+        lines.append(f"{r['kernel']:<44} {r['registers']:>10} {r['hw_registers']:>8} "
+                     f"{r['hw_local_bytes']:>11} {r['hw_shared_bytes']:>10}  {'yes' if same else 'NO'}")
+    return "\n".join(lines)
+
+
 # --- printing -----------------------------------------------------------------------------
 
 def _compact(signature):
@@ -334,6 +375,9 @@ def main(argv=None):
     parser.add_argument("--only", metavar="TEXT", default="",
                         help="only kernels whose registered name contains TEXT (e.g. gemm)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--hardware", action="store_true",
+                        help="on a real GPU: compile for its compute capability and add what "
+                             "the driver reports for each loaded kernel")
     args = parser.parse_args(argv)
     try:
         ccs = [parse_cc(c) for c in (args.cc or [cc_name(DEFAULT_CC)])]
@@ -344,6 +388,11 @@ def main(argv=None):
     if SIMULATOR:
         parser.error("NUMBA_ENABLE_CUDASIM=1 is set: the CUDA simulator cannot compile. Run "
                      "with NUMBA_ENABLE_CUDASIM=0 (no GPU is needed).")
+    if args.hardware:
+        from numba import cuda
+        if not cuda.is_available():
+            parser.error("--hardware needs a real CUDA GPU; none was found.")
+        ccs = [tuple(cuda.get_current_device().compute_capability)]
     start = time.perf_counter()
     specs = [s for s in registry.registered() if args.only in s.label]
     if not specs:
@@ -353,10 +402,14 @@ def main(argv=None):
         rows = compile_rows(specs, ccs)
     except RuntimeError as err:          # no ptxas: say what to install
         parser.exit(2, f"kernels.report: {err}\n")
+    if args.hardware:
+        add_hardware_numbers(rows, specs)
     if not args.only:
         rows += unregistered_rows()
     seconds = time.perf_counter() - start
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    if args.hardware and not args.json:
+        print("\n" + format_hardware(rows))
     n_ok = sum(not r["error"] for r in rows)
     print(f"kernels.report: {n_ok} kernel signature(s) compiled and assembled for "
           f"{', '.join('sm_%d%d' % c for c in ccs)} ({len(specs)} kernels), "

@@ -220,3 +220,34 @@ def test_occupancy_of_gemm_v3_shapes():
     assert report.occupancy(122, 6272, 256, (9, 0))[:2] == (2, 0.25)
     assert report.occupancy(32, 0, 256, (9, 0))[:2] == (8, 1.0)
     assert report.occupancy(255, 0, 1024, (9, 0))[0] == 0
+
+
+def test_hardware_numbers_sit_beside_ptxas_and_say_whether_they_agree():
+    """``--hardware`` (GPU only) adds what the driver reports for each loaded kernel; here
+    a stand-in dispatcher plays the driver: one kernel agrees with ptxas, one does not,
+    one fails to load."""
+    class Loaded:
+        def __init__(self, regs, local):
+            self.regs_per_thread, self.local_mem_per_thread, self.shared_mem_per_block = regs, local, 0
+
+    class Kernel:
+        def __init__(self, loaded):
+            self.loaded = loaded
+
+        def compile(self, signature):
+            if self.loaded is None:
+                raise RuntimeError("no such function")
+            return self.loaded
+
+    class Spec:
+        def __init__(self, label, loaded):
+            self.label, self.kernel = label, Kernel(loaded)
+
+    specs = [Spec("same", Loaded(40, 0)), Spec("differs", Loaded(48, 16)), Spec("fails", None)]
+    rows = [dict(kernel=s.label, signature="void(float32[::1])", error=None, registers=40,
+                 shared_bytes=0, stack_bytes=0) for s in specs]
+    report.add_hardware_numbers(rows, specs)
+    assert rows[0]["hw_registers"] == 40 and rows[1]["hw_local_bytes"] == 16
+    assert "no such function" in rows[2]["hw_error"]
+    table = report.format_hardware(rows).splitlines()
+    assert table[1].endswith("yes") and table[2].endswith("NO") and "no such function" in table[3]
