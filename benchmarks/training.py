@@ -193,7 +193,7 @@ class OursRow:
             options = tf.distribute.InputOptions(experimental_place_dataset_on_device=True)
             ds = self.strategy.experimental_distribute_dataset(ds, options)
         self.ds = ds
-        self.devices = [p.dev for p in self.model._programs]
+        self.devices = list(self.model.step.devices)
 
     def epoch(self):
         self.model.fit(self.ds, epochs=1, verbose=0)

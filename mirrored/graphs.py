@@ -43,7 +43,10 @@ replays it from then on. Where there is nothing to capture (CPU devices, Numba's
 CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
 time and ``reason`` says why.
 
-Neighbours: ``keras/models.py`` (``compile(cuda_graph=True)``; the step),
+``CapturedStep`` puts the two together for a model: ``Step.host_part``, then the
+device part through ``StepGraphs.run`` — the step itself knows nothing of graphs.
+
+Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``compile(cuda_graph=True)``),
 ``cross_device_ops.py`` (the ring: events between neighbours, captured as graph edges).
 """
 import warnings
@@ -133,6 +136,29 @@ class StepGraphs:
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
+
+
+class CapturedStep:
+    """A model's training step (``keras/step.py``) with its device part run through graphs.
+
+    ``train(batch)`` does what ``Step.train`` does — the same host part, the same
+    launches — but the device part is captured once per key and replayed after.
+    """
+
+    def __init__(self, step, graphs):
+        self.step, self.graphs = step, graphs
+
+    def train(self, batch):
+        inputs, scale = self.step.host_part(batch)
+        mode = self.step.loss_mode()
+        key = (mode, scale) + tuple((_address(x), _address(y)) for x, y in inputs)
+        self.graphs.run(key, self.step.device_part, inputs, mode, scale)
+
+
+def _address(buf):
+    """Where a device buffer's data starts (what a captured graph reads)."""
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    return cai["data"][0] if cai is not None else id(buf)
 
 
 class _Graph:

@@ -182,6 +182,16 @@ class DistributedDataset:
         self._warned = False
 
     @property
+    def strategy(self):
+        """The strategy whose replicas this data set feeds."""
+        return self._strategy
+
+    @property
+    def dataset(self):
+        """The global-batch dataset it splits."""
+        return self._dataset
+
+    @property
     def place_on_device(self):
         return bool(self._options is not None and self._options.experimental_place_dataset_on_device)
 
@@ -200,11 +210,11 @@ class DistributedDataset:
             return None
         if self._resident is None or self._resident.rows is not rows:
             self._resident = None                               # free the old copies first
-            self._resident = ResidentRows(rows, self._strategy.extended._devices)
+            self._resident = ResidentRows(rows, self._strategy.extended.devices)
         return self._resident, batches
 
     def _split(self, batch):
-        devices = self._strategy.extended._devices
+        devices = self._strategy.extended.devices
         n = len(devices)
         leaves = nest.flatten(batch)
         sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
@@ -248,7 +258,7 @@ class DistributedDatasetsFromFunction:
         self._strategy = strategy
 
     def __iter__(self):
-        devices = self._strategy.extended._devices
+        devices = self._strategy.extended.devices
         n = len(devices)
         it = iter(self._dataset)
         while True:

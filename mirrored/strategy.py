@@ -160,7 +160,7 @@ class ReplicaContext:
     @property
     def replica_id_in_sync_group(self):
         """This replica's index as an int32 scalar Tensor on its device."""
-        dev = self._strategy.extended._devices[self._replica_id]
+        dev = self._strategy.extended.devices[self._replica_id]
         return constant(self._replica_id, dtype=np.int32, device=dev)
 
     @property
@@ -169,7 +169,7 @@ class ReplicaContext:
 
     @property
     def devices(self):
-        return (self._strategy.extended._devices[self._replica_id].name,)
+        return (self._strategy.extended.devices[self._replica_id].name,)
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Meet every other replica here; run ``merge_fn(strategy, *args, **kwargs)`` once.
@@ -204,13 +204,13 @@ class ReplicaContext:
         fused cross-device reduction. Every replica must call this.
         """
         reduce_op = ReduceOp.validate(reduce_op)
-        dev = self._strategy.extended._devices[self._replica_id]
-        local = nest.map_structure(lambda v: _to_tensor_on(v, dev), value)
+        dev = self._strategy.extended.devices[self._replica_id]
+        local = nest.map_structure(lambda v: to_tensor_on(v, dev), value)
 
         def merge(strategy, per_replica):
             leaves = nest.flatten(per_replica)
             comps = [list(l.values) if isinstance(l, DistributedValues) else [l] for l in leaves]
-            reduced = strategy.extended._cross_device_ops.all_reduce_components(reduce_op, comps)
+            reduced = strategy.extended.cross_device_ops.all_reduce_components(reduce_op, comps)
             return nest.pack_sequence_as(per_replica, [Mirrored(r) for r in reduced])
 
         return self.merge_call(merge, args=(local,))
@@ -219,7 +219,7 @@ class ReplicaContext:
         return f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync}>"
 
 
-def _to_tensor_on(value, dev):
+def to_tensor_on(value, dev):
     """A Tensor on ``dev`` for a Tensor, Variable, NumPy value or Python number."""
     if isinstance(value, Variable):
         value = value.value()
@@ -247,7 +247,7 @@ class _ReplicaWorkers:
         self.strategy = strategy
         self.jobs = []
         self.threads = []
-        for i, dev in enumerate(strategy.extended._devices):
+        for i, dev in enumerate(strategy.extended.devices):
             q = queue.SimpleQueue()
             t = threading.Thread(target=self._loop, args=(i, dev, q), daemon=True,
                                  name=f"mirrored-replica-{i}")
@@ -271,7 +271,7 @@ class _ReplicaWorkers:
         strategy = self.strategy
 
         def job(i):
-            dev = strategy.extended._devices[i]
+            dev = strategy.extended.devices[i]
             context.set_stack(outer_stack + [(strategy, ReplicaContext(strategy, i, merge_point))])
             try:
                 with _dev.device_scope(dev):
@@ -306,7 +306,7 @@ def _raise_first(errors, strategy):
         i, e = aborted[0]
         real = [(i, e.args[0] if e.args and isinstance(e.args[0], BaseException) else e)]
     i, err = real[0]
-    dev = strategy.extended._devices[i]
+    dev = strategy.extended.devices[i]
     if hasattr(err, "add_note"):
         err.add_note(f"(raised in replica {i} of {len(errors)}, on {dev.name})")
     raise err
@@ -315,16 +315,30 @@ def _raise_first(errors, strategy):
 # --- the extended object (TensorFlow's StrategyExtended) ----------------------------------
 
 class StrategyExtended:
-    """Lower-level strategy API: devices, cross-device reductions."""
+    """Lower-level strategy API, and what the rest of the library needs of a strategy.
+
+    ``devices``: the replicas' devices, in replica order. ``cross_device_ops``: how
+    values are summed across them (the ring, ``RingAllReduce``, by default).
+    ``worker_pool()``: the replica threads of ``strategy.run`` (made on first use).
+    """
 
     def __init__(self, strategy, devices, cross_device_ops):
         self._strategy = strategy
-        self._devices = list(devices)
-        self._cross_device_ops = cross_device_ops
+        self.devices = list(devices)
+        self.cross_device_ops = cross_device_ops
+        self._pool = None
+        self._pool_lock = threading.Lock()
+
+    def worker_pool(self):
+        """The ``_ReplicaWorkers`` of this strategy: one long-lived thread per device."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = _ReplicaWorkers(self._strategy)
+        return self._pool
 
     @property
     def worker_devices(self):
-        return tuple(d.name for d in self._devices)
+        return tuple(d.name for d in self.devices)
 
     @property
     def parameter_devices(self):
@@ -333,18 +347,18 @@ class StrategyExtended:
     def reduce_to(self, reduce_op, value, destinations, options=None):
         """Reduce ``value`` across replicas to ``destinations`` (a device, a variable...)."""
         reduce_op = ReduceOp.validate(reduce_op)
-        n = len(self._devices)
+        n = len(self.devices)
         if not isinstance(value, DistributedValues):
             # TensorFlow's rule for a value that is the same on every replica.
             if reduce_op == ReduceOp.SUM and n > 1:
                 raise ValueError(f"A non-DistributedValues value {value!r:.60} cannot be reduced "
                                  f"with the given reduce op SUM over {n} replicas.")
-            tensor = _to_tensor_on(value, self._devices[0])
-            return _single(self._cross_device_ops.broadcast(tensor, destinations))
+            tensor = to_tensor_on(value, self.devices[0])
+            return _single(self.cross_device_ops.broadcast(tensor, destinations))
         if isinstance(value, Mirrored) and reduce_op == ReduceOp.MEAN:
-            return _single(self._cross_device_ops.broadcast(value, destinations))
-        comps = [_to_tensor_on(v, d) for v, d in zip(value.values, self._devices)]
-        return _single(self._cross_device_ops.reduce(reduce_op, PerReplica(comps), destinations))
+            return _single(self.cross_device_ops.broadcast(value, destinations))
+        comps = [to_tensor_on(v, d) for v, d in zip(value.values, self.devices)]
+        return _single(self.cross_device_ops.reduce(reduce_op, PerReplica(comps), destinations))
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         return [self.reduce_to(reduce_op, v, d, options) for v, d in value_destination_pairs]
@@ -361,8 +375,6 @@ class Strategy:
 
     def __init__(self, devices, cross_device_ops):
         self._extended = StrategyExtended(self, devices, cross_device_ops)
-        self._workers = None
-        self._workers_lock = threading.Lock()
 
     # -- properties
     @property
@@ -371,7 +383,7 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self):
-        return len(self._extended._devices)
+        return len(self._extended.devices)
 
     @property
     def cluster_resolver(self):
@@ -399,7 +411,7 @@ class Strategy:
     def _create_variable(self, initial_value=None, trainable=True, name=None, dtype=None,
                          aggregation=VariableAggregation.NONE, **kwargs):
         return _plain_variable(initial_value, trainable=trainable, name=name, dtype=dtype,
-                               aggregation=aggregation, device=self._extended._devices[0])
+                               aggregation=aggregation, device=self._extended.devices[0])
 
     # -- running replicas
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -411,17 +423,14 @@ class Strategy:
                                "the outer (cross-replica) code.")
         outer = [e for e in context.stack() if e[1] is None]
         if self.num_replicas_in_sync == 1:
-            dev = self._extended._devices[0]
+            dev = self._extended.devices[0]
             context.push(self, ReplicaContext(self, 0))
             try:
                 with _dev.device_scope(dev):
                     return fn(*select_replica(0, args), **select_replica(0, kwargs))
             finally:
                 context.pop()
-        with self._workers_lock:
-            if self._workers is None:
-                self._workers = _ReplicaWorkers(self)
-        results = self._workers.run(fn, args, kwargs, outer or [(self, None)])
+        results = self._extended.worker_pool().run(fn, args, kwargs, outer or [(self, None)])
         return regroup(results)
 
     # -- combining results
@@ -498,11 +507,11 @@ class Strategy:
         """``value_fn(ValueContext)`` once per replica; results placed on each device."""
         n = self.num_replicas_in_sync
         comps = []
-        for i, dev in enumerate(self._extended._devices):
+        for i, dev in enumerate(self._extended.devices):
             with _dev.device_scope(dev):
                 v = value_fn(ValueContext(i, n))
                 comps.append(nest.map_structure(
-                    lambda x: _to_tensor_on(x, dev) if isinstance(x, (Tensor, np.ndarray, np.generic, int, float))
+                    lambda x: to_tensor_on(x, dev) if isinstance(x, (Tensor, np.ndarray, np.generic, int, float))
                     else x, v))
         return nest.map_structure(lambda *c: PerReplica(c), *comps) if nest.is_nested(comps[0]) \
             else PerReplica(comps)
@@ -523,12 +532,12 @@ class Strategy:
         return Dataset.from_tensor_slices(numpy_input)
 
     def __repr__(self):
-        return f"<{type(self).__name__} on {[d.short_name for d in self._extended._devices]}>"
+        return f"<{type(self).__name__} on {[d.short_name for d in self._extended.devices]}>"
 
     def __del__(self):
-        workers = getattr(self, "_workers", None)
-        if workers is not None:
-            workers.close()
+        extended = getattr(self, "_extended", None)
+        if extended is not None and extended._pool is not None:
+            extended._pool.close()
 
 
 def _plain_variable(initial_value, **kwargs):
@@ -585,7 +594,7 @@ class MirroredStrategy(Strategy):
             initial_value = initial_value()         # called once: every copy starts equal
         base = name or "Variable"
         components = []
-        for i, dev in enumerate(self._extended._devices):
+        for i, dev in enumerate(self._extended.devices):
             comp = _plain_variable(initial_value, trainable=trainable, name=base, dtype=dtype,
                                    aggregation=aggregation, device=dev)
             if i:
@@ -602,7 +611,7 @@ class OneDeviceStrategy(Strategy):
 
     @contextlib.contextmanager
     def scope(self):
-        with super().scope(), _dev.device_scope(self._extended._devices[0]):
+        with super().scope(), _dev.device_scope(self._extended.devices[0]):
             yield self
 
 
@@ -611,8 +620,6 @@ class _DefaultStrategy(Strategy):
 
     def __init__(self):
         self._extended = None
-        self._workers = None
-        self._workers_lock = threading.Lock()
 
     @property
     def extended(self):

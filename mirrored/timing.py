@@ -51,7 +51,8 @@ import numpy as np
 
 from mirrored import devices as _dev
 from mirrored.keras.callbacks import Callback
-from mirrored.keras.engine import ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY, OPTIMIZER, STEP_PHASES  # noqa: F401 (timing's names)
+from mirrored.keras.data_adapters import host_batch
+from mirrored.keras.step import ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY, OPTIMIZER, STEP_PHASES, Step  # noqa: F401 (timing's names)
 
 
 #: Link bandwidths (bytes/s, one direction, what a ring step can use). Rounded
@@ -242,9 +243,48 @@ def _summarise(records):
             for name, d in durations.items()}
 
 
+class TimedStep(Step):
+    """A model's training step with each phase recorded by a ``PhaseTimer``.
+
+    The very same step (it shares the model's programs, buffers and optimizer, and
+    launches the same kernels in the same order): each phase method is wrapped in
+    a timed block and calls the step's own. A timed step always runs eagerly.
+    """
+
+    def __init__(self, step, timer):
+        vars(self).update(vars(step))
+        self.timer = timer
+
+    def load_share(self, program, part, load):
+        with self.timer.phase(INPUT_COPY, program.r, program.dev):
+            return super().load_share(program, part, load)
+
+    def forward_backward(self, program, x, y, mode, scale):
+        with self.timer.phase(FORWARD_BACKWARD, program.r, program.dev):
+            super().forward_backward(program, x, y, mode, scale)
+
+    def all_reduce(self):
+        if len(self.devices) == 1:                # one replica: nothing is summed, no phase
+            return super().all_reduce()
+        with self.timer.collective(ALL_REDUCE, self.devices):
+            super().all_reduce()
+
+    def update(self):
+        tokens = self.timer.begin_all(OPTIMIZER, self.devices)    # replica i on devices[i]
+        super().update()
+        self.timer.end_all(tokens)
+
+
+def timed_train_step(model, x, y, timer):
+    """``model.train_step(x, y)`` with every phase of every replica recorded by ``timer``."""
+    model._check_compiled("timing training steps")
+    batch = host_batch(model, (x, y))              # x (B, in) float32, y (B,); builds the model
+    TimedStep(model.step, timer).train(batch)
+
+
 def _synchronize(model):
-    for p in model._programs:
-        p.dev.synchronize()
+    for device in model.step.devices:
+        device.synchronize()
 
 
 def _host_batches(data, batch_size=None):
@@ -294,7 +334,7 @@ def step_breakdown(model, data, steps=20, warmup=3, batch_size=None, timeline_st
         if k == warmup:
             timer.reset()
         t0 = time.perf_counter() - timer._t0
-        model.train_step(xb, yb, timer=timer)
+        timed_train_step(model, xb, yb, timer)
         _synchronize(model)
         t1 = time.perf_counter() - timer._t0
         if k >= warmup:
@@ -306,7 +346,7 @@ def step_breakdown(model, data, steps=20, warmup=3, batch_size=None, timeline_st
     timeline = [(r, name, s - first, e - first) for r, name, s, e in records if s >= first - 1e-9]
     per_replica = {r: {name: stats["median_s"] for name, stats in phases.items()}
                    for r, phases in timer.summary(by_replica=True).items()}
-    return {"replicas": len(model._programs), "steps": steps, "global_batch": int(global_batch),
+    return {"replicas": len(model.step.programs), "steps": steps, "global_batch": int(global_batch),
             "step_s": float(statistics.median(step_times)) if step_times else float("nan"),
             "phases": _summarise(records), "per_replica": per_replica, "timeline": timeline,
             "timeline_step_s": [(a - first, b - first) for a, b in step_spans[-timeline_steps:]]}
@@ -354,7 +394,7 @@ class EpochTimer(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
-        examples = sum(p.read_metrics()[2] for p in self.model._programs)   # counted on the devices
+        examples = self.model.step.examples_seen()          # counted on the devices
         self.epochs.append((seconds, self._steps, examples))
         self.last_logs = dict(logs or {})
 
@@ -371,13 +411,13 @@ class EpochTimer(Callback):
         epoch_s = statistics.median(e[0] for e in timed)
         steps = statistics.median(e[1] for e in timed)
         examples = statistics.median(e[2] for e in timed)
-        programs = self.model._programs
+        devices = self.model.step.devices
         logs = getattr(self, "last_logs", {})
         if global_batch is None and steps:
             global_batch = int(math.ceil(examples / steps))
         return {
-            "name": name, "devices": [p.dev.short_name for p in programs],
-            "replicas": replicas or len(programs),
+            "name": name, "devices": [d.short_name for d in devices],
+            "replicas": replicas or len(devices),
             "global_batch": global_batch,
             "steps_per_epoch": int(steps), "epochs_timed": len(timed),
             "epoch_time_s": float(epoch_s), "epoch_times_s": [float(e[0]) for e in self.epochs],
@@ -477,7 +517,7 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
             first_weights = model.get_weights()
         else:
             model.set_weights(first_weights)
-        devices = [p.dev.short_name for p in model._programs]
+        devices = [d.short_name for d in model.step.devices]
         fit_args, test_args = _data_for(data, global_batch)
         initial_loss = float("nan")
         if test_args is not None:

@@ -56,9 +56,6 @@ class DistributedValues:
     def values(self):
         return self._values
 
-    def _device_names(self):
-        return tuple(getattr(v, "device", None) for v in self._values)
-
     def __repr__(self):
         return _components_repr(type(self).__name__, self._values)
 
@@ -272,10 +269,6 @@ class MirroredVariable(Variable, Mirrored):
             return self._values[replica_ctx._replica_id]
         return self._values[0]
 
-    @property
-    def primary(self):
-        return self._values[0]
-
     name = property(lambda self: self._values[0].name)
     trainable = property(lambda self: self._values[0].trainable)
     shape = property(lambda self: self._values[0].shape)
@@ -329,3 +322,14 @@ class MirroredVariable(Variable, Mirrored):
 
     def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
         return self._apply("assign_sub", delta)
+
+
+def components(variable):
+    """The per-device copies of a variable: a MirroredVariable's ``values``, or the
+    Variable itself (one copy). Anything else is refused, with what was expected."""
+    if isinstance(variable, MirroredVariable):
+        return list(variable.values)
+    if isinstance(variable, Variable):
+        return [variable]
+    raise TypeError(f"expected a mirrored.Variable or MirroredVariable (e.g. one of "
+                    f"model.trainable_variables), got {type(variable).__name__}.")

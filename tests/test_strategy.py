@@ -79,7 +79,7 @@ def test_variable_in_scope_is_mirrored_with_tf_repr(strategy):
     with strategy.scope():
         x = tf.Variable(1.)
     assert isinstance(x, MirroredVariable) and isinstance(x, tf.Variable)
-    kind = strategy.extended._devices[0].device_type
+    kind = strategy.extended.devices[0].device_type
     lines = ["MirroredVariable:{",
              "  0: <Variable 'Variable:0' shape=() dtype=float32, numpy=1.0>,"]
     lines += [f"  {i}: <Variable 'Variable/replica_{i}:0' shape=() dtype=float32, numpy=1.0>,"

@@ -1,4 +1,4 @@
-"""The training engine behind ``Sequential``: one flat buffer, one program per replica.
+"""What one replica holds and runs: the packed parameters, and a program of layers.
 
 Two ideas make a data-parallel step cheap, and both are here:
 
@@ -7,74 +7,48 @@ Two ideas make a data-parallel step cheap, and both are here:
    layer); each ``Variable`` is a view into it. The gradients get a twin flat
    buffer. So the gradient all-reduce is one ring over one buffer (tensor
    fusion for free: nothing to pack), and the optimizer is one kernel launch
-   per device for the whole model.
+   per device for the whole model. ``all_reduce`` (below) is that ring call:
+   ``fit``'s step and a custom loop's ``apply_gradients`` both make it.
 
-2. **A replica program** (``ReplicaProgram``). For one device it runs the dense
-   stack forward and backward with the kernels, into buffers that are allocated
-   once per batch size and reused every step:
+2. **A replica program** (``ReplicaProgram``). For one device it holds one
+   ``LayerState`` per layer (the layer's weight and gradient views on that
+   device, and the buffers the layer asked for, made once per batch size and
+   reused every step) and runs::
 
-       forward   z_i = a_{i-1} @ W_i            gemm
-                 a_i = relu(z_i + b_i)          bias_relu   (or bias_add)
-       loss      l, dz_L = xent(z_L, labels)    softmax_xent (fused, scaled by 1/global batch)
-       backward  dW_i = a_{i-1}^T @ dz_i        gemm(trans_a)
-                 db_i = sum_rows(dz_i)          sum_axis
-                 da_{i-1} = dz_i @ W_i^T        gemm(trans_b)
-                 dz_{i-1} = da_{i-1} * (a_{i-1} > 0)   relu_backward
+       forward    x = layer.forward(state, x)  for each layer, in order
+       loss       l, dlogits = xent(logits, labels)   fused softmax cross-entropy,
+                                                      scaled by 1/GLOBAL batch
+       backward   dy = layer.backward(state, dy)   for each layer, in reverse
 
-   Loss sums and correct counts are accumulated ON the device; the host reads
-   them only when it prints progress, so a step needs no host synchronisation.
+   What each layer launches is the layer's business (``layers.py``): the
+   program knows no layer type. Loss sums and correct counts are accumulated ON
+   the device; the host reads them only when it prints progress, so a step
+   needs no host synchronisation.
 
 Why the loss is scaled by 1/GLOBAL batch on every replica: each replica's
 gradient is then its share of the gradient of the mean loss over the global
 batch, and the all-reduce SUM of the shares is exactly that gradient — what one
 device would compute on the whole batch (TensorFlow's rule; the tests check it).
 
-Neighbours: ``models.py`` (Sequential drives this), ``optimizers.py`` (updates
-the packed buffers), ``mirrored/cross_device_ops.py`` (the ring).
+Neighbours: ``layers.py`` (forward/backward of each layer), ``step.py`` (the
+training step that drives these programs), ``optimizers.py`` (updates the packed
+buffers), ``mirrored/cross_device_ops.py`` (the ring).
 """
-import contextlib
+import weakref
 
 import numpy as np
 
 from mirrored.tensor import Tensor
-from mirrored.values import MirroredVariable
+from mirrored.values import components
 
 FLOAT = np.dtype(np.float32)
 
-#: The phases of one training step, in the order they happen. ``Sequential``'s step
-#: names them for whoever times it (``mirrored.timing``; ``mirrored.viz`` colours them).
-INPUT_COPY = "input copy"              # host slice (or row numbers) -> the replica's device
-FORWARD_BACKWARD = "forward+backward"  # the dense stack, the loss, the gradients
-ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)
-OPTIMIZER = "optimizer"                # one update launch per device
-STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
+_PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
 
 
-class Untimed:
-    """The timer a step uses when nobody times it: every phase is a plain block.
-
-    ``mirrored.timing.PhaseTimer`` has the same four methods and records the phases.
-    """
-
-    def phase(self, name, replica, device):
-        return contextlib.nullcontext()
-
-    def collective(self, name, devices):
-        return contextlib.nullcontext()
-
-    def begin_all(self, name, devices):
-        return ()
-
-    def end_all(self, tokens):
-        pass
-
-
-UNTIMED = Untimed()
-
-
-def components(variable):
-    """The per-device copies of a variable: its components, or itself."""
-    return list(variable.values) if isinstance(variable, MirroredVariable) else [variable]
+def pack_of(variable):
+    """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
+    return _PACK_OF.get(variable)
 
 
 class ParameterPack:
@@ -93,7 +67,7 @@ class ParameterPack:
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
         self.total = int(sum(self.sizes))
         for var in self.variables:
-            var._pack = self                     # lets apply_gradients find the fast path
+            _PACK_OF[var] = self                 # lets apply_gradients find the packed path
         self.params, self.grads = [], []        # flat (total,) float32 per device
         self.param_views, self.grad_views = [], []   # [device][k] shaped views
         for r, dev in enumerate(self.devices):
@@ -118,14 +92,68 @@ class ParameterPack:
         dev = self.devices[r]
         return [Tensor(g, dev) for g in self.grad_views[r]]
 
+    def index_of(self, variable):
+        """k such that ``variable`` (or one of its per-device copies) is ``variables[k]``, else None."""
+        for k, v in enumerate(self.variables):
+            if variable is v or any(variable is c for c in components(v)):
+                return k
+        return None
 
-class _Buffers:
-    """Activations and gradients for one batch size on one device, reused every step."""
+    def matches(self, variables, grads):
+        """True when ``grads`` (PerReplica or Tensors, one per variable) are exactly this
+        pack's gradient views of ``variables``: then one ring over ``grads`` sums them all."""
+        if list(variables) != self.variables:
+            return False
+        for k, g in enumerate(grads):
+            comps = g.values if hasattr(g, "values") else (g,)
+            if len(comps) != len(self.devices):
+                return False
+            for r, t in enumerate(comps):
+                if not isinstance(t, Tensor) or t._buf is not self.grad_views[r][k]:
+                    return False
+        return True
 
-    def __init__(self, dev, b, units, in_dim):
-        self.act = [dev.empty((b, u), FLOAT) for u in units]     # a_i: (b, units_i)
-        self.dact = [dev.empty((b, u), FLOAT) for u in units]    # dz_i: (b, units_i)
-        self.probs = dev.empty((b, units[-1]), FLOAT)            # softmax output, for predict
+
+def all_reduce(pack, cross_device_ops):
+    """Step 3: every replica's packed gradient buffer becomes the SUM over all replicas.
+
+    One call of the strategy's cross-device ops (the ring, ``RingAllReduce``) over
+    one flat buffer per device, in place. One replica has nothing to sum.
+    """
+    if len(pack.devices) > 1:
+        cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
+
+
+class LayerState:
+    """What one layer holds on one replica's device (``layers.py`` says how it is used).
+
+    ``weights`` / ``grads``: the layer's variables on this device as views into the
+    packed parameter and gradient buffers (Keras's order: kernel, bias).
+    ``need_dx``: whether an earlier layer has weights, so ``backward`` must return
+    the gradient with respect to the layer's input. ``buffers(b)``: the layer's
+    own buffers for batches of ``b`` (``layer.make_buffers``), made on first use.
+    """
+
+    __slots__ = ("layer", "dev", "ops", "replica_id", "weights", "grads", "need_dx", "_buffers")
+
+    def __init__(self, layer, dev, replica_id, weights, grads, need_dx):
+        self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
+        self.weights, self.grads, self.need_dx = weights, grads, need_dx
+        self._buffers = {}
+
+    def buffers(self, b):
+        buf = self._buffers.get(b)
+        if buf is None:
+            buf = self._buffers[b] = self.layer.make_buffers(self, b)
+        return buf
+
+
+class _LossBuffers:
+    """The loss's buffers for one batch size on one device, reused every step."""
+
+    def __init__(self, dev, b, classes):
+        self.dlogits = dev.empty((b, classes), FLOAT)    # d loss / d logits: (b, classes)
+        self.probs = dev.empty((b, classes), FLOAT)      # softmax output, for predict
         # row 0: per-example loss; row 1: 1.0 where argmax == label; row 2: 1.0 (counts examples)
         self.stats = dev.empty((3, b), FLOAT)
         self.loss, self.correct = self.stats[0], self.stats[1]
@@ -133,25 +161,27 @@ class _Buffers:
 
 
 class ReplicaProgram:
-    """Forward and backward of a dense stack on one device (see the module docstring)."""
+    """The model's layers on one device: forward, loss, backward (see the module docstring)."""
 
-    def __init__(self, dense_layers, pack, replica_id):
-        self.layers = dense_layers                 # [Dense], in order
+    def __init__(self, layers, pack, replica_id, in_dim):
+        self.layers = list(layers)
         self.pack = pack
         self.r = replica_id
         self.dev = pack.devices[replica_id]
         self.ops = self.dev.ops
-        views = pack.param_views[replica_id]
-        gviews = pack.grad_views[replica_id]
-        self.W = views[0::2]                       # kernels (in, out)
-        self.b = views[1::2]                       # biases (out,)
-        self.gW = gviews[0::2]
-        self.gb = gviews[1::2]
-        self.units = [layer.units for layer in dense_layers]
-        self.in_dim = dense_layers[0].input_dim
-        self._buffers = {}
+        self.in_dim = in_dim                      # features per example: inputs are (b, in_dim)
+        self.states, k, earlier_weights = [], 0, False
+        for layer in self.layers:
+            n = len(layer.trainable_weights)
+            self.states.append(LayerState(layer, self.dev, replica_id, pack.param_views[replica_id][k:k + n],
+                                          pack.grad_views[replica_id][k:k + n], need_dx=earlier_weights))
+            earlier_weights = earlier_weights or n > 0
+            k += n
+        self.classes = self.layers[-1].output_shape[-1]
+        self.softmax_output = getattr(self.layers[-1], "activation", None) == "softmax"
+        self._loss_buffers = {}
         self._inputs = {}                          # (b, label dtype) -> (x (b, in), y (b,)) upload buffers
-        self.x = None                              # the last forward's input (b, in)
+        self.x = self.logits = None                # the last forward's input (b, in) and output
         self.last_b = 0
         with self.dev.activate():
             self.acc = self.dev.empty((3,), FLOAT)     # [loss sum, correct count, examples]
@@ -161,18 +191,19 @@ class ReplicaProgram:
     def zero_metrics(self):
         self.ops.fill(self.acc, 0.0)
 
-    def buffers(self, b):
-        buf = self._buffers.get(b)
+    def loss_buffers(self, b):
+        buf = self._loss_buffers.get(b)
         if buf is None:
-            buf = self._buffers[b] = _Buffers(self.dev, b, self.units, self.in_dim)
+            buf = self._loss_buffers[b] = _LossBuffers(self.dev, b, self.classes)
         return buf
 
+    # -- inputs
     def upload(self, x, y):
         """Copy a host batch into this device's input buffers: ``(x_dev, y_dev)``.
 
         x: (b, in_dim) float32, y: (b,) integer labels, both C-contiguous NumPy.
         The buffers are made once per (batch size, label dtype) and reused every
-        step, as the activations are: an epoch of equal batches allocates nothing.
+        step, as the layers' buffers are: an epoch of equal batches allocates nothing.
         The next ``upload`` of the same size overwrites them (on a GPU, in stream
         order, after the kernels of this step have read them).
         """
@@ -192,63 +223,59 @@ class ReplicaProgram:
                                         self.dev.empty((b,), label_dtype))         # y: (b,) labels
         return bufs
 
-    # -- forward
-    def forward(self, x, probabilities=False):
-        """x: (b, in_dim) float32 on this device. Returns the last layer's output buffer:
-        its activation applied, except a final softmax (logits kept, see ``output``)."""
-        b = x.shape[0]
-        buf = self.buffers(b)
-        self.x, self.last_b = x, b
-        a = x
-        for i, layer in enumerate(self.layers):
-            z = buf.act[i]                                     # (b, units_i)
-            self.ops.gemm(a, self.W[i], z)                     # z = a @ W_i
-            if layer.activation == "relu":
-                self.ops.bias_relu(z, self.b[i], z)            # a_i = relu(z + b_i)
-            else:
-                self.ops.bias_add(z, self.b[i], z)             # logits (softmax comes later)
-            a = z
-        if probabilities and self.layers[-1].activation == "softmax" and b:
-            self.ops.softmax(a, buf.probs)
-            return buf.probs
-        return a
+    # -- the program
+    def forward(self, x, training=False, probabilities=False):
+        """x: (b, in_dim) float32 on this device, through every layer in order.
 
-    # -- loss, metrics and backward
-    def loss_and_backward(self, labels, mode, scale, with_grad=True):
-        """Per-example loss of the last forward, accumulated metrics, and gradients.
+        Returns the last layer's output buffer (logits before a final softmax);
+        ``probabilities=True`` applies that softmax (for ``predict``)."""
+        self.x, self.last_b = x, x.shape[0]
+        for state in self.states:
+            x = state.layer.forward(state, x, training)
+        self.logits = x                                          # (b, classes)
+        if probabilities and self.softmax_output and self.last_b:
+            probs = self.loss_buffers(self.last_b).probs
+            self.ops.softmax(x, probs)
+            return probs
+        return x
+
+    def loss(self, labels, mode, scale, with_grad=True):
+        """Per-example loss of the last forward (added to the metrics on the device)
+        and, ``with_grad``, its gradient with respect to the logits.
 
         ``mode``: "logits" (softmax cross-entropy on the last layer's pre-softmax
         output), or "probs" (cross-entropy on probabilities, Keras's
         ``from_logits=False`` with no softmax layer). ``scale``: 1/global batch.
         """
         b = self.last_b
-        buf = self.buffers(b)
-        out = buf.act[-1]
-        grad = buf.dact[-1] if with_grad else None
-        if b:
-            if mode == "probs":
-                self.ops.prob_xent(out, labels, buf.loss, grad, buf.correct, scale)
-            else:
-                self.ops.softmax_xent(out, labels, buf.loss, grad, buf.correct, scale)
-            self._accumulate(buf)
-        if not with_grad:
+        if not b:
             return
-        if not b:                                   # an empty slice: zero gradient
+        buf = self.loss_buffers(b)
+        grad = buf.dlogits if with_grad else None                # (b, classes)
+        if mode == "probs":
+            self.ops.prob_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
+        else:
+            self.ops.softmax_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
+        self._accumulate(buf)
+
+    def backward(self):
+        """The layers in reverse, from the loss's gradient; every weight's gradient lands
+        in this replica's packed gradient buffer (an empty slice: all zeros)."""
+        b = self.last_b
+        if not b:
             self.ops.fill(self.pack.grads[self.r], 0.0)
             return
-        last = self.layers[-1]
-        if last.activation == "relu":               # d/dz of relu(z) on top of the loss's d/da
-            self.ops.relu_backward(buf.dact[-1], out, buf.dact[-1])
-        for i in range(len(self.layers) - 1, -1, -1):
-            dz = buf.dact[i]                                     # (b, units_i)
-            a_prev = buf.act[i - 1] if i else self.x             # (b, units_{i-1})
-            self.ops.gemm(a_prev, dz, self.gW[i], trans_a=True)  # dW_i = a^T dz
-            self.ops.sum_axis(dz.reshape(1, b, self.units[i]), self.gb[i].reshape(1, self.units[i]))
-            if i:
-                da = buf.dact[i - 1]
-                self.ops.gemm(dz, self.W[i], da, trans_b=True)   # da = dz W_i^T
-                if self.layers[i - 1].activation == "relu":
-                    self.ops.relu_backward(da, buf.act[i - 1], da)
+        dy = self.loss_buffers(b).dlogits                        # (b, classes)
+        for state in reversed(self.states):
+            dy = state.layer.backward(state, dy)
+            if dy is None:                                       # no earlier layer has weights
+                return
+
+    def forward_backward(self, x, y, mode, scale):
+        """Step 2 on this replica: forward (training), loss scaled by ``scale``, backward."""
+        self.forward(x, training=True)
+        self.loss(y, mode, scale)
+        self.backward()
 
     def _accumulate(self, buf):
         """acc += [sum of losses, number correct, examples]: one column-sum launch, one add.

@@ -1,13 +1,28 @@
-"""Keras layers for the dense stack: ``Input``, ``Flatten``, ``Dense``.
+"""Keras layers, each owning its forward and backward: ``Input``, ``Flatten``, ``Dense``.
 
-This project teaches data parallelism on a small dense network, so these are
-the layers there are; a convolution, pooling or normalisation layer raises
-``NotImplementedError`` that says so (the course lab's ConvNet becomes
-``Flatten -> Dense(64, relu) -> Dense(10)``).
+The layer protocol. A layer is built once (``build(input_shape)``: its weights
+become ``mirrored.Variable``s, ``MirroredVariable``s inside a strategy's scope).
+On each replica's device it then gets a ``LayerState`` (``keras/engine.py``): its
+weights and their gradients as views into that replica's packed buffers, and the
+buffers it asked for, made once per batch size. Three methods are all the step
+ever calls::
 
-Weights are created as ``mirrored.Variable``s when the layer is built: inside
-a ``MirroredStrategy.scope()`` they are ``MirroredVariable``s, one copy per
-replica device. Initialisers follow Keras: Glorot-uniform kernels, zero biases.
+    make_buffers(state, b)        what it keeps per batch size on that device
+    forward(state, x, training)   x: (b,) + input shape -> y: (b,) + output shape   (kernel launches)
+    backward(state, dy)           dy: gradient w.r.t. y -> the weights' gradients into
+                                  state.grads; returns dx, or None when no earlier
+                                  layer needs it (state.need_dx)
+
+A replica's program (``engine.ReplicaProgram``) is then the layers in order,
+forward, then the loss, then the layers in reverse, backward: adding a layer
+(a convolution, pooling, dropout) means writing one class here, not editing the
+step. The layers written so far are the dense stack's; the others raise
+``NotImplementedError`` that says so.
+
+Initialisers follow Keras: Glorot-uniform kernels, zero biases.
+
+Neighbours: ``engine.py`` (LayerState, ReplicaProgram), ``models.py`` (Sequential
+builds the layers), ``kernels/`` (what ``state.ops`` launches).
 """
 import math
 
@@ -17,6 +32,7 @@ from mirrored import random as _random
 from mirrored.values import Variable
 
 ACTIVATIONS = (None, "linear", "relu", "softmax")
+FLOAT = np.dtype(np.float32)
 
 
 def glorot_uniform(shape, rng=None):
@@ -45,7 +61,12 @@ def _initializer(spec, what):
 
 
 class Layer:
-    """Base layer: a name, an optional input shape, and (maybe) weights."""
+    """Base layer: a name, an optional input shape, maybe weights, and the protocol.
+
+    ``input_shape`` / ``output_shape``: the shape of ONE example (no batch axis),
+    known once the layer is built. A layer without weights or buffers only
+    overrides ``forward`` and ``backward`` (and ``output_shape_for``).
+    """
 
     _counts = {}
 
@@ -60,6 +81,7 @@ class Layer:
         Layer._counts[base] = n + 1
         self.name = name or (base if n == 0 else f"{base}_{n}")
         self.input_shape_arg = tuple(input_shape) if input_shape is not None else None
+        self.input_shape = self.output_shape = None
         self.built = False
 
     @property
@@ -72,7 +94,21 @@ class Layer:
         return input_shape
 
     def build(self, input_shape):
+        """Create the weights for examples of ``input_shape`` (under the model's strategy)."""
+        self.input_shape = tuple(input_shape)
+        self.output_shape = tuple(self.output_shape_for(self.input_shape))
         self.built = True
+
+    # -- the protocol (see the module docstring)
+    def make_buffers(self, state, b):
+        """What this layer keeps on ``state.dev`` for batches of ``b``: made once, reused."""
+        return None
+
+    def forward(self, state, x, training=False):
+        raise NotImplementedError(f"{type(self).__name__} has no forward on devices yet.")
+
+    def backward(self, state, dy):
+        raise NotImplementedError(f"{type(self).__name__} has no backward on devices yet.")
 
 
 def _snake(name):
@@ -94,14 +130,36 @@ def Input(shape=None, batch_size=None, name=None, dtype=None, **kwargs):  # noqa
 
 
 class Flatten(Layer):
-    """(batch, d1, d2, ...) -> (batch, d1*d2*...): a free reshape, no weights."""
+    """(b, d1, d2, ...) -> (b, d1*d2*...): a free reshape (a view), no weights, no launch."""
 
     def output_shape_for(self, input_shape):
         return (int(np.prod(input_shape, dtype=np.int64)),)
 
+    def forward(self, state, x, training=False):
+        b = x.shape[0]
+        return x if len(x.shape) == 2 else x.reshape(b, self.output_shape[0])    # (b, features)
+
+    def backward(self, state, dy):
+        if not state.need_dx:
+            return None
+        b = dy.shape[0]
+        return dy.reshape((b,) + self.input_shape)                                # (b,) + input shape
+
 
 class Dense(Layer):
-    """``outputs = activation(inputs @ kernel + bias)``; kernel (in, units), bias (units,)."""
+    """``y = activation(x @ kernel + bias)``; kernel (in, units), bias (units,).
+
+    Forward is one GEMM and one fused bias(+ReLU) launch; backward, for
+    dz = dy * relu'(y) (in place, in dy's buffer)::
+
+        d kernel = x^T @ dz      gemm(trans_a)    (in, units)
+        d bias   = sum_rows(dz)  sum_axis         (units,)
+        dx       = dz @ kernel^T gemm(trans_b)    (b, in), only if an earlier layer needs it
+
+    A final ``'softmax'`` is not applied here: the fused softmax cross-entropy
+    takes the logits (as Keras does), and ``predict`` applies it
+    (``ReplicaProgram.forward(probabilities=True)``).
+    """
 
     def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
                  bias_initializer="zeros", input_shape=None, name=None, **kwargs):
@@ -128,17 +186,57 @@ class Dense(Layer):
         return (self.units,)
 
     def build(self, input_shape):
+        super().build(input_shape)
         (self.input_dim,) = input_shape
         shape = (self.input_dim, self.units)
         self.kernel = Variable(self.kernel_initializer(shape), name=f"{self.name}/kernel")
         self.bias = Variable(self.bias_initializer((self.units,)), name=f"{self.name}/bias")
-        self.built = True
 
     @property
     def weights(self):
         return [self.kernel, self.bias] if self.built else []
 
     trainable_weights = weights
+
+    def make_buffers(self, state, b):
+        dev = state.dev
+        return _DenseBuffers(dev.empty((b, self.units), FLOAT),                                # y: (b, units)
+                             dev.empty((b, self.input_dim), FLOAT) if state.need_dx else None)  # dx: (b, in)
+
+    def forward(self, state, x, training=False):
+        kernel, bias = state.weights                       # (in, units), (units,)
+        buf = state.buffers(x.shape[0])
+        buf.x = x                                          # kept for d kernel = x^T dz
+        state.ops.gemm(x, kernel, buf.y)                   # z = x @ kernel: (b, units)
+        if self.activation == "relu":
+            state.ops.bias_relu(buf.y, bias, buf.y)        # y = relu(z + bias)
+        else:
+            state.ops.bias_add(buf.y, bias, buf.y)         # y = z + bias (logits before a softmax)
+        return buf.y
+
+    def backward(self, state, dy):
+        kernel, _ = state.weights
+        dkernel, dbias = state.grads                       # views into the packed gradients
+        b = dy.shape[0]
+        buf = state.buffers(b)
+        if self.activation == "relu":
+            state.ops.relu_backward(dy, buf.y, dy)         # dz = dy * (y > 0), in place: (b, units)
+        state.ops.gemm(buf.x, dy, dkernel, trans_a=True)   # d kernel = x^T dz: (in, units)
+        state.ops.sum_axis(dy.reshape(1, b, self.units), dbias.reshape(1, self.units))   # d bias: (units,)
+        if not state.need_dx:
+            return None
+        state.ops.gemm(dy, kernel, buf.dx, trans_b=True)   # dx = dz kernel^T: (b, in)
+        return buf.dx
+
+
+class _DenseBuffers:
+    """A Dense layer's buffers for one batch size on one device."""
+
+    __slots__ = ("y", "dx", "x")
+
+    def __init__(self, y, dx):
+        self.y, self.dx = y, dx      # output (b, units); input gradient (b, in) or None
+        self.x = None                # the last forward's input (b, in), not owned
 
 
 def _not_here(name):

@@ -19,13 +19,6 @@ from mirrored.tensor import Tensor
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
 
 
-class Reduction:
-    AUTO = "auto"
-    NONE = "none"
-    SUM = "sum"
-    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
-
-
 class SparseCategoricalCrossentropy:
     def __init__(self, from_logits=False, reduction="sum_over_batch_size", name="sparse_categorical_crossentropy",
                  ignore_class=None):
@@ -49,6 +42,19 @@ class SparseCategoricalCrossentropy:
 
     def get_config(self):
         return {"from_logits": self.from_logits, "reduction": self.reduction, "name": self.name}
+
+
+def kernel_mode(loss, softmax_output):
+    """Which fused loss kernel a model's output takes: "logits" (softmax cross-entropy)
+    or "probs" (cross-entropy of probabilities). ``softmax_output``: the model's last
+    layer has activation='softmax' (its logits are used, as Keras does)."""
+    if softmax_output:
+        if loss.from_logits:
+            raise NotImplementedError(
+                "the last layer has activation='softmax' but the loss says from_logits=True: "
+                "drop the softmax (the lab's Dense(10) outputs logits) or use from_logits=False.")
+        return "logits"
+    return "logits" if loss.from_logits else "probs"
 
 
 def get(identifier):

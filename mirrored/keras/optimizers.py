@@ -6,17 +6,18 @@ buffers (velocity; Adam's m and v), one set per device.
 
 A step has a host part and a device part. ``begin_step`` counts the step and
 copies its hyper-parameter vector (Adam's alpha changes every step) into a small
-buffer on every device; ``update_packed`` only launches kernels, which read that
+buffer on every device; ``update`` only launches kernels, which read that
 buffer. The device part can therefore be captured once as a CUDA graph and
 replayed (``mirrored/graphs.py``): each replay updates with the alpha that the
 host part of its step wrote.
 
+An optimizer only updates: it never sums gradients itself. ``fit``'s step
+(``keras/step.py``) calls ``engine.all_reduce`` and then ``update``;
 ``apply_gradients(zip(grads, variables))`` called inside ``strategy.run`` is a
-*merge point*: the replicas meet, their gradients are summed by the strategy's
-cross-device ops (the ring all-reduce), and then every copy of every variable
-gets the same update, so the copies stay bitwise equal. When the gradients are
-a model's packed gradient buffers (``keras/engine.py``), the sum is one ring
-over one buffer and the update is one launch per device.
+*merge point* where the replicas meet and the same two calls are made (when the
+gradients are a model's packed gradient buffers, as ``GradientTape`` returns
+them: one ring over one buffer, one launch per device), so every copy of every
+variable gets the same update and the copies stay bitwise equal.
 
 Slots are created on first use on the devices of the variables they serve, so
 an optimizer created outside ``strategy.scope()`` (as the course lab does,
@@ -28,9 +29,10 @@ import numpy as np
 
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context
-from mirrored.strategy import _to_tensor_on
+from mirrored.keras.engine import all_reduce, pack_of
+from mirrored.strategy import to_tensor_on
 from mirrored.tensor import Tensor
-from mirrored.values import DistributedValues, MirroredVariable, Variable
+from mirrored.values import DistributedValues, Variable, components
 
 
 class _Iterations:
@@ -110,20 +112,12 @@ class Optimizer:
                     buf = self._hyper[dev.name] = dev.empty(host.shape, host.dtype)
             dev.upload_into(buf, host)
 
-    # -- the packed fast path (used by fit and by apply_gradients when it can)
-    def update_packed(self, pack, reduce_fn=None):
-        """The device part of a step: sum ``pack.grads`` across devices (``reduce_fn``),
-        then one update launch per device. Launches only (after ``begin_step``)."""
-        if reduce_fn is not None and len(pack.devices) > 1:
-            reduce_fn(pack.grads, pack.devices)
+    def update(self, pack):
+        """Step 4 of a training step: one update launch per device, each copy of the
+        weights with its own (already summed) gradients. Launches only (after ``begin_step``)."""
         for r, dev in enumerate(pack.devices):
             with dev.activate():
                 self._update(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
-
-    def apply_packed(self, pack, reduce_fn=None):
-        """Sum ``pack.grads`` across devices (``reduce_fn``) and update every copy, once."""
-        self.begin_step(pack.devices)
-        self.update_packed(pack, reduce_fn)
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -144,12 +138,15 @@ class Optimizer:
         return self.iterations
 
     def _distributed_apply(self, strategy, pairs):
+        """The merge point of ``apply_gradients``: all-reduce, then update every copy."""
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
-        pack = _packed_group(variables, grads)
-        cross_ops = strategy.extended._cross_device_ops
-        if pack is not None:
-            self.apply_packed(pack, lambda bufs, devs: cross_ops.all_reduce_flat("SUM", bufs, devs))
+        cross_ops = strategy.extended.cross_device_ops
+        pack = pack_of(variables[0]) if variables else None
+        if pack is not None and pack.matches(variables, grads):
+            self.begin_step(pack.devices)
+            all_reduce(pack, cross_ops)             # the same two calls as fit's step
+            self.update(pack)
             return self.iterations
         comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * strategy.num_replicas_in_sync
                  for g in grads]
@@ -167,11 +164,10 @@ class Optimizer:
 
 
 def _copies(variable):
-    if isinstance(variable, MirroredVariable):
-        return list(variable.values)
-    if isinstance(variable, Variable):
-        return [variable]
-    raise TypeError(f"apply_gradients expects (gradient, variable) pairs, got {type(variable).__name__}.")
+    try:
+        return components(variable)
+    except TypeError as err:
+        raise TypeError(f"apply_gradients expects (gradient, variable) pairs: {err}") from None
 
 
 def _devices_of(variables):
@@ -187,22 +183,7 @@ def _on_device(g, dev):
     """The raw float32 buffer of gradient ``g`` on ``dev`` (copied there if need be)."""
     if not isinstance(g, (Tensor, Variable)):
         g = np.asarray(g, np.float32)
-    return _to_tensor_on(g, dev)._buf
-
-
-def _packed_group(variables, grads):
-    """The model ParameterPack these (PerReplica) gradients are the packed views of, if any."""
-    pack = getattr(variables[0], "_pack", None) if variables else None
-    if pack is None or list(variables) != pack.variables:
-        return None
-    for k, g in enumerate(grads):
-        comps = g.values if isinstance(g, DistributedValues) else (g,)
-        if len(comps) != len(pack.devices):
-            return None
-        for r, t in enumerate(comps):
-            if not isinstance(t, Tensor) or t._buf is not pack.grad_views[r][k]:
-                return None
-    return pack
+    return to_tensor_on(g, dev)._buf
 
 
 class SGD(Optimizer):

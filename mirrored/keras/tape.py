@@ -5,25 +5,26 @@ exactly the computations the course's custom training loop makes, and records
 them as it goes:
 
     with mirrored.GradientTape() as tape:
-        predictions = model(images, training=True)          # a _ModelOutput node
+        predictions = model(images, training=True)          # a ModelOutput node
         per_example = loss_object(labels, predictions)      # a _Loss node (reduction='none')
         loss = mirrored.nn.compute_average_loss(per_example, global_batch_size=GLOBAL)  # _Scaled
     grads = tape.gradient(loss, model.trainable_variables)
 
 ``tape.gradient`` walks back from ``loss``: a scaled sum of per-example cross
 entropies of the model's last forward pass on this replica. It then runs the
-replica program's fused loss gradient (scaled by the same factor) and the dense
-stack's backward kernels, and returns the model's packed gradient buffers as
+replica program's fused loss gradient (scaled by the same factor) and its
+layers' backward kernels (``engine.ReplicaProgram.loss`` and ``backward``), and returns the model's packed gradient buffers as
 tensors, one per requested variable. Anything else raises an error that says
 what is supported.
 """
 import numpy as np
 
 from mirrored import context
+from mirrored.keras.losses import kernel_mode
 from mirrored.tensor import Tensor
 
 
-class _ModelOutput:
+class ModelOutput:
     """``model(x)`` on one replica: which program ran, on which input."""
 
     def __init__(self, model, program, x):
@@ -65,11 +66,11 @@ def _labels_on(dev, y_true):
 def loss_from_model_output(loss_obj, y_true, y_pred):
     """Forward of a SparseCategoricalCrossentropy on a model output; keeps a node for the tape."""
     node = y_pred._node
-    if not isinstance(node, _ModelOutput):
+    if not isinstance(node, ModelOutput):
         raise TypeError("the loss must be computed on a model's output: loss(labels, model(x)).")
     program = node.program
     dev = program.dev
-    mode = node.model._loss_mode(loss_obj)
+    mode = kernel_mode(loss_obj, program.softmax_output)
     labels = _labels_on(dev, y_true)
     b = program.last_b
     if labels.shape[0] != b:
@@ -78,9 +79,8 @@ def loss_from_model_output(loss_obj, y_true, y_pred):
         per_example = dev.empty((b,), np.float32)          # the caller's: a new tensor each call
         correct = dev.scratch("xent correct", (b,), np.float32)   # nobody reads it here: reused
         if b:
-            logits = program.buffers(b).act[-1]
             op = dev.ops.prob_xent if mode == "probs" else dev.ops.softmax_xent
-            op(logits, labels, per_example, None, correct, 1.0)
+            op(program.logits, labels, per_example, None, correct, 1.0)
         loss_node = _Loss(node, labels, mode)
         vec = Tensor(per_example, dev, loss_node)
         if loss_obj.reduction == "none":
@@ -136,18 +136,19 @@ class GradientTape:
                 "loss = loss_object(labels, model(x, training=True)) (optionally through "
                 "mirrored.nn.compute_average_loss). Got a target that was not made that way.")
         out = node.loss.output
-        program, model = out.program, out.model
+        program = out.program
         if program.x is not out.x:
             raise RuntimeError("the model was called again after this loss's predictions were "
                                "computed; compute the loss and its gradient right after the call.")
         with program.dev.activate():
-            program.loss_and_backward(node.loss.labels, node.loss.mode, node.scale, with_grad=True)
+            program.loss(node.loss.labels, node.loss.mode, node.scale, with_grad=True)
+            program.backward()
         grads = program.pack.grad_tensors(program.r)
         single = not isinstance(sources, (list, tuple))
         wanted = [sources] if single else list(sources)
         result = []
         for var in wanted:
-            k = model._variable_index(var)
+            k = program.pack.index_of(var)
             result.append(grads[k] if k is not None else None)
         return result[0] if single else result
 

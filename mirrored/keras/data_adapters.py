@@ -1,0 +1,214 @@
+"""What ``fit``, ``evaluate`` and ``predict`` accept, turned into global batches the step splits.
+
+Keras takes NumPy arrays (with ``batch_size``), a batched ``Dataset``, or
+``strategy.experimental_distribute_dataset(ds, options)``; so do we. Whatever came
+in, the step (``step.py``) sees one of two kinds of global batch:
+
+    (x, y)          host arrays: x (B, features) float32, y (B,) integer labels —
+                    each replica's slice is copied into its device's input buffers
+    ResidentBatch   row numbers (B,) of a data set kept on the devices
+                    (``InputOptions(experimental_place_dataset_on_device=True)``):
+                    each replica gathers its rows on its own device
+
+``batches(model, x, y, ...)`` picks the adapter; ``host_batch`` checks and converts
+one element (and builds the model from the first one, as Keras does).
+
+Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits the
+batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
+"""
+import numpy as np
+
+from kernels.launch import ceil_div
+from mirrored import nest
+from mirrored import random as _random
+from mirrored.input_lib import DistributedDataset
+from mirrored.tensor import Tensor
+
+
+def batches(model, x, y, batch_size, shuffle):
+    """An epoch-iterable of global batches for ``model``, and its length (None if unknown)."""
+    if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch"):
+        if y is None:
+            raise ValueError("fit/evaluate with arrays needs y (the labels).")
+        x, y = np.asarray(x), np.asarray(y)
+        if len(x) != len(y):
+            raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        adapter = ArrayBatches(x, y, batch_size or 32, shuffle)
+        return adapter, len(adapter)
+    if y is not None:
+        raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
+    if isinstance(x, DistributedDataset):
+        return distributed_batches(model, x)
+    if not hasattr(x, "__iter__"):
+        raise TypeError(f"x must be a NumPy array or a mirrored.data.Dataset, got {type(x).__name__}.")
+    try:
+        steps = len(x)
+    except TypeError:
+        steps = None
+    return DatasetBatches(x), steps
+
+
+def distributed_batches(model, dist):
+    """fit/evaluate on ``strategy.experimental_distribute_dataset(ds, options)``.
+
+    Plain: the same as passing ``ds`` (the step splits each global batch itself, into
+    its reusable device buffers). With ``experimental_place_dataset_on_device``:
+    epochs the data set can plan by row number yield ``ResidentBatch``es, gathered
+    on the devices from the copy kept there (``input_lib.ResidentRows``).
+    """
+    if dist.strategy is not model.distribute_strategy:
+        raise ValueError(f"this distributed dataset was made by {dist.strategy!r}, but the model "
+                         f"was built under {model.distribute_strategy!r}: distribute the dataset with the "
+                         f"strategy whose scope created the model.")
+    try:
+        steps = len(dist.dataset)
+    except TypeError:
+        steps = None
+    return DistributedBatches(dist), steps
+
+
+def host_batch(model, batch):
+    """One dataset element or array pair as the step takes it: ``(x (B, features) float32,
+    y (B,) integers)``, C-contiguous. Builds the model from it if need be."""
+    if isinstance(batch, dict):
+        batch = (batch.get("image"), batch.get("label"))
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ValueError("each dataset element must be an (x, y) pair: load with "
+                         "as_supervised=True or map to (image, label).")
+    if len(batch) > 2:
+        raise NotImplementedError("sample weights are not implemented.")
+    xb, yb = (b.numpy() if isinstance(b, Tensor) else np.asarray(b) for b in batch)
+    model.build((None,) + tuple(xb.shape[1:]))
+    xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)     # Flatten: (B, features)
+    in_dim = model.step.in_dim
+    if xb.shape[1] != in_dim:
+        raise ValueError(f"examples have {xb.shape[1]} features, the model expects "
+                         f"{in_dim} (input shape {model.input_shape[1:]}).")
+    yb = yb.reshape(-1)
+    if yb.dtype.kind not in "iu":
+        yb = yb.astype(np.int64)
+    return xb, np.ascontiguousarray(yb)
+
+
+def predict_batches(x, batch_size):
+    """(batches of inputs, how many) for ``predict``: arrays in chunks, or a dataset as is."""
+    if isinstance(x, (np.ndarray, list)):
+        arr = np.asarray(x)
+        bs = batch_size or 32
+        chunks = [(arr[i:i + bs],) for i in range(0, len(arr), bs)]
+        return chunks, len(chunks)
+    try:
+        return x, len(x)
+    except TypeError:
+        return x, None
+
+
+class ArrayBatches:
+    """Batches of in-memory arrays, reshuffled every epoch when ``shuffle`` (Keras's fit)."""
+
+    def __init__(self, x, y, batch_size, shuffle):
+        self.x, self.y, self.bs, self.shuffle = x, y, int(batch_size), shuffle
+
+    def __iter__(self):
+        n = len(self.x)
+        order = _random.generator().permutation(n) if self.shuffle else None
+        for i in range(0, n, self.bs):
+            idx = order[i:i + self.bs] if order is not None else slice(i, i + self.bs)
+            yield self.x[idx], self.y[idx]
+
+    def __len__(self):
+        return ceil_div(len(self.x), self.bs)
+
+
+class DatasetBatches:
+    """The elements of a batched ``mirrored.data.Dataset``, one epoch per iteration."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return iter(self.dataset)
+
+
+class DistributedBatches:
+    """Epochs of a DistributedDataset as fit sees them: host batches, or resident ones."""
+
+    def __init__(self, dist):
+        self.dist = dist
+
+    def __iter__(self):
+        epoch = self.dist.resident_epoch() if self.dist.place_on_device else None
+        if epoch is None:
+            return iter(self.dist.dataset)             # host batches: the step splits and uploads them
+        resident, batches = epoch
+        return (ResidentBatch(resident, idx) for idx in batches)
+
+
+class ResidentBatch:
+    """One global batch of a data set kept on the devices: its row numbers, (B,) int64."""
+
+    __slots__ = ("resident", "idx")
+
+    def __init__(self, resident, idx):
+        self.resident, self.idx = resident, idx
+
+    def loader(self, model):
+        """The ``ResidentLoader`` of this data set for ``model`` (made once, kept by the step)."""
+        step = model.step
+        if step is None or step.resident_loader is None or step.resident_loader.resident is not self.resident:
+            loader = ResidentLoader(model, self.resident)       # builds the model if need be
+            model.step.resident_loader = loader
+        return model.step.resident_loader
+
+
+class ResidentLoader:
+    """Gathers a replica's rows of a resident data set into its program's input buffers.
+
+    Per step and replica: the row numbers go up (b int64), then one gather for x
+    and one for y on the device; a cast follows only when the stored dtype is not
+    what the model takes (uint8 images: float32; float labels: int64).
+    """
+
+    def __init__(self, model, resident):
+        self.resident = resident
+        leaf = nest.pack_sequence_as(resident.rows.columns, list(range(len(resident.dtypes))))
+        if isinstance(leaf, dict):
+            leaf = (leaf.get("image"), leaf.get("label"))
+        if not (isinstance(leaf, (tuple, list)) and len(leaf) == 2 and all(isinstance(k, int) for k in leaf)):
+            raise ValueError("each dataset element must be an (x, y) pair: load with "
+                             "as_supervised=True or map to (image, label).")
+        self.kx, self.ky = leaf
+        model.build((None,) + tuple(resident.shapes[self.kx]))
+        in_dim = model.step.in_dim
+        if resident.row_sizes[self.kx] != in_dim:
+            raise ValueError(f"examples have {resident.row_sizes[self.kx]} features, the model expects "
+                             f"{in_dim} (input shape {model.input_shape[1:]}).")
+        for p, dev in zip(model.step.programs, resident.devices):
+            if p.dev is not dev:
+                raise ValueError(f"the resident data set lives on {dev.name} but replica {p.r} runs on "
+                                 f"{p.dev.name}: distribute the dataset with the model's strategy.")
+        y_dtype = np.dtype(resident.dtypes[self.ky])
+        self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
+        self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
+
+    def load(self, p, idx):
+        """Replica program ``p``'s rows ``idx`` (b,) into its input buffers: (x_dev, y_dev)."""
+        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)   # (b, in) float32, (b,) labels
+        wanted = [(self.kx, x_dev), (self.ky, y_dev)]
+        landing = [(k, self._landing(p, k, len(idx), out)) for k, out in wanted]
+        self.resident.gather(p.r, idx, landing)                  # one upload of b row numbers
+        for (_, out), (_, land) in zip(wanted, landing):
+            if land is not out and len(idx):
+                p.dev.ops.cast(land.reshape(out.shape), out)     # e.g. uint8 images -> float32
+        return x_dev, y_dev
+
+    def _landing(self, p, k, b, out):
+        """Where leaf k's rows are gathered: ``out`` itself when the stored dtype is
+        what the model takes, else a scratch buffer in the stored dtype (cast after)."""
+        if np.dtype(self.resident.dtypes[k]) == np.dtype(out.dtype):
+            return out
+        key = (p.r, k, b)
+        tmp = self._scratch.get(key)
+        if tmp is None:
+            tmp = self._scratch[key] = p.dev.empty((b, self.resident.row_sizes[k]), self.resident.dtypes[k])
+        return tmp

@@ -1,0 +1,177 @@
+"""One training step of ``fit``, in one place: split, forward/backward, all-reduce, update.
+
+With N replicas and a global batch of B examples, ``Step.train`` reads as the
+four steps of the README, each a visible call::
+
+    1. split              replica r gets rows [r*k, (r+1)*k), k = ceil(B/N) (TensorFlow's
+                          rule; a replica may get none), copied into its device's input
+                          buffers (made once per batch size, reused every step)
+    2. forward_backward   on every replica: its layers forward, the loss scaled by 1/B
+                          (the GLOBAL batch), its layers backward into its packed
+                          gradient buffer                              (engine.ReplicaProgram)
+    3. all_reduce         SUM of the N packed gradient buffers: one ring over one buffer
+                                                                       (engine.all_reduce)
+    4. update             the same optimizer kernel on every copy of the weights, so the
+                          copies stay bitwise equal                    (optimizers.update)
+
+A step is a *host part* (1, and the optimizer's per-step scalars) and a *device
+part* (2-4: kernel launches only). Nothing here times or captures anything:
+``mirrored.timing.TimedStep`` is this step with each phase timed, and
+``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
+wrap it from outside and launch exactly the same kernels.
+
+One host thread drives the replicas in turn (``copy_in`` says why); a custom loop's
+``strategy.run`` gives each replica its own thread instead, and meets the same
+``all_reduce`` and ``update`` in ``optimizer.apply_gradients``.
+
+Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
+``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
+"""
+import numpy as np
+
+from mirrored.input_lib import rebatch_bounds
+from mirrored.keras.data_adapters import ResidentBatch
+from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
+from mirrored.keras.losses import kernel_mode
+
+#: The phases of one training step, in the order they happen (``mirrored.timing``
+#: records them, ``mirrored.viz`` colours them).
+INPUT_COPY = "input copy"              # host slice (or row numbers) -> the replica's device
+FORWARD_BACKWARD = "forward+backward"  # the layers, the loss, the gradients
+ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)
+OPTIMIZER = "optimizer"                # one update launch per device
+STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
+
+
+class Step:
+    """A built model's training step, and the evaluate/predict passes that share its programs.
+
+    Holds the packed parameters (``pack``), one ``ReplicaProgram`` per replica
+    (``programs``) and the strategy's cross-device ops. Reads the model's
+    ``optimizer`` and ``loss`` when it runs, so ``compile`` may change them.
+    """
+
+    def __init__(self, model, devices, cross_device_ops):
+        self.model = model
+        self.pack = ParameterPack(model.trainable_variables, devices)
+        self.devices = self.pack.devices
+        self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
+        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim)
+                         for r in range(len(self.devices))]
+        self.cross_device_ops = cross_device_ops
+        self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set
+
+    # -- the training step -------------------------------------------------------------
+    def train(self, batch):
+        """One training step on one global batch: ``(x (B, in) float32, y (B,))`` host
+        arrays (``data_adapters.host_batch``) or a ``ResidentBatch``."""
+        inputs, scale = self.host_part(batch)
+        self.device_part(inputs, self.loss_mode(), scale)
+
+    def host_part(self, batch):
+        """Step 1, and the optimizer's scalars for this step onto every device."""
+        parts, load, scale = self.split(batch)                 # 1. N shares of the global batch
+        inputs = self.copy_in(parts, load)                     #    ... each on its replica's device
+        self.model.optimizer.begin_step(self.devices)          #    this step's update scalars (Adam's alpha)
+        return inputs, scale
+
+    def device_part(self, inputs, mode, scale):
+        """Steps 2-4: kernel launches only (what a CUDA graph can capture)."""
+        for program, (x, y) in zip(self.programs, inputs):
+            self.forward_backward(program, x, y, mode, scale)  # 2. forward, loss, backward per replica
+        self.all_reduce()                                      # 3. SUM of the packed gradients
+        self.update()                                          # 4. the same update on every copy
+
+    # -- the four steps ------------------------------------------------------------------
+    def split(self, batch):
+        """Each replica's share of a global batch by TensorFlow's rebatching rule, how to
+        put a share on its device (``load(program, share) -> (x_dev, y_dev)``), and the
+        loss scale 1/B (B: the GLOBAL batch)."""
+        if isinstance(batch, ResidentBatch):
+            idx = batch.idx                                            # (B,) row numbers
+            bounds = rebatch_bounds(len(idx), len(self.programs))
+            return [idx[lo:hi] for lo, hi in bounds], batch.loader(self.model).load, 1.0 / max(len(idx), 1)
+        xb, yb = batch                                                 # (B, in) float32, (B,) labels
+        bounds = rebatch_bounds(xb.shape[0], len(self.programs))
+        return [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds], _upload, 1.0 / max(xb.shape[0], 1)
+
+    def copy_in(self, parts, load):
+        """Replica r puts ``parts[r]`` on its device: (b, in) float32 and (b,) labels in
+        buffers made once per batch size and reused every step.
+
+        This thread drives every replica in turn, here and in every phase of a step.
+        On a GPU each call only queues work on that device's stream, so the devices
+        still work at the same time. Logical CPU devices share the cores: there the
+        replicas' work runs one after the other, and NumPy's BLAS spreads each large
+        product over all cores. TensorFlow's ``fit`` does the same in effect: its step
+        is a traced ``tf.function``, one graph holding every replica's ops, with no
+        replica threads once traced. A thread per replica (``strategy.run``, used by
+        custom loops) would only add hand-offs here: the step is a few hundred
+        microseconds of Python holding the GIL, and replica threads would take turns
+        at it (``benchmarks/training.py`` measures the two).
+        """
+        return [self.load_share(program, part, load) for program, part in zip(self.programs, parts)]
+
+    def load_share(self, program, part, load):
+        with program.dev.activate():
+            return load(program, part)
+
+    def forward_backward(self, program, x, y, mode, scale):
+        with program.dev.activate():
+            program.forward_backward(x, y, mode, scale)
+
+    def all_reduce(self):
+        all_reduce(self.pack, self.cross_device_ops)
+
+    def update(self):
+        self.model.optimizer.update(self.pack)
+
+    def loss_mode(self):
+        """Which fused loss kernel the model's output takes (``losses.kernel_mode``)."""
+        return kernel_mode(self.model.loss, self.programs[0].softmax_output)
+
+    # -- evaluate and predict: forward (and the loss) on the same programs -------------------
+    def evaluate(self, batch, mode):
+        """Loss and accuracy of one global batch, added to the metrics on the devices."""
+        parts, load, _ = self.split(batch)
+        for program, (x, y) in zip(self.programs, self.copy_in(parts, load)):
+            with program.dev.activate():
+                program.forward(x)
+                program.loss(y, mode, 1.0, with_grad=False)
+
+    def predict(self, xb):
+        """xb: (B, in) float32 -> each replica's outputs on the host, in replica order."""
+        labels = np.zeros(xb.shape[0], np.int32)                       # unused: predict has no loss
+        parts, load, _ = self.split((xb, labels))
+        outs = []
+        for program, (x, _) in zip(self.programs, self.copy_in(parts, load)):
+            with program.dev.activate():
+                outs.append(program.dev.to_numpy(program.forward(x, probabilities=True)))
+        return outs
+
+    # -- metrics, kept on the devices ------------------------------------------------------------
+    def zero_metrics(self):
+        for program in self.programs:
+            with program.dev.activate():
+                program.zero_metrics()
+
+    def logs(self, metric_names, prefix=""):
+        """Keras's logs from the devices' sums: the one host read of an epoch's metrics."""
+        loss = correct = seen = 0.0
+        for program in self.programs:
+            l, c, s = program.read_metrics()
+            loss, correct, seen = loss + l, correct + c, seen + s
+        logs = {prefix + "loss": loss / seen if seen else float("nan")}
+        for name in metric_names:
+            logs[prefix + name] = correct / seen if seen else float("nan")
+        return logs
+
+    def examples_seen(self):
+        """Examples counted on the devices since the metrics were zeroed."""
+        return sum(program.read_metrics()[2] for program in self.programs)
+
+
+def _upload(program, part):
+    """Put a host share ``(x (b, in) float32, y (b,))`` into the program's input buffers."""
+    x, y = part
+    return program.upload(x, y)
