@@ -1,6 +1,6 @@
 """Helpers shared by every benchmark program in ``benchmarks/``.
 
-The method (DESIGN.md, "Performance method"): count the floor first, warm up, time
+The method: count the floor first, warm up, time
 with CUDA events, repeat, quote the *median* and a ratio to a measured ceiling or a
 peer, never a single time. This module holds the parts every program needs:
 

@@ -37,7 +37,7 @@ within this one run. Timing: perf_counter on the CPU; on a GPU, CUDA events on t
 legacy default stream, which orders after every stream of the primary context (ours
 and PyTorch's), recorded around each epoch after the warm-up.
 
-The floor (DESIGN.md, "Performance method"), per step of each row's global batch:
+The floor, per step of each row's global batch:
 
     FLOPs   2*B*sum(d_in*d_out) forward + the same for dW + 2*B*sum(d_in*d_out) for dX
             (not for the first layer)                  / the measured GEMM rate

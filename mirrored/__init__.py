@@ -1,27 +1,42 @@
 """mirrored: TensorFlow's MirroredStrategy, re-implemented to be read.
 
 ``import mirrored as tf`` and the course's MNIST lab runs: devices
-(``mirrored.config``), tensors on a device (``mirrored.constant`` ...), and, as
-the project grows, strategies, data pipelines and Keras-style models. Each name
-behaves as TensorFlow documents it; see the README and shared/API.md.
+(``mirrored.config``), tensors on a device (``mirrored.constant`` ...), strategies,
+data pipelines and Keras-style models. Each name behaves as TensorFlow documents
+it; the README lists them.
 
-Map of the package:
+Reading order: one ``fit`` step, file by file (the README's four steps)::
+
+    1. keras/models.py         Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
+    2. keras/data_adapters.py  the global batch as host arrays (or a resident batch's row numbers)
+    3. keras/step.py           Step.train: the whole step in four visible calls --
+                                 split -> forward_backward -> all_reduce -> update
+    4. input_lib.py            rebatch_bounds: TensorFlow's rule for splitting (step 1)
+    5. keras/engine.py         ReplicaProgram: one replica's layers forward, the loss,
+                               backward (step 2); ParameterPack; all_reduce (step 3)
+    6. keras/layers.py         Dense and Flatten: each layer's own forward and backward
+    7. backends.py             ``dev.ops``: the op on a GPU (our kernels) or a CPU (NumPy)
+    8. cross_device_ops.py     RingAllReduce: the ring that sums the packed gradients (step 3)
+    9. keras/optimizers.py     Adam/SGD ``update``: one launch per device (step 4)
+   then kernels/: gemm.py, activations.py, softmax_xent.py, reduction.py, allreduce.py,
+   optimizers.py (each with its NumPy reference).
+
+Around the step, wrapping it from outside: graphs.py (CUDA-graph capture),
+timing.py (phase timer, compare), perf_model.py, viz.py (drawings).
+
+Map of the rest:
     devices.py    devices: physical, logical, CPU and CUDA backends
     config.py     mirrored.config (TF's device functions)
-    backends.py   the NumPy and CUDA implementations of every op
     tensor.py     mirrored.Tensor and tensor functions
     errors.py     TF-named errors
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
     values.py     PerReplica, Mirrored, Variable, MirroredVariable
-    cross_device_ops.py   how replicas' values are summed (ring all-reduce, reduce-to-one)
-    input_lib.py  distributed datasets (global batch -> per-replica slices)
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
-    keras/        Sequential, Dense, losses, optimizers, GradientTape (mirrored.keras)
-    graphs.py     a training step captured once as a CUDA graph, replayed every step
+    keras/        also losses, metrics, callbacks, saving, GradientTape (tape.py), progbar
     nn.py         compute_average_loss
     random.py     set_seed
-The kernels themselves live in the top-level ``kernels/`` package.
+    workflow.py   the command-line lab (``python -m mirrored``)
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored.devices import device_scope as device

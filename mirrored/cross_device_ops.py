@@ -64,15 +64,20 @@ def _device_of(component, what):
     return component._device
 
 
+def check_distinct(devices, what, why="each replica needs its own device"):
+    """Refuse a device list that names one device twice (the one duplicate check)."""
+    names = [d.name for d in devices]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"{what}: device {dup} is listed twice; {why}.")
+
+
 def validate_components(components, what="reduce"):
     """Check one component per distinct device, equal shapes and dtypes; return the devices."""
     if not components:
         raise ValueError(f"{what}: no devices to reduce over (the device list is empty).")
     devices = [_device_of(c, what) for c in components]
-    names = [d.name for d in devices]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"{what}: device {dup} is listed twice; each replica needs its own device.")
+    check_distinct(devices, what)
     first = components[0]
     for c in components[1:]:
         if c.shape != first.shape or c.dtype != first.dtype:
@@ -82,7 +87,7 @@ def validate_components(components, what="reduce"):
     return devices
 
 
-def _as_components(value, what):
+def _as_components(value):
     if isinstance(value, DistributedValues):
         return list(value.values)
     return [value]
@@ -119,7 +124,7 @@ class CrossDeviceOps:
         pairs = list(value_destination_pairs)
         if not pairs:
             return []
-        values = [_as_components(v, "batch_reduce") for v, _ in pairs]
+        values = [_as_components(v) for v, _ in pairs]
         reduced = self.all_reduce_components(reduce_op, values)
         return [self._to_destinations(r, dest) for r, (_, dest) in zip(reduced, pairs)]
 
@@ -134,10 +139,10 @@ class CrossDeviceOps:
         """All-reduce buffers that are already flat and fused (a model's packed
         gradients): one per device, same size and dtype; in place."""
         reduce_op = ReduceOp.validate(reduce_op)
-        names = [d.name for d in devices]
-        if len(set(names)) != len(names) or len(buffers) != len(devices) or not devices:
-            raise ValueError(f"all_reduce_flat: need one buffer per distinct device, got "
-                             f"{len(buffers)} buffers for {names}.")
+        if len(buffers) != len(devices) or not devices:
+            raise ValueError(f"all_reduce_flat: need one buffer per device, got {len(buffers)} "
+                             f"buffers for {[d.name for d in devices]}.")
+        check_distinct(devices, "all_reduce_flat")
         if any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
             raise ValueError("all_reduce_flat: the buffers differ in shape or dtype.")
         self._reduce_fused(reduce_op, buffers, devices)
@@ -214,7 +219,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     the whole sum back, all through the reducing device's links.
     """
 
-    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+    def __init__(self, reduce_to_device=None):
         self.reduce_to_device = reduce_to_device
 
     def _sum_in_place(self, buffers, devices):
@@ -480,9 +485,7 @@ class RingAllReduce(CrossDeviceOps):
         if not devices:
             raise ValueError("RingAllReduce: no devices to reduce over (the device list is empty).")
         names = [d.name for d in devices]
-        if len(set(names)) != len(names):
-            dup = next(x for x in names if names.count(x) > 1)
-            raise ValueError(f"RingAllReduce: device {dup} is listed twice; a ring needs N distinct devices.")
+        check_distinct(devices, "RingAllReduce", "a ring needs N distinct devices")
         kinds = {d.device_type for d in devices}
         if len(kinds) > 1:
             raise ValueError(

@@ -34,6 +34,8 @@ import types
 
 import numpy as np
 
+from kernels.launch import ceil_div
+
 AUTOTUNE = -1              # tf.data.AUTOTUNE: "let the runtime choose" (prefetch accepts it)
 INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
 UNKNOWN_CARDINALITY = -2   # tf.data.UNKNOWN_CARDINALITY
@@ -518,7 +520,7 @@ class _BatchDataset(Dataset):
         n, b = self._input._cardinality(), self._batch_size
         if n < 0:
             return n
-        return n // b if self._drop_remainder else -(-n // b)
+        return n // b if self._drop_remainder else ceil_div(n, b)
 
     def _generate(self):
         plan = self._input._index_plan()
@@ -634,3 +636,38 @@ class _PrefetchDataset(Dataset):
 
     def _generate(self):
         return iter(self._input)
+
+
+# --- a batched epoch as row numbers (for input_lib's resident data sets) ----------------
+
+def index_batches(dataset):
+    """This epoch of a batched ``mirrored.data.Dataset`` as row numbers: ``(rows, batches)``.
+
+    ``rows`` holds the elements (``rows.columns``: a structure of arrays, one row per
+    element); ``batches`` yields one int64 array of row numbers per batch, in the
+    order the dataset would play them (the same shuffle draws). Returns
+    ``(None, why)`` when the epoch is not a stream of held rows; asking has no side
+    effect then, so the caller can iterate the dataset as usual instead.
+    ``input_lib.DistributedDataset`` asks this to keep a data set on the devices.
+    """
+    while isinstance(dataset, _PrefetchDataset):
+        dataset = dataset._input
+    if not isinstance(dataset, _BatchDataset):
+        return None, ("the dataset does not end in .batch(GLOBAL_BATCH_SIZE) (optionally "
+                      "followed by .prefetch)")
+    plan = dataset._input._index_plan()
+    if plan is None:
+        return None, ("its elements are not rows held in memory yet: start from "
+                      "from_tensor_slices, or put .cache() after any map(); a cache is "
+                      "filled by the first epoch, and the data is resident from the second")
+    rows, chunks = plan
+    if not isinstance(rows, _StackedRows):
+        return None, "its elements differ in shape, so they cannot be stored as one array per device"
+    size, drop = dataset._batch_size, dataset._drop_remainder
+
+    def batches():
+        for idx in _rechunk(chunks, size):       # idx: (<= size,) int64 row numbers
+            if len(idx) < size and drop:
+                return
+            yield idx
+    return rows, batches()

@@ -18,14 +18,14 @@ How, with the CUDA driver API that numba-cuda itself calls (``cuda.bindings``)::
     exe = cuGraphInstantiate(graph, 0)
     cuGraphLaunch(exe, s0)            one call per step from then on
 
-What a captured step must not do, and how ``Sequential``'s step avoids it:
+What a captured step must not do, and how the training step (``keras/step.py``) avoids it:
 
 * Take numbers from the host that change from step to step: launch arguments are
   frozen into the graph. The optimizer's per-step scalars (Adam's alpha) live in
   a device buffer that the host part of each step writes (``keras/optimizers.py``,
   ``begin_step``); the metrics count examples on the device (``keras/engine.py``).
 * Allocate, free or synchronise. Buffers are made during the first, eager step
-  of each batch size and reused: activations, gradients, the ring's events.
+  of each batch size and reused: the layers' buffers, gradients, the ring's events.
 * Read other buffers than the ones it was captured with. Each replica's slice is
   copied (outside the graph, in the host part) into the same per-batch-size
   input buffers every step, so a graph is keyed by those buffers' addresses.

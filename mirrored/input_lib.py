@@ -14,7 +14,7 @@ Each slice is copied to its replica's device, as a ``PerReplica`` value of
 builds a dataset that is already batched per replica; replica r takes batch
 ``step * N + r``.
 
-Keeping the data set on the devices (issue 6). Copying every batch from the host
+Keeping the data set on the devices. Copying every batch from the host
 costs a copy per step (on a GPU: a host-to-device transfer of 64 x 784 float32 =
 200 KB for the lab's batch). With
 
@@ -39,6 +39,8 @@ import warnings
 
 import numpy as np
 
+from kernels.launch import ceil_div
+from mirrored import data as _data
 from mirrored import nest
 from mirrored.tensor import Tensor
 from mirrored.values import PerReplica
@@ -75,7 +77,7 @@ class InputOptions:
 
 def rebatch_bounds(batch_size, num_replicas):
     """[(start, stop)] per replica for one global batch (TensorFlow's rule)."""
-    per = -(-batch_size // num_replicas)
+    per = ceil_div(batch_size, num_replicas)
     return [(min(r * per, batch_size), min((r + 1) * per, batch_size)) for r in range(num_replicas)]
 
 
@@ -86,39 +88,6 @@ def _to_device(leaf, dev):
 
 
 # --- a data set kept on the devices ----------------------------------------------------
-
-def index_batches(dataset):
-    """This epoch of a batched ``mirrored.data.Dataset`` as row numbers: ``(rows, batches)``.
-
-    ``rows`` holds the elements (``rows.columns``: a structure of arrays, one row per
-    element); ``batches`` yields one int64 array of row numbers per batch, in the
-    order the dataset would play them (the same shuffle draws). Returns
-    ``(None, why)`` when the epoch is not a stream of held rows; asking has no side
-    effect then, so the caller can iterate the dataset as usual instead.
-    """
-    from mirrored import data as _data        # the pipeline's internals: same package
-    while isinstance(dataset, _data._PrefetchDataset):
-        dataset = dataset._input
-    if not isinstance(dataset, _data._BatchDataset):
-        return None, ("the dataset does not end in .batch(GLOBAL_BATCH_SIZE) (optionally "
-                      "followed by .prefetch)")
-    plan = dataset._input._index_plan()
-    if plan is None:
-        return None, ("its elements are not rows held in memory yet: start from "
-                      "from_tensor_slices, or put .cache() after any map(); a cache is "
-                      "filled by the first epoch, and the data is resident from the second")
-    rows, chunks = plan
-    if not isinstance(rows, _data._StackedRows):
-        return None, "its elements differ in shape, so they cannot be stored as one array per device"
-    size, drop = dataset._batch_size, dataset._drop_remainder
-
-    def batches():
-        for idx in _data._rechunk(chunks, size):       # idx: (<= size,) int64 row numbers
-            if len(idx) < size and drop:
-                return
-            yield idx
-    return rows, batches()
-
 
 class ResidentRows:
     """One data set's rows, copied once to each of ``devices``, gathered by row number.
@@ -175,21 +144,11 @@ class DistributedDataset:
     """Iterating gives, per step, the global batch split into PerReplica slices."""
 
     def __init__(self, dataset, strategy, options=None):
-        self._dataset = dataset
-        self._strategy = strategy
+        self.dataset = dataset             # the global-batch dataset it splits
+        self.strategy = strategy           # whose replicas it feeds
         self._options = options
         self._resident = None              # ResidentRows, made on the first resident epoch
         self._warned = False
-
-    @property
-    def strategy(self):
-        """The strategy whose replicas this data set feeds."""
-        return self._strategy
-
-    @property
-    def dataset(self):
-        """The global-batch dataset it splits."""
-        return self._dataset
 
     @property
     def place_on_device(self):
@@ -201,7 +160,7 @@ class DistributedDataset:
         The rows are uploaded to the devices the first time and reused while the
         dataset keeps the same rows (a cache is filled once).
         """
-        rows, batches = index_batches(self._dataset)
+        rows, batches = _data.index_batches(self.dataset)
         if rows is None:
             if not self._warned:
                 self._warned = True
@@ -210,11 +169,11 @@ class DistributedDataset:
             return None
         if self._resident is None or self._resident.rows is not rows:
             self._resident = None                               # free the old copies first
-            self._resident = ResidentRows(rows, self._strategy.extended.devices)
+            self._resident = ResidentRows(rows, self.strategy.extended.devices)
         return self._resident, batches
 
     def _split(self, batch):
-        devices = self._strategy.extended.devices
+        devices = self.strategy.extended.devices
         n = len(devices)
         leaves = nest.flatten(batch)
         sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
@@ -233,7 +192,7 @@ class DistributedDataset:
     def __iter__(self):
         epoch = self.resident_epoch() if self.place_on_device else None
         if epoch is None:
-            for batch in self._dataset:
+            for batch in self.dataset:
                 yield self._split(batch)
             return
         resident, batches = epoch
@@ -247,7 +206,7 @@ class DistributedDataset:
 
     def __repr__(self):
         where = ", resident on the devices" if self.place_on_device else ""
-        return f"<DistributedDataset over {self._strategy.num_replicas_in_sync} replicas{where}>"
+        return f"<DistributedDataset over {self.strategy.num_replicas_in_sync} replicas{where}>"
 
 
 class DistributedDatasetsFromFunction:

@@ -19,16 +19,15 @@ What ``tf.distribute.MirroredStrategy`` does, in the order a student meets it:
    the host.
 
 Replica threads are kept alive between calls (one worker per device), so a
-training step does not pay for starting threads. If a replica raises, the
-others are released from any merge point, and the exception reaches the caller
-with the replica id added; nothing is left waiting.
+training step does not pay for starting threads; they and the merge points live
+in ``mirrored_run.py``. ``StrategyExtended`` carries what the rest of the library
+needs of a strategy: its ``devices``, its ``cross_device_ops`` and its worker pool.
 
-Neighbours: ``values.py`` (PerReplica, MirroredVariable), ``cross_device_ops.py``
-(the sums), ``context.py`` (which strategy/replica this thread is in),
-``input_lib.py`` (distributed datasets).
+Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
+(PerReplica, MirroredVariable), ``cross_device_ops.py`` (the sums), ``context.py``
+(which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets).
 """
 import contextlib
-import queue
 import threading
 
 import numpy as np
@@ -36,6 +35,7 @@ import numpy as np
 from mirrored import context, nest
 from mirrored import devices as _dev
 from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice
+from mirrored.mirrored_run import ReplicaWorkers
 from mirrored.tensor import HostTensor, Tensor, constant
 from mirrored.values import (DistributedValues, Mirrored, MirroredVariable, PerReplica, Variable,
                              VariableAggregation, regroup, select_replica)
@@ -72,77 +72,6 @@ class InputContext:
     def __repr__(self):
         return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, input_pipeline_id="
                 f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
-
-
-class _MergePoint:
-    """Where replica threads meet in ``merge_call``.
-
-    A barrier built on one Condition so that every decision (arrive, finish,
-    abort) happens under one lock: a replica that *returns* while others wait
-    at a merge point (the replicas made different numbers of merge calls) is
-    detected, and the waiting replicas are released with an error, never hung.
-    """
-
-    def __init__(self, n):
-        self.n = n
-        self.cond = threading.Condition()
-        self.arrived = {}          # replica id -> (merge_fn, args, kwargs)
-        self.generation = 0
-        self.result = None         # (value, exception) of the last merge
-        self.finished = 0
-        self.broken = None         # an Exception once aborted
-
-    def abort(self, reason):
-        with self.cond:
-            if self.broken is None:
-                self.broken = reason
-            self.cond.notify_all()
-
-    def finish(self, replica_id):
-        with self.cond:
-            self.finished += 1
-            if self.arrived and self.broken is None:
-                self.broken = RuntimeError(
-                    f"replica {replica_id} returned from the replica function while other replicas "
-                    f"wait in merge_call: every replica must make the same merge calls (all_reduce, "
-                    f"apply_gradients...) in the same order.")
-                self.cond.notify_all()
-
-    def arrive(self, replica_id, call, merge):
-        """Deposit this replica's call; the last to arrive runs ``merge(calls)``."""
-        with self.cond:
-            if self.broken is not None:
-                raise _Aborted(self.broken)
-            if self.finished:
-                self.broken = RuntimeError(
-                    f"replica {replica_id} called merge_call after another replica had already "
-                    f"returned: every replica must make the same merge calls.")
-                self.cond.notify_all()
-                raise _Aborted(self.broken)
-            gen = self.generation
-            self.arrived[replica_id] = call
-            if len(self.arrived) == self.n:
-                calls = [self.arrived[i] for i in range(self.n)]
-                self.arrived = {}
-                try:
-                    self.result = (merge(calls), None)
-                except BaseException as err:    # noqa: BLE001 (given to every replica)
-                    self.result = (None, err)
-                self.generation += 1
-                self.cond.notify_all()
-            else:
-                while self.generation == gen and self.broken is None:
-                    self.cond.wait()
-                if self.generation == gen:
-                    raise _Aborted(self.broken)
-            value, err = self.result
-        if err is not None:
-            raise err
-        return value
-
-
-class _Aborted(Exception):
-    """A replica released from a merge point because another replica failed."""
 
 
 class ReplicaContext:
@@ -238,80 +167,6 @@ def to_tensor_on(value, dev):
     return constant(arr if isinstance(value, (np.ndarray, np.generic)) else value, device=dev)
 
 
-# --- the replica workers ---------------------------------------------------------------
-
-class _ReplicaWorkers:
-    """One long-lived thread per replica device, each bound to its device."""
-
-    def __init__(self, strategy):
-        self.strategy = strategy
-        self.jobs = []
-        self.threads = []
-        for i, dev in enumerate(strategy.extended.devices):
-            q = queue.SimpleQueue()
-            t = threading.Thread(target=self._loop, args=(i, dev, q), daemon=True,
-                                 name=f"mirrored-replica-{i}")
-            t.start()
-            self.jobs.append(q)
-            self.threads.append(t)
-
-    def _loop(self, replica_id, dev, jobs):
-        with dev.activate():
-            while True:
-                job = jobs.get()
-                if job is None:
-                    return
-                job(replica_id)
-
-    def run(self, fn, args, kwargs, outer_stack):
-        n = len(self.jobs)
-        merge_point = _MergePoint(n)
-        results, errors = [None] * n, [None] * n
-        done = threading.Semaphore(0)
-        strategy = self.strategy
-
-        def job(i):
-            dev = strategy.extended.devices[i]
-            context.set_stack(outer_stack + [(strategy, ReplicaContext(strategy, i, merge_point))])
-            try:
-                with _dev.device_scope(dev):
-                    results[i] = fn(*select_replica(i, args), **select_replica(i, kwargs))
-                merge_point.finish(i)
-            except BaseException as err:  # noqa: BLE001 (handed to the caller)
-                errors[i] = err
-                merge_point.abort(err)
-            finally:
-                context.set_stack([])
-                done.release()
-
-        for q in self.jobs:
-            q.put(job)
-        for _ in range(n):
-            done.acquire()
-        _raise_first(errors, strategy)
-        return results
-
-    def close(self):
-        for q in self.jobs:
-            q.put(None)
-
-
-def _raise_first(errors, strategy):
-    """Re-raise the first real replica error (not a released waiter), naming the replica."""
-    real = [(i, e) for i, e in enumerate(errors) if e is not None and not isinstance(e, _Aborted)]
-    if not real:
-        aborted = [(i, e) for i, e in enumerate(errors) if e is not None]
-        if not aborted:
-            return
-        i, e = aborted[0]
-        real = [(i, e.args[0] if e.args and isinstance(e.args[0], BaseException) else e)]
-    i, err = real[0]
-    dev = strategy.extended.devices[i]
-    if hasattr(err, "add_note"):
-        err.add_note(f"(raised in replica {i} of {len(errors)}, on {dev.name})")
-    raise err
-
-
 # --- the extended object (TensorFlow's StrategyExtended) ----------------------------------
 
 class StrategyExtended:
@@ -330,10 +185,10 @@ class StrategyExtended:
         self._pool_lock = threading.Lock()
 
     def worker_pool(self):
-        """The ``_ReplicaWorkers`` of this strategy: one long-lived thread per device."""
+        """The ``mirrored_run.ReplicaWorkers`` of this strategy: one long-lived thread per device."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = _ReplicaWorkers(self._strategy)
+                self._pool = ReplicaWorkers(self._strategy)
         return self._pool
 
     @property
@@ -430,7 +285,7 @@ class Strategy:
                     return fn(*select_replica(0, args), **select_replica(0, kwargs))
             finally:
                 context.pop()
-        results = self._extended.worker_pool().run(fn, args, kwargs, outer or [(self, None)])
+        results = self._extended.worker_pool().run(fn, args, kwargs, outer or [(self, None)], ReplicaContext)
         return regroup(results)
 
     # -- combining results
@@ -439,20 +294,6 @@ class Strategy:
         if isinstance(value, DistributedValues):
             return value.values
         return (value,)
-
-    def _host_components(self, value, what):
-        comps = self.experimental_local_results(value)
-        out = []
-        for c in comps:
-            if isinstance(c, (Tensor, Variable)):
-                arr = np.asarray(c.numpy())
-            else:
-                arr = np.asarray(c)
-            if arr.dtype.kind not in "fiub":
-                raise TypeError(f"{what}: cannot reduce a value of type {type(c).__name__} "
-                                f"({c!r:.60}): only numbers and numeric tensors.")
-            out.append(arr)
-        return out
 
     def reduce(self, reduce_op, value, axis=None):
         """Combine ``value`` across replicas on the host.
@@ -473,33 +314,12 @@ class Strategy:
                 raise ValueError(f"A non-DistributedValues value {value!r:.60} cannot be reduced "
                                  f"with the given reduce op SUM over {n} replicas; return it from "
                                  f"strategy.run so that each replica contributes its own.")
-            return HostTensor.wrap(self._host_components(value, "reduce")[0])
-        comps = self._host_components(value, "reduce")
-        if axis is None:
-            total = comps[0].copy()
-            for c in comps[1:]:
-                if c.shape != total.shape:
-                    raise ValueError(f"reduce: replicas returned shapes {[x.shape for x in comps]}; "
-                                     f"with axis=None they must match (or pass axis=0).")
-                total = total + c
-            if reduce_op == ReduceOp.MEAN:
-                # divide in the values' own dtype (integers truncate), as the
-                # cross-device ops do on the devices
-                total = (total / len(comps)).astype(comps[0].dtype)
-            return HostTensor.wrap(total.astype(comps[0].dtype, copy=False))
-        sums = [c.sum(axis=axis, dtype=c.dtype) for c in comps]
-        total = sums[0]
-        for s in sums[1:]:
-            total = total + s
-        if reduce_op == ReduceOp.SUM:
-            return HostTensor.wrap(total)
-        count = sum(c.shape[axis] for c in comps)
-        mean = total / count if count else total * np.nan
-        return HostTensor.wrap(mean.astype(comps[0].dtype) if comps[0].dtype.kind == "f" else mean)
+            return HostTensor.wrap(_host_components(value, "reduce")[0])
+        return HostTensor.wrap(_reduce_on_host(reduce_op, _host_components(value, "reduce"), axis))
 
     def gather(self, value, axis):
         """Every replica's value concatenated along ``axis``, on the host."""
-        comps = self._host_components(value, "gather")
+        comps = _host_components(value, "gather")
         return HostTensor.wrap(np.concatenate([np.atleast_1d(c) for c in comps], axis=axis))
 
     # -- distributing inputs
@@ -538,6 +358,44 @@ class Strategy:
         extended = getattr(self, "_extended", None)
         if extended is not None and extended._pool is not None:
             extended._pool.close()
+
+
+def _host_components(value, what):
+    """A value's per-replica components as NumPy arrays (numbers only)."""
+    comps = value.values if isinstance(value, DistributedValues) else (value,)
+    out = []
+    for c in comps:
+        arr = np.asarray(c.numpy()) if isinstance(c, (Tensor, Variable)) else np.asarray(c)
+        if arr.dtype.kind not in "fiub":
+            raise TypeError(f"{what}: cannot reduce a value of type {type(c).__name__} "
+                            f"({c!r:.60}): only numbers and numeric tensors.")
+        out.append(arr)
+    return out
+
+
+def _reduce_on_host(reduce_op, comps, axis):
+    """``strategy.reduce``'s math on the replicas' arrays ``comps`` (see its docstring)."""
+    if axis is None:
+        total = comps[0].copy()
+        for c in comps[1:]:
+            if c.shape != total.shape:
+                raise ValueError(f"reduce: replicas returned shapes {[x.shape for x in comps]}; "
+                                 f"with axis=None they must match (or pass axis=0).")
+            total = total + c
+        if reduce_op == ReduceOp.MEAN:
+            # divide in the values' own dtype (integers truncate), as the
+            # cross-device ops do on the devices
+            total = (total / len(comps)).astype(comps[0].dtype)
+        return total.astype(comps[0].dtype, copy=False)
+    sums = [c.sum(axis=axis, dtype=c.dtype) for c in comps]
+    total = sums[0]
+    for s in sums[1:]:
+        total = total + s
+    if reduce_op == ReduceOp.SUM:
+        return total
+    count = sum(c.shape[axis] for c in comps)
+    mean = total / count if count else total * np.nan
+    return mean.astype(comps[0].dtype) if comps[0].dtype.kind == "f" else mean
 
 
 def _plain_variable(initial_value, **kwargs):

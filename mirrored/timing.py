@@ -1,19 +1,22 @@
-"""Timing single- against multi-device training: a phase timer, ``compare``, a
-per-step breakdown, and a performance model for N physical GPUs.
+"""Timing single- against multi-device training: a phase timer, a timed step, ``compare``.
 
 The questions a student asks of MirroredStrategy, and where they are answered:
 
-    How long does each part of a step take?        PhaseTimer (passed to
-                                                   Sequential.train_step),
+    How long does each part of a step take?        PhaseTimer, TimedStep (the model's
+                                                   step with each phase timed),
                                                    step_breakdown, format_breakdown
     Is 2 or 4 devices faster than 1? By how much?  compare (EpochTimer per run),
-                                                   format_table, plot_comparison
-    What would N real GPUs over PCIe or NVLink do? predict_step_time, performance_model,
-                                                   calibrate, predict_throughput,
-                                                   plot_performance_model
+                                                   format_table
+    What would N real GPUs over PCIe or NVLink do? perf_model.py
+    What does it look like?                        viz.py (timeline, scaling_plot,
+                                                   plot_comparison, plot_performance_model)
 
 Everything returns plain structures (lists of dicts, tuples, floats) so a notebook
 can print them, a test can check them, and ``mirrored.viz`` can draw them.
+
+Timing wraps the step from outside: ``TimedStep`` is the model's own step
+(``keras/step.py``) with each phase method wrapped in a timed block, so a timed
+step launches exactly what an untimed one does (a test checks the weights bitwise).
 
 Clocks. On a real GPU a kernel launch returns long before the kernel has run, so
 the host clock measures launches, not work. There the timer records a CUDA event
@@ -37,9 +40,8 @@ raises ``RuntimeError`` afterwards, as in TensorFlow): configure the largest num
 you need first, then build strategies over subsets, e.g. ``MirroredStrategy(["CPU:0",
 "CPU:1"])`` after splitting the CPU into 4. ``lab_strategies`` does that.
 
-Neighbours: ``keras/models.py`` (the step; ``train_step(x, y, timer=...)`` times it),
-``cross_device_ops.py`` (the ring), ``workflow.py`` (the command-line lab),
-``viz.py`` (the drawings).
+Neighbours: ``keras/step.py`` (the step that ``TimedStep`` wraps), ``perf_model.py``,
+``viz.py`` (the drawings), ``workflow.py`` (the command-line lab).
 """
 import contextlib
 import math
@@ -52,20 +54,8 @@ import numpy as np
 from mirrored import devices as _dev
 from mirrored.keras.callbacks import Callback
 from mirrored.keras.data_adapters import host_batch
-from mirrored.keras.step import ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY, OPTIMIZER, STEP_PHASES, Step  # noqa: F401 (timing's names)
-
-
-#: Link bandwidths (bytes/s, one direction, what a ring step can use). Rounded
-#: practical figures; pass your own measured numbers where you have them.
-LINKS = {
-    "PCIe 3.0 x16": 12e9,            # 16 GB/s theoretical, ~12 achieved
-    "PCIe 4.0 x16": 25e9,            # 32 GB/s theoretical, ~25 achieved
-    "NVLink (V100, 6 links)": 150e9,
-    "NVLink (A100, 12 links)": 300e9,
-    "NVLink (H100, 18 links)": 450e9,
-}
-#: The two a lab plots by default.
-DEFAULT_LINKS = ("PCIe 4.0 x16", "NVLink (A100, 12 links)")
+from mirrored.keras.step import (ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY,  # noqa: F401 (timing's names)
+                                  OPTIMIZER, STEP_PHASES, Step, check_compiled)
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,7 +267,7 @@ class TimedStep(Step):
 
 def timed_train_step(model, x, y, timer):
     """``model.train_step(x, y)`` with every phase of every replica recorded by ``timer``."""
-    model._check_compiled("timing training steps")
+    check_compiled(model, "timing training steps")
     batch = host_batch(model, (x, y))              # x (B, in) float32, y (B,); builds the model
     TimedStep(model.step, timer).train(batch)
 
@@ -322,7 +312,7 @@ def step_breakdown(model, data, steps=20, warmup=3, batch_size=None, timeline_st
          "timeline": [(replica, phase, start_s, end_s)],   # the last `timeline_steps`
          "timeline_step_s": [(start_s, end_s)] of those steps}           # steps, from 0
     """
-    model._check_compiled("timing training steps")
+    check_compiled(model, "timing training steps")
     if steps < 1 or warmup < 0:
         raise ValueError(f"step_breakdown: need steps >= 1 and warmup >= 0, got {steps} and {warmup}.")
     timeline_steps = min(max(int(timeline_steps), 1), steps)
@@ -582,165 +572,3 @@ def format_table(rows, title=None):
         out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); "
                    f"epoch s = median of {rows[0].get('epochs_timed', '?')} timed epoch(s) after warm-up")
     return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------------------
-# The performance model for N physical GPUs
-# ---------------------------------------------------------------------------------------
-
-def ring_allreduce_time(grad_bytes, n, link_bandwidth, latency_s=0.0):
-    """Seconds for a ring all-reduce of ``grad_bytes`` over ``n`` devices.
-
-    2(N-1) steps (reduce-scatter, then all-gather), each moving a 1/N chunk to the
-    next device while receiving one from the previous: 2(N-1)/N · bytes / bandwidth,
-    plus ``latency_s`` per step. Zero for one device (nothing to sum).
-    """
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n * grad_bytes / link_bandwidth + 2 * (n - 1) * latency_s
-
-
-def predict_step_time(n, compute_s, grad_bytes, link_bandwidth, overhead_s=0.0, latency_s=0.0):
-    """t(N) = compute/N + 2(N-1)/N · bytes/link_bandwidth + overhead (seconds per step).
-
-    ``compute_s``: one device's time for the step's whole global batch (forward,
-    backward, optimizer). ``grad_bytes``: the packed gradient buffer (4 × params).
-    ``link_bandwidth``: bytes/s of the slowest link in the ring, one direction.
-    ``overhead_s``: per-step cost that does not shrink with N (Python, launches,
-    the merge point). ``latency_s``: per ring step (the α of an α-β model).
-
-    Assumptions (say them when you quote a prediction):
-      * compute divides perfectly: each of N identical GPUs does B/N of the batch
-        (small per-GPU batches run a GPU below its peak, so this is optimistic);
-      * no overlap: the all-reduce starts after the whole backward pass (true here:
-        one packed buffer, one ring; frameworks that bucket gradients overlap it);
-      * the ring is bandwidth-bound by its slowest link, every link used in both
-        directions at once, the additions in the ring cost nothing extra;
-      * nothing else shares the links (no PCIe switch contention, no host traffic);
-      * the optimizer runs on every GPU on its own copy: it does not shrink with N,
-        count it in ``overhead_s`` if you want it exact.
-    """
-    return compute_s / n + ring_allreduce_time(grad_bytes, n, link_bandwidth, latency_s) + overhead_s
-
-
-def performance_model(ns, compute_s, grad_bytes, links=None, overhead_s=0.0, latency_s=0.0):
-    """Predicted step times for every N and link: a list of dicts.
-
-    ``links``: {name: bytes/s}, default the ``DEFAULT_LINKS`` entries of ``LINKS``.
-    Each row: ``link, bandwidth, n, step_s, compute_s, allreduce_s, overhead_s,
-    speedup`` (t(1)/t(N)), ``efficiency`` (speedup/N).
-    """
-    links = links or {k: LINKS[k] for k in DEFAULT_LINKS}
-    rows = []
-    for link, bw in links.items():
-        t1 = predict_step_time(1, compute_s, grad_bytes, bw, overhead_s, latency_s)
-        for n in ns:
-            t = predict_step_time(n, compute_s, grad_bytes, bw, overhead_s, latency_s)
-            rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
-                         "compute_s": compute_s / n,
-                         "allreduce_s": ring_allreduce_time(grad_bytes, n, bw, latency_s),
-                         "overhead_s": overhead_s, "speedup": t1 / t, "efficiency": t1 / t / n})
-    return rows
-
-
-def calibrate(breakdown, grad_bytes=None, model=None):
-    """Model parameters measured on ONE replica: per-example compute and per-step overhead.
-
-    ``breakdown``: ``step_breakdown`` of a single-replica model. Compute is the
-    median input copy + forward+backward (work that a GPU count divides); the
-    overhead is everything else in the measured step (optimizer, Python, the
-    strategy's bookkeeping). ``grad_bytes`` (or ``model``): the gradient buffer size.
-    """
-    phases = breakdown["phases"]
-    compute = sum(phases[p]["median_s"] for p in (INPUT_COPY, FORWARD_BACKWARD) if p in phases)
-    if grad_bytes is None and model is not None:
-        grad_bytes = 4 * model.count_params()
-    return {"compute_per_example_s": compute / max(breakdown["global_batch"], 1),
-            "overhead_s": max(breakdown["step_s"] - compute, 0.0),
-            "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"]}
-
-
-def predict_throughput(calibration, ns, batch_per_replica, links=None, latency_s=0.0):
-    """Samples/s on N physical GPUs with ``batch_per_replica`` each (the lab's rule).
-
-    The global batch grows with N, so compute(N·b)/N = compute(b): each step costs
-    ``b · compute_per_example + ring(N) + overhead`` and moves N·b examples.
-    Returns a list of dicts ``link, n, step_s, samples_per_s``.
-    """
-    links = links or {k: LINKS[k] for k in DEFAULT_LINKS}
-    rows = []
-    for link, bw in links.items():
-        for n in ns:
-            compute = calibration["compute_per_example_s"] * batch_per_replica * n   # whole global batch
-            t = predict_step_time(n, compute, calibration["grad_bytes"], bw,
-                                  calibration["overhead_s"], latency_s)
-            rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
-                         "samples_per_s": n * batch_per_replica / t})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------
-# Plots (matplotlib; timelines and scaling curves are drawn by mirrored/viz.py)
-# ---------------------------------------------------------------------------------------
-
-def plot_comparison(rows, path=None, title=None):
-    """Bar charts of epoch time and samples/s per strategy (efficiency on the bars).
-
-    Writes a PNG to ``path`` if given; returns the matplotlib Figure (a bare
-    Figure, as ``mirrored.viz`` makes them: a notebook shows it when a cell returns it).
-    """
-    from matplotlib.figure import Figure
-    names = [r["name"] for r in rows]
-    fig = Figure(figsize=(max(8, 2.4 * len(rows)), 4))
-    ax1, ax2 = fig.subplots(1, 2)
-    colors = ["#888888" if r["name"] == "no strategy" else "#1f77b4" for r in rows]
-    ax1.bar(names, [r["epoch_time_s"] for r in rows], color=colors)
-    ax1.set_ylabel("seconds per epoch (median)")
-    ax1.set_title("epoch time (lower is better)")
-    bars = ax2.bar(names, [r["samples_per_s"] for r in rows], color=colors)
-    ax2.set_ylabel("training examples per second")
-    ax2.set_title("throughput (higher is better)")
-    for bar, r in zip(bars, rows):
-        if not math.isnan(r.get("efficiency", float("nan"))):
-            ax2.annotate(f"{r['efficiency']:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                         ha="center", va="bottom", fontsize=9)
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(title or "MNIST lab: no strategy vs MirroredStrategy")
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=100)
-    return fig
-
-
-def plot_performance_model(measured, predicted, ax=None, title=None):
-    """Samples/s against devices: measured rows (``compare``) and model lines per link.
-
-    ``measured``: rows with ``replicas`` and ``samples_per_s`` (e.g. the MirroredStrategy
-    rows of ``compare``); ``predicted``: ``predict_throughput`` rows. Returns the Figure.
-    (The per-replica timeline and the scaling plot are ``mirrored.viz.timeline`` and
-    ``mirrored.viz.scaling_plot``.)
-    """
-    from matplotlib.figure import Figure
-    if ax is None:
-        fig = Figure(figsize=(7, 4.5), layout="constrained")
-        ax = fig.add_subplot()
-    else:
-        fig = ax.figure
-    styles = iter(["--", ":", "-.", (0, (5, 1))])
-    for link in dict.fromkeys(p["link"] for p in predicted):
-        pts = sorted((p["n"], p["samples_per_s"]) for p in predicted if p["link"] == link)
-        bw = next(p["bandwidth"] for p in predicted if p["link"] == link)
-        ax.plot(*zip(*pts), linestyle=next(styles, "--"), marker="x",
-                label=f"model: {link} ({bw / 1e9:g} GB/s)")
-    pts = sorted((r["replicas"], r["samples_per_s"]) for r in measured)
-    if pts:
-        ax.plot(*zip(*pts), "o-", color="black", linewidth=2, label="measured here")
-    ax.set_xlabel("devices (replicas)")
-    ax.set_ylabel("training throughput (samples/s)")
-    ax.set_xticks(sorted({n for n, _ in pts} | {p["n"] for p in predicted}))
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or "Performance model for N physical GPUs vs measurement")
-    return fig

@@ -23,6 +23,12 @@ What is here:
                                  TensorFlow's rebatching rule (empty slices included)
     gemm_mapping(version)        GEMM v1/v2/v3: which outputs a block and a thread compute,
                                  which tiles they stage in shared memory, what they read
+    plot_comparison(rows)        epoch time and samples/s per strategy (``timing.compare``)
+    plot_performance_model(...)  measured samples/s beside the model's lines per link
+                                 (``perf_model.predict_throughput``)
+
+One file of independent drawings: each function stands alone, so its length is a
+gallery's, not a tangle's.
 
 Returning a bare ``Figure`` (not a pyplot one) means nothing piles up in pyplot's
 registry; Jupyter displays it once the inline backend is active (``%matplotlib
@@ -30,13 +36,15 @@ inline``, the first line of every lab).
 
 Neighbours: ``cross_device_ops.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
 ``initial_holds``, ``schedule``), ``input_lib.py`` (``rebatch_bounds``), the timing
-helpers that produce events and rows (``timing.py``), ``kernels/gemm.py`` (the tile
+helpers that produce events and rows (``timing.py``, ``perf_model.py``), ``kernels/gemm.py`` (the tile
 sizes ``gemm_mapping`` draws), and ``labs/`` (which call everything here).
 """
 import math
 import numbers
 
 import numpy as np
+
+from kernels.launch import ceil_div
 
 # --- shared helpers ------------------------------------------------------------------
 
@@ -514,7 +522,7 @@ def sharding(global_batch, num_replicas, ax=None, title=None):
     if global_batch <= 40:
         ax.set_xticks([row + 0.5 for row in range(global_batch)],
                       [str(row) for row in range(global_batch)], fontsize=7)
-    per = -(-global_batch // num_replicas) if global_batch else 0
+    per = ceil_div(global_batch, num_replicas) if global_batch else 0
     sizes = ", ".join(str(w) for w in widths) if num_replicas <= 16 else "..."
     rows_each = f"{per} row{'' if per == 1 else 's'} per replica"
     ax.set_title(title or f"global batch of {global_batch} over {num_replicas} replicas\n"
@@ -644,14 +652,14 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
     tile_m, tile_n = (g.BM, g.BN) if version == "v3" else (g.TILE, g.TILE)
     tile_k = g.BK if version == "v3" else g.TILE
     threads = (g.V3_THREADS_X, g.V3_THREADS_Y) if version == "v3" else (g.TILE, g.TILE)
-    grid = (-(-n // tile_n), -(-m // tile_m))
+    grid = (ceil_div(n, tile_n), ceil_div(m, tile_m))
     for what, value, limit in (("block", block, grid), ("thread", thread, threads)):
         if (len(value) != 2 or not all(isinstance(v, numbers.Integral) for v in value)
                 or not (0 <= value[0] < limit[0] and 0 <= value[1] < limit[1])):
             raise ValueError(f"gemm_mapping: {what}={tuple(value)!r} is outside the {version} "
                              f"launch: {what} indices (x, y) run over {limit[0]} x {limit[1]} "
                              f"for out of shape ({m}, {n}).")
-    steps = -(-k // tile_k)
+    steps = ceil_div(k, tile_k)
     if not isinstance(k_step, numbers.Integral) or not 0 <= k_step < steps:
         raise ValueError(f"gemm_mapping: k_step={k_step!r}; with k={k} the {version} kernel takes "
                          f"{steps} step(s) of {tile_k} along K (0..{steps - 1}).")
@@ -712,4 +720,67 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=9, frameon=False)
     stage = "" if version == "v1" else f", k-step {k_step} (steps 0..{steps - 1})"
     fig.suptitle(f"GEMM {version}: who computes and loads what (out = A @ B{stage})")
+    return fig
+
+
+# --- timing results ------------------------------------------------------------------
+
+def plot_comparison(rows, path=None, title=None):
+    """Bar charts of epoch time and samples/s per strategy (efficiency on the bars).
+
+    ``rows``: ``timing.compare``'s. Writes a PNG to ``path`` if given; returns the Figure.
+    """
+    from matplotlib.figure import Figure
+    names = [r["name"] for r in rows]
+    fig = Figure(figsize=(max(8, 2.4 * len(rows)), 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    colors = ["#888888" if r["name"] == "no strategy" else "#1f77b4" for r in rows]
+    ax1.bar(names, [r["epoch_time_s"] for r in rows], color=colors)
+    ax1.set_ylabel("seconds per epoch (median)")
+    ax1.set_title("epoch time (lower is better)")
+    bars = ax2.bar(names, [r["samples_per_s"] for r in rows], color=colors)
+    ax2.set_ylabel("training examples per second")
+    ax2.set_title("throughput (higher is better)")
+    for bar, r in zip(bars, rows):
+        if not math.isnan(r.get("efficiency", float("nan"))):
+            ax2.annotate(f"{r['efficiency']:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                         ha="center", va="bottom", fontsize=9)
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(title or "MNIST lab: no strategy vs MirroredStrategy")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def plot_performance_model(measured, predicted, ax=None, title=None):
+    """Samples/s against devices: measured rows (``compare``) and model lines per link.
+
+    ``measured``: rows with ``replicas`` and ``samples_per_s`` (e.g. the MirroredStrategy
+    rows of ``timing.compare``); ``predicted``: ``perf_model.predict_throughput`` rows.
+    Returns the Figure.
+    """
+    from matplotlib.figure import Figure
+    if ax is None:
+        fig = Figure(figsize=(7, 4.5), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    styles = iter(["--", ":", "-.", (0, (5, 1))])
+    for link in dict.fromkeys(p["link"] for p in predicted):
+        pts = sorted((p["n"], p["samples_per_s"]) for p in predicted if p["link"] == link)
+        bw = next(p["bandwidth"] for p in predicted if p["link"] == link)
+        ax.plot(*zip(*pts), linestyle=next(styles, "--"), marker="x",
+                label=f"model: {link} ({bw / 1e9:g} GB/s)")
+    pts = sorted((r["replicas"], r["samples_per_s"]) for r in measured)
+    if pts:
+        ax.plot(*zip(*pts), "o-", color="black", linewidth=2, label="measured here")
+    ax.set_xlabel("devices (replicas)")
+    ax.set_ylabel("training throughput (samples/s)")
+    ax.set_xticks(sorted({n for n, _ in pts} | {p["n"] for p in predicted}))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "Performance model for N physical GPUs vs measurement")
     return fig

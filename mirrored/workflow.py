@@ -32,7 +32,7 @@ import warnings
 
 import mirrored as tf
 from mirrored import devices as _dev
-from mirrored import timing
+from mirrored import timing, viz
 
 BATCH_PER_REPLICA = 64           # the course lab's BATCH_SIZE_PER_REPLICA
 BUFFER_SIZE = 10000              # the lab's shuffle buffer
@@ -227,7 +227,7 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
     out(report)
     if plot:
         path = os.path.abspath(plot)
-        timing.plot_comparison(rows, path, title=f"MNIST lab ({'quick, ' if quick else ''}"
+        viz.plot_comparison(rows, path, title=f"MNIST lab ({'quick, ' if quick else ''}"
                                                  f"{device_text.split(':')[0]})")
         out(f"plot:    {path}")
     return rows, report

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import timing
+from mirrored import perf_model, timing, viz
 from mirrored.values import MirroredVariable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_step_breakdown_gives_a_per_replica_timeline(devices, rng):
         assert -1e-9 <= start <= end <= spans[-1][1] + 1e-9
     text = timing.format_breakdown(bd)
     assert "forward+backward" in text and "all-reduce" in text
-    cal = timing.calibrate(bd, model=model)
+    cal = perf_model.calibrate(bd, model=model)
     assert cal["grad_bytes"] == 4 * model.count_params()
     assert cal["compute_per_example_s"] > 0 and cal["overhead_s"] >= 0
 
@@ -217,13 +217,13 @@ def test_compare_rejects_data_it_cannot_use(devices):
 
 def test_performance_model_equals_the_hand_computation():
     # t(4) = 10 ms / 4 + 2*3/4 * 4 MB / (25 GB/s) + 1 ms = 2.5 + 0.24 + 1 = 3.74 ms
-    t4 = timing.predict_step_time(4, compute_s=0.010, grad_bytes=4e6, link_bandwidth=25e9,
+    t4 = perf_model.predict_step_time(4, compute_s=0.010, grad_bytes=4e6, link_bandwidth=25e9,
                                   overhead_s=0.001)
     assert math.isclose(t4, 0.00374, rel_tol=1e-12)
-    assert math.isclose(timing.predict_step_time(1, 0.010, 4e6, 25e9, 0.001), 0.011)   # no ring on 1
+    assert math.isclose(perf_model.predict_step_time(1, 0.010, 4e6, 25e9, 0.001), 0.011)   # no ring on 1
     # a latency of 5 us per ring step adds 2(N-1) of them
-    assert math.isclose(timing.ring_allreduce_time(4e6, 4, 25e9, latency_s=5e-6), 2.4e-4 + 6 * 5e-6)
-    rows = timing.performance_model([1, 2, 4], 0.010, 4e6, links={"PCIe": 25e9, "NVLink": 300e9},
+    assert math.isclose(perf_model.ring_allreduce_time(4e6, 4, 25e9, latency_s=5e-6), 2.4e-4 + 6 * 5e-6)
+    rows = perf_model.performance_model([1, 2, 4], 0.010, 4e6, links={"PCIe": 25e9, "NVLink": 300e9},
                                     overhead_s=0.001)
     assert [(r["link"], r["n"]) for r in rows] == [("PCIe", 1), ("PCIe", 2), ("PCIe", 4),
                                                   ("NVLink", 1), ("NVLink", 2), ("NVLink", 4)]
@@ -236,7 +236,7 @@ def test_performance_model_equals_the_hand_computation():
 
 def test_predicted_throughput_with_the_lab_batch_rule():
     cal = {"compute_per_example_s": 1e-5, "overhead_s": 2e-4, "grad_bytes": 203560}
-    rows = timing.predict_throughput(cal, [1, 4], batch_per_replica=64, links={"PCIe": 25e9})
+    rows = perf_model.predict_throughput(cal, [1, 4], batch_per_replica=64, links={"PCIe": 25e9})
     one, four = rows
     assert math.isclose(one["step_s"], 64e-5 + 2e-4)
     ring = 2 * 3 / 4 * 203560 / 25e9
@@ -250,11 +250,11 @@ def test_plots_write_pngs(tmp_path):
             {"name": "MirroredStrategy ×2", "replicas": 2, "epoch_time_s": 0.8, "samples_per_s": 125.0,
              "efficiency": 0.625}]
     path = tmp_path / "cmp.png"
-    fig = timing.plot_comparison(rows, path)
+    fig = viz.plot_comparison(rows, path)
     assert path.stat().st_size > 1000 and fig is not None
-    pred = timing.predict_throughput({"compute_per_example_s": 1e-5, "overhead_s": 1e-4,
+    pred = perf_model.predict_throughput({"compute_per_example_s": 1e-5, "overhead_s": 1e-4,
                                       "grad_bytes": 1e5}, [1, 2, 4], 64)
-    fig = timing.plot_performance_model(rows[1:], pred)
+    fig = viz.plot_performance_model(rows[1:], pred)
     fig.savefig(tmp_path / "model.png")
     assert (tmp_path / "model.png").stat().st_size > 1000
 

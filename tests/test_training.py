@@ -1,6 +1,6 @@
 """Training on mirrored replicas: the invariants, the lab workflow, the custom loop.
 
-The key invariant (DESIGN.md): N replicas with global batch B reach the same
+The key invariant: N replicas with global batch B reach the same
 weights as one replica with batch B, step after step, to float32 rounding; and
 the replicas' copies stay bitwise equal.
 """
@@ -277,6 +277,52 @@ def test_weights_round_trip_and_atomic_save(devices, tmp_path, rng):
         model.set_weights(saved[:2])
     with pytest.raises(FileNotFoundError):
         model.load_weights(tmp_path / "missing")
+
+
+class _Copy(tf.keras.layers.Layer):
+    """A layer written against the layer protocol only (layers.py): y = x, dx = dy, each a
+    launch into the layer's own per-batch-size buffers. The step knows nothing of it."""
+
+    def make_buffers(self, state, b):
+        (features,) = self.input_shape
+        return (state.dev.empty((b, features), np.float32),                          # y: (b, features)
+                state.dev.empty((b, features), np.float32) if state.need_dx else None)  # dx
+
+    def forward(self, state, x, training=False):
+        y, _ = state.buffers(x.shape[0])
+        state.ops.binary_scalar("mul", x, 1.0, y)
+        return y
+
+    def backward(self, state, dy):
+        _, dx = state.buffers(dy.shape[0])
+        if dx is None:
+            return None
+        state.ops.binary_scalar("mul", dy, 1.0, dx)
+        return dx
+
+
+@pytest.mark.parametrize("kind", ["CPU", "GPU"])
+def test_a_new_layer_plugs_into_the_step_without_touching_it(devices, rng, kind):
+    devices(cpus=2, gpus=2 if kind == "GPU" else 0)
+    din, hidden, classes, batch = (5, 4, 3, 7) if kind == "GPU" else (12, 8, 4, 19)
+    strategy = tf.distribute.MirroredStrategy([f"{kind}:0", f"{kind}:1"])
+    plain = tiny_model(strategy, din, hidden, classes, tf.keras.optimizers.Adam(0.01))
+    with strategy.scope():
+        copied = tf.keras.Sequential([_Copy(input_shape=(din,)),
+                                      tf.keras.layers.Dense(hidden, activation="relu"), _Copy(),
+                                      tf.keras.layers.Dense(classes), _Copy()])
+    copied.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   optimizer=tf.keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    copied.set_weights(plain.get_weights())
+    for _ in range(2):
+        x = rng.standard_normal((batch, din)).astype(np.float32)
+        y = rng.integers(0, classes, batch)
+        plain.train_step(x, y)
+        copied.train_step(x, y)
+    for a, b in zip(plain.get_weights(), copied.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert_replicas_bitwise_equal(copied)
+    assert copied._logs() == plain._logs()
 
 
 def test_summary_and_unsupported_layers(devices, capsys):

@@ -1,4 +1,4 @@
-"""``mirrored.keras``: the Keras API the course lab uses, over our dense stack.
+"""``mirrored.keras``: the Keras API the course lab uses, over layers that own their kernels.
 
     model = mirrored.keras.Sequential([
         mirrored.keras.layers.Flatten(input_shape=(28, 28, 1)),
@@ -8,9 +8,12 @@
                   optimizer=mirrored.keras.optimizers.Adam(), metrics=["accuracy"])
     model.fit(train_dataset, epochs=12)
 
-Files: layers.py (Input, Flatten, Dense), losses.py, optimizers.py (SGD, Adam),
-metrics.py, callbacks.py, models.py (Sequential), engine.py (packed weights and
-the per-replica forward/backward), tape.py (GradientTape), progbar.py.
+Files: models.py (Sequential: the Keras API), step.py (one training step: split,
+forward/backward, all-reduce, update), engine.py (packed weights; a replica's
+program of layers), layers.py (Input, Flatten, Dense: each with its forward and
+backward), data_adapters.py (arrays, datasets, resident data), saving.py,
+losses.py, optimizers.py (SGD, Adam), metrics.py, callbacks.py, tape.py
+(GradientTape), progbar.py.
 """
 from mirrored.keras import callbacks, layers, losses, metrics, optimizers
 from mirrored.keras.layers import Input

@@ -39,7 +39,7 @@ import weakref
 import numpy as np
 
 from mirrored.tensor import Tensor
-from mirrored.values import components
+from mirrored.values import DistributedValues, components
 
 FLOAT = np.dtype(np.float32)
 
@@ -105,7 +105,7 @@ class ParameterPack:
         if list(variables) != self.variables:
             return False
         for k, g in enumerate(grads):
-            comps = g.values if hasattr(g, "values") else (g,)
+            comps = g.values if isinstance(g, DistributedValues) else (g,)
             if len(comps) != len(self.devices):
                 return False
             for r, t in enumerate(comps):

@@ -13,6 +13,11 @@ ever calls::
                                   state.grads; returns dx, or None when no earlier
                                   layer needs it (state.need_dx)
 
+``training`` is True in ``fit``'s step and False in ``evaluate``/``predict`` (what a
+dropout layer needs). The model's input reaches the first layer as (b, features):
+each example flattened in row-major order, as the host copies it in, so a layer
+that wants the example's axes back takes a reshaped view of it (free).
+
 A replica's program (``engine.ReplicaProgram``) is then the layers in order,
 forward, then the loss, then the layers in reverse, backward: adding a layer
 (a convolution, pooling, dropout) means writing one class here, not editing the
@@ -105,10 +110,17 @@ class Layer:
         return None
 
     def forward(self, state, x, training=False):
-        raise NotImplementedError(f"{type(self).__name__} has no forward on devices yet.")
+        """x: (b,) + input_shape on ``state.dev`` -> y: (b,) + output_shape (launches only)."""
+        raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no forward: a layer "
+                                  f"defines forward(state, x, training) and backward(state, dy), see "
+                                  f"the protocol in mirrored/keras/layers.py.")
 
     def backward(self, state, dy):
-        raise NotImplementedError(f"{type(self).__name__} has no backward on devices yet.")
+        """dy: d loss / d y -> the weights' gradients into ``state.grads``; returns d loss / d x,
+        or None when ``state.need_dx`` is False."""
+        raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no backward: a layer "
+                                  f"defines forward(state, x, training) and backward(state, dy), see "
+                                  f"the protocol in mirrored/keras/layers.py.")
 
 
 def _snake(name):

@@ -31,7 +31,7 @@ from mirrored.keras import saving
 from mirrored.keras.layers import InputLayer, Layer
 from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
 from mirrored.keras.progbar import Progbar
-from mirrored.keras.step import Step
+from mirrored.keras.step import Step, check_compiled
 from mirrored.keras.tape import ModelOutput
 from mirrored.tensor import Tensor
 from mirrored.values import components
@@ -214,17 +214,12 @@ class Sequential:
     def metrics_names(self):
         return ["loss"] + self._metric_names
 
-    def _check_compiled(self, what):
-        if self.optimizer is None or self.loss is None:
-            raise RuntimeError(f"You must compile your model before {what}: call "
-                               f"model.compile(optimizer=..., loss=..., metrics=['accuracy']).")
-
     # -- one step ---------------------------------------------------------------------------
     def train_step(self, x, y):
         """One training step on a host batch x (B, ...), y (B,): split, forward/backward on
         every replica, all-reduce, update (``step.py``). ``fit`` runs this for every batch."""
-        self._check_compiled("training")
-        self._trainer().train(data_adapters.host_batch(self, (x, y)))
+        check_compiled(self, "training")
+        self._train_on((x, y))
 
     def _train_on(self, batch):
         """One training step on a batch from ``data_adapters.batches``."""
@@ -246,7 +241,7 @@ class Sequential:
         it too); with ``InputOptions(experimental_place_dataset_on_device=True)`` the
         data set stays on the devices (``input_lib``'s docstring).
         """
-        self._check_compiled("training")
+        check_compiled(self, "training")
         return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split)
 
@@ -327,7 +322,7 @@ class Sequential:
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
-        self._check_compiled("evaluating")
+        check_compiled(self, "evaluating")
         verbose = 1 if verbose == "auto" else int(verbose)
         logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:

@@ -171,6 +171,13 @@ class Step:
         return sum(program.read_metrics()[2] for program in self.programs)
 
 
+def check_compiled(model, what):
+    """Refuse to run ``what`` on a model with no optimizer or loss yet, saying what to do."""
+    if model.optimizer is None or model.loss is None:
+        raise RuntimeError(f"You must compile your model before {what}: call "
+                           f"model.compile(optimizer=..., loss=..., metrics=['accuracy']).")
+
+
 def _upload(program, part):
     """Put a host share ``(x (b, in) float32, y (b,))`` into the program's input buffers."""
     x, y = part

@@ -13,8 +13,10 @@ them as it goes:
 ``tape.gradient`` walks back from ``loss``: a scaled sum of per-example cross
 entropies of the model's last forward pass on this replica. It then runs the
 replica program's fused loss gradient (scaled by the same factor) and its
-layers' backward kernels (``engine.ReplicaProgram.loss`` and ``backward``), and returns the model's packed gradient buffers as
-tensors, one per requested variable. Anything else raises an error that says
+layers' backward kernels (``engine.ReplicaProgram.loss`` and ``backward``), and
+returns the model's packed gradient buffers as tensors, one per requested
+variable. ``optimizer.apply_gradients`` recognises them (``ParameterPack.matches``)
+and makes fit's two calls: ``all_reduce`` of the packed buffer, then ``update``. Anything else raises an error that says
 what is supported.
 """
 import numpy as np

@@ -1,0 +1,169 @@
+"""How ``strategy.run`` runs a function on every replica: threads and merge points.
+
+TensorFlow's design (its ``mirrored_run.py``), kept: ``strategy.run(fn)`` hands
+``fn`` to one long-lived thread per replica device (``ReplicaWorkers``; starting
+threads every step would cost more than a small step), each thread bound to its
+device. Inside ``fn``, a *merge point* (``ReplicaContext.merge_call``: an
+``all_reduce``, an optimizer's ``apply_gradients``) stops every replica thread
+until all have arrived (``MergePoint``); the last to arrive runs the merge function
+once, in cross-replica context, and every replica continues with its own part of
+the result.
+
+Failure is handled so that nothing is left waiting: a replica that raises releases
+the others from any merge point (they see ``Aborted``), and ``raise_first`` hands
+the caller the first real error with the replica id added.
+
+Neighbours: ``strategy.py`` (``Strategy.run``, ``ReplicaContext``), ``context.py``
+(which strategy/replica this thread is in), ``values.py`` (``select_replica``).
+"""
+import queue
+import threading
+
+from mirrored import context
+from mirrored import devices as _dev
+from mirrored.values import select_replica
+
+
+class MergePoint:
+    """Where replica threads meet in ``merge_call``.
+
+    A barrier built on one Condition so that every decision (arrive, finish,
+    abort) happens under one lock: a replica that *returns* while others wait
+    at a merge point (the replicas made different numbers of merge calls) is
+    detected, and the waiting replicas are released with an error, never hung.
+    """
+
+    def __init__(self, n):
+        self.n = n
+        self.cond = threading.Condition()
+        self.arrived = {}          # replica id -> (merge_fn, args, kwargs)
+        self.generation = 0
+        self.result = None         # (value, exception) of the last merge
+        self.finished = 0
+        self.broken = None         # an Exception once aborted
+
+    def abort(self, reason):
+        with self.cond:
+            if self.broken is None:
+                self.broken = reason
+            self.cond.notify_all()
+
+    def finish(self, replica_id):
+        with self.cond:
+            self.finished += 1
+            if self.arrived and self.broken is None:
+                self.broken = RuntimeError(
+                    f"replica {replica_id} returned from the replica function while other replicas "
+                    f"wait in merge_call: every replica must make the same merge calls (all_reduce, "
+                    f"apply_gradients...) in the same order.")
+                self.cond.notify_all()
+
+    def arrive(self, replica_id, call, merge):
+        """Deposit this replica's call; the last to arrive runs ``merge(calls)``."""
+        with self.cond:
+            if self.broken is not None:
+                raise Aborted(self.broken)
+            if self.finished:
+                self.broken = RuntimeError(
+                    f"replica {replica_id} called merge_call after another replica had already "
+                    f"returned: every replica must make the same merge calls.")
+                self.cond.notify_all()
+                raise Aborted(self.broken)
+            gen = self.generation
+            self.arrived[replica_id] = call
+            if len(self.arrived) == self.n:
+                calls = [self.arrived[i] for i in range(self.n)]
+                self.arrived = {}
+                try:
+                    self.result = (merge(calls), None)
+                except BaseException as err:    # noqa: BLE001 (given to every replica)
+                    self.result = (None, err)
+                self.generation += 1
+                self.cond.notify_all()
+            else:
+                while self.generation == gen and self.broken is None:
+                    self.cond.wait()
+                if self.generation == gen:
+                    raise Aborted(self.broken)
+            value, err = self.result
+        if err is not None:
+            raise err
+        return value
+
+
+class Aborted(Exception):
+    """A replica released from a merge point because another replica failed."""
+
+
+class ReplicaWorkers:
+    """One long-lived thread per replica device, each bound to its device."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.jobs = []
+        self.threads = []
+        for i, dev in enumerate(strategy.extended.devices):
+            q = queue.SimpleQueue()
+            t = threading.Thread(target=self._loop, args=(i, dev, q), daemon=True,
+                                 name=f"mirrored-replica-{i}")
+            t.start()
+            self.jobs.append(q)
+            self.threads.append(t)
+
+    def _loop(self, replica_id, dev, jobs):
+        with dev.activate():
+            while True:
+                job = jobs.get()
+                if job is None:
+                    return
+                job(replica_id)
+
+    def run(self, fn, args, kwargs, outer_stack, replica_context):
+        """Call ``fn`` once per replica, each on its own thread, inside
+        ``replica_context(strategy, i, merge_point)``; the results in replica order."""
+        n = len(self.jobs)
+        merge_point = MergePoint(n)
+        results, errors = [None] * n, [None] * n
+        done = threading.Semaphore(0)
+        strategy = self.strategy
+
+        def job(i):
+            dev = strategy.extended.devices[i]
+            context.set_stack(outer_stack + [(strategy, replica_context(strategy, i, merge_point))])
+            try:
+                with _dev.device_scope(dev):
+                    results[i] = fn(*select_replica(i, args), **select_replica(i, kwargs))
+                merge_point.finish(i)
+            except BaseException as err:  # noqa: BLE001 (handed to the caller)
+                errors[i] = err
+                merge_point.abort(err)
+            finally:
+                context.set_stack([])
+                done.release()
+
+        for q in self.jobs:
+            q.put(job)
+        for _ in range(n):
+            done.acquire()
+        raise_first(errors, strategy)
+        return results
+
+    def close(self):
+        for q in self.jobs:
+            q.put(None)
+
+
+def raise_first(errors, strategy):
+    """Re-raise the first real replica error (not a released waiter), naming the replica."""
+    real = [(i, e) for i, e in enumerate(errors) if e is not None and not isinstance(e, Aborted)]
+    if not real:
+        aborted = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if not aborted:
+            return
+        i, e = aborted[0]
+        real = [(i, e.args[0] if e.args and isinstance(e.args[0], BaseException) else e)]
+    i, err = real[0]
+    dev = strategy.extended.devices[i]
+    if hasattr(err, "add_note"):
+        err.add_note(f"(raised in replica {i} of {len(errors)}, on {dev.name})")
+    raise err

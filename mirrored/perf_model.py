@@ -1,0 +1,122 @@
+"""A performance model of data-parallel training on N physical GPUs.
+
+What would N real GPUs over PCIe or NVLink do with this model? A step on N
+devices costs its compute divided by N, plus a ring all-reduce of the gradient
+buffer over the slowest link, plus an overhead that does not shrink::
+
+    t(N) = compute/N + 2(N-1)/N * bytes/link_bandwidth + overhead
+
+``calibrate`` measures compute and overhead on ONE replica (from
+``timing.step_breakdown``); ``predict_throughput`` then extrapolates to N devices
+with the lab's rule (the global batch grows with N). Everything returns plain
+numbers and dicts; ``mirrored.viz.plot_performance_model`` draws them beside
+measurements.
+
+Neighbours: ``timing.py`` (the measurements), ``viz.py`` (the plot),
+``cross_device_ops.py`` (the ring whose traffic ``ring_allreduce_time`` counts).
+"""
+from mirrored.keras.step import FORWARD_BACKWARD, INPUT_COPY
+
+
+#: Link bandwidths (bytes/s, one direction, what a ring step can use). Rounded
+#: practical figures; pass your own measured numbers where you have them.
+LINKS = {
+    "PCIe 3.0 x16": 12e9,            # 16 GB/s theoretical, ~12 achieved
+    "PCIe 4.0 x16": 25e9,            # 32 GB/s theoretical, ~25 achieved
+    "NVLink (V100, 6 links)": 150e9,
+    "NVLink (A100, 12 links)": 300e9,
+    "NVLink (H100, 18 links)": 450e9,
+}
+#: The two a lab plots by default.
+DEFAULT_LINKS = ("PCIe 4.0 x16", "NVLink (A100, 12 links)")
+
+
+def ring_allreduce_time(grad_bytes, n, link_bandwidth, latency_s=0.0):
+    """Seconds for a ring all-reduce of ``grad_bytes`` over ``n`` devices.
+
+    2(N-1) steps (reduce-scatter, then all-gather), each moving a 1/N chunk to the
+    next device while receiving one from the previous: 2(N-1)/N · bytes / bandwidth,
+    plus ``latency_s`` per step. Zero for one device (nothing to sum).
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * grad_bytes / link_bandwidth + 2 * (n - 1) * latency_s
+
+
+def predict_step_time(n, compute_s, grad_bytes, link_bandwidth, overhead_s=0.0, latency_s=0.0):
+    """t(N) = compute/N + 2(N-1)/N · bytes/link_bandwidth + overhead (seconds per step).
+
+    ``compute_s``: one device's time for the step's whole global batch (forward,
+    backward, optimizer). ``grad_bytes``: the packed gradient buffer (4 × params).
+    ``link_bandwidth``: bytes/s of the slowest link in the ring, one direction.
+    ``overhead_s``: per-step cost that does not shrink with N (Python, launches,
+    the merge point). ``latency_s``: per ring step (the α of an α-β model).
+
+    Assumptions (say them when you quote a prediction):
+      * compute divides perfectly: each of N identical GPUs does B/N of the batch
+        (small per-GPU batches run a GPU below its peak, so this is optimistic);
+      * no overlap: the all-reduce starts after the whole backward pass (true here:
+        one packed buffer, one ring; frameworks that bucket gradients overlap it);
+      * the ring is bandwidth-bound by its slowest link, every link used in both
+        directions at once, the additions in the ring cost nothing extra;
+      * nothing else shares the links (no PCIe switch contention, no host traffic);
+      * the optimizer runs on every GPU on its own copy: it does not shrink with N,
+        count it in ``overhead_s`` if you want it exact.
+    """
+    return compute_s / n + ring_allreduce_time(grad_bytes, n, link_bandwidth, latency_s) + overhead_s
+
+
+def performance_model(ns, compute_s, grad_bytes, links=None, overhead_s=0.0, latency_s=0.0):
+    """Predicted step times for every N and link: a list of dicts.
+
+    ``links``: {name: bytes/s}, default the ``DEFAULT_LINKS`` entries of ``LINKS``.
+    Each row: ``link, bandwidth, n, step_s, compute_s, allreduce_s, overhead_s,
+    speedup`` (t(1)/t(N)), ``efficiency`` (speedup/N).
+    """
+    links = links or {k: LINKS[k] for k in DEFAULT_LINKS}
+    rows = []
+    for link, bw in links.items():
+        t1 = predict_step_time(1, compute_s, grad_bytes, bw, overhead_s, latency_s)
+        for n in ns:
+            t = predict_step_time(n, compute_s, grad_bytes, bw, overhead_s, latency_s)
+            rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
+                         "compute_s": compute_s / n,
+                         "allreduce_s": ring_allreduce_time(grad_bytes, n, bw, latency_s),
+                         "overhead_s": overhead_s, "speedup": t1 / t, "efficiency": t1 / t / n})
+    return rows
+
+
+def calibrate(breakdown, grad_bytes=None, model=None):
+    """Model parameters measured on ONE replica: per-example compute and per-step overhead.
+
+    ``breakdown``: ``step_breakdown`` of a single-replica model. Compute is the
+    median input copy + forward+backward (work that a GPU count divides); the
+    overhead is everything else in the measured step (optimizer, Python, the
+    strategy's bookkeeping). ``grad_bytes`` (or ``model``): the gradient buffer size.
+    """
+    phases = breakdown["phases"]
+    compute = sum(phases[p]["median_s"] for p in (INPUT_COPY, FORWARD_BACKWARD) if p in phases)
+    if grad_bytes is None and model is not None:
+        grad_bytes = 4 * model.count_params()
+    return {"compute_per_example_s": compute / max(breakdown["global_batch"], 1),
+            "overhead_s": max(breakdown["step_s"] - compute, 0.0),
+            "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"]}
+
+
+def predict_throughput(calibration, ns, batch_per_replica, links=None, latency_s=0.0):
+    """Samples/s on N physical GPUs with ``batch_per_replica`` each (the lab's rule).
+
+    The global batch grows with N, so compute(N·b)/N = compute(b): each step costs
+    ``b · compute_per_example + ring(N) + overhead`` and moves N·b examples.
+    Returns a list of dicts ``link, n, step_s, samples_per_s``.
+    """
+    links = links or {k: LINKS[k] for k in DEFAULT_LINKS}
+    rows = []
+    for link, bw in links.items():
+        for n in ns:
+            compute = calibration["compute_per_example_s"] * batch_per_replica * n   # whole global batch
+            t = predict_step_time(n, compute, calibration["grad_bytes"], bw,
+                                  calibration["overhead_s"], latency_s)
+            rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
+                         "samples_per_s": n * batch_per_replica / t})
+    return rows
