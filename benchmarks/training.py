@@ -436,7 +436,8 @@ def step_flops(units, batch):
 
 
 def step_gemm_shapes(units, batch):
-    """(M, N, K, trans_a, trans_b) of every GEMM of one replica's step, as engine.py runs them."""
+    """(M, N, K, trans_a, trans_b) of every GEMM of one replica's step, as the Dense layers
+    run them (mirrored/keras/layers.py)."""
     dims = (784,) + tuple(units)
     shapes = []
     for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):

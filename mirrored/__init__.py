@@ -22,7 +22,8 @@ Reading order: one ``fit`` step, file by file (the README's four steps)::
    optimizers.py (each with its NumPy reference).
 
 Around the step, wrapping it from outside: graphs.py (CUDA-graph capture),
-timing.py (phase timer, compare), perf_model.py, viz.py (drawings).
+timing.py (phase timer, TimedStep), scaling.py (compare strategies), perf_model.py
+(N GPUs predicted), viz.py (drawings).
 
 Map of the rest:
     devices.py    devices: physical, logical, CPU and CUDA backends

@@ -168,7 +168,7 @@ class CudaOps:
 
 # --- which BLAS the CPU backend calls (recorded by the benchmarks) ------------------------
 # NumPy's matmul calls OpenBLAS, which splits every large enough GEMM over one thread per
-# core. ``fit`` drives its replicas from one thread (models.py), so one product at a time
+# core. ``fit`` drives its replicas from one thread (keras/step.py), so one product at a time
 # gets all the cores. ``blas_info`` reports the library and its thread count through
 # ctypes (no new dependency); with another BLAS (Accelerate, MKL) or on a system without
 # /proc/self/maps it says so.

@@ -1,22 +1,14 @@
-"""Timing single- against multi-device training: a phase timer, a timed step, ``compare``.
+"""How long does each part of a training step take, on each replica?
 
-The questions a student asks of MirroredStrategy, and where they are answered:
-
-    How long does each part of a step take?        PhaseTimer, TimedStep (the model's
-                                                   step with each phase timed),
-                                                   step_breakdown, format_breakdown
-    Is 2 or 4 devices faster than 1? By how much?  compare (EpochTimer per run),
-                                                   format_table
-    What would N real GPUs over PCIe or NVLink do? perf_model.py
-    What does it look like?                        viz.py (timeline, scaling_plot,
-                                                   plot_comparison, plot_performance_model)
+``PhaseTimer`` records named phases per replica on the right clock for each device;
+``TimedStep`` is the model's own step (``keras/step.py``) with each phase method
+wrapped in a timed block — timing wraps the step from outside, so a timed step
+launches exactly what an untimed one does (a test checks the weights bitwise);
+``step_breakdown`` times steps that way and returns a per-replica timeline
+(``mirrored.viz.timeline`` draws it), ``format_breakdown`` prints it.
 
 Everything returns plain structures (lists of dicts, tuples, floats) so a notebook
 can print them, a test can check them, and ``mirrored.viz`` can draw them.
-
-Timing wraps the step from outside: ``TimedStep`` is the model's own step
-(``keras/step.py``) with each phase method wrapped in a timed block, so a timed
-step launches exactly what an untimed one does (a test checks the weights bitwise).
 
 Clocks. On a real GPU a kernel launch returns long before the kernel has run, so
 the host clock measures launches, not work. There the timer records a CUDA event
@@ -26,25 +18,18 @@ On CPU devices the work is done when the call returns, so ``time.perf_counter``
 is the truth; in Numba's CUDA simulator events do not time, so the host clock is
 used there too.
 
-Typical use (a notebook or ``python -m mirrored``; see mirrored/workflow.py)::
+Typical use (a notebook; see labs/05)::
 
     from mirrored import timing
-    rows = timing.compare(make_model, data_fn, timing.lab_strategies(devices, (1, 2, 4)),
-                          epochs=3, batch_per_replica=64)
-    print(timing.format_table(rows))
     bd = timing.step_breakdown(model, dataset, steps=20)
+    print(timing.format_breakdown(bd))
     bd["timeline"]     # [(replica, phase, start_s, end_s), ...] for mirrored.viz.timeline
 
-Logical devices are configured once per process (``set_logical_device_configuration``
-raises ``RuntimeError`` afterwards, as in TensorFlow): configure the largest number
-you need first, then build strategies over subsets, e.g. ``MirroredStrategy(["CPU:0",
-"CPU:1"])`` after splitting the CPU into 4. ``lab_strategies`` does that.
-
-Neighbours: ``keras/step.py`` (the step that ``TimedStep`` wraps), ``perf_model.py``,
-``viz.py`` (the drawings), ``workflow.py`` (the command-line lab).
+Neighbours: ``keras/step.py`` (the step that ``TimedStep`` wraps), ``scaling.py``
+(whole epochs under several strategies: ``compare``), ``perf_model.py`` (N GPUs
+predicted from one replica's breakdown), ``viz.py`` (the drawings).
 """
 import contextlib
-import math
 import statistics
 import threading
 import time
@@ -52,7 +37,6 @@ import time
 import numpy as np
 
 from mirrored import devices as _dev
-from mirrored.keras.callbacks import Callback
 from mirrored.keras.data_adapters import host_batch
 from mirrored.keras.step import (ALL_REDUCE, FORWARD_BACKWARD, INPUT_COPY,  # noqa: F401 (timing's names)
                                   OPTIMIZER, STEP_PHASES, Step, check_compiled)
@@ -353,222 +337,3 @@ def format_breakdown(breakdown):
     for r, medians in sorted(breakdown["per_replica"].items()):
         lines.append(f"{r:<8}" + "".join(f"{medians.get(p, float('nan')) * 1e3:>18.3f}" for p in phases))
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------
-# compare(): the same model under several strategies
-# ---------------------------------------------------------------------------------------
-
-class EpochTimer(Callback):
-    """A Keras callback: wall time, steps and examples of every epoch.
-
-        clock = timing.EpochTimer()
-        model.fit(train_dataset, epochs=12, callbacks=[clock])
-        clock.epochs                                  # [(seconds, steps, examples), ...]
-        clock.row("MirroredStrategy ×2", replicas=2)  # a row like compare()'s
-
-    ``fit`` reads the metrics from the devices before ``on_epoch_end`` (a
-    synchronisation), so the epoch's GPU work is finished when the clock stops.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.epochs = []            # [(seconds, steps, examples)]
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-        self._steps = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._steps += 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        seconds = time.perf_counter() - self._start
-        examples = self.model.step.examples_seen()          # counted on the devices
-        self.epochs.append((seconds, self._steps, examples))
-        self.last_logs = dict(logs or {})
-
-    def row(self, name, replicas=None, global_batch=None, warmup_epochs=1):
-        """The timing columns of a ``compare`` row from the epochs seen so far.
-
-        The first ``warmup_epochs`` are left out of the median (unless nothing else
-        is left). ``replicas`` defaults to the model's; ``global_batch`` to the
-        largest examples-per-step seen.
-        """
-        if not self.epochs:
-            raise ValueError("EpochTimer.row: no epoch has been timed yet; pass the timer to fit().")
-        timed = self.epochs[warmup_epochs:] or self.epochs
-        epoch_s = statistics.median(e[0] for e in timed)
-        steps = statistics.median(e[1] for e in timed)
-        examples = statistics.median(e[2] for e in timed)
-        devices = self.model.step.devices
-        logs = getattr(self, "last_logs", {})
-        if global_batch is None and steps:
-            global_batch = int(math.ceil(examples / steps))
-        return {
-            "name": name, "devices": [d.short_name for d in devices],
-            "replicas": replicas or len(devices),
-            "global_batch": global_batch,
-            "steps_per_epoch": int(steps), "epochs_timed": len(timed),
-            "epoch_time_s": float(epoch_s), "epoch_times_s": [float(e[0]) for e in self.epochs],
-            "ms_per_step": float(epoch_s / steps * 1e3) if steps else float("nan"),
-            "samples_per_s": float(examples / epoch_s) if epoch_s else float("nan"),
-            "loss": float(logs.get("loss", float("nan"))),
-            "accuracy": float(logs.get("accuracy", float("nan"))),
-        }
-
-
-def strategy_name(strategy):
-    """"no strategy" or "MirroredStrategy ×N"."""
-    if strategy is None:
-        return "no strategy"
-    return f"{type(strategy).__name__} ×{strategy.num_replicas_in_sync}"
-
-
-def lab_strategies(devices, counts=(1, 2, 4), include_default=True):
-    """``[(name, strategy)]``: no strategy, then MirroredStrategy over the first k devices.
-
-    ``devices``: device names (e.g. the logical GPUs, or the logical CPUs on a
-    machine with none); counts larger than ``len(devices)`` are skipped.
-    """
-    from mirrored.strategy import MirroredStrategy
-    entries = [("no strategy", None)] if include_default else []
-    for k in sorted(set(counts)):
-        if 1 <= k <= len(devices):
-            entries.append((f"MirroredStrategy ×{k}", MirroredStrategy(list(devices[:k]))))
-    return entries
-
-
-def _entries(strategies):
-    out = []
-    for item in strategies:
-        if isinstance(item, tuple):
-            name, strategy = item
-        else:
-            name, strategy = strategy_name(item), item
-        out.append((name, strategy))
-    return out
-
-
-def _data_for(data, global_batch):
-    """(fit args, evaluate args) for one global batch, from a data function or arrays."""
-    if callable(data):
-        train, test = data(global_batch)
-        return (train, None, None), ((test, None, None) if test is not None else None)
-    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], (tuple, list)):
-        (x, y), test = data
-        test_args = (test[0], test[1], global_batch) if test is not None else None
-        return (x, y, global_batch), test_args
-    if isinstance(data, (tuple, list)) and len(data) in (2, 4):
-        x, y = data[0], data[1]
-        test_args = (data[2], data[3], global_batch) if len(data) == 4 else None
-        return (x, y, global_batch), test_args
-    raise TypeError("compare: data must be a function global_batch -> (train_ds, test_ds), or arrays "
-                    "(x_train, y_train[, x_test, y_test]) or ((x_train, y_train), (x_test, y_test)).")
-
-
-def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_epochs=1,
-            verbose=1, baseline=None, log=print):
-    """Train the same model under each strategy; one row of timings per strategy.
-
-    ``model_fn()``: returns a compiled ``Sequential`` with known input shape; it is
-      called inside each strategy's scope (bare for "no strategy"), so its weights
-      are mirrored there. Every model starts from the FIRST model's weights
-      (``get_weights``/``set_weights``): same start, same work, different devices.
-    ``data``: ``data_fn(global_batch) -> (train_ds, test_ds)`` (datasets batched by
-      that global batch, test may be None), or arrays ``(x_train, y_train, x_test,
-      y_test)``.
-    ``strategies``: a list of ``None`` (no strategy), strategies, or ``(name,
-      strategy)`` pairs (see ``lab_strategies``).
-    The global batch is ``batch_per_replica × replicas`` (the course lab's rule), so
-    more replicas mean fewer, bigger steps per epoch: compare samples/s.
-    ``epochs``: the first ``warmup_epochs`` (compilation, caches, the dataset's
-    ``cache()`` filling) are trained but not timed, unless nothing else is left.
-    ``baseline``: the row name for the scaling efficiency; default the first
-    single-replica row.
-
-    Returns a list of dicts, one per strategy: ``name, devices, replicas,
-    global_batch, steps_per_epoch, epoch_time_s`` (median of the timed epochs),
-    ``epoch_times_s, ms_per_step, samples_per_s, efficiency`` (samples/s over
-    replicas × the baseline's), ``initial_loss`` (the untrained model's test loss:
-    equal in every row when the start is the same), ``loss, accuracy`` (last
-    training epoch), ``test_loss, test_accuracy``.
-    """
-    rows, first_weights = [], None
-    for name, strategy in _entries(strategies):
-        replicas = 1 if strategy is None else strategy.num_replicas_in_sync
-        global_batch = batch_per_replica * replicas
-        with (strategy.scope() if strategy is not None else contextlib.nullcontext()):
-            model = model_fn()
-        if not model.built:
-            raise ValueError("compare: model_fn must return a built model (give the first layer "
-                             "input_shape=...), so that every strategy starts from the same weights.")
-        if first_weights is None:
-            first_weights = model.get_weights()
-        else:
-            model.set_weights(first_weights)
-        devices = [d.short_name for d in model.step.devices]
-        fit_args, test_args = _data_for(data, global_batch)
-        initial_loss = float("nan")
-        if test_args is not None:
-            initial_loss = _evaluate(model, test_args)[0]
-        if verbose:
-            log(f"--- {name}: {replicas} replica(s) on {', '.join(devices)}, "
-                f"global batch {global_batch} ---")
-        clock = EpochTimer()
-        model.fit(fit_args[0], fit_args[1], batch_size=fit_args[2], epochs=epochs,
-                  verbose=verbose, callbacks=[clock])
-        row = clock.row(name, replicas, global_batch, warmup_epochs)
-        test_loss = test_acc = float("nan")
-        if test_args is not None:
-            test_loss, test_acc = _evaluate(model, test_args)
-        row.update(initial_loss=initial_loss, test_loss=test_loss, test_accuracy=test_acc)
-        rows.append(row)
-    add_efficiency(rows, baseline)
-    return rows
-
-
-def _evaluate(model, test_args):
-    x, y, bs = test_args
-    logs = model.evaluate(x, y, batch_size=bs, verbose=0, return_dict=True)
-    return float(logs["loss"]), float(logs.get("accuracy", float("nan")))
-
-
-def add_efficiency(rows, baseline=None):
-    """Set each row's ``efficiency``: samples/s ÷ (replicas × the baseline row's samples/s).
-
-    1.0 is perfect scaling; the baseline is the row named ``baseline``, else the
-    first single-replica row.
-    """
-    base = next((r for r in rows if r["name"] == baseline), None) if baseline else None
-    base = base or next((r for r in rows if r["replicas"] == 1), None)
-    for r in rows:
-        r["efficiency"] = (r["samples_per_s"] / (r["replicas"] * base["samples_per_s"])
-                           if base and base["samples_per_s"] else float("nan"))
-        r["baseline"] = base["name"] if base else None
-    return rows
-
-
-def format_table(rows, title=None):
-    """The comparison as a fixed-width text table (what ``python -m mirrored`` prints)."""
-    cols = [("strategy", "name", "{}"), ("replicas", "replicas", "{:d}"),
-            ("batch", "global_batch", "{:d}"), ("steps", "steps_per_epoch", "{:d}"),
-            ("epoch s", "epoch_time_s", "{:.3f}"), ("ms/step", "ms_per_step", "{:.2f}"),
-            ("samples/s", "samples_per_s", "{:,.0f}"), ("efficiency", "efficiency", "{:.0%}"),
-            ("test acc", "test_accuracy", "{:.4f}")]
-    def cell(row, key, fmt):
-        value = row.get(key)
-        if value is None or isinstance(value, float) and math.isnan(value):
-            return "-"
-        return fmt.format(value)
-    cells = [[cell(r, key, fmt) for _, key, fmt in cols] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
-    line = lambda items: "  ".join(s.ljust(w) if i == 0 else s.rjust(w)   # noqa: E731
-                                   for i, (s, w) in enumerate(zip(items, widths)))
-    out = [title] if title else []
-    out += [line([h for h, _, _ in cols]), line(["-" * w for w in widths])]
-    out += [line(c) for c in cells]
-    if rows and rows[0].get("baseline"):
-        out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); "
-                   f"epoch s = median of {rows[0].get('epochs_timed', '?')} timed epoch(s) after warm-up")
-    return "\n".join(out)

@@ -23,7 +23,7 @@ What is here:
                                  TensorFlow's rebatching rule (empty slices included)
     gemm_mapping(version)        GEMM v1/v2/v3: which outputs a block and a thread compute,
                                  which tiles they stage in shared memory, what they read
-    plot_comparison(rows)        epoch time and samples/s per strategy (``timing.compare``)
+    plot_comparison(rows)        epoch time and samples/s per strategy (``scaling.compare``)
     plot_performance_model(...)  measured samples/s beside the model's lines per link
                                  (``perf_model.predict_throughput``)
 
@@ -36,8 +36,9 @@ inline``, the first line of every lab).
 
 Neighbours: ``cross_device_ops.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
 ``initial_holds``, ``schedule``), ``input_lib.py`` (``rebatch_bounds``), the timing
-helpers that produce events and rows (``timing.py``, ``perf_model.py``), ``kernels/gemm.py`` (the tile
-sizes ``gemm_mapping`` draws), and ``labs/`` (which call everything here).
+helpers that produce events and rows (``timing.py``, ``scaling.py``, ``perf_model.py``),
+``kernels/gemm.py`` (the tile sizes ``gemm_mapping`` draws), and ``labs/`` (which call
+everything here).
 """
 import math
 import numbers
@@ -728,7 +729,7 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
 def plot_comparison(rows, path=None, title=None):
     """Bar charts of epoch time and samples/s per strategy (efficiency on the bars).
 
-    ``rows``: ``timing.compare``'s. Writes a PNG to ``path`` if given; returns the Figure.
+    ``rows``: ``scaling.compare``'s. Writes a PNG to ``path`` if given; returns the Figure.
     """
     from matplotlib.figure import Figure
     names = [r["name"] for r in rows]
@@ -758,7 +759,7 @@ def plot_performance_model(measured, predicted, ax=None, title=None):
     """Samples/s against devices: measured rows (``compare``) and model lines per link.
 
     ``measured``: rows with ``replicas`` and ``samples_per_s`` (e.g. the MirroredStrategy
-    rows of ``timing.compare``); ``predicted``: ``perf_model.predict_throughput`` rows.
+    rows of ``scaling.compare``); ``predicted``: ``perf_model.predict_throughput`` rows.
     Returns the Figure.
     """
     from matplotlib.figure import Figure

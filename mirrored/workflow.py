@@ -17,7 +17,7 @@ What it does, in the lab's order:
 3. The lab's model — ``Flatten → Dense(64, relu) → Dense(10)``, Adam,
    ``SparseCategoricalCrossentropy(from_logits=True)``, ``['accuracy']`` — trained
    with no strategy and with MirroredStrategy on 1, 2, 4, ... of the devices,
-   every run from the same initial weights (``timing.compare``), printing
+   every run from the same initial weights (``scaling.compare``), printing
    Keras's progress lines.
 4. A table (epoch time, ms/step, samples/s, scaling efficiency, test accuracy)
    with the data source and the devices, and a PNG bar chart of it.
@@ -25,14 +25,14 @@ What it does, in the lab's order:
 Notebooks use the same pieces: ``make_model``, ``scale``, ``load_mnist``,
 ``make_data_fn``, ``configure_devices`` (labs/01 and labs/05).
 
-Neighbours: ``__main__.py`` (the command line), ``timing.py`` (the measurements).
+Neighbours: ``__main__.py`` (the command line), ``scaling.py`` (the measurements), ``viz.py``.
 """
 import os
 import warnings
 
 import mirrored as tf
 from mirrored import devices as _dev
-from mirrored import timing, viz
+from mirrored import scaling, viz
 
 BATCH_PER_REPLICA = 64           # the course lab's BATCH_SIZE_PER_REPLICA
 BUFFER_SIZE = 10000              # the lab's shuffle buffer
@@ -208,10 +208,10 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
     train, test, source = load_mnist(data_dir, quick=quick)
     out(f"data:    {source}")
     out(f"devices: {device_text}")
-    strategies = timing.lab_strategies(names, replica_counts(len(names)))
+    strategies = scaling.lab_strategies(names, replica_counts(len(names)))
     data_fn = make_data_fn(train, test)
     with tf.device(names[0]):             # "no strategy" runs on the first device compared
-        rows = timing.compare(make_model, data_fn, strategies, epochs=epochs,
+        rows = scaling.compare(make_model, data_fn, strategies, epochs=epochs,
                               batch_per_replica=batch_per_replica, verbose=1, log=out)
     warm = "first epoch is warm-up, not timed" if epochs > 1 else "one epoch: warm-up included"
     report = "\n".join([
@@ -222,7 +222,7 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
         f"epochs:  {epochs} ({warm}); batch {batch_per_replica} per replica, global batch = "
         f"{batch_per_replica} × replicas",
         "",
-        timing.format_table(rows),
+        scaling.format_table(rows),
     ])
     out(report)
     if plot:

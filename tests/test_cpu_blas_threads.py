@@ -1,6 +1,6 @@
 """The CPU backend's BLAS, as the benchmarks record it (mirrored.backends.blas_info),
 and what fit does with BLAS threads: nothing — one host thread drives every replica,
-so one product at a time gets all of the cores (models.py, ``_run_parts``).
+so one product at a time gets all of the cores (keras/step.py, ``Step.copy_in``).
 """
 import numpy as np
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import perf_model, timing, viz
+from mirrored import perf_model, scaling, timing, viz
 from mirrored.values import MirroredVariable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,9 +179,9 @@ def test_compare_starts_every_strategy_from_the_same_weights(devices, rng):
         model = tiny_model(din)
         drawn.append(model.get_weights())     # each model draws its own random weights...
         return model
-    strategies = timing.lab_strategies([f"CPU:{i}" for i in range(4)], (1, 2, 4))
+    strategies = scaling.lab_strategies([f"CPU:{i}" for i in range(4)], (1, 2, 4))
     with tf.device("CPU:0"):                  # "no strategy" too (not the simulated GPU)
-        rows = timing.compare(model_fn, (x, y, xt, yt), strategies, epochs=2, batch_per_replica=8,
+        rows = scaling.compare(model_fn, (x, y, xt, yt), strategies, epochs=2, batch_per_replica=8,
                               verbose=0)
     assert not np.array_equal(drawn[0][0], drawn[1][0])
     # ...but every run starts from the first model's: the same untrained test loss.
@@ -202,7 +202,7 @@ def test_compare_starts_every_strategy_from_the_same_weights(devices, rng):
         expected_eff = r["samples_per_s"] / (r["replicas"] * rows[0]["samples_per_s"])
         assert math.isclose(r["efficiency"], expected_eff)
     assert rows[0]["efficiency"] == 1.0 and rows[0]["baseline"] == "no strategy"
-    table = timing.format_table(rows)
+    table = scaling.format_table(rows)
     for name in ("no strategy", "MirroredStrategy ×4", "samples/s", "efficiency", "test acc"):
         assert name in table
 
@@ -210,7 +210,7 @@ def test_compare_starts_every_strategy_from_the_same_weights(devices, rng):
 def test_compare_rejects_data_it_cannot_use(devices):
     devices(cpus=1)
     with pytest.raises(TypeError, match="data must be"):
-        timing.compare(tiny_model, "mnist", [None], epochs=1, verbose=0)
+        scaling.compare(tiny_model, "mnist", [None], epochs=1, verbose=0)
 
 
 # --- the performance model ----------------------------------------------------------------

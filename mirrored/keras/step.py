@@ -108,7 +108,7 @@ class Step:
         replica threads once traced. A thread per replica (``strategy.run``, used by
         custom loops) would only add hand-offs here: the step is a few hundred
         microseconds of Python holding the GIL, and replica threads would take turns
-        at it (``benchmarks/training.py`` measures the two).
+        at it (the README's benchmark notes record what that cost).
         """
         return [self.load_share(program, part, load) for program, part in zip(self.programs, parts)]
 
