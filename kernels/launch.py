@@ -2,7 +2,7 @@
 
 One place decides three things for all kernels:
 
-* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_2d``, ``grid_rows``),
+* ``ceil_div`` and the grid/block choice (``grid_1d``, ``grid_rows``),
   so every launcher sizes its grid the same way, within the GPU's limits
   (``check_launch``, which ``launch`` applies to every launch);
 * whether we run on real CUDA or in Numba's CUDA simulator (``SIMULATOR``);
@@ -35,9 +35,6 @@ SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 #: enough to hide memory latency, small enough for many blocks per SM.
 #: (The simulator runs each CUDA thread as a Python thread: it gets fewer.)
 THREADS_1D = 32 if SIMULATOR else 256
-
-#: Block edge for 2-D kernels (16 x 16 = 256 threads).
-TILE_2D = 16
 
 #: Upper bound on blocks for grid-stride 1-D kernels: about 31 blocks of 256 threads
 #: per SM of an H100 (132 SMs), several full waves; larger arrays loop inside the
@@ -118,12 +115,6 @@ def flat(a):
         return view
     except TypeError:            # an array type that cannot be weakly referenced
         return a.reshape(a.size)
-
-
-def grid_2d(rows, cols, tile=TILE_2D):
-    """(grid, block) for one thread per (row, col): x runs over columns
-    (consecutive threads touch consecutive addresses), y over rows."""
-    return (ceil_div(max(cols, 1), tile), ceil_div(max(rows, 1), tile)), (tile, tile)
 
 
 def grid_rows(rows):

@@ -1,4 +1,4 @@
-"""GPU-only hazards, caught without a GPU (issue 19).
+"""GPU-only hazards, caught without a GPU.
 
 Numba's CUDA simulator is synchronous, single-device and forgiving: no stream ordering,
 no grid limits, no real allocations, no graph capture. Each test here catches one thing
