@@ -325,6 +325,35 @@ def test_a_new_layer_plugs_into_the_step_without_touching_it(devices, rng, kind)
     assert copied._logs() == plain._logs()
 
 
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_model_without_an_input_shape_builds_from_its_first_batch(devices, rng, resident):
+    """As Keras: no input_shape, the first batch of fit (host or resident) builds it."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.random((21, 3, 2, 1), dtype=np.float32)
+    y = rng.integers(0, 4, 21)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+    if resident:
+        ds = strategy.experimental_distribute_dataset(
+            ds, tf.distribute.InputOptions(experimental_place_dataset_on_device=True))
+    models = []
+    for input_shape in [(3, 2, 1), None]:
+        tf.keras.utils.set_random_seed(7)
+        with strategy.scope():
+            flatten = tf.keras.layers.Flatten(input_shape=input_shape)
+            model = tf.keras.Sequential([flatten, tf.keras.layers.Dense(5, activation="relu"),
+                                         tf.keras.layers.Dense(4)])
+        model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      optimizer=tf.keras.optimizers.Adam(0.01), metrics=["accuracy"])
+        model.fit(ds, epochs=2, verbose=0)
+        models.append(model)
+    built, unbuilt = models
+    assert unbuilt.input_shape == (None, 3, 2, 1)
+    for a, b in zip(built.get_weights(), unbuilt.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert unbuilt.history.history == built.history.history
+
+
 def test_summary_and_unsupported_layers(devices, capsys):
     devices(cpus=1)
     model = tf.keras.Sequential([tf.keras.layers.Flatten(input_shape=(28, 28, 1)),

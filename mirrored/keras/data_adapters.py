@@ -10,8 +10,9 @@ in, the step (``step.py``) sees one of two kinds of global batch:
                     (``InputOptions(experimental_place_dataset_on_device=True)``):
                     each replica gathers its rows on its own device
 
-``batches(model, x, y, ...)`` picks the adapter; ``host_batch`` checks and converts
-one element (and builds the model from the first one, as Keras does).
+``batches(model, x, y, ...)`` picks the adapter; ``prepare`` (``host_batch`` for host
+data) checks and converts one element, and builds the model from the first one, as
+Keras does.
 
 Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits the
 batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
@@ -65,6 +66,15 @@ def distributed_batches(model, dist):
     except TypeError:
         steps = None
     return DistributedBatches(dist), steps
+
+
+def prepare(model, batch):
+    """A batch from ``batches`` as the step takes it (host arrays via ``host_batch``, or
+    the ``ResidentBatch`` itself), the model built from it if need be."""
+    if isinstance(batch, ResidentBatch):
+        batch.loader(model)                    # builds the model from the resident rows' shape
+        return batch
+    return host_batch(model, batch)
 
 
 def host_batch(model, batch):

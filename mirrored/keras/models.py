@@ -223,8 +223,7 @@ class Sequential:
 
     def _train_on(self, batch):
         """One training step on a batch from ``data_adapters.batches``."""
-        if not isinstance(batch, data_adapters.ResidentBatch):
-            batch = data_adapters.host_batch(self, batch)     # x (B, in) float32, y (B,); builds the model
+        batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
         self._trainer().train(batch)
 
     def _logs(self, prefix=""):
@@ -309,8 +308,7 @@ class Sequential:
             self.step.zero_metrics()
         step = 0
         for batch in batches:
-            if not isinstance(batch, data_adapters.ResidentBatch):
-                batch = data_adapters.host_batch(self, batch)
+            batch = data_adapters.prepare(self, batch)
             if step == 0:
                 mode = self.step.loss_mode()            # the model is built by now
             self.step.evaluate(batch, mode)
