@@ -91,30 +91,40 @@ def grid_1d(n, threads=None):
     return max(1, min(ceil_div(max(n, 1), threads), cap)), threads
 
 
-#: array -> its 1-D view, made once per array (``flat``); an entry goes with its array.
-_flat_views = weakref.WeakKeyDictionary()
+#: array -> {shape: a view of it}, made once per array and shape (``view``, ``flat``);
+#: an entry goes when its array does.
+_views = weakref.WeakKeyDictionary()
 
 
-def flat(a):
-    """``a`` as a 1-D array, for a kernel that walks every element: a 1-D array as it
-    is, anything else as a reshaped view made once per array and kept beside it.
+def view(a, shape):
+    """``a.reshape(shape)``, made once per array and shape and kept beside the array.
 
-    Why not ``a.reshape(a.size)`` at every launch: each call makes a new device-array
+    Why not ``a.reshape(shape)`` at every launch: each call makes a new device-array
     object, and numba-cuda works out the type of every new object when it is launched
     with. Measured on an H100, a three-array ``binary`` cost 101 µs of host time per
     call with three fresh views, against 31 µs for the launch itself: more than the GPU
-    needs to add two 64 MB arrays. A training step reuses its buffers, so its views
-    are made once.
+    needs to add two 64 MB arrays. A training step reuses its buffers, so its views are
+    made once. (NumPy arrays cannot be weakly referenced by identity here: they get a
+    plain reshape, which costs them nothing.)
     """
-    if len(a.shape) == 1:
+    shape = tuple(shape)
+    if tuple(a.shape) == shape:
         return a
     try:
-        view = _flat_views.get(a)
-        if view is None:
-            view = _flat_views[a] = a.reshape(a.size)
-        return view
-    except TypeError:            # an array type that cannot be weakly referenced
-        return a.reshape(a.size)
+        views = _views.get(a)
+        if views is None:
+            views = _views[a] = {}
+    except TypeError:            # an array type that cannot be a weak dictionary key
+        return a.reshape(shape)
+    v = views.get(shape)
+    if v is None:
+        v = views[shape] = a.reshape(shape)
+    return v
+
+
+def flat(a):
+    """``a`` as a 1-D array, for a kernel that walks every element (see ``view``)."""
+    return view(a, (a.size,))
 
 
 def grid_rows(rows):

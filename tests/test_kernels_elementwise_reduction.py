@@ -9,7 +9,7 @@ from numba import cuda
 
 from kernels import elementwise, reduction
 from conftest import assert_sum_close, poisoned
-from kernels.launch import ceil_div, flat, grid_1d
+from kernels.launch import ceil_div, flat, grid_1d, view
 
 SIZES = [1, 17, 31, 33, 65, 300]
 
@@ -23,27 +23,32 @@ def test_ceil_div_and_grids():
 
 
 class _Array:
-    """Just enough of a device array for ``flat``: a shape and a counted reshape."""
+    """Just enough of a device array for ``view``: a shape and a counted reshape."""
     reshapes = 0
 
     def __init__(self, shape):
-        self.shape = shape
+        self.shape = tuple(shape)
         self.size = int(np.prod(shape))
 
-    def reshape(self, *shape):
+    def reshape(self, shape):
         _Array.reshapes += 1
         return _Array(shape)
 
 
-def test_flat_makes_each_arrays_view_once():
-    """A 1-D array goes to the kernel as it is; a 2-D one gets one view, made at the
-    first launch and reused (a new view object costs numba-cuda its typing again)."""
+def test_views_are_made_once_per_array_and_shape():
+    """A 1-D array goes to the kernel as it is; any other view is made at the first
+    launch and reused (a new view object costs numba-cuda its typing again)."""
     one_d, two_d = _Array((12,)), _Array((3, 4))
     _Array.reshapes = 0
     assert flat(one_d) is one_d and _Array.reshapes == 0
     first = flat(two_d)
     assert first.shape == (12,) and flat(two_d) is first and _Array.reshapes == 1
-    assert flat(_Array((3, 4))) is not first and _Array.reshapes == 2   # another array
+    rows = view(two_d, (1, 3, 4))
+    assert rows.shape == (1, 3, 4) and view(two_d, [1, 3, 4]) is rows and _Array.reshapes == 2
+    assert view(two_d, (3, 4)) is two_d and _Array.reshapes == 2          # its own shape
+    assert flat(_Array((3, 4))) is not first and _Array.reshapes == 3     # another array
+    host = np.zeros((3, 4))
+    assert view(host, (12,)).base is host                                  # NumPy: a plain reshape
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -38,6 +38,7 @@ import weakref
 
 import numpy as np
 
+from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored.tensor import Tensor
 from mirrored.values import DistributedValues, components
 
@@ -285,8 +286,8 @@ class ReplicaProgram:
         (``mirrored/graphs.py``). float32 counts exactly up to 2**24 examples per epoch.
         """
         b = buf.stats.shape[1]
-        self.ops.sum_axis(buf.stats.reshape(3, b, 1), self.tmp)     # (3, 1)
-        self.ops.binary("add", self.acc, self.tmp.reshape(3), self.acc)
+        self.ops.sum_axis(view(buf.stats, (3, b, 1)), self.tmp)     # (3, 1)
+        self.ops.binary("add", self.acc, view(self.tmp, (3,)), self.acc)
 
     def read_metrics(self):
         """(loss sum, correct count, examples) so far — the one host read."""

@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
 from mirrored.values import Variable
 
@@ -234,7 +235,7 @@ class Dense(Layer):
         if self.activation == "relu":
             state.ops.relu_backward(dy, buf.y, dy)         # dz = dy * (y > 0), in place: (b, units)
         state.ops.gemm(buf.x, dy, dkernel, trans_a=True)   # d kernel = x^T dz: (in, units)
-        state.ops.sum_axis(dy.reshape(1, b, self.units), dbias.reshape(1, self.units))   # d bias: (units,)
+        state.ops.sum_axis(view(dy, (1, b, self.units)), view(dbias, (1, self.units)))   # d bias: (units,)
         if not state.need_dx:
             return None
         state.ops.gemm(dy, kernel, buf.dx, trans_b=True)   # dx = dz kernel^T: (b, in)
