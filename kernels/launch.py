@@ -245,3 +245,12 @@ def check_no_alias(what, out, *inputs):
             raise ValueError(f"{what}: the output shares memory with an input; "
                              f"this kernel reads inputs after writing outputs, so "
                              f"pass a separate output array.")
+
+
+def check_out(what, out, same_ok, others):
+    """``out`` may be exactly one of ``same_ok`` (in place, safe for elementwise
+    work) but must not partly overlap it, nor overlap any of ``others``."""
+    for x in same_ok:
+        if _data_range(out) != _data_range(x):
+            check_no_alias(what, out, x)
+    check_no_alias(what, out, *others)
