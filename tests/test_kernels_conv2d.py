@@ -254,3 +254,27 @@ def test_bad_input_raises_before_launch(no_launch):
     with pytest.raises(ValueError, match="shares memory"):
         dw = _dev((3, 3, 1, 4))
         conv.conv2d_backward(x, k, out, None, dw, dw.reshape(36)[:4])
+
+
+def test_the_gpu_launch_constants(monkeypatch, rng):
+    """The simulator normally runs 32-thread blocks: run v2's patch and kernel staging and
+    the dW pass with the GPU's 256-thread blocks once (a few blocks: still quick)."""
+    from kernels import launch
+    monkeypatch.setattr(launch, "THREADS_1D", 256)
+    monkeypatch.setattr(conv, "V2_THREADS", 256)
+    monkeypatch.setattr(conv, "DW_THREADS", 256)
+    x_shape, k_shape, strides, padding = (1, 9, 10, 2), (3, 3, 2, 20), 1, "same"
+    x, k, bias = make_case(rng, x_shape, k_shape)          # 360 weights: 2 dW blocks
+    want, scale = oracle_forward(x, k, bias, strides, padding)
+    d_x, d_k = cuda.to_device(x), cuda.to_device(k)
+    out = poisoned(want.shape)
+    conv.conv2d(d_x, d_k, cuda.to_device(bias), out, strides, padding, version="v2")
+    check_sum("conv2d v2, 256-thread blocks", out.copy_to_host(), want, scale, 19)
+    dy = rng.standard_normal(want.shape).astype(np.float32)
+    want_dx, want_dw, want_db = oracle_backward(x, k, dy, strides, padding)
+    scale_dx, scale_dw, _ = oracle_backward(np.abs(x), np.abs(k), np.abs(dy), strides, padding)
+    dx, dw, db = poisoned(x_shape), poisoned(k_shape), poisoned(k_shape[3])
+    conv.conv2d_backward(d_x, d_k, cuda.to_device(dy), dx, dw, db, strides, padding)
+    check_sum("dx, 256-thread blocks", dx.copy_to_host(), want_dx, scale_dx, 180)
+    check_sum("dw, 256-thread blocks", dw.copy_to_host(), want_dw, scale_dw, 90)
+    check_sum("db, 256-thread blocks", db.copy_to_host(), want_db, np.abs(dy).sum((0, 1, 2)), 90)
