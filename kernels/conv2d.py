@@ -49,8 +49,8 @@ Layout of this file (as every file in ``kernels/``): geometry (shared with pooli
 import numpy as np
 from numba import cuda, float32
 
-from kernels.launch import (SIMULATOR, ceil_div, check_array, check_no_alias, flat, grid_1d,
-                            grid_rows, launch)
+from kernels.launch import (SIMULATOR, ceil_div, ceil_div_device, check_array, check_no_alias,
+                            flat, grid_1d, grid_rows, launch)
 from kernels.registry import arr4, mat, register, sig, vec
 
 PADDINGS = ("valid", "same")
@@ -157,8 +157,8 @@ def conv2d_output_shape(x_shape, kernel_shape, strides=1, padding="valid", what=
 def im2col_ref(x, kernel_hw, strides=1, padding="valid"):
     """The column matrix of x (B, H, W, Cin): (B*OH*OW, KH*KW*Cin), one row per output
     pixel holding its window in (kh, kw, ci) order (zeros where it hangs over the padding).
-    Row r * Cout + co of the output equals row r of this matrix times column co of the
-    kernel seen as (KH*KW*Cin, Cout)."""
+    Output pixel r (= (n * OH + oh) * OW + ow), channel co, is row r of this matrix times
+    column co of the kernel seen as a (KH*KW*Cin, Cout) matrix."""
     kh, kw = pair("im2col_ref", "kernel size", kernel_hw)
     b, h, w, cin = x.shape
     out_h, out_w, (pt, pb, pl, pr) = window_geometry("im2col_ref", (h, w), (kh, kw), strides,
@@ -170,12 +170,15 @@ def im2col_ref(x, kernel_hw, strides=1, padding="valid"):
     return win.transpose(0, 1, 2, 4, 5, 3).reshape(b * out_h * out_w, kh * kw * cin)  # copy
 
 
-def conv2d_ref(x, kernel, bias=None, strides=1, padding="valid", relu=False):
+def conv2d_ref(x, kernel, bias=None, strides=1, padding="valid", relu=False, cols=None):
     """Keras's Conv2D forward for x (B, H, W, Cin), kernel (KH, KW, Cin, Cout), bias
-    (Cout,) or None: (B, OH, OW, Cout) in x's dtype, then max(., 0) when ``relu``."""
+    (Cout,) or None: (B, OH, OW, Cout) in x's dtype, then max(., 0) when ``relu``.
+    ``cols``: x's column matrix (``im2col_ref``) when the caller made it already, to keep
+    it for the backward's dW; made here otherwise."""
     b, out_h, out_w, cout = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                 "conv2d_ref")
-    cols = im2col_ref(x, kernel.shape[:2], strides, padding)  # (B*OH*OW, KH*KW*Cin)
+    if cols is None:
+        cols = im2col_ref(x, kernel.shape[:2], strides, padding)  # (B*OH*OW, KH*KW*Cin)
     out = cols @ kernel.reshape(-1, cout)                      # (B*OH*OW, Cout)
     if bias is not None:
         out += bias
@@ -216,11 +219,6 @@ def conv2d_backward_ref(x, kernel, dy, strides=1, padding="valid", cols=None, ne
 
 
 # --- kernels -----------------------------------------------------------------------------
-
-#: ``ceil_div`` from kernels/launch.py, compiled as an inline device function for the
-#: kernels (Python's floor division makes it right for negative numerators too).
-_ceil_div = cuda.jit(device=True, inline="always")(ceil_div)
-
 
 def _make_v1(relu):
     @cuda.jit
@@ -287,8 +285,8 @@ def _make_v2(relu):
             ws[e] = w_flat[e]
         patch_h = (V2_TILE - 1) * sh + kh_n
         patch_w = (V2_TILE - 1) * sw + kw_n
-        tiles_h = (out_h + V2_TILE - 1) // V2_TILE
-        tiles_w = (out_w + V2_TILE - 1) // V2_TILE
+        tiles_h = ceil_div_device(out_h, V2_TILE)
+        tiles_w = ceil_div_device(out_w, V2_TILE)
         # The same trip count for every thread of the block: the syncthreads stay uniform.
         for tile in range(cuda.blockIdx.x, batch * tiles_h * tiles_w, cuda.gridDim.x):
             oh0 = (tile // tiles_w) % tiles_h * V2_TILE
@@ -348,9 +346,9 @@ def conv2d_dx_v1(dy, w, dx, sh, sw, pt, pl):
         ih = p % in_h
         n = p // in_h
         acc = float32(0.0)
-        oh_lo = max(_ceil_div(ih + pt - kh_n + 1, sh), 0)
+        oh_lo = max(ceil_div_device(ih + pt - kh_n + 1, sh), 0)
         oh_hi = min((ih + pt) // sh, out_h - 1)
-        ow_lo = max(_ceil_div(iw + pl - kw_n + 1, sw), 0)
+        ow_lo = max(ceil_div_device(iw + pl - kw_n + 1, sw), 0)
         ow_hi = min((iw + pl) // sw, out_w - 1)
         for oh in range(oh_lo, oh_hi + 1):
             kh = ih + pt - oh * sh

@@ -81,6 +81,12 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+#: ``ceil_div`` compiled for kernels (an inline device function: see kernels/registry.py),
+#: e.g. the first output window that covers an input row (kernels/conv2d.py, pooling.py).
+#: Python's floor division, which Numba keeps, makes it right for negative ``a`` too.
+ceil_div_device = cuda.jit(device=True, inline="always")(ceil_div)
+
+
 def grid_1d(n, threads=None):
     """(blocks, threads) covering ``n`` items with a grid-stride loop.
 

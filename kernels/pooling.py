@@ -32,8 +32,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.conv2d import _ceil_div, pair, window_geometry
-from kernels.launch import check_array, check_no_alias, grid_1d, launch
+from kernels.conv2d import pair, window_geometry
+from kernels.launch import ceil_div_device, check_array, check_no_alias, grid_1d, launch
 from kernels.registry import arr4, register, sig
 
 #: The arg-max dtype: a window position a * PW + b.
@@ -160,9 +160,9 @@ def max_pool_backward_v1(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
         ih = p % in_h
         n = p // in_h
         acc = float32(0.0)
-        oh_lo = max(_ceil_div(ih + pt - ph_n + 1, sh), 0)
+        oh_lo = max(ceil_div_device(ih + pt - ph_n + 1, sh), 0)
         oh_hi = min((ih + pt) // sh, out_h - 1)
-        ow_lo = max(_ceil_div(iw + pl - pw_n + 1, sw), 0)
+        ow_lo = max(ceil_div_device(iw + pl - pw_n + 1, sw), 0)
         ow_hi = min((iw + pl) // sw, out_w - 1)
         for oh in range(oh_lo, oh_hi + 1):
             a = ih + pt - oh * sh

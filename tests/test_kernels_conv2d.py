@@ -193,6 +193,8 @@ def test_references_match_oracles(rng, x_shape, k_shape, strides, padding):
                  np.maximum(want, 0), RTOL_F64, atol=1e-12)
     dy = rng.standard_normal(want.shape)
     cols = conv.im2col_ref(x, k_shape[:2], strides, padding)
+    assert_close("conv2d_ref with cols", conv.conv2d_ref(x, k, bias, strides, padding, cols=cols),
+                 want, RTOL_F64, atol=1e-12)
     for given in (None, cols):       # the forward's column matrix may be reused
         got = conv.conv2d_backward_ref(x, k, dy, strides, padding, cols=given)
         for name, g, w in zip(("dx", "dw", "db"), got, oracle_backward(x, k, dy, strides, padding)):
