@@ -96,13 +96,13 @@ def pair(what, name, value):
     return int(items[0]), int(items[1])
 
 
-def _axis(what, size, window, stride, padding, axis):
+def _axis(what, size, window, stride, padding, axis, name):
     """(outputs, pad before, pad after) along one axis, TensorFlow's rule."""
     if padding == "valid":
         if window > size:
             raise ValueError(
-                f"{what}: the window is {window} along {axis} but the input is only {size} "
-                f"with padding='valid'; use a smaller window, padding='same', or a larger "
+                f"{what}: the {name} is {window} along {axis} but the input is only {size} "
+                f"with padding='valid'; use a smaller {name}, padding='same', or a larger "
                 f"input (each output needs a whole window inside the input).")
         return (size - window) // stride + 1, 0, 0
     out = ceil_div(size, stride)
@@ -110,14 +110,15 @@ def _axis(what, size, window, stride, padding, axis):
     return out, total // 2, total - total // 2           # the odd extra goes after
 
 
-def window_geometry(what, in_hw, window, strides, padding):
+def window_geometry(what, in_hw, window, strides, padding, name="window"):
     """(out_h, out_w, (pad_top, pad_bottom, pad_left, pad_right)) of a sliding window
     over an (H, W) input, or a ValueError naming ``what`` that says what to change.
 
     ``window`` and ``strides``: an int or an (h, w) pair of positive ints; ``padding``:
-    "valid" or "same" (any case, as Keras). The shape rule of Conv2D and MaxPooling2D.
+    "valid" or "same" (any case, as Keras); ``name``: what the window is called in errors
+    ("kernel", "pool"). The shape rule of Conv2D and MaxPooling2D.
     """
-    kh, kw = pair(what, "the window (kernel or pool size)", window)
+    kh, kw = pair(what, f"the {name} size", window)
     sh, sw = pair(what, "strides", strides)
     if not isinstance(padding, str) or padding.lower() not in PADDINGS:
         raise ValueError(f"{what}: padding must be 'valid' or 'same', got {padding!r}.")
@@ -126,8 +127,8 @@ def window_geometry(what, in_hw, window, strides, padding):
     if h < 1 or w < 1:
         raise ValueError(f"{what}: the input's height and width must be at least 1, got "
                          f"{h} x {w}.")
-    out_h, pt, pb = _axis(what, h, kh, sh, padding, "height")
-    out_w, pl, pr = _axis(what, w, kw, sw, padding, "width")
+    out_h, pt, pb = _axis(what, h, kh, sh, padding, "height", name)
+    out_w, pl, pr = _axis(what, w, kw, sw, padding, "width", name)
     return out_h, out_w, (pt, pb, pl, pr)
 
 
@@ -148,7 +149,7 @@ def conv2d_output_shape(x_shape, kernel_shape, strides=1, padding="valid", what=
         raise ValueError(f"{what}: the input has {x_shape[3]} channel(s) (shape {x_shape}) but "
                          f"the kernel {kernel_shape} expects Cin = {cin}: input shape "
                          f"(B, H, W, {cin}).")
-    out_h, out_w, _ = window_geometry(what, x_shape[1:3], (kh, kw), strides, padding)
+    out_h, out_w, _ = window_geometry(what, x_shape[1:3], (kh, kw), strides, padding, "kernel")
     return x_shape[0], out_h, out_w, cout
 
 

@@ -54,7 +54,7 @@ def pool_geometry(x_shape, pool_size=2, strides=None, padding="valid", what="max
                          f"got shape {x_shape}{hint}.")
     pool = pair(what, "pool_size", pool_size)
     strides = pool if strides is None else pair(what, "strides", strides)
-    out_h, out_w, pads = window_geometry(what, x_shape[1:3], pool, strides, padding)
+    out_h, out_w, pads = window_geometry(what, x_shape[1:3], pool, strides, padding, "pool")
     return (x_shape[0], out_h, out_w, x_shape[3]), pool, strides, pads
 
 

@@ -155,7 +155,7 @@ def no_launch(forbid_launches):
 def test_bad_input_raises_before_launch(no_launch):
     x = device_zeros((2, 5, 5, 3))
     out, arg = device_zeros((2, 2, 2, 3)), device_zeros((2, 2, 2, 3), np.int32)
-    with pytest.raises(ValueError, match=r"window is 6 along height but the input is only 5"):
+    with pytest.raises(ValueError, match=r"pool is 6 along height but the input is only 5"):
         pool.max_pool(x, out, arg, pool_size=6)
     with pytest.raises(ValueError, match=r"4-D \(batch, height, width, channels\).*channel axis"):
         pool.max_pool(device_zeros((2, 5, 5)), out, arg)
