@@ -38,10 +38,12 @@ multiplication by a 0/1 mask).
 
 Versions: v1 only. One thread per element, grid-stride over the flattened array.
 """
+import warnings
+
 import numpy as np
 from numba import cuda, float32, uint64
 
-from kernels.launch import check_array, check_out, flat, grid_1d, launch
+from kernels.launch import SIMULATOR, check_array, check_out, flat, grid_1d, launch
 from kernels.registry import register, sig, vec
 
 #: splitmix64's constants (Steele et al. 2014): the golden-ratio increment between
@@ -167,7 +169,18 @@ def dropout(x, out, rate, key, stream=None):
     check_array("dropout: x", x, np.float32)
     check_array("dropout: out", out, np.float32, shape=x.shape)
     check_out("dropout", out, same_ok=(x,), others=())
-    if out.size:
-        launch(dropout_v1, *grid_1d(out.size), stream, flat(x), flat(out), np.uint64(key),
-               threshold, scale)
+    if not out.size:
+        return out
+    args = (dropout_v1, *grid_1d(out.size), stream, flat(x), flat(out), np.uint64(key),
+            threshold, scale)
+    if not SIMULATOR:
+        launch(*args)
+        return out
+    # The simulator runs the kernel's uint64 arithmetic on NumPy scalars, which warn about
+    # the wrap-around modulo 2^64 that the hash is built on (and a GPU does silently).
+    # Its launches are synchronous, so the filter covers exactly this kernel's run.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="overflow encountered in scalar",
+                                category=RuntimeWarning)
+        launch(*args)
     return out

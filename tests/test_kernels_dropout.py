@@ -65,8 +65,8 @@ def test_kernel_equals_reference_bitwise(rng, shape, rate):
     key = drop.dropout_key(int(rng.integers(0, 2**31)), int(rng.integers(0, 1000)), 0)
     want = drop.dropout_ref(x, key, rate)
     out = poisoned(shape)
-    with warnings.catch_warnings():           # the simulator's uint64 math runs in NumPy
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # no overflow warnings from the simulator either
         drop.dropout(cuda.to_device(x), out, rate, key)
     got = out.copy_to_host()
     assert got.dtype == np.float32 and np.array_equal(got, want), "kernel != dropout_ref"
@@ -79,9 +79,7 @@ def test_kernel_equals_reference_bitwise(rng, shape, rate):
 
 def _kernel_mask(key, rate, n=N_STAT):
     out = poisoned(n)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        drop.dropout(cuda.to_device(np.ones(n, np.float32)), out, rate, key)
+    drop.dropout(cuda.to_device(np.ones(n, np.float32)), out, rate, key)
     return out.copy_to_host() != 0
 
 
@@ -105,10 +103,8 @@ def test_backward_is_the_same_call_on_dy_and_in_place_works(rng):
     x = rng.standard_normal(shape).astype(np.float32)
     dy = rng.standard_normal(shape).astype(np.float32)
     keep = drop.dropout_mask_ref(key, x.size, rate).reshape(shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        d_dy = cuda.to_device(dy)
-        drop.dropout(d_dy, d_dy, rate, key)        # in place: dx over dy
+    d_dy = cuda.to_device(dy)
+    drop.dropout(d_dy, d_dy, rate, key)            # in place: dx over dy
     assert np.array_equal(d_dy.copy_to_host(), np.where(keep, dy * np.float32(2), 0))
 
 
@@ -118,9 +114,7 @@ def test_dropped_nan_is_zero_and_kept_nan_stays(rng):
     keep = drop.dropout_mask_ref(key, 64, rate)
     assert 0 < keep.sum() < 64
     out = poisoned(64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        drop.dropout(cuda.to_device(x), out, rate, key)
+    drop.dropout(cuda.to_device(x), out, rate, key)
     got = out.copy_to_host()
     assert np.isnan(got[keep]).all() and (got[~keep] == 0).all()
 
