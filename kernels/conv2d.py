@@ -45,6 +45,12 @@ Layout of this file (as every file in ``kernels/``): geometry (shared with pooli
 -> NumPy references -> kernels, simplest first -> registration -> launchers.
 
     python -m kernels.report --only conv2d        # registers, spills, stack on sm_90
+    python -m pytest -q tests/test_kernels_conv2d.py
+
+Neighbours: kernels/pooling.py (shares ``window_geometry``), kernels/activations.py
+(``relu_backward`` before ``conv2d_backward`` when the ReLU is fused), kernels/launch.py;
+the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and the references
+on the CPU.
 """
 import numpy as np
 from numba import cuda, float32

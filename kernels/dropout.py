@@ -37,6 +37,10 @@ A dropped unit is 0 even when x is NaN or inf (a select, as ``np.where``, not a
 multiplication by a 0/1 mask).
 
 Versions: v1 only. One thread per element, grid-stride over the flattened array.
+
+Neighbours: kernels/launch.py; the Keras layer Dropout (mirrored/keras/) calls
+``dropout`` on a GPU and ``dropout_ref`` on the CPU, with ``dropout_key`` of its seed,
+the step and the replica.  ``python -m pytest -q tests/test_kernels_dropout.py``
 """
 import warnings
 

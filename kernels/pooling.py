@@ -26,6 +26,10 @@ Versions: v1 only (both directions are memory-bound and already coalesced):
               overlap (strides < pool), so the result is bitwise reproducible.
 The arg-max is stored as int32 (the position in the window, < PH * PW): the backward
 reads 4 bytes per output instead of recomparing the window.
+
+Neighbours: kernels/conv2d.py (``window_geometry``, the padding rule), kernels/launch.py;
+the Keras layer MaxPooling2D (mirrored/keras/) calls these launchers, or the references
+on the CPU.  ``python -m pytest -q tests/test_kernels_pooling.py``
 """
 import math
 
