@@ -16,14 +16,16 @@ What is counted (the floors), per call:
                      B*C*4 grad + B*4 loss + B*4 correct written
     sgd (momentum)   5 * 4n bytes (read w, g, v; write w, v)
     adam             7 * 4n bytes (read w, g, m, v; write w, m, v)
+    conv2d, max_pool the course lab's layers at batch 512 (bench_conv_pool counts them)
     copy             2 * nbytes (read + write): the practical memory ceiling
 
 Peers: cuBLAS SGEMM through CuPy or PyTorch, whichever imports, with TF32 off (TF32
 would round the inputs to 10-bit mantissas: a different, faster computation).
 
 Targets on an H100: v3 >= 50% of cuBLAS FP32 at 4096^3; elementwise, softmax-xent and
-the optimizers >= 80% of copy bandwidth at >= 64 MB. The JSON records whether each
-was met, when it was measured.
+the optimizers >= 80% of copy bandwidth at >= 64 MB; conv2d v2 and max-pool >= 60% of
+copy bandwidth for the lab's layer at batch 512 (issue 14). The JSON records whether
+each was met, when it was measured.
 
 Every implementation's output is checked before it is timed (as llm.c does): a wrong
 kernel is reported as failed and never timed.
@@ -61,6 +63,15 @@ SMOKE_MEM_BYTES = 2 * 1024
 #: softmax_xent's class count: MNIST's 10.
 XENT_CLASSES = 10
 
+#: The course lab's Conv2D(32, 3, activation="relu") on (28, 28, 1) images, then
+#: MaxPooling2D(): batch 512 (issue 14: "batch >= 512"), 26 x 26 x 32 conv outputs.
+CONV_BATCH, CONV_HW, CONV_CIN, CONV_COUT, CONV_K = 512, 28, 1, 32, 3
+#: --smoke: batch 2 of 6 x 6 images (4 x 4 x 32 outputs), for the simulator.
+SMOKE_CONV_BATCH, SMOKE_CONV_HW = 2, 6
+#: Conv checks: |got - want| <= CONV_CHECK_REL * (the same sum over |terms|), far above
+#: float32 rounding of these sums (~1e-6 of it) and far below any wrong index (~1).
+CONV_CHECK_REL = 1e-4
+
 #: Checks before timing. GEMM: |got - want| <= GEMM_CHECK_RTOL * K * max|want|, a
 #: float32 K-term sum's worst case with margin. Memory-bound kernels: float32 roundings.
 GEMM_CHECK_RTOL = 1e-6
@@ -68,6 +79,7 @@ ELEMENTWISE_CHECK_RTOL = 1e-5
 
 TARGET_GEMM_FRACTION = 0.50  # v3 / cuBLAS at 4096^3
 TARGET_BANDWIDTH_FRACTION = 0.80  # elementwise and softmax-xent / copy, >= 64 MB
+TARGET_CONV_POOL_FRACTION = 0.60  # conv2d v2 and max_pool forward / copy, lab layer, batch 512
 
 
 # --- peers -------------------------------------------------------------------------------
@@ -172,7 +184,8 @@ def bench_gemm(shapes, timer, peer, results, skipped):
 
 
 def bench_memory(nbytes, timer, results, skipped):
-    """Copy bandwidth, then each memory-bound kernel at arrays of ``nbytes``."""
+    """Copy bandwidth, then each memory-bound kernel at arrays of ``nbytes``; returns the
+    copy bandwidth (GB/s), the ceiling the other rows are measured against."""
     from numba import cuda
 
     from kernels.elementwise import binary
@@ -186,15 +199,7 @@ def bench_memory(nbytes, timer, results, skipped):
     n = nbytes // 4
 
     def record(name, impl, moved, run, check):
-        run()
-        bad = check()
-        if bad:
-            skipped.append(dict(name=name, reason=f"wrong result, not timed: {bad}"))
-            return
-        t = timer(run)
-        gbps = moved / t["median_s"] / 1e9
-        results.append(dict(kind="memory", name=name, impl=impl, bytes=moved, gbps=gbps,
-                            vs_copy=gbps / copy_gbps, **t))
+        _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check)
 
     # Elementwise add: read x, y; write out.
     x_h, y_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
@@ -242,6 +247,108 @@ def bench_memory(nbytes, timer, results, skipped):
     record("adam", "kernels.optimizers.adam", 7 * 4 * n,
            lambda: adam(w, g, m, v, hyper),
            lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
+    return copy_gbps
+
+
+def _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check):
+    """Run once, check, and only then time ``run``: a memory-bound row in GB/s and as a
+    fraction of the copy ceiling; a wrong result is listed under skipped, untimed."""
+    run()
+    bad = check()
+    if bad:
+        skipped.append(dict(name=name, reason=f"wrong result, not timed: {bad}"))
+        return
+    t = timer(run)
+    gbps = moved / t["median_s"] / 1e9
+    results.append(dict(kind="memory", name=name, impl=impl, bytes=moved, gbps=gbps,
+                        vs_copy=gbps / copy_gbps, **t))
+
+
+def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
+    """The lab's Conv2D(32, 3, relu) and MaxPooling2D() at ``batch`` images of hw x hw:
+    conv2d v1 and v2 forward, its backward (dW + db alone, as for a first layer, and
+    with dX), max_pool forward and backward, each checked against the float64 NumPy
+    reference before it is timed.
+
+    Bytes are the floor, each array read or written once (float32; int32 arg-max):
+        conv2d forward    read x (B*H*W*Cin) + kernel + bias; write out (B*OH*OW*Cout)
+        conv2d dW + db    read x + dy; write dW + db (pass 1's partials stay in L2)
+        conv2d dX + dW    the same plus read kernel, write dx
+        max_pool forward  read x (B*OH*OW*Cout); write out + arg (B*PH*PW*Cout each)
+        max_pool backward read dy + arg; write dx
+    """
+    from numba import cuda
+
+    from kernels.conv2d import (conv2d, conv2d_backward, conv2d_backward_ref, conv2d_ref,
+                                conv2d_output_shape, dw_partial_shape, im2col_ref)
+    from kernels.pooling import (max_pool, max_pool_backward, max_pool_backward_ref,
+                                 max_pool_ref, pool_geometry)
+
+    def record(name, impl, moved, run, check):
+        _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check)
+
+    def near(got, want, scale):
+        return _check(got, want, CONV_CHECK_REL * float(np.max(scale)))
+
+    rng = np.random.default_rng(0)
+    x_h = rng.standard_normal((batch, hw, hw, CONV_CIN), np.float32)      # (B, 28, 28, 1)
+    k_h = rng.standard_normal((CONV_K, CONV_K, CONV_CIN, CONV_COUT), np.float32)
+    b_h = rng.standard_normal(CONV_COUT, np.float32)                      # (32,)
+    shape = conv2d_output_shape(x_h.shape, k_h.shape)                     # (B, 26, 26, 32)
+    x, k, b = cuda.to_device(x_h), cuda.to_device(k_h), cuda.to_device(b_h)
+    y = cuda.device_array(shape, np.float32)
+    x64, k64 = x_h.astype(np.float64), k_h.astype(np.float64)
+    want = conv2d_ref(x64, k64, b_h.astype(np.float64), relu=True)
+    scale = conv2d_ref(np.abs(x64), np.abs(k64), np.abs(b_h).astype(np.float64))
+    f = 4                                                                  # bytes per float32
+    moved = f * (x_h.size + k_h.size + b_h.size + int(np.prod(shape)))
+    label = f"{CONV_K}x{CONV_K} {CONV_CIN}->{CONV_COUT}, {hw}x{hw}, batch {batch}"
+    for version in ("v1", "v2"):
+        record(f"conv2d {version} forward+relu ({label})", f"kernels.conv2d {version}", moved,
+               lambda v=version: conv2d(x, k, b, y, relu=True, version=v),
+               lambda: near(y.copy_to_host(), want, scale))
+
+    dy_h = rng.standard_normal(shape, np.float32)                          # (B, 26, 26, 32)
+    dy = cuda.to_device(dy_h)
+    dx = cuda.device_array(x_h.shape, np.float32)
+    dw, db = cuda.device_array(k_h.shape, np.float32), cuda.device_array(CONV_COUT, np.float32)
+    partial = cuda.device_array(dw_partial_shape(x_h.shape, k_h.shape), np.float32)
+    cols = im2col_ref(x64, (CONV_K, CONV_K))                               # (B*26*26, 9)
+    dy64 = dy_h.astype(np.float64)
+    want_dx, want_dw, want_db = conv2d_backward_ref(x64, k64, dy64, cols=cols)
+    scale_dx, scale_dw, scale_db = conv2d_backward_ref(np.abs(x64), np.abs(k64), np.abs(dy64),
+                                                       cols=np.abs(cols))
+    check_w = lambda: (near(dw.copy_to_host(), want_dw, scale_dw)            # noqa: E731
+                       or near(db.copy_to_host(), want_db, scale_db))
+    moved_w = f * (x_h.size + dy_h.size + k_h.size + CONV_COUT)
+    record(f"conv2d backward dW+db ({label})", "kernels.conv2d dw_partial + dw_finish",
+           moved_w, lambda: conv2d_backward(x, k, dy, None, dw, db, partial=partial),
+           check_w)
+    record(f"conv2d backward dX+dW+db ({label})", "kernels.conv2d dx_v1 + dw",
+           moved_w + f * (k_h.size + x_h.size),
+           lambda: conv2d_backward(x, k, dy, dx, dw, db, partial=partial),
+           lambda: near(dx.copy_to_host(), want_dx, scale_dx) or check_w())
+
+    # MaxPooling2D() on the conv's output (ReLU'd: many ties at 0, as in training).
+    y_h = np.maximum(dy_h, 0)                                              # (B, 26, 26, 32)
+    p_shape = pool_geometry(shape)[0]                                      # (B, 13, 13, 32)
+    py = cuda.to_device(y_h)
+    pout = cuda.device_array(p_shape, np.float32)
+    parg = cuda.device_array(p_shape, np.int32)
+    want_p, want_arg = max_pool_ref(y_h)
+    n_out = int(np.prod(p_shape))
+    record(f"max_pool 2x2 forward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
+           "kernels.pooling max_pool_v1", f * (y_h.size + 2 * n_out),
+           lambda: max_pool(py, pout, parg),
+           lambda: (_check(pout.copy_to_host(), want_p, 0.0)
+                    or _check(parg.copy_to_host(), want_arg, 0.0)))
+    pdy_h = rng.standard_normal(p_shape, np.float32)
+    pdy, pdx = cuda.to_device(pdy_h), cuda.device_array(shape, np.float32)
+    want_pdx = max_pool_backward_ref(pdy_h, want_arg, shape)
+    record(f"max_pool 2x2 backward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
+           "kernels.pooling max_pool_backward_v1", f * (2 * n_out + y_h.size),
+           lambda: max_pool_backward(pdy, parg, pdx),
+           lambda: _check(pdx.copy_to_host(), want_pdx, 0.0))
 
 
 def targets(results):
@@ -259,6 +366,14 @@ def targets(results):
             out.append(dict(target=f"{name} / copy bandwidth at >= 64 MB",
                             measured=rows[0]["vs_copy"], threshold=TARGET_BANDWIDTH_FRACTION,
                             met=rows[0]["vs_copy"] >= TARGET_BANDWIDTH_FRACTION))
+    # Issue 14: the lab's conv (v2) and pooling layers, batch >= 512.
+    for prefix in ("conv2d v2 forward", "max_pool 2x2 forward"):
+        rows = [r for r in results if r.get("name", "").startswith(prefix)
+                and f"batch {CONV_BATCH}" in r["name"]]
+        if rows:
+            out.append(dict(target=f"{prefix} / copy bandwidth, lab layer, batch {CONV_BATCH}",
+                            measured=rows[0]["vs_copy"], threshold=TARGET_CONV_POOL_FRACTION,
+                            met=rows[0]["vs_copy"] >= TARGET_CONV_POOL_FRACTION))
     return out
 
 
@@ -283,6 +398,7 @@ def main(argv=None):
         def timer(fn):
             return common.time_host(fn, warmup=warmup, repeat=repeat, sync=cuda.synchronize)
         shapes, nbytes, peer = SMOKE_GEMM_SHAPES, SMOKE_MEM_BYTES, (None, None)
+        conv_batch, conv_hw = SMOKE_CONV_BATCH, SMOKE_CONV_HW
         skipped = [dict(name="cuBLAS peer", reason="smoke run in the CUDA simulator")]
     else:
         ok, why = common.gpu_status()
@@ -298,6 +414,7 @@ def main(argv=None):
         def timer(fn):
             return common.time_gpu(fn, warmup=warmup, repeat=repeat)
         shapes, nbytes = GEMM_SHAPES, MEM_BYTES
+        conv_batch, conv_hw = CONV_BATCH, CONV_HW
         peer = cublas_peer()
         skipped = [] if peer[0] else [dict(name="cuBLAS peer", reason=peer[1])]
         if peer[0] is None:
@@ -307,7 +424,8 @@ def main(argv=None):
     print(f"device: {info['device']}" + ("  (simulator: times mean nothing)" if args.smoke else ""))
     results = []
     bench_gemm(shapes, timer, peer, results, skipped)
-    bench_memory(nbytes, timer, results, skipped)
+    copy_gbps = bench_memory(nbytes, timer, results, skipped)
+    bench_conv_pool(conv_batch, conv_hw, timer, copy_gbps, results, skipped)
 
     for r in results:
         r["median_us"] = r["median_s"] * 1e6

@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from kernels.launch import _data_range, check_array, check_no_alias, flat, grid_1d, launch
+from kernels.launch import check_array, check_out, flat, grid_1d, launch
 from kernels.registry import mat, register, sig, vec
 
 
@@ -132,20 +132,11 @@ register(softmax_kernel, "softmax_kernel", sig(mat("float32"), mat("float32")),
 # --- launchers -----------------------------------------------------------------------
 
 
-def _check_out(what, out, same_ok, others):
-    """``out`` may be exactly one of ``same_ok`` (in place, safe for elementwise
-    work) but must not partly overlap it, nor overlap any of ``others``."""
-    for x in same_ok:
-        if _data_range(out) != _data_range(x):
-            check_no_alias(what, out, x)
-    check_no_alias(what, out, *others)
-
-
 def _check_bias_args(what, x, bias, out):
     check_array(f"{what}: x", x, np.float32, ndim=2)
     check_array(f"{what}: bias", bias, np.float32, shape=(x.shape[1],))
     check_array(f"{what}: out", out, np.float32, shape=x.shape)
-    _check_out(what, out, same_ok=(x,), others=(bias,))
+    check_out(what, out, same_ok=(x,), others=(bias,))
 
 
 def bias_relu(x, bias, out, stream=None):
@@ -163,7 +154,7 @@ def relu_backward(dy, y, out, stream=None):
     check_array("relu_backward: dy", dy, np.float32)
     check_array("relu_backward: y", y, np.float32, shape=dy.shape)
     check_array("relu_backward: out", out, np.float32, shape=dy.shape)
-    _check_out("relu_backward", out, same_ok=(dy, y), others=())
+    check_out("relu_backward", out, same_ok=(dy, y), others=())
     if out.size:
         launch(relu_backward_kernel, *grid_1d(out.size), stream, flat(dy), flat(y),
                flat(out))
@@ -183,7 +174,7 @@ def softmax(x, out, stream=None):
     ``out`` may be ``x`` (each row is read, then written, by one thread)."""
     check_array("softmax: x", x, np.float32, ndim=2)
     check_array("softmax: out", out, np.float32, shape=x.shape)
-    _check_out("softmax", out, same_ok=(x,), others=())
+    check_out("softmax", out, same_ok=(x,), others=())
     if out.size:
         launch(softmax_kernel, *grid_1d(x.shape[0]), stream, x, out)
     return out

@@ -78,6 +78,12 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+#: ``ceil_div`` compiled for kernels (an inline device function: see kernels/registry.py),
+#: e.g. the first output window that covers an input row (kernels/conv2d.py, pooling.py).
+#: Python's floor division, which Numba keeps, makes it right for negative ``a`` too.
+ceil_div_device = cuda.jit(device=True, inline="always")(ceil_div)
+
+
 def grid_1d(n, threads=None):
     """(blocks, threads) covering ``n`` items with a grid-stride loop.
 
@@ -246,3 +252,12 @@ def check_no_alias(what, out, *inputs):
             raise ValueError(f"{what}: the output shares memory with an input; "
                              f"this kernel reads inputs after writing outputs, so "
                              f"pass a separate output array.")
+
+
+def check_out(what, out, same_ok, others):
+    """``out`` may be exactly one of ``same_ok`` (in place, safe for elementwise
+    work) but must not partly overlap it, nor overlap any of ``others``."""
+    for x in same_ok:
+        if _data_range(out) != _data_range(x):
+            check_no_alias(what, out, x)
+    check_no_alias(what, out, *others)

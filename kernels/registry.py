@@ -18,8 +18,8 @@ registry cannot fall behind the code.
 What a signature is. Numba's type string for one launch, e.g.
 ``"void(float32[:, ::1], int64[::1], float32)"``: ``[::1]`` is a C-contiguous 1-D
 array, ``[:, ::1]`` a C-contiguous 2-D one (every launcher checks contiguity and passes
-flattened or 2-D C-order arrays), a bare dtype a scalar. ``vec``, ``mat`` and ``arr3``
-below spell them. Compile-time variants (gemm's transposes and versions, softmax_xent's
+flattened or 2-D C-order arrays), a bare dtype a scalar. ``vec``, ``mat``, ``arr3`` and
+``arr4`` (NHWC images and HWIO conv kernels) below spell them. Compile-time variants (gemm's transposes and versions, softmax_xent's
 ``with_grad``, elementwise's operator) are separate kernel objects, each registered
 with its ``variant`` written out.
 
@@ -59,6 +59,11 @@ def mat(dtype):
 def arr3(dtype):
     """A C-contiguous 3-D array: ``float32[:, :, ::1]``."""
     return f"{dtype}[:, :, ::1]"
+
+
+def arr4(dtype):
+    """A C-contiguous 4-D array: ``float32[:, :, :, ::1]`` (an NHWC batch, an HWIO kernel)."""
+    return f"{dtype}[:, :, :, ::1]"
 
 
 def sig(*args):

@@ -8,9 +8,14 @@ What: `load('mnist', ...)` returns `mirrored.data.Dataset`s the way
     info.splits['train'].num_examples          # 60000 (or 8000 from the bundled subset)
 
 Where the data comes from, in order:
-1. `<data_dir>/mnist/` — the four original IDX files (gzip), if present and their
-   SHA-256 matches the published full set. data_dir: the argument, else the env var
-   MIRRORED_DATA_DIR, else ~/tensorflow_datasets (where tfds keeps its data).
+1. Files the user already has, in `<data_dir>/mnist/` or `<data_dir>/` itself: the four
+   original IDX files (gzip) with the published SHA-256s, or any copy, gzip-compressed or
+   not (`train-images-idx3-ubyte`, `train-images-idx3-ubyte.gz`, Kaggle's
+   `train-images.idx3-ubyte`), whose UNCOMPRESSED contents have MNIST's SHA-256
+   (`MNIST_RAW_SHA256`): a copy recompressed with other gzip settings has other .gz
+   bytes but the same digits. Used with no network and no warning. data_dir: the
+   argument, else the env var MIRRORED_DATA_DIR, else ~/tensorflow_datasets (where tfds
+   keeps its data).
 2. The network: each missing or damaged file is fetched from MIRRORS in order, checked
    against its SHA-256 while it streams, and written atomically (temporary file in the
    same folder, fsync, os.replace): a failed or corrupt download never leaves a file
@@ -23,6 +28,10 @@ set by the test suite and CI) never touches the network: 1, then 3.
 `download='force'` insists on the full set: 1, 2, else an error that says which file
 was wrong and what to do (the subset is never substituted silently).
 
+`disable_progress_bar()` / `enable_progress_bar()`, as in tfds: whether a download
+prints a line per file (to stderr) while it runs. The course lab calls
+`tfds.disable_progress_bar()` first; with `import mirrored.datasets as tfds` it runs.
+
 Why IDX: it is MNIST's own format — a big-endian header (magic number, dimensions)
 then raw uint8 bytes — so a dozen lines of NumPy read it (see `read_idx`).
 
@@ -34,6 +43,7 @@ import gzip
 import hashlib
 import os
 import re
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -55,6 +65,14 @@ MNIST_FILES = {
     "t10k-labels-idx1-ubyte.gz":
         (4542, "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6"),
 }
+# SHA-256 of each file's UNCOMPRESSED contents (the same for every copy of MNIST, however
+# it was compressed): what a local copy is checked against when its .gz bytes differ.
+MNIST_RAW_SHA256 = {
+    "train-images-idx3-ubyte.gz": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+    "train-labels-idx1-ubyte.gz": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+    "t10k-images-idx3-ubyte.gz": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+    "t10k-labels-idx1-ubyte.gz": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+}
 SPLIT_FILES = {  # split → (images file, labels file)
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
@@ -71,6 +89,7 @@ IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049   # IDX: 0x0000 08 (uint8) 03/01 (dimens
 AVAILABLE = ("mnist",)
 
 _warned = set()            # messages already shown in this process (warn once each)
+_progress_bar = [True]     # whether downloads print progress (disable_progress_bar)
 
 
 class BundledSubsetWarning(UserWarning):
@@ -79,6 +98,25 @@ class BundledSubsetWarning(UserWarning):
 
 class DownloadError(OSError):
     """The full MNIST set was required (download='force') but could not be had."""
+
+
+# ---------------------------------------------------------------------------------------
+# Progress output, as tfds
+# ---------------------------------------------------------------------------------------
+
+def disable_progress_bar():
+    """No progress output from downloads (tfds.disable_progress_bar)."""
+    _progress_bar[0] = False
+
+
+def enable_progress_bar():
+    """Downloads print one line per file to stderr (the default; tfds.enable_progress_bar)."""
+    _progress_bar[0] = True
+
+
+def _progress(message):
+    if _progress_bar[0]:
+        print(f"mirrored.datasets: {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,11 +190,18 @@ def _download_mode(download):
 
 def _locate_files(directory, mode):
     """Return ({file name: path}, source, {file name: problem}) for the files to read."""
-    problems = {}
+    problems, paths = {}, {}
     network_down = mode not in ("try", "force")
     for name, (size, sha256) in MNIST_FILES.items():
         path = directory / name
         problem = _check_file(path, size, sha256)
+        if problem:                      # another copy the user has, checked by its contents?
+            copy, rejected = _find_local_copy(directory, name)
+            if copy is not None:
+                path, problem = copy, None
+            elif rejected and "is missing" in problem:
+                problem = rejected[0]    # say what is wrong with the copy that IS there
+        paths[name] = path
         if problem and not network_down:
             try:
                 _download(name, path, sha256)
@@ -167,7 +212,7 @@ def _locate_files(directory, mode):
         if problem:
             problems[name] = problem
     if not problems:
-        return {name: directory / name for name in MNIST_FILES}, "full", {}
+        return paths, "full", {}
     if mode.startswith("force"):
         raise DownloadError(_force_failure_message(directory, problems, mode))
     _warn_once(_fallback_message(directory, problems, mode))
@@ -185,6 +230,36 @@ def _check_file(path, size, sha256):
     if actual != sha256:
         return f"{path} has SHA-256 {actual}, expected {sha256} (corrupt)"
     return None
+
+
+def _local_names(name):
+    """The names a local copy of ``name`` may have: 'train-images-idx3-ubyte.gz', the same
+    uncompressed, and Kaggle's 'train-images.idx3-ubyte' (either way)."""
+    stem = name[:-len(".gz")]
+    kaggle = stem.replace("-idx", ".idx")           # train-images-idx3-ubyte → .idx3-ubyte
+    return (name, stem, kaggle, kaggle + ".gz")
+
+
+def _find_local_copy(directory, name):
+    """(path, rejected): a file in ``directory`` or its parent (data_dir itself) whose
+    uncompressed contents have MNIST's SHA-256 for ``name``, or None; and what is wrong
+    with each candidate file passed over (unreadable, or other contents)."""
+    rejected = []
+    for folder in (directory, directory.parent):
+        for candidate in _local_names(name):
+            path = folder / candidate
+            if not path.is_file():
+                continue
+            try:
+                actual = hashlib.sha256(_raw_bytes(path)).hexdigest()
+            except ValueError as error:
+                rejected.append(str(error))
+                continue
+            if actual == MNIST_RAW_SHA256.get(name):
+                return path, rejected
+            rejected.append(f"{path} is not MNIST's {name}: its uncompressed contents have "
+                            f"SHA-256 {actual}, expected {MNIST_RAW_SHA256.get(name)}")
+    return None, rejected
 
 
 def _sha256(path):
@@ -206,7 +281,8 @@ def _fallback_message(directory, problems, mode):
             f"(the full set has 60,000 / 10,000), because {why}.{details} To get the full "
             f"set, run load('mnist') with network access (download=True, MIRRORED_OFFLINE "
             f"unset), or copy the four files "
-            f"{', '.join(MNIST_FILES)} into {directory}.")
+            f"{', '.join(MNIST_FILES)} into {directory} (the originals, or any copies whose "
+            f"uncompressed contents are MNIST's, .gz or not, there or in {directory.parent}).")
 
 
 def _force_failure_message(directory, problems, mode):
@@ -264,7 +340,9 @@ def _download(name, path, sha256):
     for mirror in MIRRORS:
         url = mirror + name
         try:
+            _progress(f"downloading {url} ...")
             _write_atomically(_fetch(url, FETCH_TIMEOUT_S), path, sha256)
+            _progress(f"{name}: done, SHA-256 verified, saved as {path}")
             return
         except Exception as error:       # any failure here just means: try the next mirror
             errors.append(f"{url}: {type(error).__name__}: {error}")
@@ -317,20 +395,29 @@ def _fsync_dir(directory):
 # Reading IDX files
 # ---------------------------------------------------------------------------------------
 
+def _raw_bytes(path):
+    """The uncompressed contents of an IDX file: gunzipped when its name ends in .gz,
+    else as it is. A ValueError naming the file when a .gz does not decompress."""
+    path = Path(path)
+    if path.suffix != ".gz":
+        return path.read_bytes()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path}: not a readable gzip file ({error}). Delete it and "
+                         f"load again.") from error
+
+
 def read_idx(path, expected_magic=None):
-    """Read a gzip-compressed IDX file into a uint8 array.
+    """Read an IDX file (gzip-compressed when its name ends in .gz) into a uint8 array.
 
     Layout: 4-byte big-endian magic 0x000008NN (08 = unsigned byte data, NN = number of
     dimensions), then NN big-endian uint32 sizes, then the bytes in C order.
     Any mismatch raises ValueError naming the file.
     """
     path = Path(path)
-    try:
-        with gzip.open(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        raise ValueError(f"{path}: not a readable gzip file ({error}). Delete it and "
-                         f"load again.") from error
+    raw = _raw_bytes(path)
     if len(raw) < 4:
         raise ValueError(f"{path}: {len(raw)} bytes is too short for an IDX header.")
     magic = int.from_bytes(raw[:4], "big")
@@ -353,7 +440,7 @@ def read_idx(path, expected_magic=None):
 
 def _idx_count(path):
     """The first dimension from an IDX header (cheap: reads 8 bytes)."""
-    with gzip.open(path, "rb") as f:
+    with (gzip.open(path, "rb") if Path(path).suffix == ".gz" else open(path, "rb")) as f:
         return int.from_bytes(f.read(8)[4:8], "big")
 
 

@@ -9,6 +9,7 @@ No test touches the network: `_fetch` is replaced by fakes, and a small syntheti
 import gzip
 import hashlib
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -351,3 +352,110 @@ def test_load_reports_a_bad_magic_file_that_passed_its_checksum(tmp_path, monkey
     put_cached(tmp_path, files)
     with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte\.gz: bad IDX magic"):
         datasets.load("mnist", data_dir=tmp_path, download=False)
+
+
+# --- copies the user already has (issue 14) ------------------------------------------------
+
+#: The whole MNIST set, recompressed (gzip -n -9: other .gz bytes than the originals), kept
+#: beside the repository for tests and benchmarks; see its README.md.
+SHARED_FULL = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-full"
+#: MNIST's class counts (from SHARED_FULL's README): what the full test split must hold.
+TEST_CLASS_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def raw_table(arrays):
+    """MNIST_RAW_SHA256 for a synthetic set: the SHA-256 of each file's uncompressed bytes."""
+    table = {}
+    for split, (images_file, labels_file) in datasets.SPLIT_FILES.items():
+        for name, array, magic in ((images_file, arrays[split][0], datasets.IMAGES_MAGIC),
+                                   (labels_file, arrays[split][1], datasets.LABELS_MAGIC)):
+            table[name] = hashlib.sha256(gzip.decompress(idx_bytes(array, magic))).hexdigest()
+    return table
+
+
+def no_fetch_allowed(monkeypatch):
+    def forbidden(url, timeout):
+        raise AssertionError(f"a local copy was there: no download expected ({url})")
+        yield  # noqa: unreachable
+    monkeypatch.setattr(datasets, "_fetch", forbidden)
+
+
+@pytest.mark.skipif(not SHARED_FULL.is_dir(),
+                    reason=f"the full MNIST set is not at {SHARED_FULL} (see the issue's Data "
+                           f"section); nothing to load")
+def test_full_mnist_recompressed_in_data_dir_is_used_offline_without_warning(tmp_path,
+                                                                             monkeypatch):
+    cache_dir(tmp_path).mkdir()
+    for name in datasets.MNIST_FILES:
+        (cache_dir(tmp_path) / name).symlink_to(SHARED_FULL / name)
+    no_fetch_allowed(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # no subset warning, no other warning
+        (train, test), info = datasets.load("mnist", split=["train", "test"], with_info=True,
+                                            as_supervised=True, data_dir=tmp_path,
+                                            batch_size=-1)
+    assert info.source == "full" and not info.problems
+    assert train[0].shape == (60000, 28, 28, 1) and test[0].shape == (10000, 28, 28, 1)
+    assert np.bincount(test[1], minlength=10).tolist() == TEST_CLASS_COUNTS
+
+
+def test_uncompressed_and_renamed_copies_in_data_dir_itself(tmp_path, monkeypatch, full_set):
+    files, arrays = full_set
+    monkeypatch.setattr(datasets, "MNIST_RAW_SHA256", raw_table(arrays))
+    raw = {name: gzip.decompress(blob) for name, blob in files.items()}
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(raw["train-images-idx3-ubyte.gz"])
+    (tmp_path / "train-labels.idx1-ubyte").write_bytes(raw["train-labels-idx1-ubyte.gz"])
+    (tmp_path / "t10k-images.idx3-ubyte.gz").write_bytes(
+        gzip.compress(raw["t10k-images-idx3-ubyte.gz"], compresslevel=1, mtime=7))
+    cache_dir(tmp_path).mkdir()                   # the original name, other .gz bytes
+    (cache_dir(tmp_path) / "t10k-labels-idx1-ubyte.gz").write_bytes(
+        gzip.compress(raw["t10k-labels-idx1-ubyte.gz"], compresslevel=9, mtime=12345))
+    no_fetch_allowed(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        splits, info = datasets.load("mnist", as_supervised=True, data_dir=tmp_path,
+                                     with_info=True, batch_size=-1)
+    assert info.source == "full"
+    assert info.files["train-labels-idx1-ubyte.gz"] == tmp_path / "train-labels.idx1-ubyte"
+    for split in ("train", "test"):
+        np.testing.assert_array_equal(splits[split][0][..., 0], arrays[split][0])
+        np.testing.assert_array_equal(splits[split][1], arrays[split][1])
+
+
+def test_a_copy_with_other_contents_is_not_used(tmp_path, monkeypatch, full_set):
+    files, arrays = full_set
+    monkeypatch.setattr(datasets, "MNIST_RAW_SHA256", raw_table(arrays))
+    put_cached(tmp_path, {n: b for n, b in files.items() if n != "train-labels-idx1-ubyte.gz"})
+    wrong = gzip.decompress(files["train-labels-idx1-ubyte.gz"])[:-1] + b"\x09"
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(wrong)     # one label changed
+    with pytest.warns(BundledSubsetWarning,
+                      match=r"train-labels-idx1-ubyte is not MNIST's train-labels-idx1-ubyte\.gz"):
+        _, info = datasets.load("mnist", data_dir=tmp_path, download=False, with_info=True)
+    assert "bundled" in info.source
+
+
+def test_read_idx_reads_uncompressed_files(tmp_path, rng):
+    array = rng.integers(0, 256, (4, 3)).astype(np.uint8)
+    path = tmp_path / "x-idx2-ubyte"
+    path.write_bytes(gzip.decompress(idx_bytes(array, 0x0802)))
+    np.testing.assert_array_equal(datasets.read_idx(path, 0x0802), array)
+
+
+# --- progress output, as tfds -------------------------------------------------------------------
+
+def test_progress_bar_switches(tmp_path, monkeypatch, full_set, capsys):
+    monkeypatch.setattr(datasets, "_progress_bar", [True])
+    monkeypatch.setattr(datasets, "_fetch", FakeMirror(full_set[0]))
+    datasets.disable_progress_bar()
+    datasets.load("mnist", data_dir=tmp_path / "quiet")
+    assert capsys.readouterr().err == ""
+    datasets.enable_progress_bar()
+    datasets.load("mnist", data_dir=tmp_path / "loud")
+    err = capsys.readouterr().err
+    assert err.count("downloading") == len(full_set[0]) and "SHA-256 verified" in err
+
+
+def test_the_labs_first_cell_runs_with_mirrored_datasets_as_tfds():
+    import mirrored.datasets as tfds
+    tfds.disable_progress_bar()                   # line 3 of "Mirrored Strategy: Basic"
+    tfds.enable_progress_bar()

@@ -1,0 +1,217 @@
+"""MaxPooling2D as Keras computes it: forward with the arg-max, backward to the first maximum.
+
+    out[n, oh, ow, c] = max over the window's positions (a, b) inside the input of
+                        x[n, oh*sh - pt + a, ow*sw - pl + b, c]
+    arg[n, oh, ow, c] = a * PW + b of the FIRST maximum in row-major window order
+
+NHWC in and out; ``pool_size`` (PH, PW), ``strides`` (default: the pool size) and
+``padding`` "valid" or "same" follow Keras, with TensorFlow's padding rule
+(``kernels.conv2d.window_geometry``: the odd extra after). Padding is not a value: a
+window only looks at its positions inside the input ("same" never makes a window of
+padding only).
+
+Why the FIRST maximum: on MNIST's blank background most 2x2 windows hold four equal
+zeros, and the gradient must go to exactly one of them, the one TensorFlow's CPU kernel
+picks (core/kernels/maxpooling_op.cc: the first in row-major order). "valid" with an odd
+size drops the last row/column: those inputs are in no window and get zero gradient.
+
+NaN: a window holding a NaN outputs NaN, and its gradient goes to its first NaN (NumPy's
+``max`` and ``argmax``; TensorFlow propagates NaN too). The reference ``max_pool_ref``
+defines this; the kernel does the same comparisons in the same order.
+
+Versions: v1 only (both directions are memory-bound and already coalesced):
+    forward   one thread per output (n, oh, ow, c), c fastest.
+    backward  one thread per INPUT element, summing dy over the windows (usually one)
+              whose recorded arg-max is that element: no atomics even when windows
+              overlap (strides < pool), so the result is bitwise reproducible.
+The arg-max is stored as int32 (the position in the window, < PH * PW): the backward
+reads 4 bytes per output instead of recomparing the window.
+
+Neighbours: kernels/conv2d.py (``window_geometry``, the padding rule), kernels/launch.py;
+the Keras layer MaxPooling2D (mirrored/keras/) calls these launchers, or the references
+on the CPU.  ``python -m pytest -q tests/test_kernels_pooling.py``
+"""
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from kernels.conv2d import pair, window_geometry
+from kernels.launch import ceil_div_device, check_array, check_no_alias, grid_1d, launch
+from kernels.registry import arr4, register, sig
+
+#: The arg-max dtype: a window position a * PW + b.
+ARG_DTYPE = np.int32
+
+
+# --- geometry --------------------------------------------------------------------------
+
+def pool_geometry(x_shape, pool_size=2, strides=None, padding="valid", what="max_pool"):
+    """((B, OH, OW, C), pool (PH, PW), strides (sh, sw), pads (pt, pb, pl, pr)) for an
+    NHWC input; a ValueError naming ``what`` for a wrong rank or size. ``strides=None``
+    means the pool size, as in Keras."""
+    x_shape = tuple(x_shape)
+    if len(x_shape) != 4:
+        hint = (" (a batch of single-channel images: add the channel axis, e.g. "
+                "x[..., None])" if len(x_shape) == 3 else "")
+        raise ValueError(f"{what}: the input must be 4-D (batch, height, width, channels), "
+                         f"got shape {x_shape}{hint}.")
+    pool = pair(what, "pool_size", pool_size)
+    strides = pool if strides is None else pair(what, "strides", strides)
+    out_h, out_w, pads = window_geometry(what, x_shape[1:3], pool, strides, padding, "pool")
+    return (x_shape[0], out_h, out_w, x_shape[3]), pool, strides, pads
+
+
+# --- NumPy references ----------------------------------------------------------------------
+
+def max_pool_ref(x, pool_size=2, strides=None, padding="valid"):
+    """(out, arg) for x (B, H, W, C): the window maxima (B, OH, OW, C) in x's dtype and
+    the position a * PW + b of each window's first maximum (first NaN, if any), int32.
+
+    One vectorised step per window position, in row-major order: a position replaces the
+    best so far when it is inside the input and larger, or NaN where the best is not."""
+    shape, (ph, pw), (sh, sw), (pt, pb, pl, pr) = pool_geometry(x.shape, pool_size, strides,
+                                                                padding, "max_pool_ref")
+    b, out_h, out_w, c = shape
+    xp = np.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)))     # the pad values are never used
+    inside = np.zeros(xp.shape[1:3], bool)                    # (Hp, Wp): True on the input
+    inside[pt:pt + x.shape[1], pl:pl + x.shape[2]] = True
+    best = np.zeros(shape, x.dtype)                            # (B, OH, OW, C)
+    arg = np.full(shape, -1, ARG_DTYPE)                        # -1: nothing seen yet
+    for a in range(ph):
+        for bb in range(pw):
+            v = xp[:, a:a + sh * out_h:sh, bb:bb + sw * out_w:sw, :]        # (B, OH, OW, C)
+            ok = inside[a:a + sh * out_h:sh, bb:bb + sw * out_w:sw][None, :, :, None]
+            take = ok & ((arg < 0) | (v > best) | (np.isnan(v) & ~np.isnan(best)))
+            best = np.where(take, v, best)
+            arg = np.where(take, ARG_DTYPE(a * pw + bb), arg)
+    return best, arg
+
+
+def max_pool_backward_ref(dy, arg, x_shape, pool_size=2, strides=None, padding="valid"):
+    """dx (x_shape) from dy and the forward's ``arg`` (B, OH, OW, C): each window's
+    gradient added to its recorded first maximum; inputs in no window get zero."""
+    shape, (ph, pw), (sh, sw), (pt, pb, pl, pr) = pool_geometry(
+        x_shape, pool_size, strides, padding, "max_pool_backward_ref")
+    b, out_h, out_w, c = shape
+    h, w = x_shape[1], x_shape[2]
+    dxp = np.zeros((b, h + pt + pb, w + pl + pr, c), dy.dtype)     # (B, Hp, Wp, C)
+    for a in range(ph):
+        for bb in range(pw):       # one window position at a time: its slices never collide
+            dxp[:, a:a + sh * out_h:sh, bb:bb + sw * out_w:sw, :] += np.where(
+                arg == a * pw + bb, dy, 0)
+    return dxp[:, pt:pt + h, pl:pl + w, :]
+
+
+# --- kernels --------------------------------------------------------------------------------
+
+@cuda.jit
+def max_pool_v1(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
+    """Forward. One thread per output element i of the flattened (B, OH, OW, C) output
+    (grid-stride), c = i % C fastest: a warp reads and writes consecutive channels.
+    Loop nest: for each (n, oh, ow, c): best, k = -, -1
+                   for a in range(PH): for b in range(PW): (if inside the input)
+                       v = x[n, oh*sh - pt + a, ow*sw - pl + b, c]
+                       if k < 0 or v > best or (isnan(v) and not isnan(best)): best, k = v, a*PW + b
+                   out[n, oh, ow, c] = best; arg[n, oh, ow, c] = k
+    (``v > best`` is False for NaN on either side: a NaN is taken only by the isnan test,
+    and once taken nothing replaces it.)
+    """
+    in_h, in_w, ch = x.shape[1], x.shape[2], x.shape[3]
+    out_h, out_w = out.shape[1], out.shape[2]
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        c = i % ch
+        p = i // ch
+        ow = p % out_w
+        p //= out_w
+        oh = p % out_h
+        n = p // out_h
+        best = float32(0.0)     # replaced by the window's first position inside x (k < 0)
+        k = -1
+        for a in range(ph_n):
+            ih = oh * sh - pt + a
+            if ih >= 0 and ih < in_h:
+                for b in range(pw_n):
+                    iw = ow * sw - pl + b
+                    if iw >= 0 and iw < in_w:
+                        v = x[n, ih, iw, c]
+                        if k < 0 or v > best or (math.isnan(v) and not math.isnan(best)):
+                            best = v
+                            k = a * pw_n + b
+        out[n, oh, ow, c] = best
+        arg[n, oh, ow, c] = k
+
+
+@cuda.jit
+def max_pool_backward_v1(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
+    """Backward. One thread per input element i of the flattened (B, H, W, C) dx
+    (grid-stride), c fastest. The windows covering input row ih are
+    oh = ceil((ih + pt - PH + 1) / sh) .. floor((ih + pt) / sh) (clipped to [0, OH)), at
+    window row a = ih + pt - oh * sh; the same along the width. The thread adds dy of
+    each such window whose arg-max is its position (a, b): it alone writes its dx.
+    Loop nest: for each (n, ih, iw, c): acc = 0
+                   for oh, ow in those ranges:
+                       if arg[n, oh, ow, c] == a * PW + b: acc += dy[n, oh, ow, c]
+                   dx[n, ih, iw, c] = acc
+    """
+    in_h, in_w, ch = dx.shape[1], dx.shape[2], dx.shape[3]
+    out_h, out_w = dy.shape[1], dy.shape[2]
+    for i in range(cuda.grid(1), dx.size, cuda.gridsize(1)):
+        c = i % ch
+        p = i // ch
+        iw = p % in_w
+        p //= in_w
+        ih = p % in_h
+        n = p // in_h
+        acc = float32(0.0)
+        oh_lo = max(ceil_div_device(ih + pt - ph_n + 1, sh), 0)
+        oh_hi = min((ih + pt) // sh, out_h - 1)
+        ow_lo = max(ceil_div_device(iw + pl - pw_n + 1, sw), 0)
+        ow_hi = min((iw + pl) // sw, out_w - 1)
+        for oh in range(oh_lo, oh_hi + 1):
+            a = ih + pt - oh * sh
+            for ow in range(ow_lo, ow_hi + 1):
+                if arg[n, oh, ow, c] == a * pw_n + (iw + pl - ow * sw):
+                    acc += dy[n, oh, ow, c]
+        dx[n, ih, iw, c] = acc
+
+
+# What the real compiler checks (kernels/registry.py): float32 NHWC arrays, int32 arg-max.
+_A4, _ARG, _I = arr4("float32"), arr4("int32"), "int64"
+register(max_pool_v1, "max_pool_v1", sig(_A4, _A4, _ARG, _I, _I, _I, _I, _I, _I),
+         block=grid_1d(1)[1])
+register(max_pool_backward_v1, "max_pool_backward_v1",
+         sig(_A4, _ARG, _A4, _I, _I, _I, _I, _I, _I), block=grid_1d(1)[1])
+
+
+# --- launchers --------------------------------------------------------------------------------
+
+def max_pool(x, out, arg, pool_size=2, strides=None, padding="valid", stream=None):
+    """MaxPooling2D forward on the GPU: out (B, OH, OW, C) float32 and arg (B, OH, OW, C)
+    int32 (``pool_geometry`` gives the shape) from x (B, H, W, C) float32; C-contiguous,
+    outputs disjoint from x and each other. Every check runs before the launch."""
+    shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(x.shape, pool_size, strides,
+                                                              padding)
+    check_array("max_pool: x", x, np.float32, ndim=4)
+    check_array("max_pool: out", out, np.float32, shape=shape)
+    check_array("max_pool: arg", arg, ARG_DTYPE, shape=shape)
+    check_no_alias("max_pool", out, x, arg)
+    check_no_alias("max_pool", arg, x)
+    if out.size:
+        launch(max_pool_v1, *grid_1d(out.size), stream, x, out, arg, ph, pw, sh, sw, pt, pl)
+    return out, arg
+
+
+def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid", stream=None):
+    """MaxPooling2D backward on the GPU: dx (B, H, W, C) float32 from dy and the forward's
+    arg (B, OH, OW, C); the same pool_size, strides and padding as the forward."""
+    shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
+                                                              padding, "max_pool_backward")
+    check_array("max_pool_backward: dx", dx, np.float32, ndim=4)
+    check_array("max_pool_backward: dy", dy, np.float32, shape=shape)
+    check_array("max_pool_backward: arg", arg, ARG_DTYPE, shape=shape)
+    check_no_alias("max_pool_backward", dx, dy, arg)
+    if dx.size:
+        launch(max_pool_backward_v1, *grid_1d(dx.size), stream, dy, arg, dx, ph, pw, sh, sw,
+               pt, pl)
+    return dx
