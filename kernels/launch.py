@@ -69,8 +69,10 @@ _configured = {}
 #: step, pass 2 of a reduction), and a notebook would print it at every first launch,
 #: so ``launch`` silences exactly this message, for our kernels only. (Matched by its
 #: text: numba-cuda raises its own ``numba.cuda.core.errors.NumbaPerformanceWarning``,
-#: not a subclass of ``numba.core.errors.NumbaPerformanceWarning``.)
-LOW_OCCUPANCY_MESSAGE = r"Grid size \d+ will likely result in GPU under-utilization"
+#: not a subclass of ``numba.core.errors.NumbaPerformanceWarning``. Where numba can
+#: colour its messages, as on the H100 machine, the text starts with terminal escape
+#: codes such as "\x1b[1m": the pattern allows them, since a filter matches from the start.)
+LOW_OCCUPANCY_MESSAGE = r"(\x1b\[[0-9;]*m)*Grid size \d+ will likely result in GPU under-utilization"
 
 
 def ceil_div(a, b):
