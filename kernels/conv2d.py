@@ -60,7 +60,7 @@ import numpy as np
 from numba import cuda, float32
 
 from kernels.launch import (SIMULATOR, ceil_div, ceil_div_device, check_array, check_no_alias,
-                            flat, grid_1d, grid_rows, launch)
+                            flat, grid_1d, grid_rows, launch, nhwc_index, windows_over)
 from kernels.registry import arr4, mat, register, sig, vec
 
 PADDINGS = ("valid", "same")
@@ -248,12 +248,7 @@ def _make_v1(relu):
         kh_n, kw_n, cout = w.shape[0], w.shape[1], w.shape[3]
         out_h, out_w = out.shape[1], out.shape[2]
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-            co = i % cout
-            p = i // cout
-            ow = p % out_w
-            p //= out_w
-            oh = p % out_h
-            n = p // out_h
+            n, oh, ow, co = nhwc_index(i, out_h, out_w, cout)
             acc = bias[co]
             for kh in range(kh_n):
                 ih = oh * sh - pt + kh
@@ -350,17 +345,10 @@ def conv2d_dx_v1(dy, w, dx, sh, sw, pt, pl):
     kh_n, kw_n, cout = w.shape[0], w.shape[1], w.shape[3]
     out_h, out_w = dy.shape[1], dy.shape[2]
     for i in range(cuda.grid(1), dx.size, cuda.gridsize(1)):
-        ci = i % cin
-        p = i // cin
-        iw = p % in_w
-        p //= in_w
-        ih = p % in_h
-        n = p // in_h
+        n, ih, iw, ci = nhwc_index(i, in_h, in_w, cin)
         acc = float32(0.0)
-        oh_lo = max(ceil_div_device(ih + pt - kh_n + 1, sh), 0)
-        oh_hi = min((ih + pt) // sh, out_h - 1)
-        ow_lo = max(ceil_div_device(iw + pl - kw_n + 1, sw), 0)
-        ow_hi = min((iw + pl) // sw, out_w - 1)
+        oh_lo, oh_hi, ow_lo, ow_hi = windows_over(ih, iw, pt, pl, kh_n, kw_n, sh, sw,
+                                                  out_h, out_w)
         for oh in range(oh_lo, oh_hi + 1):
             kh = ih + pt - oh * sh
             for ow in range(ow_lo, ow_hi + 1):

@@ -86,6 +86,31 @@ def ceil_div(a, b):
 ceil_div_device = cuda.jit(device=True, inline="always")(ceil_div)
 
 
+@cuda.jit(device=True, inline="always")
+def nhwc_index(i, h, w, c):
+    """(n, y, x, ch) of element ``i`` of a C-contiguous NHWC array with H, W, C = h, w, c:
+    the inverse of ``i = ((n * h + y) * w + x) * c + ch``. Channels vary fastest, so
+    consecutive threads get consecutive channels (coalesced loads and stores)."""
+    ch = i % c
+    p = i // c
+    x = p % w
+    p //= w
+    return p // h, p % h, x, ch
+
+
+@cuda.jit(device=True, inline="always")
+def windows_over(iy, ix, pad_top, pad_left, win_h, win_w, sh, sw, out_h, out_w):
+    """The output windows that cover input pixel (iy, ix): rows [oy_lo, oy_hi] and
+    columns [ox_lo, ox_hi] (empty where lo > hi). Window (oy, ox) starts at input
+    (oy * sh - pad_top, ox * sw - pad_left) and is win_h x win_w. For the backward
+    passes of conv2d (dx) and pooling, which gather instead of scattering."""
+    oy_lo = max(ceil_div_device(iy + pad_top - win_h + 1, sh), 0)
+    oy_hi = min((iy + pad_top) // sh, out_h - 1)
+    ox_lo = max(ceil_div_device(ix + pad_left - win_w + 1, sw), 0)
+    ox_hi = min((ix + pad_left) // sw, out_w - 1)
+    return oy_lo, oy_hi, ox_lo, ox_hi
+
+
 def grid_1d(n, threads=None):
     """(blocks, threads) covering ``n`` items with a grid-stride loop.
 

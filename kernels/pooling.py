@@ -37,7 +37,7 @@ import numpy as np
 from numba import cuda, float32
 
 from kernels.conv2d import pair, window_geometry
-from kernels.launch import ceil_div_device, check_array, check_no_alias, grid_1d, launch
+from kernels.launch import check_array, check_no_alias, grid_1d, launch, nhwc_index, windows_over
 from kernels.registry import arr4, register, sig
 
 #: The arg-max dtype: a window position a * PW + b.
@@ -120,12 +120,7 @@ def max_pool_v1(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
     in_h, in_w, ch = x.shape[1], x.shape[2], x.shape[3]
     out_h, out_w = out.shape[1], out.shape[2]
     for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        c = i % ch
-        p = i // ch
-        ow = p % out_w
-        p //= out_w
-        oh = p % out_h
-        n = p // out_h
+        n, oh, ow, c = nhwc_index(i, out_h, out_w, ch)
         best = float32(0.0)     # replaced by the window's first position inside x (k < 0)
         k = -1
         for a in range(ph_n):
@@ -157,17 +152,10 @@ def max_pool_backward_v1(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
     in_h, in_w, ch = dx.shape[1], dx.shape[2], dx.shape[3]
     out_h, out_w = dy.shape[1], dy.shape[2]
     for i in range(cuda.grid(1), dx.size, cuda.gridsize(1)):
-        c = i % ch
-        p = i // ch
-        iw = p % in_w
-        p //= in_w
-        ih = p % in_h
-        n = p // in_h
+        n, ih, iw, c = nhwc_index(i, in_h, in_w, ch)
         acc = float32(0.0)
-        oh_lo = max(ceil_div_device(ih + pt - ph_n + 1, sh), 0)
-        oh_hi = min((ih + pt) // sh, out_h - 1)
-        ow_lo = max(ceil_div_device(iw + pl - pw_n + 1, sw), 0)
-        ow_hi = min((iw + pl) // sw, out_w - 1)
+        oh_lo, oh_hi, ow_lo, ow_hi = windows_over(ih, iw, pt, pl, ph_n, pw_n, sh, sw,
+                                                  out_h, out_w)
         for oh in range(oh_lo, oh_hi + 1):
             a = ih + pt - oh * sh
             for ow in range(ow_lo, ow_hi + 1):
