@@ -24,7 +24,7 @@ would round the inputs to 10-bit mantissas: a different, faster computation).
 
 Targets on an H100: v3 >= 50% of cuBLAS FP32 at 4096^3; elementwise, softmax-xent and
 the optimizers >= 80% of copy bandwidth at >= 64 MB; conv2d v2 and max-pool >= 60% of
-copy bandwidth for the lab's layer at batch 512 (issue 14). The JSON records whether
+copy bandwidth for the lab's layer at batch 512. The JSON records whether
 each was met, when it was measured.
 
 Every implementation's output is checked before it is timed (as llm.c does): a wrong
@@ -64,7 +64,7 @@ SMOKE_MEM_BYTES = 2 * 1024
 XENT_CLASSES = 10
 
 #: The course lab's Conv2D(32, 3, activation="relu") on (28, 28, 1) images, then
-#: MaxPooling2D(): batch 512 (issue 14: "batch >= 512"), 26 x 26 x 32 conv outputs.
+#: MaxPooling2D(): batch 512 (the target says "batch >= 512"), 26 x 26 x 32 conv outputs.
 CONV_BATCH, CONV_HW, CONV_CIN, CONV_COUT, CONV_K = 512, 28, 1, 32, 3
 #: --smoke: batch 2 of 6 x 6 images (4 x 4 x 32 outputs), for the simulator.
 SMOKE_CONV_BATCH, SMOKE_CONV_HW = 2, 6
@@ -352,21 +352,21 @@ def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
 
 
 def targets(results):
-    """Each issue-3 target that was measured: value, threshold, met."""
+    """Each target that was measured (module docstring): value, threshold, met."""
     out = []
     v3 = [r for r in results if r.get("impl") == "gemm v3" and r["shape"] == "4096x4096x4096"]
     if v3 and v3[0].get("vs_peer") is not None:
         out.append(dict(target="gemm v3 / cuBLAS FP32 at 4096^3", measured=v3[0]["vs_peer"],
                         threshold=TARGET_GEMM_FRACTION,
                         met=v3[0]["vs_peer"] >= TARGET_GEMM_FRACTION))
-    # Issue 18 names the optimizers too: every memory-bound kernel at >= 64 MB.
+    # Every memory-bound kernel at >= 64 MB, the optimizers included.
     for name in ("elementwise add", "softmax_xent (10 classes)", "sgd momentum", "adam"):
         rows = [r for r in results if r.get("name") == name and r["bytes"] >= 64e6]
         if rows:
             out.append(dict(target=f"{name} / copy bandwidth at >= 64 MB",
                             measured=rows[0]["vs_copy"], threshold=TARGET_BANDWIDTH_FRACTION,
                             met=rows[0]["vs_copy"] >= TARGET_BANDWIDTH_FRACTION))
-    # Issue 14: the lab's conv (v2) and pooling layers, batch >= 512.
+    # The lab's conv (v2) and pooling layers, batch >= 512.
     for prefix in ("conv2d v2 forward", "max_pool 2x2 forward"):
         rows = [r for r in results if r.get("name", "").startswith(prefix)
                 and f"batch {CONV_BATCH}" in r["name"]]

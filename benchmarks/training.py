@@ -119,7 +119,7 @@ PEAK_GEMM = 1024
 BANDWIDTH_BYTES = 64 * 2**20
 BEST = "min_s"
 RATE_SAMPLES = 15
-#: Issue 8's targets on the CPU (ratios within one run).
+#: The targets on the CPU (ratios within one run).
 TARGET_VS_TORCH = 1.0          # ours MirroredStrategy(1 CPU) ms/step / PyTorch eager, lab model
 TARGET_OVERHEAD = 1.10         # ours MirroredStrategy(1) / ours no strategy
 TARGET_TWO_REPLICAS = 0.8      # samples/s of 2 logical CPU replicas / 1 replica

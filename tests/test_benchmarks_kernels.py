@@ -32,7 +32,7 @@ def test_kernels_benchmark_smoke_writes_valid_json(tmp_path):
     assert copy["impl"] == max(methods, key=methods.get) and copy["gbps"] == max(methods.values())
     names = {r["name"] for r in doc["results"]}
     assert {"elementwise add", "softmax_xent (10 classes)", "sgd momentum", "adam"} <= names
-    # Issue 14: the lab's conv and pooling layers, each checked before it was timed.
+    # The lab's conv and pooling layers, each checked before it was timed.
     for prefix in ("conv2d v1 forward", "conv2d v2 forward", "conv2d backward dW+db",
                    "conv2d backward dX+dW+db", "max_pool 2x2 forward", "max_pool 2x2 backward"):
         assert [n for n in names if n.startswith(prefix)], (prefix, names)

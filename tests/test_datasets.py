@@ -354,7 +354,7 @@ def test_load_reports_a_bad_magic_file_that_passed_its_checksum(tmp_path, monkey
         datasets.load("mnist", data_dir=tmp_path, download=False)
 
 
-# --- copies the user already has (issue 14) ------------------------------------------------
+# --- copies the user already has ---------------------------------------------------------
 
 #: The whole MNIST set, recompressed (gzip -n -9: other .gz bytes than the originals), kept
 #: beside the repository for tests and benchmarks; see its README.md.
