@@ -1,0 +1,100 @@
+"""Bad input and faults (issue 15): each contract here is what a user probing the library
+found broken — a silent wrong result, a hang, an unclear error or a leaked resource.
+
+Runs on logical CPUs and on simulated logical GPUs (the ``strategy`` fixture); calls
+that could hang run under ``no_hang``'s watchdog.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import mirrored as tf
+from mirrored.values import PerReplica
+
+from test_strategy import no_hang
+
+
+@pytest.fixture(params=["2cpu", "2gpu"])
+def strategy(request, devices):
+    n, kind = int(request.param[0]), request.param[1:].upper()
+    devices(cpus=n if kind == "CPU" else 1, gpus=n if kind == "GPU" else 0)
+    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
+
+
+def replica_id():
+    return tf.distribute.get_replica_context().replica_id_in_sync_group
+
+
+# --- item 7: MEAN divides as `/` ---------------------------------------------------------
+
+def test_reduce_mean_of_integers_divides_as_true_division(strategy):
+    ids = no_hang(strategy.run, replica_id)             # int32 0 and 1
+    assert float(strategy.reduce("MEAN", ids, axis=None)) == 0.5
+    assert float(strategy.reduce("SUM", ids, axis=None)) == 1
+    floats = PerReplica([np.float32(1.0), np.float32(2.0)])
+    mean = strategy.reduce("MEAN", floats, axis=None)
+    assert mean.dtype == np.float32 and float(mean) == 1.5
+
+
+# --- unclear errors -------------------------------------------------------------------------
+
+def test_reduce_axis_errors_name_the_axis_and_what_to_do(strategy):
+    vectors = PerReplica([np.arange(3.0), np.arange(3.0)])
+    with pytest.raises(ValueError, match=r"axis=1.*shape \(3,\).*axis=None"):
+        strategy.reduce("SUM", vectors, axis=1)
+    scalars = PerReplica([np.float32(1.0), np.float32(2.0)])
+    with pytest.raises(ValueError, match=r"axis=0.*scalar"):
+        strategy.reduce("SUM", scalars, axis=0)
+    with pytest.raises(ValueError, match="non-DistributedValues"):
+        strategy.reduce("SUM", 1.0, axis=0)            # returned 1.0 before
+    with pytest.raises(ValueError, match=r"axis=0.*scalar"):
+        strategy.reduce("MEAN", 1.0, axis=0)
+
+
+def test_reduce_of_a_nest_reduces_each_leaf(strategy):
+    out = no_hang(strategy.run, lambda: (replica_id(), {"x": tf.constant(2.0)}))
+    total = strategy.reduce("SUM", out, axis=None)
+    assert isinstance(total, tuple) and float(total[0]) == 1 and float(total[1]["x"]) == 4.0
+
+
+def test_all_reduce_with_different_structures_names_the_replicas(strategy):
+    def step():
+        rid = int(replica_id())
+        value = (1.0, 2.0) if rid == 0 else (1.0,)
+        return tf.distribute.get_replica_context().all_reduce("SUM", value)
+
+    with pytest.raises(ValueError, match=r"replicas \[0\] passed .*replicas \[1\] passed"):
+        no_hang(strategy.run, step)
+
+
+def test_all_reduce_with_different_ops_is_refused_naming_both(strategy):
+    def step():
+        op = "sum" if int(replica_id()) == 0 else "mean"
+        return tf.distribute.get_replica_context().all_reduce(op, 1.0)
+
+    with pytest.raises(ValueError, match="replica 0: SUM, replica 1: MEAN"):
+        no_hang(strategy.run, step)
+
+
+def test_memory_limit_must_be_mib_as_a_number():
+    with pytest.raises(TypeError, match="MiB.*memory_limit=1024"):
+        tf.config.LogicalDeviceConfiguration(memory_limit="1GB")
+
+
+def test_listing_tpus_finds_none():
+    assert tf.config.list_physical_devices("TPU") == []
+    assert tf.config.list_logical_devices("TPU") == []
+    with pytest.raises(ValueError, match="device_type"):
+        tf.config.list_physical_devices("QPU")
+
+
+def test_run_of_one_strategy_inside_another_scope_is_refused(devices):
+    devices(cpus=2)
+    a = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    b = tf.distribute.OneDeviceStrategy("CPU:0")
+    with b.scope():
+        with pytest.raises(RuntimeError, match="Mixing different"):
+            a.run(lambda: 1)
+    with a.scope():                                  # its own scope: fine
+        assert no_hang(a.run, lambda: 1) == 1
