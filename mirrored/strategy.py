@@ -386,11 +386,6 @@ class Strategy:
     def __repr__(self):
         return f"<{type(self).__name__} on {[d.short_name for d in self._extended.devices]}>"
 
-    def __del__(self):
-        extended = getattr(self, "_extended", None)
-        if extended is not None and extended._pool is not None:
-            extended._pool.close()
-
 
 def _host_components(value, what):
     """A value's per-replica components as NumPy arrays (numbers only)."""

@@ -4,7 +4,9 @@ found broken — a silent wrong result, a hang, an unclear error or a leaked res
 Runs on logical CPUs and on simulated logical GPUs (the ``strategy`` fixture); calls
 that could hang run under ``no_hang``'s watchdog.
 """
+import queue
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -98,3 +100,95 @@ def test_run_of_one_strategy_inside_another_scope_is_refused(devices):
             a.run(lambda: 1)
     with a.scope():                                  # its own scope: fine
         assert no_hang(a.run, lambda: 1) == 1
+
+
+# --- item 5: no deadlock, no wait for ever ----------------------------------------------------
+
+def test_run_from_two_threads_takes_turns_instead_of_deadlocking(strategy, monkeypatch):
+    """Two callers whose jobs interleave on the replica queues would send replica 0 to one
+    call's merge point and replica 1 to the other's, for ever; runs must take turns.
+    The replica queues here pause a random time after each put, so that unserialised
+    callers interleave (before the lock: hung every time)."""
+    pauses = np.random.default_rng(0)
+
+    class SlowQueue(queue.Queue):
+        def put(self, item):
+            super().put(item)
+            time.sleep(pauses.uniform(0, 0.01))  # the other caller may put both its jobs now
+
+    with monkeypatch.context() as patch:
+        patch.setattr(queue, "SimpleQueue", SlowQueue)
+        strategy.extended.worker_pool()      # the pool's queues are made now
+
+    def step():
+        return tf.distribute.get_replica_context().all_reduce("SUM", 1.0)
+
+    start = threading.Barrier(CALLERS)
+
+    def many():
+        start.wait()
+        return [strategy.run(step) for _ in range(RUNS_PER_CALLER)]
+
+    callers = [threading.Thread(target=many, daemon=True) for _ in range(CALLERS)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(WATCHDOG_S)
+        assert not t.is_alive(), f"threads calling strategy.run deadlocked ({WATCHDOG_S} s)"
+
+
+CALLERS, RUNS_PER_CALLER = 2, 20
+WATCHDOG_S = 30
+
+
+def test_a_merge_point_wait_times_out_naming_who_did_not_come(strategy, monkeypatch):
+    from mirrored import mirrored_run
+    monkeypatch.setattr(mirrored_run, "MERGE_TIMEOUT_S", 0.5)
+    late = threading.Event()
+
+    def step():
+        ctx = tf.distribute.get_replica_context()
+        if int(ctx.replica_id_in_sync_group) == 1:
+            late.wait(WATCHDOG_S)          # stuck in its own code, past the deadline
+        return ctx.all_reduce("SUM", 1.0)
+
+    def run_then_release():
+        try:
+            return strategy.run(step)
+        finally:
+            late.set()
+
+    timer = threading.Timer(3.0, late.set)  # releases replica 1 once replica 0 gave up
+    timer.start()
+    try:
+        with pytest.raises(tf.errors.DeadlineExceededError,
+                           match=r"replicas \[0\] arrived, replicas \[1\] did not"):
+            no_hang(run_then_release)
+    finally:
+        timer.cancel()
+    out = no_hang(strategy.run, lambda: tf.distribute.get_replica_context().all_reduce("SUM", 2.0))
+    assert all(float(t.numpy()) == 4.0 for t in strategy.experimental_local_results(out))
+
+
+# --- files and resources ----------------------------------------------------------------------
+
+def replica_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("mirrored-replica-")]
+
+
+def test_strategies_are_freed_and_their_threads_end(devices):
+    import gc
+    import time
+    devices(cpus=2)
+    gc.collect()
+    before = len(replica_threads())
+    for _ in range(50):
+        s = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+        s.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", 1.0))
+        del s
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(replica_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(replica_threads()) <= before, \
+        f"{len(replica_threads()) - before} replica threads still alive after 50 strategies were deleted"
