@@ -4,7 +4,9 @@ found broken — a silent wrong result, a hang, an unclear error or a leaked res
 Runs on logical CPUs and on simulated logical GPUs (the ``strategy`` fixture); calls
 that could hang run under ``no_hang``'s watchdog.
 """
+import ast
 import queue
+import sys
 import threading
 import time
 
@@ -168,6 +170,39 @@ def test_a_merge_point_wait_times_out_naming_who_did_not_come(strategy, monkeypa
         timer.cancel()
     out = no_hang(strategy.run, lambda: tf.distribute.get_replica_context().all_reduce("SUM", 2.0))
     assert all(float(t.numpy()) == 4.0 for t in strategy.experimental_local_results(out))
+
+
+# --- item 6: reproducible shuffles ---------------------------------------------------------
+
+SHUFFLE_TWO_EPOCHS = """
+import sys
+import numpy as np
+import mirrored as tf
+if sys.argv[1] != "none":
+    tf.random.set_seed(int(sys.argv[1]))
+ds = tf.data.Dataset.from_tensor_slices(np.arange(40)).cache().shuffle(10000)
+other = tf.data.Dataset.range(40).shuffle(10000)        # a second unseeded shuffle
+print(([int(x) for x in ds], [int(x) for x in ds], [int(x) for x in other]))
+"""
+
+
+def shuffled_in_a_new_process(seed):
+    import os
+    import subprocess
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    done = subprocess.run([sys.executable, "-c", SHUFFLE_TWO_EPOCHS, str(seed)], env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_set_seed_makes_unseeded_shuffles_repeat_across_processes_and_reshuffle_per_epoch():
+    first, second = shuffled_in_a_new_process(42), shuffled_in_a_new_process(42)
+    assert first == second, "set_seed(42): two runs of one program shuffled differently"
+    epoch1, epoch2, other = ast.literal_eval(first)     # three lists of ints
+    assert sorted(epoch1) == list(range(40)) and epoch1 != epoch2, "must reshuffle each epoch"
+    assert other != epoch1, "two shuffles in one program must not share a seed"
+    assert shuffled_in_a_new_process(7) != first
+    assert shuffled_in_a_new_process("none") != shuffled_in_a_new_process("none")
 
 
 # --- files and resources ----------------------------------------------------------------------
