@@ -153,6 +153,13 @@ class ReplicaWorkers:
         """Call ``fn`` once per replica, each on its own thread, inside
         ``replica_context(strategy, i, merge_point)``; the results in replica order.
         A second caller waits here until the first call is done."""
+        if threading.current_thread() in self.threads:
+            # a merge function (cross-replica context, but on a replica thread) calling run:
+            # it would wait for its own thread for ever
+            raise RuntimeError("strategy.run was called from a merge function (merge_call, "
+                               "all_reduce...) of the same strategy: its replicas are busy "
+                               "waiting for that merge. Return from the merge function and call "
+                               "run from the outer code.")
         with self._run_lock:
             return self._run(fn, args, kwargs, outer_stack, replica_context)
 

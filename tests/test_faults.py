@@ -139,6 +139,14 @@ def test_run_from_two_threads_takes_turns_instead_of_deadlocking(strategy, monke
         assert not t.is_alive(), f"threads calling strategy.run deadlocked ({WATCHDOG_S} s)"
 
 
+def test_run_from_a_merge_function_is_refused_not_hung(strategy):
+    def step():
+        return tf.distribute.get_replica_context().merge_call(lambda s: s.run(lambda: 1))
+
+    with pytest.raises(RuntimeError, match="from a merge function"):
+        no_hang(strategy.run, step)
+
+
 CALLERS, RUNS_PER_CALLER = 2, 20
 WATCHDOG_S = 30
 
