@@ -328,7 +328,9 @@ class Strategy:
         ``axis=None``: across replicas only (SUM adds the components, MEAN
         averages them). ``axis=0`` (or another axis): also across that axis of
         each component, so MEAN divides by the true number of elements — with an
-        uneven last batch each replica counts what it really had.
+        uneven last batch each replica counts what it really had. MEAN divides as
+        ``/`` (integers average to floats, as in TensorFlow). A tuple or dict of
+        PerReplica values (what ``run`` returns for a tuple) is reduced leaf by leaf.
         """
         reduce_op = ReduceOp.validate(reduce_op)
         _, replica_ctx = context.top()
