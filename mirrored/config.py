@@ -21,12 +21,18 @@ __all__ = ["list_physical_devices", "list_logical_devices", "set_logical_device_
            "LogicalDevice", "experimental"]
 
 
+#: Device types TensorFlow knows that we never have: asking for them lists nothing, as in
+#: TensorFlow, so the usual detection code (``if list_physical_devices("TPU"): ...``) runs.
+ABSENT_TYPES = ("TPU", "TPU_SYSTEM", "XLA_CPU", "XLA_GPU")
+
+
 def _check_type(device_type):
     if device_type is None:
         return None
     kind = str(device_type).upper()
-    if kind not in ("CPU", "GPU"):
-        raise ValueError(f"device_type must be 'CPU', 'GPU' or None, got {device_type!r}.")
+    if kind not in ("CPU", "GPU") + ABSENT_TYPES:
+        raise ValueError(f"device_type must be 'CPU', 'GPU' or None (or one of {ABSENT_TYPES}, "
+                         f"of which there are none here), got {device_type!r}.")
     return kind
 
 

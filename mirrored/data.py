@@ -35,6 +35,7 @@ import types
 import numpy as np
 
 from kernels.launch import ceil_div
+from mirrored import random as _random
 
 AUTOTUNE = -1              # tf.data.AUTOTUNE: "let the runtime choose" (prefetch accepts it)
 INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
@@ -484,9 +485,11 @@ class _ShuffleDataset(Dataset):
     def __init__(self, input_dataset, buffer_size, seed, reshuffle_each_iteration):
         self._input = input_dataset
         self._buffer_size = _positive_int(buffer_size, "shuffle buffer_size")
-        # seed=None: fresh entropy, drawn once, so reshuffle_each_iteration=False still
-        # repeats one order across epochs (as TF does).
-        self._seed = np.random.SeedSequence().entropy if seed is None else int(seed) % 2**64
+        # Seeds as TensorFlow's: from the global seed (mirrored.random.set_seed) and the op
+        # seed, so a seeded program shuffles alike in every run; with neither, fresh
+        # entropy, drawn once, so reshuffle_each_iteration=False still repeats one order
+        # across epochs (as TF does).
+        self._seed = _random.get_seed(seed) or [np.random.SeedSequence().entropy]
         self._reshuffle = bool(reshuffle_each_iteration)
         self._epochs = itertools.count()  # next() on a count is atomic under the GIL
 
@@ -496,7 +499,7 @@ class _ShuffleDataset(Dataset):
     def _epoch_rng(self):
         """The generator for the epoch now starting: seed + epoch number."""
         epoch = next(self._epochs) if self._reshuffle else 0
-        return np.random.default_rng([self._seed, epoch])
+        return np.random.default_rng([*self._seed, epoch])
 
     def _index_plan(self):
         plan = self._input._index_plan()

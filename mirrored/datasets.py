@@ -45,6 +45,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -83,6 +84,9 @@ MIRRORS = (  # tried in order; every file is SHA-256 checked, so plain http is s
     "http://yann.lecun.com/exdb/mnist/",
 )
 FETCH_TIMEOUT_S = 20       # per connect/read: a dead mirror costs at most this, not forever
+# A temporary download file untouched this long belongs to a download that died (killed,
+# power cut): a live one writes at least every FETCH_TIMEOUT_S. Removed on the next download.
+STALE_PART_S = 15 * 60
 BUNDLED_DIR = Path(__file__).parent / "_data" / "mnist-10k"
 BUNDLED_NAME = "mnist-10k"
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049   # IDX: 0x0000 08 (uint8) 03/01 (dimensions)
@@ -192,6 +196,7 @@ def _locate_files(directory, mode):
     """Return ({file name: path}, source, {file name: problem}) for the files to read."""
     problems, paths = {}, {}
     network_down = mode not in ("try", "force")
+    not_writable = None                  # why the folder cannot take a download, once known
     for name, (size, sha256) in MNIST_FILES.items():
         path = directory / name
         problem = _check_file(path, size, sha256)
@@ -202,9 +207,14 @@ def _locate_files(directory, mode):
             elif rejected and "is missing" in problem:
                 problem = rejected[0]    # say what is wrong with the copy that IS there
         paths[name] = path
+        if problem and not network_down and not_writable is None:
+            not_writable = _not_writable(directory)
+            if not_writable:
+                network_down = True      # nothing to gain from asking the mirrors
+                problem += f"; it was not downloaded because {not_writable}"
         if problem and not network_down:
             try:
-                _download(name, path, sha256)
+                _download(name, path, sha256, size)
                 problem = None
             except _AllMirrorsFailed as failure:
                 problem += f"; downloading it failed: {failure}"
@@ -215,7 +225,7 @@ def _locate_files(directory, mode):
         return paths, "full", {}
     if mode.startswith("force"):
         raise DownloadError(_force_failure_message(directory, problems, mode))
-    _warn_once(_fallback_message(directory, problems, mode))
+    _warn_once(_fallback_message(directory, problems, mode, not_writable))
     return _bundled_files(), f"bundled subset {BUNDLED_NAME}", problems
 
 
@@ -270,10 +280,30 @@ def _sha256(path):
     return digest.hexdigest()
 
 
-def _fallback_message(directory, problems, mode):
+def _not_writable(directory):
+    """None if a download can be written into ``directory``, else why not (the OSError of
+    creating the folder or a temporary file in it: read-only, no permission, a file there).
+    Asked before any download, so that the warning blames the folder, not the network."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".mirrored-write-test.")
+        os.close(fd)
+        os.unlink(probe)
+        return None
+    except OSError as error:
+        return (f"the data folder {directory} is not writable ({type(error).__name__}: "
+                f"{error.strerror or error})")
+
+
+def _fallback_message(directory, problems, mode, not_writable=None):
     counts = {split: _idx_count(BUNDLED_DIR / files[1]) for split, files in SPLIT_FILES.items()}
-    why = ("download=False or MIRRORED_OFFLINE=1, so no download was tried"
-           if mode == "never" else "the full set could not be downloaded (no network?)")
+    if mode == "never":
+        why = "download=False or MIRRORED_OFFLINE=1, so no download was tried"
+    elif not_writable:
+        why = (f"{not_writable}: pass data_dir= (or set MIRRORED_DATA_DIR to) a folder you can "
+               f"write, or make this one writable")
+    else:
+        why = "the full set could not be downloaded (no network?)"
     bad = [p for p in problems.values() if "is missing" not in p]
     details = f" Bad cached file(s): {'; '.join(bad)}." if bad else ""
     return (f"mirrored.datasets.load('mnist'): using the bundled subset {BUNDLED_NAME}: "
@@ -334,14 +364,15 @@ def _fetch(url, timeout):
             yield chunk
 
 
-def _download(name, path, sha256):
-    """Fetch `name` into `path` from the first mirror that delivers the right bytes."""
+def _download(name, path, sha256, size):
+    """Fetch `name` into `path` from the first mirror that delivers the right bytes
+    (`size` of them: a mirror that sends more is cut off, not followed to a full disk)."""
     errors, unreachable = [], True
     for mirror in MIRRORS:
         url = mirror + name
         try:
             _progress(f"downloading {url} ...")
-            _write_atomically(_fetch(url, FETCH_TIMEOUT_S), path, sha256)
+            _write_atomically(_fetch(url, FETCH_TIMEOUT_S), path, sha256, max_bytes=size)
             _progress(f"{name}: done, SHA-256 verified, saved as {path}")
             return
         except Exception as error:       # any failure here just means: try the next mirror
@@ -352,20 +383,28 @@ def _download(name, path, sha256):
     raise _AllMirrorsFailed(errors, unreachable)
 
 
-def _write_atomically(chunks, path, sha256):
+def _write_atomically(chunks, path, sha256, max_bytes=None):
     """Write the byte chunks to path only if their SHA-256 matches; never a half file.
 
     The bytes go to a temporary file in the same folder (so os.replace is a rename on
     one file system, atomic), are flushed to disk, checked, and only then renamed onto
     the final name. On any failure the temporary file is removed and whatever was at
-    `path` before is untouched.
+    `path` before is untouched; more than ``max_bytes`` is a failure (a stream that never
+    ends would fill the disk). Temporary files that a killed download left in the folder
+    are removed first (``_remove_stale_parts``).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_parts(path.parent)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
         digest = hashlib.sha256()
+        written = 0
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
+                written += len(chunk)
+                if max_bytes is not None and written > max_bytes:
+                    raise ValueError(f"the mirror sent more than the expected {max_bytes:,} "
+                                     f"bytes of {path.name}; stopped there")
                 f.write(chunk)
                 digest.update(chunk)
             f.flush()
@@ -380,6 +419,18 @@ def _write_atomically(chunks, path, sha256):
             os.unlink(temp)
         raise
     _fsync_dir(path.parent)              # make the rename itself durable
+
+
+def _remove_stale_parts(directory):
+    """Delete the temporary files of our own naming (``.<MNIST file name>.*.part``) in
+    ``directory`` that no write has touched for ``STALE_PART_S``: left by a download that
+    was killed. Recent ones may belong to a download running now, and stay."""
+    now = time.time()
+    for name in MNIST_FILES:
+        for part in directory.glob(f".{name}.*.part"):
+            with contextlib.suppress(OSError):   # gone already, or not ours to delete
+                if now - part.stat().st_mtime > STALE_PART_S:
+                    part.unlink()
 
 
 def _fsync_dir(directory):

@@ -59,6 +59,10 @@ class LogicalDeviceConfiguration:
     """
 
     def __init__(self, memory_limit=None, experimental_priority=None, experimental_device_ordinal=None):
+        if memory_limit is not None and (isinstance(memory_limit, bool) or
+                                         not isinstance(memory_limit, (int, float, np.integer, np.floating))):
+            raise TypeError(f"memory_limit is a number of MiB (an int, as in TensorFlow), got "
+                            f"{memory_limit!r}: write memory_limit=1024 for 1 GiB.")
         if memory_limit is not None and memory_limit <= 0:
             raise ValueError(f"memory_limit must be a positive number of MiB or None, got {memory_limit!r}.")
         self.memory_limit = memory_limit

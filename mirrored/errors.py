@@ -14,3 +14,8 @@ class ResourceExhaustedError(MemoryError):
 
 class InvalidArgumentError(ValueError):
     """An op got arguments it cannot work with (mixed devices, shapes...)."""
+
+
+class DeadlineExceededError(RuntimeError):
+    """Something waited longer than its deadline (TensorFlow's ``tf.errors.DeadlineExceededError``):
+    here, a replica at a merge point whose peers never came."""

@@ -13,15 +13,32 @@ Failure is handled so that nothing is left waiting: a replica that raises releas
 the others from any merge point (they see ``Aborted``), and ``raise_first`` hands
 the caller the first real error with the replica id added.
 
+Nothing waits for ever: concurrent ``run`` calls on one strategy take turns (one
+lock per worker pool: interleaved jobs would send replica 0 to one call's merge
+point and replica 1 to another's), and a replica waits at a merge point at most
+``MERGE_TIMEOUT_S`` before the merge point is broken with an error naming the
+replicas that arrived and those that did not.
+
+The worker threads hold no reference to their strategy (only to their job queue),
+so a strategy that goes out of use is freed, and a finalizer then ends its threads.
+
 Neighbours: ``strategy.py`` (``Strategy.run``, ``ReplicaContext``), ``context.py``
 (which strategy/replica this thread is in), ``values.py`` (``select_replica``).
 """
+import os
 import queue
 import threading
+import weakref
 
 from mirrored import context
 from mirrored import devices as _dev
+from mirrored.errors import DeadlineExceededError
 from mirrored.values import select_replica
+
+#: How long a replica waits at a merge point for the others (seconds). Far above any
+#: step of ours (the CUDA simulator's first step included), far below "for ever":
+#: a replica that never arrives is a bug to report, not to wait out.
+MERGE_TIMEOUT_S = float(os.environ.get("MIRRORED_MERGE_TIMEOUT_S", 600))
 
 
 class MergePoint:
@@ -81,8 +98,11 @@ class MergePoint:
                 self.generation += 1
                 self.cond.notify_all()
             else:
-                while self.generation == gen and self.broken is None:
-                    self.cond.wait()
+                if not self.cond.wait_for(lambda: self.generation != gen or self.broken is not None,
+                                          timeout=MERGE_TIMEOUT_S):
+                    self.broken = self._timed_out(replica_id)
+                    self.cond.notify_all()
+                    raise self.broken
                 if self.generation == gen:
                     raise Aborted(self.broken)
             value, err = self.result
@@ -91,41 +111,64 @@ class MergePoint:
         return value
 
 
+    def _timed_out(self, replica_id):
+        """The error for a merge point that waited ``MERGE_TIMEOUT_S`` (called under the lock)."""
+        arrived = sorted(self.arrived)
+        missing = [i for i in range(self.n) if i not in self.arrived]
+        return DeadlineExceededError(
+            f"replica {replica_id} waited {MERGE_TIMEOUT_S:g} s at a merge point (all_reduce, "
+            f"merge_call, apply_gradients): replicas {arrived} arrived, replicas {missing} did "
+            f"not. Every replica must reach the same merge calls; look for a replica stuck in "
+            f"its own code or skipping a merge call (or raise mirrored.mirrored_run."
+            f"MERGE_TIMEOUT_S / MIRRORED_MERGE_TIMEOUT_S for a step slower than that).")
+
+
 class Aborted(Exception):
     """A replica released from a merge point because another replica failed."""
 
 
 class ReplicaWorkers:
-    """One long-lived thread per replica device, each bound to its device."""
+    """One long-lived thread per replica device, each bound to its device.
+
+    The pool keeps only a weak reference to its strategy, and the threads only their
+    queues: a strategy in a worker's frame would never be freed. When the strategy is
+    collected, ``weakref.finalize`` puts the stop signal on every queue.
+    """
 
     def __init__(self, strategy):
-        self.strategy = strategy
+        self._strategy = weakref.ref(strategy)
+        self._run_lock = threading.Lock()     # one run at a time: see the module docstring
         self.jobs = []
         self.threads = []
         for i, dev in enumerate(strategy.extended.devices):
             q = queue.SimpleQueue()
-            t = threading.Thread(target=self._loop, args=(i, dev, q), daemon=True,
+            t = threading.Thread(target=_worker_loop, args=(i, dev, q), daemon=True,
                                  name=f"mirrored-replica-{i}")
             t.start()
             self.jobs.append(q)
             self.threads.append(t)
-
-    def _loop(self, replica_id, dev, jobs):
-        with dev.activate():
-            while True:
-                job = jobs.get()
-                if job is None:
-                    return
-                job(replica_id)
+        self._finalizer = weakref.finalize(strategy, _stop, list(self.jobs))
 
     def run(self, fn, args, kwargs, outer_stack, replica_context):
         """Call ``fn`` once per replica, each on its own thread, inside
-        ``replica_context(strategy, i, merge_point)``; the results in replica order."""
+        ``replica_context(strategy, i, merge_point)``; the results in replica order.
+        A second caller waits here until the first call is done."""
+        if threading.current_thread() in self.threads:
+            # a merge function (cross-replica context, but on a replica thread) calling run:
+            # it would wait for its own thread for ever
+            raise RuntimeError("strategy.run was called from a merge function (merge_call, "
+                               "all_reduce...) of the same strategy: its replicas are busy "
+                               "waiting for that merge. Return from the merge function and call "
+                               "run from the outer code.")
+        with self._run_lock:
+            return self._run(fn, args, kwargs, outer_stack, replica_context)
+
+    def _run(self, fn, args, kwargs, outer_stack, replica_context):
         n = len(self.jobs)
         merge_point = MergePoint(n)
         results, errors = [None] * n, [None] * n
         done = threading.Semaphore(0)
-        strategy = self.strategy
+        strategy = self._strategy()
 
         def job(i):
             dev = strategy.extended.devices[i]
@@ -149,8 +192,24 @@ class ReplicaWorkers:
         return results
 
     def close(self):
-        for q in self.jobs:
-            q.put(None)
+        self._finalizer()
+
+
+def _worker_loop(replica_id, dev, jobs):
+    """A replica thread: run jobs until the stop signal (``None``). A module function,
+    not a method, so that the thread holds no reference to the pool or the strategy."""
+    with dev.activate():
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job(replica_id)
+            del job                           # the job's closure holds the strategy
+
+
+def _stop(job_queues):
+    for q in job_queues:
+        q.put(None)
 
 
 def raise_first(errors, strategy):

@@ -47,3 +47,30 @@ def map_structure(fn, *structures):
         raise ValueError("the structures do not have the same number of elements: "
                          f"{[len(f) for f in flats]}.")
     return pack_sequence_as(structures[0], [fn(*leaves) for leaves in zip(*flats)])
+
+
+def structure_of(structure):
+    """A hashable picture of how ``structure`` nests, its leaves left out: two values
+    regroup leaf by leaf exactly when their pictures are equal."""
+    if isinstance(structure, dict):
+        return ("dict", tuple((k, structure_of(structure[k])) for k in sorted(structure)))
+    if isinstance(structure, (list, tuple)):
+        return (type(structure).__name__, tuple(structure_of(item) for item in structure))
+    return "*"
+
+
+def describe(picture):
+    """``structure_of``'s picture as Python-like text: ``(*, [*, *])``, ``{'a': *}``."""
+    if picture == "*":
+        return "a single value"
+    return _text(picture)
+
+
+def _text(picture):
+    if picture == "*":
+        return "*"
+    kind, items = picture
+    if kind == "dict":
+        return "{" + ", ".join(f"{k!r}: {_text(v)}" for k, v in items) + "}"
+    inner = ", ".join(_text(v) for v in items)
+    return f"[{inner}]" if kind == "list" else f"({inner}{',' if len(items) == 1 else ''})"

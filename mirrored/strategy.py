@@ -113,6 +113,7 @@ class ReplicaContext:
 
         def merge(calls):
             fn = calls[0][0]
+            _same_structure_on_every_replica(calls)   # before regroup: name the replicas
             grouped_args = regroup([c[1] for c in calls])
             grouped_kwargs = regroup([c[2] for c in calls])
             context.push(strategy, None)
@@ -136,16 +137,37 @@ class ReplicaContext:
         dev = self._strategy.extended.devices[self._replica_id]
         local = nest.map_structure(lambda v: to_tensor_on(v, dev), value)
 
-        def merge(strategy, per_replica):
+        def merge(strategy, per_replica, op):
+            ops = op.values if isinstance(op, DistributedValues) else (op,) * len(strategy.extended.devices)
+            if len(set(ops)) > 1:
+                named = ", ".join(f"replica {i}: {o}" for i, o in enumerate(ops))
+                raise ValueError(f"all_reduce was called with different reduce ops ({named}); "
+                                 f"every replica must pass the same op, or the result would "
+                                 f"depend on which replica arrived first.")
             leaves = nest.flatten(per_replica)
             comps = [list(l.values) if isinstance(l, DistributedValues) else [l] for l in leaves]
             reduced = strategy.extended.cross_device_ops.all_reduce_components(reduce_op, comps)
             return nest.pack_sequence_as(per_replica, [Mirrored(r) for r in reduced])
 
-        return self.merge_call(merge, args=(local,))
+        return self.merge_call(merge, args=(local, reduce_op))
 
     def __repr__(self):
         return f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync}>"
+
+
+def _same_structure_on_every_replica(calls):
+    """Refuse merge calls whose arguments are nested differently on different replicas,
+    naming which replicas passed which structure (regrouping them would fail with a bare
+    count of leaves)."""
+    shapes = [nest.structure_of((c[1], c[2])) for c in calls]
+    if any(shape != shapes[0] for shape in shapes):
+        groups = {}
+        for i, shape in enumerate(shapes):
+            groups.setdefault(shape, []).append(i)
+        named = "; ".join(f"replicas {ids} passed {nest.describe(shape)}" for shape, ids in groups.items())
+        raise ValueError(f"the replicas passed differently nested values to the same merge call "
+                         f"(all_reduce, merge_call): {named}. Every replica must pass the same "
+                         f"structure (same nesting, same number of values).")
 
 
 def to_tensor_on(value, dev):
@@ -276,6 +298,11 @@ class Strategy:
         if replica_ctx is not None and strategy is not None and not isinstance(strategy, _DefaultStrategy):
             raise RuntimeError("strategy.run was called inside a replica function; call it from "
                                "the outer (cross-replica) code.")
+        if strategy is not None and strategy is not self and not isinstance(strategy, _DefaultStrategy):
+            raise RuntimeError(
+                f"Mixing different tf.distribute.Strategy objects: {self!r}.run was called inside "
+                f"the scope of {strategy!r}. Call run outside that scope, or enter "
+                f"{self!r}.scope() instead (variables and replicas belong to one strategy).")
         outer = [e for e in context.stack() if e[1] is None]
         if self.num_replicas_in_sync == 1:
             dev = self._extended.devices[0]
@@ -301,20 +328,27 @@ class Strategy:
         ``axis=None``: across replicas only (SUM adds the components, MEAN
         averages them). ``axis=0`` (or another axis): also across that axis of
         each component, so MEAN divides by the true number of elements — with an
-        uneven last batch each replica counts what it really had.
+        uneven last batch each replica counts what it really had. MEAN divides as
+        ``/`` (integers average to floats, as in TensorFlow). A tuple or dict of
+        PerReplica values (what ``run`` returns for a tuple) is reduced leaf by leaf.
         """
         reduce_op = ReduceOp.validate(reduce_op)
         _, replica_ctx = context.top()
         if replica_ctx is not None and not isinstance(self, _DefaultStrategy):
             raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
                                "function use get_replica_context().all_reduce(...).")
+        if nest.is_nested(value) and any(isinstance(leaf, DistributedValues) for leaf in nest.flatten(value)):
+            # a tuple/dict of per-replica results (what `run` returns for a tuple):
+            # each leaf reduced on its own, the nest kept, as TensorFlow's reduce does
+            return nest.map_structure(lambda leaf: self.reduce(reduce_op, leaf, axis), value)
         n = self.num_replicas_in_sync
-        if not isinstance(value, DistributedValues) and axis is None:
+        if not isinstance(value, DistributedValues):
             if reduce_op == ReduceOp.SUM and n > 1:
                 raise ValueError(f"A non-DistributedValues value {value!r:.60} cannot be reduced "
                                  f"with the given reduce op SUM over {n} replicas; return it from "
                                  f"strategy.run so that each replica contributes its own.")
-            return HostTensor.wrap(_host_components(value, "reduce")[0])
+            if axis is None:
+                return HostTensor.wrap(_host_components(value, "reduce")[0])
         return HostTensor.wrap(_reduce_on_host(reduce_op, _host_components(value, "reduce"), axis))
 
     def gather(self, value, axis):
@@ -354,11 +388,6 @@ class Strategy:
     def __repr__(self):
         return f"<{type(self).__name__} on {[d.short_name for d in self._extended.devices]}>"
 
-    def __del__(self):
-        extended = getattr(self, "_extended", None)
-        if extended is not None and extended._pool is not None:
-            extended._pool.close()
-
 
 def _host_components(value, what):
     """A value's per-replica components as NumPy arrays (numbers only)."""
@@ -383,10 +412,17 @@ def _reduce_on_host(reduce_op, comps, axis):
                                  f"with axis=None they must match (or pass axis=0).")
             total = total + c
         if reduce_op == ReduceOp.MEAN:
-            # divide in the values' own dtype (integers truncate), as the
-            # cross-device ops do on the devices
-            total = (total / len(comps)).astype(comps[0].dtype)
+            # MEAN divides as `/` (TensorFlow: replica ids 0 and 1 average to 0.5):
+            # floats keep their dtype, integers become float64
+            mean = total / len(comps)
+            return mean.astype(comps[0].dtype) if comps[0].dtype.kind == "f" else mean
         return total.astype(comps[0].dtype, copy=False)
+    for i, c in enumerate(comps):
+        if not -c.ndim <= axis < c.ndim:
+            what = "a scalar, which has no axes" if c.ndim == 0 else f"shape {c.shape} ({c.ndim} axes)"
+            raise ValueError(f"reduce(axis={axis}): replica {i}'s value is {what}. Pass an axis in "
+                             f"[{-c.ndim}, {c.ndim}) to reduce across it too (axis=0: the batch), "
+                             f"or axis=None to reduce across replicas only.")
     sums = [c.sum(axis=axis, dtype=c.dtype) for c in comps]
     total = sums[0]
     for s in sums[1:]:

@@ -8,6 +8,8 @@ No test touches the network: `_fetch` is replaced by fakes, and a small syntheti
 """
 import gzip
 import hashlib
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -459,3 +461,80 @@ def test_the_labs_first_cell_runs_with_mirrored_datasets_as_tfds():
     import mirrored.datasets as tfds
     tfds.disable_progress_bar()                   # line 3 of "Mirrored Strategy: Basic"
     tfds.enable_progress_bar()
+
+
+# --- files and resources (issue 15) ------------------------------------------------------
+
+def test_stale_temp_files_of_a_killed_download_are_removed_on_the_next(tmp_path, monkeypatch,
+                                                                       full_set):
+    files, _ = full_set
+    folder = cache_dir(tmp_path)
+    folder.mkdir(parents=True)
+    stale = folder / ".train-images-idx3-ubyte.gz.k1ll3d.part"    # kill -9 left it
+    live = folder / ".t10k-labels-idx1-ubyte.gz.runn1ng.part"     # another download, now
+    not_ours = folder / ".notes.txt.abc.part"
+    for part in (stale, live, not_ours):
+        part.write_bytes(b"partial")
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(not_ours, (hour_ago, hour_ago))
+    monkeypatch.setattr(datasets, "_fetch", FakeMirror(files))
+    datasets.load("mnist", data_dir=tmp_path)
+    assert not stale.exists(), "a temp file left by a killed download must be cleaned"
+    assert live.exists() and not_ours.exists()
+
+
+def test_a_download_stops_at_its_expected_size(tmp_path, monkeypatch, full_set):
+    files, _ = full_set
+    sent = {}                                     # url -> bytes the mirror was asked for
+
+    def endless(url, timeout):
+        """A mirror that streams for ever (stops at 50 times the size so a bug cannot hang)."""
+        size = len(files[url.rsplit("/", 1)[1]])
+        sent[url] = 0
+        while sent[url] < 50 * size:
+            sent[url] += 1000
+            yield b"x" * 1000
+
+    monkeypatch.setattr(datasets, "_fetch", endless)
+    with pytest.warns(BundledSubsetWarning):       # every mirror cut off: the subset
+        datasets.load("mnist", data_dir=tmp_path)
+    for url, count in sent.items():
+        size = len(files[url.rsplit("/", 1)[1]])
+        assert count <= size + 1000, f"read {count:,} bytes of a {size:,}-byte file from {url}"
+    assert list(cache_dir(tmp_path).iterdir()) == []
+
+
+def test_a_read_only_data_dir_is_blamed_not_the_network(tmp_path, monkeypatch, full_set):
+    files, _ = full_set
+    mirror = FakeMirror(files)
+    monkeypatch.setattr(datasets, "_fetch", mirror)           # online
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")      # what a read-only folder gives
+
+    monkeypatch.setattr(datasets.tempfile, "mkstemp", read_only)
+    with pytest.warns(BundledSubsetWarning, match=r"(?s)not writable.*data_dir") as caught:
+        datasets.load("mnist", data_dir=tmp_path)
+    assert "no network" not in str(caught[0].message)
+    assert mirror.urls == []                                  # no pointless download
+
+
+def test_write_atomically_refuses_more_than_max_bytes(tmp_path):
+    target = tmp_path / "file.gz"
+    with pytest.raises(ValueError, match="more than the expected 10 bytes of file.gz"):
+        datasets._write_atomically(iter([b"x" * 8, b"x" * 8]), target, "0" * 64, max_bytes=10)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes into read-only folders; the PermissionError is faked above")
+def test_a_really_read_only_data_dir_is_named(tmp_path, monkeypatch, full_set):
+    monkeypatch.setattr(datasets, "_fetch", FakeMirror(full_set[0]))
+    cache_dir(tmp_path).mkdir()
+    cache_dir(tmp_path).chmod(0o555)
+    try:
+        with pytest.warns(BundledSubsetWarning, match="not writable"):
+            datasets.load("mnist", data_dir=tmp_path)
+    finally:
+        cache_dir(tmp_path).chmod(0o755)
