@@ -63,12 +63,15 @@ def maxpool_f64(x, pool, strides, padding):
     return out
 
 
-def loss_f64(model, weights, x, y):
+def loss_f64(model, weights, x, y, masks=()):
     """Mean softmax cross-entropy of ``model``'s layers (read for their settings only),
-    computed in float64 with ``weights`` (Keras's order)."""
-    a, k = x.astype(np.float64), 0
+    computed in float64 with ``weights`` (Keras's order); ``masks``: the keep mask (bool,
+    shaped like the layer's input) of each Dropout layer, in order."""
+    a, k, masks = x.astype(np.float64), 0, iter(masks)
     for layer in model.layers:
-        if isinstance(layer, layers.Conv2D):
+        if isinstance(layer, layers.Dropout):
+            a = np.where(next(masks), a / (1 - layer.rate), 0)
+        elif isinstance(layer, layers.Conv2D):
             bias = weights[k + 1] if layer.use_bias else None
             a = conv_f64(a, weights[k], bias, layer.strides, layer.padding)
             k += 2 if layer.use_bias else 1
@@ -86,7 +89,7 @@ def loss_f64(model, weights, x, y):
     return -logp[np.arange(len(y)), y].mean()
 
 
-def grads_f64(model, weights, x, y):
+def grads_f64(model, weights, x, y, masks=()):
     """d loss / d every weight by central differences in float64."""
     weights = [w.astype(np.float64) for w in weights]
     grads = []
@@ -95,9 +98,9 @@ def grads_f64(model, weights, x, y):
         for idx in np.ndindex(w.shape):
             keep = w[idx]
             w[idx] = keep + EPS
-            up = loss_f64(model, weights, x, y)
+            up = loss_f64(model, weights, x, y, masks)
             w[idx] = keep - EPS
-            down = loss_f64(model, weights, x, y)
+            down = loss_f64(model, weights, x, y, masks)
             w[idx] = keep
             g[idx] = (up - down) / (2 * EPS)
         grads.append(g)

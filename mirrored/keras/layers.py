@@ -1,4 +1,5 @@
-"""Keras layers, each owning its forward and backward: ``Input``, ``Flatten``, ``Dense``.
+"""Keras layers, each owning its forward and backward: ``Input``, ``Flatten``, ``Dense``,
+``Conv2D``, ``MaxPooling2D``, ``Dropout``.
 
 The layer protocol. A layer is built once (``build(input_shape)``: its weights
 become ``mirrored.Variable``s, ``MirroredVariable``s inside a strategy's scope).
@@ -21,8 +22,8 @@ that wants the example's axes back takes a reshaped view of it (free).
 A replica's program (``engine.ReplicaProgram``) is then the layers in order,
 forward, then the loss, then the layers in reverse, backward: adding a layer
 (a convolution, pooling, dropout) means writing one class here, not editing the
-step. The layers written so far are the dense stack's; the others raise
-``NotImplementedError`` that says so.
+step. The layers written so far are the course lab's (Flatten, Dense, Conv2D,
+MaxPooling2D) and Dropout; the others raise ``NotImplementedError`` that says so.
 
 Initialisers follow Keras: Glorot-uniform kernels, zero biases.
 
@@ -35,6 +36,7 @@ import re
 import numpy as np
 
 from kernels import conv2d as conv2d_kernels, pooling   # shape rules (the math runs in state.ops)
+from kernels import dropout as dropout_kernels           # the mask's key and the rate's check
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
 from mirrored.values import Variable
@@ -468,6 +470,67 @@ class _PoolBuffers:
 IMAGE_LAYERS = (Conv2D, MaxPooling2D)
 
 
+class Dropout(Layer):
+    """Keras's inverted dropout: in training each unit is kept with probability 1 - rate and
+    scaled by 1 / (1 - rate); in evaluate and predict the layer is the identity (no launch).
+
+    The mask comes from kernels/dropout.py's counter-based generator: unit i of a replica's
+    (b, ...) batch is kept or not by a hash of (key, i), with
+
+        key = dropout_key(seed, step, replica)
+
+    so there is no random state on the devices: the mask is reproducible (the seed is
+    ``seed``, or drawn from ``mirrored.random`` when the layer is built, so
+    ``mirrored.random.set_seed`` repeats a run), different on every replica and step (each
+    replica drops different units of its own slice, as in TensorFlow), and the same bits on
+    the CPU (``dropout_ref``) and the GPU. ``step`` counts this replica's training forwards.
+    Backward applies the same mask to dy (same key), in place: dx = dy * scale where kept.
+
+    Because N replicas drop different units, a model with dropout does NOT train like one
+    replica on the global batch (the other layers still do, given the same masks).
+    """
+
+    def __init__(self, rate, noise_shape=None, seed=None, input_shape=None, name=None, **kwargs):
+        super().__init__(input_shape=input_shape, name=name, **kwargs)
+        self.rate = dropout_kernels.check_rate(rate, f"Dropout {self.name!r}")
+        if noise_shape is not None:
+            raise NotImplementedError(f"Dropout {self.name!r}: noise_shape is not supported; every "
+                                      f"unit gets its own draw (noise_shape=None).")
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+                                 or seed < 0):
+            raise ValueError(f"Dropout {self.name!r}: seed must be a non-negative integer or None, "
+                             f"got {seed!r}.")
+        self.seed = seed
+        self._seed = None            # the seed in use, fixed when the layer is built
+        self._steps = {}             # replica id -> training forwards so far
+        self._keys = {}              # replica id -> the last training forward's key (for backward)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._seed = int(self.seed) if self.seed is not None else int(_random.generator().integers(2**63))
+
+    def make_buffers(self, state, b):
+        return state.dev.empty((b,) + self.input_shape, FLOAT)       # y: (b,) + input shape
+
+    def forward(self, state, x, training=False):
+        if not training or self.rate == 0.0:
+            return x                                                  # identity: nothing launched
+        b, r = x.shape[0], state.replica_id
+        step = self._steps.get(r, 0)
+        self._steps[r] = step + 1
+        key = self._keys[r] = dropout_kernels.dropout_key(self._seed, step, r)
+        y = state.buffers(b)
+        state.ops.dropout(view(x, (b,) + self.input_shape), y, self.rate, key)   # y: (b,) + input shape
+        return y
+
+    def backward(self, state, dy):
+        if not state.need_dx:
+            return None
+        if self.rate != 0.0:
+            state.ops.dropout(dy, dy, self.rate, self._keys[state.replica_id])  # dx = dy * mask * scale
+        return dy
+
+
 def _not_here(name):
     class Unsupported(Layer):
         def __init__(self, *args, **kwargs):
@@ -481,7 +544,6 @@ def _not_here(name):
 SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout")
 Conv1D = _not_here("Conv1D")
 AveragePooling2D = _not_here("AveragePooling2D")
-Dropout = _not_here("Dropout")
 BatchNormalization = _not_here("BatchNormalization")
 Embedding = _not_here("Embedding")
 LSTM = _not_here("LSTM")

@@ -28,7 +28,7 @@ from mirrored.keras import data_adapters
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
-from mirrored.keras.layers import IMAGE_LAYERS, InputLayer, Layer
+from mirrored.keras.layers import IMAGE_LAYERS, Dropout, InputLayer, Layer
 from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import Step, check_compiled
@@ -207,6 +207,12 @@ class Sequential:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         if self._graphs is not None:
             self._graphs.close()                    # they hold the old optimizer's buffers
+        dropouts = [l.name for l in self.layers if isinstance(l, Dropout) and l.rate > 0]
+        if cuda_graph and dropouts:
+            raise NotImplementedError(
+                f"compile(cuda_graph=True) with dropout ({', '.join(dropouts)}): a CUDA graph replays "
+                f"its launches with the arguments it captured, so every step would reuse the first "
+                f"step's dropout mask. Compile without cuda_graph (each step then gets its own mask).")
         self._cuda_graph, self._graphs, self._captured = bool(cuda_graph), None, None
 
     @property
