@@ -294,7 +294,34 @@ def test_images_without_their_channel_axis_are_refused_before_any_launch(devices
         model.predict(x, verbose=0)
     with pytest.raises(ValueError, match="Add the channel axis"):
         model.train_step(x, y)
+    with pytest.raises(ValueError, match=r"takes images of shape \(6, 6, 1\).*got examples of shape \(6, 3, 2\)\.$"):
+        model.train_step(x.reshape(4, 6, 3, 2), y)                # the same features, the wrong channels
     for a, b in zip(model.get_weights(), before):
         np.testing.assert_array_equal(a, b)
     model.fit(x[..., None], y, verbose=0)                        # with it, it trains
     assert not np.array_equal(model.get_weights()[0], before[0])
+
+
+def test_custom_loop_gradients_of_a_convnet_match_the_oracle(devices, rng):
+    """The tutorial's custom loop (strategy.run + GradientTape + all_reduce) on the ConvNet."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = tf.keras.Sequential(tiny_convnet()())
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    x = rng.random((5, 6, 6, 1), dtype=np.float32)
+    y = rng.integers(0, 3, 5)
+    expected = grads_f64(model, model.get_weights(), x, y)
+    (batch,) = list(strategy.experimental_distribute_dataset([(x, y)]))
+
+    def step(inputs):
+        xs, ys = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(ys, model(xs, training=True)), global_batch_size=5)
+        return tf.distribute.get_replica_context().all_reduce(
+            "SUM", tape.gradient(loss, model.trainable_variables))
+
+    summed = strategy.run(step, args=(batch,))
+    for g, e in zip(summed, expected):
+        for comp in strategy.experimental_local_results(g):
+            np.testing.assert_allclose(comp.numpy(), e, rtol=1e-4, atol=1e-5)

@@ -82,7 +82,8 @@ def test_a_different_mask_on_every_replica_and_step(devices, rng):
     kernel, bias = model.get_weights()
     z = half.astype(np.float64) @ kernel + bias                    # the Dense output: (3, 40)
     for out in (a0, a1, b0, b1):                                   # kept units scaled by 1/(1-rate)
-        np.testing.assert_allclose(out[out != 0], (z / (1 - RATE))[out != 0], rtol=1e-5)
+        np.testing.assert_allclose(out[out != 0], (z / (1 - RATE))[out != 0], rtol=1e-5,
+                                   atol=1e-5 * np.abs(z).max())      # float32 dot: cancellation
 
 
 def test_training_is_reproducible_under_set_seed(devices, rng):
