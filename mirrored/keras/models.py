@@ -186,6 +186,12 @@ class Sequential:
         to capture (CPU devices, the CUDA simulator) it warns once and runs eagerly;
         the weights come out the same either way.
         """
+        dropouts = [l.name for l in self.layers if isinstance(l, Dropout) and l.rate > 0]
+        if cuda_graph and dropouts:
+            raise NotImplementedError(
+                f"compile(cuda_graph=True) with dropout ({', '.join(dropouts)}): a CUDA graph replays "
+                f"its launches with the arguments it captured, so every step would reuse the first "
+                f"step's dropout mask. Compile without cuda_graph (each step then gets its own mask).")
         if optimizer == "rmsprop":
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
@@ -207,12 +213,6 @@ class Sequential:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         if self._graphs is not None:
             self._graphs.close()                    # they hold the old optimizer's buffers
-        dropouts = [l.name for l in self.layers if isinstance(l, Dropout) and l.rate > 0]
-        if cuda_graph and dropouts:
-            raise NotImplementedError(
-                f"compile(cuda_graph=True) with dropout ({', '.join(dropouts)}): a CUDA graph replays "
-                f"its launches with the arguments it captured, so every step would reuse the first "
-                f"step's dropout mask. Compile without cuda_graph (each step then gets its own mask).")
         self._cuda_graph, self._graphs, self._captured = bool(cuda_graph), None, None
 
     @property
