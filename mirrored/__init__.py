@@ -14,7 +14,7 @@ Reading order: one ``fit`` step, file by file (the README's four steps)::
     4. input_lib.py            rebatch_bounds: TensorFlow's rule for splitting (step 1)
     5. keras/engine.py         ReplicaProgram: one replica's layers forward, the loss,
                                backward (step 2); ParameterPack; all_reduce (step 3)
-    6. keras/layers.py         Dense and Flatten: each layer's own forward and backward
+    6. keras/layers.py         Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's own forward and backward
     7. backends.py             ``dev.ops``: the op on a GPU (our kernels) or a CPU (NumPy)
     8. cross_device_ops.py     RingAllReduce: the ring that sums the packed gradients (step 3)
     9. keras/optimizers.py     Adam/SGD ``update``: one launch per device (step 4)

@@ -11,7 +11,8 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-from kernels import activations, allreduce, elementwise, gather, gemm, optimizers, reduction, softmax_xent
+from kernels import (activations, allreduce, conv2d, dropout, elementwise, gather, gemm, optimizers, pooling,
+                     reduction, softmax_xent)
 from kernels.launch import SIMULATOR
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
@@ -86,6 +87,32 @@ class CpuOps:
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
 
+    # images (kernels/conv2d.py, pooling.py) and dropout (kernels/dropout.py), NHWC
+    def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
+        out[...] = conv2d.conv2d_ref(x, kernel, bias, strides, padding, relu)   # (B, OH, OW, Cout)
+        return out
+
+    def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
+        gx, gw, gb = conv2d.conv2d_backward_ref(x, kernel, dy, strides, padding, need_dx=dx is not None)
+        dw[...] = gw                                   # (KH, KW, Cin, Cout)
+        if db is not None:
+            db[...] = gb                               # (Cout,)
+        if dx is not None:
+            dx[...] = gx                               # (B, H, W, Cin)
+        return dx, dw, db
+
+    def max_pool(self, x, out, arg, pool_size, strides, padding):
+        out[...], arg[...] = pooling.max_pool_ref(x, pool_size, strides, padding)   # (B, OH, OW, C) x2
+        return out, arg
+
+    def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
+        dx[...] = pooling.max_pool_backward_ref(dy, arg, dx.shape, pool_size, strides, padding)
+        return dx
+
+    def dropout(self, x, out, rate, key):
+        out[...] = dropout.dropout_ref(x, key, rate)
+        return out
+
     # optimizers (kernels/optimizers.py): one call per (packed) parameter buffer
     def sgd(self, w, g, velocity, hyper, nesterov=False):
         return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
@@ -155,6 +182,24 @@ class CudaOps:
 
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
+
+    def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
+        return conv2d.conv2d(x, kernel, bias, out, strides, padding, relu, self.stream)
+
+    def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
+        # dW/db's pass-1 partial sums: a scratch buffer of the device, as sum_all's.
+        shape = conv2d.dw_partial_shape(x.shape, kernel.shape, strides, padding, db is not None)
+        partial = self.device.scratch("conv2d dW partials", shape, "float32")
+        return conv2d.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, partial, self.stream)
+
+    def max_pool(self, x, out, arg, pool_size, strides, padding):
+        return pooling.max_pool(x, out, arg, pool_size, strides, padding, self.stream)
+
+    def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
+        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream)
+
+    def dropout(self, x, out, rate, key):
+        return dropout.dropout(x, out, rate, key, self.stream)
 
     def sgd(self, w, g, velocity, hyper, nesterov=False):
         return optimizers.sgd(w, g, velocity, hyper, nesterov, self.stream)

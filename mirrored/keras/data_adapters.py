@@ -89,6 +89,7 @@ def host_batch(model, batch):
         raise NotImplementedError("sample weights are not implemented.")
     xb, yb = (b.numpy() if isinstance(b, Tensor) else np.asarray(b) for b in batch)
     model.build((None,) + tuple(xb.shape[1:]))
+    model.check_example_shape(xb.shape[1:])
     xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)     # Flatten: (B, features)
     in_dim = model.step.in_dim
     if xb.shape[1] != in_dim:
@@ -189,6 +190,7 @@ class ResidentLoader:
                              "as_supervised=True or map to (image, label).")
         self.kx, self.ky = leaf
         model.build((None,) + tuple(resident.shapes[self.kx]))
+        model.check_example_shape(resident.shapes[self.kx])
         in_dim = model.step.in_dim
         if resident.row_sizes[self.kx] != in_dim:
             raise ValueError(f"examples have {resident.row_sizes[self.kx]} features, the model expects "

@@ -1,4 +1,5 @@
-"""Keras layers, each owning its forward and backward: ``Input``, ``Flatten``, ``Dense``.
+"""Keras layers, each owning its forward and backward: ``Input``, ``Flatten``, ``Dense``,
+``Conv2D``, ``MaxPooling2D``, ``Dropout``.
 
 The layer protocol. A layer is built once (``build(input_shape)``: its weights
 become ``mirrored.Variable``s, ``MirroredVariable``s inside a strategy's scope).
@@ -21,8 +22,8 @@ that wants the example's axes back takes a reshaped view of it (free).
 A replica's program (``engine.ReplicaProgram``) is then the layers in order,
 forward, then the loss, then the layers in reverse, backward: adding a layer
 (a convolution, pooling, dropout) means writing one class here, not editing the
-step. The layers written so far are the dense stack's; the others raise
-``NotImplementedError`` that says so.
+step. The layers written so far are the course lab's (Flatten, Dense, Conv2D,
+MaxPooling2D) and Dropout; the others raise ``NotImplementedError`` that says so.
 
 Initialisers follow Keras: Glorot-uniform kernels, zero biases.
 
@@ -30,9 +31,12 @@ Neighbours: ``engine.py`` (LayerState, ReplicaProgram), ``models.py`` (Sequentia
 builds the layers), ``kernels/`` (what ``state.ops`` launches).
 """
 import math
+import re
 
 import numpy as np
 
+from kernels import conv2d as conv2d_kernels, pooling   # shape rules (the math runs in state.ops)
+from kernels import dropout as dropout_kernels           # the mask's key and the rate's check
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
 from mirrored.values import Variable
@@ -41,20 +45,35 @@ ACTIVATIONS = (None, "linear", "relu", "softmax")
 FLOAT = np.dtype(np.float32)
 
 
+def fans(shape):
+    """(fan_in, fan_out) of a kernel, Keras's rule: a Dense kernel (in, out) has fans
+    (in, out); a conv kernel (KH, KW, Cin, Cout) has (KH*KW*Cin, KH*KW*Cout), the
+    receptive field times the channels (each output sums KH*KW*Cin inputs)."""
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    receptive = int(np.prod(shape[:-2], dtype=np.int64))    # KH * KW
+    return receptive * shape[-2], receptive * shape[-1]
+
+
 def glorot_uniform(shape, rng=None):
     """Keras's default kernel initialiser: U(-limit, limit), limit = sqrt(6 / (fan_in + fan_out))."""
-    fan_in, fan_out = shape
+    fan_in, fan_out = fans(shape)
     limit = math.sqrt(6.0 / (fan_in + fan_out))
     rng = rng or _random.generator()
-    return rng.uniform(-limit, limit, size=shape).astype(np.float32)    # (in, out)
+    return rng.uniform(-limit, limit, size=shape).astype(np.float32)    # (in, out) or (KH, KW, Cin, Cout)
+
+
+def he_uniform(shape, rng=None):
+    """U(-limit, limit), limit = sqrt(6 / fan_in) (Keras's he_uniform)."""
+    limit = math.sqrt(6.0 / fans(shape)[0])
+    return (rng or _random.generator()).uniform(-limit, limit, size=shape).astype(np.float32)
 
 
 INITIALIZERS = {
     "glorot_uniform": glorot_uniform,
     "zeros": lambda shape, rng=None: np.zeros(shape, np.float32),
     "ones": lambda shape, rng=None: np.ones(shape, np.float32),
-    "he_uniform": lambda shape, rng=None: (rng or _random.generator()).uniform(
-        -math.sqrt(6.0 / shape[0]), math.sqrt(6.0 / shape[0]), size=shape).astype(np.float32),
+    "he_uniform": he_uniform,
 }
 
 
@@ -125,7 +144,9 @@ class Layer:
 
 
 def _snake(name):
-    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    """Keras's layer names: Dense -> dense, Conv2D -> conv2d, MaxPooling2D -> max_pooling2d."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower().lstrip("_")
 
 
 class InputLayer(Layer):
@@ -149,14 +170,14 @@ class Flatten(Layer):
         return (int(np.prod(input_shape, dtype=np.int64)),)
 
     def forward(self, state, x, training=False):
-        b = x.shape[0]
-        return x if len(x.shape) == 2 else x.reshape(b, self.output_shape[0])    # (b, features)
+        # NHWC is C-contiguous, so (b, H, W, C) -> (b, H*W*C) keeps Keras's (h, w, c) order
+        # of the features: a following Dense kernel has exactly Keras's rows.
+        return view(x, (x.shape[0], self.output_shape[0]))                    # (b, features)
 
     def backward(self, state, dy):
         if not state.need_dx:
             return None
-        b = dy.shape[0]
-        return dy.reshape((b,) + self.input_shape)                                # (b,) + input shape
+        return view(dy, (dy.shape[0],) + self.input_shape)                     # (b,) + input shape
 
 
 class Dense(Layer):
@@ -252,23 +273,277 @@ class _DenseBuffers:
         self.x = None                # the last forward's input (b, in), not owned
 
 
+
+# --- images: Conv2D and MaxPooling2D (NHWC, Keras's layouts) -----------------------------------
+
+def _image_shape(layer, input_shape):
+    """Check that one example is an image (H, W, C), as Keras's Conv2D/MaxPooling2D take it."""
+    input_shape = tuple(input_shape)
+    if len(input_shape) == 3:
+        return input_shape
+    hint = (f" A {input_shape[0]}x{input_shape[1]} image needs its channel axis: "
+            f"input_shape={input_shape + (1,)} and images of that shape (x[..., None] adds it; "
+            f"tfds's MNIST images are already (28, 28, 1))." if len(input_shape) == 2 else
+            " Put it before any Flatten.")
+    raise ValueError(f"{type(layer).__name__} {layer.name!r} takes images of shape (height, width, "
+                     f"channels), got examples of shape {input_shape}.{hint}")
+
+
+def _channels_last(layer, data_format):
+    if data_format not in (None, "channels_last"):
+        raise NotImplementedError(
+            f"{type(layer).__name__}: data_format={data_format!r} is not supported; only "
+            f"'channels_last' (NHWC: images (height, width, channels), Keras's default) is.")
+
+
+def _padding(layer, padding):
+    if not isinstance(padding, str) or padding.lower() not in conv2d_kernels.PADDINGS:
+        raise ValueError(f"{type(layer).__name__}: padding must be 'valid' or 'same', got {padding!r}.")
+    return padding.lower()
+
+
+class Conv2D(Layer):
+    """2-D convolution (cross-correlation) as Keras's: NHWC in and out, kernel (KH, KW, Cin, Cout)
+    (HWIO), bias (Cout,); ``activation`` None or 'relu' (fused into the forward kernel).
+
+    Forward: one ``ops.conv2d`` launch, ``y = relu(conv(x, kernel) + bias)``. Backward, for
+    dz = dy * relu'(y) (in place, in dy's buffer), one ``ops.conv2d_backward``::
+
+        d kernel[kh, kw, ci, co] = sum over n, oh, ow of x[n, oh*sh+kh-pt, ow*sw+kw-pl, ci] * dz[n, oh, ow, co]
+        d bias[co]               = sum over n, oh, ow of dz[n, oh, ow, co]
+        dx                       = each window's dz @ kernel^T added back onto its pixels
+                                   (only if an earlier layer needs it)
+
+    The math is kernels/conv2d.py's: ``conv2d_ref`` (im2col + one matmul) on the CPU, the
+    launchers on a GPU. As the first layer it gets the model's input as (b, H*W*Cin) and
+    views it as (b, H, W, Cin) (free: the host copied each image in row-major order).
+    """
+
+    def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None,
+                 dilation_rate=1, groups=1, activation=None, use_bias=True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", input_shape=None,
+                 name=None, **kwargs):
+        super().__init__(input_shape=input_shape, name=name, **kwargs)
+        what = f"Conv2D {self.name!r}"
+        if not isinstance(filters, (int, np.integer)) or isinstance(filters, bool) or filters < 1:
+            raise ValueError(f"{what}: filters must be a positive integer (the number of output "
+                             f"channels), got {filters!r}.")
+        self.filters = int(filters)
+        self.kernel_size = conv2d_kernels.pair(what, "kernel_size", kernel_size)   # (KH, KW)
+        self.strides = conv2d_kernels.pair(what, "strides", strides)               # (sh, sw)
+        self.padding = _padding(self, padding)
+        _channels_last(self, data_format)
+        if conv2d_kernels.pair(what, "dilation_rate", dilation_rate) != (1, 1) or groups != 1:
+            raise NotImplementedError(f"{what}: dilation_rate={dilation_rate!r}, groups={groups!r} "
+                                      f"are not supported; only dilation_rate=1 and groups=1 are.")
+        if activation not in (None, "linear", "relu"):
+            raise NotImplementedError(f"{what}: activation {activation!r} is not implemented; "
+                                      f"Conv2D has None and 'relu' (fused into the kernel).")
+        self.activation = None if activation == "linear" else activation
+        self.use_bias = bool(use_bias)
+        self.kernel_initializer = _initializer(kernel_initializer, "Conv2D kernel_initializer")
+        self.bias_initializer = _initializer(bias_initializer, "Conv2D bias_initializer")
+        self.kernel = self.bias = None
+
+    def output_shape_for(self, input_shape):
+        h, w, cin = _image_shape(self, input_shape)
+        _, oh, ow, cout = conv2d_kernels.conv2d_output_shape(
+            (1, h, w, cin), self.kernel_size + (cin, self.filters), self.strides, self.padding,
+            what=f"Conv2D {self.name!r} (input images {(h, w, cin)})")
+        return oh, ow, cout
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        shape = self.kernel_size + (self.input_shape[2], self.filters)     # (KH, KW, Cin, Cout)
+        self.kernel = Variable(self.kernel_initializer(shape), name=f"{self.name}/kernel")
+        if self.use_bias:
+            self.bias = Variable(self.bias_initializer((self.filters,)), name=f"{self.name}/bias")
+
+    @property
+    def weights(self):
+        if not self.built:
+            return []
+        return [self.kernel, self.bias] if self.use_bias else [self.kernel]
+
+    trainable_weights = weights
+
+    def make_buffers(self, state, b):
+        dev = state.dev
+        zero_bias = None
+        if not self.use_bias:                         # the kernel adds a bias: give it zeros
+            zero_bias = dev.empty((self.filters,), FLOAT)
+            state.ops.fill(zero_bias, 0.0)
+        return _ConvBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, Cout)
+                            dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None,  # dx: (b, H, W, Cin)
+                            zero_bias)
+
+    def forward(self, state, x, training=False):
+        b = x.shape[0]
+        buf = state.buffers(b)
+        kernel = state.weights[0]                                   # (KH, KW, Cin, Cout)
+        bias = state.weights[1] if self.use_bias else buf.zero_bias  # (Cout,)
+        buf.x = view(x, (b,) + self.input_shape)                    # (b, H, W, Cin), kept for d kernel
+        state.ops.conv2d(buf.x, kernel, bias, buf.y, self.strides, self.padding,
+                         relu=self.activation == "relu")            # y: (b, OH, OW, Cout)
+        return buf.y
+
+    def backward(self, state, dy):
+        buf = state.buffers(dy.shape[0])
+        dkernel = state.grads[0]                                    # (KH, KW, Cin, Cout)
+        dbias = state.grads[1] if self.use_bias else None           # (Cout,)
+        if self.activation == "relu":
+            state.ops.relu_backward(dy, buf.y, dy)                  # dz = dy * (y > 0), in place
+        dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
+        state.ops.conv2d_backward(buf.x, state.weights[0], dy, dx, dkernel, dbias,
+                                  self.strides, self.padding)
+        return dx
+
+
+class _ConvBuffers:
+    """A Conv2D layer's buffers for one batch size on one device."""
+
+    __slots__ = ("y", "dx", "zero_bias", "x")
+
+    def __init__(self, y, dx, zero_bias):
+        self.y, self.dx = y, dx          # output (b, OH, OW, Cout); input gradient (b, H, W, Cin) or None
+        self.zero_bias = zero_bias       # (Cout,) zeros when use_bias=False, else None
+        self.x = None                    # the last forward's input (b, H, W, Cin), not owned
+
+
+class MaxPooling2D(Layer):
+    """Max over ``pool_size`` windows, ``strides`` apart (default: the pool size), per channel.
+
+    Forward: one ``ops.max_pool`` launch writing the maxima and, per output, the position
+    of its window's FIRST maximum (int32; TensorFlow's tie rule, kernels/pooling.py).
+    Backward: one ``ops.max_pool_backward``, each output's gradient to that position;
+    inputs in no window (the last row of an odd size with 'valid') get zero. No weights.
+    """
+
+    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None,
+                 input_shape=None, name=None, **kwargs):
+        super().__init__(input_shape=input_shape, name=name, **kwargs)
+        what = f"MaxPooling2D {self.name!r}"
+        self.pool_size = conv2d_kernels.pair(what, "pool_size", pool_size)                   # (PH, PW)
+        self.strides = self.pool_size if strides is None else conv2d_kernels.pair(what, "strides", strides)
+        self.padding = _padding(self, padding)
+        _channels_last(self, data_format)
+
+    def output_shape_for(self, input_shape):
+        image = _image_shape(self, input_shape)
+        (_, oh, ow, c), _, _, _ = pooling.pool_geometry(
+            (1,) + image, self.pool_size, self.strides, self.padding,
+            what=f"MaxPooling2D {self.name!r} (input images {image})")
+        return oh, ow, c
+
+    def make_buffers(self, state, b):
+        dev = state.dev
+        return _PoolBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, C)
+                            dev.empty((b,) + self.output_shape, pooling.ARG_DTYPE),               # arg: (b, OH, OW, C)
+                            dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None)  # dx: (b, H, W, C)
+
+    def forward(self, state, x, training=False):
+        b = x.shape[0]
+        buf = state.buffers(b)
+        x = view(x, (b,) + self.input_shape)                       # (b, H, W, C)
+        state.ops.max_pool(x, buf.y, buf.arg, self.pool_size, self.strides, self.padding)
+        return buf.y                                               # (b, OH, OW, C)
+
+    def backward(self, state, dy):
+        if not state.need_dx:
+            return None
+        buf = state.buffers(dy.shape[0])
+        state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
+        return buf.dx                                              # (b, H, W, C)
+
+
+class _PoolBuffers:
+    """A MaxPooling2D layer's buffers for one batch size on one device."""
+
+    __slots__ = ("y", "arg", "dx")
+
+    def __init__(self, y, arg, dx):
+        self.y, self.arg, self.dx = y, arg, dx
+
+
+#: What a model's first layer must be given as is (no reshaping of other shapes with
+#: the same number of features): the layers that see the image's axes.
+IMAGE_LAYERS = (Conv2D, MaxPooling2D)
+
+
+class Dropout(Layer):
+    """Keras's inverted dropout: in training each unit is kept with probability 1 - rate and
+    scaled by 1 / (1 - rate); in evaluate and predict the layer is the identity (no launch).
+
+    The mask comes from kernels/dropout.py's counter-based generator: unit i of a replica's
+    (b, ...) batch is kept or not by a hash of (key, i), with
+
+        key = dropout_key(seed, step, replica)
+
+    so there is no random state on the devices: the mask is reproducible (the seed is
+    ``seed``, or drawn from ``mirrored.random`` when the layer is built, so
+    ``mirrored.random.set_seed`` repeats a run), different on every replica and step (each
+    replica drops different units of its own slice, as in TensorFlow), and the same bits on
+    the CPU (``dropout_ref``) and the GPU. ``step`` counts this replica's training forwards.
+    Backward applies the same mask to dy (same key), in place: dx = dy * scale where kept.
+
+    Because N replicas drop different units, a model with dropout does NOT train like one
+    replica on the global batch (the other layers still do, given the same masks).
+    """
+
+    def __init__(self, rate, noise_shape=None, seed=None, input_shape=None, name=None, **kwargs):
+        super().__init__(input_shape=input_shape, name=name, **kwargs)
+        self.rate = dropout_kernels.check_rate(rate, f"Dropout {self.name!r}")
+        if noise_shape is not None:
+            raise NotImplementedError(f"Dropout {self.name!r}: noise_shape is not supported; every "
+                                      f"unit gets its own draw (noise_shape=None).")
+        if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+                                 or seed < 0):
+            raise ValueError(f"Dropout {self.name!r}: seed must be a non-negative integer or None, "
+                             f"got {seed!r}.")
+        self.seed = seed
+        self._seed = None            # the seed in use, fixed when the layer is built
+        self._steps = {}             # replica id -> training forwards so far
+        self._keys = {}              # replica id -> the last training forward's key (for backward)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._seed = int(self.seed) if self.seed is not None else int(_random.generator().integers(2**63))
+
+    def make_buffers(self, state, b):
+        return state.dev.empty((b,) + self.input_shape, FLOAT)       # y: (b,) + input shape
+
+    def forward(self, state, x, training=False):
+        if not training or self.rate == 0.0:
+            return x                                                  # identity: nothing launched
+        b, r = x.shape[0], state.replica_id
+        step = self._steps.get(r, 0)
+        self._steps[r] = step + 1
+        key = self._keys[r] = dropout_kernels.dropout_key(self._seed, step, r)
+        y = state.buffers(b)
+        state.ops.dropout(view(x, (b,) + self.input_shape), y, self.rate, key)   # y: (b,) + input shape
+        return y
+
+    def backward(self, state, dy):
+        if not state.need_dx:
+            return None
+        if self.rate != 0.0:
+            state.ops.dropout(dy, dy, self.rate, self._keys[state.replica_id])  # dx = dy * mask * scale
+        return dy
+
+
 def _not_here(name):
     class Unsupported(Layer):
         def __init__(self, *args, **kwargs):
             raise NotImplementedError(
-                f"layers.{name} is not implemented: mirrored teaches data parallelism on a "
-                f"dense-layer stack (Flatten, Dense with None/'relu'/'softmax'). Replace the "
-                f"convolutional part of the model with layers.Flatten() and Dense layers, e.g. "
-                f"Sequential([Flatten(input_shape=(28, 28, 1)), Dense(64, activation='relu'), Dense(10)]).")
+                f"layers.{name} is not implemented: mirrored has the layers of the course lab "
+                f"and its usual next steps: {', '.join(SUPPORTED)} (Input too).")
     Unsupported.__name__ = name
     return Unsupported
 
 
-Conv2D = _not_here("Conv2D")
+SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout")
 Conv1D = _not_here("Conv1D")
-MaxPooling2D = _not_here("MaxPooling2D")
 AveragePooling2D = _not_here("AveragePooling2D")
-Dropout = _not_here("Dropout")
 BatchNormalization = _not_here("BatchNormalization")
 Embedding = _not_here("Embedding")
 LSTM = _not_here("LSTM")

@@ -28,7 +28,7 @@ from mirrored.keras import data_adapters
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
-from mirrored.keras.layers import InputLayer, Layer
+from mirrored.keras.layers import IMAGE_LAYERS, Dropout, InputLayer, Layer
 from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import Step, check_compiled
@@ -97,6 +97,9 @@ class Sequential:
             raise ValueError("the model's input shape is unknown: give the first layer "
                              "input_shape=..., start with layers.Input(shape=...), or call fit first.")
         shape = self._input_shape
+        for layer in self.layers:                  # every shape checked before any weight exists:
+            shape = layer.output_shape_for(shape)  # a bad layer leaves nothing half-built
+        shape = self._input_shape
         with self._scope():
             for layer in self.layers:
                 layer.build(shape)
@@ -110,6 +113,24 @@ class Sequential:
         devices = [c._tensor._device for c in components(self.trainable_variables[0])]
         self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
         self.built = True
+
+    def check_example_shape(self, shape):
+        """Refuse examples of ``shape`` that the model would misread.
+
+        The step copies each example in flat; a dense model takes any shape with the
+        right number of features (as Flatten does), but a first Conv2D or MaxPooling2D
+        reads the image's axes, so its examples must have exactly the input shape:
+        MNIST as a 28x28 array is not a (28, 28, 1) image until its channel axis is added.
+        """
+        shape, want = tuple(shape), tuple(self._input_shape)
+        if shape == want or not isinstance(self.layers[0], IMAGE_LAYERS):
+            return
+        first = self.layers[0]
+        hint = (" Add the channel axis: x[..., None] (NumPy) or "
+                "dataset.map(lambda image, label: (image[..., None], label))."
+                if shape + (1,) == want else "")
+        raise ValueError(f"the model's first layer, {type(first).__name__} {first.name!r}, takes images "
+                         f"of shape {want} (height, width, channels), got examples of shape {shape}.{hint}")
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -165,6 +186,12 @@ class Sequential:
         to capture (CPU devices, the CUDA simulator) it warns once and runs eagerly;
         the weights come out the same either way.
         """
+        dropouts = [l.name for l in self.layers if isinstance(l, Dropout) and l.rate > 0]
+        if cuda_graph and dropouts:
+            raise NotImplementedError(
+                f"compile(cuda_graph=True) with dropout ({', '.join(dropouts)}): a CUDA graph replays "
+                f"its launches with the arguments it captured, so every step would reuse the first "
+                f"step's dropout mask. Compile without cuda_graph (each step then gets its own mask).")
         if optimizer == "rmsprop":
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
@@ -342,6 +369,7 @@ class Sequential:
             xb = batch[0] if isinstance(batch, (tuple, list)) else batch
             xb = xb.numpy() if isinstance(xb, Tensor) else np.asarray(xb)
             self.build((None,) + tuple(xb.shape[1:]))
+            self.check_example_shape(xb.shape[1:])
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
             outs.extend(self.step.predict(xb))
             done += 1
@@ -361,6 +389,7 @@ class Sequential:
         """
         shape = inputs.shape if hasattr(inputs, "shape") else np.shape(inputs)
         self.build((None,) + tuple(shape[1:]))
+        self.check_example_shape(shape[1:])
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         strategy, replica_ctx = context.top()
         r = replica_ctx._replica_id if (replica_ctx is not None and strategy is self._strategy) else 0
