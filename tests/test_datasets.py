@@ -428,8 +428,9 @@ def test_a_copy_with_other_contents_is_not_used(tmp_path, monkeypatch, full_set)
     files, arrays = full_set
     monkeypatch.setattr(datasets, "MNIST_RAW_SHA256", raw_table(arrays))
     put_cached(tmp_path, {n: b for n, b in files.items() if n != "train-labels-idx1-ubyte.gz"})
-    wrong = gzip.decompress(files["train-labels-idx1-ubyte.gz"])[:-1] + b"\x09"
-    (tmp_path / "train-labels-idx1-ubyte").write_bytes(wrong)     # one label changed
+    raw = gzip.decompress(files["train-labels-idx1-ubyte.gz"])
+    wrong = raw[:-1] + bytes([(raw[-1] + 1) % 10])                 # the last label changed
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(wrong)      # (always: not set to 9)
     with pytest.warns(BundledSubsetWarning,
                       match=r"train-labels-idx1-ubyte is not MNIST's train-labels-idx1-ubyte\.gz"):
         _, info = datasets.load("mnist", data_dir=tmp_path, download=False, with_info=True)
