@@ -26,6 +26,7 @@ Neighbours: ``config.py`` (the TF-named functions over this module),
 ``backends.py`` (ops), ``tensor.py`` (arrays on a device), ``kernels/launch.py``
 (real CUDA or the simulator).
 """
+import collections
 import contextlib
 import re
 import threading
@@ -105,8 +106,9 @@ class Device:
         self.physical = physical            # PhysicalDevice it was carved from
         self.name = f"{LONG_PREFIX}{self.device_type}:{index}"
         self.memory_limit = None if memory_limit_mib is None else int(memory_limit_mib * MIB)
-        self.bytes_in_use = 0
+        self._bytes = 0                     # charged and not yet refunded (see bytes_in_use)
         self.peak_bytes_in_use = 0
+        self._refunds = collections.deque()  # bytes freed by the garbage collector, to subtract
         self._lock = threading.Lock()
         self._scratch = {}                  # (key, shape, dtype) -> buffer; see scratch()
 
@@ -122,27 +124,43 @@ class Device:
         return LogicalDevice(self.name, self.device_type)
 
     # -- memory accounting (every allocation of ours goes through _account)
+    @property
+    def bytes_in_use(self):
+        """Bytes of this device's allocations that are alive now."""
+        with self._lock:
+            self._settle()
+            return self._bytes
+
+    def _settle(self):
+        """Subtract the refunds queued by ``_refund`` (called with the lock held)."""
+        while self._refunds:
+            self._bytes -= self._refunds.popleft()
+
     def _check_fits(self, nbytes):
-        """Raise ResourceExhaustedError if ``nbytes`` more would pass the limit."""
-        if self.memory_limit is not None and self.bytes_in_use + nbytes > self.memory_limit:
+        """Raise ResourceExhaustedError if ``nbytes`` more would pass the limit (lock held)."""
+        if self.memory_limit is not None and self._bytes + nbytes > self.memory_limit:
             raise ResourceExhaustedError(
                 f"OOM on {self.name}: allocating {nbytes:,} bytes would exceed its "
-                f"memory_limit of {self.memory_limit:,} bytes ({self.bytes_in_use:,} in use). "
+                f"memory_limit of {self.memory_limit:,} bytes ({self._bytes:,} in use). "
                 f"Use a smaller batch or model, or a larger memory_limit in "
                 f"set_logical_device_configuration.")
 
     def _account(self, buf, nbytes):
         """Charge ``nbytes`` for ``buf``; refunded when ``buf`` is garbage-collected."""
         with self._lock:
+            self._settle()
             self._check_fits(nbytes)
-            self.bytes_in_use += nbytes
-            self.peak_bytes_in_use = max(self.peak_bytes_in_use, self.bytes_in_use)
+            self._bytes += nbytes
+            self.peak_bytes_in_use = max(self.peak_bytes_in_use, self._bytes)
         weakref.finalize(_memory_owner(buf), self._refund, nbytes)
         return buf
 
     def _refund(self, nbytes):
-        with self._lock:
-            self.bytes_in_use -= nbytes
+        """A finalizer: the garbage collector runs it wherever it happens to collect, which
+        can be inside ``_account`` on this very thread with the lock held (a deadlock the
+        test suite hit). So it takes no lock: it only queues the amount (a deque's append
+        is atomic), and the next reader subtracts it under the lock (``_settle``)."""
+        self._refunds.append(nbytes)
 
     def reset_peak(self):
         self.peak_bytes_in_use = self.bytes_in_use

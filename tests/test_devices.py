@@ -134,3 +134,27 @@ def test_bad_flag_gets_usage():
     out = subprocess.run([sys.executable, "-m", "mirrored", "--no-such-flag"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "usage:" in out.stderr
+
+
+def test_a_refund_from_the_garbage_collector_inside_an_allocation_does_not_deadlock(devices):
+    """The garbage collector runs a dead buffer's refund wherever it happens to collect,
+    also inside ``_account`` while this device's lock is held (the suite once hung there
+    for good). Simulated here by refunding from inside the locked region."""
+    import threading
+    import numpy as np
+    dev = devices(cpus=1)[0]
+    keep = dev.empty((1000,), np.float32)                       # 4,000 bytes charged
+    real_check = dev._check_fits
+
+    def check_then_collect(nbytes):
+        real_check(nbytes)
+        dev._refund(4_000)                                      # as if `keep` died just now
+    dev._check_fits = check_then_collect
+    done, made = threading.Event(), []
+    worker = threading.Thread(target=lambda: (made.append(dev.empty((10,), np.float32)), done.set()),
+                              daemon=True)
+    worker.start()
+    assert done.wait(10), "an allocation deadlocked on a refund that ran inside it"
+    del dev._check_fits
+    assert dev.bytes_in_use == 40, "the refund and the new charge must both be counted"
+    del keep
