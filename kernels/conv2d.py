@@ -483,8 +483,7 @@ def conv2d(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=
     check_array("conv2d: bias", bias, np.float32, shape=(shape[3],))
     check_array("conv2d: out", out, np.float32, shape=shape)
     check_no_alias("conv2d", out, x, kernel, bias)
-    fits = v2_fits(kernel.shape, (sh, sw))
-    if version == "v2" and not fits:
+    if version == "v2" and not v2_fits(kernel.shape, (sh, sw)):
         raise ValueError(f"conv2d: v2 holds at most {V2_KERNEL_FLOATS} kernel floats and a "
                          f"{V2_PATCH_FLOATS}-float input patch in shared memory; kernel "
                          f"{tuple(kernel.shape)} with strides {(sh, sw)} needs more: use v1 "
