@@ -145,7 +145,7 @@ def load(name, split=None, with_info=False, as_supervised=False, data_dir=None,
     directory = _data_dir(data_dir) / builder
     paths, source, problems = _locate_files(directory, _download_mode(download))
     arrays = {split_name: _read_split(paths, split_name) for split_name in SPLIT_FILES}
-    info = _make_info(arrays, source, paths, problems)
+    info = _make_info(arrays, source, paths, problems, directory)
 
     def build(spec):
         images, labels = _slice_split(arrays, spec)     # (n, 28, 28, 1) uint8, (n,) int64
@@ -599,7 +599,7 @@ class Image:
 class DatasetInfo:
     """name, version, features, splits, supervised_keys, plus `source` and `files`."""
 
-    def __init__(self, splits, source, files, problems):
+    def __init__(self, splits, source, files, problems, data_dir=None):
         self.name, self.full_name, self.version = "mnist", "mnist/3.0.1", "3.0.1"
         self.description = "The MNIST database of handwritten digits."
         self.homepage = "http://yann.lecun.com/exdb/mnist/"
@@ -609,6 +609,7 @@ class DatasetInfo:
         self.source = source             # 'full' or 'bundled subset mnist-10k'
         self.files = files               # {file name: path read}
         self.problems = problems         # {file name: why the full file was not used}
+        self.data_dir = data_dir         # tfds's too: the folder this data set is kept in
 
     def __repr__(self):
         splits = ", ".join(f"'{k}': {v.num_examples}" for k, v in self.splits.items())
@@ -616,5 +617,6 @@ class DatasetInfo:
                 f"    features={self.features},\n    splits={{{splits}}})")
 
 
-def _make_info(arrays, source, paths, problems):
-    return DatasetInfo(_SplitDict(arrays), source, dict(paths), problems)
+def _make_info(arrays, source, paths, problems, directory=None):
+    return DatasetInfo(_SplitDict(arrays), source, dict(paths), problems,
+                       None if directory is None else str(directory))

@@ -23,6 +23,12 @@ import time
 
 from mirrored.keras.callbacks import Callback
 
+#: Fewer timed steps than this (over the timed epochs), or no epoch left after the
+#: warm-up, and a row's epoch time, ms/step, samples/s and efficiency are marked too short
+#: to compare: per-epoch fixed costs, the warm-up and a busy machine's jitter outweigh the
+#: steps (``python -m mirrored --quick`` once timed one epoch of 8-16 steps and printed
+#: efficiencies of 149-330%).
+MIN_TIMED_STEPS = 50
 
 
 class EpochTimer(Callback):
@@ -64,6 +70,8 @@ class EpochTimer(Callback):
         if not self.epochs:
             raise ValueError("EpochTimer.row: no epoch has been timed yet; pass the timer to fit().")
         timed = self.epochs[warmup_epochs:] or self.epochs
+        warmup_only = not self.epochs[warmup_epochs:] and warmup_epochs > 0
+        timed_steps = sum(e[1] for e in timed)
         epoch_s = statistics.median(e[0] for e in timed)
         steps = statistics.median(e[1] for e in timed)
         examples = statistics.median(e[2] for e in timed)
@@ -76,6 +84,8 @@ class EpochTimer(Callback):
             "replicas": replicas or len(devices),
             "global_batch": global_batch,
             "steps_per_epoch": int(steps), "epochs_timed": len(timed),
+            "timed_steps": int(timed_steps),
+            "too_short": warmup_only or timed_steps < MIN_TIMED_STEPS,
             "epoch_time_s": float(epoch_s), "epoch_times_s": [float(e[0]) for e in self.epochs],
             "ms_per_step": float(epoch_s / steps * 1e3) if steps else float("nan"),
             "samples_per_s": float(examples / epoch_s) if epoch_s else float("nan"),
@@ -179,8 +189,12 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
         if test_args is not None:
             initial_loss = _evaluate(model, test_args)[0]
         if verbose:
+            how = ""
+            if replicas > 1:                  # what a second replica adds: the split, the sum
+                ops = type(strategy.extended.cross_device_ops).__name__
+                how = f" split {replicas} × {batch_per_replica}, gradients summed by {ops}"
             log(f"--- {name}: {replicas} replica(s) on {', '.join(devices)}, "
-                f"global batch {global_batch} ---")
+                f"global batch {global_batch}{how} ---")
         clock = EpochTimer()
         model.fit(fit_args[0], fit_args[1], batch_size=fit_args[2], epochs=epochs,
                   verbose=verbose, callbacks=[clock])
@@ -227,7 +241,9 @@ def format_table(rows, title=None):
         if value is None or isinstance(value, float) and math.isnan(value):
             return "-"
         return fmt.format(value)
-    cells = [[cell(r, key, fmt) for _, key, fmt in cols] for r in rows]
+    marked = {"epoch_time_s", "ms_per_step", "samples_per_s", "efficiency"}   # timing columns
+    cells = [[cell(r, key, fmt) + ("*" if r.get("too_short") and key in marked else "")
+              for _, key, fmt in cols] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
     line = lambda items: "  ".join(s.ljust(w) if i == 0 else s.rjust(w)   # noqa: E731
                                    for i, (s, w) in enumerate(zip(items, widths)))
@@ -237,4 +253,7 @@ def format_table(rows, title=None):
     if rows and rows[0].get("baseline"):
         out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); "
                    f"epoch s = median of {rows[0].get('epochs_timed', '?')} timed epoch(s) after warm-up")
+    if any(r.get("too_short") for r in rows):
+        out.append(f"* too short to compare: fewer than {MIN_TIMED_STEPS} timed steps, or none after "
+                   f"the warm-up; time more epochs or more data")
     return "\n".join(out)

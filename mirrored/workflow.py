@@ -1,7 +1,8 @@
 """The lab workflow behind ``python -m mirrored``: the course's MNIST lab, timed.
 
-    python -m mirrored                          # no strategy vs MirroredStrategy, 5 epochs
-    python -m mirrored --logical-gpus 4         # ... and on 1, 2, 4 logical devices
+    python -m mirrored                          # the lab's ConvNet: no strategy vs MirroredStrategy
+    python -m mirrored --model dense            # ... the fast dense stack instead
+    python -m mirrored --logical-gpus 4         # ... on 1, 2, 4 logical devices
     python -m mirrored --devices GPU:0,GPU:1    # ... on these devices
     python -m mirrored --quick                  # a few steps on a little data: seconds
 
@@ -9,18 +10,25 @@ What it does, in the lab's order:
 
 1. Devices: ``--logical-gpus N`` splits GPU:0 into N logical GPUs (or, with no
    real GPU, the CPU into N logical CPUs) — once, before anything else uses a
-   device, as TensorFlow requires. The comparison runs over ``--devices``, else
-   every logical GPU, else the logical CPUs.
+   device, as TensorFlow requires. With no GPU and no ``--logical-gpus``, the CPU
+   is split in ``CPU_REPLICAS`` (2), so the comparison has a two-replica row: the
+   split batch, the ring all-reduce, the samples/s. The comparison runs over
+   ``--devices``, else every logical GPU, else those logical CPUs.
 2. Data: MNIST from ``--data-dir`` (or ~/tensorflow_datasets), downloaded if it
-   can be, else the bundled 8k/2k subset (said so). The lab's pipeline:
+   can be, else the bundled 8k/2k subset (said so, with the folder the full set
+   would be kept in). The lab's pipeline:
    ``map(scale).cache().shuffle(10000).batch(GLOBAL_BATCH)``.
-3. The lab's model — ``Flatten → Dense(64, relu) → Dense(10)``, Adam,
-   ``SparseCategoricalCrossentropy(from_logits=True)``, ``['accuracy']`` — trained
+3. The lab's model — by default its ConvNet, ``Conv2D(32, 3, relu) → MaxPooling2D →
+   Flatten → Dense(64, relu) → Dense(10)``; ``--model dense``: ``Flatten → Dense(64,
+   relu) → Dense(10)`` — compiled as the lab does (Adam,
+   ``SparseCategoricalCrossentropy(from_logits=True)``, ``['accuracy']``), trained
    with no strategy and with MirroredStrategy on 1, 2, 4, ... of the devices,
    every run from the same initial weights (``scaling.compare``), printing
    Keras's progress lines.
 4. A table (epoch time, ms/step, samples/s, scaling efficiency, test accuracy)
-   with the data source and the devices, and a PNG bar chart of it.
+   with the data source, the model and the devices, and a PNG bar chart of it.
+   Figures from too few timed steps are marked as too short to compare
+   (``scaling.MIN_TIMED_STEPS``); ``--quick`` times two epochs after its warm-up.
 
 Notebooks use the same pieces: ``make_model``, ``scale``, ``load_mnist``,
 ``make_data_fn``, ``configure_devices`` (labs/01 and labs/05).
@@ -37,8 +45,15 @@ from mirrored import scaling, viz
 BATCH_PER_REPLICA = 64           # the course lab's BATCH_SIZE_PER_REPLICA
 BUFFER_SIZE = 10000              # the lab's shuffle buffer
 DEFAULT_EPOCHS = 5               # 1 warm-up + 4 timed: seconds on a 2-core laptop (subset), ~1 min (full set)
-QUICK = {"train_examples": 1024, "test_examples": 512, "epochs": 2}   # --quick / MIRRORED_QUICK=1
+QUICK = {"train_examples": 1024, "test_examples": 512, "epochs": 3}   # --quick / MIRRORED_QUICK=1:
+#                                  1 warm-up + 2 timed epochs (the median of one is one sample)
 DEFAULT_PLOT = "mirrored-timing.png"
+CPU_REPLICAS = 2                 # with no GPU, the CPU is split in two: the table gets a ×2 row
+MODELS = {                       # --model: what each trains (the lab's ConvNet by default)
+    "conv": "the lab's ConvNet: Conv2D(32, 3, relu) → MaxPooling2D → Flatten → Dense(64, relu) → Dense(10)",
+    "dense": "the dense stack: Flatten → Dense(64, relu) → Dense(10)",
+}
+DEFAULT_MODEL = "conv"
 
 
 class DeviceError(ValueError):
@@ -59,13 +74,23 @@ def scale(image, label):
     return image, label
 
 
-def make_model():
-    """The lab's model, compiled as the lab compiles it (call inside ``strategy.scope()``)."""
-    model = tf.keras.Sequential([
-        tf.keras.layers.Flatten(input_shape=(28, 28, 1)),
-        tf.keras.layers.Dense(64, activation="relu"),
-        tf.keras.layers.Dense(10),
-    ])
+def make_model(model=DEFAULT_MODEL):
+    """The lab's model, compiled as the lab compiles it (call inside ``strategy.scope()``).
+
+    ``model``: "conv" — the course lab's ConvNet, as its cell writes it (347,146
+    weights); "dense" — the fast dense stack (50,890 weights). See ``MODELS``.
+    """
+    if model == "conv":
+        layers = [tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
+                  tf.keras.layers.MaxPooling2D(),
+                  tf.keras.layers.Flatten()]
+    elif model == "dense":
+        layers = [tf.keras.layers.Flatten(input_shape=(28, 28, 1))]
+    else:
+        raise ValueError(f"model must be one of {sorted(MODELS)} ({'; '.join(MODELS.values())}), "
+                         f"got {model!r}.")
+    model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(64, activation="relu"),
+                                          tf.keras.layers.Dense(10)])
     model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"])
     return model
@@ -91,7 +116,7 @@ def load_mnist(data_dir=None, quick=False):
         offline = os.environ.get("MIRRORED_OFFLINE", "").strip().lower() in ("1", "true", "yes")
         why = "MIRRORED_OFFLINE=1" if offline else "the full set is not cached and could not be downloaded"
         source = (f"MNIST, {info.source}: {n_train:,} train / {n_test:,} test ({why}; "
-                  f"the full 60,000 / 10,000 lives in <data_dir>/mnist once downloaded)")
+                  f"the full 60,000 / 10,000 is kept in {info.data_dir} once downloaded)")
     if quick:
         train, test = train.take(QUICK["train_examples"]), test.take(QUICK["test_examples"])
         source += f"; --quick: first {min(n_train, QUICK['train_examples']):,} / " \
@@ -124,7 +149,8 @@ def configure_devices(logical=None, use_physical_gpus=True):
       ``logical`` of them if given), unsplit;
     * one real GPU: split into ``logical`` logical GPUs (each its own stream);
     * no real GPU (or only Numba's simulator, far too slow to train on): split the
-      CPU into ``logical`` logical CPUs.
+      CPU into ``logical`` logical CPUs (``CPU_REPLICAS`` when not given, so that a
+      laptop also shows two replicas).
 
     The split can happen once per process; if devices are already in use (a
     notebook cell run twice) the existing ones are used and the description says so.
@@ -137,15 +163,15 @@ def configure_devices(logical=None, use_physical_gpus=True):
         raise ValueError(f"the number of logical devices must be at least 1, got {logical}.")
     if _dev.is_initialized():
         note = " (devices were already configured in this process; restart to change them)"
-    elif logical and not (use_physical_gpus and len(real_gpus) >= 2):
+    if not logical and kind == "CPU":
+        logical = CPU_REPLICAS
+    if not note and logical and not (use_physical_gpus and len(real_gpus) >= 2):
         target = real_gpus[0] if real_gpus else tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
             target, [tf.config.LogicalDeviceConfiguration() for _ in range(logical)])
     names = [d.name for d in tf.config.list_logical_devices(kind)]
     if logical:
         names = names[:logical]
-    elif kind == "CPU":
-        names = names[:1]
     short = [_dev.get_device(n).short_name for n in names]
     if kind == "GPU" and len(real_gpus) >= 2 and use_physical_gpus:
         what = f"{len(names)} physical GPU(s)"
@@ -154,8 +180,9 @@ def configure_devices(logical=None, use_physical_gpus=True):
     else:
         why = {"simulator": "the CUDA simulator is for testing kernels, far too slow to train on",
                "none": "no CUDA GPU found", "real": ""}[mode]
-        what = f"{len(names)} logical CPU device(s) split from the CPU ({why})" if len(names) > 1 \
-            else f"the CPU ({why})"
+        what = (f"{len(names)} logical CPU devices split from the CPU ({why}); they share its "
+                f"cores, so more replicas show the split batch and the ring, not a speed-up"
+                if len(names) > 1 else f"the CPU ({why})")
     return names, f"{', '.join(short)}: {what}{note}"
 
 
@@ -186,10 +213,11 @@ def replica_counts(n):
 # --- the whole job ---------------------------------------------------------------------------
 
 def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PER_REPLICA,
-        data_dir=None, plot=DEFAULT_PLOT, quick=False, out=print):
+        data_dir=None, plot=DEFAULT_PLOT, quick=False, model=DEFAULT_MODEL, out=print):
     """Run the lab workflow; returns ``(rows, report_text)``.
 
     ``devices``: a comma-separated device string (``--devices``), or None.
+    ``model``: "conv" (the lab's ConvNet) or "dense" (``MODELS``).
     Raises ``DeviceError`` (a ``ValueError``) for a device that does not exist; its
     message lists the devices there are.
     """
@@ -198,6 +226,8 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
         epochs = QUICK["epochs"] if quick else DEFAULT_EPOCHS
     if epochs < 1:
         raise ValueError(f"epochs must be at least 1, got {epochs}.")
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}.")
     try:
         names, device_text = configure_devices(logical_gpus)
         if devices is not None:
@@ -207,17 +237,19 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
         raise DeviceError(str(err)) from err
     train, test, source = load_mnist(data_dir, quick=quick)
     out(f"data:    {source}")
+    out(f"model:   {MODELS[model]}")
     out(f"devices: {device_text}")
     strategies = scaling.lab_strategies(names, replica_counts(len(names)))
     data_fn = make_data_fn(train, test)
     with tf.device(names[0]):             # "no strategy" runs on the first device compared
-        rows = scaling.compare(make_model, data_fn, strategies, epochs=epochs,
-                              batch_per_replica=batch_per_replica, verbose=1, log=out)
+        rows = scaling.compare(lambda: make_model(model), data_fn, strategies, epochs=epochs,
+                               batch_per_replica=batch_per_replica, verbose=1, log=out)
     warm = "first epoch is warm-up, not timed" if epochs > 1 else "one epoch: warm-up included"
     report = "\n".join([
         "",
         "MNIST lab: no strategy vs MirroredStrategy",
         f"data:    {source}",
+        f"model:   {MODELS[model]}",
         f"devices: {device_text}",
         f"epochs:  {epochs} ({warm}); batch {batch_per_replica} per replica, global batch = "
         f"{batch_per_replica} × replicas",
@@ -227,8 +259,8 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
     out(report)
     if plot:
         path = os.path.abspath(plot)
-        viz.plot_comparison(rows, path, title=f"MNIST lab ({'quick, ' if quick else ''}"
-                                                 f"{device_text.split(':')[0]})")
+        short = " — too short to compare" if any(r.get("too_short") for r in rows) else ""
+        viz.plot_comparison(rows, path, title=f"MNIST lab, {model} model ({'quick, ' if quick else ''}"
+                                                 f"{device_text.split(':')[0]}){short}")
         out(f"plot:    {path}")
     return rows, report
-

@@ -195,6 +195,7 @@ def test_compare_starts_every_strategy_from_the_same_weights(devices, rng):
     assert rows[3]["devices"] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
     for r in rows:
         assert r["epochs_timed"] == 1 and len(r["epoch_times_s"]) == 2
+        assert r["too_short"] and r["timed_steps"] == r["steps_per_epoch"]
         assert r["epoch_time_s"] > 0 and r["ms_per_step"] > 0
         assert math.isclose(r["samples_per_s"], n / r["epoch_time_s"], rel_tol=1e-9)
         assert math.isclose(r["ms_per_step"], r["epoch_time_s"] / r["steps_per_epoch"] * 1e3)
@@ -205,6 +206,24 @@ def test_compare_starts_every_strategy_from_the_same_weights(devices, rng):
     table = scaling.format_table(rows)
     for name in ("no strategy", "MirroredStrategy ×4", "samples/s", "efficiency", "test acc"):
         assert name in table
+
+
+def test_rows_from_too_few_timed_steps_are_marked_too_short_to_compare(devices, rng):
+    devices(cpus=2)
+    x = rng.standard_normal((96, 12)).astype(np.float32)
+    y = rng.integers(0, 4, 96)
+    strategies = scaling.lab_strategies(["CPU:0", "CPU:1"], (1, 2), include_default=False)
+    rows = scaling.compare(tiny_model, (x, y), strategies, epochs=6, batch_per_replica=8, verbose=0)
+    # x1: 12 steps x 5 timed epochs = 60 >= MIN_TIMED_STEPS; x2: 6 x 5 = 30 < it
+    assert [r["timed_steps"] for r in rows] == [60, 30] and scaling.MIN_TIMED_STEPS == 50
+    assert [r["too_short"] for r in rows] == [False, True]
+    lines = scaling.format_table(rows).splitlines()
+    one, two = (next(line for line in lines if line.startswith(name)) for name in
+                ("MirroredStrategy ×1", "MirroredStrategy ×2"))
+    assert "*" not in one and two.count("*") == 4           # epoch s, ms/step, samples/s, efficiency
+    assert lines[-1].startswith("* too short to compare")
+    only = scaling.compare(tiny_model, (x, y), strategies[:1], epochs=1, batch_per_replica=1, verbose=0)
+    assert only[0]["too_short"], "a single (warm-up) epoch is never comparable, however long"
 
 
 def test_compare_rejects_data_it_cannot_use(devices):
@@ -261,8 +280,8 @@ def test_plots_write_pngs(tmp_path):
 
 # --- python -m mirrored ----------------------------------------------------------------------
 
-def _cli(*args, cwd):
-    env = dict(os.environ, MIRRORED_OFFLINE="1", MPLBACKEND="Agg",
+def _cli(*args, cwd, env=None):
+    env = dict(os.environ, MIRRORED_OFFLINE="1", MPLBACKEND="Agg", **(env or {}),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("NUMBA_ENABLE_CUDASIM", None)         # a real GPU if there is one, else the CPU
     env.pop("MIRRORED_QUICK", None)
@@ -270,22 +289,57 @@ def _cli(*args, cwd):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_main_job_quick_prints_progress_and_table_and_writes_a_plot(tmp_path):
-    png = tmp_path / "timing.png"
-    proc = _cli("--quick", "--logical-gpus", "2", "--plot", str(png), cwd=tmp_path)
+def test_main_job_quick_trains_the_lab_convnet_on_two_replicas_and_writes_a_plot(tmp_path):
+    """``python -m mirrored --quick`` as a newcomer runs it: the lab's ConvNet, two replicas
+    where there is no GPU, two timed epochs after the warm-up, figures marked too short to
+    compare, the real folder the full data set would be kept in, a PNG."""
+    png, data = tmp_path / "timing.png", tmp_path / "my data"
+    proc = _cli("--quick", "--plot", str(png), cwd=tmp_path, env={"MIRRORED_DATA_DIR": str(data)})
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "Epoch 1/2" in out and "Epoch 2/2" in out
+    assert "Epoch 1/3" in out and "Epoch 3/3" in out
     assert PROGRESS.search(out), f"no Keras progress line in:\n{out}"
     assert "Using MirroredStrategy with devices" in out
     table = out[out.index("MNIST lab: no strategy vs MirroredStrategy"):]
     assert "data:    MNIST" in table and "devices: " in table
+    assert "model:   the lab's ConvNet: Conv2D(32, 3, relu) → MaxPooling2D → Flatten" in table
+    assert f"kept in {data / 'mnist'} once downloaded" in table and "<data_dir>" not in out
+    assert "epochs:  3 (first epoch is warm-up, not timed)" in table
     assert re.search(r"strategy\s+replicas\s+batch\s+steps\s+epoch s\s+ms/step\s+samples/s\s+"
                      r"efficiency\s+test acc", table)
-    for name in ("no strategy", "MirroredStrategy ×1", "MirroredStrategy ×2"):
-        assert re.search(rf"^{re.escape(name)}\s+\d", table, re.MULTILINE), name
+    names = ["no strategy", "MirroredStrategy ×1"]
+    if "devices: CPU:0, CPU:1: 2 logical CPU devices" in table:      # no GPU: the CPU split in 2
+        names.append("MirroredStrategy ×2")
+        assert "global batch 128 split 2 × 64, gradients summed by" in out
+    else:
+        assert "devices: GPU:0" in table, table
+    for name in names:
+        row = re.search(rf"^{re.escape(name)}\s+\d.*$", table, re.MULTILINE)
+        assert row, name
+        assert row.group(0).count("*") == 4, f"timings not marked too short: {row.group(0)}"
+    assert "* too short to compare" in table
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot:    {png}" in out
+
+
+def test_the_help_is_plain_text_and_offers_both_models(tmp_path):
+    proc = _cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "--model {conv,dense}" in proc.stdout and "--quick" in proc.stdout
+    for markup in ("``", ":func:", ":class:", ".. code", "::\n"):
+        assert markup not in proc.stdout, f"reStructuredText markup {markup!r} in --help"
+
+
+def test_the_two_models_are_the_labs(devices):
+    from mirrored import workflow
+    devices(cpus=1)
+    conv, dense = workflow.make_model(), workflow.make_model("dense")
+    assert [type(layer).__name__ for layer in conv.layers] == [
+        "Conv2D", "MaxPooling2D", "Flatten", "Dense", "Dense"]
+    assert conv.count_params() == 347_146 and dense.count_params() == 50_890
+    assert type(conv.optimizer).__name__ == "Adam" and conv.metrics_names == ["loss", "accuracy"]
+    with pytest.raises(ValueError, match="model must be one of"):
+        workflow.make_model("resnet")
 
 
 def test_a_device_that_is_not_there_exits_2_with_the_device_list(tmp_path):
@@ -296,6 +350,7 @@ def test_a_device_that_is_not_there_exits_2_with_the_device_list(tmp_path):
     assert "Epoch" not in proc.stdout
 
 
-def test_bad_flags_get_argparse_usage(tmp_path):
-    proc = _cli("--epochs", "0", cwd=tmp_path)
-    assert proc.returncode == 2 and "usage:" in proc.stderr and "--epochs" in proc.stderr
+@pytest.mark.parametrize("args,flag", [(("--epochs", "0"), "--epochs"), (("--model", "resnet"), "--model")])
+def test_bad_flags_get_argparse_usage(tmp_path, args, flag):
+    proc = _cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2 and "usage:" in proc.stderr and flag in proc.stderr
