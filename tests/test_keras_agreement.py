@@ -251,6 +251,9 @@ def agreement(ours, ref, start):
     for a, r, w0 in zip(ours, ref, start):
         mine, theirs = a.astype(np.float64) - w0, r - w0
         err, scale = np.abs(mine - theirs), np.abs(theirs).max()
+        if scale == 0:                   # Keras leaves the array as it was (a dead unit): so must we
+            out.append((0.0, 0.0) if not err.any() else (np.inf, np.inf))
+            continue
         excess = (err - RTOL * (np.abs(theirs) + scale)).max()
         out.append((np.linalg.norm(mine - theirs) / np.linalg.norm(theirs), excess / scale))
     return out

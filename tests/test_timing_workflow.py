@@ -7,9 +7,13 @@ What is checked, and why it cannot flake:
 * ``compare`` starts every strategy from the same weights (equal initial test
   loss, although each model drew different random weights) and returns sane rows;
 * the performance model equals a hand computation;
+* rows timed over fewer than ``scaling.MIN_TIMED_STEPS`` steps are marked too short
+  to compare, in the row and in the table;
 * ``python -m mirrored --quick`` in a child process (it configures logical
-  devices, which a process may do once) prints Keras's progress line and the
-  table and writes a PNG; a device that is not there exits 2 and lists devices.
+  devices, which a process may do once) trains the lab's ConvNet, on two logical
+  CPUs where there is no GPU, prints Keras's progress line, the real data folder and
+  the table (timings marked too short) and writes a PNG; ``--help`` is plain text; a
+  device that is not there exits 2 and lists devices.
 """
 import math
 import os
