@@ -260,7 +260,8 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
     if plot:
         path = os.path.abspath(plot)
         short = " — too short to compare" if any(r.get("too_short") for r in rows) else ""
-        viz.plot_comparison(rows, path, title=f"MNIST lab, {model} model ({'quick, ' if quick else ''}"
+        what = {"conv": "the lab's ConvNet", "dense": "dense stack"}[model]
+        viz.plot_comparison(rows, path, title=f"MNIST lab, {what} ({'quick, ' if quick else ''}"
                                                  f"{device_text.split(':')[0]}){short}")
         out(f"plot:    {path}")
     return rows, report
