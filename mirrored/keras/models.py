@@ -273,8 +273,8 @@ class Sequential:
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
              initial_epoch, steps_per_epoch, validation_split):
-        if validation_split:
-            raise NotImplementedError("validation_split is not implemented; pass validation_data.")
+        if validation_split and validation_data is None:   # Keras: validation_data wins
+            (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
         verbose = 1 if verbose == "auto" else int(verbose)
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
@@ -286,11 +286,12 @@ class Sequential:
             cb.set_model(self)
             cb.set_params(params)
         self.stop_training = False
+        logs = None
         for cb in cbs:
-            cb.on_train_begin()
+            cb.on_train_begin(None)          # Keras passes logs to every hook: lambdas take them
         for epoch in range(initial_epoch, epochs):
             for cb in cbs:
-                cb.on_epoch_begin(epoch)
+                cb.on_epoch_begin(epoch, None)
             if verbose:
                 print(f"Epoch {epoch + 1}/{epochs}")
             bar = Progbar(steps, verbose)
@@ -301,13 +302,15 @@ class Sequential:
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 for cb in cbs:
-                    cb.on_train_batch_begin(step)
+                    cb.on_train_batch_begin(step, None)
                 self._train_on(batch)
                 step += 1
                 for cb in cbs:
-                    cb.on_train_batch_end(step - 1)
+                    cb.on_train_batch_end(step - 1, {})   # no per-step metrics (docstring)
                 if verbose and bar.wants_update(step):
                     bar.update(step, self._logs())
+                if self.stop_training:          # Keras checks after every batch too
+                    break
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
@@ -319,7 +322,7 @@ class Sequential:
             if self.stop_training:
                 break
         for cb in cbs:
-            cb.on_train_end()
+            cb.on_train_end(logs)
         history.params = params
         self.history = history
         return history
