@@ -15,7 +15,7 @@ Dropout: each with its forward and backward), data_adapters.py (arrays, datasets
 losses.py, optimizers.py (SGD, Adam), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.
 """
-from mirrored.keras import callbacks, layers, losses, metrics, optimizers
+from mirrored.keras import callbacks, layers, losses, metrics, optimizers, saving
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Sequential
 
@@ -30,3 +30,9 @@ class utils:  # noqa: N801 (Keras's namespace)
 
 class models:  # noqa: N801
     Sequential = Sequential
+    load_model = staticmethod(saving.load_model)
+
+
+def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
+    """``tf.keras.models.load_model("m.keras")`` (also ``mirrored.keras.saving.load_model``)."""
+    return saving.load_model(filepath, custom_objects, compile, safe_mode)

@@ -95,7 +95,9 @@ class LearningRateScheduler(Callback):
 
 
 class ModelCheckpoint(Callback):
-    """Saves the weights at each epoch's end (``save_weights_only=True`` only).
+    """Saves the model at each epoch's end: ``model.save`` to a ``*.keras`` file, or with
+    ``save_weights_only=True`` ``model.save_weights`` to a ``*.weights.h5`` file (Keras 3's
+    rule; other names are refused when the callback is made, not after an epoch's work).
 
     ``filepath`` may contain ``{epoch}`` (1-based, as Keras) and log keys.
     """
@@ -103,15 +105,21 @@ class ModelCheckpoint(Callback):
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False,
                  save_weights_only=False, **kwargs):
         super().__init__()
-        if not save_weights_only:
-            raise NotImplementedError("ModelCheckpoint saves weights only here: pass save_weights_only=True.")
         if save_best_only:
             raise NotImplementedError("ModelCheckpoint(save_best_only=True) is not implemented.")
         self.filepath, self.verbose = str(filepath), verbose
+        self.save_weights_only = save_weights_only
+        suffix = ".weights.h5" if save_weights_only else ".keras"
+        if not self.filepath.endswith(suffix):
+            raise ValueError(f"ModelCheckpoint: with save_weights_only={save_weights_only}, the filepath "
+                             f"must end in {suffix}, got {self.filepath!r}.")
 
     def on_epoch_end(self, epoch, logs=None):
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
-        self.model.save_weights(path)
+        if self.save_weights_only:
+            self.model.save_weights(path)
+        else:
+            self.model.save(path)
         if self.verbose:
             print(f"\nEpoch {epoch + 1}: saving model to {path}")
 

@@ -166,13 +166,23 @@ class Sequential:
                 c.assign(w)
 
     def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
-        """Write the weights atomically to exactly ``filepath`` (``saving.py``: ``.npz``,
-        Keras's order; a failed save leaves any previous file intact)."""
+        """Write the weights atomically to ``filepath``, a ``*.weights.h5`` file in Keras 3's
+        layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact."""
         saving.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
-        """Read weights written by ``save_weights`` (checked against the model first)."""
+        """Read a ``*.weights.h5`` file (ours or Keras 3's) or a ``*.keras`` model's weights,
+        checked against the model before anything changes."""
         saving.load_weights(self, filepath)
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
+        one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
+        saving.save_model(self, filepath, overwrite)
+
+    def get_config(self):
+        """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
+        return saving.model_config(self)["config"]
 
     # -- compile -------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
