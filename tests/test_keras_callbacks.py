@@ -67,6 +67,11 @@ def test_early_stopping_patience_min_delta_and_mode():
                  key="loss")[0] == 5
     # patience 0 never stops at epoch 0 (Keras's `epoch > 0`), then stops at the first non-improvement
     assert drive(cb_lib.EarlyStopping(patience=0), [1.0, 1.0, 0.5])[0] == 2
+    # an instance used again keeps its best (Keras sets it once): epoch 0 of the second fit is
+    # no improvement, yet training never stops at epoch 0
+    es = cb_lib.EarlyStopping(patience=0)
+    drive(es, [1.0])
+    assert drive(es, [2.0, 2.0, 2.0])[0] == 2
     # min_delta: 0.95 is not 0.1 better than 1.0, so it is no improvement
     assert drive(cb_lib.EarlyStopping(patience=1, min_delta=0.1), [1.0, 0.95, 0.5])[0] == 2
     assert drive(cb_lib.EarlyStopping(patience=1, min_delta=0.01), [1.0, 0.95, 0.5, 0.4])[0] == 4
@@ -196,6 +201,8 @@ def test_unknown_length_shows_the_step_count_growing(devices, rng, capsys, monke
     def stop_after_7(batch, logs):
         if batch == 6:
             model.stop_training = True
+        if batch > 50:                        # not stopped: fail rather than run for ever
+            raise RuntimeError("fit went on after stop_training was set")
     model.fit(ds, epochs=3, callbacks=[cb_lib.LambdaCallback(on_train_batch_end=stop_after_7)])
     out = capsys.readouterr().out
     counts = [int(line.split("/Unknown")[0]) for line in out.splitlines() if "/Unknown" in line]
