@@ -11,7 +11,8 @@
 Files: models.py (Sequential: the Keras API), step.py (one training step: split,
 forward/backward, all-reduce, update), engine.py (packed weights; a replica's
 program of layers), layers.py (Input, Flatten, Dense, Conv2D, MaxPooling2D,
-Dropout: each with its forward and backward), data_adapters.py (arrays, datasets, resident data), saving.py,
+Dropout: each with its forward and backward), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
+.weights.h5 and .keras files; ``models.load_model``),
 losses.py, optimizers.py (SGD, Adam), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.
 """
