@@ -234,9 +234,16 @@ def test_a_killed_saves_temporary_is_removed_by_the_next_save(devices, tmp_path)
     live.write_bytes(b"in progress")
     other = tmp_path / ".weightsmith.txt"                         # not ours: never touched
     other.write_text("keep")
+    # older versions named them .weights-<8 random chars>: removed once an hour old
+    old, recent = tmp_path / ".weights-k3x9_q0z", tmp_path / ".weights-a1b2c3d4"
+    old.write_bytes(b"x")
+    recent.write_bytes(b"x")
+    hours_ago = os.path.getmtime(old) - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
     model = dense_model()
     model.save_weights(target)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, target.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, recent.name,
+                                                                  target.name])
 
 
 def test_keras_model_round_trip_resumes_training_exactly(devices, rng, tmp_path):
