@@ -303,3 +303,32 @@ def test_model_checkpoint_writes_kerass_formats(devices, rng, tmp_path):
                                                           "w2.weights.h5"]
     with pytest.raises(ValueError, match=r"\.weights\.h5"):
         tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "w.h5"), save_weights_only=True)
+
+
+def test_real_keras_reads_our_files_and_we_read_its(devices, rng, tmp_path):
+    """Where Keras 3 is installed (not a dependency: skipped otherwise), the real thing, on its
+    NumPy backend: the lab's ConvNet goes both ways through .weights.h5 and .keras, and both
+    libraries then predict the same numbers."""
+    os.environ.setdefault("KERAS_BACKEND", "numpy")
+    keras = pytest.importorskip("keras")
+    devices(cpus=1)
+
+    def keras_convnet():
+        return keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, activation="relu"),
+                                 keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+                                 keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    x = rng.random((3, 28, 28, 1)).astype(np.float32)
+    theirs = keras_convnet()
+    theirs.set_weights([0.1 * rng.standard_normal(w.shape).astype(np.float32) for w in theirs.get_weights()])
+    theirs.save_weights(tmp_path / "k.weights.h5")
+    ours = convnet(tf.distribute.OneDeviceStrategy("CPU:0"))
+    ours.load_weights(tmp_path / "k.weights.h5")
+    np.testing.assert_allclose(ours.predict(x, verbose=0), theirs.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    ours.set_weights([w * 0.5 for w in ours.get_weights()])
+    ours.save_weights(tmp_path / "m.weights.h5")
+    ours.save(tmp_path / "m.keras")
+    back = keras_convnet()
+    back.load_weights(tmp_path / "m.weights.h5")
+    whole = keras.models.load_model(tmp_path / "m.keras")
+    for model in (back, whole):
+        np.testing.assert_allclose(model.predict(x, verbose=0), ours.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
