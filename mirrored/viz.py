@@ -178,18 +178,19 @@ def _draw_ring_grid(ax, holds, transfers, title, device_names=None):
         style = dict(arrowstyle="-|>", mutation_scale=14, color="#d62728", linewidth=1.8,
                      shrinkA=0, shrinkB=0, zorder=5)
         x = c + 0.5 + 0.32                     # right of the label, inside the column
+        # Labels sit beside the shaft, 6 points to its right and clear of the arrowhead
+        # (about 3 points wide each side, at the arrow's lower end), at any figure size.
+        beside = dict(textcoords="offset points", xytext=(6, 0), ha="left", va="center",
+                      color="#d62728")
         if dst == src + 1:                     # straight down to the next device
             ax.add_patch(FancyArrowPatch((x, src + 0.8), (x, dst + 0.2), **style))
-            ax.text(x + 0.04, src + 1.0, sign, color="#d62728", fontsize=fontsize - 1,
-                    ha="left", va="center", fontweight="bold")
+            ax.annotate(sign, (x, src + 1.0), fontsize=fontsize - 1, fontweight="bold", **beside)
         else:                                   # the ring wraps: last device -> device 0
             ax.add_patch(FancyArrowPatch((x, src + 0.8), (x, n + 0.28),
                                          linestyle="--", **style))
             ax.add_patch(FancyArrowPatch((x, -0.28), (x, dst + 0.2), linestyle="--", **style))
-            ax.text(x + 0.04, n + 0.2, f"to {dst}", color="#d62728", fontsize=fontsize - 2,
-                    ha="left", va="center")
-            ax.text(x + 0.04, -0.2, f"{sign} from {src}", color="#d62728",
-                    fontsize=fontsize - 2, ha="left", va="center")
+            ax.annotate(f"to {dst}", (x, n - 0.02), fontsize=fontsize - 2, **beside)
+            ax.annotate(f"{sign} from {src}", (x, -0.22), fontsize=fontsize - 2, **beside)
     ax.set_xlim(0, n + 0.35)
     ax.set_ylim(n + 0.45, -0.45)
     ax.set_xticks([c + 0.5 for c in range(n)], [f"chunk {c}" for c in range(n)],
