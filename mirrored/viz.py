@@ -491,7 +491,11 @@ def scaling_plot(rows, ax=None, title=None, baseline=None):
             pr, ps = zip(*pred)
             ax.plot(pr, ps, ":", marker="x", color=color, linewidth=1.5,
                     label="predicted" + (f", {label}" if label is not None else ""))
-    ax.set_xlabel("replicas (devices in sync)")
+    if baseline is not None:
+        note = "% at each point: " + efficiency_text(baseline.get("name", "baseline"))
+    else:
+        note = "% at each point: efficiency = (samples/s ÷ replicas) ÷ (the same at the fewest replicas)"
+    ax.set_xlabel("replicas (devices in sync)\n" + note)
     ax.set_ylabel("training throughput (samples/s)")
     _plain_numbers(ax.yaxis)
     ax.set_xticks(sorted({row["replicas"] for row in rows}))
@@ -499,12 +503,6 @@ def scaling_plot(rows, ax=None, title=None, baseline=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "Scaling: throughput vs replicas")
-    if baseline is not None:
-        note = "% at each point: " + efficiency_text(baseline.get("name", "baseline"))
-    else:
-        note = "% at each point: efficiency = (samples/s ÷ replicas) ÷ (the same at the fewest replicas)"
-    ax.annotate(note, (0, 0), xycoords="axes fraction", xytext=(0, -32), textcoords="offset points",
-                va="top", fontsize=8, color="#444444")
     return fig
 
 
