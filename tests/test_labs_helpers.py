@@ -12,7 +12,8 @@ from mirrored.keras.step import OPTIMIZER
 
 
 def render(fig):
-    fig.canvas.draw()                     # tick labels and offsets exist only once drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()           # tick labels and offsets exist only once drawn
     return fig
 
 
@@ -168,3 +169,43 @@ def test_each_replicas_optimizer_phase_is_its_own_update(devices, rng):
         # CPU devices: one host thread updates replica 0, then replica 1, each timed alone
         # (not the whole loop over the devices on both rows)
         assert e0 <= s1 and s0 < e0 and s1 < e1
+
+
+# --- the ring pictures: no label under an arrowhead ---------------------------------------
+
+def test_no_text_sits_under_an_arrowhead_in_the_ring_pictures(devices, rng):
+    MARGIN = 2                            # points between any text and any arrowhead
+    from matplotlib.patches import FancyArrowPatch
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
+    from mirrored.cross_device_ops import RingAllReduce
+
+    names = [d.name for d in devices(cpus=4) if d.device_type == "CPU"]
+    strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=RingAllReduce(trace=True))
+    grads = strategy.experimental_distribute_values_from_function(
+        lambda ctx: rng.standard_normal(10).astype(np.float32))
+    strategy.extended.reduce_to("SUM", grads, grads)
+    trace = strategy.extended.cross_device_ops.trace
+    for fig in (render(viz.ring_diagram(trace, initial=True)), render(viz.ring_step(trace[0]))):
+        renderer = fig.canvas.get_renderer()                # Agg, attached by render()
+        points = fig.dpi / 72                               # pixels per point
+        heads = []
+        for ax in fig.axes:
+            for patch in ax.patches:
+                if isinstance(patch, FancyArrowPatch):
+                    # the arrows point down: the head of "-|>" at mutation_scale m is the
+                    # lowest 0.4 m of the arrow, as wide as the arrow's extent; no text
+                    # within MARGIN points of it (touching reads as "under" too)
+                    ext = patch.get_window_extent(renderer)     # display coordinates, y up
+                    m = patch.get_mutation_scale() * points
+                    pad = MARGIN * points
+                    heads.append(Bbox([[ext.x0 - pad, ext.y0 - pad], [ext.x1 + pad, ext.y0 + 0.4 * m]]))
+        checked = 0
+        for text in fig.findobj(Text):          # labels, cell texts, ticks, titles, legend
+            if not text.get_visible() or not text.get_text().strip():
+                continue
+            box = text.get_window_extent(renderer)
+            for head in heads:
+                checked += 1
+                assert not box.overlaps(head), (text.get_text(), box, head)
+        assert checked > 0
