@@ -114,7 +114,14 @@ class Optimizer:
 
     def update(self, pack):
         """Step 4 of a training step: one update launch per device, each copy of the
-        weights with its own (already summed) gradients. Launches only (after ``begin_step``)."""
+        weights with its own (already summed) gradients. Launches only (after ``begin_step``).
+
+        The slots of every device are made (on the first step) before the first launch:
+        running out of memory for device 1's slots after device 0 was updated would leave
+        the copies of the weights different."""
+        for r, dev in enumerate(pack.devices):
+            with dev.activate():
+                self._slot_buffers(("pack", id(pack), r), dev, pack.params[r])
         for r, dev in enumerate(pack.devices):
             with dev.activate():
                 self._update(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
