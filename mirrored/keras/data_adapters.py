@@ -14,6 +14,12 @@ in, the step (``step.py``) sees one of two kinds of global batch:
 data) checks and converts one element, and builds the model from the first one, as
 Keras does.
 
+Labels are checked on the host, on every backend, before any step uses them: one class
+index in [0, classes) per example (``check_label_shape``; ``kernels.softmax_xent.
+check_labels``). Arrays are checked whole before the first step, a dataset batch by
+batch, a data set kept on the devices once when it is placed. (A kernel cannot raise: on
+a GPU a bad label would only poison its row with NaN.)
+
 Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits the
 batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
 """

@@ -341,7 +341,8 @@ class Sequential:
             batch = data_adapters.prepare(self, batch)
             if step == 0:
                 mode = self.step.loss_mode()            # the model is built by now
-            self.step.evaluate(batch, mode)
+            with self.step.no_trace():                  # out of memory: nothing stays charged
+                self.step.evaluate(batch, mode)
             step += 1
         if not step:
             raise _no_batches("test_function", x, None)

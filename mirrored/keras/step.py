@@ -14,8 +14,9 @@ four steps of the README, each a visible call::
     4. update             the same optimizer kernel on every copy of the weights, so the
                           copies stay bitwise equal                    (optimizers.update)
 
-A step is a *host part* (1, and the optimizer's per-step scalars) and a *device
-part* (2-4: kernel launches only). Nothing here times or captures anything:
+A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
+scalars) and a *device part* (2-4: kernel launches only). A step that raises leaves no
+trace (``Step.no_trace``: the step count and the memory as before it). Nothing here times or captures anything:
 ``mirrored.timing.TimedStep`` is this step with each phase timed, and
 ``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
 wrap it from outside and launch exactly the same kernels.
