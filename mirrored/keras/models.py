@@ -166,13 +166,23 @@ class Sequential:
                 c.assign(w)
 
     def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
-        """Write the weights atomically to exactly ``filepath`` (``saving.py``: ``.npz``,
-        Keras's order; a failed save leaves any previous file intact)."""
+        """Write the weights atomically to ``filepath``, a ``*.weights.h5`` file in Keras 3's
+        layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact."""
         saving.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
-        """Read weights written by ``save_weights`` (checked against the model first)."""
+        """Read a ``*.weights.h5`` file (ours or Keras 3's) or a ``*.keras`` model's weights,
+        checked against the model before anything changes."""
         saving.load_weights(self, filepath)
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
+        one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
+        saving.save_model(self, filepath, overwrite)
+
+    def get_config(self):
+        """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
+        return saving.model_config(self)["config"]
 
     # -- compile -------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
@@ -251,7 +261,8 @@ class Sequential:
     def _train_on(self, batch):
         """One training step on a batch from ``data_adapters.batches``."""
         batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
-        self._trainer().train(batch)
+        with self.step.no_trace():                   # a step that raises changes nothing
+            self._trainer().train(batch)
 
     def _logs(self, prefix=""):
         return self.step.logs(self._metric_names, prefix)
@@ -273,8 +284,8 @@ class Sequential:
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
              initial_epoch, steps_per_epoch, validation_split):
-        if validation_split:
-            raise NotImplementedError("validation_split is not implemented; pass validation_data.")
+        if validation_split and validation_data is None:   # Keras: validation_data wins
+            (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
         verbose = 1 if verbose == "auto" else int(verbose)
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
@@ -286,11 +297,12 @@ class Sequential:
             cb.set_model(self)
             cb.set_params(params)
         self.stop_training = False
+        logs = None
         for cb in cbs:
-            cb.on_train_begin()
+            cb.on_train_begin(None)          # Keras passes logs to every hook: lambdas take them
         for epoch in range(initial_epoch, epochs):
             for cb in cbs:
-                cb.on_epoch_begin(epoch)
+                cb.on_epoch_begin(epoch, None)
             if verbose:
                 print(f"Epoch {epoch + 1}/{epochs}")
             bar = Progbar(steps, verbose)
@@ -301,13 +313,17 @@ class Sequential:
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 for cb in cbs:
-                    cb.on_train_batch_begin(step)
+                    cb.on_train_batch_begin(step, None)
                 self._train_on(batch)
                 step += 1
                 for cb in cbs:
-                    cb.on_train_batch_end(step - 1)
+                    cb.on_train_batch_end(step - 1, {})   # no per-step metrics (docstring)
                 if verbose and bar.wants_update(step):
                     bar.update(step, self._logs())
+                if self.stop_training:          # Keras checks after every batch too
+                    break
+            if not step:
+                raise _no_batches("train_function", x, epoch)
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
@@ -319,7 +335,7 @@ class Sequential:
             if self.stop_training:
                 break
         for cb in cbs:
-            cb.on_train_end()
+            cb.on_train_end(logs)
         history.params = params
         self.history = history
         return history
@@ -338,8 +354,11 @@ class Sequential:
             batch = data_adapters.prepare(self, batch)
             if step == 0:
                 mode = self.step.loss_mode()            # the model is built by now
-            self.step.evaluate(batch, mode)
+            with self.step.no_trace():                  # out of memory: nothing stays charged
+                self.step.evaluate(batch, mode)
             step += 1
+        if not step:
+            raise _no_batches("test_function", x, None)
         logs = self._logs(prefix)
         if verbose:
             bar.finish(step, logs)
@@ -429,3 +448,13 @@ class Sequential:
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:
             print_fn(line)
+
+
+def _no_batches(function, x, epoch):
+    """Keras's error for data that yields no batch (an empty array or dataset), with why."""
+    where = f" in epoch {epoch + 1}" if epoch is not None else ""
+    what = (f"{len(x)} examples" if isinstance(x, (np.ndarray, list, tuple)) and not hasattr(x, "batch")
+            else f"the dataset {type(x).__name__}")
+    return ValueError(f"Unexpected result of `{function}` (Empty logs): the data ({what}) gave no "
+                      f"batch{where}. Check that it is not empty (a filter that drops everything, a "
+                      f"take(0), an exhausted iterator) and that x holds at least one example.")
