@@ -30,8 +30,8 @@ What it does, in the lab's order:
    Figures from too few timed steps are marked as too short to compare
    (``scaling.MIN_TIMED_STEPS``); ``--quick`` times two epochs after its warm-up.
 
-Notebooks use the same pieces: ``make_model``, ``scale``, ``load_mnist``,
-``make_data_fn``, ``configure_devices`` (labs/01 and labs/05).
+The model is ``labs.make_model`` (the one every notebook trains); the notebooks use
+this file's ``scale``, ``load_mnist``, ``make_data_fn`` and ``configure_devices`` too.
 
 Neighbours: ``__main__.py`` (the command line), ``scaling.py`` (the measurements), ``viz.py``.
 """
@@ -49,7 +49,7 @@ QUICK = {"train_examples": 1024, "test_examples": 512, "epochs": 3}   # --quick 
 #                                  1 warm-up + 2 timed epochs (the median of one is one sample)
 DEFAULT_PLOT = "mirrored-timing.png"
 CPU_REPLICAS = 2                 # with no GPU, the CPU is split in two: the table gets a ×2 row
-MODELS = {                       # --model: what each trains (the lab's ConvNet by default)
+MODELS = {                       # --model: labs.make_model's kinds, in words (the ConvNet by default)
     "conv": "the lab's ConvNet: Conv2D(32, 3, relu) → MaxPooling2D → Flatten → Dense(64, relu) → Dense(10)",
     "dense": "the dense stack: Flatten → Dense(64, relu) → Dense(10)",
 }
@@ -72,28 +72,6 @@ def scale(image, label):
     image = tf.cast(image, tf.float32)
     image /= 255
     return image, label
-
-
-def make_model(model=DEFAULT_MODEL):
-    """The lab's model, compiled as the lab compiles it (call inside ``strategy.scope()``).
-
-    ``model``: "conv" — the course lab's ConvNet, as its cell writes it (347,146
-    weights); "dense" — the fast dense stack (50,890 weights). See ``MODELS``.
-    """
-    if model == "conv":
-        layers = [tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
-                  tf.keras.layers.MaxPooling2D(),
-                  tf.keras.layers.Flatten()]
-    elif model == "dense":
-        layers = [tf.keras.layers.Flatten(input_shape=(28, 28, 1))]
-    else:
-        raise ValueError(f"model must be one of {sorted(MODELS)} ({'; '.join(MODELS.values())}), "
-                         f"got {model!r}.")
-    model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(64, activation="relu"),
-                                          tf.keras.layers.Dense(10)])
-    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"])
-    return model
 
 
 def load_mnist(data_dir=None, quick=False):
@@ -241,8 +219,9 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
     out(f"devices: {device_text}")
     strategies = scaling.lab_strategies(names, replica_counts(len(names)))
     data_fn = make_data_fn(train, test)
+    from mirrored import labs             # here: labs.py imports this module
     with tf.device(names[0]):             # "no strategy" runs on the first device compared
-        rows = scaling.compare(lambda: make_model(model), data_fn, strategies, epochs=epochs,
+        rows = scaling.compare(lambda: labs.make_model(model), data_fn, strategies, epochs=epochs,
                                batch_per_replica=batch_per_replica, verbose=1, log=out)
     warm = "first epoch is warm-up, not timed" if epochs > 1 else "one epoch: warm-up included"
     report = "\n".join([

@@ -32,6 +32,12 @@ of the oracle's, measured on what training changed (w - w0), element by element 
 norm. Measured on the change, not on the weights: a few steps move a weight by a small
 fraction of its size, so an rtol on the weights would let a wrong step size pass.
 
+ReLU and max-pool are discontinuous: where float64 puts a pre-activation, or a pool
+window's top two values, within float32 rounding of each other, Keras's float32 step may
+take the other branch (seed 1055: a window whose top two differ by 5.7e-9 at step 2, and
+the conv kernel misses by 6e-3). Such a case is drawn again (``DRAWS``); a real mistake
+misses on every draw.
+
 That the check can fail: ``test_a_wrong_oracle_misses_the_bound`` runs the same training
 against oracles with one deliberate mistake each (the loss averaged over each replica's
 LOCAL batch; Adam's epsilon inside the square root; epsilon added to the bias-corrected
@@ -56,6 +62,15 @@ from tests.test_training import assert_replicas_bitwise_equal
 #: size. Measured here: the norm-wise error is 1e-7 to 3e-5, the element-wise error at most
 #: ~1e-4 of the largest change (seeds 0-2, every optimizer below).
 RTOL = 2e-3
+#: Fresh draws (data and initial weights) a case may take before a miss counts. ReLU and
+#: max-pool are discontinuous: where a float64 pre-activation or a pool window's top two
+#: values sit within float32 rounding of each other, Keras's float32 step may take the
+#: other branch, and one filter's gradient differs by a whole term (seen: 2 cases in ~400
+#: seeded draws, seeds 1000-1080 x the 5 optimizers, on the conv kernel or bias; every
+#: other array within 7e-5 in norm). A
+#: real mistake misses on every draw (the wrong oracles below by 100x the bound); a branch
+#: flip misses twice running with a chance of ~(1/200)^2.
+DRAWS = 2
 
 GLOBAL_BATCH, STEPS, REPLICAS = 16, 5, 2
 
@@ -272,14 +287,33 @@ def assert_reaches(ours, ref, start, names):
 
 # --- the tests ---------------------------------------------------------------------------------
 
+def agreeing_draw(case, rng):
+    """Run ``case(rng) -> (ours, oracle's, start, model)`` on fresh draws until one
+    reaches the oracle's weights, at most ``DRAWS`` times; fails with the last miss."""
+    for draw in range(DRAWS):
+        ours, ref, start, model = case(rng)
+        if reaches(ours, ref, start) or draw == DRAWS - 1:
+            break
+        print(f"draw {draw} missed (a branch flip?): {agreement(ours, ref, start)}")
+    assert_reaches(ours, ref, start, [v.name for v in model.trainable_variables])
+    return ours, ref, start, model
+
+
+def lab_case(opt, kind="CPU", batch=GLOBAL_BATCH, steps=STEPS, size=28, model_kwargs=None):
+    """One draw: real MNIST batches and initial weights from ``rng``, our fit, Keras's math."""
+    ours_opt, oracle_opt = OPTIMIZERS[opt]
+
+    def case(rng):
+        x, y = mnist_batches(rng, batch * steps, size=size)
+        start, end, model = train_ours(rng, kind, ours_opt(), x, y, batch, model_kwargs)
+        return end, oracle_weights(start, x, y, batch, oracle_opt()), start, model
+    return case
+
+
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_the_lab_convnet_on_2_cpu_replicas_reaches_kerass_weights(devices, rng, opt):
     devices(cpus=REPLICAS)
-    ours_opt, oracle_opt = OPTIMIZERS[opt]
-    x, y = mnist_batches(rng, GLOBAL_BATCH * STEPS)
-    start, end, model = train_ours(rng, "CPU", ours_opt(), x, y)
-    ref = oracle_weights(start, x, y, GLOBAL_BATCH, oracle_opt())
-    assert_reaches(end, ref, start, [v.name for v in model.trainable_variables])
+    end, _, start, model = agreeing_draw(lab_case(opt), rng)
     assert_replicas_bitwise_equal(model)
     assert all(not np.array_equal(a, w0) for a, w0 in zip(end, start)), "every array trained"
 
@@ -292,10 +326,15 @@ def test_a_wrong_oracle_misses_the_bound(devices, rng, opt, mistake):
     against an oracle with one mistake, must fail the check the right oracle passes."""
     devices(cpus=REPLICAS)
     ours_opt, oracle_opt = OPTIMIZERS[opt]
-    x, y = mnist_batches(rng, GLOBAL_BATCH * STEPS)
-    start, end, _ = train_ours(rng, "CPU", ours_opt(), x, y)
-    right = oracle_weights(start, x, y, GLOBAL_BATCH, oracle_opt())
-    assert reaches(end, right, start), agreement(end, right, start)
+    draws = []
+
+    def case(rng):
+        x, y = mnist_batches(rng, GLOBAL_BATCH * STEPS)
+        start, end, model = train_ours(rng, "CPU", ours_opt(), x, y)
+        draws.append((x, y))
+        return end, oracle_weights(start, x, y, GLOBAL_BATCH, oracle_opt()), start, model
+    end, _, start, _ = agreeing_draw(case, rng)
+    x, y = draws[-1]
     if mistake == "local_mean":
         wrong = oracle_weights(start, x, y, GLOBAL_BATCH, oracle_opt(), grads_fn=local_mean_gradients)
     else:
@@ -308,11 +347,7 @@ def test_a_tiny_lab_convnet_on_2_logical_gpus_reaches_kerass_weights(devices, rn
     """The lab's model in miniature (MNIST subsampled to 7x7, so the pool drops an odd
     last row and column; 2 filters, Dense(4)) on 2 logical GPUs, real or simulated."""
     devices(cpus=1, gpus=REPLICAS)
-    ours_opt, oracle_opt = OPTIMIZERS[opt]
-    batch, steps = 4, 2                                    # the simulator runs a thread per thread
-    x, y = mnist_batches(rng, batch * steps, size=7)
-    start, end, model = train_ours(rng, "GPU", ours_opt(), x, y, batch,
-                                   dict(input_shape=(7, 7, 1), filters=2, hidden=4))
-    ref = oracle_weights(start, x, y, batch, oracle_opt())
-    assert_reaches(end, ref, start, [v.name for v in model.trainable_variables])
+    _, _, _, model = agreeing_draw(lab_case(opt, "GPU", batch=4, steps=2, size=7,     # the simulator
+                                            model_kwargs=dict(input_shape=(7, 7, 1), filters=2, hidden=4)),
+                                   rng)
     assert_replicas_bitwise_equal(model)

@@ -298,7 +298,7 @@ def test_main_job_quick_runs_two_replicas_and_writes_a_plot(tmp_path):
     GPU, two timed epochs after the warm-up, figures marked too short to compare, the real
     folder the full data set would be kept in, a PNG. ``--model dense`` keeps it to seconds;
     that the default is the lab's ConvNet is checked below (``test_the_default_model...``),
-    and the ConvNet trains through these same pieces in tests/test_labs_01_05.py."""
+    and the ConvNet trains through the same ``scaling.compare`` in tests/test_labs_01_05.py."""
     png, data = tmp_path / "timing.png", tmp_path / "my data"
     proc = _cli("--quick", "--model", "dense", "--plot", str(png), cwd=tmp_path,
                 env={"MIRRORED_DATA_DIR": str(data)})
@@ -337,27 +337,13 @@ def test_the_help_is_plain_text_and_offers_both_models(tmp_path):
         assert markup not in proc.stdout, f"reStructuredText markup {markup!r} in --help"
 
 
-def test_the_default_model_is_the_labs_convnet_and_dense_is_the_option(devices):
-    from mirrored import workflow
+def test_the_default_model_is_the_labs_convnet_and_dense_is_the_option():
+    """What each kind builds is tests/test_labs_helpers.py's (``labs.make_model``)."""
+    from mirrored import labs, workflow
     from mirrored.__main__ import build_parser
     assert build_parser().parse_args([]).model == "conv" == workflow.DEFAULT_MODEL
     assert build_parser().parse_args(["--model", "dense"]).model == "dense"
-    devices(cpus=1)
-    conv, dense = workflow.make_model(), workflow.make_model("dense")
-    assert [type(layer).__name__ for layer in conv.layers] == [
-        "Conv2D", "MaxPooling2D", "Flatten", "Dense", "Dense"]
-    assert conv.count_params() == 347_146 and dense.count_params() == 50_890
-    assert type(conv.optimizer).__name__ == "Adam" and conv.metrics_names == ["loss", "accuracy"]
-    with pytest.raises(ValueError, match="model must be one of"):
-        workflow.make_model("resnet")
-
-
-def test_a_device_that_is_not_there_exits_2_with_the_device_list(tmp_path):
-    proc = _cli("--quick", "--devices", "CPU:0,GPU:7", "--no-plot", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "GPU:7" in proc.stderr and f"{LONG}CPU:0" in proc.stderr and "Devices here" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "Epoch" not in proc.stdout
+    assert tuple(workflow.MODELS) == labs.MODEL_KINDS
 
 
 @pytest.mark.parametrize("args,flag", [(("--epochs", "0"), "--epochs"), (("--model", "resnet"), "--model")])
