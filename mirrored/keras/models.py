@@ -17,6 +17,8 @@ Neighbours: ``layers.py`` (what a model is made of), ``step.py`` (the step),
 ``tape.py`` (``GradientTape`` custom loops use the same replica programs).
 """
 import contextlib
+import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -167,7 +169,16 @@ class Sequential:
 
     def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
         """Write the weights atomically to exactly ``filepath`` (``saving.py``: ``.npz``,
-        Keras's order; a failed save leaves any previous file intact)."""
+        Keras's order; a failed save leaves any previous file intact).
+
+        Under ``MultiWorkerMirroredStrategy`` only the chief keeps a file: another
+        worker writes into a temporary ``workertemp_<task_id>`` directory, deleted at
+        once, as Keras's callbacks do on non-chief workers."""
+        if not self._strategy.extended.should_checkpoint:
+            task = self._strategy.cluster_resolver.task_id
+            with tempfile.TemporaryDirectory(prefix=f"workertemp_{task}_") as tmp:
+                saving.save_weights(self, os.path.join(tmp, os.path.basename(os.fspath(filepath))), True)
+            return
         saving.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
@@ -253,8 +264,14 @@ class Sequential:
         batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
         self._trainer().train(batch)
 
-    def _logs(self, prefix=""):
-        return self.step.logs(self._metric_names, prefix)
+    def _logs(self, prefix="", across_workers=True):
+        return self.step.logs(self._metric_names, prefix, across_workers)
+
+    def _verbosity(self, verbose):
+        """Keras's ``verbose`` ("auto" = 1); 0 on a worker that is not the chief, which
+        trains in silence (``MultiWorkerMirroredStrategy``: only the chief prints)."""
+        verbose = 1 if verbose == "auto" else int(verbose)
+        return verbose if self._strategy.extended.should_checkpoint else 0
 
     # -- fit / evaluate / predict -------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -275,7 +292,7 @@ class Sequential:
              initial_epoch, steps_per_epoch, validation_split):
         if validation_split:
             raise NotImplementedError("validation_split is not implemented; pass validation_data.")
-        verbose = 1 if verbose == "auto" else int(verbose)
+        verbose = self._verbosity(verbose)
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
             steps = steps_per_epoch
@@ -307,7 +324,9 @@ class Sequential:
                 for cb in cbs:
                     cb.on_train_batch_end(step - 1)
                 if verbose and bar.wants_update(step):
-                    bar.update(step, self._logs())
+                    # mid-epoch: this worker's running metrics (no collective: the other
+                    # workers do not draw a bar); the epoch's line is over every worker
+                    bar.update(step, self._logs(across_workers=False))
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
@@ -348,7 +367,7 @@ class Sequential:
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         check_compiled(self, "evaluating")
-        verbose = 1 if verbose == "auto" else int(verbose)
+        verbose = self._verbosity(verbose)
         logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
             return logs
@@ -360,7 +379,7 @@ class Sequential:
         return self._predict(x, batch_size, verbose)
 
     def _predict(self, x, batch_size, verbose):
-        verbose = 1 if verbose == "auto" else int(verbose)
+        verbose = self._verbosity(verbose)
         chunks, steps = data_adapters.predict_batches(x, batch_size)
         outs = []
         bar = Progbar(steps, verbose)
