@@ -119,10 +119,10 @@ def all_reduce(pack, cross_device_ops):
     """Step 3: every replica's packed gradient buffer becomes the SUM over all replicas.
 
     One call of the strategy's cross-device ops (the ring, ``RingAllReduce``) over
-    one flat buffer per device, in place. One replica has nothing to sum.
+    one flat buffer per device, in place. One replica has nothing to sum (the cross-device
+    ops know: across workers, one local device is still one replica of many).
     """
-    if len(pack.devices) > 1:
-        cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
+    cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
 
 
 class LayerState:
