@@ -24,6 +24,7 @@ file is everything the library asks of MPI, in one place:
 Neighbours: ``multi_worker.py`` (the strategy), ``collective_all_reduce.py``
 (the ring whose hop between workers is ``sendrecv``).
 """
+import contextlib
 import os
 import pickle
 import sys
@@ -47,6 +48,9 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MIRRORED_WORKER_TIMEOUT_S", 600))
 #: Polling: spin on Testall this many times, then sleep between polls (2 cores
 #: shared by several workers: a worker that only waits must leave them the CPU).
 _SPINS = 200
+#: A failing worker waits this long between printing its error and aborting, so that
+#: the launcher forwards the message before it ends the processes.
+ABORT_GRACE_S = 0.5
 _SLEEP_S = 50e-6
 
 
@@ -87,7 +91,7 @@ class Workers:
             if spins % 64 == 0 and time.monotonic() > deadline:
                 raise DeadlineExceededError(
                     f"worker {self.rank} of {self.size} waited {self.timeout_s:g} s for {what} "
-                    f"with worker(s) {sorted(set(peers))}, which never answered. A worker is stuck "
+                    f"with worker(s) {sorted(set(peers) - {self.rank})}, which never answered. A worker is stuck "
                     f"in its own code, was started with a different script or data, or makes "
                     f"different collective calls (every worker must run the same steps). Raise "
                     f"CommunicationOptions(timeout_seconds=...) or MIRRORED_WORKER_TIMEOUT_S if a "
@@ -186,11 +190,16 @@ def install_abort_hook(workers):
 
     def report_and_abort(exc_type, exc, tb, thread=None):
         where = f" (thread {thread.name})" if thread is not None else ""
-        print(f"mirrored: worker {workers.rank} of {workers.size} failed{where}; ending every "
-              f"worker (MPI.Abort):", file=sys.stderr)
-        traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
+        # the error itself first, in one write: the launcher may stop forwarding our
+        # output once the abort reaches it, and a long traceback could be cut short
+        head = (f"mirrored: worker {workers.rank} of {workers.size} failed{where}: "
+                f"{exc_type.__name__}: {exc}\nmirrored: ending every worker (MPI.Abort); "
+                f"the traceback of worker {workers.rank}:\n")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            os.write(2, head.encode())
+            os.write(2, "".join(traceback.format_exception(exc_type, exc, tb)).encode())
+        time.sleep(ABORT_GRACE_S)
         workers.abort(1)
 
     sys.excepthook = report_and_abort

@@ -3,6 +3,7 @@
     mpiexec -n 2 python tests/multiworker_cases.py train OUT [--gpus 2]
     mpiexec -n 3 python tests/multiworker_cases.py ring OUT [--cpus 2]
     mpiexec -n 2 python tests/multiworker_cases.py fail OUT
+    mpiexec -n 2 python tests/multiworker_cases.py stall OUT
 
 Each case writes what it measured into OUT as ``<case>_rank<r>.npz`` (the test
 compares the workers with each other and with one replica on the global batch,
@@ -163,6 +164,25 @@ def case_fail(out):
     pathlib.Path(out, f"fail_rank{rank}_finished").write_text("the other worker never failed?")
 
 
+def case_stall(out):
+    """Worker 1 is stuck (sleeps) instead of joining an all-reduce: worker 0's wait times out."""
+    import time
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=STALL_TIMEOUT_S)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    rank = strategy.cluster_resolver.task_id
+
+    def step():
+        if rank == 1:
+            time.sleep(10 * STALL_TIMEOUT_S)
+        return tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(1.0))
+
+    strategy.run(step)
+    pathlib.Path(out, f"stall_rank{rank}_finished").write_text("nobody timed out?")
+
+
+STALL_TIMEOUT_S = 3
+
+
 if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
@@ -172,5 +192,7 @@ if __name__ == "__main__":
         case_ring(out, cpus=int(opts.get("--cpus", 1)))
     elif case == "fail":
         case_fail(out)
+    elif case == "stall":
+        case_stall(out)
     else:
         raise SystemExit(f"unknown case {case!r}")

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import json
+
 import numpy as np
 import pytest
 
@@ -148,10 +150,84 @@ def test_ring_across_workers_equals_mpi_allreduce(tmp_path, workers, cpus):
         assert got_ints.dtype == np.int32 and np.array_equal(got_ints, want_ints)
 
 
+def test_a_stuck_worker_times_the_others_out(tmp_path):
+    proc, took = launch(2, "stall", tmp_path, timeout=FAIL_DEADLINE_S + 30)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert took < 10 * cases.STALL_TIMEOUT_S, f"the workers took {took:.0f} s to end"
+    assert f"worker 0 of 2 waited {cases.STALL_TIMEOUT_S} s" in output and "worker(s) [1]" in output, output
+    assert not list(tmp_path.glob("stall_rank*_finished"))
+
+
 def test_a_failing_worker_ends_every_worker_naming_its_rank(tmp_path):
     proc, took = launch(2, "fail", tmp_path, timeout=FAIL_DEADLINE_S + 30)
     assert proc.returncode != 0
     assert took <= FAIL_DEADLINE_S, f"the workers took {took:.0f} s to end"
     output = proc.stdout + proc.stderr
-    assert "worker 1 of 2 failed" in output and "worker 1 breaks on purpose" in output, output
+    assert "worker 1 of 2 failed: ValueError" in output and "worker 1 breaks on purpose" in output, output
     assert not list(tmp_path.glob("fail_rank*_finished")), "a worker went on past the failure"
+
+
+# --- in this process: no launcher, no MPI --------------------------------------------------
+
+@pytest.fixture
+def lone_worker(monkeypatch):
+    """This process as a plain ``python train.py``: no launcher, and mpi4py hidden."""
+    from mirrored import workers
+    for var in workers.LAUNCHER_SIZE_VARS + ("TF_CONFIG",):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)          # import mpi4py -> ImportError
+    monkeypatch.setattr(workers, "_world", None)
+    return workers
+
+
+def test_plain_python_is_one_worker_without_mpi(lone_worker, devices):
+    devices(cpus=1)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.cluster_resolver.task_id == 0 and strategy.cluster_resolver.task_type == "worker"
+    assert strategy.num_replicas_in_sync == len(strategy.extended.devices)
+    assert strategy.extended.should_checkpoint and strategy.extended.should_save_summary
+    assert lone_worker.world().comm is None
+    out = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(2.0)))
+    n = strategy.num_replicas_in_sync
+    assert float(strategy.reduce("SUM", out, axis=None)) == 2.0 * n * n
+
+
+def test_a_launched_worker_without_mpi4py_is_told_what_to_install(lone_worker, monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(ImportError, match="one of 2 workers.*pip install mpi4py mpich"):
+        lone_worker.world()
+
+
+def test_nccl_is_refused_with_the_reason():
+    options = tf.distribute.experimental.CommunicationOptions
+    impl = tf.distribute.experimental.CommunicationImplementation
+    with pytest.raises(NotImplementedError, match="does not use NCCL.*RING"):
+        options(implementation=impl.NCCL)
+    assert options(implementation="ring").implementation is impl.RING
+    assert options().implementation is impl.AUTO
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        options(timeout_seconds=0)
+
+
+def test_tf_config_must_agree_with_mpi():
+    from mirrored.multi_worker import check_tf_config
+
+    def config(workers, task_type="worker", index=0, chief=0):
+        cluster = {"worker": [f"host{i}:2222" for i in range(workers)]}
+        if chief:
+            cluster["chief"] = ["chief:2222"]
+        return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+
+    check_tf_config(1, 2, config(2, index=1))                 # agrees: nothing to say
+    check_tf_config(0, 3, config(2, "chief", 0, chief=1))     # TF's chief is worker 0
+    check_tf_config(2, 3, config(2, "worker", 1, chief=1))
+    check_tf_config(0, 4, {})                                 # no TF_CONFIG: MPI decides
+    with pytest.raises(ValueError, match="describes 3 worker.*MPI started 2"):
+        check_tf_config(0, 2, config(3))
+    with pytest.raises(ValueError, match="task 'worker' 0 .*MPI made it rank 1"):
+        check_tf_config(1, 2, config(2, index=0))
+    with pytest.raises(ValueError, match="not the JSON"):
+        check_tf_config(0, 1, {"TF_CONFIG": "{cluster"})
+    with pytest.raises(ValueError, match="'ps'"):
+        check_tf_config(0, 2, config(2, "ps"))
