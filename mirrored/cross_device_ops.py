@@ -308,10 +308,16 @@ class RingStep:
     size: int = 0
 
     def as_dict(self):
-        """JSON-friendly: dicts and lists, contribution sets as sorted lists."""
+        """JSON-friendly: dicts and lists, contribution sets as sorted lists. A transfer's
+        ``src_worker``/``dst_worker`` appear only in a ring that spans workers."""
+        across = any(t.src_worker or t.dst_worker for t in self.transfers)
+        transfers = [dataclasses.asdict(t) for t in self.transfers]
+        if not across:
+            for t in transfers:
+                del t["src_worker"], t["dst_worker"]
         return {"phase": self.phase, "step": self.step, "buffer": self.buffer,
                 "dtype": self.dtype, "size": self.size,
-                "transfers": [dataclasses.asdict(t) for t in self.transfers],
+                "transfers": transfers,
                 "holds": [[sorted(c) for c in dev] for dev in self.holds]}
 
 
