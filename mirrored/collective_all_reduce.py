@@ -20,7 +20,10 @@ formed are exactly those of one machine with N devices. Only the hops differ:
   exchange chunks with one ``Sendrecv`` per step (each worker sends its last
   replica's chunk to the next worker while receiving the previous worker's);
   the receiver uploads it into a scratch buffer and adds it (reduce-scatter) or
-  copies it into place (all-gather), the kernels of the staged path.
+  copies it into place (all-gather), the kernels of the staged path. On CPU
+  devices the buffers are host memory already: MPI sends straight from the
+  buffer and receives straight into the scratch buffer (or, all-gather, into
+  place), no copies.
 
 Same schedule, same fixed summation order, so every replica of every worker ends
 bitwise equal (and equal to one machine's ring with the same N and inputs). A
@@ -121,7 +124,8 @@ class CollectiveAllReduce(RingAllReduce):
         total = 2 * (n - 1)
         links = [None] + [self._link(devices[l - 1], devices[l]) for l in range(1, local)]
         done = [self._step_events(dev, total + 1) for dev in devices]
-        send_host, recv_host = self._host_stage(size, dtype, n)
+        on_host = devices[0].device_type == "CPU"            # (a ring is all CPU or all GPU)
+        send_host, recv_host = self._host_stage(size, dtype, n) if not on_host else (None, None)
         for l, dev in enumerate(devices):
             with dev.activate():
                 _record(dev, done[l][0])                 # inputs ready
@@ -129,13 +133,24 @@ class CollectiveAllReduce(RingAllReduce):
             # 1. between workers: our last replica -> next worker; previous worker -> our first
             lo_out, hi_out = bounds[sends[last_g][2]]
             lo_in, hi_in = bounds[sends[(first_g - 1) % n][2]]
-            out = send_host[:hi_out - lo_out]
-            out[...] = devices[-1].to_numpy(buffers[-1][lo_out:hi_out])
-            incoming = workers.sendrecv(out, next_worker, recv_host[:hi_in - lo_in], prev_worker,
-                                        tag=t, what=f"{phase} step {t} of the ring")
             first = devices[0]
+            if on_host:
+                # CPU devices: their memory IS host memory; MPI reads and writes it in place
+                out = buffers[-1][lo_out:hi_out]
+                into = (self._scratch_for(first, size, dtype) if phase == "reduce-scatter"
+                        else buffers[0])[lo_in:hi_in]
+            else:
+                out = send_host[:hi_out - lo_out]
+                out[...] = devices[-1].to_numpy(buffers[-1][lo_out:hi_out])   # waits for step t-1
+                into = recv_host[:hi_in - lo_in]
+            incoming = workers.sendrecv(out, next_worker, into, prev_worker,
+                                        tag=t, what=f"{phase} step {t} of the ring")
             with first.activate():
-                if hi_in > lo_in:
+                if on_host:
+                    if hi_in > lo_in and phase == "reduce-scatter":
+                        first.ops.ring_reduce_step(buffers[0], self._scratch_for(first, size, dtype),
+                                                   lo_in, hi_in)
+                elif hi_in > lo_in:
                     if phase == "reduce-scatter":
                         scratch = self._scratch_for(first, size, dtype)
                         first.upload_into(scratch[lo_in:hi_in], incoming)
