@@ -199,6 +199,10 @@ class MultiWorkerExtended(StrategyExtended):
     should_checkpoint = property(lambda self: self._is_chief)
     should_save_summary = property(lambda self: self._is_chief)
 
+    def _broadcast_from_chief(self, value, what="a broadcast"):
+        """The chief's ``value`` (picklable), on every worker."""
+        return self._workers.bcast(value, 0, what)
+
     def _sum_across_workers(self, values, what="a sum"):
         """Host float64 ``values``, summed over the workers in rank order (same bits on each)."""
         parts = self._workers.allgather(np.asarray(values, np.float64), what)

@@ -231,3 +231,22 @@ def test_tf_config_must_agree_with_mpi():
         check_tf_config(0, 1, {"TF_CONFIG": "{cluster"})
     with pytest.raises(ValueError, match="'ps'"):
         check_tf_config(0, 2, config(2, "ps"))
+
+
+def test_array_batches_follow_the_chiefs_shuffle_across_workers(rng):
+    from mirrored.keras.data_adapters import ArrayBatches
+
+    chief_order = rng.permutation(7)
+
+    class TwoWorkers:                      # what ArrayBatches asks of extended
+        _num_workers = 2
+
+        def _broadcast_from_chief(self, value, what):
+            assert sorted(value) == list(range(7))          # this worker's own permutation
+            return chief_order
+
+    x, y = np.arange(7.0)[:, None], np.arange(7)
+    got = np.concatenate([yb for _, yb in ArrayBatches(x, y, 3, True, TwoWorkers())])
+    assert np.array_equal(got, chief_order)
+    alone = ArrayBatches(x, y, 3, False, TwoWorkers())    # no shuffle: nothing to agree on
+    assert np.array_equal(np.concatenate([yb for _, yb in alone]), y)
