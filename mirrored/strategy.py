@@ -25,7 +25,9 @@ needs of a strategy: its ``devices``, its ``cross_device_ops`` and its worker po
 
 Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
 (PerReplica, MirroredVariable), ``cross_device_ops.py`` (the sums), ``context.py``
-(which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets).
+(which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets),
+``multi_worker.py`` (``MultiWorkerMirroredStrategy``: this strategy across MPI processes;
+``StrategyExtended._replica_offset`` / ``_num_workers`` are where it differs).
 """
 import contextlib
 import threading

@@ -56,7 +56,8 @@ class Step:
         self.pack = ParameterPack(model.trainable_variables, devices)
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
-        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim)
+        offset = model.distribute_strategy.extended._replica_offset     # 0 on one machine
+        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
         self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set
