@@ -75,7 +75,7 @@ class LearningRateScheduler(Callback):
         except TypeError:
             lr = self.schedule(epoch)
         opt.learning_rate = float(lr)
-        if self.verbose:
+        if self.verbose and _is_chief(self.model):
             print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.")
 
 
@@ -96,9 +96,14 @@ class ModelCheckpoint(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
-        self.model.save_weights(path)
-        if self.verbose:
+        self.model.save_weights(path)          # a non-chief worker keeps no file (save_weights)
+        if self.verbose and _is_chief(self.model):
             print(f"\nEpoch {epoch + 1}: saving model to {path}")
+
+
+def _is_chief(model):
+    """Whether this worker prints (``MultiWorkerMirroredStrategy``: worker 0 only; else always)."""
+    return model.distribute_strategy.extended.should_checkpoint
 
 
 class TensorBoard(Callback):
