@@ -24,6 +24,7 @@ DIN, HIDDEN, CLASSES = 5, 4, 3           # a tiny dense model (the CUDA simulato
 EXAMPLES, GLOBAL_BATCH = 23, 6           # 4 batches per epoch, the last of 5 rows (uneven)
 EPOCHS = 2
 LEARNING_RATE = 0.1
+PIPELINE_GLOBAL_BATCH = 8                # divisible by 2 and 4 replicas
 
 
 def data(seed=7):
@@ -96,6 +97,17 @@ def case_train(out, gpus=0):
         for batch in strategy.experimental_distribute_dataset(full):
             per_replica = strategy.run(train_step, args=(batch,))
             losses.append(float(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)))
+    # distribute_datasets_from_function: one input pipeline per worker, sharded by the user
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        per_replica = ctx.get_per_replica_batch_size(PIPELINE_GLOBAL_BATCH)
+        return tf.data.Dataset.from_tensor_slices((x, y)).shard(
+            ctx.num_input_pipelines, ctx.input_pipeline_id).batch(per_replica)
+
+    first = next(iter(strategy.distribute_datasets_from_function(dataset_fn)))
+    first_labels = np.concatenate([t.numpy() for t in strategy.experimental_local_results(first[1])])
     ids = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.float32(ctx.replica_id_in_sync_group))
     gathered = strategy.gather(ids, axis=0)
@@ -103,6 +115,7 @@ def case_train(out, gpus=0):
              n=len(init), loss=np.array(history.history["loss"]), evaluated=np.array(evaluated),
              custom_losses=np.array(losses), gathered=np.asarray(gathered),
              replicas=strategy.num_replicas_in_sync,
+             input_context=np.array(seen), first_labels=first_labels,
              copies_equal=all(np.array_equal(c[0], d) for c in copies for d in c[1:]))
 
 

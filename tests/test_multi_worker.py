@@ -103,6 +103,13 @@ def _check_training(out, proc, replicas):
     for g in got:
         assert g["custom_losses"][0] == pytest.approx(want_loss, rel=1e-5)
         assert np.array_equal(g["gathered"], np.arange(replicas, dtype=np.float32))
+    # distribute_datasets_from_function: InputContext(workers, rank, replicas); each worker's
+    # replicas take the next per-replica batches of its own shard
+    per_replica = cases.PIPELINE_GLOBAL_BATCH // replicas
+    local = replicas // 2
+    for r, g in enumerate(got):
+        assert g["input_context"].tolist() == [[2, r, replicas]]
+        assert np.array_equal(g["first_labels"], y[r::2][:per_replica * local])
     # only the chief printed and kept the weights file
     assert proc.stdout.count("Epoch 1/2") == 1, proc.stdout
     saved = np.load(out / "fit.weights.npz")
@@ -231,6 +238,17 @@ def test_tf_config_must_agree_with_mpi():
         check_tf_config(0, 1, {"TF_CONFIG": "{cluster"})
     with pytest.raises(ValueError, match="'ps'"):
         check_tf_config(0, 2, config(2, "ps"))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 10])
+def test_shard_keeps_every_kth_element(n):
+    ds = tf.data.Dataset.range(n)
+    for k in (1, 2, 3):
+        parts = [[int(e) for e in ds.shard(k, i)] for i in range(k)]
+        assert parts == [list(range(i, n, k)) for i in range(k)]
+        assert [len(ds.shard(k, i)) for i in range(k)] == [len(p) for p in parts]
+    with pytest.raises(ValueError, match="0 <= index < num_shards"):
+        ds.shard(2, 2)
 
 
 def test_array_batches_follow_the_chiefs_shuffle_across_workers(rng):
