@@ -103,6 +103,9 @@ def _check_training(out, proc, replicas):
     for g in got:
         assert g["custom_losses"][0] == pytest.approx(want_loss, rel=1e-5)
         assert np.array_equal(g["gathered"], np.arange(replicas, dtype=np.float32))
+    if got[0]["resident"].size:       # fit on a data set kept on the devices: the same bits as fit
+        assert np.array_equal(got[0]["resident"], np.concatenate([w.ravel() for w in fit_w[0]]))
+        assert np.array_equal(got[0]["resident"], got[1]["resident"])
     # distribute_datasets_from_function: InputContext(workers, rank, replicas); each worker's
     # replicas take the next per-replica batches of its own shard
     per_replica = cases.PIPELINE_GLOBAL_BATCH // replicas
