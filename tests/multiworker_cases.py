@@ -68,9 +68,9 @@ def case_train(out, gpus=0):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     model = build(strategy)
     init = model.get_weights()
-    history = model.fit(ds, epochs=EPOCHS)
+    history = model.fit(ds, epochs=EPOCHS, callbacks=[tf.keras.callbacks.CSVLogger(os.path.join(out, "log.csv"))])
     evaluated = model.evaluate(ds)
-    model.save_weights(os.path.join(out, "fit.weights.npz"))
+    model.save_weights(os.path.join(out, "fit.weights.h5"))
     fit_weights = model.get_weights()
     copies = [[c.numpy() for c in v.values] for v in model.trainable_variables]
 

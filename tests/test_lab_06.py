@@ -22,7 +22,7 @@ def test_lab_06_beyond_one_machine(run_lab):
     assert text.count("Using MultiWorkerMirroredStrategy: worker") == 2        # one line per worker
     assert len(re.findall(r"\d+/\d+ \[=+\] - ", text)) == 1                   # the chief's bar only
     assert "equal on every worker: True" in text
-    assert "files the chief kept: ['chief.json', 'model.weights.npz', 'train.py']" in text
+    assert "files the chief kept: ['chief.json', 'model.weights.h5', 'train.py']" in text
     assert "(MPI)" in text and "= 1 + 2 + ... + N = 3" in text              # 2 workers x 1 CPU
     assert re.search(r"fitted link: latency α = [\d.]+ µs per step, bandwidth β = [\d.]+ GB/s", text)
     assert images >= 3, f"sharding, ring diagram, cost model: found {images} figures"

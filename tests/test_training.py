@@ -245,10 +245,11 @@ def test_arrays_validation_data_and_callbacks(devices, rng, capsys):
     assert len(model.evaluate(x, y, verbose=0)) == 2
 
 
-def test_weights_round_trip_and_atomic_save(devices, tmp_path, rng):
+def test_weights_round_trip_and_atomic_save(devices, tmp_path, rng, monkeypatch):
+    from mirrored.keras import saving
     devices(cpus=2)
     model = tiny_model(tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]), 6, 4, 3, "sgd")
-    path = tmp_path / "w.weights"
+    path = tmp_path / "w.weights.h5"
     model.save_weights(path)
     saved = [w.copy() for w in model.get_weights()]
     model.set_weights([w + 1 for w in saved])
@@ -259,24 +260,23 @@ def test_weights_round_trip_and_atomic_save(devices, tmp_path, rng):
     assert_replicas_bitwise_equal(model)
     # a failing save leaves the old file intact and no temporary files behind
     good = path.read_bytes()
-    original = np.savez
 
-    def broken(*args, **kwargs):
+    def broken(model, target):
+        with open(target, "wb") as f:
+            f.write(b"half a file")
         raise OSError("disk full")
-    np.savez = broken
-    try:
-        with pytest.raises(OSError, match="disk full"):
-            model.save_weights(path)
-    finally:
-        np.savez = original
+    monkeypatch.setattr(saving, "_write_h5", broken)
+    with pytest.raises(OSError, match="disk full"):
+        model.save_weights(path)
+    monkeypatch.undo()
     assert path.read_bytes() == good
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.weights"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.weights.h5"]
     with pytest.raises(ValueError, match="shape"):
         model.set_weights([np.zeros((2, 2))] + saved[1:])
     with pytest.raises(ValueError, match="4 weight arrays"):
         model.set_weights(saved[:2])
     with pytest.raises(FileNotFoundError):
-        model.load_weights(tmp_path / "missing")
+        model.load_weights(tmp_path / "missing.weights.h5")
 
 
 class _Copy(tf.keras.layers.Layer):

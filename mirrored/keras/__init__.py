@@ -11,11 +11,12 @@
 Files: models.py (Sequential: the Keras API), step.py (one training step: split,
 forward/backward, all-reduce, update), engine.py (packed weights; a replica's
 program of layers), layers.py (Input, Flatten, Dense, Conv2D, MaxPooling2D,
-Dropout: each with its forward and backward), data_adapters.py (arrays, datasets, resident data), saving.py,
+Dropout: each with its forward and backward), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
+.weights.h5 and .keras files; ``models.load_model``),
 losses.py, optimizers.py (SGD, Adam), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.
 """
-from mirrored.keras import callbacks, layers, losses, metrics, optimizers
+from mirrored.keras import callbacks, layers, losses, metrics, optimizers, saving
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Sequential
 
@@ -30,3 +31,9 @@ class utils:  # noqa: N801 (Keras's namespace)
 
 class models:  # noqa: N801
     Sequential = Sequential
+    load_model = staticmethod(saving.load_model)
+
+
+def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
+    """``tf.keras.models.load_model("m.keras")`` (also ``mirrored.keras.saving.load_model``)."""
+    return saving.load_model(filepath, custom_objects, compile, safe_mode)

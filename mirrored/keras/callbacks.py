@@ -1,5 +1,5 @@
 """Keras callbacks: ``Callback``, ``History``, ``LambdaCallback``, ``ModelCheckpoint``,
-``LearningRateScheduler``.
+``LearningRateScheduler``, ``EarlyStopping``, ``ReduceLROnPlateau``, ``CSVLogger``.
 
 ``fit`` calls, in order: ``on_train_begin``; per epoch ``on_epoch_begin``,
 per step ``on_train_batch_begin``/``on_train_batch_end``, then
@@ -7,8 +7,23 @@ per step ``on_train_batch_begin``/``on_train_batch_end``, then
 'val_loss': ..., 'val_accuracy': ...}``; finally ``on_train_end``. The
 per-step hooks get no metric values (reading them would cost a device sync
 every step); epoch logs carry them.
+
+``EarlyStopping``, ``ReduceLROnPlateau`` and ``CSVLogger`` follow Keras 3's
+(keras/src/callbacks/*.py) rule for rule, quirks included: EarlyStopping counts
+``wait`` before it compares, keeps ``best`` across fits of the same instance, and
+never stops at epoch 0; ReduceLROnPlateau's "auto" mode maximises any name
+containing "acc" and adds ``learning_rate`` to the epoch's logs; CSVLogger's
+columns are ``epoch`` (0-based) then the log keys sorted, one flushed row per epoch.
 """
+import csv
+import math
+import os
 import warnings
+from collections.abc import Iterable
+
+import numpy as np
+
+from mirrored.keras.metrics import ACCURACY_NAMES
 
 
 class Callback:
@@ -80,7 +95,9 @@ class LearningRateScheduler(Callback):
 
 
 class ModelCheckpoint(Callback):
-    """Saves the weights at each epoch's end (``save_weights_only=True`` only).
+    """Saves the model at each epoch's end: ``model.save`` to a ``*.keras`` file, or with
+    ``save_weights_only=True`` ``model.save_weights`` to a ``*.weights.h5`` file (Keras 3's
+    rule; other names are refused when the callback is made, not after an epoch's work).
 
     ``filepath`` may contain ``{epoch}`` (1-based, as Keras) and log keys.
     """
@@ -88,15 +105,21 @@ class ModelCheckpoint(Callback):
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False,
                  save_weights_only=False, **kwargs):
         super().__init__()
-        if not save_weights_only:
-            raise NotImplementedError("ModelCheckpoint saves weights only here: pass save_weights_only=True.")
         if save_best_only:
             raise NotImplementedError("ModelCheckpoint(save_best_only=True) is not implemented.")
         self.filepath, self.verbose = str(filepath), verbose
+        self.save_weights_only = save_weights_only
+        suffix = ".weights.h5" if save_weights_only else ".keras"
+        if not self.filepath.endswith(suffix):
+            raise ValueError(f"ModelCheckpoint: with save_weights_only={save_weights_only}, the filepath "
+                             f"must end in {suffix}, got {self.filepath!r}.")
 
     def on_epoch_end(self, epoch, logs=None):
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
-        self.model.save_weights(path)          # a non-chief worker keeps no file (save_weights)
+        if self.save_weights_only:
+            self.model.save_weights(path)      # a non-chief worker keeps no file (see save_weights)
+        else:
+            self.model.save(path)
         if self.verbose and _is_chief(self.model):
             print(f"\nEpoch {epoch + 1}: saving model to {path}")
 
@@ -113,3 +136,228 @@ class TensorBoard(Callback):
         super().__init__()
         warnings.warn("mirrored.keras.callbacks.TensorBoard writes no logs: TensorBoard is not "
                       "supported here. Read the History that fit returns instead.", stacklevel=2)
+
+
+def _less(a, b):
+    return a < b
+
+
+def _greater(a, b):
+    return a > b
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` has stopped improving (Keras's rules, see the module
+    docstring): after ``patience`` epochs with no improvement of at least ``min_delta``
+    (counted from ``start_from_epoch``), or, with ``baseline``, without beating it.
+    ``restore_best_weights``: at the end of training, set the weights of the best epoch."""
+
+    def __init__(self, monitor="val_loss", min_delta=0, patience=0, verbose=0, mode="auto",
+                 baseline=None, restore_best_weights=False, start_from_epoch=0):
+        super().__init__()
+        self.monitor, self.patience, self.verbose = monitor, patience, verbose
+        self.baseline = baseline
+        self.min_delta = abs(min_delta)
+        self.wait = self.stopped_epoch = 0
+        self.restore_best_weights = restore_best_weights
+        self.best_weights = None
+        self.best_epoch = 0
+        self.start_from_epoch = start_from_epoch
+        if mode not in ("auto", "min", "max"):
+            warnings.warn(f"EarlyStopping mode {mode} is unknown, fallback to auto mode.", stacklevel=2)
+            mode = "auto"
+        self.mode = mode
+        self.monitor_op = None
+
+    def _set_monitor_op(self):
+        if self.mode == "min":
+            self.monitor_op = _less
+        elif self.mode == "max":
+            self.monitor_op = _greater
+        else:
+            name = self.monitor.removeprefix("val_")
+            if name == "loss":
+                self.monitor_op = _less
+            elif name in ACCURACY_NAMES and name in getattr(self.model, "metrics_names", ()):
+                self.monitor_op = _greater            # Keras: the metric's direction is "up"
+        if self.monitor_op is None:
+            raise ValueError(f"EarlyStopping callback received monitor={self.monitor} but cannot tell "
+                             f"whether that metric should be maximized or minimized (the model's metrics "
+                             f"are {getattr(self.model, 'metrics_names', [])}). Pass mode='max' to stop on "
+                             f"the highest value, or mode='min' to use the lowest value.")
+        if self.monitor_op is _less:
+            self.min_delta *= -1
+        self.best = math.inf if self.monitor_op is _less else -math.inf
+
+    def on_train_begin(self, logs=None):
+        self.wait = self.stopped_epoch = 0
+        self.best_weights = None
+        self.best_epoch = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        current = self.get_monitor_value(logs)
+        if current is None or epoch < self.start_from_epoch:
+            return
+        if self.restore_best_weights and self.best_weights is None:
+            self.best_weights = self.model.get_weights()
+            self.best_epoch = epoch
+        self.wait += 1
+        if self._is_improvement(current, self.best):
+            self.best, self.best_epoch = current, epoch
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            if self.baseline is None or self._is_improvement(current, self.baseline):
+                self.wait = 0           # only beating both the baseline and the best resets it
+            return
+        if self.wait >= self.patience and epoch > 0:
+            self.stopped_epoch = epoch
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None):
+        if self.stopped_epoch > 0 and self.verbose > 0:
+            print(f"Epoch {self.stopped_epoch + 1}: early stopping")
+        if self.restore_best_weights and self.best_weights is not None:
+            if self.verbose > 0:
+                print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
+            self.model.set_weights(self.best_weights)
+
+    def get_monitor_value(self, logs):
+        logs = logs or {}
+        value = logs.get(self.monitor)
+        if value is None:
+            warnings.warn(f"Early stopping conditioned on metric `{self.monitor}` which is not available. "
+                          f"Available metrics are: {','.join(list(logs.keys()))}", stacklevel=2)
+        return value
+
+    def _is_improvement(self, value, reference):
+        return self.monitor_op(value - self.min_delta, reference)
+
+
+class ReduceLROnPlateau(Callback):
+    """Multiply the learning rate by ``factor`` (not below ``min_lr``) after ``patience``
+    epochs in which ``monitor`` did not improve by more than ``min_delta``; then wait
+    ``cooldown`` epochs before counting again. Adds ``learning_rate`` to the epoch's logs."""
+
+    def __init__(self, monitor="val_loss", factor=0.1, patience=10, verbose=0, mode="auto",
+                 min_delta=1e-4, cooldown=0, min_lr=0.0, **kwargs):
+        super().__init__()
+        if factor >= 1.0:
+            raise ValueError(f"ReduceLROnPlateau does not support a factor >= 1.0. Received factor={factor}")
+        self.monitor, self.factor, self.min_lr = monitor, factor, min_lr
+        self.min_delta, self.patience, self.verbose, self.cooldown = min_delta, patience, verbose, cooldown
+        self.cooldown_counter = self.wait = 0
+        self.best = 0
+        self.mode = mode
+        self.monitor_op = None
+        self._reset()
+
+    def _reset(self):
+        if self.mode not in {"auto", "min", "max"}:
+            warnings.warn(f"Learning rate reduction mode {self.mode} is unknown, fallback to auto mode.",
+                          stacklevel=2)
+            self.mode = "auto"
+        if self.mode == "min" or (self.mode == "auto" and "acc" not in self.monitor):
+            self.monitor_op = lambda a, b: a < b - self.min_delta
+            self.best = math.inf
+        else:
+            self.monitor_op = lambda a, b: a > b + self.min_delta
+            self.best = -math.inf
+        self.cooldown_counter = self.wait = 0
+
+    def on_train_begin(self, logs=None):
+        self._reset()
+
+    def in_cooldown(self):
+        return self.cooldown_counter > 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        logs["learning_rate"] = float(self.model.optimizer.learning_rate)
+        current = logs.get(self.monitor)
+        if current is None:
+            warnings.warn(f"Learning rate reduction is conditioned on metric `{self.monitor}` which is not "
+                          f"available. Available metrics are: {','.join(list(logs.keys()))}.", stacklevel=2)
+            return
+        if self.in_cooldown():
+            self.cooldown_counter -= 1
+            self.wait = 0
+        if self.monitor_op(current, self.best):
+            self.best, self.wait = current, 0
+        elif not self.in_cooldown():
+            self.wait += 1
+            if self.wait >= self.patience:
+                old_lr = float(self.model.optimizer.learning_rate)
+                if old_lr > float(np.float32(self.min_lr)):
+                    new_lr = max(old_lr * self.factor, self.min_lr)
+                    self.model.optimizer.learning_rate = new_lr
+                    if self.verbose > 0:
+                        print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate to {new_lr}.")
+                    self.cooldown_counter = self.cooldown
+                    self.wait = 0
+
+
+class CSVLogger(Callback):
+    """One CSV row per epoch: ``epoch`` (0-based), then the epoch's logs by sorted key.
+
+    ``append=True`` continues an existing file (without a second header); the file is
+    flushed after every row, so a run cut short keeps the epochs it finished."""
+
+    def __init__(self, filename, separator=",", append=False):
+        super().__init__()
+        self.sep = separator
+        self.filename = os.fspath(filename)
+        self.append = append
+        self.writer = self.keys = self.csv_file = None
+        self.append_header = True
+
+    def on_train_begin(self, logs=None):
+        if self.csv_file and not self.csv_file.closed:
+            self.csv_file.close()
+        if not _is_chief(self.model):           # MultiWorkerMirroredStrategy: the chief writes the file
+            self.csv_file = open(os.devnull, "w", newline="")
+            self.writer = self.keys = None
+            return
+        if self.append:
+            if os.path.exists(self.filename):
+                with open(self.filename) as f:
+                    self.append_header = not bool(len(f.readline()))
+            mode = "a"
+        else:
+            mode = "w"
+        if self.csv_file and not self.csv_file.closed:
+            self.csv_file.close()
+        self.csv_file = open(self.filename, mode, newline="")
+        self.writer = self.keys = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+
+        def handle_value(k):
+            if isinstance(k, str):
+                return k
+            if isinstance(k, Iterable) and not (isinstance(k, np.ndarray) and k.ndim == 0):
+                return f'"[{", ".join(map(str, k))}]"'
+            return k
+
+        if self.keys is None:
+            self.keys = sorted(logs.keys())
+            for name in getattr(self.model, "metrics_names", ()):
+                if name.startswith("val_") and name not in self.keys:
+                    self.keys.append(name)
+        if not self.writer:
+            class Dialect(csv.excel):
+                delimiter = self.sep
+            self.writer = csv.DictWriter(self.csv_file, fieldnames=["epoch"] + self.keys, dialect=Dialect)
+            if self.append_header:
+                self.writer.writeheader()
+        row = {"epoch": epoch}
+        row.update((key, handle_value(logs.get(key, "NA"))) for key in self.keys)
+        self.writer.writerow(row)
+        self.csv_file.flush()
+
+    def on_train_end(self, logs=None):
+        if self.csv_file and not self.csv_file.closed:
+            self.csv_file.close()
+        self.writer = None

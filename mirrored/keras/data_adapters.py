@@ -49,6 +49,32 @@ def batches(model, x, y, batch_size, shuffle):
     return DatasetBatches(x), steps
 
 
+def train_validation_split(x, y, validation_split):
+    """``fit(x, y, validation_split=f)``: Keras's split, ``((x_train, y_train), (x_val, y_val))``.
+
+    The validation set is the LAST fraction ``f`` of the arrays, taken before any shuffling
+    (``split_at = floor(n * (1 - f))``); only arrays can be split (a data set has no end to
+    take it from)."""
+    if not isinstance(validation_split, (int, float)) or not 0 < validation_split < 1:
+        raise ValueError(f"validation_split must be a fraction between 0 and 1, got {validation_split!r}.")
+    if not (isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch")):
+        raise ValueError(f"validation_split is only supported for NumPy arrays, got x of type "
+                         f"{type(x).__name__}: split the data set yourself (ds.take / ds.skip) and pass "
+                         f"validation_data=.")
+    if y is None:
+        raise ValueError("fit with arrays needs y (the labels).")
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) != len(y):
+        raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+    n = len(x)
+    split_at = int(np.floor(n * (1.0 - validation_split)))
+    if split_at == 0 or split_at == n:
+        raise ValueError(f"Training data contains {n} samples, which is not sufficient to split it into a "
+                         f"validation and training set as specified by validation_split={validation_split}. "
+                         f"Either provide more data, or a different value for validation_split.")
+    return (x[:split_at], y[:split_at]), (x[split_at:], y[split_at:])
+
+
 def distributed_batches(model, dist):
     """fit/evaluate on ``strategy.experimental_distribute_dataset(ds, options)``.
 

@@ -118,6 +118,11 @@ class Layer:
     def output_shape_for(self, input_shape):
         return input_shape
 
+    def get_config(self):
+        """Keras's config of this layer (``keras/saving.py`` writes and reads it)."""
+        from mirrored.keras.saving import layer_config
+        return layer_config(self)
+
     def build(self, input_shape):
         """Create the weights for examples of ``input_shape`` (under the model's strategy)."""
         self.input_shape = tuple(input_shape)

@@ -168,22 +168,34 @@ class Sequential:
                 c.assign(w)
 
     def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
-        """Write the weights atomically to exactly ``filepath`` (``saving.py``: ``.npz``,
-        Keras's order; a failed save leaves any previous file intact).
+        """Write the weights atomically to ``filepath``, a ``*.weights.h5`` file in Keras 3's
+        layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact.
+        Under ``MultiWorkerMirroredStrategy`` only the chief keeps the file (``_save_on_chief``)."""
+        self._save_on_chief(saving.save_weights, filepath, overwrite)
 
-        Under ``MultiWorkerMirroredStrategy`` only the chief keeps a file: another
-        worker writes into a temporary ``workertemp_<task_id>`` directory, deleted at
-        once, as Keras's callbacks do on non-chief workers."""
-        if not self._strategy.extended.should_checkpoint:
-            task = self._strategy.cluster_resolver.task_id
-            with tempfile.TemporaryDirectory(prefix=f"workertemp_{task}_") as tmp:
-                saving.save_weights(self, os.path.join(tmp, os.path.basename(os.fspath(filepath))), True)
-            return
-        saving.save_weights(self, filepath, overwrite)
+    def _save_on_chief(self, write, filepath, overwrite):
+        """``write(self, filepath, overwrite)`` on the chief; on any other worker into a
+        temporary ``workertemp_<task_id>`` directory, deleted at once, as Keras's callbacks do
+        on non-chief workers (so only the chief's file remains; one machine: the chief)."""
+        if self._strategy.extended.should_checkpoint:
+            return write(self, filepath, overwrite)
+        task = self._strategy.cluster_resolver.task_id
+        with tempfile.TemporaryDirectory(prefix=f"workertemp_{task}_") as tmp:
+            return write(self, os.path.join(tmp, os.path.basename(os.fspath(filepath))), True)
 
     def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
-        """Read weights written by ``save_weights`` (checked against the model first)."""
+        """Read a ``*.weights.h5`` file (ours or Keras 3's) or a ``*.keras`` model's weights,
+        checked against the model before anything changes."""
         saving.load_weights(self, filepath)
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
+        one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
+        self._save_on_chief(saving.save_model, filepath, overwrite)
+
+    def get_config(self):
+        """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
+        return saving.model_config(self)["config"]
 
     # -- compile -------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
@@ -290,8 +302,8 @@ class Sequential:
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
              initial_epoch, steps_per_epoch, validation_split):
-        if validation_split:
-            raise NotImplementedError("validation_split is not implemented; pass validation_data.")
+        if validation_split and validation_data is None:   # Keras: validation_data wins
+            (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
         verbose = self._verbosity(verbose)
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
@@ -303,11 +315,12 @@ class Sequential:
             cb.set_model(self)
             cb.set_params(params)
         self.stop_training = False
+        logs = None
         for cb in cbs:
-            cb.on_train_begin()
+            cb.on_train_begin(None)          # Keras passes logs to every hook: lambdas take them
         for epoch in range(initial_epoch, epochs):
             for cb in cbs:
-                cb.on_epoch_begin(epoch)
+                cb.on_epoch_begin(epoch, None)
             if verbose:
                 print(f"Epoch {epoch + 1}/{epochs}")
             bar = Progbar(steps, verbose)
@@ -318,15 +331,17 @@ class Sequential:
                 if steps_per_epoch is not None and step >= steps_per_epoch:
                     break
                 for cb in cbs:
-                    cb.on_train_batch_begin(step)
+                    cb.on_train_batch_begin(step, None)
                 self._train_on(batch)
                 step += 1
                 for cb in cbs:
-                    cb.on_train_batch_end(step - 1)
+                    cb.on_train_batch_end(step - 1, {})   # no per-step metrics (docstring)
                 if verbose and bar.wants_update(step):
                     # mid-epoch: this worker's running metrics (no collective: the other
                     # workers do not draw a bar); the epoch's line is over every worker
                     bar.update(step, self._logs(across_workers=False))
+                if self.stop_training:          # Keras checks after every batch too
+                    break
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
@@ -338,7 +353,7 @@ class Sequential:
             if self.stop_training:
                 break
         for cb in cbs:
-            cb.on_train_end()
+            cb.on_train_end(logs)
         history.params = params
         self.history = history
         return history

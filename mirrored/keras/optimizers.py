@@ -162,6 +162,55 @@ class Optimizer:
     def get_config(self):
         return {"name": self.name, "learning_rate": self.learning_rate}
 
+    # -- the state Keras saves (keras/saving.py) ---------------------------------------------
+    def _pack_slots(self, pack, r):
+        return self._slots.get(("pack", id(pack), r))
+
+    def keras_variable_count(self, pack, built=None):
+        """``len(optimizer.variables)`` in Keras for a model whose parameters are ``pack``:
+        iteration and learning_rate, plus the slots once built (``built``: count them as if
+        built; None: as they are now)."""
+        if built is None:
+            built = self._pack_slots(pack, 0) is not None
+        return 2 + (len(self.slot_names) * len(pack.variables) if built else 0)
+
+    def keras_variables(self, pack):
+        """Keras 3's ``optimizer.variables`` as NumPy, in its order: iteration (int64),
+        learning_rate (float32), then for each trainable variable its slots (Adam: m, v;
+        SGD with momentum: the velocity), read from the first replica (all replicas agree)."""
+        out = [np.int64(self._step), np.float32(self.learning_rate)]
+        slots = self._pack_slots(pack, 0)
+        if slots is None:
+            return out
+        dev = pack.devices[0]
+        flats = [dev.to_numpy(s) for s in slots]                  # (total,) each
+        for off, size, shape in zip(pack.offsets, pack.sizes, pack.shapes):
+            out.extend(flat[off:off + size].reshape(shape) for flat in flats)
+        return out
+
+    def set_keras_variables(self, pack, values):
+        """The inverse of ``keras_variables`` (the count checked by the caller): the step
+        counter, the learning rate, and every replica's slots (created if need be)."""
+        self._step = int(np.asarray(values[0]))
+        lr = np.float32(np.asarray(values[1]))
+        if lr != np.float32(self.learning_rate):   # Keras keeps it as float32: the same float32
+            self.learning_rate = float(lr)          # keeps this exact float (the same updates)
+        k = len(self.slot_names)
+        if not k:
+            return
+        flats = [np.empty(pack.total, np.float32) for _ in range(k)]
+        for i, (off, size, shape) in enumerate(zip(pack.offsets, pack.sizes, pack.shapes)):
+            for j in range(k):
+                value = np.asarray(values[2 + i * k + j], np.float32)
+                if value.shape != tuple(shape):
+                    raise ValueError(f"optimizer slot {self.slot_names[j]} of {pack.variables[i].name}: "
+                                     f"shape {value.shape} in the file, {tuple(shape)} in the model.")
+                flats[j][off:off + size] = value.reshape(-1)
+        for r, dev in enumerate(pack.devices):
+            with dev.activate():
+                for buf, flat in zip(self._slot_buffers(("pack", id(pack), r), dev, pack.params[r]), flats):
+                    dev.upload_into(buf, flat)
+
 
 def _copies(variable):
     try:
@@ -200,6 +249,9 @@ class SGD(Optimizer):
     def _scalars(self):
         return sgd_scalars(self.learning_rate, self.momentum)
 
+    def get_config(self):
+        return dict(super().get_config(), momentum=self.momentum, nesterov=self.nesterov)
+
     def _update(self, dev, w, g, key):
         velocity = self._slot_buffers(key, dev, w)[0] if self.momentum else None
         dev.ops.sgd(w, g, velocity, self._hyper[dev.name], self.nesterov)
@@ -219,6 +271,10 @@ class Adam(Optimizer):
 
     def _scalars(self):
         return adam_scalars(self.learning_rate, self._step, self.beta_1, self.beta_2, self.epsilon)
+
+    def get_config(self):
+        return dict(super().get_config(), beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon,
+                    amsgrad=False)
 
     def _update(self, dev, w, g, key):
         m, v = self._slot_buffers(key, dev, w)

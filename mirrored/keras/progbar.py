@@ -6,6 +6,11 @@
 ``verbose=1``: the bar (redrawn in place on a terminal or in a notebook, at most
 every ``REFRESH_S`` seconds, because each redraw reads the metrics from the
 device); ``verbose=2``: one line per epoch; ``verbose=0``: silent.
+
+A data set of unknown length (``fit(ds.repeat())`` with no ``steps_per_epoch``,
+which Keras runs for ever) shows Keras's ``N/Unknown`` with the step count growing:
+redrawn like the bar, and where output is not redrawn (a log file, a captured
+stream) as a new line every ``UNKNOWN_LOG_S`` seconds, so the run never looks stuck.
 """
 import math
 import sys
@@ -13,6 +18,7 @@ import time
 
 BAR_WIDTH = 30          # Keras's bar width
 REFRESH_S = 0.5         # redraw interval: each redraw synchronises the devices
+UNKNOWN_LOG_S = 10.0    # unknown length, output not redrawn: a progress line this often
 
 
 def _dynamic():
@@ -65,16 +71,25 @@ class Progbar:
         self.dynamic = _dynamic()
 
     def wants_update(self, current):
-        """Whether to read metrics now (a device sync): dynamic bars, every REFRESH_S."""
-        return (self.verbose == 1 and self.dynamic
-                and time.perf_counter() - self.last_draw >= REFRESH_S and current != self.target)
+        """Whether to read metrics now (a device sync): dynamic bars every REFRESH_S; an
+        epoch of unknown length also every UNKNOWN_LOG_S where nothing is redrawn."""
+        if self.verbose != 1 or current == self.target:
+            return False
+        since = time.perf_counter() - self.last_draw
+        if self.dynamic:
+            return since >= REFRESH_S
+        return self.target is None and since >= UNKNOWN_LOG_S
 
     def update(self, current, metrics):
         self.last_draw = time.perf_counter()
         elapsed = self.last_draw - self.start
-        eta = elapsed / current * (self.target - current) if current and self.target else 0
-        line = f"{bar(current, self.target)} - ETA: {eta:.0f}s{format_metrics(metrics)}"
-        sys.stdout.write("\r" + line)
+        if self.target is None:       # Keras: elapsed time and time per step, no ETA
+            per_step = format_time_per_step(elapsed / current if current else 0)
+            line = f"{bar(current, None)} - {elapsed:.0f}s {per_step}{format_metrics(metrics)}"
+        else:
+            eta = elapsed / current * (self.target - current) if current else 0
+            line = f"{bar(current, self.target)} - ETA: {eta:.0f}s{format_metrics(metrics)}"
+        sys.stdout.write(("\r" if self.dynamic else "") + line + ("" if self.dynamic else "\n"))
         sys.stdout.flush()
 
     def finish(self, current, metrics):

@@ -1,35 +1,124 @@
-"""Saving and loading a model's weights, atomically.
+"""Saving and loading in Keras 3's file formats, atomically.
 
-``model.save_weights(path)`` writes NumPy's ``.npz`` (one array per weight, Keras's
-order: kernel (in, out), then bias, layer by layer) to a temporary file beside
-``path`` and renames it into place, so a failed save (a full disk, an interrupt)
-leaves any previous file intact and no temporary file behind. ``load_weights``
-reads it back through ``model.set_weights``, which checks every shape before it
-changes anything.
+Two formats, Keras 3's, so that a model trained here loads in TensorFlow/Keras and back:
 
-Neighbours: ``models.py`` (``Sequential.save_weights`` / ``load_weights`` call these).
+``model.save_weights("w.weights.h5")`` / ``load_weights``: an HDF5 file (h5py) laid out as
+Keras 3's ``saving_lib.save_weights_only`` writes it (keras/src/saving/saving_lib.py,
+``H5IOStore``)::
+
+    /vars                       group, attrs name=<model name>         (a Sequential has no own variables)
+    /layers/<key>/vars/<i>      dataset i of layer <key>: Keras's variable order (kernel, then bias)
+    /layers/<key>/vars          attrs name=<layer name>; empty for a layer without weights (Flatten)
+    /optimizer/vars/<i>         when compiled: 0 = iteration (int64), 1 = learning_rate (float32),
+                                then each trainable variable's slots in turn
+                                (Adam: momentum, velocity; SGD with momentum: momentum)
+
+``<key>`` is NOT the layer's name (names differ from run to run): it is the layer class in
+snake case, numbered per model in order, as Keras's ``_save_container_state`` does:
+``conv2d``, ``max_pooling2d``, ``flatten``, ``dense``, ``dense_1``, ... Reading follows Keras's
+``load_weights``: the model is walked, each layer reads its group (a missing group is an
+empty one), the count and shapes must match, and the optimizer's variables are restored only
+when the model's optimizer already has as many (Keras warns and skips otherwise).
+
+``model.save("m.keras")`` / ``models.load_model("m.keras")``: Keras 3's zip archive,
+``metadata.json``, ``config.json`` (the model's architecture and compile arguments, in
+Keras's ``serialize_keras_object`` shape) and ``model.weights.h5`` (the layout above,
+optimizer included): training resumes exactly where it stopped.
+
+Every file is written to a hidden temporary file beside the target (``.weights-<pid>-*``,
+``.keras-<pid>-*``), flushed to disk and renamed into place (``os.replace``): a failed or
+killed save leaves any previous file intact. A save into a folder first removes the
+temporaries that a killed save (``kill -9``) left there: those of processes no longer alive.
+Loading a truncated, empty or foreign file names the file and says what is wrong.
+
+Neighbours: ``models.py`` (``Sequential.save``/``save_weights``/``load_weights``),
+``optimizers.py`` (``keras_variables``: the optimizer's state in Keras's order),
+``layers.py`` (the layers rebuilt from a config).
 """
 import contextlib
+import datetime
+import inspect
+import io
+import json
 import os
 import tempfile
+import time
+import warnings
+import zipfile
 
 import numpy as np
 
+WEIGHTS_SUFFIX = ".weights.h5"
+MODEL_SUFFIX = ".keras"
+ARCHIVE_WEIGHTS = "model.weights.h5"          # inside a .keras archive (Keras's _VARS_FNAME_H5)
+TEMP_PREFIXES = {WEIGHTS_SUFFIX: ".weights-", MODEL_SUFFIX: ".keras-"}
+LEGACY_STALE_S = 3600    # temporaries named without a pid (older versions): stale after an hour
+KERAS_VERSION = "3.0.0"  # the format version written into metadata.json
 
-def save_weights(model, filepath, overwrite=True):
-    """Write ``model``'s weights to exactly ``filepath``, atomically (see the module docstring)."""
-    filepath = os.fspath(filepath)
-    if not overwrite and os.path.exists(filepath):
-        raise FileExistsError(f"{filepath} exists and overwrite=False.")
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError as err:   # pragma: no cover - h5py is a dependency
+        raise ImportError("saving in Keras's formats needs h5py: python -m pip install h5py") from err
+    return h5py
+
+
+# -- atomic writes, and the temporaries of killed saves ---------------------------------------
+def _pid_of(name, prefix):
+    """The writer's pid in a temporary's name ``<prefix><pid>-<random>.tmp``, else None."""
+    head = name[len(prefix):].split("-", 1)[0]
+    return int(head) if head.isdigit() and "-" in name[len(prefix):] else None
+
+
+def _alive(pid):
+    if pid == os.getpid():
+        return True                  # a save in progress in another thread of this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                  # someone else's live process
+    return True
+
+
+def clean_stale_temporaries(folder):
+    """Remove the temporaries of saves killed before their rename (ours only: hidden files
+    named ``.weights-<pid>-*`` / ``.keras-<pid>-*`` whose process has ended; unnamed ones,
+    from older versions, once an hour old). Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = next((p for p in TEMP_PREFIXES.values() if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        path = os.path.join(folder, name)
+        pid = _pid_of(name, prefix)
+        try:
+            stale = (not _alive(pid)) if pid is not None else \
+                time.time() - os.path.getmtime(path) > LEGACY_STALE_S
+            if stale and os.path.isfile(path):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass                     # gone already, or not ours to remove
+    return removed
+
+
+def _atomic_write(filepath, suffix, write):
+    """``write(tmp_path)`` then fsync and rename onto ``filepath``; nothing half-written."""
     folder = os.path.dirname(os.path.abspath(filepath))
     os.makedirs(folder, exist_ok=True)
-    arrays = model.get_weights()
-    names = np.array([v.name for v in model.trainable_variables])
-    fd, tmp = tempfile.mkstemp(prefix=".weights-", dir=folder)
+    clean_stale_temporaries(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIXES[suffix]}{os.getpid()}-", suffix=".tmp", dir=folder)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, names=names, *arrays)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, filepath)
     except BaseException:
@@ -38,15 +127,344 @@ def save_weights(model, filepath, overwrite=True):
         raise
 
 
+def _check_suffix(filepath, suffix, what):
+    if not filepath.endswith(suffix):
+        hint = (" (Keras 3's weights format; the whole model, with its optimizer, goes to "
+                "model.save('name.keras'))" if suffix == WEIGHTS_SUFFIX else
+                " (Keras 3's model format; weights alone: model.save_weights('name.weights.h5'))")
+        raise ValueError(f"{what}: the file name must end in {suffix}{hint}, got {filepath!r}.")
+
+
+# -- the HDF5 layout ------------------------------------------------------------------------------
+def layer_keys(layers):
+    """Keras's paths for a model's layers: class name in snake case, ``_1``, ``_2``... per class."""
+    from mirrored.keras.layers import _snake
+    used, keys = {}, []
+    for layer in layers:
+        name = _snake(type(layer).__name__)
+        if name in used:
+            used[name] += 1
+            name = f"{name}_{used[name]}"
+        else:
+            used[name] = 0
+        keys.append(name)
+    return keys
+
+
+def _write_h5(model, target):
+    """Write ``model``'s weights (and its optimizer's state, when compiled) in Keras's layout
+    to ``target`` (a path or a binary file object)."""
+    h5py = _h5py()
+    with h5py.File(target, "w") as f:
+        f.create_group("vars").attrs["name"] = model.name
+        for key, layer in zip(layer_keys(model.layers), model.layers):
+            group = f.create_group(f"layers/{key}/vars")
+            group.attrs["name"] = layer.name
+            for i, w in enumerate(layer.trainable_weights):
+                group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
+        if model.optimizer is not None and model.built:
+            group = f.create_group("optimizer/vars")
+            group.attrs["name"] = model.optimizer.name
+            for i, value in enumerate(model.optimizer.keras_variables(model.step.pack)):
+                group.create_dataset(str(i), data=value)
+
+
+def _not_weights(filepath, err):
+    size = os.path.getsize(filepath) if isinstance(filepath, str) and os.path.exists(filepath) else None
+    what = "it is empty (0 bytes)" if size == 0 else f"it is truncated or not an HDF5 file ({err})"
+    return ValueError(f"{filepath} is not a Keras weights file: {what}. Write one with "
+                      f"model.save_weights('name.weights.h5') (or model.save('name.keras')).")
+
+
+def _read_h5(source, filepath):
+    """Everything in a Keras 3 weights file: ({layer path: [arrays]}, [optimizer arrays] or
+    None). ``source``: a path or a file object; ``filepath`` names it in errors."""
+    h5py = _h5py()
+    try:
+        with h5py.File(source, "r") as f:
+            base = "layers" if "layers" in f else (
+                "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
+            if base is None:
+                raise ValueError(f"{filepath} has no 'layers' group: it is an HDF5 file but not a Keras 3 "
+                                 f"weights file (top-level groups: {sorted(f.keys())}).")
+            layers = {}
+            for key, group in f[base].items():
+                vars_ = group.get("vars") if isinstance(group, h5py.Group) else None
+                layers[key] = [np.asarray(vars_[str(i)]) for i in range(len(vars_))] if vars_ is not None else []
+            opt = f.get("optimizer/vars")
+            optimizer = [np.asarray(opt[str(i)]) for i in range(len(opt))] if opt is not None else None
+    except (OSError, KeyError, RuntimeError) as err:
+        raise _not_weights(filepath, err) from err
+    return layers, optimizer
+
+
+def _apply(model, stored, filepath, restore_optimizer=False):
+    """Put the arrays read by ``_read_h5`` into ``model`` (every check first, then the writes)."""
+    keys = layer_keys(model.layers)
+    arrays = []
+    for key, layer in zip(keys, model.layers):
+        want = layer.trainable_weights
+        got = stored.get(key, [])
+        if len(got) != len(want):
+            raise ValueError(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
+                             f"{len(want)} weight arrays in this model, the file has {len(got)} for it "
+                             f"(the file's layers: {sorted(stored)}). Build the same model as the one saved.")
+        for v, a in zip(want, got):
+            if tuple(a.shape) != tuple(v.shape):
+                raise ValueError(f"{filepath}: {v.name} (layer {key!r}) has shape {tuple(v.shape)} in this "
+                                 f"model, {tuple(a.shape)} in the file.")
+            arrays.append(a)
+    extra = sorted(k for k in set(stored) - set(keys) if stored[k])
+    if extra:
+        raise ValueError(f"{filepath} holds weights for layers this model does not have: {extra} "
+                         f"(the model's layers: {keys}).")
+    return arrays
+
+
+def _restore_optimizer(model, values, filepath, force):
+    """Keras's ``Optimizer.load_own_variables``: restore when the counts agree, else warn and
+    skip. ``force`` (load_model): build the optimizer's slots first, as Keras's
+    ``compile_from_config`` builds the optimizer before the weights are read."""
+    opt = model.optimizer
+    if opt is None or values is None or not model.built:
+        return
+    pack = model.step.pack
+    have = opt.keras_variable_count(pack, built=True if force else None)
+    if len(values) != have:
+        warnings.warn(f"Skipping variable loading for optimizer '{opt.name}', because it has {have} "
+                      f"variables whereas the saved optimizer has {len(values)} variables (in {filepath})."
+                      + (" This is likely because the optimizer has not been called/built yet."
+                         if have == 2 else ""), stacklevel=4)
+        return
+    opt.set_keras_variables(pack, values)
+
+
+# -- save_weights / load_weights ----------------------------------------------------------------
+def save_weights(model, filepath, overwrite=True):
+    """Write ``model``'s weights to exactly ``filepath`` (``*.weights.h5``), atomically."""
+    filepath = os.fspath(filepath)
+    _check_suffix(filepath, WEIGHTS_SUFFIX, "save_weights")
+    if not overwrite and os.path.exists(filepath):
+        raise FileExistsError(f"{filepath} exists and overwrite=False.")
+    if not model.built:
+        raise ValueError("You are saving a model that has not yet been built: give the first layer an "
+                         "input_shape, or call fit() or build() first.")
+    _atomic_write(filepath, WEIGHTS_SUFFIX, lambda tmp: _write_h5(model, tmp))
+
+
 def load_weights(model, filepath):
-    """Read weights written by ``save_weights`` into ``model`` (checked against it first)."""
+    """Read a ``*.weights.h5`` (or the weights of a ``*.keras``) file into ``model``."""
     filepath = os.fspath(filepath)
     if not os.path.exists(filepath):
-        raise FileNotFoundError(f"no weights file at {filepath}; save one with model.save_weights(path).")
+        raise FileNotFoundError(f"no weights file at {filepath}; save one with "
+                                f"model.save_weights('name.weights.h5').")
+    if filepath.endswith(MODEL_SUFFIX):
+        with _archive(filepath) as zf:
+            stored, opt = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
+    else:
+        _check_suffix(filepath, WEIGHTS_SUFFIX, "load_weights")
+        stored, opt = _read_h5(filepath, filepath)
+    if not model.built:
+        raise ValueError("You are loading weights into a model that has not yet been built: give the "
+                         "first layer an input_shape, or call fit() or build() first.")
+    model.set_weights(_apply(model, stored, filepath))
+    _restore_optimizer(model, opt, filepath, force=False)
+
+
+# -- model.save / load_model ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _archive(filepath):
     try:
-        with np.load(filepath, allow_pickle=False) as data:
-            n = len([k for k in data.files if k.startswith("arr_")])
-            arrays = [data[f"arr_{i}"] for i in range(n)]
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"{filepath} is not a weights file written by save_weights ({err}).") from err
-    model.set_weights(arrays)
+        zf = zipfile.ZipFile(filepath, "r")
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        size = os.path.getsize(filepath)
+        what = "it is empty (0 bytes)" if size == 0 else f"it is truncated or not a zip archive ({err})"
+        raise ValueError(f"{filepath} is not a Keras model file: {what}. Write one with "
+                         f"model.save('name.keras').") from err
+    with zf:
+        missing = {"config.json", ARCHIVE_WEIGHTS} - set(zf.namelist())
+        if missing:
+            raise ValueError(f"{filepath} is a zip archive but not a Keras model file: it lacks "
+                             f"{sorted(missing)}.")
+        try:
+            yield zf
+        except (zipfile.BadZipFile, EOFError, OSError) as err:   # a member cut short
+            raise ValueError(f"{filepath} is truncated or damaged ({err}).") from err
+
+
+def save_model(model, filepath, overwrite=True):
+    """``model.save("m.keras")``: architecture, weights and optimizer state, atomically."""
+    filepath = os.fspath(filepath)
+    _check_suffix(filepath, MODEL_SUFFIX, "save")
+    if not overwrite and os.path.exists(filepath):
+        raise FileExistsError(f"{filepath} exists and overwrite=False.")
+    if not model.built:
+        raise ValueError("You are saving a model that has not yet been built: give the first layer an "
+                         "input_shape, or call fit() or build() first.")
+    config = json.dumps(model_config(model))
+    metadata = json.dumps({"keras_version": KERAS_VERSION,
+                           "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")})
+    weights = io.BytesIO()
+    _write_h5(model, weights)
+
+    def write(tmp):
+        with zipfile.ZipFile(tmp, "w") as zf:
+            zf.writestr("metadata.json", metadata)
+            zf.writestr("config.json", config)
+            zf.writestr(ARCHIVE_WEIGHTS, weights.getvalue())
+    _atomic_write(filepath, MODEL_SUFFIX, write)
+
+
+def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
+    """``keras.models.load_model("m.keras")``: the model, built under the strategy in scope,
+    compiled as it was (unless ``compile=False``), with its weights and optimizer state."""
+    filepath = os.fspath(filepath)
+    _check_suffix(filepath, MODEL_SUFFIX, "load_model")
+    if not os.path.exists(filepath):
+        raise FileNotFoundError(f"no model file at {filepath}; save one with model.save('name.keras').")
+    with _archive(filepath) as zf:
+        try:
+            config = json.loads(zf.read("config.json"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
+        stored, opt = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
+    model = model_from_config(config)
+    if compile and config.get("compile_config"):
+        compile_from_config(model, config["compile_config"])
+    model.set_weights(_apply(model, stored, filepath))
+    _restore_optimizer(model, opt, filepath, force=True)
+    return model
+
+
+# -- configs (Keras's serialize_keras_object shape) ----------------------------------------------
+def _ser(module, class_name, config):
+    return {"module": module, "class_name": class_name, "config": config, "registered_name": None}
+
+
+def _initializer_config(fn):
+    from mirrored.keras.layers import INITIALIZERS
+    for name, f in INITIALIZERS.items():
+        if f is fn:
+            return _ser("keras.initializers", "".join(p.title() for p in name.split("_")),
+                        {} if name in ("zeros", "ones") else {"seed": None})
+    return None                      # a custom callable: the weights in the file are what count
+
+
+def layer_config(layer):
+    """``layer.get_config()``: Keras's keys for the arguments this library's layers take."""
+    from mirrored.keras import layers as L
+    config = {"name": layer.name, "trainable": True, "dtype": "float32"}
+    if isinstance(layer, L.Dense):
+        config.update(units=layer.units, activation=layer.activation or "linear", use_bias=True,
+                      kernel_initializer=_initializer_config(layer.kernel_initializer),
+                      bias_initializer=_initializer_config(layer.bias_initializer))
+    elif isinstance(layer, L.Conv2D):
+        config.update(filters=layer.filters, kernel_size=list(layer.kernel_size), strides=list(layer.strides),
+                      padding=layer.padding, data_format="channels_last", dilation_rate=[1, 1], groups=1,
+                      activation=layer.activation or "linear", use_bias=layer.use_bias,
+                      kernel_initializer=_initializer_config(layer.kernel_initializer),
+                      bias_initializer=_initializer_config(layer.bias_initializer))
+    elif isinstance(layer, L.MaxPooling2D):
+        config.update(pool_size=list(layer.pool_size), strides=list(layer.strides), padding=layer.padding,
+                      data_format="channels_last")
+    elif isinstance(layer, L.Dropout):
+        config.update(rate=layer.rate, seed=layer.seed, noise_shape=None)
+    elif isinstance(layer, L.Flatten):
+        config.update(data_format="channels_last")
+    else:
+        raise NotImplementedError(f"layer {layer.name!r} ({type(layer).__name__}) has no config: saving a "
+                                  f"whole model needs the library's layers ({', '.join(L.SUPPORTED)}); "
+                                  f"save_weights works for any layer.")
+    return config
+
+
+def model_config(model):
+    """What Keras 3 writes to a .keras archive's config.json for a Sequential."""
+    layers = [_ser("keras.layers", "InputLayer",
+                   {"batch_shape": [None] + list(model._input_shape), "dtype": "float32", "sparse": False,
+                    "name": "input_layer"})]
+    layers += [_ser("keras.layers", type(l).__name__, layer_config(l)) for l in model.layers]
+    config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
+                                          "layers": layers})
+    config["build_config"] = {"input_shape": [None] + list(model._input_shape)}
+    if model.optimizer is not None:
+        loss = model.loss
+        config["compile_config"] = {
+            "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
+            "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), ignore_class=None)),
+            "loss_weights": None, "metrics": list(model._metric_names), "weighted_metrics": None,
+            "run_eagerly": False, "steps_per_execution": 1, "jit_compile": False}
+    else:
+        config["compile_config"] = None
+    return config
+
+
+def _kwargs_for(cls, config, what):
+    """The entries of a Keras config that ``cls`` takes (Keras's other keys, such as
+    ``trainable``, ``dtype`` or regularizers left at None, have no counterpart here)."""
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in config.items() if k in params and k != "self"}
+    for key in ("kernel_initializer", "bias_initializer"):
+        spec = kwargs.get(key)
+        if isinstance(spec, dict) or spec is None:
+            from mirrored.keras.layers import INITIALIZERS, _snake
+            name = _snake(spec["class_name"]) if isinstance(spec, dict) else None
+            if name in INITIALIZERS:
+                kwargs[key] = name
+            else:
+                kwargs.pop(key, None)    # unknown initializer: the default (the file has the weights)
+    ignored = {k: v for k, v in config.items() if k not in params and v not in (None, False, [], {})
+               and k not in ("name", "trainable", "dtype", "data_format", "dilation_rate", "groups",
+                             "batch_shape", "sparse", "batch_input_shape", "use_bias")}
+    for k in list(ignored):
+        if k.endswith(("regularizer", "constraint")) or k in ("lora_rank", "noise_shape", "input_shape"):
+            raise NotImplementedError(f"{what}: {k}={ignored[k]!r} is not supported here.")
+    return kwargs
+
+
+def model_from_config(config):
+    """A Sequential from Keras's config (the layers this library has)."""
+    from mirrored.keras import layers as L
+    from mirrored.keras.models import Sequential
+    if config.get("class_name") != "Sequential":
+        raise NotImplementedError(f"only Sequential models can be loaded here, the file holds a "
+                                  f"{config.get('class_name')!r}.")
+    inner = config["config"]
+    layers = []
+    for spec in inner["layers"]:
+        name, cfg = spec["class_name"], dict(spec["config"])
+        if name == "InputLayer":
+            shape = cfg.get("batch_shape") or cfg.get("batch_input_shape")
+            layers.append(L.Input(shape=tuple(shape[1:]), name=cfg.get("name")))
+            continue
+        cls = getattr(L, name, None) if name in L.SUPPORTED else None
+        if cls is None:
+            raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
+                                      f"{', '.join(L.SUPPORTED)}.")
+        kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
+        if cfg.get("batch_input_shape"):
+            kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
+        layers.append(cls(**kwargs))
+    model = Sequential(layers, name=inner.get("name"))
+    build = config.get("build_config") or {}
+    if not model.built and build.get("input_shape"):
+        model.build(tuple(build["input_shape"]))
+    return model
+
+
+def compile_from_config(model, compile_config):
+    from mirrored.keras import losses as _losses
+    from mirrored.keras import optimizers as _optimizers
+    opt = compile_config["optimizer"]
+    if isinstance(opt, dict):
+        cls = {"Adam": _optimizers.Adam, "SGD": _optimizers.SGD}.get(opt["class_name"])
+        if cls is None:
+            raise NotImplementedError(f"optimizer {opt['class_name']!r} is not implemented; Adam and SGD are.")
+        opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]))
+    loss = compile_config["loss"]
+    if isinstance(loss, dict):
+        if loss["class_name"] != "SparseCategoricalCrossentropy":
+            raise NotImplementedError(f"loss {loss['class_name']!r} is not implemented here.")
+        cfg = {k: v for k, v in loss["config"].items() if k in ("from_logits", "reduction", "name")}
+        loss = _losses.SparseCategoricalCrossentropy(**cfg)
+    model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None)
