@@ -41,6 +41,7 @@ Map of the rest:
     nn.py         compute_average_loss
     random.py     set_seed
     workflow.py   the command-line lab (``python -m mirrored``)
+    labs.py       the lab notebooks' first cell (``labs.setup``) and the lab's model
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored.devices import device_scope as device

@@ -7,7 +7,7 @@ buffer over the slowest link, plus an overhead that does not shrink::
     t(N) = compute/N + 2(N-1)/N * bytes/link_bandwidth + overhead
 
 ``calibrate`` measures compute and overhead on ONE replica (from
-``timing.step_breakdown``); ``predict_throughput`` then extrapolates to N devices
+``timing.step_breakdown``, and ``fit``'s measured throughput so that N=1 matches it); ``predict_throughput`` then extrapolates to N devices
 with the lab's rule (the global batch grows with N). Everything returns plain
 numbers and dicts; ``mirrored.viz.plot_performance_model`` draws them beside
 measurements.
@@ -86,20 +86,37 @@ def performance_model(ns, compute_s, grad_bytes, links=None, overhead_s=0.0, lat
     return rows
 
 
-def calibrate(breakdown, grad_bytes=None, model=None):
+def calibrate(breakdown, grad_bytes=None, model=None, measured=None):
     """Model parameters measured on ONE replica: per-example compute and per-step overhead.
 
     ``breakdown``: ``step_breakdown`` of a single-replica model. Compute is the
     median input copy + forward+backward (work that a GPU count divides); the
-    overhead is everything else in the measured step (optimizer, Python, the
-    strategy's bookkeeping). ``grad_bytes`` (or ``model``): the gradient buffer size.
+    overhead is everything else in a step. ``grad_bytes`` (or ``model``): the
+    gradient buffer size.
+
+    ``measured``: the 1-replica row of ``scaling.compare`` (``samples_per_s``,
+    ``global_batch``), when the model is to be drawn beside ``fit``'s throughput.
+    The overhead is then what ``fit`` spends per step beyond the compute —
+    ``global_batch / samples_per_s - compute``: the optimizer, the input pipeline
+    (shuffle, batch, the host-to-device copy), Keras's callbacks and metrics — so the
+    model reproduces that measurement at N=1 exactly. Without it the overhead is the
+    breakdown's bare step minus the compute (``step_breakdown`` feeds prepared host
+    batches and runs no callbacks), and the model overestimates ``fit`` at N=1.
     """
     phases = breakdown["phases"]
     compute = sum(phases[p]["median_s"] for p in (INPUT_COPY, FORWARD_BACKWARD) if p in phases)
     if grad_bytes is None and model is not None:
         grad_bytes = 4 * model.count_params()
+    step_s = breakdown["step_s"]
+    if measured is not None:
+        if measured.get("replicas", 1) != 1 or not measured.get("samples_per_s", 0) > 0:
+            raise ValueError(f"calibrate: measured must be a 1-replica row of scaling.compare "
+                             f"with a positive samples_per_s, got replicas="
+                             f"{measured.get('replicas')!r}, samples_per_s="
+                             f"{measured.get('samples_per_s')!r}.")
+        step_s = measured["global_batch"] / measured["samples_per_s"]
     return {"compute_per_example_s": compute / max(breakdown["global_batch"], 1),
-            "overhead_s": max(breakdown["step_s"] - compute, 0.0),
+            "overhead_s": max(step_s - compute, 0.0),
             "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"]}
 
 

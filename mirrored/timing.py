@@ -244,9 +244,10 @@ class TimedStep(Step):
             super().all_reduce()
 
     def update(self):
-        tokens = self.timer.begin_all(OPTIMIZER, self.devices)    # replica i on devices[i]
-        super().update()
-        self.timer.end_all(tokens)
+        # Each replica's own launch, timed on its own clock (not the whole loop over the
+        # devices on every replica's row): on CPU devices they run one after the other.
+        self.model.optimizer.update(self.pack,
+                                    around=lambda r, dev: self.timer.phase(OPTIMIZER, r, dev))
 
 
 def timed_train_step(model, x, y, timer):

@@ -23,6 +23,8 @@ What is here:
                                  TensorFlow's rebatching rule (empty slices included)
     gemm_mapping(version)        GEMM v1/v2/v3: which outputs a block and a thread compute,
                                  which tiles they stage in shared memory, what they read
+    conv2d_mapping(version)      Conv2D v1/v2: which outputs a warp (v1) or a block (v2)
+                                 computes, which input pixels it reads or stages
     plot_comparison(rows)        epoch time and samples/s per strategy (``scaling.compare``)
     plot_performance_model(...)  measured samples/s beside the model's lines per link
                                  (``perf_model.predict_throughput``)
@@ -75,6 +77,18 @@ def _figure_and_ax(ax, figsize):
     # when a test makes hundreds; a notebook still displays it when it is returned.
     fig = Figure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
+
+
+def _plain_numbers(axis):
+    """Tick labels as plain numbers with thousands separators (2,000,000), never with a
+    "1e6" offset in the corner that a reader has to multiply in."""
+    from matplotlib.ticker import StrMethodFormatter
+    axis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+
+
+def efficiency_text(baseline_name):
+    """The one definition of scaling efficiency, as the figures and tables write it."""
+    return f"efficiency = samples/s ÷ (replicas × samples/s of '{baseline_name}')"
 
 
 # --- ring all-reduce -----------------------------------------------------------------
@@ -164,18 +178,19 @@ def _draw_ring_grid(ax, holds, transfers, title, device_names=None):
         style = dict(arrowstyle="-|>", mutation_scale=14, color="#d62728", linewidth=1.8,
                      shrinkA=0, shrinkB=0, zorder=5)
         x = c + 0.5 + 0.32                     # right of the label, inside the column
+        # Labels sit beside the shaft, 6 points to its right and clear of the arrowhead
+        # (about 3 points wide each side, at the arrow's lower end), at any figure size.
+        beside = dict(textcoords="offset points", xytext=(6, 0), ha="left", va="center",
+                      color="#d62728")
         if dst == src + 1:                     # straight down to the next device
             ax.add_patch(FancyArrowPatch((x, src + 0.8), (x, dst + 0.2), **style))
-            ax.text(x + 0.04, src + 1.0, sign, color="#d62728", fontsize=fontsize - 1,
-                    ha="left", va="center", fontweight="bold")
+            ax.annotate(sign, (x, src + 1.0), fontsize=fontsize - 1, fontweight="bold", **beside)
         else:                                   # the ring wraps: last device -> device 0
             ax.add_patch(FancyArrowPatch((x, src + 0.8), (x, n + 0.28),
                                          linestyle="--", **style))
             ax.add_patch(FancyArrowPatch((x, -0.28), (x, dst + 0.2), linestyle="--", **style))
-            ax.text(x + 0.04, n + 0.2, f"to {dst}", color="#d62728", fontsize=fontsize - 2,
-                    ha="left", va="center")
-            ax.text(x + 0.04, -0.2, f"{sign} from {src}", color="#d62728",
-                    fontsize=fontsize - 2, ha="left", va="center")
+            ax.annotate(f"to {dst}", (x, n - 0.02), fontsize=fontsize - 2, **beside)
+            ax.annotate(f"{sign} from {src}", (x, -0.22), fontsize=fontsize - 2, **beside)
     ax.set_xlim(0, n + 0.35)
     ax.set_ylim(n + 0.45, -0.45)
     ax.set_xticks([c + 0.5 for c in range(n)], [f"chunk {c}" for c in range(n)],
@@ -407,7 +422,7 @@ def timeline(events, ax=None, title=None, phase_colors=None):
 
 # --- scaling -----------------------------------------------------------------------------
 
-def scaling_plot(rows, ax=None, title=None):
+def scaling_plot(rows, ax=None, title=None, baseline=None):
     """Throughput against the number of replicas; returns the Figure.
 
     ``rows``: a list of dicts, one per measurement, with the keys
@@ -420,10 +435,14 @@ def scaling_plot(rows, ax=None, title=None):
                     "CPU"); one line per label, default one unnamed series
     ==============  ==================================================================
 
-    Draws each series' measurements, the ideal line (perfect linear scaling from the
-    series' smallest replica count: ``r / r0 * samples_per_s(r0)``), and writes the
-    scaling efficiency ``(samples_per_s / r) / (samples_per_s(r0) / r0)`` at each
-    point: 100% is perfect, 50% means every extra replica buys half its share.
+    Draws each series' measurements, the ideal line (perfect linear scaling) and
+    writes the scaling efficiency at each point: 100% is perfect, 50% means every
+    extra replica buys half its share. The reference is ``baseline`` when given — a
+    row (a dict with ``name`` and ``samples_per_s``, e.g. ``scaling.compare``'s "no
+    strategy" row, the table's own baseline) — so the percentages are the table's:
+    ``samples_per_s / (r × baseline samples_per_s)``. Without it, each series' smallest
+    replica count r0: ``(samples_per_s / r) / (samples_per_s(r0) / r0)``. The
+    definition used is written under the plot.
     """
     rows = list(rows or [])
     if not rows:
@@ -441,6 +460,10 @@ def scaling_plot(rows, ax=None, title=None):
             raise ValueError(f"scaling_plot: row {k} has samples_per_s={s!r}; expected a positive "
                              f"number (examples per second).")
         series.setdefault(row.get("label"), []).append(row)
+    if baseline is not None and not (isinstance(baseline, dict) and baseline.get("samples_per_s", 0) > 0):
+        raise ValueError(f"scaling_plot: baseline must be a row with a positive samples_per_s "
+                         f"(and a name), e.g. the 'no strategy' row of scaling.compare; got "
+                         f"{baseline!r:.80}.")
     fig, ax = _figure_and_ax(ax, (7, 4.5))
     color_cycle = iter(["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"])
     max_r = max(row["replicas"] for row in rows)
@@ -451,11 +474,14 @@ def scaling_plot(rows, ax=None, title=None):
         s = np.array([row["samples_per_s"] for row in group], dtype=float)
         name = label if label is not None else "measured"
         ax.plot(r, s, "o-", color=color, linewidth=2, label=name)
-        r0, s0 = r[0], s[0]
-        ideal_r = np.array([r0, max_r], dtype=float)
+        if baseline is not None:      # per replica, the baseline's throughput
+            r0, s0, ref = 1.0, float(baseline["samples_per_s"]), f"replicas × '{baseline.get('name', 'baseline')}'"
+        else:
+            r0, s0 = r[0], s[0]
+            ref = f"linear from {int(r0)} replica{'s' if r0 != 1 else ''}"
+        ideal_r = np.array([min(r0, r[0]), max_r], dtype=float)
         ax.plot(ideal_r, ideal_r / r0 * s0, "--", color=color, alpha=0.5, linewidth=1,
-                label=f"ideal (linear from {int(r0)} replica{'s' if r0 != 1 else ''})"
-                + (f", {label}" if label is not None else ""))
+                label=f"ideal ({ref})" + (f", {label}" if label is not None else ""))
         for ri, si in zip(r, s):
             eff = (si / ri) / (s0 / r0)
             ax.annotate(f"{eff:.0%}", (ri, si), textcoords="offset points", xytext=(0, -14),
@@ -465,13 +491,18 @@ def scaling_plot(rows, ax=None, title=None):
             pr, ps = zip(*pred)
             ax.plot(pr, ps, ":", marker="x", color=color, linewidth=1.5,
                     label="predicted" + (f", {label}" if label is not None else ""))
-    ax.set_xlabel("replicas (devices in sync)")
+    if baseline is not None:
+        note = "% at each point: " + efficiency_text(baseline.get("name", "baseline"))
+    else:
+        note = "% at each point: efficiency = (samples/s ÷ replicas) ÷ (the same at the fewest replicas)"
+    ax.set_xlabel("replicas (devices in sync)\n" + note)
     ax.set_ylabel("training throughput (samples/s)")
+    _plain_numbers(ax.yaxis)
     ax.set_xticks(sorted({row["replicas"] for row in rows}))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title or "Scaling: throughput vs replicas (% = scaling efficiency)")
+    ax.set_title(title or "Scaling: throughput vs replicas")
     return fig
 
 
@@ -724,16 +755,130 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
     return fig
 
 
+# --- conv2d ------------------------------------------------------------------------------
+
+def conv2d_mapping(version="v1", in_hw=(28, 28), kernel_hw=(3, 3), cout=32, thread=0, block=0,
+                   fig=None):
+    """Which outputs one warp (v1) or one block (v2) of ``kernels/conv2d.py`` computes, and
+    which input pixels it reads; returns the Figure. Image 0, stride 1, "valid" padding,
+    one input channel (the course lab's first layer: 28 x 28 x 1, 3 x 3, 32 filters).
+
+    v1 (one thread per output, co fastest): thread ``thread`` and its warp (32 consecutive
+    threads: for Cout = 32, every channel of one output pixel). Right: the warp's output
+    pixel(s) (light) and the thread's (orange); left: the 3 x 3 window(s) the warp reads
+    from global memory (each input value once per warp: a broadcast).
+    v2 (a block per V2_TILE x V2_TILE output tile, all channels): block ``block``. Right:
+    its tile (light) and the pixels thread ``thread`` of the block computes (orange); left:
+    the input patch the block copies into shared memory once (light) and the windows the
+    thread then reads from shared memory (orange).
+    """
+    from kernels import conv2d as conv
+    from kernels.launch import nhwc_index
+
+    if version not in conv.VERSIONS:
+        raise ValueError(f"conv2d_mapping: unknown version {version!r}; expected one of "
+                         f"{conv.VERSIONS} (the kernels in kernels/conv2d.py).")
+    out_h, out_w, _ = conv.window_geometry("conv2d_mapping", in_hw, kernel_hw, 1, "valid", "kernel")
+    kh, kw = conv.pair("conv2d_mapping", "kernel size", kernel_hw)
+    h, w = (int(v) for v in in_hw)
+    index = nhwc_index.py_func                       # the kernels' own (n, oh, ow, co) of i
+    out_light, out_dark, in_light, in_dark = set(), set(), set(), set()
+
+    def window(oh, ow):
+        return _rect(range(oh, oh + kh), range(ow, ow + kw))
+
+    if version == "v1":
+        total = out_h * out_w * cout
+        if not (isinstance(thread, numbers.Integral) and 0 <= thread < total):
+            raise ValueError(f"conv2d_mapping: thread={thread!r}; v1 has one thread per output, "
+                             f"0..{total - 1} for a {out_h} x {out_w} x {cout} output.")
+        block_threads = 256                          # THREADS_1D on a GPU (kernels/launch.py)
+        block0, warp0 = thread // block_threads * block_threads, thread // 32 * 32
+        for first, count, outs, ins in ((block0, block_threads, out_light, in_light),
+                                         (warp0, 32, out_dark, in_dark)):
+            for i in range(first, min(first + count, total)):
+                _, oh, ow, _ = index(i, out_h, out_w, cout)
+                outs.add((oh, ow))
+                ins |= window(oh, ow)
+        _, oh, ow, co = index(thread, out_h, out_w, cout)
+        last = min(warp0 + 32, total) - 1
+        story = (f"v1: thread {thread} computes out[0, {oh}, {ow}, {co}] (co fastest). Its warp, "
+                 f"threads {warp0}..{last} (orange), computes out[0, {oh}, {ow}, :]: it writes 32 "
+                 f"consecutive floats and reads each input value of one 3 x 3 window once (a "
+                 f"broadcast to the 32 threads), against consecutive weights w[kh, kw, 0, 0..31]. "
+                 f"Its block of {block_threads} threads (light) takes {block_threads // cout} "
+                 f"neighbouring pixels, whose windows overlap: the same input values are read "
+                 f"again by the next warp (from cache, at best).")
+        who = (f"light = thread {thread}'s block ({block_threads} threads), "
+               f"orange = its warp (32 threads)")
+    else:
+        tile = conv.V2_TILE
+        tiles_h, tiles_w = ceil_div(out_h, tile), ceil_div(out_w, tile)
+        if not (isinstance(block, numbers.Integral) and 0 <= block < tiles_h * tiles_w):
+            raise ValueError(f"conv2d_mapping: block={block!r}; v2 has one block per {tile} x "
+                             f"{tile} output tile, 0..{tiles_h * tiles_w - 1} here.")
+        threads = 256                                # V2_THREADS on a GPU (the simulator uses fewer)
+        if not (isinstance(thread, numbers.Integral) and 0 <= thread < threads):
+            raise ValueError(f"conv2d_mapping: thread={thread!r}; a v2 block has {threads} threads.")
+        oh0, ow0 = block // tiles_w * tile, block % tiles_w * tile
+        out_light = _rect(range(oh0, min(oh0 + tile, out_h)), range(ow0, min(ow0 + tile, out_w)))
+        in_light = _rect(range(oh0, min(oh0 + tile - 1 + kh, h)), range(ow0, min(ow0 + tile - 1 + kw, w)))
+        cos = set()
+        for e in range(thread, tile * tile * cout, threads):     # the kernel's loop over e
+            pix, co = e // cout, e % cout
+            oh, ow = oh0 + pix // tile, ow0 + pix % tile
+            if oh < out_h and ow < out_w:
+                out_dark.add((oh, ow))
+                in_dark |= window(oh, ow)
+                cos.add(co)
+        who = f"light = block {block}, orange = thread {thread} of it"
+        story = (f"v2: block {block} computes the {tile} x {tile} output tile at ({oh0}, {ow0}), "
+                 f"all {cout} channels; it first copies the {tile - 1 + kh} x {tile - 1 + kw} input "
+                 f"patch into shared memory (each value read from global memory once). Thread "
+                 f"{thread} of {threads} computes channel(s) {sorted(cos)} of {len(out_dark)} "
+                 f"pixel(s) of the tile, reading shared memory.")
+
+    from matplotlib.colors import ListedColormap
+    if fig is None:
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(10, 5.6), layout="constrained")
+    ax_in, ax_out = fig.subplots(1, 2, width_ratios=[w, out_w])
+    cmap = ListedColormap(["#f2f2f2", "#c6dbef", "#fd8d3c"])
+    for ax, shape, light, dark, title in (
+            (ax_in, (h, w), in_light, in_dark, f"input x[0, :, :, 0] ({h} x {w})"),
+            (ax_out, (out_h, out_w), out_light, out_dark,
+             f"output out[0, :, :, co] ({out_h} x {out_w} x {cout})")):
+        img = np.zeros(shape, dtype=np.int8)
+        for r, c in light:
+            img[r, c] = 1
+        for r, c in dark:
+            img[r, c] = 2
+        ax.imshow(img, cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
+                  extent=(0, shape[1], shape[0], 0))
+        ax.set_xticks(range(0, shape[1] + 1, 4))
+        ax.set_yticks(range(0, shape[0] + 1, 4))
+        ax.grid(color="#bbbbbb", linewidth=0.4)
+        ax.set_xlabel("column (w)")
+        ax.set_ylabel("row (h)")
+        ax.set_title(title, fontsize=10)
+    import textwrap
+    fig.suptitle(f"conv2d {version}: {who}", fontsize=11)
+    fig.supxlabel(textwrap.fill(story, 120), fontsize=9)
+    return fig
+
+
 # --- timing results ------------------------------------------------------------------
 
 def plot_comparison(rows, path=None, title=None):
     """Bar charts of epoch time and samples/s per strategy (efficiency on the bars).
 
-    ``rows``: ``scaling.compare``'s. Writes a PNG to ``path`` if given; returns the Figure.
+    ``rows``: ``scaling.compare``'s. The percentage on each throughput bar is the row's
+    ``efficiency`` (the table's), and its definition, with the table's baseline, is
+    written under the charts. Writes a PNG to ``path`` if given; returns the Figure.
     """
     from matplotlib.figure import Figure
     names = [r["name"] for r in rows]
-    fig = Figure(figsize=(max(8, 2.4 * len(rows)), 4))
+    fig = Figure(figsize=(max(8, 2.4 * len(rows)), 4.4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     colors = ["#888888" if r["name"] == "no strategy" else "#1f77b4" for r in rows]
     ax1.bar(names, [r["epoch_time_s"] for r in rows], color=colors)
@@ -741,15 +886,22 @@ def plot_comparison(rows, path=None, title=None):
     ax1.set_title("epoch time (lower is better)")
     bars = ax2.bar(names, [r["samples_per_s"] for r in rows], color=colors)
     ax2.set_ylabel("training examples per second")
-    ax2.set_title("throughput (higher is better)")
+    _plain_numbers(ax2.yaxis)
+    labelled = False
     for bar, r in zip(bars, rows):
         if not math.isnan(r.get("efficiency", float("nan"))):
             ax2.annotate(f"{r['efficiency']:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                          ha="center", va="bottom", fontsize=9)
+            labelled = True
+    ax2.set_title("throughput (higher is better)" + ("; % = efficiency" if labelled else ""))
+    ax2.margins(y=0.12)                                  # room for the percentages
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(title or "MNIST lab: no strategy vs MirroredStrategy")
-    fig.tight_layout()
+    baseline = next((r.get("baseline") for r in rows if r.get("baseline")), None)
+    if labelled and baseline:
+        fig.supxlabel(efficiency_text(baseline) + "; 100% = every replica adds a whole "
+                      f"'{baseline}' worth", fontsize=9, color="#444444")
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
@@ -779,6 +931,7 @@ def plot_performance_model(measured, predicted, ax=None, title=None):
         ax.plot(*zip(*pts), "o-", color="black", linewidth=2, label="measured here")
     ax.set_xlabel("devices (replicas)")
     ax.set_ylabel("training throughput (samples/s)")
+    _plain_numbers(ax.yaxis)
     ax.set_xticks(sorted({n for n, _ in pts} | {p["n"] for p in predicted}))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

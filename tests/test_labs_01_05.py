@@ -3,7 +3,7 @@
 Executed by the ``run_lab`` fixture (tests/conftest.py): MIRRORED_QUICK=1, the bundled
 MNIST subset, CPU devices where there is no GPU.
 
-    python -m pytest tests/test_labs_01_05.py            # ~15 s on a 2-core laptop
+    python -m pytest tests/test_labs_01_05.py            # ~20 s on a 2-core laptop (the ConvNet)
 """
 import re
 

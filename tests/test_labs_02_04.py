@@ -27,6 +27,12 @@ def test_lab_runs_top_to_bottom(name, run_lab):
         assert "equal to NumPy's sum on every device: True" in text
     else:
         assert text.count(" OK ") == 12 and "WRONG" not in text        # 3 versions x 4 transposes
+        # conv2d v1 and v2 against NumPy: 2 paddings x 2 strides x 2 versions, v2 == v1 bitwise
+        assert len([line for line in text.splitlines()
+                    if line.startswith("conv2d padding=") and line.endswith(" OK")]) == 8
+        assert text.count("v2 bitwise equal to v1: True") == 4
+        assert "(n, oh, ow, co)" in text and "(0, 0, 9, 12)" in text    # thread 300's output
+        assert "Timings skipped:" in text or "median µs" in text        # real GPU only
         assert "out[1, 3] =" in text and "thread (3, 1) of block (0, 0)" in text
         # the real compiler's table (kernels.report): the four v3 rows, then one row per version
         assert text.count("gemm_v3[trans_a=") == 4 and "problem(s)" not in text

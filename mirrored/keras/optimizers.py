@@ -23,6 +23,7 @@ Slots are created on first use on the devices of the variables they serve, so
 an optimizer created outside ``strategy.scope()`` (as the course lab does,
 ``optimizer=tf.keras.optimizers.Adam()`` inside ``compile``) works.
 """
+import contextlib
 import threading
 
 import numpy as np
@@ -112,11 +113,13 @@ class Optimizer:
                     buf = self._hyper[dev.name] = dev.empty(host.shape, host.dtype)
             dev.upload_into(buf, host)
 
-    def update(self, pack):
+    def update(self, pack, around=None):
         """Step 4 of a training step: one update launch per device, each copy of the
-        weights with its own (already summed) gradients. Launches only (after ``begin_step``)."""
+        weights with its own (already summed) gradients. Launches only (after ``begin_step``).
+        ``around(r, dev)``: a context manager entered around replica r's launch
+        (``mirrored.timing.TimedStep`` times each replica's update with it)."""
         for r, dev in enumerate(pack.devices):
-            with dev.activate():
+            with dev.activate(), (around(r, dev) if around else contextlib.nullcontext()):
                 self._update(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
 
     # -- Keras API
