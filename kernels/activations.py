@@ -17,6 +17,10 @@ That is right for the narrow rows of a classifier (10 classes, read from L1 afte
 the first sweep); a wide row (thousands of columns) would want a block per row and a
 shared-memory reduction, which this project does not need.
 
+NaN: every kernel gives NaN exactly where its NumPy reference does (ReLU keeps a NaN,
+as ``np.maximum``; its backward passes no gradient where the output is NaN, as
+``y > 0``; softmax makes a row holding a NaN all NaN); tests/test_nan.py checks it.
+
 In place is allowed: ``out`` may be the very same array as ``x`` (each element is read
 and then written by the same thread), but must not partly overlap an input or
 overlap ``bias``.
@@ -71,11 +75,13 @@ def bias_relu_kernel(x, bias, out):
     """One thread per element i of the flattened (B, N) arrays (grid-stride).
     Preconditions: x, out are 1-D views of C-contiguous (B, N); bias has N elements.
     Loop nest: for i in range(B * N): out[i] = max(x[i] + bias[i % N], 0).
+    NaN stays NaN, as NumPy's ``maximum`` keeps it (``v > 0`` alone is False for NaN and
+    would turn it into 0: a NaN input would then give finite outputs on GPUs only).
     """
     n = bias.size
     for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
         v = x[i] + bias[i % n]
-        out[i] = v if v > 0 else float32(0.0)
+        out[i] = v if (v > 0 or math.isnan(v)) else float32(0.0)
 
 
 @cuda.jit

@@ -34,9 +34,14 @@ loss = -log(p), grad wrt probs is -scale / probs[r, label] in the label column
 Keras also divides ``probs`` by its row sum first; for softmax outputs that sum is
 1, so we leave that step (and its gradient) out.
 
-Bad labels: the NumPy references raise ``ValueError``. The kernels cannot raise, so a
-row whose label is outside [0, C) gets loss = NaN, grad row = NaN and correct = 0:
-the NaN reaches the reported loss rather than being silently ignored.
+Bad labels: the NumPy references raise ``ValueError`` (``check_labels``), and ``fit`` and
+``evaluate`` call ``check_labels`` on the host before any kernel sees a batch, on every
+backend. The kernels cannot raise, so, as a last guard (a custom loop's labels already on
+a device), a row whose label is outside [0, C) gets loss = NaN, grad row = NaN and
+correct = 0: the NaN reaches the reported loss rather than being silently ignored.
+
+NaN logits or probabilities: the kernels give NaN where the references do, and their
+correct flag follows ``np.argmax`` (the first NaN of a row is its arg-max).
 """
 import math
 
@@ -55,7 +60,9 @@ _LABEL_DTYPES = (np.int32, np.int64)
 
 # --- NumPy references -----------------------------------------------------------------
 
-def _check_labels_ref(labels, classes):
+def check_labels(labels, classes):
+    """Raise ValueError naming the bad values unless every label lies in [0, classes).
+    The references call it; so does ``fit`` on the host, before any kernel sees them."""
     if labels.size and (labels.min() < 0 or labels.max() >= classes):
         bad = labels[(labels < 0) | (labels >= classes)]
         raise ValueError(f"labels must lie in [0, {classes}) for {classes} classes; got "
@@ -78,7 +85,7 @@ def softmax_xent_ref(logits, labels, loss_out=None, grad_out=None, correct_out=N
     given. Raises ValueError for a label outside [0, C).
     """
     b, c = logits.shape
-    _check_labels_ref(labels, c)
+    check_labels(labels, c)
     loss, grad, correct = _outputs(logits.dtype, b, c, loss_out, grad_out, correct_out)
     rows = np.arange(b)
     shifted = logits - logits.max(axis=1, keepdims=True)  # (B, C), every entry <= 0
@@ -97,7 +104,7 @@ def prob_xent_ref(probs, labels, loss_out=None, grad_out=None, correct_out=None,
     """(loss, grad wrt probs, correct) from probabilities (B, C), as Keras with
     ``from_logits=False`` (see the module docstring). Raises ValueError on bad labels."""
     b, c = probs.shape
-    _check_labels_ref(labels, c)
+    check_labels(labels, c)
     loss, grad, correct = _outputs(probs.dtype, b, c, loss_out, grad_out, correct_out)
     rows = np.arange(b)
     lo = probs.dtype.type(EPSILON)
@@ -155,7 +162,7 @@ def _make_softmax_xent_kernel(with_grad):
             best = 0
             for j in range(1, cols):
                 v = logits[r, j]
-                if v > m:  # strict: the first maximum wins, as np.argmax
+                if v > m or (math.isnan(v) and not math.isnan(m)):  # the first maximum (or NaN) wins, as np.argmax
                     s = s * math.exp(m - v) + float32(1.0)
                     m = v
                     best = j
@@ -221,7 +228,7 @@ def _make_softmax_xent_v2_kernel(with_grad):
                     best = 0
                     for j in range(1, cols):
                         v = tile[o + j]
-                        if v > m:
+                        if v > m or (math.isnan(v) and not math.isnan(m)):   # as v1
                             s = s * math.exp(m - v) + float32(1.0)
                             m = v
                             best = j
@@ -264,11 +271,18 @@ def _make_prob_xent_kernel(with_grad):
                 continue
             best = 0
             for j in range(1, cols):
-                if probs[r, j] > probs[r, best]:
+                v = probs[r, j]
+                w = probs[r, best]
+                if v > w or (math.isnan(v) and not math.isnan(w)):   # as np.argmax: first NaN wins
                     best = j
             correct[r] = float32(1.0) if best == label else float32(0.0)
             p = probs[r, label]
-            loss[r] = -math.log(min(max(p, lo), hi))
+            q = p                  # clip(p, lo, hi) keeping NaN, as np.clip (min/max may drop it)
+            if q < lo:
+                q = lo
+            if q > hi:
+                q = hi
+            loss[r] = -math.log(q)
             if with_grad:
                 for j in range(cols):
                     grad[r, j] = float32(0.0)

@@ -145,6 +145,10 @@ class CrossDeviceOps:
         check_distinct(devices, "all_reduce_flat")
         if any(b.shape != buffers[0].shape or b.dtype != buffers[0].dtype for b in buffers):
             raise ValueError("all_reduce_flat: the buffers differ in shape or dtype.")
+        if reduce_op == ReduceOp.MEAN and np.dtype(buffers[0].dtype).kind in "iu":
+            raise TypeError(f"all_reduce_flat: the MEAN of {buffers[0].dtype} values is float64 "
+                            f"(it divides as /), which cannot be written in place; use "
+                            f"all_reduce_components or SUM.")
         self._reduce_fused(reduce_op, buffers, devices)
         return buffers
 
@@ -196,12 +200,29 @@ class CrossDeviceOps:
                             dev.copy_into(flat[off:off + size], values[k][r]._buf)
                         off += size
                     fused.append(flat)
-            self._reduce_fused(reduce_op, fused, devices)
+            if reduce_op == ReduceOp.MEAN and np.dtype(dtype).kind in "iu":
+                fused = self._integer_mean(fused, devices)
+            else:
+                self._reduce_fused(reduce_op, fused, devices)
             for k, size, off in zip(ks, sizes, np.cumsum([0] + sizes[:-1])):
                 shape = values[k][0].shape
                 results[k] = [Tensor(flat[off:off + size].reshape(shape), dev)
                               for dev, flat in zip(devices, fused)]
         return results
+
+    def _integer_mean(self, fused, devices):
+        """MEAN of integer buffers as TensorFlow's cross-device ops compute it: the SUM,
+        then ``/ N``, and ``/`` promotes integers to float64 (replica ids 0 and 1 give
+        0.5, as ``strategy.reduce`` does). New float64 buffers, one per device."""
+        self._reduce_fused(ReduceOp.SUM, fused, devices)
+        out = []
+        for dev, flat in zip(devices, fused):
+            with dev.activate():
+                mean = dev.empty(flat.shape, np.float64)
+                dev.ops.cast(flat, mean)
+                dev.ops.binary_scalar("div", mean, self._group_size(devices), mean)
+            out.append(mean)
+        return out
 
     def _to_destinations(self, components, destinations):
         src_devices = [c._device for c in components]

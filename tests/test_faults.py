@@ -235,3 +235,178 @@ def test_strategies_are_freed_and_their_threads_end(devices):
         time.sleep(0.05)
     assert len(replica_threads()) <= before, \
         f"{len(replica_threads()) - before} replica threads still alive after 50 strategies were deleted"
+
+
+# --- bad labels and data: a clear error before any step, on every backend ----------------------
+
+def small_model(strategy, hidden=8, features=12, classes=10, optimizer="adam"):
+    from mirrored.keras import layers, models
+    with strategy.scope():
+        model = models.Sequential([layers.Dense(hidden, activation="relu", input_shape=(features,)),
+                                   layers.Dense(classes)])
+    model.compile(optimizer=optimizer,
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def state_of(model):
+    """Everything a step may change: every replica's weights, the optimizer's step count
+    and slots, and each device's bytes in use (host copies)."""
+    import gc
+    from mirrored.values import components
+    gc.collect()
+    step = model.step
+    return {
+        "weights": [c.numpy().copy() for v in model.trainable_variables for c in components(v)],
+        "iterations": int(model.optimizer.iterations),
+        "slots": {k: [step.devices[k[2]].to_numpy(s).copy() for s in slots]
+                  for k, slots in model.optimizer._slots.items()},
+        "bytes": [dev.bytes_in_use for dev in step.devices],
+    }
+
+
+def assert_same_state(before, after):
+    assert after["iterations"] == before["iterations"]
+    assert after["bytes"] == before["bytes"], "device memory accounting changed"
+    assert len(after["weights"]) == len(before["weights"])
+    for a, b in zip(before["weights"], after["weights"]):
+        assert np.array_equal(a, b)
+    assert after["slots"].keys() == before["slots"].keys()
+    for k in before["slots"]:
+        for a, b in zip(before["slots"][k], after["slots"][k]):
+            assert np.array_equal(a, b)
+
+
+def labelled(rng, n=16, features=12, classes=10):
+    return rng.random((n, features)).astype(np.float32), rng.integers(0, classes, n)
+
+
+def test_one_hot_labels_with_a_sparse_loss_are_refused_before_any_step(strategy, rng):
+    model = small_model(strategy)
+    x, y = labelled(rng)
+    model.fit(x, y, batch_size=8, verbose=0)
+    before = state_of(model)
+    one_hot = np.eye(10)[y]
+    for call in (lambda: model.fit(x, one_hot, batch_size=8, verbose=0),
+                 lambda: model.evaluate(x, one_hot, batch_size=8, verbose=0),
+                 lambda: model.fit(tf.data.Dataset.from_tensor_slices((x, one_hot)).batch(8), verbose=0)):
+        with pytest.raises(ValueError, match=r"labels of shape \((16|8), 10\).*SparseCategoricalCrossentropy"
+                                             r".*class indices.*one-hot.*argmax"):
+            call()
+    assert_same_state(before, state_of(model))
+    model.fit(x, y[:, None], batch_size=8, verbose=0)          # (B, 1) is class indices: fine
+
+
+@pytest.mark.parametrize("bad", [10, -1])
+def test_out_of_range_labels_raise_on_the_host_on_every_backend(strategy, rng, bad):
+    """The CUDA path turned every weight into NaN with no error; the CPU path raised but
+    had already counted the step."""
+    model = small_model(strategy)
+    x, y = labelled(rng)
+    model.fit(x, y, batch_size=8, verbose=0)
+    before = state_of(model)
+    y_bad = y.copy()
+    y_bad[11] = bad
+    for call in (lambda: model.fit(x, y_bad, batch_size=8, shuffle=False, verbose=0),
+                 lambda: model.evaluate(x, y_bad, batch_size=8, verbose=0)):
+        with pytest.raises(ValueError, match=rf"labels must lie in \[0, 10\).*\[{bad}\]"):
+            call()
+    assert_same_state(before, state_of(model))
+
+
+def test_a_resident_data_set_checks_its_labels_once_when_placed(strategy, rng):
+    model = small_model(strategy)
+    x, y = labelled(rng)
+    model.fit(x, y, batch_size=8, verbose=0)
+    before = state_of(model)
+    y[13] = 12
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(8),
+        tf.distribute.InputOptions(experimental_place_dataset_on_device=True))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\).*\[12\]"):
+        model.fit(dist, verbose=0)
+    after = state_of(model)
+    after["bytes"] = before["bytes"]          # the placed copy of the data set is charged
+    assert_same_state(before, after)
+
+
+def test_an_unbatched_dataset_says_to_call_batch(strategy, rng):
+    model = small_model(strategy)
+    x, y = labelled(rng)
+    with pytest.raises(ValueError, match=r"single examples.*\.batch\("):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0)
+
+
+def test_empty_data_raise_as_keras(strategy, rng):
+    model = small_model(strategy)
+    x, y = labelled(rng)
+    empty = tf.data.Dataset.from_tensor_slices((x, y)).take(0).batch(4)
+    with pytest.raises(ValueError, match=r"Unexpected result of `train_function` \(Empty logs\)"):
+        model.fit(empty, verbose=0)
+    with pytest.raises(ValueError, match=r"Empty logs.*0 examples"):
+        model.fit(x[:0], y[:0], verbose=0)
+    with pytest.raises(ValueError, match=r"Unexpected result of `test_function` \(Empty logs\)"):
+        model.evaluate(empty, verbose=0)
+
+
+# --- a failed step leaves no trace ----------------------------------------------------------------
+
+@pytest.fixture(params=["2cpu", "2gpu"])
+def small_devices(request):
+    """2 logical devices of 64 KiB each (memory_limit=0.0625 MiB), CPUs or simulated GPUs."""
+    from mirrored import devices as registry
+    kind = request.param[1:].upper()
+    registry._reset()
+    phys = tf.config.list_physical_devices(kind)
+    if not phys:
+        pytest.skip("needs a CUDA GPU or the CUDA simulator")
+    tf.config.set_logical_device_configuration(
+        phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=0.0625) for _ in range(2)])
+    yield tf.distribute.MirroredStrategy([f"{kind}:0", f"{kind}:1"])
+    registry._reset()
+
+
+def test_an_out_of_memory_step_leaves_no_trace(small_devices, rng):
+    """Dense(64) on 4 features: a replica's input buffers for 128 examples fit in 64 KiB,
+    its layers' buffers (128 x 64 floats twice) do not, so the step fails after the
+    inputs are on the devices. It stranded those buffers (288,000 bytes measured on a
+    1 MiB GPU) and counted the step; now the model, the optimizer and the memory are as
+    before, and the run goes on exactly as a clean one."""
+    from mirrored.errors import ResourceExhaustedError
+    x, y = labelled(rng, n=256, features=4)
+    tf.random.set_seed(3)
+    model = small_model(small_devices, hidden=64, features=4)
+    initial = model.get_weights()
+    for first in (True, False):                           # before the slots exist, and after
+        before = state_of(model)
+        with pytest.raises(ResourceExhaustedError):
+            model.fit(x, y, batch_size=256, shuffle=False, verbose=0)
+        assert_same_state(before, state_of(model))
+        if first:
+            model.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)
+    model.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)
+    tf.random.set_seed(3)
+    clean = small_model(small_devices, hidden=64, features=4)
+    clean.set_weights(initial)
+    for _ in range(2):
+        clean.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)
+    assert int(clean.optimizer.iterations) == int(model.optimizer.iterations) == 2
+    for a, b in zip(clean.get_weights(), model.get_weights()):
+        assert np.array_equal(a, b)
+
+
+# --- all_reduce MEAN of integers -------------------------------------------------------------------
+
+def test_all_reduce_mean_of_integers_divides_as_true_division(strategy):
+    """TensorFlow's cross-device MEAN is the SUM / N with `/`: integers give float64,
+    as strategy.reduce. It floor-divided in place (0 and 1 gave 0)."""
+    def step():
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce("MEAN", ctx.replica_id_in_sync_group), ctx.all_reduce("SUM", 3)
+
+    mean, total = no_hang(strategy.run, step)
+    for v in strategy.experimental_local_results(mean):
+        assert v.dtype == np.float64 and float(v) == 0.5
+    for v in strategy.experimental_local_results(total):
+        assert int(v) == 6

@@ -11,8 +11,35 @@ import pytest
 import mirrored as tf
 from mirrored.values import MirroredVariable
 
-#: N-replica vs one-replica weights after 10 steps: float32 sums in another order.
-EQUIV_ATOL = 2e-6
+#: float32's machine epsilon (2**-23): the relative spacing of float32 numbers near 1.
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def equivalence_atol(weights, steps, summed_terms):
+    """How far N replicas' weights may lie from one replica's after ``steps`` steps.
+
+    Both runs do the same arithmetic except the order of float32 additions: one replica
+    adds all B examples' gradient terms at once, N replicas add their shares and the ring
+    adds the N partial sums; and BLAS sums the ``din``- and ``hidden``-term dot products of
+    a share's rows in blocks of another shape. A float32 sum of n terms is within
+    n * EPS32 * (the sum of the magnitudes) of the exact one, whatever the order, so one
+    step's update of a weight may differ by about EPS32 * ``summed_terms`` (every term that
+    is summed on the way to it: B + din + hidden) times the scale of the quantities it is
+    made of, which the weights set (unit-scale inputs): max |w|. The differences of
+    successive steps add up: times ``steps``.
+
+    Measured (60 seeds, 2 CPUs, this file's sizes): the worst difference was 16.6 *
+    EPS32 * max|w| with Adam, 2.0 with SGD; this bound is (33 + 20 + 16) * 10 = 690 times
+    that scale. Adam has the heavy tail: it divides by sqrt(v), so where a gradient nearly
+    cancels its relative rounding error, and its update's, grows; a fixed 2e-6 (16.6 *
+    EPS32 * |w| is 1.1e-6 here) failed once at 2.045e-6. A real bug is far above the
+    bound (tried once each): a loss scaled by the replica's batch instead of the global
+    one failed all six cases below by 0.013 to 0.54; a scale of 1/(B - 1) failed every
+    SGD case (by 0.0055 to 0.025) and adam-CPU-4 (5.8e-5); Adam is blind to a uniform
+    scale of the gradient by design, so the SGD cases are the ones that catch it.
+    """
+    scale = max(float(np.abs(w).max()) for w in weights)
+    return EPS32 * summed_terms * steps * scale
 LONG = "/job:localhost/replica:0/task:0/device:"
 
 
@@ -52,8 +79,9 @@ def test_n_replicas_train_exactly_like_one_replica_on_the_global_batch(devices, 
         multi.train_step(xs[s], ys[s])
         single.train_step(xs[s], ys[s])
         assert_replicas_bitwise_equal(multi)
+    atol = equivalence_atol(single.get_weights(), steps, batch + din + hidden)
     for a, b in zip(multi.get_weights(), single.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=0, atol=EQUIV_ATOL)
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
     assert not np.allclose(multi.get_weights()[0], single.get_weights()[0] * 0), "weights trained"
 
 

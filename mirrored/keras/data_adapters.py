@@ -14,12 +14,19 @@ in, the step (``step.py``) sees one of two kinds of global batch:
 data) checks and converts one element, and builds the model from the first one, as
 Keras does.
 
+Labels are checked on the host, on every backend, before any step uses them: one class
+index in [0, classes) per example (``check_label_shape``; ``kernels.softmax_xent.
+check_labels``). Arrays are checked whole before the first step, a dataset batch by
+batch, a data set kept on the devices once when it is placed. (A kernel cannot raise: on
+a GPU a bad label would only poison its row with NaN.)
+
 Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits the
 batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
 """
 import numpy as np
 
 from kernels.launch import ceil_div
+from kernels.softmax_xent import check_labels
 from mirrored import nest
 from mirrored import random as _random
 from mirrored.input_lib import DistributedDataset
@@ -34,6 +41,11 @@ def batches(model, x, y, batch_size, shuffle):
         x, y = np.asarray(x), np.asarray(y)
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        if x.ndim >= 2:                        # every label checked once, before any step
+            model.build((None,) + tuple(x.shape[1:]))
+            check_label_shape(model, y.shape, len(y))
+            check_labels(y.reshape(-1) if y.dtype.kind in "iu" else y.reshape(-1).astype(np.int64),
+                         model.step.programs[0].classes)
         adapter = ArrayBatches(x, y, batch_size or 32, shuffle, model.distribute_strategy.extended)
         return adapter, len(adapter)
     if y is not None:
@@ -114,6 +126,10 @@ def host_batch(model, batch):
     if len(batch) > 2:
         raise NotImplementedError("sample weights are not implemented.")
     xb, yb = (b.numpy() if isinstance(b, Tensor) else np.asarray(b) for b in batch)
+    if yb.ndim == 0:
+        raise ValueError(f"the dataset yields single examples (x of shape {xb.shape}, one label "
+                         f"{yb!r:.20}), but fit and evaluate take batches: call .batch(batch_size) "
+                         f"on the dataset first, e.g. ds.batch(128).")
     model.build((None,) + tuple(xb.shape[1:]))
     model.check_example_shape(xb.shape[1:])
     xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)     # Flatten: (B, features)
@@ -121,10 +137,31 @@ def host_batch(model, batch):
     if xb.shape[1] != in_dim:
         raise ValueError(f"examples have {xb.shape[1]} features, the model expects "
                          f"{in_dim} (input shape {model.input_shape[1:]}).")
+    check_label_shape(model, yb.shape, xb.shape[0])
     yb = yb.reshape(-1)
     if yb.dtype.kind not in "iu":
         yb = yb.astype(np.int64)
+    check_labels(yb, model.step.programs[0].classes)    # on the host, before any device sees them
     return xb, np.ascontiguousarray(yb)
+
+
+def check_label_shape(model, shape, examples):
+    """Refuse labels of ``shape`` for ``examples`` examples unless they are class indices,
+    one per example: (B,) or (B, 1), as Keras's sparse losses take them. One-hot labels
+    (B, classes) would otherwise be read as B * classes labels."""
+    shape = tuple(shape)
+    loss = type(model.loss).__name__
+    classes = model.step.programs[0].classes
+    if shape[1:] not in ((), (1,)):
+        looks = (f"; they look one-hot (one row of {classes} per example)"
+                 if shape[1:] == (classes,) else "")
+        raise ValueError(
+            f"labels of shape {shape}: the loss {loss} expects class indices, one integer in "
+            f"[0, {classes}) per example (shape ({shape[0]},) or ({shape[0]}, 1)){looks}. Pass "
+            f"y.argmax(axis=-1), or map the dataset to (image, argmax of the label). "
+            f"(CategoricalCrossentropy, Keras's loss for one-hot labels, is not implemented here.)")
+    if shape[0] != examples:
+        raise ValueError(f"a batch has {examples} examples but {shape[0]} labels.")
 
 
 def predict_batches(x, batch_size):
@@ -233,6 +270,11 @@ class ResidentLoader:
             if p.dev is not dev:
                 raise ValueError(f"the resident data set lives on {dev.name} but replica {p.r} runs on "
                                  f"{p.dev.name}: distribute the dataset with the model's strategy.")
+        check_label_shape(model, (resident.rows_count,) + tuple(resident.shapes[self.ky]),
+                          resident.rows_count)
+        labels = nest.flatten(resident.rows.columns)[self.ky].reshape(-1)   # every label, once
+        check_labels(labels if labels.dtype.kind in "iu" else labels.astype(np.int64),
+                     model.step.programs[0].classes)
         y_dtype = np.dtype(resident.dtypes[self.ky])
         self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype

@@ -202,6 +202,14 @@ class ReplicaProgram:
             buf = self._loss_buffers[b] = _LossBuffers(self.dev, b, self.classes)
         return buf
 
+    def reserve(self, b):
+        """Make (once) every layer's and the loss's buffers for batches of ``b``, so that
+        a step that runs out of memory does so before anything is computed."""
+        for state in self.states:
+            state.buffers(b)
+        if b:
+            self.loss_buffers(b)
+
     # -- inputs
     def upload(self, x, y):
         """Copy a host batch into this device's input buffers: ``(x_dev, y_dev)``.

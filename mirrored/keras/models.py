@@ -274,7 +274,8 @@ class Sequential:
     def _train_on(self, batch):
         """One training step on a batch from ``data_adapters.batches``."""
         batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
-        self._trainer().train(batch)
+        with self.step.no_trace():                   # a step that raises changes nothing
+            self._trainer().train(batch)
 
     def _logs(self, prefix="", across_workers=True):
         return self.step.logs(self._metric_names, prefix, across_workers)
@@ -342,6 +343,8 @@ class Sequential:
                     bar.update(step, self._logs(across_workers=False))
                 if self.stop_training:          # Keras checks after every batch too
                     break
+            if not step:
+                raise _no_batches("train_function", x, epoch)
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
@@ -372,8 +375,11 @@ class Sequential:
             batch = data_adapters.prepare(self, batch)
             if step == 0:
                 mode = self.step.loss_mode()            # the model is built by now
-            self.step.evaluate(batch, mode)
+            with self.step.no_trace():                  # out of memory: nothing stays charged
+                self.step.evaluate(batch, mode)
             step += 1
+        if not step:
+            raise _no_batches("test_function", x, None)
         logs = self._logs(prefix)
         if verbose:
             bar.finish(step, logs)
@@ -463,3 +469,13 @@ class Sequential:
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:
             print_fn(line)
+
+
+def _no_batches(function, x, epoch):
+    """Keras's error for data that yields no batch (an empty array or dataset), with why."""
+    where = f" in epoch {epoch + 1}" if epoch is not None else ""
+    what = (f"{len(x)} examples" if isinstance(x, (np.ndarray, list, tuple)) and not hasattr(x, "batch")
+            else f"the dataset {type(x).__name__}")
+    return ValueError(f"Unexpected result of `{function}` (Empty logs): the data ({what}) gave no "
+                      f"batch{where}. Check that it is not empty (a filter that drops everything, a "
+                      f"take(0), an exhausted iterator) and that x holds at least one example.")

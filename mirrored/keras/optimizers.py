@@ -117,7 +117,14 @@ class Optimizer:
         """Step 4 of a training step: one update launch per device, each copy of the
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
         ``around(r, dev)``: a context manager entered around replica r's launch
-        (``mirrored.timing.TimedStep`` times each replica's update with it)."""
+        (``mirrored.timing.TimedStep`` times each replica's update with it).
+
+        The slots of every device are made (on the first step) before the first launch:
+        running out of memory for device 1's slots after device 0 was updated would leave
+        the copies of the weights different."""
+        for r, dev in enumerate(pack.devices):
+            with dev.activate():
+                self._slot_buffers(("pack", id(pack), r), dev, pack.params[r])
         for r, dev in enumerate(pack.devices):
             with dev.activate(), (around(r, dev) if around else contextlib.nullcontext()):
                 self._update(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))

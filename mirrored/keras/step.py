@@ -14,8 +14,9 @@ four steps of the README, each a visible call::
     4. update             the same optimizer kernel on every copy of the weights, so the
                           copies stay bitwise equal                    (optimizers.update)
 
-A step is a *host part* (1, and the optimizer's per-step scalars) and a *device
-part* (2-4: kernel launches only). Nothing here times or captures anything:
+A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
+scalars) and a *device part* (2-4: kernel launches only). A step that raises leaves no
+trace (``Step.no_trace``: the step count and the memory as before it). Nothing here times or captures anything:
 ``mirrored.timing.TimedStep`` is this step with each phase timed, and
 ``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
 wrap it from outside and launch exactly the same kernels.
@@ -27,6 +28,8 @@ One host thread drives the replicas in turn (``copy_in`` says why); a custom loo
 Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
 ``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
 """
+import contextlib
+
 import numpy as np
 
 from mirrored.input_lib import local_bounds, rebatch_bounds
@@ -70,9 +73,16 @@ class Step:
         self.device_part(inputs, self.loss_mode(), scale)
 
     def host_part(self, batch):
-        """Step 1, and the optimizer's scalars for this step onto every device."""
+        """Step 1, and the optimizer's scalars for this step onto every device.
+
+        Every buffer the step needs is made here, on every replica, before the optimizer
+        counts the step and before any replica computes: a batch too large for a
+        device's ``memory_limit`` fails here, with nothing changed (``no_trace``)."""
         parts, load, scale = self.split(batch)                 # 1. N shares of the global batch
         inputs = self.copy_in(parts, load)                     #    ... each on its replica's device
+        for program, (x, _) in zip(self.programs, inputs):
+            with program.dev.activate():
+                program.reserve(x.shape[0])                    #    its layers' and loss's buffers
         self.model.optimizer.begin_step(self.devices)          #    this step's update scalars (Adam's alpha)
         return inputs, scale
 
@@ -82,6 +92,48 @@ class Step:
             self.forward_backward(program, x, y, mode, scale)  # 2. forward, loss, backward per replica
         self.all_reduce()                                      # 3. SUM of the packed gradients
         self.update()                                          # 4. the same update on every copy
+
+    @contextlib.contextmanager
+    def no_trace(self):
+        """A step that raises inside this block leaves no trace: the optimizer's step count
+        goes back, and every buffer made during the block is dropped again (the replicas'
+        input, layer and loss buffers, the optimizer's new slots, the devices' and the
+        ring's scratch), so each device's memory accounting is what it was before.
+
+        The weights and the optimizer's slots cannot have changed by then: every buffer
+        is made before the first update launch (``host_part``, ``Optimizer.update``), and
+        the update is the step's last phase. What it cannot undo: the running loss and
+        accuracy of the epoch (``fit`` and ``evaluate`` start them from zero again).
+        """
+        opt = self.model.optimizer
+        step_count = opt._step
+        caches = self._caches()
+        sizes = [len(c) for c in caches]                       # caches only grow: new keys come last
+        try:
+            yield
+        except BaseException:
+            opt._step = step_count
+            for cache, n in zip(caches, sizes):
+                for key in list(cache)[n:]:
+                    del cache[key]
+            for program in self.programs:                      # they point at the dropped buffers
+                program.x = program.logits = None
+                program.last_b = 0
+            raise
+
+    def _caches(self):
+        """Every dict of buffers made on first use that a step can add to."""
+        caches = [self.model.optimizer._slots, self.model.optimizer._hyper]
+        for program in self.programs:
+            caches += [program._inputs, program._loss_buffers] + [s._buffers for s in program.states]
+        caches += [dev._scratch for dev in self.devices]
+        ring_scratch = getattr(self.cross_device_ops, "_scratch", None)
+        if isinstance(ring_scratch, dict):
+            caches.append(ring_scratch)
+        loader = self.resident_loader
+        if loader is not None:
+            caches += [loader._scratch, loader.resident._idx]
+        return caches
 
     # -- the four steps ------------------------------------------------------------------
     def split(self, batch, shard=True):
