@@ -169,6 +169,7 @@ def case_ring(out, cpus=1):
     comps = list(ints.values) if isinstance(ints, DistributedValues) else [ints]
     reduced = ring.all_reduce_components("SUM", [comps])[0]
     results["int_sum"] = reduced[0].numpy()
+    results["int_mean"] = ring.all_reduce_components("MEAN", [comps])[0][0].numpy()   # float64, as TF's '/'
     np.savez(os.path.join(out, f"ring_rank{rank}.npz"), local=len(devices), **results)
 
 

@@ -166,6 +166,8 @@ def test_ring_across_workers_equals_mpi_allreduce(tmp_path, workers, cpus):
     want_ints = sum(np.arange(4) + r for r in range(workers)) * cpus
     for got_ints in ints:
         assert got_ints.dtype == np.int32 and np.array_equal(got_ints, want_ints)
+    for g in got:                                   # MEAN over every worker's replicas
+        assert g["int_mean"].dtype == np.float64 and np.array_equal(g["int_mean"], want_ints / n)
 
 
 def test_a_stuck_worker_times_the_others_out(tmp_path):
