@@ -31,6 +31,9 @@ Map of the rest:
     tensor.py     mirrored.Tensor and tensor functions
     errors.py     TF-named errors
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
+    multi_worker.py  MultiWorkerMirroredStrategy: workers are MPI ranks (mpiexec -n N)
+    collective_all_reduce.py  the ring across workers (MPI between processes)
+    workers.py    MPI: rank and size, messages with deadlines, abort on failure
     values.py     PerReplica, Mirrored, Variable, MirroredVariable
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
@@ -42,7 +45,8 @@ Map of the rest:
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored.devices import device_scope as device
-from mirrored.distribute import (InputContext, MirroredStrategy, OneDeviceStrategy, ReduceOp,
+from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirroredStrategy,
+                                 OneDeviceStrategy, ReduceOp,
                                  ReplicaContext, ValueContext, get_replica_context, get_strategy,
                                  in_cross_replica_context)
 from mirrored.keras.tape import GradientTape

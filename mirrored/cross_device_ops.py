@@ -152,15 +152,21 @@ class CrossDeviceOps:
         self._reduce_fused(reduce_op, buffers, devices)
         return buffers
 
+    def _group_size(self, devices):
+        """How many replicas the sum runs over: these devices (one machine). The
+        multi-worker ring counts every worker's replicas (``collective_all_reduce.py``)."""
+        return len(devices)
+
     def _reduce_fused(self, reduce_op, buffers, devices):
         """Sum equal flat buffers across devices (the hook), then divide for MEAN."""
-        if len(devices) < 2 or not buffers[0].size:
+        n = self._group_size(devices)
+        if n < 2 or not buffers[0].size:
             return
         self._sum_in_place(buffers, devices)
         if reduce_op == ReduceOp.MEAN:
             for dev, flat in zip(devices, buffers):
                 with dev.activate():
-                    dev.ops.binary_scalar("div", flat, len(devices), flat)
+                    dev.ops.binary_scalar("div", flat, n, flat)
 
     def all_reduce_components(self, reduce_op, values):
         """values[k] = [component on replica 0, 1, ...] for tensor k.
@@ -214,7 +220,7 @@ class CrossDeviceOps:
             with dev.activate():
                 mean = dev.empty(flat.shape, np.float64)
                 dev.ops.cast(flat, mean)
-                dev.ops.binary_scalar("div", mean, len(devices), mean)
+                dev.ops.binary_scalar("div", mean, self._group_size(devices), mean)
             out.append(mean)
         return out
 
@@ -286,6 +292,9 @@ class RingTransfer:
     ``dst = (src + 1) % N``; ``op`` is ``"add"`` (reduce-scatter: dst's chunk +=
     src's chunk) or ``"copy"`` (all-gather: dst's chunk = src's chunk). Device
     numbers are positions in the ring (replica ids), not CUDA device ids.
+    ``src_worker``/``dst_worker``: the worker holding each end (0 on one machine;
+    under ``MultiWorkerMirroredStrategy`` a transfer whose workers differ is an MPI
+    message between processes).
     """
 
     src: int
@@ -294,6 +303,8 @@ class RingTransfer:
     lo: int
     hi: int
     op: str
+    src_worker: int = 0     # the worker (MPI rank) of each end: a transfer between
+    dst_worker: int = 0     # two workers is an MPI message (MultiWorkerMirroredStrategy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,10 +329,16 @@ class RingStep:
     size: int = 0
 
     def as_dict(self):
-        """JSON-friendly: dicts and lists, contribution sets as sorted lists."""
+        """JSON-friendly: dicts and lists, contribution sets as sorted lists. A transfer's
+        ``src_worker``/``dst_worker`` appear only in a ring that spans workers."""
+        across = any(t.src_worker or t.dst_worker for t in self.transfers)
+        transfers = [dataclasses.asdict(t) for t in self.transfers]
+        if not across:
+            for t in transfers:
+                del t["src_worker"], t["dst_worker"]
         return {"phase": self.phase, "step": self.step, "buffer": self.buffer,
                 "dtype": self.dtype, "size": self.size,
-                "transfers": [dataclasses.asdict(t) for t in self.transfers],
+                "transfers": transfers,
                 "holds": [[sorted(c) for c in dev] for dev in self.holds]}
 
 

@@ -320,6 +320,17 @@ class Dataset:
         """The first count elements (-1: all)."""
         return _TakeDataset(self, count)
 
+    def shard(self, num_shards, index, name=None):
+        """Every num_shards-th element, starting at element ``index`` (TF's ``shard``): the
+        usual way to give each worker its own part of the input
+        (``ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)`` in
+        ``distribute_datasets_from_function``)."""
+        num_shards, index = int(num_shards), int(index)
+        if num_shards < 1 or not 0 <= index < num_shards:
+            raise ValueError(f"shard(num_shards={num_shards}, index={index}): need num_shards >= 1 "
+                             f"and 0 <= index < num_shards.")
+        return _ShardDataset(self, num_shards, index)
+
     def prefetch(self, buffer_size, name=None):
         """Accepted for compatibility (AUTOTUNE too); a pass-through here.
 
@@ -451,6 +462,20 @@ class _FilterDataset(Dataset):
 
     def _generate(self):
         return (e for e in self._input if bool(_call_unpacked(self._predicate, e)))
+
+
+class _ShardDataset(Dataset):
+    def __init__(self, input_dataset, num_shards, index):
+        self._input, self._num_shards, self._index = input_dataset, num_shards, index
+
+    def _cardinality(self):
+        n = self._input._cardinality()
+        if n < 0:
+            return n                    # infinite or unknown stays so
+        return n // self._num_shards + (1 if self._index < n % self._num_shards else 0)
+
+    def _generate(self):
+        return itertools.islice(self._input, self._index, None, self._num_shards)
 
 
 class _CacheDataset(Dataset):

@@ -70,6 +70,9 @@ def why_not_capturable(devices, cross_device_ops=None):
     as one graph, else the reason."""
     if any(d.device_type != "GPU" for d in devices):
         return "the step runs on CPU devices: there are no kernel launches to capture"
+    if getattr(getattr(cross_device_ops, "workers", None), "size", 1) > 1:
+        return ("the gradients are summed across workers: the ring's hops between workers are MPI "
+                "messages sent from the host, which a CUDA graph cannot hold")
     if len(devices) > 1:
         from mirrored.cross_device_ops import RingAllReduce
         if not isinstance(cross_device_ops, RingAllReduce):

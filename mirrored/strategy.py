@@ -25,7 +25,9 @@ needs of a strategy: its ``devices``, its ``cross_device_ops`` and its worker po
 
 Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
 (PerReplica, MirroredVariable), ``cross_device_ops.py`` (the sums), ``context.py``
-(which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets).
+(which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets),
+``multi_worker.py`` (``MultiWorkerMirroredStrategy``: this strategy across MPI processes;
+``StrategyExtended._replica_offset`` / ``_num_workers`` are where it differs).
 """
 import contextlib
 import threading
@@ -88,9 +90,11 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self):
-        """This replica's index as an int32 scalar Tensor on its device."""
-        dev = self._strategy.extended.devices[self._replica_id]
-        return constant(self._replica_id, dtype=np.int32, device=dev)
+        """This replica's index among ALL replicas (every worker's) as an int32 scalar
+        Tensor on its device; on one machine, its index among the devices."""
+        ext = self._strategy.extended
+        dev = ext.devices[self._replica_id]
+        return constant(ext._replica_offset + self._replica_id, dtype=np.int32, device=dev)
 
     @property
     def num_replicas_in_sync(self):
@@ -197,7 +201,15 @@ class StrategyExtended:
     ``devices``: the replicas' devices, in replica order. ``cross_device_ops``: how
     values are summed across them (the ring, ``RingAllReduce``, by default).
     ``worker_pool()``: the replica threads of ``strategy.run`` (made on first use).
+
+    Across workers (``MultiWorkerMirroredStrategy``, ``multi_worker.py``) ``devices``
+    are this worker's replicas only, which are replicas ``_replica_offset`` ..
+    ``_replica_offset + len(devices) - 1`` of ``_num_replicas`` in all; on one
+    machine the offset is 0 and every replica is local.
     """
+
+    _replica_offset = 0          # this worker's first replica among all workers' replicas
+    _num_workers = 1
 
     def __init__(self, strategy, devices, cross_device_ops):
         self._strategy = strategy
@@ -218,13 +230,32 @@ class StrategyExtended:
         return tuple(d.name for d in self.devices)
 
     @property
+    def _num_replicas(self):
+        """Replicas over every worker (``num_replicas_in_sync``)."""
+        return len(self.devices) * self._num_workers
+
+    # TensorFlow's answers for the one worker there is (the chief): it writes checkpoints
+    # and summaries and initialises variables. ``multi_worker.py`` answers per worker.
+    should_checkpoint = property(lambda self: True)
+    should_save_summary = property(lambda self: True)
+    should_init = property(lambda self: True)
+    experimental_should_init = should_init
+
+    def _in_multi_worker_mode(self):
+        return self._num_workers > 1
+
+    def _sum_across_workers(self, values, what="a sum"):
+        """Host float64 ``values`` summed over every worker (here: this one only)."""
+        return np.asarray(values, np.float64)
+
+    @property
     def parameter_devices(self):
         return self.worker_devices
 
     def reduce_to(self, reduce_op, value, destinations, options=None):
         """Reduce ``value`` across replicas to ``destinations`` (a device, a variable...)."""
         reduce_op = ReduceOp.validate(reduce_op)
-        n = len(self.devices)
+        n = self._strategy.num_replicas_in_sync
         if not isinstance(value, DistributedValues):
             # TensorFlow's rule for a value that is the same on every replica.
             if reduce_op == ReduceOp.SUM and n > 1:
@@ -250,8 +281,10 @@ def _single(mirrored):
 class Strategy:
     """What every strategy shares; subclasses choose devices and variable creation."""
 
+    _extended_type = StrategyExtended
+
     def __init__(self, devices, cross_device_ops):
-        self._extended = StrategyExtended(self, devices, cross_device_ops)
+        self._extended = self._extended_type(self, devices, cross_device_ops)
 
     # -- properties
     @property
@@ -260,7 +293,7 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self):
-        return len(self._extended.devices)
+        return self._extended._num_replicas
 
     @property
     def cluster_resolver(self):
@@ -304,7 +337,7 @@ class Strategy:
                 f"the scope of {strategy!r}. Call run outside that scope, or enter "
                 f"{self!r}.scope() instead (variables and replicas belong to one strategy).")
         outer = [e for e in context.stack() if e[1] is None]
-        if self.num_replicas_in_sync == 1:
+        if len(self._extended.devices) == 1:
             dev = self._extended.devices[0]
             context.push(self, ReplicaContext(self, 0))
             try:
@@ -360,10 +393,11 @@ class Strategy:
     def experimental_distribute_values_from_function(self, value_fn):
         """``value_fn(ValueContext)`` once per replica; results placed on each device."""
         n = self.num_replicas_in_sync
+        offset = self._extended._replica_offset
         comps = []
         for i, dev in enumerate(self._extended.devices):
             with _dev.device_scope(dev):
-                v = value_fn(ValueContext(i, n))
+                v = value_fn(ValueContext(offset + i, n))
                 comps.append(nest.map_structure(
                     lambda x: to_tensor_on(x, dev) if isinstance(x, (Tensor, np.ndarray, np.generic, int, float))
                     else x, v))
@@ -378,7 +412,9 @@ class Strategy:
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """``dataset_fn(InputContext)`` once; each replica takes its own batch per step."""
         from mirrored.input_lib import DistributedDatasetsFromFunction
-        ctx = InputContext(1, 0, self.num_replicas_in_sync)
+        ext = self._extended
+        ctx = InputContext(ext._num_workers, ext._replica_offset // len(ext.devices),
+                           self.num_replicas_in_sync)
         return DistributedDatasetsFromFunction(dataset_fn(ctx), self, options)
 
     def experimental_make_numpy_dataset(self, numpy_input):
@@ -458,22 +494,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices=None, cross_device_ops=None):
-        if devices is None:
-            all_devices = _dev.logical_devices()
-            chosen = [d for d in all_devices if d.device_type == "GPU"] or \
-                     [d for d in all_devices if d.device_type == "CPU"][:1]
-        else:
-            if isinstance(devices, str):
-                devices = [devices]
-            devices = list(devices)
-            if not devices:
-                raise ValueError("MirroredStrategy needs at least one device; devices=[] was given.")
-            names = [_dev.canonical_name(d) for d in devices]
-            dup = [n for n in names if names.count(n) > 1]
-            if dup:
-                raise ValueError(f"No duplicates allowed in `devices` argument: {devices} "
-                                 f"({dup[0]} appears twice).")
-            chosen = [_dev.get_device(d) for d in devices]
+        chosen = _choose_devices(devices)
         if cross_device_ops is None:
             cross_device_ops = _default_cross_device_ops(chosen)
         if not isinstance(cross_device_ops, CrossDeviceOps):
@@ -495,6 +516,27 @@ class MirroredStrategy(Strategy):
                 comp._handle_name = f"{base}/replica_{i}:0"
             components.append(comp)
         return MirroredVariable._build(self, components, aggregation)
+
+
+def _choose_devices(devices):
+    """MirroredStrategy's devices: ``None`` = every logical GPU, else the CPU; or the named ones."""
+    if devices is None:
+        all_devices = _dev.logical_devices()
+        chosen = [d for d in all_devices if d.device_type == "GPU"] or \
+                 [d for d in all_devices if d.device_type == "CPU"][:1]
+    else:
+        if isinstance(devices, str):
+            devices = [devices]
+        devices = list(devices)
+        if not devices:
+            raise ValueError("MirroredStrategy needs at least one device; devices=[] was given.")
+        names = [_dev.canonical_name(d) for d in devices]
+        dup = [n for n in names if names.count(n) > 1]
+        if dup:
+            raise ValueError(f"No duplicates allowed in `devices` argument: {devices} "
+                             f"({dup[0]} appears twice).")
+        chosen = [_dev.get_device(d) for d in devices]
+    return chosen
 
 
 class OneDeviceStrategy(Strategy):

@@ -90,7 +90,7 @@ class LearningRateScheduler(Callback):
         except TypeError:
             lr = self.schedule(epoch)
         opt.learning_rate = float(lr)
-        if self.verbose:
+        if self.verbose and _is_chief(self.model):
             print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.")
 
 
@@ -117,11 +117,16 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, epoch, logs=None):
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
         if self.save_weights_only:
-            self.model.save_weights(path)
+            self.model.save_weights(path)      # a non-chief worker keeps no file (see save_weights)
         else:
             self.model.save(path)
-        if self.verbose:
+        if self.verbose and _is_chief(self.model):
             print(f"\nEpoch {epoch + 1}: saving model to {path}")
+
+
+def _is_chief(model):
+    """Whether this worker prints (``MultiWorkerMirroredStrategy``: worker 0 only; else always)."""
+    return model.distribute_strategy.extended.should_checkpoint
 
 
 class TensorBoard(Callback):
@@ -308,6 +313,12 @@ class CSVLogger(Callback):
         self.append_header = True
 
     def on_train_begin(self, logs=None):
+        if self.csv_file and not self.csv_file.closed:
+            self.csv_file.close()
+        if not _is_chief(self.model):           # MultiWorkerMirroredStrategy: the chief writes the file
+            self.csv_file = open(os.devnull, "w", newline="")
+            self.writer = self.keys = None
+            return
         if self.append:
             if os.path.exists(self.filename):
                 with open(self.filename) as f:

@@ -46,7 +46,7 @@ def batches(model, x, y, batch_size, shuffle):
             check_label_shape(model, y.shape, len(y))
             check_labels(y.reshape(-1) if y.dtype.kind in "iu" else y.reshape(-1).astype(np.int64),
                          model.step.programs[0].classes)
-        adapter = ArrayBatches(x, y, batch_size or 32, shuffle)
+        adapter = ArrayBatches(x, y, batch_size or 32, shuffle, model.distribute_strategy.extended)
         return adapter, len(adapter)
     if y is not None:
         raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
@@ -178,14 +178,22 @@ def predict_batches(x, batch_size):
 
 
 class ArrayBatches:
-    """Batches of in-memory arrays, reshuffled every epoch when ``shuffle`` (Keras's fit)."""
+    """Batches of in-memory arrays, reshuffled every epoch when ``shuffle`` (Keras's fit).
 
-    def __init__(self, x, y, batch_size, shuffle):
+    Across workers (``MultiWorkerMirroredStrategy``) every worker must cut the same
+    global batches, so the chief's permutation is used everywhere (``extended``'s
+    ``_broadcast_from_chief``), whatever each worker's seed.
+    """
+
+    def __init__(self, x, y, batch_size, shuffle, extended=None):
         self.x, self.y, self.bs, self.shuffle = x, y, int(batch_size), shuffle
+        self.extended = extended
 
     def __iter__(self):
         n = len(self.x)
-        order = _random.generator().permutation(n) if self.shuffle else None
+        order = _random.generator().permutation(n) if self.shuffle else None    # (n,) int64
+        if order is not None and self.extended is not None and self.extended._num_workers > 1:
+            order = self.extended._broadcast_from_chief(order, "the epoch's shuffle of the arrays")
         for i in range(0, n, self.bs):
             idx = order[i:i + self.bs] if order is not None else slice(i, i + self.bs)
             yield self.x[idx], self.y[idx]

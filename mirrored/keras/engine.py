@@ -119,10 +119,10 @@ def all_reduce(pack, cross_device_ops):
     """Step 3: every replica's packed gradient buffer becomes the SUM over all replicas.
 
     One call of the strategy's cross-device ops (the ring, ``RingAllReduce``) over
-    one flat buffer per device, in place. One replica has nothing to sum.
+    one flat buffer per device, in place. One replica has nothing to sum (the cross-device
+    ops know: across workers, one local device is still one replica of many).
     """
-    if len(pack.devices) > 1:
-        cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
+    cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
 
 
 class LayerState:
@@ -135,10 +135,13 @@ class LayerState:
     own buffers for batches of ``b`` (``layer.make_buffers``), made on first use.
     """
 
-    __slots__ = ("layer", "dev", "ops", "replica_id", "weights", "grads", "need_dx", "_buffers")
+    __slots__ = ("layer", "dev", "ops", "replica_id", "global_replica_id", "weights", "grads",
+                 "need_dx", "_buffers")
 
-    def __init__(self, layer, dev, replica_id, weights, grads, need_dx):
+    def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None):
         self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
+        # among every worker's replicas (MultiWorkerMirroredStrategy); the local id on one machine
+        self.global_replica_id = replica_id if global_replica_id is None else global_replica_id
         self.weights, self.grads, self.need_dx = weights, grads, need_dx
         self._buffers = {}
 
@@ -164,7 +167,7 @@ class _LossBuffers:
 class ReplicaProgram:
     """The model's layers on one device: forward, loss, backward (see the module docstring)."""
 
-    def __init__(self, layers, pack, replica_id, in_dim):
+    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0):
         self.layers = list(layers)
         self.pack = pack
         self.r = replica_id
@@ -175,7 +178,8 @@ class ReplicaProgram:
         for layer in self.layers:
             n = len(layer.trainable_weights)
             self.states.append(LayerState(layer, self.dev, replica_id, pack.param_views[replica_id][k:k + n],
-                                          pack.grad_views[replica_id][k:k + n], need_dx=earlier_weights))
+                                          pack.grad_views[replica_id][k:k + n], need_dx=earlier_weights,
+                                          global_replica_id=replica_offset + replica_id))
             earlier_weights = earlier_weights or n > 0
             k += n
         self.classes = self.layers[-1].output_shape[-1]

@@ -523,7 +523,8 @@ class Dropout(Layer):
         b, r = x.shape[0], state.replica_id
         step = self._steps.get(r, 0)
         self._steps[r] = step + 1
-        key = self._keys[r] = dropout_kernels.dropout_key(self._seed, step, r)
+        # the key names the replica among ALL replicas (every worker's), so no two draw one mask
+        key = self._keys[r] = dropout_kernels.dropout_key(self._seed, step, state.global_replica_id)
         y = state.buffers(b)
         state.ops.dropout(view(x, (b,) + self.input_shape), y, self.rate, key)   # y: (b,) + input shape
         return y

@@ -17,6 +17,8 @@ Neighbours: ``layers.py`` (what a model is made of), ``step.py`` (the step),
 ``tape.py`` (``GradientTape`` custom loops use the same replica programs).
 """
 import contextlib
+import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -167,8 +169,19 @@ class Sequential:
 
     def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
         """Write the weights atomically to ``filepath``, a ``*.weights.h5`` file in Keras 3's
-        layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact."""
-        saving.save_weights(self, filepath, overwrite)
+        layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact.
+        Under ``MultiWorkerMirroredStrategy`` only the chief keeps the file (``_save_on_chief``)."""
+        self._save_on_chief(saving.save_weights, filepath, overwrite)
+
+    def _save_on_chief(self, write, filepath, overwrite):
+        """``write(self, filepath, overwrite)`` on the chief; on any other worker into a
+        temporary ``workertemp_<task_id>`` directory, deleted at once, as Keras's callbacks do
+        on non-chief workers (so only the chief's file remains; one machine: the chief)."""
+        if self._strategy.extended.should_checkpoint:
+            return write(self, filepath, overwrite)
+        task = self._strategy.cluster_resolver.task_id
+        with tempfile.TemporaryDirectory(prefix=f"workertemp_{task}_") as tmp:
+            return write(self, os.path.join(tmp, os.path.basename(os.fspath(filepath))), True)
 
     def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
         """Read a ``*.weights.h5`` file (ours or Keras 3's) or a ``*.keras`` model's weights,
@@ -178,7 +191,7 @@ class Sequential:
     def save(self, filepath, overwrite=True, **kwargs):
         """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
         one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
-        saving.save_model(self, filepath, overwrite)
+        self._save_on_chief(saving.save_model, filepath, overwrite)
 
     def get_config(self):
         """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
@@ -264,8 +277,14 @@ class Sequential:
         with self.step.no_trace():                   # a step that raises changes nothing
             self._trainer().train(batch)
 
-    def _logs(self, prefix=""):
-        return self.step.logs(self._metric_names, prefix)
+    def _logs(self, prefix="", across_workers=True):
+        return self.step.logs(self._metric_names, prefix, across_workers)
+
+    def _verbosity(self, verbose):
+        """Keras's ``verbose`` ("auto" = 1); 0 on a worker that is not the chief, which
+        trains in silence (``MultiWorkerMirroredStrategy``: only the chief prints)."""
+        verbose = 1 if verbose == "auto" else int(verbose)
+        return verbose if self._strategy.extended.should_checkpoint else 0
 
     # -- fit / evaluate / predict -------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -286,7 +305,7 @@ class Sequential:
              initial_epoch, steps_per_epoch, validation_split):
         if validation_split and validation_data is None:   # Keras: validation_data wins
             (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
-        verbose = 1 if verbose == "auto" else int(verbose)
+        verbose = self._verbosity(verbose)
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
             steps = steps_per_epoch
@@ -319,7 +338,9 @@ class Sequential:
                 for cb in cbs:
                     cb.on_train_batch_end(step - 1, {})   # no per-step metrics (docstring)
                 if verbose and bar.wants_update(step):
-                    bar.update(step, self._logs())
+                    # mid-epoch: this worker's running metrics (no collective: the other
+                    # workers do not draw a bar); the epoch's line is over every worker
+                    bar.update(step, self._logs(across_workers=False))
                 if self.stop_training:          # Keras checks after every batch too
                     break
             if not step:
@@ -367,7 +388,7 @@ class Sequential:
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         check_compiled(self, "evaluating")
-        verbose = 1 if verbose == "auto" else int(verbose)
+        verbose = self._verbosity(verbose)
         logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
             return logs
@@ -379,7 +400,7 @@ class Sequential:
         return self._predict(x, batch_size, verbose)
 
     def _predict(self, x, batch_size, verbose):
-        verbose = 1 if verbose == "auto" else int(verbose)
+        verbose = self._verbosity(verbose)
         chunks, steps = data_adapters.predict_batches(x, batch_size)
         outs = []
         bar = Progbar(steps, verbose)

@@ -158,7 +158,7 @@ class Optimizer:
             all_reduce(pack, cross_ops)             # the same two calls as fit's step
             self.update(pack)
             return self.iterations
-        comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * strategy.num_replicas_in_sync
+        comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * len(strategy.extended.devices)
                  for g in grads]
         reduced = cross_ops.all_reduce_components("SUM", comps)
         self.begin_step(_devices_of(variables))

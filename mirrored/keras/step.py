@@ -32,7 +32,7 @@ import contextlib
 
 import numpy as np
 
-from mirrored.input_lib import rebatch_bounds
+from mirrored.input_lib import local_bounds, rebatch_bounds
 from mirrored.keras.data_adapters import ResidentBatch
 from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
 from mirrored.keras.losses import kernel_mode
@@ -59,7 +59,8 @@ class Step:
         self.pack = ParameterPack(model.trainable_variables, devices)
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
-        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim)
+        offset = model.distribute_strategy.extended._replica_offset     # 0 on one machine
+        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
         self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set
@@ -135,17 +136,27 @@ class Step:
         return caches
 
     # -- the four steps ------------------------------------------------------------------
-    def split(self, batch):
+    def split(self, batch, shard=True):
         """Each replica's share of a global batch by TensorFlow's rebatching rule, how to
         put a share on its device (``load(program, share) -> (x_dev, y_dev)``), and the
-        loss scale 1/B (B: the GLOBAL batch)."""
+        loss scale 1/B (B: the GLOBAL batch).
+
+        Across workers (``shard``) the batch is cut for every worker's replicas and
+        this worker keeps its own replicas' shares (``input_lib.local_bounds``);
+        ``shard=False`` cuts it over this worker's replicas only (``predict``, where
+        every worker computes every row)."""
         if isinstance(batch, ResidentBatch):
             idx = batch.idx                                            # (B,) row numbers
-            bounds = rebatch_bounds(len(idx), len(self.programs))
+            bounds = self._bounds(len(idx), shard)
             return [idx[lo:hi] for lo, hi in bounds], batch.loader(self.model).load, 1.0 / max(len(idx), 1)
         xb, yb = batch                                                 # (B, in) float32, (B,) labels
-        bounds = rebatch_bounds(xb.shape[0], len(self.programs))
+        bounds = self._bounds(xb.shape[0], shard)
         return [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds], _upload, 1.0 / max(xb.shape[0], 1)
+
+    def _bounds(self, batch_size, shard):
+        if shard:
+            return local_bounds(batch_size, self.model.distribute_strategy.extended)
+        return rebatch_bounds(batch_size, len(self.programs))
 
     def copy_in(self, parts, load):
         """Replica r puts ``parts[r]`` on its device: (b, in) float32 and (b,) labels in
@@ -194,7 +205,7 @@ class Step:
     def predict(self, xb):
         """xb: (B, in) float32 -> each replica's outputs on the host, in replica order."""
         labels = np.zeros(xb.shape[0], np.int32)                       # unused: predict has no loss
-        parts, load, _ = self.split((xb, labels))
+        parts, load, _ = self.split((xb, labels), shard=False)
         outs = []
         for program, (x, _) in zip(self.programs, self.copy_in(parts, load)):
             with program.dev.activate():
@@ -207,12 +218,18 @@ class Step:
             with program.dev.activate():
                 program.zero_metrics()
 
-    def logs(self, metric_names, prefix=""):
-        """Keras's logs from the devices' sums: the one host read of an epoch's metrics."""
+    def logs(self, metric_names, prefix="", across_workers=True):
+        """Keras's logs from the devices' sums: the one host read of an epoch's metrics.
+        ``across_workers``: summed over every worker (a collective: every worker must
+        ask), else this worker's replicas only (a progress update mid-epoch)."""
         loss = correct = seen = 0.0
         for program in self.programs:
             l, c, s = program.read_metrics()
             loss, correct, seen = loss + l, correct + c, seen + s
+        ext = self.model.distribute_strategy.extended
+        if across_workers and ext._num_workers > 1:
+            loss, correct, seen = (float(v) for v in
+                                   ext._sum_across_workers([loss, correct, seen], "the epoch's metrics"))
         logs = {prefix + "loss": loss / seen if seen else float("nan")}
         for name in metric_names:
             logs[prefix + name] = correct / seen if seen else float("nan")

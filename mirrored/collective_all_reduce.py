@@ -1,0 +1,172 @@
+"""``CollectiveAllReduce``: the ring all-reduce of ``RingAllReduce``, stretched across workers.
+
+TensorFlow's ``MultiWorkerMirroredStrategy`` sums gradients with a *collective*
+all-reduce over every replica of every worker; ours is the same ring as on one
+machine (``cross_device_ops.RingAllReduce``), with more devices in it.
+
+With W workers of L local replicas each, the ring has N = W*L positions in one
+fixed order: global replica g = rank*L + l (worker ``rank``, its local replica
+l). The schedule (``RingAllReduce.schedule(N)``), the chunks
+(``chunk_bounds(size, N)``) and therefore the order in which every chunk's sum is
+formed are exactly those of one machine with N devices. Only the hops differ:
+
+    worker 0                       worker 1
+    GPU0 --peer read--> GPU1 ==MPI==> GPU0 --peer read--> GPU1 ==MPI==> (worker 0's GPU0)
+
+* a hop between two replicas of one worker (l-1 -> l) is the one-machine step:
+  peer-memory read, or a staged device copy, ordered by CUDA events;
+* the hop into a worker's first replica comes from the previous worker's last
+  replica: the sender copies its chunk to host memory, and the two workers
+  exchange chunks with one ``Sendrecv`` per step (each worker sends its last
+  replica's chunk to the next worker while receiving the previous worker's);
+  the receiver uploads it into a scratch buffer and adds it (reduce-scatter) or
+  copies it into place (all-gather), the kernels of the staged path. On CPU
+  devices the buffers are host memory already: MPI sends straight from the
+  buffer and receives straight into the scratch buffer (or, all-gather, into
+  place), no copies.
+
+Same schedule, same fixed summation order, so every replica of every worker ends
+bitwise equal (and equal to one machine's ring with the same N and inputs). A
+chunk staged through the host costs a device-to-host and a host-to-device copy
+per step; a CUDA-aware MPI could send device buffers instead (not done here).
+
+The trace (``trace=True``) is the one-machine trace over the N global replicas,
+each ``RingTransfer`` naming its two workers (``src_worker``, ``dst_worker``).
+
+Neighbours: ``cross_device_ops.py`` (the ring, its schedule and trace; this class
+only replaces ``_run_ring``'s hops), ``workers.py`` (``sendrecv`` with a deadline),
+``multi_worker.py`` (the strategy that makes one).
+"""
+import dataclasses
+
+import numpy as np
+
+from mirrored.cross_device_ops import RingAllReduce, _record, _wait
+
+
+class CollectiveAllReduce(RingAllReduce):
+    """The ring over every replica of every worker (``workers``: a ``workers.Workers``).
+
+    Every worker must call it with the same number of local devices and buffers of
+    the same size and dtype, in the same order (checked once per size and dtype).
+    """
+
+    def __init__(self, workers, peer_access=True, trace=False):
+        super().__init__(peer_access=peer_access, trace=trace)
+        self.workers = workers
+        self._agreed = set()        # (local devices, size, dtype) every worker has confirmed
+        self._host = {}             # (size, dtype) -> (send, receive) host staging arrays
+
+    def _group_size(self, devices):
+        return len(devices) * self.workers.size
+
+    def _sum_in_place(self, buffers, devices):
+        if self.workers.size == 1:
+            return super()._sum_in_place(buffers, devices)
+        self._check(buffers, devices)                     # refuse before anything moves
+        size, dtype = int(buffers[0].shape[0]), np.dtype(buffers[0].dtype)
+        self._agree(len(devices), size, dtype)
+        buffer_index, self._buffer_index = self._buffer_index, self._buffer_index + 1
+        local, n = len(devices), len(devices) * self.workers.size
+        if size == 0:
+            return
+        self._run_global_ring(buffers, devices, size, dtype)
+        if self.trace is not None:
+            steps = self._trace_steps(n, size, buffer_index, dtype)
+            self.trace.extend(dataclasses.replace(
+                s, transfers=tuple(dataclasses.replace(t, src_worker=t.src // local, dst_worker=t.dst // local)
+                                   for t in s.transfers)) for s in steps)
+
+    def _agree(self, local, size, dtype):
+        """Every worker reduces the same thing (else the ring would add unrelated bytes)."""
+        key = (local, size, dtype.str)
+        if key in self._agreed:
+            return
+        seen = self.workers.allgather(key, "agreeing on an all-reduce's shape")
+        if any(other != key for other in seen):
+            named = "; ".join(f"worker {r}: {l} replica(s), {s} x {np.dtype(d).name}"
+                              for r, (l, s, d) in enumerate(seen))
+            raise ValueError(f"CollectiveAllReduce: the workers reduce different buffers ({named}). "
+                             f"Every worker must build the same model and have the same number of "
+                             f"local devices, and make the same collective calls in the same order.")
+        self._agreed.add(key)
+
+    def _host_stage(self, size, dtype, n):
+        """Host arrays for the chunk sent and the chunk received (the largest chunk)."""
+        key = (size, dtype.str)
+        if key not in self._host:
+            most = -(-size // n)
+            self._host[key] = (np.empty(most, dtype), np.empty(most, dtype))
+        return self._host[key]
+
+    def _run_global_ring(self, buffers, devices, size, dtype):
+        """The 2(N-1) steps of the N-position ring, for this worker's L positions.
+
+        Per step t: first the hop between workers (our last replica's chunk to the
+        next worker, the previous worker's chunk into our first replica), then the
+        hops inside this worker, exactly as ``RingAllReduce._run_ring`` issues them
+        (events ``done[l][t]`` order the local streams).
+
+        Ordering of the hop between workers: ``to_numpy`` waits for the last
+        replica's stream, so the chunk sent is the one finished at step t-1; the
+        upload and the add are queued on the first replica's stream, and
+        ``done[0][t]`` is recorded after them. Nobody reads a buffer of ours from
+        another worker after the ``Sendrecv`` returns (the bytes were copied to the
+        host), so no event crosses processes.
+        """
+        workers = self.workers
+        local = len(devices)
+        n = local * workers.size
+        first_g = workers.rank * local                   # our first position in the ring
+        last_g = first_g + local - 1
+        prev_worker, next_worker = (workers.rank - 1) % workers.size, (workers.rank + 1) % workers.size
+        bounds = self.chunk_bounds(size, n)
+        total = 2 * (n - 1)
+        links = [None] + [self._link(devices[l - 1], devices[l]) for l in range(1, local)]
+        done = [self._step_events(dev, total + 1) for dev in devices]
+        on_host = devices[0].device_type == "CPU"            # (a ring is all CPU or all GPU)
+        send_host, recv_host = self._host_stage(size, dtype, n) if not on_host else (None, None)
+        for l, dev in enumerate(devices):
+            with dev.activate():
+                _record(dev, done[l][0])                 # inputs ready
+        for t, (phase, _, sends) in enumerate(self.schedule(n), start=1):
+            # 1. between workers: our last replica -> next worker; previous worker -> our first
+            lo_out, hi_out = bounds[sends[last_g][2]]
+            lo_in, hi_in = bounds[sends[(first_g - 1) % n][2]]
+            first = devices[0]
+            if on_host:
+                # CPU devices: their memory IS host memory; MPI reads and writes it in place
+                out = buffers[-1][lo_out:hi_out]
+                into = (self._scratch_for(first, size, dtype) if phase == "reduce-scatter"
+                        else buffers[0])[lo_in:hi_in]
+            else:
+                out = send_host[:hi_out - lo_out]
+                out[...] = devices[-1].to_numpy(buffers[-1][lo_out:hi_out])   # waits for step t-1
+                into = recv_host[:hi_in - lo_in]
+            incoming = workers.sendrecv(out, next_worker, into, prev_worker,
+                                        tag=t, what=f"{phase} step {t} of the ring")
+            with first.activate():
+                if on_host:
+                    if hi_in > lo_in and phase == "reduce-scatter":
+                        first.ops.ring_reduce_step(buffers[0], self._scratch_for(first, size, dtype),
+                                                   lo_in, hi_in)
+                elif hi_in > lo_in:
+                    if phase == "reduce-scatter":
+                        scratch = self._scratch_for(first, size, dtype)
+                        first.upload_into(scratch[lo_in:hi_in], incoming)
+                        first.ops.ring_reduce_step(buffers[0], scratch, lo_in, hi_in)
+                    else:
+                        first.upload_into(buffers[0][lo_in:hi_in], incoming)
+                _record(first, done[0][t])
+            # 2. inside this worker: replica l-1 -> l, as on one machine
+            for l in range(1, local):
+                recv, send = devices[l], devices[l - 1]
+                lo, hi = bounds[sends[first_g + l - 1][2]]
+                with recv.activate():
+                    _wait(recv, done[l - 1][t - 1])
+                    if hi > lo:
+                        self._step(phase, recv, buffers[l], send, buffers[l - 1], lo, hi, links[l], dtype)
+                    _record(recv, done[l][t])
+        for l in range(local - 1):                       # nobody reads replica l any more
+            with devices[l].activate():
+                _wait(devices[l], done[l + 1][total])

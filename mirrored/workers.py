@@ -1,0 +1,207 @@
+"""The workers of a ``MultiWorkerMirroredStrategy``: MPI ranks, messages with deadlines, abort.
+
+One worker is one process. ``mpiexec -n N python train.py`` starts N of them;
+MPI numbers them 0 .. N-1 (the *rank*; worker 0 is the chief) and carries the
+bytes between them (over shared memory here, the network on a cluster). This
+file is everything the library asks of MPI, in one place:
+
+* ``world(timeout_s)``: this process's ``Workers`` — its rank, the world size, and
+  the few messages the strategy sends (``sendrecv`` for the ring's hop between
+  workers, ``allgather`` and ``bcast`` of small host values). A plain
+  ``python train.py`` (no ``mpiexec``) is one worker and needs no MPI at all;
+  started by a launcher, mpi4py must be importable, else a clear error.
+* Every wait has a deadline. MPI's blocking calls wait for ever, so each message
+  here is *nonblocking* (``Isendrecv``-style ``Isend`` + ``Irecv``, ``Iallgather``,
+  ``Ibcast``) and then polled (``Testall``, which also drives MPI's progress) until
+  it completes or ``timeout_s`` passes; then ``DeadlineExceededError`` names the
+  peers that never answered.
+* A failing worker ends them all (``install_abort_hook``): an exception nobody
+  caught is printed with this worker's rank, then ``MPI.Abort`` tells the launcher,
+  which ends every other worker (they may be blocked in a message to us). So one
+  worker's error never leaves the others hanging, and the launcher's own line
+  ("... MPI_Abort(MPI_COMM_WORLD, 1) - process 1") names the rank too.
+
+Neighbours: ``multi_worker.py`` (the strategy), ``collective_all_reduce.py``
+(the ring whose hop between workers is ``sendrecv``).
+"""
+import contextlib
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from mirrored.errors import DeadlineExceededError
+
+#: Environment variables launchers set in each process they start (MPICH/Hydra and
+#: Intel MPI: PMI_*; Open MPI: OMPI_*; PMIx-based launchers and Slurm's srun: PMIX_*).
+LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+#: Default deadline of one cross-worker wait (seconds). The first step of a worker
+#: compiles kernels (tens of seconds on a GPU, minutes in the CUDA simulator) while
+#: its peers already wait in the all-reduce, so it is generous; the tests lower it.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MIRRORED_WORKER_TIMEOUT_S", 600))
+
+#: Polling: spin on Testall this many times, then sleep between polls (2 cores
+#: shared by several workers: a worker that only waits must leave them the CPU).
+_SPINS = 200
+#: A failing worker waits this long between printing its error and aborting, so that
+#: the launcher forwards the message before it ends the processes.
+ABORT_GRACE_S = 0.5
+_SLEEP_S = 50e-6
+
+
+def launched_size():
+    """The world size a launcher announced in the environment, or None (plain ``python``)."""
+    for var in LAUNCHER_SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+class Workers:
+    """This process's place among the workers, and the messages between them.
+
+    ``comm`` is mpi4py's ``MPI.COMM_WORLD`` (None for a lone worker that never
+    loaded MPI). ``rank``: this worker, 0 .. ``size``-1; the chief is rank 0.
+    """
+
+    def __init__(self, comm, timeout_s=DEFAULT_TIMEOUT_S):
+        self.comm = comm
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.size = comm.Get_size() if comm is not None else 1
+        self.timeout_s = float(timeout_s)
+
+    def __repr__(self):
+        return f"<Workers: worker {self.rank} of {self.size}, timeout {self.timeout_s:g} s>"
+
+    # -- waiting, with a deadline -------------------------------------------------------
+    def _wait(self, requests, what, peers):
+        """Poll ``requests`` until all complete; past the deadline, cancel and raise."""
+        from mpi4py import MPI
+        deadline = time.monotonic() + self.timeout_s
+        spins = 0
+        while not MPI.Request.Testall(requests):
+            spins += 1
+            if spins > _SPINS:
+                time.sleep(_SLEEP_S)
+            if spins % 64 == 0 and time.monotonic() > deadline:
+                raise DeadlineExceededError(
+                    f"worker {self.rank} of {self.size} waited {self.timeout_s:g} s for {what} "
+                    f"with worker(s) {sorted(set(peers) - {self.rank})}, which never answered. A worker is stuck "
+                    f"in its own code, was started with a different script or data, or makes "
+                    f"different collective calls (every worker must run the same steps). Raise "
+                    f"CommunicationOptions(timeout_seconds=...) or MIRRORED_WORKER_TIMEOUT_S if a "
+                    f"step is really slower than that.")
+
+    # -- the messages ------------------------------------------------------------------------
+    def sendrecv(self, send, dest, recv, source, tag, what="a ring step"):
+        """Send the host array ``send`` to worker ``dest`` while receiving ``recv`` (filled
+        in place) from worker ``source``: MPI's ``Sendrecv``, with a deadline."""
+        requests = [self.comm.Irecv(recv, source=source, tag=tag),
+                    self.comm.Isend(send, dest=dest, tag=tag)]
+        self._wait(requests, what, [dest, source])
+        return recv
+
+    def allgather(self, value, what="an allgather"):
+        """Every worker's picklable ``value``, in rank order (a list), on every worker."""
+        if self.size == 1:
+            return [value]
+        payload = np.frombuffer(pickle.dumps(value), np.uint8)
+        sizes = np.zeros(self.size, np.int64)
+        self._wait([self.comm.Iallgather(np.array([payload.size], np.int64), sizes)],
+                   what, range(self.size))
+        out = np.empty(int(sizes.sum()), np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        self._wait([self.comm.Iallgatherv(payload, [out, sizes, offsets, _mpi_byte()])],
+                   what, range(self.size))
+        return [pickle.loads(out[o:o + s].tobytes()) for o, s in zip(offsets, sizes)]
+
+    def bcast(self, value, root=0, what="a broadcast"):
+        """Worker ``root``'s picklable ``value``, on every worker."""
+        if self.size == 1:
+            return value
+        return self.allgather(value if self.rank == root else None, what)[root]
+
+    def barrier(self, what="a barrier"):
+        if self.size > 1:
+            self._wait([self.comm.Ibarrier()], what, range(self.size))
+
+    def abort(self, code=1):
+        """End every worker now (the launcher kills the others)."""
+        if self.comm is not None and self.size > 1:
+            self.comm.Abort(code)
+        os._exit(code)
+
+
+def _mpi_byte():
+    from mpi4py import MPI
+    return MPI.BYTE
+
+
+_world = None
+_world_lock = threading.Lock()
+
+
+def world(timeout_s=None):
+    """This process's ``Workers`` (made once; ``timeout_s`` None keeps the current deadline).
+
+    Under a launcher (``mpiexec``, ``srun``) MPI is initialised through mpi4py; with
+    a plain ``python`` and no mpi4py installed, this is a lone worker without MPI.
+    """
+    global _world
+    with _world_lock:
+        if _world is None:
+            size = launched_size()
+            try:
+                from mpi4py import MPI
+            except ImportError as err:
+                if size not in (None, 1):
+                    raise ImportError(
+                        f"MultiWorkerMirroredStrategy: this process was started by an MPI launcher "
+                        f"as one of {size} workers, but mpi4py cannot be imported ({err}). Install "
+                        f"it into this Python (python -m pip install mpi4py mpich, or build mpi4py "
+                        f"against the cluster's MPI: README, 'Beyond one machine').") from err
+                _world = Workers(None)
+            else:
+                _world = Workers(MPI.COMM_WORLD)
+        if timeout_s is not None:
+            _world.timeout_s = float(timeout_s)
+        return _world
+
+
+_hook_installed = False
+
+
+def install_abort_hook(workers):
+    """Make an uncaught exception in any thread of this worker end every worker.
+
+    The error is printed first, naming this worker ("worker 1 of 2 failed"), then
+    ``MPI.Abort``: the launcher ends the other workers, which would otherwise
+    wait for this one until their deadline. A lone worker keeps Python's hooks.
+    """
+    global _hook_installed
+    if workers.size == 1 or _hook_installed:
+        return
+    _hook_installed = True
+
+    def report_and_abort(exc_type, exc, tb, thread=None):
+        where = f" (thread {thread.name})" if thread is not None else ""
+        # the error itself first, in one write: the launcher may stop forwarding our
+        # output once the abort reaches it, and a long traceback could be cut short
+        head = (f"mirrored: worker {workers.rank} of {workers.size} failed{where}: "
+                f"{exc_type.__name__}: {exc}\nmirrored: ending every worker (MPI.Abort); "
+                f"the traceback of worker {workers.rank}:\n")
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            os.write(2, head.encode())
+            os.write(2, "".join(traceback.format_exception(exc_type, exc, tb)).encode())
+        time.sleep(ABORT_GRACE_S)
+        workers.abort(1)
+
+    sys.excepthook = report_and_abort
+    threading.excepthook = lambda args: report_and_abort(args.exc_type, args.exc_value,
+                                                         args.exc_traceback, args.thread)

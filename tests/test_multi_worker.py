@@ -1,0 +1,283 @@
+"""MultiWorkerMirroredStrategy across processes: each test starts its workers with ``mpiexec``.
+
+The workers run ``tests/multiworker_cases.py`` (one case per launch, several checks
+per case, to keep launches few) and write what they got; the checks are here:
+every worker bitwise equal to every other, and equal (to float32 rounding) to one
+replica training on the global batch, computed in this process. Skipped, with the
+reason, where there is no ``mpiexec`` or no mpi4py (``pip install -r requirements.txt``
+brings both: the mpich wheel puts ``mpiexec`` beside this Python).
+"""
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+
+import json
+
+import numpy as np
+import pytest
+
+import mirrored as tf
+
+import multiworker_cases as cases
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CASES = ROOT / "tests" / "multiworker_cases.py"
+EQUIV_ATOL = 2e-6               # N replicas vs one on the global batch: float32 rounding (test_training)
+FAIL_DEADLINE_S = 60            # a failing worker must end every worker within this
+
+
+def _mpiexec():
+    """The mpiexec beside this Python (the mpich wheel's), else one on PATH."""
+    here = pathlib.Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = pathlib.Path(sys.prefix, "bin", "mpiexec")
+    return str(found) if found.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+pytestmark = pytest.mark.skipif(
+    MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs mpiexec and mpi4py (python -m pip install mpi4py mpich: requirements.txt)")
+
+
+def launch(n, case, out, *args, simulator=False, timeout=300):
+    env = dict(os.environ, MIRRORED_WORKER_TIMEOUT_S="120")
+    env["NUMBA_ENABLE_CUDASIM"] = "1" if simulator else env.get("NUMBA_ENABLE_CUDASIM", "1")
+    started = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(CASES), case, str(out), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return proc, time.monotonic() - started
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"workers failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+
+
+def _one_replica(init, dataset):
+    """The oracle: one replica on the CPU, training on the global batches."""
+    model = cases.build(tf.distribute.OneDeviceStrategy("CPU:0"))
+    model.set_weights(init)
+    model.fit(dataset, epochs=cases.EPOCHS, verbose=0)
+    return model
+
+
+def _check_training(out, proc, replicas):
+    _ok(proc)
+    got = [np.load(out / f"train_rank{r}.npz") for r in range(2)]
+    k = int(got[0]["n"])
+    arrays = [[g[f"arr_{i}"] for i in range(3 * k)] for g in got]
+    # per worker: initial weights, after fit, after the custom loop
+    init, fit_w, loop_w = ([a[j * k:(j + 1) * k] for a in arrays] for j in range(3))
+    # every worker: the chief's initial weights (they were seeded differently), the same bits after
+    for a, b in zip(init[0], init[1]):
+        assert np.array_equal(a, b), "initial weights differ between workers (not broadcast)"
+    for name, per_worker in (("fit", fit_w), ("custom loop", loop_w)):
+        for a, b in zip(*per_worker):
+            assert np.array_equal(a, b), f"{name}: worker 0 and worker 1 ended with different weights"
+    assert all(bool(g["copies_equal"]) for g in got), "a worker's replicas drifted apart"
+    assert all(int(g["replicas"]) == replicas for g in got)
+    # ... and what one replica reaches on the global batch
+    x, y = cases.data()
+    oracle = _one_replica(init[0][:], tf.data.Dataset.from_tensor_slices((x, y)).batch(cases.GLOBAL_BATCH))
+    for a, b in zip(fit_w[0], oracle.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=EQUIV_ATOL)
+    assert not np.allclose(fit_w[0][0], init[0][0]), "fit did not change the weights"
+    np.testing.assert_allclose(got[0]["loss"], oracle.history.history["loss"], rtol=1e-5)
+    want_eval = oracle.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(cases.GLOBAL_BATCH), verbose=0)
+    for g in got:
+        np.testing.assert_allclose(g["evaluated"], want_eval, rtol=1e-5)
+    full = tf.data.Dataset.from_tensor_slices((x, y)).batch(cases.GLOBAL_BATCH, drop_remainder=True)
+    loop_oracle = _one_replica(init[0][:], full)
+    for a, b in zip(loop_w[0], loop_oracle.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=EQUIV_ATOL)
+    # the first step's loss, reduced over every replica, is the global batch's mean loss
+    w1, b1, w2, b2 = (np.asarray(w, np.float64) for w in init[0])
+    logits = np.maximum(x[:6] @ w1 + b1, 0) @ w2 + b2
+    log_z = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    want_loss = np.mean(log_z - logits[np.arange(6), y[:6]])
+    for g in got:
+        assert g["custom_losses"][0] == pytest.approx(want_loss, rel=1e-5)
+        assert np.array_equal(g["gathered"], np.arange(replicas, dtype=np.float32))
+    if got[0]["resident"].size:       # fit on a data set kept on the devices: the same bits as fit
+        assert np.array_equal(got[0]["resident"], np.concatenate([w.ravel() for w in fit_w[0]]))
+        assert np.array_equal(got[0]["resident"], got[1]["resident"])
+    # distribute_datasets_from_function: InputContext(workers, rank, replicas); each worker's
+    # replicas take the next per-replica batches of its own shard
+    per_replica = cases.PIPELINE_GLOBAL_BATCH // replicas
+    local = replicas // 2
+    for r, g in enumerate(got):
+        assert g["input_context"].tolist() == [[2, r, replicas]]
+        assert np.array_equal(g["first_labels"], y[r::2][:per_replica * local])
+    # only the chief printed and kept the weights file
+    assert proc.stdout.count("Epoch 1/2") == 1, proc.stdout
+    saved = cases.build(tf.distribute.OneDeviceStrategy("CPU:0"))
+    with warnings.catch_warnings():           # Keras's note: this fresh optimizer has no slots yet
+        warnings.simplefilter("ignore", UserWarning)
+        saved.load_weights(out / "fit.weights.h5")
+    for a, w in zip(saved.get_weights(), fit_w[0]):
+        assert np.array_equal(a, w)
+    assert sorted(p.name for p in out.iterdir()) == ["fit.weights.h5", "log.csv", "train_rank0.npz",
+                                                     "train_rank1.npz"]
+    rows = (out / "log.csv").read_text().splitlines()           # the chief's CSV only: header + 2 epochs
+    assert len(rows) == 1 + cases.EPOCHS and rows[0].startswith("epoch,")
+
+
+def test_two_workers_one_cpu_each_fit_evaluate_custom_loop(tmp_path):
+    proc, _ = launch(2, "train", tmp_path)
+    _check_training(tmp_path, proc, replicas=2)
+
+
+def test_two_workers_two_simulated_gpus_each(tmp_path):
+    proc, _ = launch(2, "train", tmp_path, "--gpus", "2", simulator=True)
+    _check_training(tmp_path, proc, replicas=4)
+
+
+@pytest.mark.parametrize("workers,cpus", [(2, 2), (3, 1)])
+def test_ring_across_workers_equals_mpi_allreduce(tmp_path, workers, cpus):
+    proc, _ = launch(workers, "ring", tmp_path, "--cpus", str(cpus))
+    _ok(proc)
+    got = [np.load(tmp_path / f"ring_rank{r}.npz") for r in range(workers)]
+    n = workers * cpus
+    for size in (1, 2, 3, 5, 31, 33, 65, 1000, 4097, 10007):
+        every = got[0][f"inputs_{size}"]                                # (N, size) float32
+        assert every.shape == (n, size)
+        want = every.astype(np.float64).sum(0)
+        bound = 1e-6 * n * np.abs(every).astype(np.float64).sum(0) + 1e-30
+        first = got[0][f"ring_{size}"][0]
+        for r, g in enumerate(got):
+            ring = g[f"ring_{size}"]                                    # (local, size): every replica
+            for copy in ring:
+                assert np.array_equal(copy, first), f"size {size}: worker {r} differs bitwise from worker 0"
+            err = np.abs(ring[0].astype(np.float64) - want)
+            assert (err <= bound).all(), f"size {size}: max error {err.max()} at {err.argmax()}"
+            mpi_err = np.abs(ring[0].astype(np.float64) - g[f"mpi_{size}"])
+            assert (mpi_err <= 2 * bound).all(), f"size {size}: ring vs MPI_Allreduce {mpi_err.max()}"
+            # the trace: 2(N-1) steps, and every step crosses each worker boundary once
+            assert int(g[f"steps_{size}"]) == 2 * (n - 1)
+            crossings = {tuple(c) for c in g[f"crossings_{size}"]}
+            assert crossings == {(w, (w + 1) % workers) for w in range(workers)}
+    ints = [g["int_sum"] for g in got]
+    want_ints = sum(np.arange(4) + r for r in range(workers)) * cpus
+    for got_ints in ints:
+        assert got_ints.dtype == np.int32 and np.array_equal(got_ints, want_ints)
+    for g in got:                                   # MEAN over every worker's replicas
+        assert g["int_mean"].dtype == np.float64 and np.array_equal(g["int_mean"], want_ints / n)
+
+
+def test_a_stuck_worker_times_the_others_out(tmp_path):
+    proc, took = launch(2, "stall", tmp_path, timeout=FAIL_DEADLINE_S + 30)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert took < 10 * cases.STALL_TIMEOUT_S, f"the workers took {took:.0f} s to end"
+    assert f"worker 0 of 2 waited {cases.STALL_TIMEOUT_S} s" in output and "worker(s) [1]" in output, output
+    assert not list(tmp_path.glob("stall_rank*_finished"))
+
+
+def test_a_failing_worker_ends_every_worker_naming_its_rank(tmp_path):
+    proc, took = launch(2, "fail", tmp_path, timeout=FAIL_DEADLINE_S + 30)
+    assert proc.returncode != 0
+    assert took <= FAIL_DEADLINE_S, f"the workers took {took:.0f} s to end"
+    output = proc.stdout + proc.stderr
+    assert "worker 1 of 2 failed: ValueError" in output and "worker 1 breaks on purpose" in output, output
+    assert not list(tmp_path.glob("fail_rank*_finished")), "a worker went on past the failure"
+
+
+# --- in this process: no launcher, no MPI --------------------------------------------------
+
+@pytest.fixture
+def lone_worker(monkeypatch):
+    """This process as a plain ``python train.py``: no launcher, and mpi4py hidden."""
+    from mirrored import workers
+    for var in workers.LAUNCHER_SIZE_VARS + ("TF_CONFIG",):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)          # import mpi4py -> ImportError
+    monkeypatch.setattr(workers, "_world", None)
+    return workers
+
+
+def test_plain_python_is_one_worker_without_mpi(lone_worker, devices):
+    devices(cpus=1)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.cluster_resolver.task_id == 0 and strategy.cluster_resolver.task_type == "worker"
+    assert strategy.num_replicas_in_sync == len(strategy.extended.devices)
+    assert strategy.extended.should_checkpoint and strategy.extended.should_save_summary
+    assert lone_worker.world().comm is None
+    out = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(2.0)))
+    n = strategy.num_replicas_in_sync
+    assert float(strategy.reduce("SUM", out, axis=None)) == 2.0 * n * n
+
+
+def test_a_launched_worker_without_mpi4py_is_told_what_to_install(lone_worker, monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    with pytest.raises(ImportError, match="one of 2 workers.*pip install mpi4py mpich"):
+        lone_worker.world()
+
+
+def test_nccl_is_refused_with_the_reason():
+    options = tf.distribute.experimental.CommunicationOptions
+    impl = tf.distribute.experimental.CommunicationImplementation
+    with pytest.raises(NotImplementedError, match="does not use NCCL.*RING"):
+        options(implementation=impl.NCCL)
+    assert options(implementation="ring").implementation is impl.RING
+    assert options().implementation is impl.AUTO
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        options(timeout_seconds=0)
+
+
+def test_tf_config_must_agree_with_mpi():
+    from mirrored.multi_worker import check_tf_config
+
+    def config(workers, task_type="worker", index=0, chief=0):
+        cluster = {"worker": [f"host{i}:2222" for i in range(workers)]}
+        if chief:
+            cluster["chief"] = ["chief:2222"]
+        return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+
+    check_tf_config(1, 2, config(2, index=1))                 # agrees: nothing to say
+    check_tf_config(0, 3, config(2, "chief", 0, chief=1))     # TF's chief is worker 0
+    check_tf_config(2, 3, config(2, "worker", 1, chief=1))
+    check_tf_config(0, 4, {})                                 # no TF_CONFIG: MPI decides
+    with pytest.raises(ValueError, match="describes 3 worker.*MPI started 2"):
+        check_tf_config(0, 2, config(3))
+    with pytest.raises(ValueError, match="task 'worker' 0 .*MPI made it rank 1"):
+        check_tf_config(1, 2, config(2, index=0))
+    with pytest.raises(ValueError, match="not the JSON"):
+        check_tf_config(0, 1, {"TF_CONFIG": "{cluster"})
+    with pytest.raises(ValueError, match="'ps'"):
+        check_tf_config(0, 2, config(2, "ps"))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 10])
+def test_shard_keeps_every_kth_element(n):
+    ds = tf.data.Dataset.range(n)
+    for k in (1, 2, 3):
+        parts = [[int(e) for e in ds.shard(k, i)] for i in range(k)]
+        assert parts == [list(range(i, n, k)) for i in range(k)]
+        assert [len(ds.shard(k, i)) for i in range(k)] == [len(p) for p in parts]
+    with pytest.raises(ValueError, match="0 <= index < num_shards"):
+        ds.shard(2, 2)
+
+
+def test_array_batches_follow_the_chiefs_shuffle_across_workers(rng):
+    from mirrored.keras.data_adapters import ArrayBatches
+
+    chief_order = rng.permutation(7)
+
+    class TwoWorkers:                      # what ArrayBatches asks of extended
+        _num_workers = 2
+
+        def _broadcast_from_chief(self, value, what):
+            assert sorted(value) == list(range(7))          # this worker's own permutation
+            return chief_order
+
+    x, y = np.arange(7.0)[:, None], np.arange(7)
+    got = np.concatenate([yb for _, yb in ArrayBatches(x, y, 3, True, TwoWorkers())])
+    assert np.array_equal(got, chief_order)
+    alone = ArrayBatches(x, y, 3, False, TwoWorkers())    # no shuffle: nothing to agree on
+    assert np.array_equal(np.concatenate([yb for _, yb in alone]), y)
