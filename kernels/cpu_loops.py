@@ -61,20 +61,15 @@ _JIT = dict(cache=True, nogil=True)
 # --- Conv2D ----------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _conv2d_forward(x, w, bias, out, sh, sw, pt, pl, relu):
-    """Loop nest: for each output pixel (n, oh, ow): acc[:] = 0
-                      for t = (kh, kw, ci) in order (taps inside the input):
-                          acc[:] += x[n, ih, iw, ci] * W[t, :]      (W: the kernel as (KH*KW*Cin, Cout))
-                      out[n, oh, ow, :] = relu(acc + bias)"""
+def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
+    """cols[r, t] = x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci], 0 in the padding, for
+    r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop."""
     b, h, wd, cin = x.shape
-    kh_n, kw_n, _, cout = w.shape
-    out_h, out_w = out.shape[1], out.shape[2]
-    wf = w.reshape(kh_n * kw_n * cin, cout).copy()     # contiguous rows, one per tap
-    acc = np.empty(cout, np.float32)
+    r = 0
     for n in range(b):
         for oh in range(out_h):
             for ow in range(out_w):
-                acc[:] = 0.0
+                row = cols[r]
                 t = 0
                 for kh in range(kh_n):
                     ih = oh * sh - pt + kh
@@ -82,62 +77,36 @@ def _conv2d_forward(x, w, bias, out, sh, sw, pt, pl, relu):
                         iw = ow * sw - pl + kw
                         inside = ih >= 0 and ih < h and iw >= 0 and iw < wd
                         for ci in range(cin):
-                            if inside:                 # a tap in the padding adds nothing
-                                xv = x[n, ih, iw, ci]
-                                for co in range(cout):
-                                    acc[co] += xv * wf[t, co]
+                            row[t] = x[n, ih, iw, ci] if inside else np.float32(0.0)
                             t += 1
-                o = out[n, oh, ow]
-                for co in range(cout):
-                    v = acc[co] + bias[co]
-                    o[co] = np.float32(0.0) if relu and v < 0.0 else v   # NaN stays NaN
-    return out
+                r += 1
 
 
 @njit(**_JIT)
-def _conv2d_grads(x, dy, dw, db, sh, sw, pt, pl, with_bias):
-    """Loop nest: for each image n: part[:] = 0, pb[:] = 0
-                      for each output pixel (oh, ow), tap (kh, kw) inside, ci:
-                          part[kh, kw, ci, :] += x[n, ih, iw, ci] * dy[n, oh, ow, :]
-                      (pb[:] += dy[n, oh, ow, :])
-                      total += part (float64)            -> dw, db = total (float32)"""
-    b, h, wd, cin = x.shape
-    kh_n, kw_n, _, cout = dw.shape
-    out_h, out_w = dy.shape[1], dy.shape[2]
-    total = np.zeros((kh_n, kw_n, cin, cout), np.float64)
-    total_b = np.zeros(cout, np.float64)
-    part = np.empty((kh_n, kw_n, cin, cout), np.float32)
-    part_b = np.empty(cout, np.float32)
-    for n in range(b):
+def _bias_act(out, bias, relu):
+    """out[r, :] = relu(out[r, :] + bias), in place (NaN stays NaN, as np.maximum)."""
+    for r in range(out.shape[0]):
+        o = out[r]
+        for co in range(out.shape[1]):
+            v = o[co] + bias[co]
+            o[co] = np.float32(0.0) if relu and v < 0.0 else v
+
+
+@njit(**_JIT)
+def _column_sums(d, out, rows_per_part):
+    """out[c] = sum over rows of d[:, c]: float32 partial sums over ``rows_per_part``
+    consecutive rows (one image's pixels), added to a float64 total in row order."""
+    total = np.zeros(d.shape[1], np.float64)
+    part = np.empty(d.shape[1], np.float32)
+    for lo in range(0, d.shape[0], rows_per_part):
         part[:] = 0.0
-        part_b[:] = 0.0
-        for oh in range(out_h):
-            for ow in range(out_w):
-                if with_bias:
-                    for co in range(cout):
-                        part_b[co] += dy[n, oh, ow, co]
-                for kh in range(kh_n):
-                    ih = oh * sh - pt + kh
-                    if ih < 0 or ih >= h:
-                        continue
-                    for kw in range(kw_n):
-                        iw = ow * sw - pl + kw
-                        if iw < 0 or iw >= wd:
-                            continue
-                        for ci in range(cin):
-                            xv = x[n, ih, iw, ci]
-                            for co in range(cout):
-                                part[kh, kw, ci, co] += xv * dy[n, oh, ow, co]
+        for r in range(lo, min(lo + rows_per_part, d.shape[0])):
+            row = d[r]
+            for c in range(d.shape[1]):
+                part[c] += row[c]
         total += part
-        total_b += part_b
-    for kh in range(kh_n):
-        for kw in range(kw_n):
-            for ci in range(cin):
-                for co in range(cout):
-                    dw[kh, kw, ci, co] = total[kh, kw, ci, co]
-    if with_bias:
-        for co in range(cout):
-            db[co] = total_b[co]
+    for c in range(d.shape[1]):
+        out[c] = total[c]
 
 
 @njit(**_JIT)
@@ -166,29 +135,60 @@ def _conv2d_input_grad(dy, w, dx, sh, sw, pt, pl):
                             dx[n, ih, iw, ci] += s
 
 
-def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False):
+def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False, cols=None):
     """``conv2d_ref(x, kernel, bias, strides, padding, relu)`` written into ``out``
-    (B, OH, OW, Cout) float32; x (B, H, W, Cin), kernel (KH, KW, Cin, Cout), bias (Cout,)
-    or None, all float32 (C-contiguous or not)."""
-    shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_forward")
+    (B, OH, OW, Cout) float32: x (B, H, W, Cin), kernel (KH, KW, Cin, Cout), bias (Cout,)
+    or None, all float32. The reference's own method (im2col, then one matmul, here
+    straight into ``out``), with the column matrix made by one compiled loop instead of
+    a strided copy and the bias and ReLU in one pass. ``cols``: a (B*OH*OW, KH*KW*Cin)
+    float32 buffer to reuse (the CPU device keeps one), else one is made."""
+    b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
+                                                        "conv2d_forward")
     _check_out("conv2d_forward", out, shape)
-    (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
-    if bias is None:
-        bias = np.zeros(kernel.shape[3], np.float32)
-    return _conv2d_forward(x, kernel, bias, out, sh, sw, pt, pl, bool(relu))
+    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
+    out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
+    np.matmul(cols, kernel.reshape(-1, cout), out=out2)  # (B*OH*OW, Cout)
+    if bias is not None or relu:
+        _bias_act(out2, np.zeros(cout, np.float32) if bias is None else bias, bool(relu))
+    return out
 
 
-def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid"):
+def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=None):
     """``conv2d_backward_ref`` written into dw (KH, KW, Cin, Cout), db (Cout,) or None, and
-    dx (B, H, W, Cin) unless it is None (the first layer: no earlier layer needs it)."""
-    shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_backward")
+    dx (B, H, W, Cin) unless it is None (a first layer: no earlier layer needs it, and
+    it is not computed). dW = cols^T @ dy as the reference (one matmul); db by
+    ``_column_sums``; dx by ``_conv2d_input_grad`` (a scatter, not the reference's
+    col2im temporaries)."""
+    b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
+                                                        "conv2d_backward")
     _check_out("conv2d_backward: dy", dy, shape)
-    (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
-    _conv2d_grads(x, dy, dw, dw[0, 0, 0] if db is None else db, sh, sw, pt, pl, db is not None)
+    _check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
+    dy2 = dy.reshape(b * out_h * out_w, cout)
+    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
+    np.matmul(cols.T, dy2, out=dw.reshape(-1, cout))     # (KH*KW*Cin, Cout)
+    if db is not None:
+        _column_sums(dy2, db, max(out_h * out_w, 1))
     if dx is not None:
         _check_out("conv2d_backward: dx", dx, tuple(x.shape))
+        (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
         _conv2d_input_grad(dy, kernel, dx, sh, sw, pt, pl)
     return dx, dw, db
+
+
+def cols_shape(x_shape, kernel_shape, strides=1, padding="valid"):
+    """The column matrix's shape (B*OH*OW, KH*KW*Cin), for a caller keeping the buffer."""
+    b, out_h, out_w, _ = conv2d_output_shape(x_shape, kernel_shape, strides, padding, "cols_shape")
+    return b * out_h * out_w, int(np.prod(kernel_shape[:3]))
+
+
+def _columns(x, kernel_shape, out_h, out_w, strides, padding, cols):
+    (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel_shape[:2], strides, padding)
+    shape = (x.shape[0] * out_h * out_w, int(np.prod(kernel_shape[:3])))
+    if cols is None:
+        cols = np.empty(shape, np.float32)
+    _check_out("conv2d: cols", cols, shape)
+    _im2col(x, cols, out_h, out_w, kernel_shape[0], kernel_shape[1], sh, sw, pt, pl)
+    return cols
 
 
 def _strides_pads(x_shape, kernel_hw, strides, padding):
@@ -325,3 +325,31 @@ def relu_backward(dy, y, out):
         from kernels.activations import relu_backward_ref
         relu_backward_ref(dy, y, out)
     return out
+
+
+# --- Adam ----------------------------------------------------------------------------------------
+
+@njit(**_JIT)
+def _adam(w, g, m, v, alpha, one_minus_b1, one_minus_b2, eps):
+    # The float32 operations of adam_ref, in its order, one element at a time (Numba
+    # contracts nothing into fused multiply-adds without fastmath): bitwise the same.
+    for i in range(w.size):
+        gi = g[i]
+        mi = m[i] + (gi - m[i]) * one_minus_b1
+        vi = v[i] + (gi * gi - v[i]) * one_minus_b2
+        m[i] = mi
+        v[i] = vi
+        w[i] = w[i] - (mi * alpha) / (np.sqrt(vi) + eps)
+
+
+def adam(w, g, m, v, hyper):
+    """``adam_ref(w, g, m, v, hyper)`` in one pass (the reference makes six temporaries of
+    the whole buffer), for 1-D float32 buffers; other inputs go to the reference."""
+    from kernels import optimizers
+    if not (w.ndim == g.ndim == m.ndim == v.ndim == 1 and w.size == g.size == m.size == v.size
+            and w.dtype == g.dtype == m.dtype == v.dtype == hyper.dtype == np.float32
+            and all(a.flags.c_contiguous for a in (w, g, m, v))):
+        return optimizers.adam_ref(w, g, m, v, hyper)
+    _adam(w, g, m, v, hyper[optimizers.ADAM_ALPHA], hyper[optimizers.ADAM_ONE_MINUS_B1],
+          hyper[optimizers.ADAM_ONE_MINUS_B2], hyper[optimizers.ADAM_EPSILON])
+    return w

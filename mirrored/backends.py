@@ -95,11 +95,19 @@ class CpuOps:
     # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
-        return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu)  # = conv2d_ref
+        cols = self._cols(x, kernel, strides, padding)                # im2col's matrix, reused
+        return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu, cols)  # = conv2d_ref
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # = conv2d_backward_ref; dx is None for a first layer (nothing needs it: not computed)
-        return cpu_loops.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding)
+        cols = self._cols(x, kernel, strides, padding)
+        return cpu_loops.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, cols)
+
+    def _cols(self, x, kernel, strides, padding):
+        # A scratch buffer of the device (made once per shape, as CudaOps's partial sums):
+        # a fresh 1.5 MB array per call would cost its page faults every step.
+        shape = cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding)
+        return self.device.scratch("conv2d cols", shape, "float32")
 
     def max_pool(self, x, out, arg, pool_size, strides, padding):
         return cpu_loops.max_pool_forward(x, out, arg, pool_size, strides, padding)  # = max_pool_ref
@@ -116,7 +124,7 @@ class CpuOps:
         return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
 
     def adam(self, w, g, m, v, hyper):
-        return optimizers.adam_ref(w, g, m, v, hyper)
+        return cpu_loops.adam(w, g, m, v, hyper)               # = adam_ref bitwise, one pass
 
     # a batch from a data set kept on the device (kernels/gather.py)
     def gather_rows(self, src, idx, out):
