@@ -1,7 +1,7 @@
 """Where one CPU training step's time goes, layer by layer: the course lab's ConvNet.
 
     python -m benchmarks.breakdown                      # lab ConvNet, batch 64, 200 steps x 5 rounds
-    python -m benchmarks.breakdown --model dense        # the dense lab model instead
+    python -m benchmarks.breakdown --model lab          # the dense lab model instead
     python -m benchmarks.breakdown --steps 50 --rounds 3 --out /tmp/breakdown.json
 
 What runs: ``model.fit`` of the lab's ConvNet (Conv2D(32, 3, relu) -> MaxPooling2D ->
@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, training
 
 #: Steps per round and rounds: 200 steps of ~5-30 ms is 1-6 s per round.
 STEPS = 200
@@ -60,22 +60,8 @@ ADAM_EPSILON = 1e-7
 SEED = 0
 
 
-def lab_convnet(tf):
-    """The course lab's model, as written there."""
-    return [tf.keras.layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
-            tf.keras.layers.MaxPooling2D(),
-            tf.keras.layers.Flatten(),
-            tf.keras.layers.Dense(64, activation="relu"),
-            tf.keras.layers.Dense(10)]
-
-
-def lab_dense(tf):
-    return [tf.keras.layers.Flatten(input_shape=(28, 28, 1)),
-            tf.keras.layers.Dense(64, activation="relu"),
-            tf.keras.layers.Dense(10)]
-
-
-MODELS = {"convnet": lab_convnet, "dense": lab_dense}
+#: The models of benchmarks/training.py this program can break down.
+MODEL_NAMES = ("convnet", "lab")
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -113,7 +99,7 @@ def build_ours(tf, model_name, weights=None):
     with contextlib.redirect_stdout(None):                 # "Using MirroredStrategy with ..."
         strategy = tf.distribute.MirroredStrategy(["CPU:0"])
     with strategy.scope():
-        model = tf.keras.Sequential(MODELS[model_name](tf))
+        model = tf.keras.Sequential(training.keras_layers(tf, training.MODELS[model_name]))
     if weights is not None:
         model.set_weights(weights)
     model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
@@ -140,44 +126,22 @@ def instrument(model):
 
 
 class TorchStep:
-    """PyTorch eager: the same ConvNet (or dense model), weights (Keras's layouts converted),
-    batches and Adam; one ``run(batches)`` call per round."""
+    """PyTorch eager: the same model (``training.torch_net``: Keras's layouts converted),
+    weights, batches and Adam; one ``run(batches)`` call per round."""
 
     def __init__(self, torch, model_name, weights):
         self.torch = torch
-        nn = torch.nn
-        if model_name == "convnet":
-            conv = nn.Conv2d(1, 32, 3)
-            d1, d2 = nn.Linear(5408, 64), nn.Linear(64, 10)
-            k, b, w1, b1, w2, b2 = weights
-            with torch.no_grad():
-                conv.weight.copy_(torch.from_numpy(k.transpose(3, 2, 0, 1).copy()))   # HWIO -> OIHW
-                conv.bias.copy_(torch.from_numpy(b))
-                # Keras flattens NHWC in (h, w, c) order; PyTorch's NCHW in (c, h, w): permute rows.
-                w1_chw = w1.reshape(13, 13, 32, 64).transpose(2, 0, 1, 3).reshape(5408, 64)
-                d1.weight.copy_(torch.from_numpy(w1_chw.T.copy()))
-                d1.bias.copy_(torch.from_numpy(b1))
-                d2.weight.copy_(torch.from_numpy(w2.T.copy()))
-                d2.bias.copy_(torch.from_numpy(b2))
-            self.net = nn.Sequential(conv, nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), d1, nn.ReLU(), d2)
-            self.nchw = True
-        else:
-            w1, b1, w2, b2 = weights
-            d1, d2 = nn.Linear(784, 64), nn.Linear(64, 10)
-            with torch.no_grad():
-                for lin, w, b in ((d1, w1, b1), (d2, w2, b2)):
-                    lin.weight.copy_(torch.from_numpy(w.T.copy()))
-                    lin.bias.copy_(torch.from_numpy(b))
-            self.net = nn.Sequential(nn.Flatten(), d1, nn.ReLU(), d2)
-            self.nchw = False
+        spec = training.MODELS[model_name]
+        self.net = training.torch_net(torch, spec, weights)
+        self.nchw = training.conv_geometry(spec) is not None
         self.opt = torch.optim.Adam(self.net.parameters(), lr=LEARNING_RATE, eps=ADAM_EPSILON)
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.loss_fn = torch.nn.CrossEntropyLoss()
 
     def run(self, batches):
         torch = self.torch
         for xb, yb in batches:
             xt = torch.from_numpy(xb)                              # (B, 28, 28, 1)
-            xt = xt.permute(0, 3, 1, 2) if self.nchw else xt      # NCHW view (C = 1: free)
+            xt = xt.permute(0, 3, 1, 2) if self.nchw else xt.reshape(len(xb), -1)  # NCHW (C = 1: free)
             yt = torch.from_numpy(yb)
             self.opt.zero_grad(set_to_none=True)
             loss = self.loss_fn(self.net(xt), yt)
@@ -188,7 +152,8 @@ class TorchStep:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(MODELS), default="convnet")
+    parser.add_argument("--model", choices=MODEL_NAMES, default="convnet",
+                        help="convnet: the course lab's ConvNet; lab: its dense stand-in")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per round")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds (after one warm-up)")
     parser.add_argument("--no-peers", action="store_true", help="do not time PyTorch")
@@ -206,10 +171,9 @@ def main(argv=None):
     common.choose_cuda(smoke=False)
     os.environ.setdefault("MIRRORED_OFFLINE", "1")
     import mirrored as tf
-    from benchmarks.training import load_mnist
     from mirrored import backends
 
-    x, y, source = load_mnist(args.steps * BATCH)
+    x, y, source = training.load_mnist(args.steps * BATCH)
     batches = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x) - BATCH + 1, BATCH)]
     steps = len(batches)
     tf.random.set_seed(SEED)
@@ -281,9 +245,8 @@ def main(argv=None):
     if args.out:
         info = common.device_info()
         info["device"] = "CPU"
-        from benchmarks.training import cpu_model, thread_settings
-        info["cpu_model"] = cpu_model()
-        info["threads"] = thread_settings(torch if torch_step is not None else None)
+        info["cpu_model"] = training.cpu_model()
+        info["threads"] = training.thread_settings(torch if torch_step is not None else None)
         payload = {"model": args.model, "clock": args.clock, "batch": BATCH, "steps_per_round": steps, "rounds": args.rounds,
                    "data": source, "rows": rows, "rounds_ms": per_round, "torch_rounds_ms": torch_ms,
                    "skipped": skipped}
