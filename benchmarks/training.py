@@ -842,6 +842,14 @@ def thread_settings(torch):
            "fit_replicas": "driven in turn by one host thread; BLAS threads not changed"}
     if torch is not None:
         out["torch_threads"] = torch.get_num_threads()
+    try:            # which BLAS kernel runs (OpenBLAS's "architecture"), where threadpoolctl is
+        import threadpoolctl      # installed (not a dependency of this project)
+        out["threadpoolctl"] = [{k: p.get(k) for k in ("internal_api", "prefix", "version",
+                                                        "architecture", "num_threads", "filepath")}
+                                for p in threadpoolctl.threadpool_info()]
+    except ImportError:
+        out["threadpoolctl"] = None
+    out["openblas_env"] = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     return out
 
 

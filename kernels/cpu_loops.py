@@ -10,66 +10,86 @@ position), and the backward recomputes im2col. Profiled on the course lab's Conv
 took 17 of the step's 21 ms. The loops here do the same arithmetic in one pass each,
 compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
 
-    conv2d_forward     out = relu(conv(x, W) + bias): one pass over the output, the
-                       KH*KW*Cin taps summed in (kh, kw, ci) order for all Cout channels
-                       at once (the inner loop over co is contiguous: SIMD)
-    conv2d_grads       dW, db: per image, a float32 partial sum over its output pixels,
-                       added to a float64 total in image order (so a sum over 43,264
-                       pixels loses no more than the reference's BLAS sum does)
-    conv2d_input_grad  dx: each output pixel's dy @ W^T scattered back onto its window,
-                       in output-pixel order (only when an earlier layer needs dx)
+    conv2d_forward     the reference's own method, im2col then ONE matmul (BLAS), but
+                       the column matrix made by a compiled loop (``_im2col``) into a
+                       buffer the device keeps, the product written straight into the
+                       output, and bias + ReLU in one pass (``_bias_act``): bitwise the
+                       reference's result
+    conv2d_backward    dW = cols^T @ dy, the reference's matmul; db by ``_column_sums``
+                       (float32 per image, float64 across images); dx (only when an
+                       earlier layer needs it: never for the lab's first-layer conv,
+                       as in every framework) by ``_conv2d_input_grad``, a scatter of
+                       each output pixel's dy @ W^T onto its window
     max_pool_forward   max and arg-max in one pass over the input, the SAME comparisons
                        in the SAME order as ``max_pool_ref`` and the CUDA kernel: the
                        first maximum in row-major window order, NaN taken first
-    max_pool_backward  zero dx, then each output's dy added at its recorded arg-max
+    max_pool_backward  each output's dy added at its recorded arg-max
     relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
                        reference's ``y > 0``)
+
+Measured with ``python -m benchmarks.breakdown --clock cpu`` (one thread, CPU time of
+this process, so that other jobs on the machine do not count): the step went from 21.3
+to 8.8 ms; the image layers from 17.9 to 5.2 ms.
 
 Equivalence with the references (tests/test_kernels_cpu_loops.py checks each on awkward
 shapes: odd sizes, strides, "same", ties, NaN):
 
-    * pooling forward and the ReLU backward: bitwise equal (the same comparisons);
+    * conv forward, pooling forward and the ReLU backward: bitwise equal (the same
+      operations in the same order; the same BLAS call for the conv);
     * pooling backward: bitwise equal when windows do not overlap (strides >= pool,
       Keras's default), each input getting at most one term; with overlap an input's
       terms are added in output-pixel order instead of window-position order
       (equal to float32 rounding);
-    * conv forward and gradients: the same sums in another order (the reference's
-      order is OpenBLAS's, which depends on the machine), so equal to float32 rounding.
+    * the conv's db and dx: the same sums in another order (float32 rounding); dW is
+      the reference's own matmul.
 
-Every loop's order of additions depends only on the shapes, never on threads or timing:
-the result is the same on every run and every replica (the replicas of a
-MirroredStrategy stay bitwise equal). The loops are serial: OpenBLAS already uses the
-cores for the Dense layers' GEMMs, and the image layers of the lab are memory-bound.
+Every loop's order of additions depends only on the shapes, never on the threads: the
+loops over images run in parallel (``prange``), each image writing only its own outputs,
+and partial sums are combined in a fixed order. So the result is the same on every run,
+with any thread count, and on every replica (the replicas of a MirroredStrategy stay
+bitwise equal).
 
-Numba compiles each loop on its first call (about a second each; ``cache=True`` keeps
-the machine code in ``__pycache__`` for the next process).
+Numba compiles each loop on its first call (seconds; ``cache=True`` keeps the machine
+code in ``__pycache__`` for the next process).
 
 Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
 the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls these).
 """
 import math
+import threading
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from kernels.conv2d import conv2d_output_shape, window_geometry
 from kernels.pooling import pool_geometry
 
 _JIT = dict(cache=True, nogil=True)
+#: The loops over images (or rows) run on Numba's threads (``prange``: as many as cores,
+#: NUMBA_NUM_THREADS), each iteration writing only its own image's outputs, so the result
+#: does not depend on the thread count. Calls are serialised by ``_LOCK``: Numba's
+#: fallback threading layer (workqueue, where OpenMP is missing) must not be entered by
+#: two threads at once, and a custom loop's ``strategy.run`` gives each replica a thread.
+_PAR = dict(_JIT, parallel=True)
+_LOCK = threading.Lock()
+
+
+def _run(loop, *args):
+    with _LOCK:
+        return loop(*args)
 
 
 # --- Conv2D ----------------------------------------------------------------------------------
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
     """cols[r, t] = x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci], 0 in the padding, for
     r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop."""
     b, h, wd, cin = x.shape
-    r = 0
-    for n in range(b):
+    for n in prange(b):
         for oh in range(out_h):
             for ow in range(out_w):
-                row = cols[r]
+                row = cols[(n * out_h + oh) * out_w + ow]
                 t = 0
                 for kh in range(kh_n):
                     ih = oh * sh - pt + kh
@@ -79,45 +99,47 @@ def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
                         for ci in range(cin):
                             row[t] = x[n, ih, iw, ci] if inside else np.float32(0.0)
                             t += 1
-                r += 1
 
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _bias_act(out, bias, relu):
     """out[r, :] = relu(out[r, :] + bias), in place (NaN stays NaN, as np.maximum)."""
-    for r in range(out.shape[0]):
+    for r in prange(out.shape[0]):
         o = out[r]
         for co in range(out.shape[1]):
             v = o[co] + bias[co]
             o[co] = np.float32(0.0) if relu and v < 0.0 else v
 
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _column_sums(d, out, rows_per_part):
     """out[c] = sum over rows of d[:, c]: float32 partial sums over ``rows_per_part``
-    consecutive rows (one image's pixels), added to a float64 total in row order."""
-    total = np.zeros(d.shape[1], np.float64)
-    part = np.empty(d.shape[1], np.float32)
-    for lo in range(0, d.shape[0], rows_per_part):
-        part[:] = 0.0
-        for r in range(lo, min(lo + rows_per_part, d.shape[0])):
+    consecutive rows (one image's pixels; in parallel), added to a float64 total in
+    part order (the same order whatever the threads)."""
+    n_parts = (d.shape[0] + rows_per_part - 1) // rows_per_part
+    parts = np.zeros((n_parts, d.shape[1]), np.float32)
+    for p in prange(n_parts):
+        part = parts[p]
+        for r in range(p * rows_per_part, min((p + 1) * rows_per_part, d.shape[0])):
             row = d[r]
             for c in range(d.shape[1]):
                 part[c] += row[c]
-        total += part
     for c in range(d.shape[1]):
-        out[c] = total[c]
+        total = 0.0
+        for p in range(n_parts):
+            total += np.float64(parts[p, c])
+        out[c] = total
 
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _conv2d_input_grad(dy, w, dx, sh, sw, pt, pl):
     """Loop nest: dx[:] = 0; for each output pixel (n, oh, ow), tap (kh, kw) inside, ci:
                       dx[n, ih, iw, ci] += sum over co of dy[n, oh, ow, co] * w[kh, kw, ci, co]"""
     b, h, wd, cin = dx.shape
     kh_n, kw_n, _, cout = w.shape
     out_h, out_w = dy.shape[1], dy.shape[2]
-    dx[:] = 0.0
-    for n in range(b):
+    for n in prange(b):                     # image n's windows write only dx[n]
+        dx[n] = 0.0
         for oh in range(out_h):
             for ow in range(out_w):
                 for kh in range(kh_n):
@@ -149,7 +171,7 @@ def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False,
     out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
     np.matmul(cols, kernel.reshape(-1, cout), out=out2)  # (B*OH*OW, Cout)
     if bias is not None or relu:
-        _bias_act(out2, np.zeros(cout, np.float32) if bias is None else bias, bool(relu))
+        _run(_bias_act, out2, np.zeros(cout, np.float32) if bias is None else bias, bool(relu))
     return out
 
 
@@ -167,11 +189,11 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     np.matmul(cols.T, dy2, out=dw.reshape(-1, cout))     # (KH*KW*Cin, Cout)
     if db is not None:
-        _column_sums(dy2, db, max(out_h * out_w, 1))
+        _run(_column_sums, dy2, db, max(out_h * out_w, 1))
     if dx is not None:
         _check_out("conv2d_backward: dx", dx, tuple(x.shape))
         (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
-        _conv2d_input_grad(dy, kernel, dx, sh, sw, pt, pl)
+        _run(_conv2d_input_grad, dy, kernel, dx, sh, sw, pt, pl)
     return dx, dw, db
 
 
@@ -187,7 +209,7 @@ def _columns(x, kernel_shape, out_h, out_w, strides, padding, cols):
     if cols is None:
         cols = np.empty(shape, np.float32)
     _check_out("conv2d: cols", cols, shape)
-    _im2col(x, cols, out_h, out_w, kernel_shape[0], kernel_shape[1], sh, sw, pt, pl)
+    _run(_im2col, x, cols, out_h, out_w, kernel_shape[0], kernel_shape[1], sh, sw, pt, pl)
     return cols
 
 
@@ -205,7 +227,7 @@ def _check_out(what, out, shape):
 
 # --- MaxPooling2D ------------------------------------------------------------------------------
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
     """Loop nest (max_pool_v1's, with the window positions outside the channel loop so
     that the loop over c, contiguous in NHWC, runs in SIMD lanes):
@@ -217,7 +239,7 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
     which is max_pool_ref's rule: the first maximum, or the first NaN."""
     b, h, wd, ch = x.shape
     out_h, out_w = out.shape[1], out.shape[2]
-    for n in range(b):
+    for n in prange(b):
         for oh in range(out_h):
             for ow in range(out_w):
                 o = out[n, oh, ow]
@@ -247,14 +269,14 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
                                 g[c] = pos if take else g[c]
 
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
     """Loop nest: dx[:] = 0; for each output pixel (n, oh, ow), window position (a, b)
            inside dx, for every c: dx[n, ih, iw, c] += dy[n, oh, ow, c] if arg[n, oh, ow, c] == a*PW + b else 0"""
     h, wd = dx.shape[1], dx.shape[2]
     out_h, out_w, ch = dy.shape[1], dy.shape[2], dy.shape[3]
-    dx[:] = 0.0
-    for n in range(dy.shape[0]):
+    for n in prange(dy.shape[0]):           # image n's windows write only dx[n]
+        dx[n] = 0.0
         for oh in range(out_h):
             for ow in range(out_w):
                 d = dy[n, oh, ow]
@@ -281,7 +303,7 @@ def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
     if tuple(arg.shape) != shape or arg.dtype != np.int32:
         raise ValueError(f"max_pool_forward: arg must be int32 of shape {shape}, got "
                          f"{arg.dtype} {tuple(arg.shape)}.")
-    _max_pool_forward(x, out, arg, ph, pw, sh, sw, pt, pl)
+    _run(_max_pool_forward, x, out, arg, ph, pw, sh, sw, pt, pl)
     return out, arg
 
 
@@ -290,23 +312,23 @@ def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid"):
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
                                                               padding, "max_pool_backward")
     _check_out("max_pool_backward: dy", dy, shape)
-    _max_pool_backward(dy, arg, dx, ph, pw, sh, sw, pt, pl)
+    _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl)
     return dx
 
 
 # --- ReLU backward -------------------------------------------------------------------------------
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _relu_backward(dy, y, out):
-    for i in range(out.size):
+    for i in prange(out.size):
         out[i] = dy[i] if y[i] > 0.0 else np.float32(0.0)
 
 
-@njit(**_JIT)
+@njit(**_PAR)
 def _relu_backward_in_place(d, y):
     # out is dy: a loop of its own (with ``out`` and ``dy`` the same array passed twice,
     # the compiled loop ran 30x slower, measured here: it cannot know they alias).
-    for i in range(d.size):
+    for i in prange(d.size):
         d[i] = d[i] if y[i] > 0.0 else np.float32(0.0)
 
 
@@ -318,38 +340,11 @@ def relu_backward(dy, y, out):
     ok = (all(f is not None for f in flat) and dy.dtype == y.dtype == out.dtype == np.float32
           and dy.size == y.size == out.size)
     if ok and out.ctypes.data == dy.ctypes.data and not np.shares_memory(dy, y):
-        _relu_backward_in_place(flat[0], flat[1])
+        _run(_relu_backward_in_place, flat[0], flat[1])
     elif ok and not np.shares_memory(out, dy) and not np.shares_memory(out, y):
-        _relu_backward(flat[0], flat[1], flat[2])
+        _run(_relu_backward, flat[0], flat[1], flat[2])
     else:
         from kernels.activations import relu_backward_ref
         relu_backward_ref(dy, y, out)
     return out
 
-
-# --- Adam ----------------------------------------------------------------------------------------
-
-@njit(**_JIT)
-def _adam(w, g, m, v, alpha, one_minus_b1, one_minus_b2, eps):
-    # The float32 operations of adam_ref, in its order, one element at a time (Numba
-    # contracts nothing into fused multiply-adds without fastmath): bitwise the same.
-    for i in range(w.size):
-        gi = g[i]
-        mi = m[i] + (gi - m[i]) * one_minus_b1
-        vi = v[i] + (gi * gi - v[i]) * one_minus_b2
-        m[i] = mi
-        v[i] = vi
-        w[i] = w[i] - (mi * alpha) / (np.sqrt(vi) + eps)
-
-
-def adam(w, g, m, v, hyper):
-    """``adam_ref(w, g, m, v, hyper)`` in one pass (the reference makes six temporaries of
-    the whole buffer), for 1-D float32 buffers; other inputs go to the reference."""
-    from kernels import optimizers
-    if not (w.ndim == g.ndim == m.ndim == v.ndim == 1 and w.size == g.size == m.size == v.size
-            and w.dtype == g.dtype == m.dtype == v.dtype == hyper.dtype == np.float32
-            and all(a.flags.c_contiguous for a in (w, g, m, v))):
-        return optimizers.adam_ref(w, g, m, v, hyper)
-    _adam(w, g, m, v, hyper[optimizers.ADAM_ALPHA], hyper[optimizers.ADAM_ONE_MINUS_B1],
-          hyper[optimizers.ADAM_ONE_MINUS_B2], hyper[optimizers.ADAM_EPSILON])
-    return w

@@ -124,7 +124,7 @@ class CpuOps:
         return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
 
     def adam(self, w, g, m, v, hyper):
-        return cpu_loops.adam(w, g, m, v, hyper)               # = adam_ref bitwise, one pass
+        return optimizers.adam_ref(w, g, m, v, hyper)
 
     # a batch from a data set kept on the device (kernels/gather.py)
     def gather_rows(self, src, idx, out):
