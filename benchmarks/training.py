@@ -349,7 +349,7 @@ class TorchRow:
         self.last_loss = loss
 
     def final_loss(self):
-        return float(self.last_loss) if self.last_loss is not None else None
+        return float(self.last_loss.detach()) if self.last_loss is not None else None
 
 
 def torch_net(torch, spec, weights):

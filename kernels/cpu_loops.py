@@ -44,10 +44,10 @@ shapes: odd sizes, strides, "same", ties, NaN):
       the reference's own matmul.
 
 Every loop's order of additions depends only on the shapes, never on the threads: the
-loops over images run in parallel (``prange``), each image writing only its own outputs,
-and partial sums are combined in a fixed order. So the result is the same on every run,
-with any thread count, and on every replica (the replicas of a MirroredStrategy stay
-bitwise equal).
+loops over images can run in parallel (``prange``, ``MIRRORED_CPU_PARALLEL=1``; serial by
+default, see ``PARALLEL``), each image writing only its own outputs, and partial sums
+are combined in a fixed order. So the result is the same on every run, with any thread
+count, and on every replica (the replicas of a MirroredStrategy stay bitwise equal).
 
 Numba compiles each loop on its first call (seconds; ``cache=True`` keeps the machine
 code in ``__pycache__`` for the next process).
@@ -56,6 +56,7 @@ Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geomet
 the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls these).
 """
 import math
+import os
 import threading
 
 import numpy as np
@@ -64,13 +65,19 @@ from numba import njit, prange
 from kernels.conv2d import conv2d_output_shape, window_geometry
 from kernels.pooling import pool_geometry
 
+#: Serial by default. ``MIRRORED_CPU_PARALLEL=1`` (read at import) runs the loops over
+#: images on Numba's threads instead (``prange``; NUMBA_NUM_THREADS of them), each
+#: iteration writing only its own image's outputs, so the result does not depend on the
+#: thread count. Not the default: measured here on 2 shared cores, Numba's OpenMP
+#: threads and OpenBLAS's own fought over the cores (max-pool forward 1.5 ms serial,
+#: 11.7 ms with 2 threads, wall clock); on a quiet machine it is untested. Parallel
+#: loops are not cached (a cache entry does not record how its code was compiled).
+PARALLEL = os.environ.get("MIRRORED_CPU_PARALLEL", "0") == "1"
 _JIT = dict(cache=True, nogil=True)
-#: The loops over images (or rows) run on Numba's threads (``prange``: as many as cores,
-#: NUMBA_NUM_THREADS), each iteration writing only its own image's outputs, so the result
-#: does not depend on the thread count. Calls are serialised by ``_LOCK``: Numba's
-#: fallback threading layer (workqueue, where OpenMP is missing) must not be entered by
-#: two threads at once, and a custom loop's ``strategy.run`` gives each replica a thread.
-_PAR = dict(_JIT, parallel=True)
+_PAR = dict(nogil=True, parallel=True) if PARALLEL else _JIT
+#: Calls are serialised by ``_LOCK``: Numba's fallback threading layer (workqueue, where
+#: OpenMP is missing) must not be entered by two threads at once, and a custom loop's
+#: ``strategy.run`` gives each replica a thread.
 _LOCK = threading.Lock()
 
 
