@@ -3,13 +3,19 @@
     python -m benchmarks.training                              # the GPU if there is one, else the CPU
     python -m benchmarks.training --tf-python /tmp/tfvenv/bin/python    # TF from another venv
     python -m benchmarks.training --smoke --out /tmp/training.json   # tiny; the test suite runs this
+    python -m benchmarks.training --models convnet                  # the lab's ConvNet only
+
+(where the time of one ConvNet step goes, layer by layer: python -m benchmarks.breakdown)
 
 What is timed: one epoch of ``model.fit`` over MNIST (the bundled 8,000-image subset
-offline, the full 60,000 when present), after one untimed warm-up epoch, for two
+offline, the full 60,000 when present), after one untimed warm-up epoch, for three
 models with Adam and sparse cross-entropy from logits:
 
-    lab    Flatten -> Dense 64 relu -> Dense 10       64 examples per replica (the course lab)
-    wide   784 -> 1024 relu -> 1024 relu -> 10         256 examples per replica
+    lab      Flatten -> Dense 64 relu -> Dense 10     64 examples per replica (the dense lab model)
+    wide     784 -> 1024 relu -> 1024 relu -> 10       256 examples per replica
+    convnet  Conv2D(32, 3, relu) -> MaxPooling2D -> Flatten -> Dense 64 relu -> Dense 10
+                                                       64 examples per replica (the course
+                                                       lab's own model, issue 14)
 
 The global batch is (examples per replica) x (replicas), TensorFlow's convention, so
 samples/s compares replica counts fairly. Rows, each with the same initial weights:
@@ -41,6 +47,8 @@ The floor, per step of each row's global batch:
 
     FLOPs   2*B*sum(d_in*d_out) forward + the same for dW + 2*B*sum(d_in*d_out) for dX
             (not for the first layer)                  / the measured GEMM rate
+            (the ConvNet: its conv as the im2col GEMM (B*OH*OW x KH*KW*Cin x Cout),
+            forward and dW, no dX: it is the first layer; ~183 MFLOP at batch 64)
     bytes   input batch, bias/ReLU passes, loss, bias gradients, Adam (7 floats per
             parameter per device), ring all-reduce     / the measured copy bandwidth
     GPU     also launches per step x the measured cost of one launch (host-side)
@@ -80,16 +88,22 @@ from benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The two models: hidden/out units and examples per replica.
+#: The models: hidden/out units of the Dense layers, examples per replica, and for the
+#: ConvNet its first layer ``conv`` = (filters, kernel size), followed by MaxPooling2D(2).
 MODELS = {
     "lab": {"units": (64, 10), "per_replica": 64, "what": "Flatten -> Dense 64 relu -> Dense 10"},
     "wide": {"units": (1024, 1024, 10), "per_replica": 256, "what": "784 -> 1024 -> 1024 -> 10"},
+    "convnet": {"conv": (32, 3), "units": (64, 10), "per_replica": 64,
+                "what": "Conv2D(32, 3, relu) -> MaxPooling2D -> Flatten -> Dense 64 relu -> Dense 10"},
 }
 #: --smoke: the same shapes of program, tiny sizes (it proves the program runs).
 SMOKE_MODELS = {
     "lab": {"units": (16, 10), "per_replica": 16, "what": "smoke: 784 -> 16 -> 10"},
     "wide": {"units": (32, 32, 10), "per_replica": 32, "what": "smoke: 784 -> 32 -> 32 -> 10"},
+    "convnet": {"conv": (4, 3), "units": (16, 10), "per_replica": 16,
+                "what": "smoke: Conv2D(4, 3) -> MaxPooling2D -> 16 -> 10"},
 }
+IMAGE = (28, 28, 1)
 SMOKE_EXAMPLES = 512
 #: Logical devices configured once at start (a process cannot reconfigure them).
 LOGICAL_DEVICES = 4
@@ -142,11 +156,50 @@ def load_mnist(limit=None):
     return np.ascontiguousarray(x), y, str(getattr(info, "source", "unknown"))
 
 
-def initial_weights(units, seed=0):
-    """Keras's initialisers, computed once: glorot-uniform kernels (in, out), zero biases."""
+def conv_geometry(spec):
+    """For a ConvNet spec: (filters, k, conv output side, pooled side, features after
+    Flatten); None for a dense model. 'valid' conv, then a 2x2 pool (odd sizes drop a row)."""
+    if "conv" not in spec:
+        return None
+    filters, k = spec["conv"]
+    side = IMAGE[0] - k + 1
+    pooled = side // 2
+    return filters, k, side, pooled, pooled * pooled * filters
+
+
+def dense_dims(spec):
+    """The Dense layers' (in, out) sizes, from the input features on."""
+    geo = conv_geometry(spec)
+    return ((geo[4] if geo else int(np.prod(IMAGE))),) + tuple(spec["units"])
+
+
+def keras_layers(tf, spec, keras_input=False):
+    """The model's layers, for our library or TensorFlow's Keras (the same calls)."""
+    geo = conv_geometry(spec)
+    shape = {} if keras_input else {"input_shape": IMAGE}
+    first = [tf.keras.Input(IMAGE)] if keras_input else []
+    if geo:
+        first += [tf.keras.layers.Conv2D(geo[0], geo[1], activation="relu", **shape),
+                  tf.keras.layers.MaxPooling2D(), tf.keras.layers.Flatten()]
+    else:
+        first += [tf.keras.layers.Flatten(**shape)]
+    return (first + [tf.keras.layers.Dense(u, activation="relu") for u in spec["units"][:-1]]
+            + [tf.keras.layers.Dense(spec["units"][-1])])
+
+
+def initial_weights(spec, seed=0):
+    """Keras's initialisers, computed once: glorot-uniform kernels (in, out), zero biases;
+    a conv kernel (KH, KW, Cin, Cout) with Keras's fans (receptive field x channels)."""
     rng = np.random.default_rng(seed)
-    dims = (784,) + tuple(units)
+    dims = dense_dims(spec)
     weights = []
+    geo = conv_geometry(spec)
+    if geo:
+        filters, k = geo[0], geo[1]
+        fan_in, fan_out = k * k * IMAGE[2], k * k * filters
+        limit = np.sqrt(6.0 / (fan_in + fan_out))
+        weights.append(rng.uniform(-limit, limit, (k, k, IMAGE[2], filters)).astype(np.float32))
+        weights.append(np.zeros(filters, np.float32))
     for d_in, d_out in zip(dims[:-1], dims[1:]):
         limit = np.sqrt(6.0 / (d_in + d_out))
         weights.append(rng.uniform(-limit, limit, (d_in, d_out)).astype(np.float32))  # (in, out)
@@ -179,10 +232,7 @@ class OursRow:
                 self.strategy = tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
         scope = contextlib.nullcontext() if strategy == "none" else self.strategy.scope()
         with scope:
-            self.model = tf.keras.Sequential(
-                [tf.keras.layers.Flatten(input_shape=(28, 28, 1))]
-                + [tf.keras.layers.Dense(u, activation="relu") for u in spec["units"][:-1]]
-                + [tf.keras.layers.Dense(spec["units"][-1])])
+            self.model = tf.keras.Sequential(keras_layers(tf, spec))
         self.model.set_weights(weights)
         self.model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
                            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -275,17 +325,8 @@ class TorchRow:
         self.global_batch = spec["per_replica"]
         self.examples = len(x)
         self.device = torch.device("cuda" if gpu else "cpu")
-        layers = []
-        for i in range(0, len(weights), 2):
-            kernel, bias = weights[i], weights[i + 1]         # Keras: (in, out), (out,)
-            lin = torch.nn.Linear(kernel.shape[0], kernel.shape[1])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(kernel.T.copy()))   # PyTorch keeps (out, in)
-                lin.bias.copy_(torch.from_numpy(bias))
-            layers.append(lin)
-            if i + 2 < len(weights):
-                layers.append(torch.nn.ReLU())
-        self.net = torch.nn.Sequential(*layers).to(self.device)
+        self.net = torch_net(torch, spec, weights).to(self.device)
+        self.conv = conv_geometry(spec) is not None
         self.opt = torch.optim.Adam(self.net.parameters(), lr=LEARNING_RATE, eps=ADAM_EPSILON)
         self.loss_fn = torch.nn.CrossEntropyLoss()
         self.ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
@@ -297,7 +338,9 @@ class TorchRow:
         torch, dev = self.torch, self.device
         loss = None
         for xb, yb in self.ds:                                  # NumPy batches, as ours get
-            xt = torch.from_numpy(xb).reshape(len(xb), -1).to(dev)    # (B, 784) float32
+            xt = torch.from_numpy(xb)                                  # (B, 28, 28, 1) float32
+            # NCHW for a conv (a free view: C = 1), else (B, 784)
+            xt = (xt.permute(0, 3, 1, 2) if self.conv else xt.reshape(len(xb), -1)).to(dev)
             yt = torch.from_numpy(yb).to(dev)                          # (B,) int64
             self.opt.zero_grad(set_to_none=True)
             loss = self.loss_fn(self.net(xt), yt)
@@ -306,7 +349,37 @@ class TorchRow:
         self.last_loss = loss
 
     def final_loss(self):
-        return float(self.last_loss) if self.last_loss is not None else None
+        return float(self.last_loss.detach()) if self.last_loss is not None else None
+
+
+def torch_net(torch, spec, weights):
+    """The model as a PyTorch ``Sequential`` holding ``weights`` (Keras's layouts): Linear
+    keeps (out, in); a conv kernel HWIO becomes OIHW; and since Keras flattens NHWC in
+    (h, w, c) order and PyTorch NCHW in (c, h, w), the first Dense kernel's rows are
+    permuted to match, so both compute the same function."""
+    nn = torch.nn
+    layers, i = [], 0
+    geo = conv_geometry(spec)
+    with torch.no_grad():
+        if geo:
+            filters, k, _, pooled, _ = geo
+            conv = nn.Conv2d(IMAGE[2], filters, k)
+            conv.weight.copy_(torch.from_numpy(weights[0].transpose(3, 2, 0, 1).copy()))
+            conv.bias.copy_(torch.from_numpy(weights[1]))
+            layers += [conv, nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
+            i = 2
+        for j in range(i, len(weights), 2):
+            kernel, bias = weights[j], weights[j + 1]         # Keras: (in, out), (out,)
+            if geo and j == i:                                 # rows (h, w, c) -> (c, h, w)
+                kernel = (kernel.reshape(geo[3], geo[3], geo[0], -1).transpose(2, 0, 1, 3)
+                          .reshape(kernel.shape))
+            lin = nn.Linear(kernel.shape[0], kernel.shape[1])
+            lin.weight.copy_(torch.from_numpy(kernel.T.copy()))     # PyTorch keeps (out, in)
+            lin.bias.copy_(torch.from_numpy(bias))
+            layers.append(lin)
+            if j + 2 < len(weights):
+                layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
 
 
 # --- TensorFlow, in a child process ----------------------------------------------------------
@@ -340,10 +413,7 @@ def tf_worker(spec_path, out_path):
         for label, n in [("no strategy", 0)] + [(f"MirroredStrategy x{n}", n) for n in spec["replicas"]]:
             strategy = strategies[n]
             with strategy.scope():
-                model = tf.keras.Sequential(
-                    [tf.keras.Input((28, 28, 1)), tf.keras.layers.Flatten()]
-                    + [tf.keras.layers.Dense(u, activation="relu") for u in m["units"][:-1]]
-                    + [tf.keras.layers.Dense(m["units"][-1])])
+                model = tf.keras.Sequential(keras_layers(tf, m, keras_input=True))
                 model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
                               loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                               metrics=["accuracy"])
@@ -400,6 +470,7 @@ def run_tf_rows(python, gpu, models, x, y, weights, epochs, warmup):
             for i, w in enumerate(weights[name]):
                 arrays[f"{name}_w{i}"] = w
             spec_models[name] = {"units": list(m["units"]), "per_replica": m["per_replica"],
+                                 **({"conv": list(m["conv"])} if "conv" in m else {}),
                                  "n_weights": len(weights[name]), "epochs": epochs[name]}
         np.savez(Path(tmp) / "arrays.npz", **arrays)
         spec = {"arrays": str(Path(tmp) / "arrays.npz"), "gpu": gpu, "models": spec_models,
@@ -428,33 +499,58 @@ def find_tf_python(arg):
 
 # --- floors ----------------------------------------------------------------------------------
 
-def step_flops(units, batch):
-    """FLOPs of one training step on a batch: forward, dW, and dX below the first layer."""
-    dims = (784,) + tuple(units)
+def step_flops(spec, batch):
+    """FLOPs of one training step on a batch: forward, dW, and dX below the first layer
+    with weights (a ConvNet's conv is that layer: its Dense layers all need dX)."""
+    dims = dense_dims(spec)
     pairs = [d_in * d_out for d_in, d_out in zip(dims[:-1], dims[1:])]
-    return 2 * batch * (2 * sum(pairs) + sum(pairs[1:]))
+    geo = conv_geometry(spec)
+    if geo is None:
+        return 2 * batch * (2 * sum(pairs) + sum(pairs[1:]))
+    filters, k, side, _, _ = geo
+    conv = side * side * k * k * IMAGE[2] * filters            # multiply-adds per example
+    return 2 * batch * (2 * conv + 3 * sum(pairs))
 
 
-def step_gemm_shapes(units, batch):
-    """(M, N, K, trans_a, trans_b) of every GEMM of one replica's step, as the Dense layers
-    run them (mirrored/keras/layers.py)."""
-    dims = (784,) + tuple(units)
+def step_gemm_shapes(spec, batch):
+    """(M, N, K, trans_a, trans_b) of every GEMM of one replica's step, as the layers run
+    them (mirrored/keras/layers.py; a conv as its im2col GEMM, kernels/conv2d.py)."""
+    dims = dense_dims(spec)
+    geo = conv_geometry(spec)
     shapes = []
+    if geo:
+        filters, k, side, _, _ = geo
+        rows, taps = batch * side * side, k * k * IMAGE[2]
+        shapes.append((rows, filters, taps, False, False))      # out = cols @ W
+        shapes.append((taps, filters, rows, True, False))        # dW = cols^T dz
     for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
         shapes.append((batch, d_out, d_in, False, False))       # z = a @ W
         shapes.append((d_in, d_out, batch, True, False))         # dW = a^T dz
-        if i:
+        if i or geo:
             shapes.append((batch, d_in, d_out, False, True))     # da = dz W^T
     return shapes
 
 
-def step_bytes(units, batch, n_devices):
+def step_bytes(spec, batch, n_devices):
     """Bytes the non-GEMM work of one step moves (all devices together), float32."""
-    dims = (784,) + tuple(units)
+    units = spec["units"]
+    dims = dense_dims(spec)
     params = sum(d_in * d_out + d_out for d_in, d_out in zip(dims[:-1], dims[1:]))
     hidden = sum(units[:-1])
     classes = units[-1]
-    per_example = (2 * 784                  # the input batch: read on the host, written on the device
+    conv = 0
+    geo = conv_geometry(spec)
+    if geo:
+        filters, k, side, pooled, _ = geo
+        params += k * k * IMAGE[2] * filters + filters
+        conv_out, pool_out = side * side * filters, pooled * pooled * filters
+        conv = (side * side * k * k * IMAGE[2]   # im2col's columns: written (read again by the GEMMs)
+                + 2 * conv_out                   # bias + ReLU on the conv output (read, write)
+                + conv_out + 2 * pool_out        # pooling: read it, write max and arg-max
+                + conv_out + 2 * pool_out        # pooling backward: write dx, read dy and arg
+                + 3 * conv_out                   # ReLU backward (read dy and y, write)
+                + conv_out)                      # conv bias gradient: column sums
+    per_example = (conv + 2 * 784           # the input batch: read on the host, written on the device
                    + 2 * hidden + 3 * hidden   # bias+ReLU (read, write); ReLU backward (read 2, write)
                    + 2 * classes            # bias add on the logits
                    + 3 * classes            # softmax cross-entropy: read logits, write gradient, loss
@@ -510,7 +606,7 @@ def measure_rates(gpu, models, smoke, torch=None):
     shape_ms = {}
     for name, m in models.items():
         total = 0.0
-        for (mm, nn, kk, ta, tb) in step_gemm_shapes(m["units"], m["per_replica"]):
+        for (mm, nn, kk, ta, tb) in step_gemm_shapes(m, m["per_replica"]):
             if gpu:
                 from numba import cuda
 
@@ -531,7 +627,7 @@ def measure_rates(gpu, models, smoke, torch=None):
     return rates
 
 
-def floor_for(row, model, units, rates, gpu, launches_per_step=None):
+def floor_for(row, model, spec, rates, gpu, launches_per_step=None):
     """The floors of one step of this row, and how its median compares.
 
     ``peak_floor_ms``: FLOPs at the peak GEMM rate + bytes at the copy bandwidth.
@@ -540,8 +636,8 @@ def floor_for(row, model, units, rates, gpu, launches_per_step=None):
     on a GPU, at least the launches x the cost of one launch (the host issues them
     while the GPU works, so the larger of the two bounds the step).
     """
-    flops = step_flops(units, row["global_batch"])
-    nbytes = step_bytes(units, row["global_batch"], row["replicas"])
+    flops = step_flops(spec, row["global_batch"])
+    nbytes = step_bytes(spec, row["global_batch"], row["replicas"])
     compute_ms = flops / (rates["gemm_peak_gflops"] * 1e9) * 1e3
     memory_ms = nbytes / (rates["copy_gbps"] * 1e9) * 1e3
     shapes_ms = rates["step_gemm_ms_one_replica"][model] * row["replicas"]
@@ -705,6 +801,10 @@ def ratios_and_targets(results, models, gpu):
                     targets.append({"target": what, "measured": value, "threshold": threshold,
                                     "want": "<=", "met": value <= threshold})
             continue
+        if model == "convnet" and vs_torch is not None:
+            targets.append({"target": "ours MirroredStrategy on 1 CPU / PyTorch eager, lab ConvNet (ms/step)",
+                            "measured": vs_torch, "threshold": TARGET_VS_TORCH, "want": "<=",
+                            "met": vs_torch <= TARGET_VS_TORCH})
         if model != "lab":
             continue
         for what, value, threshold, better in (
@@ -742,6 +842,14 @@ def thread_settings(torch):
            "fit_replicas": "driven in turn by one host thread; BLAS threads not changed"}
     if torch is not None:
         out["torch_threads"] = torch.get_num_threads()
+    try:            # which BLAS kernel runs (OpenBLAS's "architecture"), where threadpoolctl is
+        import threadpoolctl      # installed (not a dependency of this project)
+        out["threadpoolctl"] = [{k: p.get(k) for k in ("internal_api", "prefix", "version",
+                                                        "architecture", "num_threads", "filepath")}
+                                for p in threadpoolctl.threadpool_info()]
+    except ImportError:
+        out["threadpoolctl"] = None
+    out["openblas_env"] = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     return out
 
 
@@ -759,7 +867,7 @@ def main(argv=None):
                              f"{EPOCHS} to {MAX_EPOCHS} epochs; 1 with --smoke)")
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                         help="auto: GPU:0 when a real GPU is usable, else the CPU")
-    parser.add_argument("--models", default="lab,wide", help="comma-separated: lab, wide")
+    parser.add_argument("--models", default="lab,wide,convnet", help="comma-separated: lab, wide, convnet")
     parser.add_argument("--tf-python", help="an interpreter with TensorFlow for the TF rows "
                                             "(default: this one, if it can import tensorflow)")
     parser.add_argument("--no-peers", action="store_true", help="time our rows only")
@@ -799,7 +907,7 @@ def main(argv=None):
 
     x, y, source = load_mnist(SMOKE_EXAMPLES if args.smoke else None)
     print(f"data: {len(x):,} MNIST training images ({source})")
-    weights = {name: initial_weights(m["units"]) for name, m in models.items()}
+    weights = {name: initial_weights(m) for name, m in models.items()}
 
     torch, why = (None, "--no-peers") if args.no_peers else torch_status()
     if gpu and torch is not None and not torch.cuda.is_available():
@@ -866,7 +974,7 @@ def main(argv=None):
     print("\nmeasuring the floors (GEMM rate, copy bandwidth) ...")
     rates = measure_rates(gpu, models, args.smoke, torch if gpu else None)
     for r in results:
-        r["floor"] = floor_for(r, r["model"], models[r["model"]]["units"], rates, gpu,
+        r["floor"] = floor_for(r, r["model"], models[r["model"]], rates, gpu,
                                r.get("launches_per_step"))
     ratios, targets = ratios_and_targets(results, models, gpu)
 
@@ -910,7 +1018,8 @@ def main(argv=None):
                    "examples": len(x), "data": source, "shuffle_seed": SHUFFLE_SEED,
                    "optimizer": f"Adam(lr={LEARNING_RATE}, epsilon={ADAM_EPSILON})",
                    "logical_devices": LOGICAL_DEVICES, "backend": kind},
-        "models": {k: {"units": list(v["units"]), "per_replica": v["per_replica"], "what": v["what"]}
+        "models": {k: {"units": list(v["units"]), "per_replica": v["per_replica"], "what": v["what"],
+                       **({"conv": list(v["conv"])} if "conv" in v else {})}
                    for k, v in models.items()},
         "rates": rates, "results": results, "ratios": ratios, "targets": targets, "skipped": skipped,
     }

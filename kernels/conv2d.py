@@ -40,7 +40,8 @@ The lab's layer (3x3, 1 -> 32 channels, 28x28 input) does 9 multiply-adds per ou
 its forward is memory-bound (it writes 32 floats for every input float it reads), so
 the measure of the kernels is GB/s against the copy bandwidth (benchmarks/kernels.py).
 
-The NumPy reference (also what the CPU backend computes) is im2col: the input's
+The NumPy reference (the CPU backend computes the same math with compiled loops,
+kernels/cpu_loops.py, tested against it) is im2col: the input's
 KH x KW windows, laid out as the rows of one (B*OH*OW, KH*KW*Cin) "column" matrix with
 ``numpy.lib.stride_tricks.sliding_window_view``, times the kernel seen as a
 (KH*KW*Cin, Cout) matrix: one matmul. The backward reuses that column matrix for dW.
@@ -53,8 +54,8 @@ Layout of this file (as every file in ``kernels/``): geometry (shared with pooli
 
 Neighbours: kernels/pooling.py (shares ``window_geometry``), kernels/activations.py
 (``relu_backward`` before ``conv2d_backward`` when the ReLU is fused), kernels/launch.py;
-the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and the references
-on the CPU.
+the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and, on the CPU,
+kernels/cpu_loops.py (this reference's math, faster).
 """
 import numpy as np
 from numba import cuda, float32

@@ -28,8 +28,8 @@ The arg-max is stored as int32 (the position in the window, < PH * PW): the back
 reads 4 bytes per output instead of recomparing the window.
 
 Neighbours: kernels/conv2d.py (``window_geometry``, the padding rule), kernels/launch.py;
-the Keras layer MaxPooling2D (mirrored/keras/) calls these launchers, or the references
-on the CPU.  ``python -m pytest -q tests/test_kernels_pooling.py``
+the Keras layer MaxPooling2D (mirrored/keras/) calls these launchers, or on the CPU
+kernels/cpu_loops.py (the reference's comparisons, in its order, compiled).  ``python -m pytest -q tests/test_kernels_pooling.py``
 """
 import math
 

@@ -6,12 +6,17 @@ into a caller-provided ``out`` array that lives on the device, so the layers
 above can reuse buffers step after step.
 
 * ``CpuOps`` calls the NumPy reference of each kernel (``kernels/*.py``,
-  functions named ``<op>_ref``): the CPU backend *is* the reference math.
+  functions named ``<op>_ref``): the CPU backend *is* the reference math, except
+  for the image layers (Conv2D, MaxPooling2D) and the ReLU backward, whose
+  references are too slow to train with (whole-array temporaries per window
+  position, im2col copies): those call ``kernels/cpu_loops.py``, the same math
+  compiled by Numba for the CPU, checked against the references by
+  tests/test_kernels_cpu_loops.py.
 * ``CudaOps`` calls each kernel's launcher on the device's own stream.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-from kernels import (activations, allreduce, conv2d, dropout, elementwise, gather, gemm, optimizers, pooling,
+from kernels import (activations, allreduce, conv2d, cpu_loops, dropout, elementwise, gather, gemm, optimizers, pooling,
                      reduction, softmax_xent)
 from kernels.launch import SIMULATOR
 
@@ -76,7 +81,7 @@ class CpuOps:
         return activations.bias_add_ref(x, bias, out)
 
     def relu_backward(self, dy, y, out):
-        return activations.relu_backward_ref(dy, y, out)
+        return cpu_loops.relu_backward(dy, y, out)            # = relu_backward_ref, one pass
 
     def softmax(self, x, out):
         return activations.softmax_ref(x, out)
@@ -87,27 +92,28 @@ class CpuOps:
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
 
-    # images (kernels/conv2d.py, pooling.py) and dropout (kernels/dropout.py), NHWC
+    # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
+    # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
-        out[...] = conv2d.conv2d_ref(x, kernel, bias, strides, padding, relu)   # (B, OH, OW, Cout)
-        return out
+        cols = self._cols(x, kernel, strides, padding)                # im2col's matrix, reused
+        return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu, cols)  # = conv2d_ref
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
-        gx, gw, gb = conv2d.conv2d_backward_ref(x, kernel, dy, strides, padding, need_dx=dx is not None)
-        dw[...] = gw                                   # (KH, KW, Cin, Cout)
-        if db is not None:
-            db[...] = gb                               # (Cout,)
-        if dx is not None:
-            dx[...] = gx                               # (B, H, W, Cin)
-        return dx, dw, db
+        # = conv2d_backward_ref; dx is None for a first layer (nothing needs it: not computed)
+        cols = self._cols(x, kernel, strides, padding)
+        return cpu_loops.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, cols)
+
+    def _cols(self, x, kernel, strides, padding):
+        # A scratch buffer of the device (made once per shape, as CudaOps's partial sums):
+        # a fresh 1.5 MB array per call would cost its page faults every step.
+        shape = cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding)
+        return self.device.scratch("conv2d cols", shape, "float32")
 
     def max_pool(self, x, out, arg, pool_size, strides, padding):
-        out[...], arg[...] = pooling.max_pool_ref(x, pool_size, strides, padding)   # (B, OH, OW, C) x2
-        return out, arg
+        return cpu_loops.max_pool_forward(x, out, arg, pool_size, strides, padding)  # = max_pool_ref
 
     def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
-        dx[...] = pooling.max_pool_backward_ref(dy, arg, dx.shape, pool_size, strides, padding)
-        return dx
+        return cpu_loops.max_pool_backward(dy, arg, dx, pool_size, strides, padding)
 
     def dropout(self, x, out, rate, key):
         out[...] = dropout.dropout_ref(x, key, rate)

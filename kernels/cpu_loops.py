@@ -1,0 +1,357 @@
+"""The CPU backend's compiled loops: Conv2D, MaxPooling2D and the ReLU backward, fused.
+
+Why this file exists. The CPU backend computes each op with its NumPy reference
+(``kernels/*.py``, ``<op>_ref``): readable, and the oracle every test compares against.
+For the image layers those references are slow where they are simple: im2col copies the
+input nine times over, the bias and the ReLU are extra passes over the conv's output,
+the pooling reference makes a dozen whole-array temporaries (one ``np.where`` per window
+position), and the backward recomputes im2col. Profiled on the course lab's ConvNet
+(batch 64, one BLAS thread; ``python -m benchmarks.breakdown --clock cpu``), those four
+took 17 of the step's 21 ms. The loops here do the same arithmetic in one pass each,
+compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
+
+    conv2d_forward     the reference's own method, im2col then ONE matmul (BLAS), but
+                       the column matrix made by a compiled loop (``_im2col``) into a
+                       buffer the device keeps, the product written straight into the
+                       output, and bias + ReLU in one pass (``_bias_act``): bitwise the
+                       reference's result
+    conv2d_backward    dW = cols^T @ dy, the reference's matmul; db by ``_column_sums``
+                       (float32 per image, float64 across images); dx (only when an
+                       earlier layer needs it: never for the lab's first-layer conv,
+                       as in every framework) by ``_conv2d_input_grad``, a scatter of
+                       each output pixel's dy @ W^T onto its window
+    max_pool_forward   max and arg-max in one pass over the input, the SAME comparisons
+                       in the SAME order as ``max_pool_ref`` and the CUDA kernel: the
+                       first maximum in row-major window order, NaN taken first
+    max_pool_backward  each output's dy added at its recorded arg-max
+    relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
+                       reference's ``y > 0``)
+
+Measured with ``python -m benchmarks.breakdown --clock cpu`` (one thread, CPU time of
+this process, so that other jobs on the machine do not count): the step went from 21.3
+to 8.5 ms; the image layers (conv, pooling, their backward) from 17.9 to 5.0 ms.
+
+Equivalence with the references (tests/test_kernels_cpu_loops.py checks each on awkward
+shapes: odd sizes, strides, "same", ties, NaN):
+
+    * conv forward, pooling forward and the ReLU backward: bitwise equal (the same
+      operations in the same order; the same BLAS call for the conv);
+    * pooling backward: bitwise equal when windows do not overlap (strides >= pool,
+      Keras's default), each input getting at most one term; with overlap an input's
+      terms are added in output-pixel order instead of window-position order
+      (equal to float32 rounding);
+    * the conv's db and dx: the same sums in another order (float32 rounding); dW is
+      the reference's own matmul.
+
+Every loop's order of additions depends only on the shapes, never on the threads: the
+loops over images can run in parallel (``prange``, ``MIRRORED_CPU_PARALLEL=1``; serial by
+default, see ``PARALLEL``), each image writing only its own outputs, and partial sums
+are combined in a fixed order. So the result is the same on every run, with any thread
+count, and on every replica (the replicas of a MirroredStrategy stay bitwise equal).
+
+Numba compiles each loop on its first call (seconds; ``cache=True`` keeps the machine
+code in ``__pycache__`` for the next process).
+
+Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
+the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls these).
+"""
+import math
+import os
+import threading
+
+import numpy as np
+from numba import njit, prange
+
+from kernels.conv2d import conv2d_output_shape, window_geometry
+from kernels.pooling import pool_geometry
+
+#: Serial by default. ``MIRRORED_CPU_PARALLEL=1`` (read at import) runs the loops over
+#: images on Numba's threads instead (``prange``; NUMBA_NUM_THREADS of them), each
+#: iteration writing only its own image's outputs, so the result does not depend on the
+#: thread count. Not the default: measured here on 2 shared cores, Numba's OpenMP
+#: threads and OpenBLAS's own fought over the cores (max-pool forward 1.5 ms serial,
+#: 11.7 ms with 2 threads, wall clock); on a quiet machine it is untested. Parallel
+#: loops are not cached (a cache entry does not record how its code was compiled).
+PARALLEL = os.environ.get("MIRRORED_CPU_PARALLEL", "0") == "1"
+_JIT = dict(cache=True, nogil=True)
+_PAR = dict(nogil=True, parallel=True) if PARALLEL else _JIT
+#: Calls are serialised by ``_LOCK``: Numba's fallback threading layer (workqueue, where
+#: OpenMP is missing) must not be entered by two threads at once, and a custom loop's
+#: ``strategy.run`` gives each replica a thread.
+_LOCK = threading.Lock()
+
+
+def _run(loop, *args):
+    with _LOCK:
+        return loop(*args)
+
+
+# --- Conv2D ----------------------------------------------------------------------------------
+
+@njit(**_PAR)
+def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
+    """cols[r, t] = x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci], 0 in the padding, for
+    r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop."""
+    b, h, wd, cin = x.shape
+    for n in prange(b):
+        for oh in range(out_h):
+            for ow in range(out_w):
+                row = cols[(n * out_h + oh) * out_w + ow]
+                t = 0
+                for kh in range(kh_n):
+                    ih = oh * sh - pt + kh
+                    for kw in range(kw_n):
+                        iw = ow * sw - pl + kw
+                        inside = ih >= 0 and ih < h and iw >= 0 and iw < wd
+                        for ci in range(cin):
+                            row[t] = x[n, ih, iw, ci] if inside else np.float32(0.0)
+                            t += 1
+
+
+@njit(**_PAR)
+def _bias_act(out, bias, relu):
+    """out[r, :] = relu(out[r, :] + bias), in place (NaN stays NaN, as np.maximum)."""
+    for r in prange(out.shape[0]):
+        o = out[r]
+        for co in range(out.shape[1]):
+            v = o[co] + bias[co]
+            o[co] = np.float32(0.0) if relu and v < 0.0 else v
+
+
+@njit(**_PAR)
+def _column_sums(d, out, rows_per_part):
+    """out[c] = sum over rows of d[:, c]: float32 partial sums over ``rows_per_part``
+    consecutive rows (one image's pixels; in parallel), added to a float64 total in
+    part order (the same order whatever the threads)."""
+    n_parts = (d.shape[0] + rows_per_part - 1) // rows_per_part
+    parts = np.zeros((n_parts, d.shape[1]), np.float32)
+    for p in prange(n_parts):
+        part = parts[p]
+        for r in range(p * rows_per_part, min((p + 1) * rows_per_part, d.shape[0])):
+            row = d[r]
+            for c in range(d.shape[1]):
+                part[c] += row[c]
+    for c in range(d.shape[1]):
+        total = 0.0
+        for p in range(n_parts):
+            total += np.float64(parts[p, c])
+        out[c] = total
+
+
+@njit(**_PAR)
+def _conv2d_input_grad(dy, w, dx, sh, sw, pt, pl):
+    """Loop nest: dx[:] = 0; for each output pixel (n, oh, ow), tap (kh, kw) inside, ci:
+                      dx[n, ih, iw, ci] += sum over co of dy[n, oh, ow, co] * w[kh, kw, ci, co]"""
+    b, h, wd, cin = dx.shape
+    kh_n, kw_n, _, cout = w.shape
+    out_h, out_w = dy.shape[1], dy.shape[2]
+    for n in prange(b):                     # image n's windows write only dx[n]
+        dx[n] = 0.0
+        for oh in range(out_h):
+            for ow in range(out_w):
+                for kh in range(kh_n):
+                    ih = oh * sh - pt + kh
+                    if ih < 0 or ih >= h:
+                        continue
+                    for kw in range(kw_n):
+                        iw = ow * sw - pl + kw
+                        if iw < 0 or iw >= wd:
+                            continue
+                        for ci in range(cin):
+                            s = np.float32(0.0)
+                            for co in range(cout):
+                                s += dy[n, oh, ow, co] * w[kh, kw, ci, co]
+                            dx[n, ih, iw, ci] += s
+
+
+def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False, cols=None):
+    """``conv2d_ref(x, kernel, bias, strides, padding, relu)`` written into ``out``
+    (B, OH, OW, Cout) float32: x (B, H, W, Cin), kernel (KH, KW, Cin, Cout), bias (Cout,)
+    or None, all float32. The reference's own method (im2col, then one matmul, here
+    straight into ``out``), with the column matrix made by one compiled loop instead of
+    a strided copy and the bias and ReLU in one pass. ``cols``: a (B*OH*OW, KH*KW*Cin)
+    float32 buffer to reuse (the CPU device keeps one), else one is made."""
+    b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
+                                                        "conv2d_forward")
+    _check_out("conv2d_forward", out, shape)
+    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
+    out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
+    np.matmul(cols, kernel.reshape(-1, cout), out=out2)  # (B*OH*OW, Cout)
+    if bias is not None or relu:
+        _run(_bias_act, out2, np.zeros(cout, np.float32) if bias is None else bias, bool(relu))
+    return out
+
+
+def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=None):
+    """``conv2d_backward_ref`` written into dw (KH, KW, Cin, Cout), db (Cout,) or None, and
+    dx (B, H, W, Cin) unless it is None (a first layer: no earlier layer needs it, and
+    it is not computed). dW = cols^T @ dy as the reference (one matmul); db by
+    ``_column_sums``; dx by ``_conv2d_input_grad`` (a scatter, not the reference's
+    col2im temporaries)."""
+    b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
+                                                        "conv2d_backward")
+    _check_out("conv2d_backward: dy", dy, shape)
+    _check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
+    dy2 = dy.reshape(b * out_h * out_w, cout)
+    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
+    np.matmul(cols.T, dy2, out=dw.reshape(-1, cout))     # (KH*KW*Cin, Cout)
+    if db is not None:
+        _run(_column_sums, dy2, db, max(out_h * out_w, 1))
+    if dx is not None:
+        _check_out("conv2d_backward: dx", dx, tuple(x.shape))
+        (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
+        _run(_conv2d_input_grad, dy, kernel, dx, sh, sw, pt, pl)
+    return dx, dw, db
+
+
+def cols_shape(x_shape, kernel_shape, strides=1, padding="valid"):
+    """The column matrix's shape (B*OH*OW, KH*KW*Cin), for a caller keeping the buffer."""
+    b, out_h, out_w, _ = conv2d_output_shape(x_shape, kernel_shape, strides, padding, "cols_shape")
+    return b * out_h * out_w, int(np.prod(kernel_shape[:3]))
+
+
+def _columns(x, kernel_shape, out_h, out_w, strides, padding, cols):
+    (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel_shape[:2], strides, padding)
+    shape = (x.shape[0] * out_h * out_w, int(np.prod(kernel_shape[:3])))
+    if cols is None:
+        cols = np.empty(shape, np.float32)
+    _check_out("conv2d: cols", cols, shape)
+    _run(_im2col, x, cols, out_h, out_w, kernel_shape[0], kernel_shape[1], sh, sw, pt, pl)
+    return cols
+
+
+def _strides_pads(x_shape, kernel_hw, strides, padding):
+    _, _, (pt, _, pl, _) = window_geometry("conv2d", x_shape[1:3], kernel_hw, strides, padding)
+    sh, sw = (strides, strides) if isinstance(strides, (int, np.integer)) else tuple(strides)
+    return (int(sh), int(sw)), (pt, pl)
+
+
+def _check_out(what, out, shape):
+    if tuple(out.shape) != tuple(shape) or out.dtype != np.float32:
+        raise ValueError(f"{what}: expected a float32 array of shape {tuple(shape)}, got "
+                         f"{out.dtype} {tuple(out.shape)}.")
+
+
+# --- MaxPooling2D ------------------------------------------------------------------------------
+
+@njit(**_PAR)
+def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
+    """Loop nest (max_pool_v1's, with the window positions outside the channel loop so
+    that the loop over c, contiguous in NHWC, runs in SIMD lanes):
+        for each output pixel (n, oh, ow):
+            the window's first position inside x: out[n, oh, ow, :] = x[...], arg = its position
+            each later position (a, b) inside x, in row-major order, for every c:
+                v = x[n, oh*sh - pt + a, ow*sw - pl + b, c]
+                take = v > best or (isnan(v) and not isnan(best));  if take: best, k = v, a*PW + b
+    which is max_pool_ref's rule: the first maximum, or the first NaN."""
+    b, h, wd, ch = x.shape
+    out_h, out_w = out.shape[1], out.shape[2]
+    for n in prange(b):
+        for oh in range(out_h):
+            for ow in range(out_w):
+                o = out[n, oh, ow]
+                g = arg[n, oh, ow]
+                first = True
+                for a in range(ph_n):
+                    ih = oh * sh - pt + a
+                    if ih < 0 or ih >= h:
+                        continue
+                    for bb in range(pw_n):
+                        iw = ow * sw - pl + bb
+                        if iw < 0 or iw >= wd:
+                            continue
+                        xr = x[n, ih, iw]
+                        pos = a * pw_n + bb
+                        if first:
+                            for c in range(ch):
+                                o[c] = xr[c]
+                                g[c] = pos
+                            first = False
+                        else:
+                            for c in range(ch):
+                                v = xr[c]
+                                best = o[c]
+                                take = v > best or (v != v and best == best)   # v != v: isnan(v)
+                                o[c] = v if take else best
+                                g[c] = pos if take else g[c]
+
+
+@njit(**_PAR)
+def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
+    """Loop nest: dx[:] = 0; for each output pixel (n, oh, ow), window position (a, b)
+           inside dx, for every c: dx[n, ih, iw, c] += dy[n, oh, ow, c] if arg[n, oh, ow, c] == a*PW + b else 0"""
+    h, wd = dx.shape[1], dx.shape[2]
+    out_h, out_w, ch = dy.shape[1], dy.shape[2], dy.shape[3]
+    for n in prange(dy.shape[0]):           # image n's windows write only dx[n]
+        dx[n] = 0.0
+        for oh in range(out_h):
+            for ow in range(out_w):
+                d = dy[n, oh, ow]
+                g = arg[n, oh, ow]
+                for a in range(ph_n):
+                    ih = oh * sh - pt + a
+                    if ih < 0 or ih >= h:
+                        continue
+                    for bb in range(pw_n):
+                        iw = ow * sw - pl + bb
+                        if iw < 0 or iw >= wd:
+                            continue
+                        pos = a * pw_n + bb
+                        r = dx[n, ih, iw]
+                        for c in range(ch):
+                            r[c] += d[c] if g[c] == pos else np.float32(0.0)
+
+
+def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
+    """``max_pool_ref`` written into out (B, OH, OW, C) float32 and arg (B, OH, OW, C) int32."""
+    shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(x.shape, pool_size, strides,
+                                                              padding, "max_pool_forward")
+    _check_out("max_pool_forward: out", out, shape)
+    if tuple(arg.shape) != shape or arg.dtype != np.int32:
+        raise ValueError(f"max_pool_forward: arg must be int32 of shape {shape}, got "
+                         f"{arg.dtype} {tuple(arg.shape)}.")
+    _run(_max_pool_forward, x, out, arg, ph, pw, sh, sw, pt, pl)
+    return out, arg
+
+
+def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid"):
+    """``max_pool_backward_ref`` written into dx (B, H, W, C) float32."""
+    shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
+                                                              padding, "max_pool_backward")
+    _check_out("max_pool_backward: dy", dy, shape)
+    _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl)
+    return dx
+
+
+# --- ReLU backward -------------------------------------------------------------------------------
+
+@njit(**_PAR)
+def _relu_backward(dy, y, out):
+    for i in prange(out.size):
+        out[i] = dy[i] if y[i] > 0.0 else np.float32(0.0)
+
+
+@njit(**_PAR)
+def _relu_backward_in_place(d, y):
+    # out is dy: a loop of its own (with ``out`` and ``dy`` the same array passed twice,
+    # the compiled loop ran 30x slower, measured here: it cannot know they alias).
+    for i in prange(d.size):
+        d[i] = d[i] if y[i] > 0.0 else np.float32(0.0)
+
+
+def relu_backward(dy, y, out):
+    """``relu_backward_ref(dy, y, out)`` in one pass, C-contiguous float32 arrays of one
+    size, ``out`` either separate or ``dy`` itself (the layers' in-place use); else the
+    reference."""
+    flat = [a.reshape(-1) if a.flags.c_contiguous else None for a in (dy, y, out)]
+    ok = (all(f is not None for f in flat) and dy.dtype == y.dtype == out.dtype == np.float32
+          and dy.size == y.size == out.size)
+    if ok and out.ctypes.data == dy.ctypes.data and not np.shares_memory(dy, y):
+        _run(_relu_backward_in_place, flat[0], flat[1])
+    elif ok and not np.shares_memory(out, dy) and not np.shares_memory(out, y):
+        _run(_relu_backward, flat[0], flat[1], flat[2])
+    else:
+        from kernels.activations import relu_backward_ref
+        relu_backward_ref(dy, y, out)
+    return out
+
