@@ -224,28 +224,60 @@ class CudaOps:
 # ctypes (no new dependency); with another BLAS (Accelerate, MKL) or on a system without
 # /proc/self/maps it says so.
 
-#: Names of OpenBLAS's thread-count getter: the plain build, and the symbol-prefixed
-#: 64-bit-integer builds that NumPy's and SciPy's wheels bundle.
+#: Names of OpenBLAS's thread-count getter and setter: the plain build, and the
+#: symbol-prefixed 64-bit-integer builds that NumPy's and SciPy's wheels bundle.
 _OPENBLAS_GET = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_",
                  "openblas_get_num_threads64_")
+_OPENBLAS_SET = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
+                 "openblas_set_num_threads64_")
 
 
-def blas_info():
-    """What the CPU backend's BLAS is: ``{"library", "threads", "note"}`` (for benchmarks)."""
+def _openblas():
+    """``(path, getter, setter)`` of the OpenBLAS this process has loaded, or a string
+    saying why there is none."""
     import ctypes
     try:
         with open("/proc/self/maps") as maps:        # the libraries this process has loaded
             paths = sorted({line.split()[-1] for line in maps
                             if "openblas" in line.rsplit("/", 1)[-1].lower()})
     except OSError:
-        return {"library": None, "threads": None, "note": "cannot list loaded libraries (no /proc/self/maps)"}
+        return "cannot list loaded libraries (no /proc/self/maps)"
     for path in paths:
         try:
             lib = ctypes.CDLL(path)                  # already loaded: this only looks it up
         except OSError:
             continue
         get = next((getattr(lib, n) for n in _OPENBLAS_GET if hasattr(lib, n)), None)
+        put = next((getattr(lib, n) for n in _OPENBLAS_SET if hasattr(lib, n)), None)
         if get is not None:
             get.restype = ctypes.c_int
-            return {"library": path, "threads": int(get()), "note": "OpenBLAS"}
-    return {"library": None, "threads": None, "note": "NumPy's BLAS is not OpenBLAS (or not found)"}
+            return path, get, put
+    return "NumPy's BLAS is not OpenBLAS (or not found)"
+
+
+def blas_info():
+    """What the CPU backend's BLAS is: ``{"library", "threads", "note"}`` (for benchmarks)."""
+    found = _openblas()
+    if isinstance(found, str):
+        return {"library": None, "threads": None, "note": found}
+    path, get, _ = found
+    return {"library": path, "threads": int(get()), "note": "OpenBLAS"}
+
+
+def set_blas_threads(n):
+    """Let OpenBLAS use ``n`` threads from now on; returns the count it had, or None
+    where NumPy's BLAS is not an OpenBLAS we can reach (then nothing changes).
+
+    Used by ``MultiWorkerMirroredStrategy`` when several workers share one machine's
+    cores: each worker's OpenBLAS would otherwise start one thread per core, and the
+    workers' threads, spinning for each other, made 2 workers on 2 cores 7x slower per
+    step than 1 (benchmarks.multiworker, README "Beyond one machine")."""
+    import ctypes
+    found = _openblas()
+    if isinstance(found, str) or found[2] is None:
+        return None
+    _, get, put = found
+    before = int(get())
+    put.argtypes = [ctypes.c_int]
+    put(int(n))
+    return before

@@ -45,6 +45,7 @@ Neighbours: ``strategy.py`` (MirroredStrategy, which this extends),
 import enum
 import json
 import os
+import socket
 
 import numpy as np
 
@@ -52,7 +53,7 @@ from mirrored import nest
 from mirrored.collective_all_reduce import CollectiveAllReduce
 from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, _choose_devices,
                                _host_components, _reduce_on_host)
-from mirrored import context, workers as _workers
+from mirrored import backends, context, workers as _workers
 from mirrored.cross_device_ops import ReduceOp
 from mirrored.tensor import HostTensor, Tensor
 from mirrored.values import DistributedValues, PerReplica, Variable
@@ -212,6 +213,30 @@ class MultiWorkerExtended(StrategyExtended):
         return total
 
 
+#: Variables by which a user sets the BLAS's thread count themselves (then we leave it).
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _share_cores(devices, workers_here):
+    """CPU workers sharing one machine split its cores: each worker's OpenBLAS gets
+    cores // workers_here threads (at least 1), unless the user set a thread count.
+
+    Without this, every worker's OpenBLAS starts one thread per core and they spin
+    against each other: 2 workers on 2 cores took 52.7 ms per lab ConvNet step against
+    6.8 for one worker; with one thread each, 9.0 (benchmarks.multiworker, README
+    "Beyond one machine"). Returns the note the strategy prints ('' when untouched)."""
+    if devices[0].device_type != "CPU" or workers_here <= 1:
+        return ""
+    if any(os.environ.get(var) for var in BLAS_THREAD_VARS):
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers_here)
+    if backends.set_blas_threads(threads) is None:
+        return ""
+    return (f"; BLAS threads: {threads} ({workers_here} workers share this machine's {cores} "
+            f"cores; set OPENBLAS_NUM_THREADS to choose)")
+
+
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """Synchronous data parallelism over every replica of every worker (MPI ranks).
 
@@ -237,17 +262,20 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         Strategy.__init__(self, devices, CollectiveAllReduce(workers))
         self._workers = workers
         self._resolver = MPIClusterResolver(workers.rank, workers.size)
-        kinds = workers.allgather((len(devices), devices[0].device_type), "agreeing on the devices")
+        seen = workers.allgather((len(devices), devices[0].device_type, socket.gethostname()),
+                                 "agreeing on the devices")
+        kinds = [(n, kind) for n, kind, _ in seen]
         if len(set(kinds)) > 1:
             named = "; ".join(f"worker {r}: {n} {kind}(s)" for r, (n, kind) in enumerate(kinds))
             raise ValueError(f"MultiWorkerMirroredStrategy: the workers have different local "
                              f"devices ({named}). Every worker needs the same number and kind of "
                              f"replicas (TensorFlow requires it too): configure the same logical "
                              f"devices on each.")
+        blas = _share_cores(devices, sum(host == socket.gethostname() for *_, host in seen))
         print(f"Using MultiWorkerMirroredStrategy: worker {workers.rank} of {workers.size} "
               f"(chief: worker 0), local devices {tuple(d.name for d in devices)}, "
               f"{self.num_replicas_in_sync} replicas in sync, communication "
-              f"{options.implementation}", flush=True)
+              f"{options.implementation}{blas}", flush=True)
 
     @property
     def cluster_resolver(self):

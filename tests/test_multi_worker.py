@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
+from mirrored import backends, multi_worker
 
 import multiworker_cases as cases
 
@@ -131,6 +132,44 @@ def _check_training(out, proc, replicas):
 def test_two_workers_one_cpu_each_fit_evaluate_custom_loop(tmp_path):
     proc, _ = launch(2, "train", tmp_path)
     _check_training(tmp_path, proc, replicas=2)
+    # CPU workers sharing this machine's cores: each one's OpenBLAS got half of them (in the
+    # simulator the workers' devices are simulated GPUs: their OpenBLAS is left alone)
+    on_cpu = "device:CPU:0'" in proc.stdout
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    split = (on_cpu and backends.blas_info()["note"] == "OpenBLAS"
+             and not any(map(os.environ.get, multi_worker.BLAS_THREAD_VARS)))
+    assert proc.stdout.count(f"BLAS threads: {half} (2 workers share this machine's") == 2 * split, proc.stdout
+
+
+@pytest.mark.parametrize("user_set", [False, True])
+def test_cpu_workers_on_one_machine_split_its_cores_unless_the_user_chose(monkeypatch, user_set):
+    """``_share_cores``: 3 CPU workers on this machine -> cores // 3 BLAS threads each (at
+    least 1); a thread count the user set (OPENBLAS_NUM_THREADS) is left alone."""
+    if backends.blas_info()["note"] != "OpenBLAS":
+        pytest.skip("NumPy's BLAS is not an OpenBLAS whose thread count we can set")
+    for var in multi_worker.BLAS_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if user_set:
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", "7")
+    before = backends.blas_info()["threads"]
+    try:
+        backends.set_blas_threads(before + 5)            # a count the split must replace
+        note = multi_worker._share_cores([_FakeDevice("CPU")], 3)
+        after = backends.blas_info()["threads"]
+    finally:
+        backends.set_blas_threads(before)
+    if user_set:
+        assert note == "" and after == before + 5
+    else:
+        want = max(1, len(os.sched_getaffinity(0)) // 3)
+        assert after == want and f"BLAS threads: {want} (3 workers share" in note
+    assert multi_worker._share_cores([_FakeDevice("GPU")], 3) == ""
+    assert multi_worker._share_cores([_FakeDevice("CPU")], 1) == ""
+
+
+class _FakeDevice:
+    def __init__(self, device_type):
+        self.device_type = device_type
 
 
 def test_two_workers_two_simulated_gpus_each(tmp_path):
