@@ -52,13 +52,14 @@ def test_every_package_directory_is_listed():
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
     found = {str(p.parent.relative_to(ROOT)).replace("/", ".")
              for top in ("mirrored", "kernels") for p in (ROOT / top).rglob("__init__.py")}
+    found.add("mirrored._data")          # data only, no __init__.py: shipped as a namespace package
     assert found == listed, f"packages on disk {sorted(found)}, in pyproject.toml {sorted(listed)}"
 
 
 def test_bundled_data_is_package_data():
-    globs = _pyproject()["tool"]["setuptools"]["package-data"]["mirrored"]
-    files = [str(p.relative_to(ROOT / "mirrored")) for p in (ROOT / "mirrored" / "_data").rglob("*")
-             if p.is_file()]
+    globs = _pyproject()["tool"]["setuptools"]["package-data"]["mirrored._data"]
+    files = [str(p.relative_to(ROOT / "mirrored" / "_data"))
+             for p in (ROOT / "mirrored" / "_data").rglob("*") if p.is_file()]
     assert any(f.endswith("train-images-idx3-ubyte.gz") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert not missing, f"files under mirrored/_data that pip install . would leave out: {missing}"
