@@ -209,3 +209,63 @@ def test_unknown_length_shows_the_step_count_growing(devices, rng, capsys, monke
     assert counts == list(range(1, 8)), out
     assert "Epoch 1/3" in out and "Epoch 2/3" not in out       # stop_training ends it after the batch
     assert "7/7 [" in out
+
+
+class _SavingModel(_Model):
+    """A _Model that records which epoch's weights each save_weights call wrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved = []
+
+    def save_weights(self, path):
+        self.saved.append((path, float(self.w[0][0])))
+
+
+def test_model_checkpoint_save_best_only_saves_only_improvements():
+    # val_loss: epochs 0, 1, 3 improve (auto mode: a loss goes down); 2 and 4 do not
+    ckpt = cb_lib.ModelCheckpoint("best-{epoch}.weights.h5", save_weights_only=True, save_best_only=True)
+    _, model = drive(ckpt, [3.0, 2.0, 2.5, 1.0, 1.0], model=_SavingModel())
+    assert model.saved == [("best-1.weights.h5", 0.0), ("best-2.weights.h5", 1.0), ("best-4.weights.h5", 3.0)]
+    assert ckpt.best == 1.0
+    # accuracy goes up (the model computes it); a threshold must be beaten first
+    ckpt = cb_lib.ModelCheckpoint("a.weights.h5", monitor="val_accuracy", save_weights_only=True,
+                                  save_best_only=True, initial_value_threshold=0.5)
+    _, model = drive(ckpt, [0.4, 0.6, 0.55, 0.7], key="val_accuracy", model=_SavingModel())
+    assert [epoch for _, epoch in model.saved] == [1.0, 3.0]
+    # mode="min" on an accuracy is obeyed as given
+    ckpt = cb_lib.ModelCheckpoint("m.weights.h5", monitor="val_accuracy", mode="min",
+                                  save_weights_only=True, save_best_only=True)
+    _, model = drive(ckpt, [0.4, 0.6, 0.3], key="val_accuracy", model=_SavingModel())
+    assert [epoch for _, epoch in model.saved] == [0.0, 2.0]
+
+
+def test_model_checkpoint_save_best_only_without_the_monitored_value():
+    ckpt = cb_lib.ModelCheckpoint("b.weights.h5", save_weights_only=True, save_best_only=True)
+    with pytest.warns(UserWarning, match="Can save best model only with val_loss available"):
+        _, model = drive(ckpt, [0.9, 0.8], key="loss", model=_SavingModel())
+    assert model.saved == []
+    ckpt = cb_lib.ModelCheckpoint("c.weights.h5", monitor="val_f1", save_weights_only=True, save_best_only=True)
+    with pytest.raises(ValueError, match="maximized or minimized"):
+        drive(ckpt, [0.5], key="val_f1", model=_SavingModel())
+    with pytest.raises(NotImplementedError, match="save_freq"):
+        cb_lib.ModelCheckpoint("d.weights.h5", save_weights_only=True, save_freq=10)
+
+
+def test_model_checkpoint_in_fit_keeps_the_best_epochs_weights(devices, rng, tmp_path, capsys):
+    devices(cpus=2)
+    x, y = data(rng)
+    model = small_model()
+    seen = []
+    record = cb_lib.LambdaCallback(on_epoch_end=lambda e, logs: seen.append((logs["val_loss"],
+                                                                              model.get_weights())))
+    path = tmp_path / "best.weights.h5"
+    ckpt = cb_lib.ModelCheckpoint(str(path), save_weights_only=True, save_best_only=True, verbose=1)
+    model.fit(x, y, epochs=4, validation_data=(x[:9], y[:9]), callbacks=[record, ckpt], verbose=0)
+    best = min(range(len(seen)), key=lambda e: seen[e][0])
+    fresh = small_model()
+    fresh.load_weights(path)
+    for a, b in zip(fresh.get_weights(), seen[best][1]):
+        np.testing.assert_array_equal(a, b)
+    out = capsys.readouterr().out
+    assert f"Epoch {best + 1}: val_loss improved from" in out and "saving model to" in out

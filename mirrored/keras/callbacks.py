@@ -14,6 +14,9 @@ every step); epoch logs carry them.
 never stops at epoch 0; ReduceLROnPlateau's "auto" mode maximises any name
 containing "acc" and adds ``learning_rate`` to the epoch's logs; CSVLogger's
 columns are ``epoch`` (0-based) then the log keys sorted, one flushed row per epoch.
+ModelCheckpoint's ``save_best_only`` saves when the monitored value beats the best so far
+(strictly; from ``initial_value_threshold`` if given), in the direction EarlyStopping uses
+(``_monitor_op``: a loss goes down, an accuracy up, else say ``mode``).
 """
 import csv
 import math
@@ -100,15 +103,26 @@ class ModelCheckpoint(Callback):
     rule; other names are refused when the callback is made, not after an epoch's work).
 
     ``filepath`` may contain ``{epoch}`` (1-based, as Keras) and log keys.
+    ``save_best_only=True``: save only when ``monitor`` improved on the best value so far
+    (``mode`` "auto"/"min"/"max"; ``initial_value_threshold`` the value to beat first).
+    ``save_freq``: "epoch" only.
     """
 
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False,
-                 save_weights_only=False, **kwargs):
+                 save_weights_only=False, mode="auto", save_freq="epoch",
+                 initial_value_threshold=None):
         super().__init__()
-        if save_best_only:
-            raise NotImplementedError("ModelCheckpoint(save_best_only=True) is not implemented.")
+        if save_freq != "epoch":
+            raise NotImplementedError(f"ModelCheckpoint(save_freq={save_freq!r}): only 'epoch' is "
+                                      f"implemented here (a save at the end of every epoch).")
+        if mode not in ("auto", "min", "max"):
+            warnings.warn(f"ModelCheckpoint mode '{mode}' is unknown, fallback to auto mode.", stacklevel=2)
+            mode = "auto"
         self.filepath, self.verbose = str(filepath), verbose
+        self.monitor, self.mode, self.save_best_only = monitor, mode, save_best_only
         self.save_weights_only = save_weights_only
+        self.monitor_op = None
+        self.best = initial_value_threshold      # None until the direction is known
         suffix = ".weights.h5" if save_weights_only else ".keras"
         if not self.filepath.endswith(suffix):
             raise ValueError(f"ModelCheckpoint: with save_weights_only={save_weights_only}, the filepath "
@@ -116,12 +130,50 @@ class ModelCheckpoint(Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        talk = self.verbose and _is_chief(self.model)
+        if self.save_best_only:
+            if self.monitor_op is None:
+                self.monitor_op = _monitor_op("ModelCheckpoint", self.monitor, self.mode, self.model)
+                if self.best is None:
+                    self.best = math.inf if self.monitor_op is _less else -math.inf
+            current = (logs or {}).get(self.monitor)
+            if current is None:
+                warnings.warn(f"Can save best model only with {self.monitor} available, skipping.",
+                              stacklevel=2)
+                return
+            if not self.monitor_op(current, self.best):
+                if talk:
+                    print(f"\nEpoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}")
+                return
+            if talk:
+                print(f"\nEpoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to "
+                      f"{current:.5f}, saving model to {path}")
+            self.best = current
+        elif talk:
+            print(f"\nEpoch {epoch + 1}: saving model to {path}")
         if self.save_weights_only:
             self.model.save_weights(path)      # a non-chief worker keeps no file (see save_weights)
         else:
             self.model.save(path)
-        if self.verbose and _is_chief(self.model):
-            print(f"\nEpoch {epoch + 1}: saving model to {path}")
+
+
+def _monitor_op(who, monitor, mode, model):
+    """Keras's rule for which way a monitored value improves: ``_less`` or ``_greater``.
+    mode "min"/"max" says it; "auto": a loss goes down, an accuracy the model computes goes
+    up, anything else is an error (Keras 3's MonitorCallback)."""
+    if mode == "min":
+        return _less
+    if mode == "max":
+        return _greater
+    name = monitor.removeprefix("val_")
+    if name == "loss":
+        return _less
+    if name in ACCURACY_NAMES and name in getattr(model, "metrics_names", ()):
+        return _greater                          # Keras: the metric's direction is "up"
+    raise ValueError(f"{who} callback received monitor={monitor} but cannot tell whether that "
+                     f"metric should be maximized or minimized (the model's metrics are "
+                     f"{getattr(model, 'metrics_names', [])}). Pass mode='max' to use the highest "
+                     f"value, or mode='min' to use the lowest value.")
 
 
 def _is_chief(model):
@@ -170,21 +222,7 @@ class EarlyStopping(Callback):
         self.monitor_op = None
 
     def _set_monitor_op(self):
-        if self.mode == "min":
-            self.monitor_op = _less
-        elif self.mode == "max":
-            self.monitor_op = _greater
-        else:
-            name = self.monitor.removeprefix("val_")
-            if name == "loss":
-                self.monitor_op = _less
-            elif name in ACCURACY_NAMES and name in getattr(self.model, "metrics_names", ()):
-                self.monitor_op = _greater            # Keras: the metric's direction is "up"
-        if self.monitor_op is None:
-            raise ValueError(f"EarlyStopping callback received monitor={self.monitor} but cannot tell "
-                             f"whether that metric should be maximized or minimized (the model's metrics "
-                             f"are {getattr(self.model, 'metrics_names', [])}). Pass mode='max' to stop on "
-                             f"the highest value, or mode='min' to use the lowest value.")
+        self.monitor_op = _monitor_op("EarlyStopping", self.monitor, self.mode, self.model)
         if self.monitor_op is _less:
             self.min_delta *= -1
         self.best = math.inf if self.monitor_op is _less else -math.inf
