@@ -86,6 +86,17 @@ def _run(loop, *args):
         return loop(*args)
 
 
+# --- Windows --------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _taps_inside(o, stride, pad, taps, size):
+    """The taps ``[lo, hi)`` of output position ``o``'s window that land inside the input:
+    0 <= o*stride - pad + t < size (the rest is padding). The loops below walk
+    ``range(lo, hi)``, the same taps in the same ascending order as skipping the outside ones."""
+    start = o * stride - pad
+    return max(0, -start), min(taps, size - start)
+
+
 # --- Conv2D ----------------------------------------------------------------------------------
 
 @njit(**_PAR)
@@ -149,14 +160,12 @@ def _conv2d_input_grad(dy, w, dx, sh, sw, pt, pl):
         dx[n] = 0.0
         for oh in range(out_h):
             for ow in range(out_w):
-                for kh in range(kh_n):
+                kh_lo, kh_hi = _taps_inside(oh, sh, pt, kh_n, h)
+                kw_lo, kw_hi = _taps_inside(ow, sw, pl, kw_n, wd)
+                for kh in range(kh_lo, kh_hi):
                     ih = oh * sh - pt + kh
-                    if ih < 0 or ih >= h:
-                        continue
-                    for kw in range(kw_n):
+                    for kw in range(kw_lo, kw_hi):
                         iw = ow * sw - pl + kw
-                        if iw < 0 or iw >= wd:
-                            continue
                         for ci in range(cin):
                             s = np.float32(0.0)
                             for co in range(cout):
@@ -252,14 +261,12 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
                 o = out[n, oh, ow]
                 g = arg[n, oh, ow]
                 first = True
-                for a in range(ph_n):
+                a_lo, a_hi = _taps_inside(oh, sh, pt, ph_n, h)
+                b_lo, b_hi = _taps_inside(ow, sw, pl, pw_n, wd)
+                for a in range(a_lo, a_hi):
                     ih = oh * sh - pt + a
-                    if ih < 0 or ih >= h:
-                        continue
-                    for bb in range(pw_n):
+                    for bb in range(b_lo, b_hi):
                         iw = ow * sw - pl + bb
-                        if iw < 0 or iw >= wd:
-                            continue
                         xr = x[n, ih, iw]
                         pos = a * pw_n + bb
                         if first:
@@ -288,14 +295,12 @@ def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
             for ow in range(out_w):
                 d = dy[n, oh, ow]
                 g = arg[n, oh, ow]
-                for a in range(ph_n):
+                a_lo, a_hi = _taps_inside(oh, sh, pt, ph_n, h)
+                b_lo, b_hi = _taps_inside(ow, sw, pl, pw_n, wd)
+                for a in range(a_lo, a_hi):
                     ih = oh * sh - pt + a
-                    if ih < 0 or ih >= h:
-                        continue
-                    for bb in range(pw_n):
+                    for bb in range(b_lo, b_hi):
                         iw = ow * sw - pl + bb
-                        if iw < 0 or iw >= wd:
-                            continue
                         pos = a * pw_n + bb
                         r = dx[n, ih, iw]
                         for c in range(ch):
