@@ -240,15 +240,22 @@ def _restore_optimizer(model, values, filepath, force):
 
 
 # -- save_weights / load_weights ----------------------------------------------------------------
-def save_weights(model, filepath, overwrite=True):
-    """Write ``model``'s weights to exactly ``filepath`` (``*.weights.h5``), atomically."""
+def _savable(model, filepath, overwrite, suffix, what):
+    """The checks before ``save_weights`` / ``save`` write anything: the file name's suffix,
+    ``overwrite``, a built model. Returns the path as a string."""
     filepath = os.fspath(filepath)
-    _check_suffix(filepath, WEIGHTS_SUFFIX, "save_weights")
+    _check_suffix(filepath, suffix, what)
     if not overwrite and os.path.exists(filepath):
         raise FileExistsError(f"{filepath} exists and overwrite=False.")
     if not model.built:
         raise ValueError("You are saving a model that has not yet been built: give the first layer an "
                          "input_shape, or call fit() or build() first.")
+    return filepath
+
+
+def save_weights(model, filepath, overwrite=True):
+    """Write ``model``'s weights to exactly ``filepath`` (``*.weights.h5``), atomically."""
+    filepath = _savable(model, filepath, overwrite, WEIGHTS_SUFFIX, "save_weights")
     _atomic_write(filepath, WEIGHTS_SUFFIX, lambda tmp: _write_h5(model, tmp))
 
 
@@ -294,13 +301,7 @@ def _archive(filepath):
 
 def save_model(model, filepath, overwrite=True):
     """``model.save("m.keras")``: architecture, weights and optimizer state, atomically."""
-    filepath = os.fspath(filepath)
-    _check_suffix(filepath, MODEL_SUFFIX, "save")
-    if not overwrite and os.path.exists(filepath):
-        raise FileExistsError(f"{filepath} exists and overwrite=False.")
-    if not model.built:
-        raise ValueError("You are saving a model that has not yet been built: give the first layer an "
-                         "input_shape, or call fit() or build() first.")
+    filepath = _savable(model, filepath, overwrite, MODEL_SUFFIX, "save")
     config = json.dumps(model_config(model))
     metadata = json.dumps({"keras_version": KERAS_VERSION,
                            "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")})
