@@ -654,6 +654,20 @@ def _gemm_sets(version, m, n, k, block, thread, k_step):
                 a_loads=a_loads, b_loads=b_loads, a_reads=a_reads, b_reads=b_reads)
 
 
+def _paint_cells(ax, shape, light, dark):
+    """Draw a ``shape`` (rows, cols) grid of cells: grey, light blue at the (row, col)
+    pairs in ``light``, orange at those in ``dark`` (drawn over light); cell (r, c)
+    covers [c, c+1] x [r, r+1], row 0 at the top. For gemm_mapping and conv2d_mapping."""
+    from matplotlib.colors import ListedColormap
+    img = np.zeros(shape, dtype=np.int8)
+    for r, c in light:
+        img[r, c] = 1
+    for r, c in dark:
+        img[r, c] = 2
+    ax.imshow(img, cmap=ListedColormap(["#f2f2f2", "#c6dbef", "#fd8d3c"]), vmin=0, vmax=2,
+              interpolation="nearest", extent=(0, shape[1], shape[0], 0))
+
+
 def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k_step=0,
                  fig=None):
     """Which data one block and one thread of GEMM ``version`` touch; returns the Figure.
@@ -697,7 +711,6 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
                          f"{steps} step(s) of {tile_k} along K (0..{steps - 1}).")
     sets = _gemm_sets(version, m, n, k, tuple(block), tuple(thread), k_step)
 
-    from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
     from matplotlib.lines import Line2D
     if fig is None:
@@ -706,16 +719,9 @@ def gemm_mapping(version, m=None, n=None, k=None, block=(0, 0), thread=(0, 0), k
     gs = fig.add_gridspec(2, 2, width_ratios=[max(k, 0.3 * n), n], height_ratios=[max(k, 0.3 * m), m])
     ax_text, ax_b = fig.add_subplot(gs[0, 0]), fig.add_subplot(gs[0, 1])
     ax_a, ax_out = fig.add_subplot(gs[1, 0]), fig.add_subplot(gs[1, 1])
-    cmap = ListedColormap(["#f2f2f2", "#c6dbef", "#fd8d3c"])
 
     def draw(ax, shape, light, dark, loads, row_tile, col_tile, title, mark_dark=False):
-        img = np.zeros(shape, dtype=np.int8)
-        for r, c in light:
-            img[r, c] = 1
-        for r, c in dark:
-            img[r, c] = 2
-        ax.imshow(img, cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
-                  extent=(0, shape[1], shape[0], 0))
+        _paint_cells(ax, shape, light, dark)
         for r in range(0, shape[0] + 1, row_tile):
             ax.axhline(r, color="#888888", linewidth=0.6)
         for c in range(0, shape[1] + 1, col_tile):
@@ -838,23 +844,15 @@ def conv2d_mapping(version="v1", in_hw=(28, 28), kernel_hw=(3, 3), cout=32, thre
                  f"{thread} of {threads} computes channel(s) {sorted(cos)} of {len(out_dark)} "
                  f"pixel(s) of the tile, reading shared memory.")
 
-    from matplotlib.colors import ListedColormap
     if fig is None:
         from matplotlib.figure import Figure
         fig = Figure(figsize=(10, 5.6), layout="constrained")
     ax_in, ax_out = fig.subplots(1, 2, width_ratios=[w, out_w])
-    cmap = ListedColormap(["#f2f2f2", "#c6dbef", "#fd8d3c"])
     for ax, shape, light, dark, title in (
             (ax_in, (h, w), in_light, in_dark, f"input x[0, :, :, 0] ({h} x {w})"),
             (ax_out, (out_h, out_w), out_light, out_dark,
              f"output out[0, :, :, co] ({out_h} x {out_w} x {cout})")):
-        img = np.zeros(shape, dtype=np.int8)
-        for r, c in light:
-            img[r, c] = 1
-        for r, c in dark:
-            img[r, c] = 2
-        ax.imshow(img, cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
-                  extent=(0, shape[1], shape[0], 0))
+        _paint_cells(ax, shape, light, dark)
         ax.set_xticks(range(0, shape[1] + 1, 4))
         ax.set_yticks(range(0, shape[0] + 1, 4))
         ax.grid(color="#bbbbbb", linewidth=0.4)
