@@ -3,6 +3,7 @@
     python -m benchmarks.multiworker                         # 2 and 4 processes, 1 KB .. 64 MB
     python -m benchmarks.multiworker --ns 2 --max-bytes 1M --repeat 5
     python -m benchmarks.multiworker --smoke --out /tmp/multiworker.json   # seconds: checks it runs
+    python -m benchmarks.multiworker --mpi-algorithm ring --training-steps 0   # vs MPICH's own ring
 
 This program launches ``mpiexec -n N`` itself (the mpiexec beside this Python, which
 the mpich wheel of requirements.txt installs, else one on PATH), once per N; each
@@ -17,7 +18,8 @@ all_reduce_perf): ``CollectiveAllReduce.all_reduce_flat("SUM", [buf], [cpu])`` a
 ``MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf, op=SUM)``. Each is first checked
 (worker r holds r+1 everywhere, so the sum N(N+1)/2 is exact), then timed on zeros:
 a barrier, ``number`` calls, and the time of the SLOWEST worker (a collective is done
-when its last worker is); medians over ``--repeat`` samples (perf_counter; CPU code).
+when its last worker is); medians over ``--repeat`` samples (perf_counter; CPU code),
+the ring's and MPI's samples taken in turn.
 
 What is reported:
     latency   the median time of one all-reduce of the smallest size (1 KB)
@@ -56,8 +58,10 @@ SIZES = [1 << k for k in range(10, 27, 2)]
 SMOKE_SIZES = [1 << 10, 1 << 14]
 NS = (2, 4)
 ITEMSIZE = 4                                      # float32, as gradients are
-#: Calls per timed sample: enough that a sample of small all-reduces lasts ~ms.
-TARGET_SAMPLE_S = 2e-3
+#: Calls per timed sample: enough that a sample lasts ~20 ms. A sample also times how the
+#: workers leave the barrier before it: with ~2 ms samples (2 calls), the 1 MB row of 4
+#: workers on 2 cores read 1,000-1,500 µs per call; with ~20 ms samples, ~650 µs.
+TARGET_SAMPLE_S = 20e-3
 MAX_NUMBER = 200
 LAUNCH_TIMEOUT_S = 550
 TRAIN_WORKERS = (1, 2, 4)
@@ -78,24 +82,30 @@ def _slowest(comm, seconds):
     return comm.allreduce(seconds, op=MPI.MAX)
 
 
-def _time(comm, fn, repeat, warmup=2):
-    """Median over ``repeat`` samples of the slowest worker's time per call."""
-    for _ in range(warmup):
-        fn()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    once = _slowest(comm, time.perf_counter() - t0)
-    number = int(min(MAX_NUMBER, max(1, TARGET_SAMPLE_S / max(once, 1e-9))))
-    samples = []
-    for _ in range(repeat):
+def _time(comm, fns, repeat, warmup=2):
+    """Median over ``repeat`` samples of the slowest worker's time per call, for each of
+    ``fns`` (a dict name -> callable). Their samples alternate (ring, MPI, ring, MPI, ...),
+    so that both see the machine in the same state (other jobs, the cores' clocks): timed
+    one block after the other, a change of load between the blocks lands in the ratio."""
+    numbers = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
         comm.Barrier()
         t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        samples.append(_slowest(comm, (time.perf_counter() - t0) / number))
-    return {"median_s": float(np.median(samples)), "min_s": float(min(samples)),
-            "samples": repeat, "number": number}
+        fn()
+        once = _slowest(comm, time.perf_counter() - t0)
+        numbers[name] = int(min(MAX_NUMBER, max(1, TARGET_SAMPLE_S / max(once, 1e-9))))
+    samples = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(numbers[name]):
+                fn()
+            samples[name].append(_slowest(comm, (time.perf_counter() - t0) / numbers[name]))
+    return {name: {"median_s": float(np.median(got)), "min_s": float(min(got)),
+                   "samples": repeat, "number": numbers[name]} for name, got in samples.items()}
 
 
 def worker(sizes, repeat, out):
@@ -122,8 +132,9 @@ def worker(sizes, repeat, out):
             raise AssertionError(f"MPI_Allreduce: wrong sum at {nbytes} bytes on worker {rank}")
         buf[...] = 0
         check[...] = 0
-        ours = _time(comm, lambda: ring.all_reduce_flat("SUM", [buf], [cpu]), repeat)
-        theirs = _time(comm, lambda: comm.Allreduce(MPI.IN_PLACE, check, op=MPI.SUM), repeat)
+        timed = _time(comm, {"ring": lambda: ring.all_reduce_flat("SUM", [buf], [cpu]),
+                             "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, check, op=MPI.SUM)}, repeat)
+        ours, theirs = timed["ring"], timed["mpi"]
         row = {"n": n, "bytes": nbytes, "ring": ours, "mpi": theirs}
         for name, t in (("ring", ours), ("mpi", theirs)):
             row[f"{name}_us"] = t["median_s"] * 1e6
@@ -176,7 +187,7 @@ def _parse_bytes(text):
     return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
 
 
-def launch(n, sizes, repeat, mpiexec, train_steps=None):
+def launch(n, sizes, repeat, mpiexec, train_steps=None, mpi_algorithm=None):
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp, "rows.json")
         cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "benchmarks.multiworker"]
@@ -188,6 +199,8 @@ def launch(n, sizes, repeat, mpiexec, train_steps=None):
         # on what the strategy finds: real GPUs, else the CPU (never the slow simulator)
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1" if train_steps is None else "0",
                    MIRRORED_OFFLINE="1")                   # the bundled MNIST subset
+        if mpi_algorithm:                                  # MPICH's name for its choice
+            env["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM"] = mpi_algorithm
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env,
                               cwd=pathlib.Path(__file__).resolve().parents[1])
         if proc.returncode != 0:
@@ -204,6 +217,10 @@ def main(argv=None):
     p.add_argument("--out", help="write the JSON here (default benchmarks/results/)")
     p.add_argument("--training-steps", type=int, default=TRAIN_STEPS,
                    help="timed fit steps of the lab ConvNet per worker count (0: skip)")
+    p.add_argument("--mpi-algorithm", metavar="NAME",
+                   help="the algorithm MPICH's MPI_Allreduce must use (MPIR_CVAR_ALLREDUCE_INTRA_"
+                        "ALGORITHM), e.g. 'ring' to race our ring against MPICH's own ring; "
+                        "default: MPICH picks per size")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--sizes", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -224,7 +241,7 @@ def main(argv=None):
     rows = []
     load_before = os.getloadavg()
     for n in ns:
-        rows += launch(n, sizes, repeat, mpiexec)
+        rows += launch(n, sizes, repeat, mpiexec, mpi_algorithm=args.mpi_algorithm)
     training = []
     for w in ([] if args.smoke or not args.training_steps else TRAIN_WORKERS):
         training.append(launch(w, None, None, mpiexec, train_steps=args.training_steps))
@@ -243,7 +260,8 @@ def main(argv=None):
                                       ("efficiency", "efficiency", ".2f")])
     info = common.device_info()
     info["device"] = "cpu"                          # the buffers are host memory (CPU devices)
-    info.update(cpus=os.cpu_count(), mpich=common._version("mpich"), mpi4py=common._version("mpi4py"),
+    info.update(mpi_allreduce_algorithm=args.mpi_algorithm or "MPICH's default choice",
+                cpus=os.cpu_count(), mpich=common._version("mpich"), mpi4py=common._version("mpi4py"),
                 # the machine's load (1, 5, 15 min) before and after: other jobs share the cores
                 load_average_before=load_before, load_average_after=load_after)
     latency = {str(n): {"ring_us": r["ring_us"], "mpi_us": r["mpi_us"]}

@@ -258,6 +258,48 @@ def test_a_launched_worker_without_mpi4py_is_told_what_to_install(lone_worker, m
         lone_worker.world()
 
 
+@pytest.mark.parametrize("done_after_s", [0.004, 0.3, None])
+def test_a_wait_yields_the_core_then_sleeps_then_times_out(monkeypatch, done_after_s):
+    """``Workers._wait``: short waits give the core away on every poll (a peer on the same
+    core runs at once), long ones sleep between polls, and past the deadline it raises.
+    A fake clock advances 1 µs per yield and 1 ms per sleep; fake MPI requests complete
+    at ``done_after_s`` (None: never)."""
+    import types
+    from mirrored import workers
+    from mirrored.errors import DeadlineExceededError
+    clock, calls = [0.0], []
+
+    def sched_yield():
+        calls.append("yield")
+        clock[0] += 1e-6
+
+    def sleep(seconds):
+        calls.append("sleep")
+        clock[0] += seconds
+
+    fake_mpi = types.SimpleNamespace(Request=types.SimpleNamespace(
+        Testall=lambda requests: done_after_s is not None and clock[0] >= done_after_s))
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=fake_mpi))
+    monkeypatch.setattr(workers, "os", types.SimpleNamespace(sched_yield=sched_yield))
+    monkeypatch.setattr(workers, "time", types.SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+    me = workers.Workers(None, timeout_s=2.0)
+    if done_after_s is None:
+        with pytest.raises(DeadlineExceededError, match=r"worker 0 of 1 waited 2 s for a ring step "
+                                                        r"with worker\(s\) \[3\]"):
+            me._wait([], "a ring step", [0, 3])
+        assert 2.0 < clock[0] < 2.0 + 0.1, "the deadline is kept to within a few polls"
+    else:
+        me._wait([], "a ring step", [3])
+        assert done_after_s <= clock[0] < done_after_s + 0.02
+    yields = calls.index("sleep") if "sleep" in calls else len(calls)
+    assert set(calls[:yields]) == {"yield"} and set(calls[yields:]) <= {"sleep"}   # yield, then sleep
+    if done_after_s is not None and done_after_s < workers._YIELD_FOR_S:
+        assert "sleep" not in calls                      # a short wait never sleeps
+    else:                                                # a long one yields ~_YIELD_FOR_S, then sleeps
+        assert workers._YIELD_FOR_S - 1e-6 <= yields * 1e-6 < workers._YIELD_FOR_S + 1e-3
+        assert calls.count("sleep") >= 100
+
+
 def test_nccl_is_refused_with_the_reason():
     options = tf.distribute.experimental.CommunicationOptions
     impl = tf.distribute.experimental.CommunicationImplementation
