@@ -248,8 +248,6 @@ def test_model_checkpoint_save_best_only_without_the_monitored_value():
     ckpt = cb_lib.ModelCheckpoint("c.weights.h5", monitor="val_f1", save_weights_only=True, save_best_only=True)
     with pytest.raises(ValueError, match="maximized or minimized"):
         drive(ckpt, [0.5], key="val_f1", model=_SavingModel())
-    with pytest.raises(NotImplementedError, match="save_freq"):
-        cb_lib.ModelCheckpoint("d.weights.h5", save_weights_only=True, save_freq=10)
 
 
 def test_model_checkpoint_in_fit_keeps_the_best_epochs_weights(devices, rng, tmp_path, capsys):
@@ -269,3 +267,100 @@ def test_model_checkpoint_in_fit_keeps_the_best_epochs_weights(devices, rng, tmp
         np.testing.assert_array_equal(a, b)
     out = capsys.readouterr().out
     assert f"Epoch {best + 1}: val_loss improved from" in out and "saving model to" in out
+
+
+# -- ModelCheckpoint(save_freq=n): Keras's batch count -----------------------------------------
+def test_model_checkpoint_save_freq_counts_batches_across_epochs(devices, rng, tmp_path):
+    """3 epochs of 4 batches, save_freq=3: Keras 3.15 (run on its JAX backend) writes
+    c-1-3, c-2-2, c-3-1, c-3-4 ({batch} 1-based within the epoch): the count runs on across
+    epochs. Each file holds the weights right after its batch; a .keras path with only
+    {epoch} is overwritten within an epoch, so k-3 holds batch 12's model."""
+    devices(cpus=2)
+    x, y = data(rng, n=16)
+    model = small_model()
+    after = []                                    # weights after global batch 1, 2, ...
+    record = cb_lib.LambdaCallback(on_train_batch_end=lambda batch, logs: after.append(model.get_weights()))
+    ckpts = [cb_lib.ModelCheckpoint(tmp_path / "c-{epoch}-{batch}.weights.h5", save_weights_only=True,
+                                    save_freq=3),
+             cb_lib.ModelCheckpoint(str(tmp_path / "k-{epoch}.keras"), save_freq=3)]
+    model.fit(x, y, batch_size=4, epochs=3, shuffle=False, callbacks=[record] + ckpts, verbose=0)
+    assert len(after) == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c-1-3.weights.h5", "c-2-2.weights.h5", "c-3-1.weights.h5", "c-3-4.weights.h5",
+        "k-1.keras", "k-2.keras", "k-3.keras"]
+    fresh = small_model()
+    for name, batch in [("c-1-3", 3), ("c-2-2", 6), ("c-3-1", 9), ("c-3-4", 12)]:
+        fresh.load_weights(tmp_path / f"{name}.weights.h5")
+        for a, b in zip(fresh.get_weights(), after[batch - 1]):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}: not the weights after batch {batch}")
+    assert not np.array_equal(after[8][0], after[11][0])       # so the next check can fail
+    with model.distribute_strategy.scope():
+        whole = tf.keras.models.load_model(tmp_path / "k-3.keras")
+    for a, b in zip(whole.get_weights(), after[11]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_model_checkpoint_save_best_only_on_batches_reads_the_batch_logs(devices, rng, tmp_path):
+    """save_freq=2, save_best_only on the batch logs' loss: a save is due after batches 2, 4,
+    ... (global), and happens when the running loss then beats the best saved so far. The
+    batch logs are Keras's: the epoch's running mean, ending at the epoch's own loss."""
+    devices(cpus=2)
+    x, y = data(rng, n=16)
+    model = small_model(tf.keras.optimizers.SGD(0.5))          # a big step: a loss that jumps about
+    seen = []                                                  # (weights, batch logs) per batch
+    record = cb_lib.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(
+        (model.get_weights(), dict(logs))))
+    ckpt = cb_lib.ModelCheckpoint(tmp_path / "b-{epoch}-{batch}.weights.h5", monitor="loss",
+                                  save_weights_only=True, save_best_only=True, save_freq=2)
+    history = model.fit(x, y, batch_size=4, epochs=3, shuffle=False, callbacks=[record, ckpt], verbose=0)
+    assert [sorted(logs) for _, logs in seen] == [["accuracy", "loss"]] * 12
+    for epoch in range(3):                        # the last batch's running mean is the epoch's
+        np.testing.assert_allclose(seen[4 * epoch + 3][1]["loss"], history.history["loss"][epoch],
+                                   rtol=1e-6)
+    best, want = np.inf, {}
+    for g in range(2, 13, 2):                     # Keras's rule, worked out from the logs seen
+        loss = seen[g - 1][1]["loss"]
+        if loss < best:
+            best = loss
+            want[f"b-{(g - 1) // 4 + 1}-{(g - 1) % 4 + 1}.weights.h5"] = seen[g - 1][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(want)
+    assert ckpt.best == best
+    fresh = small_model()
+    for name, weights in want.items():
+        fresh.load_weights(tmp_path / name)
+        for a, b in zip(fresh.get_weights(), weights):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_model_checkpoint_save_freq_skips_a_batch_that_did_not_improve():
+    """The same rule driven batch by batch (no fit): due after batches 2, 4 and 6; the
+    loss at batch 4 (0.9) does not beat batch 2's (0.8), so only two files."""
+    ckpt = cb_lib.ModelCheckpoint("s-{epoch}-{batch}.weights.h5", monitor="loss", save_weights_only=True,
+                                  save_best_only=True, save_freq=2)
+    model = _SavingModel()
+    ckpt.set_model(model)
+    ckpt.on_train_begin()
+    losses = [1.0, 0.8, 0.7, 0.9, 0.5, 0.4]
+    for epoch in range(2):
+        ckpt.on_epoch_begin(epoch)
+        for batch in range(3):
+            g = 3 * epoch + batch
+            model.w = [np.full(2, float(g + 1))]       # weights "after global batch g + 1"
+            ckpt.on_train_batch_end(batch, {"loss": losses[g]})
+    assert model.saved == [("s-1-2.weights.h5", 2.0), ("s-2-3.weights.h5", 6.0)]
+    assert ckpt.best == 0.4
+
+
+@pytest.mark.parametrize("save_freq", ["batch", "10", 0, -3, 2.5, True, None])
+def test_model_checkpoint_refuses_a_bad_save_freq(save_freq):
+    with pytest.raises(ValueError, match=r"Unrecognized save_freq.*'epoch' or integer"):
+        cb_lib.ModelCheckpoint("d.weights.h5", save_weights_only=True, save_freq=save_freq)
+
+
+def test_model_checkpoint_batch_in_the_path_needs_an_integer_save_freq():
+    ckpt = cb_lib.ModelCheckpoint("e-{batch}.weights.h5", save_weights_only=True)
+    model = _SavingModel()
+    ckpt.set_model(model)
+    with pytest.raises(KeyError, match="Failed to format this callback filepath.*integer save_freq"):
+        ckpt.on_epoch_end(0, {"loss": 1.0})
+    assert model.saved == []

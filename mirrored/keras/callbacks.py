@@ -4,9 +4,13 @@
 ``fit`` calls, in order: ``on_train_begin``; per epoch ``on_epoch_begin``,
 per step ``on_train_batch_begin``/``on_train_batch_end``, then
 ``on_epoch_end(epoch, logs)`` with ``logs = {'loss': ..., 'accuracy': ...,
-'val_loss': ..., 'val_accuracy': ...}``; finally ``on_train_end``. The
-per-step hooks get no metric values (reading them would cost a device sync
-every step); epoch logs carry them.
+'val_loss': ..., 'val_accuracy': ...}``; finally ``on_train_end``.
+``on_train_batch_end(batch, logs)`` gets Keras's batch logs, the epoch's running
+``loss`` and ``accuracy`` so far, as ``LazyLogs``: read from the devices (a sync)
+only when a callback looks at them, so a step nobody asks about costs nothing.
+Under ``MultiWorkerMirroredStrategy`` they are this worker's running metrics
+(reading them across workers would be a collective every worker must join);
+the epoch's logs are over every worker.
 
 ``EarlyStopping``, ``ReduceLROnPlateau`` and ``CSVLogger`` follow Keras 3's
 (keras/src/callbacks/*.py) rule for rule, quirks included: EarlyStopping counts
@@ -22,7 +26,7 @@ import csv
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 
 import numpy as np
 
@@ -48,6 +52,37 @@ class Callback:
     def on_train_batch_end(self, batch, logs=None): pass
     def on_test_begin(self, logs=None): pass
     def on_test_end(self, logs=None): pass
+
+
+class LazyLogs(MutableMapping):
+    """A logs dict filled by ``read()`` the first time anyone looks into it (``fit``'s batch
+    logs: reading the metrics syncs the devices, so it happens only when asked)."""
+
+    def __init__(self, read):
+        self._read, self._logs = read, None
+
+    def _data(self):
+        if self._logs is None:
+            self._logs = dict(self._read())
+        return self._logs
+
+    def __getitem__(self, key):
+        return self._data()[key]
+
+    def __setitem__(self, key, value):
+        self._data()[key] = value
+
+    def __delitem__(self, key):
+        del self._data()[key]
+
+    def __iter__(self):
+        return iter(self._data())
+
+    def __len__(self):
+        return len(self._data())
+
+    def __repr__(self):
+        return repr(self._data())
 
 
 class History(Callback):
@@ -98,29 +133,45 @@ class LearningRateScheduler(Callback):
 
 
 class ModelCheckpoint(Callback):
-    """Saves the model at each epoch's end: ``model.save`` to a ``*.keras`` file, or with
+    """Saves the model as training goes: ``model.save`` to a ``*.keras`` file, or with
     ``save_weights_only=True`` ``model.save_weights`` to a ``*.weights.h5`` file (Keras 3's
     rule; other names are refused when the callback is made, not after an epoch's work).
 
-    ``filepath`` may contain ``{epoch}`` (1-based, as Keras) and log keys.
+    ``save_freq="epoch"``: at each epoch's end, with the epoch's logs. ``save_freq=n`` (a
+    positive int): after every n training batches, counted across epochs as Keras counts
+    them (``_batches_seen_since_last_saving``: 2 epochs of 4 batches with n=3 save after
+    batch 3 of epoch 1 and batch 2 of epoch 2), with that batch's logs (the epoch's running
+    loss and accuracy so far, as Keras's batch logs; no ``val_*``). Anything else ("batch",
+    0, -1, 2.5) is refused here, before training (Keras 3 itself accepts 0 and negative
+    ints and then saves after every batch).
+
+    ``filepath`` may contain ``{epoch}`` (1-based, as Keras), with ``save_freq=n`` also
+    ``{batch}`` (the batch's 1-based number within its epoch), and log keys.
     ``save_best_only=True``: save only when ``monitor`` improved on the best value so far
-    (``mode`` "auto"/"min"/"max"; ``initial_value_threshold`` the value to beat first).
-    ``save_freq``: "epoch" only.
+    (``mode`` "auto"/"min"/"max"; ``initial_value_threshold`` the value to beat first),
+    read from the logs of the epoch or batch where a save is due. Under
+    ``MultiWorkerMirroredStrategy`` only the chief keeps the files and prints.
     """
 
     def __init__(self, filepath, monitor="val_loss", verbose=0, save_best_only=False,
                  save_weights_only=False, mode="auto", save_freq="epoch",
                  initial_value_threshold=None):
         super().__init__()
-        if save_freq != "epoch":
-            raise NotImplementedError(f"ModelCheckpoint(save_freq={save_freq!r}): only 'epoch' is "
-                                      f"implemented here (a save at the end of every epoch).")
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or isinstance(save_freq, bool)
+                                     or save_freq < 1):
+            raise ValueError(f"Unrecognized save_freq: {save_freq!r}. Expected save_freq are 'epoch' "
+                             f"or integer values: 'epoch' saves at the end of every epoch, a positive "
+                             f"int n after every n training batches.")
         if mode not in ("auto", "min", "max"):
             warnings.warn(f"ModelCheckpoint mode '{mode}' is unknown, fallback to auto mode.", stacklevel=2)
             mode = "auto"
-        self.filepath, self.verbose = str(filepath), verbose
+        self.filepath, self.verbose = os.fspath(filepath), verbose
         self.monitor, self.mode, self.save_best_only = monitor, mode, save_best_only
         self.save_weights_only = save_weights_only
+        self.save_freq = save_freq
+        self._batches_seen_since_last_saving = 0      # Keras's counters (kept across fits, as Keras)
+        self._last_batch_seen = None
+        self._current_epoch = 0
         self.monitor_op = None
         self.best = initial_value_threshold      # None until the direction is known
         suffix = ".weights.h5" if save_weights_only else ".keras"
@@ -128,18 +179,57 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"ModelCheckpoint: with save_weights_only={save_weights_only}, the filepath "
                              f"must end in {suffix}, got {self.filepath!r}.")
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._should_save_on_batch(batch):
+            self._save_model(self._current_epoch, batch, logs)
+
     def on_epoch_end(self, epoch, logs=None):
-        path = self.filepath.format(epoch=epoch + 1, **(logs or {}))
+        if self.save_freq == "epoch":
+            self._save_model(epoch, None, logs)
+
+    def _should_save_on_batch(self, batch):
+        """Keras's count: ``batch`` is 0-based within its epoch, so a number not above the
+        last one seen starts a new epoch (batch + 1 more batches), else the gap is added."""
+        if self.save_freq == "epoch":
+            return False
+        if self._last_batch_seen is None or batch <= self._last_batch_seen:
+            self._batches_seen_since_last_saving += batch + 1
+        else:
+            self._batches_seen_since_last_saving += batch - self._last_batch_seen
+        self._last_batch_seen = batch
+        if self._batches_seen_since_last_saving >= self.save_freq:
+            self._batches_seen_since_last_saving = 0
+            return True
+        return False
+
+    def _file_path(self, epoch, batch, logs):
+        """Keras's ``_get_file_path``: ``{epoch}`` 1-based, ``{batch}`` 1-based when saving on a
+        batch (unless the logs have their own ``batch``), then the logs' keys."""
+        try:
+            if batch is None or "batch" in logs:
+                return self.filepath.format(epoch=epoch + 1, **logs)
+            return self.filepath.format(epoch=epoch + 1, batch=batch + 1, **logs)
+        except KeyError as err:
+            raise KeyError(f'Failed to format this callback filepath: "{self.filepath}". Reason: {err}'
+                           + (" ({batch} is only known with an integer save_freq)"
+                              if err.args == ("batch",) else "")) from None
+
+    def _save_model(self, epoch, batch, logs):
+        logs = logs if logs is not None else {}
+        path = self._file_path(epoch, batch, logs)
         talk = self.verbose and _is_chief(self.model)
         if self.save_best_only:
             if self.monitor_op is None:
                 self.monitor_op = _monitor_op("ModelCheckpoint", self.monitor, self.mode, self.model)
                 if self.best is None:
                     self.best = math.inf if self.monitor_op is _less else -math.inf
-            current = (logs or {}).get(self.monitor)
+            current = logs.get(self.monitor)
             if current is None:
                 warnings.warn(f"Can save best model only with {self.monitor} available, skipping.",
-                              stacklevel=2)
+                              stacklevel=3)
                 return
             if not self.monitor_op(current, self.best):
                 if talk:

@@ -335,12 +335,13 @@ class Sequential:
                     cb.on_train_batch_begin(step, None)
                 self._train_on(batch)
                 step += 1
+                # Keras's batch logs: the epoch's running metrics, read only if asked for;
+                # this worker's (no collective: the other workers may not ask, nor draw a bar)
+                batch_logs = _callbacks.LazyLogs(lambda: self._logs(across_workers=False))
                 for cb in cbs:
-                    cb.on_train_batch_end(step - 1, {})   # no per-step metrics (docstring)
+                    cb.on_train_batch_end(step - 1, batch_logs)
                 if verbose and bar.wants_update(step):
-                    # mid-epoch: this worker's running metrics (no collective: the other
-                    # workers do not draw a bar); the epoch's line is over every worker
-                    bar.update(step, self._logs(across_workers=False))
+                    bar.update(step, dict(batch_logs))   # the epoch's line is over every worker
                 if self.stop_training:          # Keras checks after every batch too
                     break
             if not step:
