@@ -290,6 +290,63 @@ def test_keras_model_round_trip_resumes_training_exactly(devices, rng, tmp_path)
     assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["m.keras"]
 
 
+def dropout_model(strategy):
+    """Two Dropout layers: one seeded, one drawing its seed at build (so both the seed and
+    the counters must come back for the masks to)."""
+    with strategy.scope():
+        model = tf.keras.Sequential([L.Dense(8, activation="relu", input_shape=(5,)), L.Dropout(0.5),
+                                     L.Dense(8, activation="relu"), L.Dropout(0.3, seed=11), L.Dense(3)])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam(0.05))
+    return model
+
+
+def test_dropout_masks_resume_bitwise_through_a_keras_file(devices, rng, tmp_path):
+    """Train 3 steps, save, load, train 6 more == 9 steps uninterrupted, bit for bit, on 2
+    replicas: the archive carries each Dropout's seed and per-replica step counts (as
+    attributes Keras ignores); save_weights/load_weights leave them alone, as Keras's do.
+    (CPU replicas: the simulated GPU takes 35 s here, and its masks are the CPU's for the
+    same counters, tests/test_dropout_layer.py.)"""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((24, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 24)
+    model = dropout_model(strategy)
+    model.fit(x[:12], y[:12], batch_size=4, epochs=1, shuffle=False, verbose=0)     # 3 steps
+    path = tmp_path / "m.keras"
+    model.save(path)
+    with zipfile.ZipFile(path) as zf:
+        zf.extract(saving.ARCHIVE_WEIGHTS, tmp_path)
+    _, attrs = layout_of(tmp_path / saving.ARCHIVE_WEIGHTS)
+    for key, layer in [("dropout", model.layers[1]), ("dropout_1", model.layers[3])]:
+        assert attrs[f"layers/{key}/vars@mirrored_seed"] == str(layer._seed)
+        assert attrs[f"layers/{key}/vars@mirrored_steps"] == "[3 3]"      # one count per replica
+    with strategy.scope():
+        loaded = tf.keras.models.load_model(path)
+    assert loaded.layers[1]._seed == model.layers[1]._seed and loaded.layers[3]._seed == 11
+    for m in (model, loaded):
+        m.fit(x[12:], y[12:], batch_size=4, epochs=2, shuffle=False, verbose=0)     # 6 more
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for v in loaded.trainable_variables:                      # and the replicas agree bitwise
+        assert all(np.array_equal(v.values[0].numpy(), c.numpy()) for c in v.values[1:])
+    # Keras's save_weights keeps no SeedGenerator state, its load_weights leaves it as it was
+    model.save_weights(tmp_path / "w.weights.h5")
+    assert not any("mirrored_" in k for k in layout_of(tmp_path / "w.weights.h5")[1])
+    model.load_weights(path)
+    assert model.layers[1]._steps == {0: 9, 1: 9}
+    # a damaged state is refused, naming the file
+    with h5py.File(tmp_path / saving.ARCHIVE_WEIGHTS, "r+") as f:
+        f["layers/dropout/vars"].attrs["mirrored_steps"] = np.array([-1.5, 2.0])
+    bad = tmp_path / "bad.keras"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(bad, "w") as dst:
+        for name in src.namelist():
+            data = (tmp_path / name).read_bytes() if name == saving.ARCHIVE_WEIGHTS else src.read(name)
+            dst.writestr(name, data)
+    with strategy.scope(), pytest.raises(ValueError, match=r"bad\.keras.*'dropout'.*damaged"):
+        tf.keras.models.load_model(bad)
+
+
 def test_model_checkpoint_writes_kerass_formats(devices, rng, tmp_path):
     devices(cpus=1)
     model = dense_model(tf.distribute.OneDeviceStrategy("CPU:0"))   # not the simulated GPU: fast
@@ -332,3 +389,25 @@ def test_real_keras_reads_our_files_and_we_read_its(devices, rng, tmp_path):
     whole = keras.models.load_model(tmp_path / "m.keras")
     for model in (back, whole):
         np.testing.assert_allclose(model.predict(x, verbose=0), ours.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_real_keras_and_we_read_each_others_dropout_models(devices, rng, tmp_path):
+    """Where Keras 3 is installed: our trained Dropout model's .keras (with its mask state)
+    loads in Keras; Keras's (no such state: 3.15 saves none) loads here with fresh counters.
+    Both predict alike (dropout is the identity there)."""
+    os.environ.setdefault("KERAS_BACKEND", "numpy")
+    keras = pytest.importorskip("keras")
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    ours = dropout_model(strategy)
+    ours.fit(x, rng.integers(0, 3, 8), batch_size=4, verbose=0)
+    ours.save(tmp_path / "ours.keras")
+    theirs = keras.models.load_model(tmp_path / "ours.keras")
+    assert [type(l).__name__ for l in theirs.layers] == ["Dense", "Dropout", "Dense", "Dropout", "Dense"]
+    np.testing.assert_allclose(theirs.predict(x, verbose=0), ours.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    theirs.save(tmp_path / "theirs.keras")
+    with strategy.scope():
+        back = tf.keras.models.load_model(tmp_path / "theirs.keras")
+    assert back.layers[3]._seed == 11 and back.layers[3]._steps == {}
+    np.testing.assert_allclose(back.predict(x, verbose=0), theirs.predict(x, verbose=0), rtol=1e-5, atol=1e-6)

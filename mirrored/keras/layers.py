@@ -129,6 +129,18 @@ class Layer:
         self.output_shape = tuple(self.output_shape_for(self.input_shape))
         self.built = True
 
+    # -- state besides the weights (keras/saving.py keeps it in .keras archives)
+    def training_state(self):
+        """What training advances besides the weights and a resumed run needs, as
+        ``{name: integer scalar or array}`` (Dropout: its seed and mask counters); None:
+        nothing. ``model.save`` writes it, ``load_model`` gives it back."""
+        return None
+
+    def set_training_state(self, state, what):
+        """Restore what ``training_state`` returned; ``what`` names the file in errors."""
+        raise ValueError(f"{what}: the file holds training state {sorted(state)} for layer "
+                         f"{self.name!r} ({type(self).__name__}), which keeps none.")
+
     # -- the protocol (see the module docstring)
     def make_buffers(self, state, b):
         """What this layer keeps on ``state.dev`` for batches of ``b``: made once, reused."""
@@ -493,6 +505,12 @@ class Dropout(Layer):
 
     Because N replicas drop different units, a model with dropout does NOT train like one
     replica on the global batch (the other layers still do, given the same masks).
+
+    ``model.save("m.keras")`` keeps the seed in use and every replica's step count
+    (``training_state``) and ``load_model`` restores them, so training resumes with the
+    masks an uninterrupted run would draw. Keras 3 keeps its Dropout's SeedGenerator state
+    in neither file (a loaded model restarts its counter at 0); ``save_weights`` /
+    ``load_weights`` leave this state alone, as Keras's do.
     """
 
     def __init__(self, rate, noise_shape=None, seed=None, input_shape=None, name=None, **kwargs):
@@ -513,6 +531,23 @@ class Dropout(Layer):
     def build(self, input_shape):
         super().build(input_shape)
         self._seed = int(self.seed) if self.seed is not None else int(_random.generator().integers(2**63))
+
+    def training_state(self):
+        steps = np.zeros(max(self._steps, default=0) + 1, np.int64)  # (replicas,): forwards so far
+        for r, n in self._steps.items():
+            steps[r] = n
+        return {"seed": np.uint64(self._seed % 2**64), "steps": steps}    # dropout_key takes mod 2^64
+
+    def set_training_state(self, state, what):
+        seed, steps = state.get("seed"), state.get("steps")
+        if (set(state) != {"seed", "steps"} or np.ndim(seed) != 0 or np.ndim(steps) != 1
+                or not np.issubdtype(np.asarray(seed).dtype, np.integer)
+                or not np.issubdtype(np.asarray(steps).dtype, np.integer) or np.any(np.asarray(steps) < 0)):
+            raise ValueError(f"{what}: the state of Dropout {self.name!r} is damaged: expected an "
+                             f"integer seed and a vector of step counts >= 0, got {state!r}.")
+        self._seed = int(seed)
+        self._steps = {r: int(n) for r, n in enumerate(steps)}
+        self._keys = {}
 
     def make_buffers(self, state, b):
         return state.dev.empty((b,) + self.input_shape, FLOAT)       # y: (b,) + input shape

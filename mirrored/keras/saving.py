@@ -23,7 +23,22 @@ when the model's optimizer already has as many (Keras warns and skips otherwise)
 ``model.save("m.keras")`` / ``models.load_model("m.keras")``: Keras 3's zip archive,
 ``metadata.json``, ``config.json`` (the model's architecture and compile arguments, in
 Keras's ``serialize_keras_object`` shape) and ``model.weights.h5`` (the layout above,
-optimizer included): training resumes exactly where it stopped.
+optimizer included, plus the layers' training state): training resumes exactly where it
+stopped, bit for bit, dropout masks included.
+
+The training state (``Layer.training_state``: a Dropout's seed and per-replica mask
+counters) is written, in the archive only, as HDF5 attributes of the layer's group::
+
+    /layers/<key>/vars          attrs mirrored_seed=<uint64>, mirrored_steps=<int64 (replicas,)>
+
+Keras 3 (3.15 checked) keeps its Dropout's SeedGenerator state in neither file: its
+layer groups hold the layer's variables only, so a Keras model loaded from a .keras file
+restarts its counters, and its ``save_weights`` / ``load_weights`` neither write nor touch
+them. A dataset there would break Keras's load (it counts a layer's datasets), an extra
+archive member would make it open an assets store, but attributes other than ``name`` it
+never reads: so our state goes there, and our files stay Keras's. ``save_weights`` /
+``load_weights`` leave it out, as Keras's do; a Keras file (no such attributes) loads
+with fresh counters, as in Keras.
 
 Every file is written to a hidden temporary file beside the target (``.weights-<pid>-*``,
 ``.keras-<pid>-*``), flushed to disk and renamed into place (``os.replace``): a failed or
@@ -51,6 +66,7 @@ import numpy as np
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
 ARCHIVE_WEIGHTS = "model.weights.h5"          # inside a .keras archive (Keras's _VARS_FNAME_H5)
+STATE_PREFIX = "mirrored_"   # a layer group's attributes holding its training state (docstring)
 TEMP_PREFIXES = {WEIGHTS_SUFFIX: ".weights-", MODEL_SUFFIX: ".keras-"}
 LEGACY_STALE_S = 3600    # temporaries named without a pid (older versions): stale after an hour
 KERAS_VERSION = "3.0.0"  # the format version written into metadata.json
@@ -151,9 +167,10 @@ def layer_keys(layers):
     return keys
 
 
-def _write_h5(model, target):
+def _write_h5(model, target, training_state=False):
     """Write ``model``'s weights (and its optimizer's state, when compiled) in Keras's layout
-    to ``target`` (a path or a binary file object)."""
+    to ``target`` (a path or a binary file object); ``training_state``: the layers' too, as
+    attributes Keras ignores (a .keras archive; the docstring says why there)."""
     h5py = _h5py()
     with h5py.File(target, "w") as f:
         f.create_group("vars").attrs["name"] = model.name
@@ -162,6 +179,8 @@ def _write_h5(model, target):
             group.attrs["name"] = layer.name
             for i, w in enumerate(layer.trainable_weights):
                 group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
+            for name, value in ((layer.training_state() or {}).items() if training_state else ()):
+                group.attrs[STATE_PREFIX + name] = value
         if model.optimizer is not None and model.built:
             group = f.create_group("optimizer/vars")
             group.attrs["name"] = model.optimizer.name
@@ -178,7 +197,8 @@ def _not_weights(filepath, err):
 
 def _read_h5(source, filepath):
     """Everything in a Keras 3 weights file: ({layer path: [arrays]}, [optimizer arrays] or
-    None). ``source``: a path or a file object; ``filepath`` names it in errors."""
+    None, {layer path: training state}). ``source``: a path or a file object; ``filepath``
+    names it in errors."""
     h5py = _h5py()
     try:
         with h5py.File(source, "r") as f:
@@ -187,15 +207,19 @@ def _read_h5(source, filepath):
             if base is None:
                 raise ValueError(f"{filepath} has no 'layers' group: it is an HDF5 file but not a Keras 3 "
                                  f"weights file (top-level groups: {sorted(f.keys())}).")
-            layers = {}
+            layers, states = {}, {}
             for key, group in f[base].items():
                 vars_ = group.get("vars") if isinstance(group, h5py.Group) else None
                 layers[key] = [np.asarray(vars_[str(i)]) for i in range(len(vars_))] if vars_ is not None else []
+                state = {k[len(STATE_PREFIX):]: np.asarray(v) for k, v in
+                         (vars_.attrs.items() if vars_ is not None else ()) if k.startswith(STATE_PREFIX)}
+                if state:
+                    states[key] = state
             opt = f.get("optimizer/vars")
             optimizer = [np.asarray(opt[str(i)]) for i in range(len(opt))] if opt is not None else None
     except (OSError, KeyError, RuntimeError) as err:
         raise _not_weights(filepath, err) from err
-    return layers, optimizer
+    return layers, optimizer, states
 
 
 def _apply(model, stored, filepath, restore_optimizer=False):
@@ -265,12 +289,13 @@ def load_weights(model, filepath):
     if not os.path.exists(filepath):
         raise FileNotFoundError(f"no weights file at {filepath}; save one with "
                                 f"model.save_weights('name.weights.h5').")
+    # a .keras archive's training state is not read: Keras's load_weights leaves it alone too
     if filepath.endswith(MODEL_SUFFIX):
         with _archive(filepath) as zf:
-            stored, opt = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
+            stored, opt, _ = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
     else:
         _check_suffix(filepath, WEIGHTS_SUFFIX, "load_weights")
-        stored, opt = _read_h5(filepath, filepath)
+        stored, opt, _ = _read_h5(filepath, filepath)
     if not model.built:
         raise ValueError("You are loading weights into a model that has not yet been built: give the "
                          "first layer an input_shape, or call fit() or build() first.")
@@ -306,7 +331,7 @@ def save_model(model, filepath, overwrite=True):
     metadata = json.dumps({"keras_version": KERAS_VERSION,
                            "date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")})
     weights = io.BytesIO()
-    _write_h5(model, weights)
+    _write_h5(model, weights, training_state=True)
 
     def write(tmp):
         with zipfile.ZipFile(tmp, "w") as zf:
@@ -328,12 +353,15 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
             config = json.loads(zf.read("config.json"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
-        stored, opt = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
+        stored, opt, states = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
     model = model_from_config(config)
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
     model.set_weights(_apply(model, stored, filepath))
     _restore_optimizer(model, opt, filepath, force=True)
+    for key, layer in zip(layer_keys(model.layers), model.layers):   # a model of our own: an error
+        if key in states:                                            # leaves nobody a half-set one
+            layer.set_training_state(states[key], f"{filepath} (layer {key!r})")
     return model
 
 
