@@ -59,7 +59,8 @@ def configure(cpus=1, gpus=0):
 
 
 def case_train(out, gpus=0):
-    """fit (2 epochs) + evaluate + save_weights, then the custom loop, on every worker."""
+    """fit (2 epochs; a CSVLogger and a ModelCheckpoint every 3 batches) + evaluate +
+    save_weights, then the custom loop, on every worker."""
     configure(gpus=gpus)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     rank = strategy.cluster_resolver.task_id
@@ -68,7 +69,10 @@ def case_train(out, gpus=0):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     model = build(strategy)
     init = model.get_weights()
-    history = model.fit(ds, epochs=EPOCHS, callbacks=[tf.keras.callbacks.CSVLogger(os.path.join(out, "log.csv"))])
+    history = model.fit(ds, epochs=EPOCHS, callbacks=[
+        tf.keras.callbacks.CSVLogger(os.path.join(out, "log.csv")),
+        tf.keras.callbacks.ModelCheckpoint(os.path.join(out, "ck-{epoch}-{batch}.weights.h5"),
+                                           save_weights_only=True, save_freq=3)])
     evaluated = model.evaluate(ds)
     model.save_weights(os.path.join(out, "fit.weights.h5"))
     fit_weights = model.get_weights()
