@@ -364,3 +364,23 @@ def test_model_checkpoint_batch_in_the_path_needs_an_integer_save_freq():
     with pytest.raises(KeyError, match="Failed to format this callback filepath.*integer save_freq"):
         ckpt.on_epoch_end(0, {"loss": 1.0})
     assert model.saved == []
+
+
+def test_batch_logs_are_read_from_the_devices_only_when_a_callback_looks(devices, rng, monkeypatch):
+    """fit's batch logs are Keras's (the running loss and accuracy), but reading them syncs
+    the devices: a step whose logs nobody opens reads nothing (``logs or {}`` included)."""
+    devices(cpus=2)
+    x, y = data(rng, n=16)
+    model = small_model()
+    reads = []
+    real = model.step.logs
+    monkeypatch.setattr(model.step, "logs", lambda *a: reads.append(a) or real(*a))   # (names, prefix, across_workers)
+    quiet = cb_lib.LambdaCallback(on_train_batch_end=lambda batch, logs: (logs or {}) and None)
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[quiet], verbose=0)
+    assert len(reads) == 2                                   # the two epochs' logs only
+    seen = []
+    looking = cb_lib.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(logs["loss"]))
+    reads.clear()
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[quiet, looking, looking], verbose=0)
+    assert len(reads) == 2 + 8 and len(seen) == 16           # once per step, however many look
+    assert [a[2] for a in reads].count(False) == 8          # this worker's: no collective
