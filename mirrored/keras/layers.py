@@ -139,7 +139,9 @@ class Layer:
     def set_training_state(self, state, what):
         """Restore what ``training_state`` returned; ``what`` names the file in errors."""
         raise ValueError(f"{what}: the file holds training state {sorted(state)} for layer "
-                         f"{self.name!r} ({type(self).__name__}), which keeps none.")
+                         f"{self.name!r} ({type(self).__name__}), which keeps none: the file was not "
+                         f"written by model.save for this architecture. Read its weights alone with "
+                         f"model.load_weights.")
 
     # -- the protocol (see the module docstring)
     def make_buffers(self, state, b):
@@ -544,7 +546,8 @@ class Dropout(Layer):
                 or not np.issubdtype(np.asarray(seed).dtype, np.integer)
                 or not np.issubdtype(np.asarray(steps).dtype, np.integer) or np.any(np.asarray(steps) < 0)):
             raise ValueError(f"{what}: the state of Dropout {self.name!r} is damaged: expected an "
-                             f"integer seed and a vector of step counts >= 0, got {state!r}.")
+                             f"integer seed and a vector of step counts >= 0, got {state!r}. Read the "
+                             f"weights alone with model.load_weights (the masks then start afresh).")
         self._seed = int(seed)
         self._steps = {r: int(n) for r, n in enumerate(steps)}
         self._keys = {}
