@@ -224,6 +224,7 @@ class ModelCheckpoint(Callback):
         logs = logs if logs is not None else {}
         path = self._file_path(epoch, batch, logs)
         talk = self.verbose and _is_chief(self.model)
+        saying = f"\nEpoch {epoch + 1}: saving model to {path}"
         if self.save_best_only:
             if self.monitor_op is None:
                 self.monitor_op = _monitor_op("ModelCheckpoint", self.monitor, self.mode, self.model)
@@ -231,19 +232,19 @@ class ModelCheckpoint(Callback):
                     self.best = math.inf if self.monitor_op is _less else -math.inf
             current = logs.get(self.monitor)
             if current is None:
-                warnings.warn(f"Can save best model only with {self.monitor} available, skipping.",
+                # Keras 3 warns, then saves as if save_best_only were False
+                warnings.warn(f"Can save best model only with {self.monitor} available.",
                               stacklevel=3)
-                return
-            if not self.monitor_op(current, self.best):
+            elif not self.monitor_op(current, self.best):
                 if talk:
                     print(f"\nEpoch {epoch + 1}: {self.monitor} did not improve from {self.best:.5f}")
                 return
-            if talk:
-                print(f"\nEpoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to "
-                      f"{current:.5f}, saving model to {path}")
-            self.best = current
-        elif talk:
-            print(f"\nEpoch {epoch + 1}: saving model to {path}")
+            else:
+                saying = (f"\nEpoch {epoch + 1}: {self.monitor} improved from {self.best:.5f} to "
+                          f"{current:.5f}, saving model to {path}")
+                self.best = current
+        if talk:
+            print(saying)
         if self.save_weights_only:
             self.model.save_weights(path)      # a non-chief worker keeps no file (see save_weights)
         else:
