@@ -78,3 +78,75 @@ def test_a_wrong_kernel_is_reported_and_never_profiled(monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "skipped: bad kernel: wrong result, not profiled: 1 of 2 wrong" in text
     assert "case 1: good kernel" in text and "case 2" not in text
+
+
+# --- benchmarks/gpu_session.sh's profile and breakdown stages, with stand-ins --------------
+# The stages need a GPU and Nsight Compute; what can be checked anywhere is the script's
+# own logic: the flags it gives ncu, the exports, and the fallback to CUDA-event timing
+# when ncu is missing or refused. ``ncu`` and ``python`` are replaced by scripts that log
+# their arguments (the fake ncu writes a report unless told to refuse, as ncu does).
+
+FAKE_NCU = r"""#!/bin/sh
+echo "ncu $*" >> "$FAKE_LOG"
+case "$1" in
+  --version) echo "Version 2099.1 (stand-in)"; exit 0 ;;
+  --import) echo '"ID","Kernel Name","Section Name","Metric Name","Metric Value"'; exit 0 ;;
+esac
+if [ -n "$FAKE_NCU_REFUSE" ]; then
+  echo "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters on the target device 0."
+  exit 0
+fi
+while [ $# -gt 0 ]; do [ "$1" = --export ] && out="$2"; shift; done
+echo report > "$out.ncu-rep"
+"""
+FAKE_PYTHON = """#!/bin/sh
+echo "python $*" >> "$FAKE_LOG"
+"""
+
+
+def session(tmp_path, *stages, refuse=False):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("ncu", FAKE_NCU), ("python", FAKE_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "calls.log"
+    env = dict(os.environ, OUT=str(out), FAKE_LOG=str(log), PYTHON=str(bin_dir / "python"),
+               PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("FAKE_NCU_REFUSE", None)
+    if refuse:
+        env["FAKE_NCU_REFUSE"] = "1"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), *stages], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    calls = log.read_text().splitlines() if log.exists() else []
+    calls = [c for c in calls if " -m pip " not in c]            # carried wheels, if any
+    return proc, out, calls
+
+
+def test_session_profile_stage_runs_ncu_on_the_profile_ranges_and_exports(tmp_path):
+    proc, out, calls = session(tmp_path, "profile", "breakdown")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = [c for c in calls if c.startswith("ncu --target-processes")]
+    assert len(run) == 1, calls
+    args = run[0].split()
+    for flag, value in (("--profile-from-start", "off"), ("--clock-control", "none"),
+                        ("--target-processes", "all"), ("--export", str(out / "profile"))):
+        assert args[args.index(flag) + 1] == value, (flag, run[0])
+    sections = {args[i + 1] for i, a in enumerate(args) if a == "--section"}
+    assert {"SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "LaunchStats",
+            "Occupancy", "WarpStateStats", "SchedulerStats"} <= sections, sections
+    assert run[0].endswith("-m benchmarks.profile --no-times")          # the program, untimed
+    imports = [c for c in calls if c.startswith("ncu --import")]
+    assert any("--page details --csv" in c for c in imports) and any("--page raw --csv" in c for c in imports)
+    assert (out / "profile.ncu-rep").exists() and (out / "profile-details.csv").exists()
+    assert (out / "profile-raw.csv").exists()
+    assert not [c for c in calls if "benchmarks.profile --out" in c]       # no fallback
+    assert f"python -m benchmarks.breakdown --device gpu --out {out / 'breakdown.json'}" in calls
+
+
+def test_session_profile_stage_falls_back_to_event_timing_when_ncu_is_refused(tmp_path):
+    proc, out, calls = session(tmp_path, "profile", refuse=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cannot read this GPU's performance counters" in (out / "profile.log").read_text()
+    assert calls[-1] == f"python -m benchmarks.profile --out {out / 'profile.json'} --launches 20", calls
+    assert not [c for c in calls if c.startswith("ncu --import")]
