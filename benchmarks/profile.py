@@ -33,8 +33,10 @@ benchmarks/gpu_session.sh runs::
 and exports the report as CSV. Without ncu (or without permission to read the GPU's
 counters) the program alone still says something: each launch is bracketed by CUDA
 events on the legacy default stream, and the table gives the median, min and max
-microseconds per launch and GB/s over the case's floor of bytes moved. Under ncu those
-times would include its replays, so ``--no-times`` leaves them out.
+microseconds per launch and GB/s over the case's floor of bytes moved. (The first
+interval also holds the first launch's host overhead, since the stream starts idle;
+later ones are the kernels alone, unless a kernel is shorter than its launch: hence the
+median.) Under ncu those times would include its replays, so ``--no-times`` leaves them out.
 
 ``--smoke`` runs tiny shapes in Numba's CUDA simulator (no profiler, host-clock times
 that mean nothing): it proves the program works, and the test suite runs it
