@@ -68,8 +68,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 from benchmarks import common, training
 
 #: Steps per round and rounds: 200 steps of ~5-30 ms is 1-6 s per round.

@@ -206,64 +206,86 @@ def bench_memory(nbytes, timer, results, skipped):
 def memory_cases(nbytes):
     """The memory-bound kernels at arrays of ``nbytes``, one ``Case`` at a time: an
     elementwise add, softmax cross-entropy (v2, the default, and v1) and the SGD-momentum
-    and Adam updates. Each case's arrays are made when it is reached; a case's check
-    holds for its first ``run()`` (the optimizers' for their first step), so check
-    before running it again."""
-    from numba import cuda
-
-    from kernels.elementwise import binary
-    from kernels.optimizers import adam, adam_ref, adam_scalars, sgd, sgd_ref, sgd_scalars
-    from kernels.softmax_xent import softmax_xent, softmax_xent_ref
+    and Adam updates. Each case owns its device arrays, made when it is reached and
+    freed with it; its check holds for its first ``run()`` (the optimizers' for their
+    first step), so check before running it again."""
+    from kernels.softmax_xent import softmax_xent_ref
 
     rng = np.random.default_rng(0)
     n = nbytes // 4
-
-    # Elementwise add: read x, y; write out.
     x_h, y_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
-    x, y, out = cuda.to_device(x_h), cuda.to_device(y_h), cuda.device_array(n, np.float32)
-    yield Case("elementwise add", "kernels.elementwise.binary", 3 * 4 * n,
-               lambda: binary("add", x, y, out),
-               lambda: _check(out.copy_to_host(), x_h + y_h, 0.0, ELEMENTWISE_CHECK_RTOL))
-    del x, y, out
-
-    # Softmax cross-entropy over B rows of XENT_CLASSES logits.
+    yield _add_case(x_h, y_h)
     b = max(1, nbytes // (4 * XENT_CLASSES))
     logits_h = rng.standard_normal((b, XENT_CLASSES), np.float32)
     labels_h = rng.integers(0, XENT_CLASSES, b).astype(np.int32)
+    want = softmax_xent_ref(logits_h, labels_h, scale=1.0 / b)
+    for name, version in (("softmax_xent (10 classes)", None), ("softmax_xent v1 (10 classes)", "v1")):
+        yield _softmax_xent_case(name, version, logits_h, labels_h, want)
+    w_h, g_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+    yield _sgd_case(w_h, g_h)
+    yield _adam_case(w_h, g_h)
+
+
+def _add_case(x_h, y_h):
+    """Elementwise add: read x, y; write out."""
+    from numba import cuda
+
+    from kernels.elementwise import binary
+    n = x_h.size
+    x, y, out = cuda.to_device(x_h), cuda.to_device(y_h), cuda.device_array(n, np.float32)
+    return Case("elementwise add", "kernels.elementwise.binary", 3 * 4 * n,
+                lambda: binary("add", x, y, out),
+                lambda: _check(out.copy_to_host(), x_h + y_h, 0.0, ELEMENTWISE_CHECK_RTOL))
+
+
+def _softmax_xent_case(name, version, logits_h, labels_h, want):
+    """Softmax cross-entropy over B rows of XENT_CLASSES logits, ``want`` its reference."""
+    from numba import cuda
+
+    from kernels.softmax_xent import softmax_xent
+    b = logits_h.shape[0]
     logits, labels = cuda.to_device(logits_h), cuda.to_device(labels_h)
     loss, correct = cuda.device_array(b, np.float32), cuda.device_array(b, np.float32)
     grad = cuda.device_array((b, XENT_CLASSES), np.float32)
-    want = softmax_xent_ref(logits_h, labels_h, scale=1.0 / b)
-    for name, version in (("softmax_xent (10 classes)", None), ("softmax_xent v1 (10 classes)", "v1")):
-        yield Case(name, f"kernels.softmax_xent {version or 'default (v2)'}",
-                   4 * b * (2 * XENT_CLASSES + 3),
-                   lambda version=version: softmax_xent(logits, labels, loss, grad, correct, 1.0 / b,
-                                                        version=version),
-                   lambda: (_check(loss.copy_to_host(), want[0], 1e-5, 1e-5)
-                            or _check(grad.copy_to_host(), want[1], 1e-7 / b, 1e-5)
-                            or _check(correct.copy_to_host(), want[2], 0.0)))
-    del logits, labels, loss, correct, grad
+    return Case(name, f"kernels.softmax_xent {version or 'default (v2)'}",
+                4 * b * (2 * XENT_CLASSES + 3),
+                lambda: softmax_xent(logits, labels, loss, grad, correct, 1.0 / b, version=version),
+                lambda: (_check(loss.copy_to_host(), want[0], 1e-5, 1e-5)
+                         or _check(grad.copy_to_host(), want[1], 1e-7 / b, 1e-5)
+                         or _check(correct.copy_to_host(), want[2], 0.0)))
 
-    # Optimizers on one flat buffer of n parameters (checked on their first step).
-    w_h, g_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+
+def _sgd_case(w_h, g_h):
+    """SGD with momentum on one flat buffer of n parameters (checked on its first step)."""
+    from numba import cuda
+
+    from kernels.optimizers import sgd, sgd_ref, sgd_scalars
+    n = w_h.size
     w, g, v = cuda.to_device(w_h), cuda.to_device(g_h), cuda.to_device(np.zeros(n, np.float32))
     w_ref, v_ref = w_h.copy(), np.zeros(n, np.float32)
     hyper_h = sgd_scalars(0.01, 0.9)                  # (2,) float32: lr, momentum
     hyper = cuda.to_device(hyper_h)
     sgd_ref(w_ref, g_h, v_ref, hyper_h)
-    yield Case("sgd momentum", "kernels.optimizers.sgd", 5 * 4 * n,
-               lambda: sgd(w, g, v, hyper),
-               lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
-    m = cuda.to_device(np.zeros(n, np.float32))
-    w.copy_to_device(w_h)
-    v.copy_to_device(np.zeros(n, np.float32))
+    return Case("sgd momentum", "kernels.optimizers.sgd", 5 * 4 * n,
+                lambda: sgd(w, g, v, hyper),
+                lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
+
+
+def _adam_case(w_h, g_h):
+    """Adam on one flat buffer of n parameters (checked on its first step)."""
+    from numba import cuda
+
+    from kernels.optimizers import adam, adam_ref, adam_scalars
+    n = w_h.size
+    w, g = cuda.to_device(w_h), cuda.to_device(g_h)
+    m, v = cuda.to_device(np.zeros(n, np.float32)), cuda.to_device(np.zeros(n, np.float32))
     w_ref, m_ref, v_ref = w_h.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
     hyper_h = adam_scalars(1e-3, 1)                   # (4,) float32 for step 1
     hyper = cuda.to_device(hyper_h)
     adam_ref(w_ref, g_h, m_ref, v_ref, hyper_h)
-    yield Case("adam", "kernels.optimizers.adam", 7 * 4 * n,
-               lambda: adam(w, g, m, v, hyper),
-               lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
+    return Case("adam", "kernels.optimizers.adam", 7 * 4 * n,
+                lambda: adam(w, g, m, v, hyper),
+                lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
 
 
 def _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check):
