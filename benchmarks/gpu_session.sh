@@ -4,9 +4,9 @@
 #   bash benchmarks/gpu_session.sh versions tests      # versions, graphs test, then the suite
 #   bash benchmarks/gpu_session.sh kernels allreduce    # benchmarks (JSON under $OUT)
 #   bash benchmarks/gpu_session.sh training report      # report: kernels.report --hardware
-#   bash benchmarks/gpu_session.sh versions profile breakdown    # where the GPU time goes
+#   bash benchmarks/gpu_session.sh versions breakdown profile    # where the GPU time goes
 #
-# Stages (each may be named once per call, in any order):
+# Stages (they run in the order named), and what each leaves under $OUT:
 #   versions   GPU, driver and package versions                      versions.log
 #   graphs     tests/test_graphs.py alone                            graphs.log
 #   tests      graphs, then the whole suite without the simulator    graphs.log, tests.log
@@ -14,13 +14,13 @@
 #   kernels, allreduce, training   the benchmarks                    NAME.log, NAME.json
 #   profile    Nsight Compute over python -m benchmarks.profile (the lab-shape conv, pooling,
 #              softmax-xent and optimizer kernels, a few launches each, warm-up excluded):
-#              profile.ncu-rep, profile-details.csv (the sections' values and ncu's advice
-#              per kernel), profile-raw.csv (every metric collected), profile.log (the run,
-#              then the details page as text). No ncu, or no access to the GPU's counters
+#              profile.ncu-rep, profile-details.csv (the sections' values per kernel),
+#              profile-raw.csv (every metric collected), profile.log (the run, then the
+#              details page as text, with ncu's advice). No ncu, or no access to the counters
 #              (ERR_NVGPUCTRPERM, or "LibraryNotLoaded" on gVisor): the log says so and the
 #              same program runs alone with CUDA-event times per launch: profile-times.log,
 #              profile.json
-#   breakdown  python -m benchmarks.breakdown --device gpu: one ConvNet training step per
+#   breakdown  python -m benchmarks.breakdown --device gpu: a ConvNet training step, part by
 #              part (each layer's forward and backward, loss, all-reduce, optimizer), host
 #              and CUDA-event GPU ms per step, beside PyTorch eager: breakdown.log, .json
 #
@@ -45,7 +45,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 # Per-stage time limits (seconds); override with e.g. TESTS_S=300.
 : "${TESTS_S:=330}" "${KERNELS_S:=200}" "${ALLREDUCE_S:=200}" "${TRAINING_S:=420}" "${XDIST:=12}"
-: "${PROFILE_S:=480}" "${PROFILE_TIMES_S:=180}" "${BREAKDOWN_S:=300}"
+# breakdown + profile (+ its fallback) + versions fit in one 10-minute device command.
+: "${PROFILE_S:=360}" "${PROFILE_TIMES_S:=120}" "${BREAKDOWN_S:=180}"
 # Nsight Compute sections for the profile stage: is each kernel compute- or memory-bound,
 # and on what (speed of light; memory and compute workload, with the per-level tables that
 # show sectors per request, i.e. coalescing; launch, occupancy; warp stalls and scheduler
