@@ -121,6 +121,7 @@ for what in "$@"; do
   case "$what" in
     versions)
       { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+        if ncu=$(find_ncu); then echo "ncu: $ncu, $("$ncu" --version | tail -n 1)"; else echo "ncu: not found"; fi
         "$PY" - <<'PYEOF'
 import importlib.metadata as md, platform
 for d in ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "cuda-toolkit",
