@@ -9,8 +9,8 @@ Nsight Compute (``ncu``) to profile.
 
 ``benchmarks/kernels.py`` says how fast each kernel is (median of many timed calls, and
 the fraction of copy bandwidth); this program is for asking *why*: it builds the same
-inputs (``kernels.conv_pool_cases``: conv 3x3 1->32 on 28x28 images and 2x2 max-pool
-on its 26x26x32 output, batch 512 by default; ``kernels.memory_cases``: an elementwise
+inputs (its ``conv_pool_cases``: conv 3x3 1->32 on 28x28 images and 2x2 max-pool
+on its 26x26x32 output, batch 512 by default; ``memory_cases``: an elementwise
 add, softmax cross-entropy over 10 classes and the SGD-momentum and Adam updates on
 64 MB arrays), then for each case
 
@@ -202,7 +202,7 @@ def main(argv=None):
         rows.append(row)
     if only is not None and not rows and not skipped:
         print(f"benchmarks.profile: no case matches --only {args.only!r}; "
-              f"`python -m benchmarks.profile --smoke --list` lists them.")
+              f"`python -m benchmarks.profile --list` lists them.")
         return 2
 
     print()
