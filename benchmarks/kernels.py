@@ -31,6 +31,7 @@ Every implementation's output is checked before it is timed (as llm.c does): a w
 kernel is reported as failed and never timed.
 """
 import argparse
+import collections
 import os
 import sys
 
@@ -183,71 +184,108 @@ def bench_gemm(shapes, timer, peer, results, skipped):
                                 vs_peer=gflops / peer_gflops if peer_gflops else None, **t))
 
 
+#: One kernel (or launcher) to time or profile: ``run()`` launches it on the legacy
+#: default stream, ``check()`` returns None when its output is right (else a message),
+#: ``moved`` is the floor of bytes it reads and writes. ``memory_cases`` and
+#: ``conv_pool_cases`` yield them; this program times them, benchmarks/profile.py
+#: launches them under Nsight Compute.
+Case = collections.namedtuple("Case", "name impl moved run check")
+
+
 def bench_memory(nbytes, timer, results, skipped):
     """Copy bandwidth, then each memory-bound kernel at arrays of ``nbytes``; returns the
     copy bandwidth (GB/s), the ceiling the other rows are measured against."""
-    from numba import cuda
-
-    from kernels.elementwise import binary
-    from kernels.optimizers import adam, adam_ref, adam_scalars, sgd, sgd_ref, sgd_scalars
-    from kernels.softmax_xent import softmax_xent, softmax_xent_ref
-
     copy_gbps, t = common.copy_bandwidth(nbytes, timer=timer)
     results.append(dict(kind="memory", name="device-to-device copy", impl=t["copy_method"],
                         bytes=2 * (nbytes // 4) * 4, gbps=copy_gbps, vs_copy=1.0, **t))
+    for case in memory_cases(nbytes):
+        _record(timer, copy_gbps, results, skipped, *case)
+    return copy_gbps
+
+
+def memory_cases(nbytes):
+    """The memory-bound kernels at arrays of ``nbytes``, one ``Case`` at a time: an
+    elementwise add, softmax cross-entropy (v2, the default, and v1) and the SGD-momentum
+    and Adam updates. Each case owns its device arrays, made when it is reached and
+    freed with it; its check holds for its first ``run()`` (the optimizers' for their
+    first step), so check before running it again."""
+    from kernels.softmax_xent import softmax_xent_ref
+
     rng = np.random.default_rng(0)
     n = nbytes // 4
-
-    def record(name, impl, moved, run, check):
-        _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check)
-
-    # Elementwise add: read x, y; write out.
     x_h, y_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
-    x, y, out = cuda.to_device(x_h), cuda.to_device(y_h), cuda.device_array(n, np.float32)
-    record("elementwise add", "kernels.elementwise.binary", 3 * 4 * n,
-           lambda: binary("add", x, y, out),
-           lambda: _check(out.copy_to_host(), x_h + y_h, 0.0, ELEMENTWISE_CHECK_RTOL))
-    del x, y, out
-
-    # Softmax cross-entropy over B rows of XENT_CLASSES logits.
+    yield _add_case(x_h, y_h)
     b = max(1, nbytes // (4 * XENT_CLASSES))
     logits_h = rng.standard_normal((b, XENT_CLASSES), np.float32)
     labels_h = rng.integers(0, XENT_CLASSES, b).astype(np.int32)
+    want = softmax_xent_ref(logits_h, labels_h, scale=1.0 / b)
+    for name, version in (("softmax_xent (10 classes)", None), ("softmax_xent v1 (10 classes)", "v1")):
+        yield _softmax_xent_case(name, version, logits_h, labels_h, want)
+    w_h, g_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+    yield _sgd_case(w_h, g_h)
+    yield _adam_case(w_h, g_h)
+
+
+def _add_case(x_h, y_h):
+    """Elementwise add: read x, y; write out."""
+    from numba import cuda
+
+    from kernels.elementwise import binary
+    n = x_h.size
+    x, y, out = cuda.to_device(x_h), cuda.to_device(y_h), cuda.device_array(n, np.float32)
+    return Case("elementwise add", "kernels.elementwise.binary", 3 * 4 * n,
+                lambda: binary("add", x, y, out),
+                lambda: _check(out.copy_to_host(), x_h + y_h, 0.0, ELEMENTWISE_CHECK_RTOL))
+
+
+def _softmax_xent_case(name, version, logits_h, labels_h, want):
+    """Softmax cross-entropy over B rows of XENT_CLASSES logits, ``want`` its reference."""
+    from numba import cuda
+
+    from kernels.softmax_xent import softmax_xent
+    b = logits_h.shape[0]
     logits, labels = cuda.to_device(logits_h), cuda.to_device(labels_h)
     loss, correct = cuda.device_array(b, np.float32), cuda.device_array(b, np.float32)
     grad = cuda.device_array((b, XENT_CLASSES), np.float32)
-    want = softmax_xent_ref(logits_h, labels_h, scale=1.0 / b)
-    for name, version in (("softmax_xent (10 classes)", None), ("softmax_xent v1 (10 classes)", "v1")):
-        record(name, f"kernels.softmax_xent {version or 'default (v2)'}",
-               4 * b * (2 * XENT_CLASSES + 3),
-               lambda version=version: softmax_xent(logits, labels, loss, grad, correct, 1.0 / b,
-                                                    version=version),
-               lambda: (_check(loss.copy_to_host(), want[0], 1e-5, 1e-5)
-                        or _check(grad.copy_to_host(), want[1], 1e-7 / b, 1e-5)
-                        or _check(correct.copy_to_host(), want[2], 0.0)))
-    del logits, labels, loss, correct, grad
+    return Case(name, f"kernels.softmax_xent {version or 'default (v2)'}",
+                4 * b * (2 * XENT_CLASSES + 3),
+                lambda: softmax_xent(logits, labels, loss, grad, correct, 1.0 / b, version=version),
+                lambda: (_check(loss.copy_to_host(), want[0], 1e-5, 1e-5)
+                         or _check(grad.copy_to_host(), want[1], 1e-7 / b, 1e-5)
+                         or _check(correct.copy_to_host(), want[2], 0.0)))
 
-    # Optimizers on one flat buffer of n parameters (checked on their first step).
-    w_h, g_h = rng.standard_normal(n, np.float32), rng.standard_normal(n, np.float32)
+
+def _sgd_case(w_h, g_h):
+    """SGD with momentum on one flat buffer of n parameters (checked on its first step)."""
+    from numba import cuda
+
+    from kernels.optimizers import sgd, sgd_ref, sgd_scalars
+    n = w_h.size
     w, g, v = cuda.to_device(w_h), cuda.to_device(g_h), cuda.to_device(np.zeros(n, np.float32))
     w_ref, v_ref = w_h.copy(), np.zeros(n, np.float32)
     hyper_h = sgd_scalars(0.01, 0.9)                  # (2,) float32: lr, momentum
     hyper = cuda.to_device(hyper_h)
     sgd_ref(w_ref, g_h, v_ref, hyper_h)
-    record("sgd momentum", "kernels.optimizers.sgd", 5 * 4 * n,
-           lambda: sgd(w, g, v, hyper),
-           lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
-    m = cuda.to_device(np.zeros(n, np.float32))
-    w.copy_to_device(w_h)
-    v.copy_to_device(np.zeros(n, np.float32))
+    return Case("sgd momentum", "kernels.optimizers.sgd", 5 * 4 * n,
+                lambda: sgd(w, g, v, hyper),
+                lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
+
+
+def _adam_case(w_h, g_h):
+    """Adam on one flat buffer of n parameters (checked on its first step)."""
+    from numba import cuda
+
+    from kernels.optimizers import adam, adam_ref, adam_scalars
+    n = w_h.size
+    w, g = cuda.to_device(w_h), cuda.to_device(g_h)
+    m, v = cuda.to_device(np.zeros(n, np.float32)), cuda.to_device(np.zeros(n, np.float32))
     w_ref, m_ref, v_ref = w_h.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
     hyper_h = adam_scalars(1e-3, 1)                   # (4,) float32 for step 1
     hyper = cuda.to_device(hyper_h)
     adam_ref(w_ref, g_h, m_ref, v_ref, hyper_h)
-    record("adam", "kernels.optimizers.adam", 7 * 4 * n,
-           lambda: adam(w, g, m, v, hyper),
-           lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
-    return copy_gbps
+    return Case("adam", "kernels.optimizers.adam", 7 * 4 * n,
+                lambda: adam(w, g, m, v, hyper),
+                lambda: _check(w.copy_to_host(), w_ref, 1e-6, 1e-6))
 
 
 def _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check):
@@ -265,10 +303,16 @@ def _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check):
 
 
 def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
-    """The lab's Conv2D(32, 3, relu) and MaxPooling2D() at ``batch`` images of hw x hw:
-    conv2d v1 and v2 forward, its backward (dW + db alone, as for a first layer, and
-    with dX), max_pool forward and backward, each checked against the float64 NumPy
-    reference before it is timed.
+    """Each of ``conv_pool_cases(batch, hw)`` checked, then timed (``_record``)."""
+    for case in conv_pool_cases(batch, hw):
+        _record(timer, copy_gbps, results, skipped, *case)
+
+
+def conv_pool_cases(batch, hw):
+    """The lab's Conv2D(32, 3, relu) and MaxPooling2D() at ``batch`` images of hw x hw,
+    one ``Case`` at a time: conv2d v1 and v2 forward, its backward (dW + db alone, as for
+    a first layer, and with dX), max_pool forward and backward, each with its check
+    against the float64 NumPy reference.
 
     Bytes are the floor, each array read or written once (float32; int32 arg-max):
         conv2d forward    read x (B*H*W*Cin) + kernel + bias; write out (B*OH*OW*Cout)
@@ -283,9 +327,6 @@ def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
                                 conv2d_output_shape, dw_partial_shape, im2col_ref)
     from kernels.pooling import (max_pool, max_pool_backward, max_pool_backward_ref,
                                  max_pool_ref, pool_geometry)
-
-    def record(name, impl, moved, run, check):
-        _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check)
 
     def near(got, want, scale):
         return _check(got, want, CONV_CHECK_REL * float(np.max(scale)))
@@ -304,9 +345,9 @@ def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
     moved = f * (x_h.size + k_h.size + b_h.size + int(np.prod(shape)))
     label = f"{CONV_K}x{CONV_K} {CONV_CIN}->{CONV_COUT}, {hw}x{hw}, batch {batch}"
     for version in ("v1", "v2"):
-        record(f"conv2d {version} forward+relu ({label})", f"kernels.conv2d {version}", moved,
-               lambda v=version: conv2d(x, k, b, y, relu=True, version=v),
-               lambda: near(y.copy_to_host(), want, scale))
+        yield Case(f"conv2d {version} forward+relu ({label})", f"kernels.conv2d {version}", moved,
+                   lambda v=version: conv2d(x, k, b, y, relu=True, version=v),
+                   lambda: near(y.copy_to_host(), want, scale))
 
     dy_h = rng.standard_normal(shape, np.float32)                          # (B, 26, 26, 32)
     dy = cuda.to_device(dy_h)
@@ -321,13 +362,13 @@ def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
     check_w = lambda: (near(dw.copy_to_host(), want_dw, scale_dw)            # noqa: E731
                        or near(db.copy_to_host(), want_db, scale_db))
     moved_w = f * (x_h.size + dy_h.size + k_h.size + CONV_COUT)
-    record(f"conv2d backward dW+db ({label})", "kernels.conv2d dw_partial + dw_finish",
-           moved_w, lambda: conv2d_backward(x, k, dy, None, dw, db, partial=partial),
-           check_w)
-    record(f"conv2d backward dX+dW+db ({label})", "kernels.conv2d dx_v1 + dw",
-           moved_w + f * (k_h.size + x_h.size),
-           lambda: conv2d_backward(x, k, dy, dx, dw, db, partial=partial),
-           lambda: near(dx.copy_to_host(), want_dx, scale_dx) or check_w())
+    yield Case(f"conv2d backward dW+db ({label})", "kernels.conv2d dw_partial + dw_finish",
+               moved_w, lambda: conv2d_backward(x, k, dy, None, dw, db, partial=partial),
+               check_w)
+    yield Case(f"conv2d backward dX+dW+db ({label})", "kernels.conv2d dx_v1 + dw",
+               moved_w + f * (k_h.size + x_h.size),
+               lambda: conv2d_backward(x, k, dy, dx, dw, db, partial=partial),
+               lambda: near(dx.copy_to_host(), want_dx, scale_dx) or check_w())
 
     # MaxPooling2D() on the conv's output (ReLU'd: many ties at 0, as in training).
     y_h = np.maximum(dy_h, 0)                                              # (B, 26, 26, 32)
@@ -337,18 +378,18 @@ def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
     parg = cuda.device_array(p_shape, np.int32)
     want_p, want_arg = max_pool_ref(y_h)
     n_out = int(np.prod(p_shape))
-    record(f"max_pool 2x2 forward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
-           "kernels.pooling max_pool_v1", f * (y_h.size + 2 * n_out),
-           lambda: max_pool(py, pout, parg),
-           lambda: (_check(pout.copy_to_host(), want_p, 0.0)
-                    or _check(parg.copy_to_host(), want_arg, 0.0)))
+    yield Case(f"max_pool 2x2 forward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
+               "kernels.pooling max_pool_v1", f * (y_h.size + 2 * n_out),
+               lambda: max_pool(py, pout, parg),
+               lambda: (_check(pout.copy_to_host(), want_p, 0.0)
+                        or _check(parg.copy_to_host(), want_arg, 0.0)))
     pdy_h = rng.standard_normal(p_shape, np.float32)
     pdy, pdx = cuda.to_device(pdy_h), cuda.device_array(shape, np.float32)
     want_pdx = max_pool_backward_ref(pdy_h, want_arg, shape)
-    record(f"max_pool 2x2 backward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
-           "kernels.pooling max_pool_backward_v1", f * (2 * n_out + y_h.size),
-           lambda: max_pool_backward(pdy, parg, pdx),
-           lambda: _check(pdx.copy_to_host(), want_pdx, 0.0))
+    yield Case(f"max_pool 2x2 backward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
+               "kernels.pooling max_pool_backward_v1", f * (2 * n_out + y_h.size),
+               lambda: max_pool_backward(pdy, parg, pdx),
+               lambda: _check(pdx.copy_to_host(), want_pdx, 0.0))
 
 
 def targets(results):
