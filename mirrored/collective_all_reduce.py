@@ -44,6 +44,19 @@ import numpy as np
 from mirrored.cross_device_ops import RingAllReduce, _record, _wait
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """Step ``t`` of the global ring as one worker sees it (``CollectiveAllReduce._plan``):
+    the (lo, hi) chunk bounds its last replica sends out, its first replica takes in, and
+    each hop l-1 -> l inside it moves (``inside[l-1]``)."""
+    t: int
+    phase: str                  # "reduce-scatter" or "all-gather"
+    out: tuple
+    into: tuple
+    inside: tuple
+    what: str                   # how a deadline error names this step
+
+
 class CollectiveAllReduce(RingAllReduce):
     """The ring over every replica of every worker (``workers``: a ``workers.Workers``).
 
@@ -56,6 +69,7 @@ class CollectiveAllReduce(RingAllReduce):
         self.workers = workers
         self._agreed = set()        # (local devices, size, dtype) every worker has confirmed
         self._host = {}             # (size, dtype) -> (send, receive) host staging arrays
+        self._plans = {}            # (size, local replicas) -> this worker's steps (``_plan``)
 
     def _group_size(self, devices):
         return len(devices) * self.workers.size
@@ -99,6 +113,29 @@ class CollectiveAllReduce(RingAllReduce):
             self._host[key] = (np.empty(most, dtype), np.empty(most, dtype))
         return self._host[key]
 
+    def _plan(self, size, local):
+        """This worker's part of the ring's schedule, worked out once per (size, L).
+
+        One ``_Step`` per step t = 1 .. 2(N-1) of ``RingAllReduce.schedule(N)``: the
+        chunk our last replica sends to the next worker, the chunk our first replica
+        receives from the previous worker, and the chunk each hop l-1 -> l inside this
+        worker moves, as (lo, hi) element bounds from ``chunk_bounds(size, N)``.
+        Kept (a model reduces the same packed size every step): working it out again
+        every call cost as much Python as the rest of a small all-reduce.
+        """
+        key = (size, local)
+        if key not in self._plans:
+            n = local * self.workers.size
+            first_g = self.workers.rank * local          # our first position in the ring
+            last_g = first_g + local - 1
+            bounds = self.chunk_bounds(size, n)
+            self._plans[key] = tuple(
+                _Step(t, phase, out=bounds[sends[last_g][2]], into=bounds[sends[(first_g - 1) % n][2]],
+                      inside=tuple(bounds[sends[first_g + l - 1][2]] for l in range(1, local)),
+                      what=f"{phase} step {t} of the ring")
+                for t, (phase, _, sends) in enumerate(self.schedule(n), start=1))
+        return self._plans[key]
+
     def _run_global_ring(self, buffers, devices, size, dtype):
         """The 2(N-1) steps of the N-position ring, for this worker's L positions.
 
@@ -116,56 +153,45 @@ class CollectiveAllReduce(RingAllReduce):
         """
         workers = self.workers
         local = len(devices)
-        n = local * workers.size
-        first_g = workers.rank * local                   # our first position in the ring
-        last_g = first_g + local - 1
+        plan = self._plan(size, local)
+        total = len(plan)                                # 2(N-1)
         prev_worker, next_worker = (workers.rank - 1) % workers.size, (workers.rank + 1) % workers.size
-        bounds = self.chunk_bounds(size, n)
-        total = 2 * (n - 1)
         links = [None] + [self._link(devices[l - 1], devices[l]) for l in range(1, local)]
         done = [self._step_events(dev, total + 1) for dev in devices]
-        on_host = devices[0].device_type == "CPU"            # (a ring is all CPU or all GPU)
-        send_host, recv_host = self._host_stage(size, dtype, n) if not on_host else (None, None)
+        first = devices[0]
+        scratch = self._scratch_for(first, size, dtype)  # the first replica's incoming chunks
+        on_host = first.device_type == "CPU"             # (a ring is all CPU or all GPU)
+        send_host, recv_host = self._host_stage(size, dtype, local * workers.size) if not on_host else (None, None)
         for l, dev in enumerate(devices):
             with dev.activate():
                 _record(dev, done[l][0])                 # inputs ready
-        for t, (phase, _, sends) in enumerate(self.schedule(n), start=1):
+        for step in plan:
+            t, reduce = step.t, step.phase == "reduce-scatter"
             # 1. between workers: our last replica -> next worker; previous worker -> our first
-            lo_out, hi_out = bounds[sends[last_g][2]]
-            lo_in, hi_in = bounds[sends[(first_g - 1) % n][2]]
-            first = devices[0]
+            (lo_out, hi_out), (lo_in, hi_in) = step.out, step.into
             if on_host:
                 # CPU devices: their memory IS host memory; MPI reads and writes it in place
                 out = buffers[-1][lo_out:hi_out]
-                into = (self._scratch_for(first, size, dtype) if phase == "reduce-scatter"
-                        else buffers[0])[lo_in:hi_in]
+                into = (scratch if reduce else buffers[0])[lo_in:hi_in]
             else:
                 out = send_host[:hi_out - lo_out]
                 out[...] = devices[-1].to_numpy(buffers[-1][lo_out:hi_out])   # waits for step t-1
                 into = recv_host[:hi_in - lo_in]
-            incoming = workers.sendrecv(out, next_worker, into, prev_worker,
-                                        tag=t, what=f"{phase} step {t} of the ring")
+            incoming = workers.sendrecv(out, next_worker, into, prev_worker, tag=t, what=step.what)
             with first.activate():
-                if on_host:
-                    if hi_in > lo_in and phase == "reduce-scatter":
-                        first.ops.ring_reduce_step(buffers[0], self._scratch_for(first, size, dtype),
-                                                   lo_in, hi_in)
-                elif hi_in > lo_in:
-                    if phase == "reduce-scatter":
-                        scratch = self._scratch_for(first, size, dtype)
-                        first.upload_into(scratch[lo_in:hi_in], incoming)
+                if hi_in > lo_in:
+                    if not on_host:                      # host -> the first replica's memory
+                        first.upload_into((scratch if reduce else buffers[0])[lo_in:hi_in], incoming)
+                    if reduce:
                         first.ops.ring_reduce_step(buffers[0], scratch, lo_in, hi_in)
-                    else:
-                        first.upload_into(buffers[0][lo_in:hi_in], incoming)
                 _record(first, done[0][t])
             # 2. inside this worker: replica l-1 -> l, as on one machine
-            for l in range(1, local):
+            for l, (lo, hi) in enumerate(step.inside, start=1):
                 recv, send = devices[l], devices[l - 1]
-                lo, hi = bounds[sends[first_g + l - 1][2]]
                 with recv.activate():
                     _wait(recv, done[l - 1][t - 1])
                     if hi > lo:
-                        self._step(phase, recv, buffers[l], send, buffers[l - 1], lo, hi, links[l], dtype)
+                        self._step(step.phase, recv, buffers[l], send, buffers[l - 1], lo, hi, links[l], dtype)
                     _record(recv, done[l][t])
         for l in range(local - 1):                       # nobody reads replica l any more
             with devices[l].activate():

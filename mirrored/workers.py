@@ -83,6 +83,7 @@ class Workers:
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1
         self.timeout_s = float(timeout_s)
+        self._testall = None                       # MPI.Request.Testall, once MPI is needed
 
     def __repr__(self):
         return f"<Workers: worker {self.rank} of {self.size}, timeout {self.timeout_s:g} s>"
@@ -90,10 +91,13 @@ class Workers:
     # -- waiting, with a deadline -------------------------------------------------------
     def _wait(self, requests, what, peers):
         """Poll ``requests`` until all complete; past the deadline, raise."""
-        from mpi4py import MPI
+        if self._testall is None:                  # looked up once: a ring step is microseconds
+            from mpi4py import MPI
+            self._testall = MPI.Request.Testall
+        testall = self._testall
         start = time.monotonic()
         patient, polls = False, 0
-        while not MPI.Request.Testall(requests):
+        while not testall(requests):
             if patient:
                 time.sleep(_SLEEP_S)
             else:
