@@ -144,7 +144,7 @@ class CollectiveAllReduce(RingAllReduce):
         hops inside this worker, exactly as ``RingAllReduce._run_ring`` issues them
         (events ``done[l][t]`` order the local streams).
 
-        Ordering of the hop between workers: ``to_numpy`` waits for the last
+        Ordering of the hop between workers: ``download_into`` waits for the last
         replica's stream, so the chunk sent is the one finished at step t-1; the
         upload and the add are queued on the first replica's stream, and
         ``done[0][t]`` is recorded after them. Nobody reads a buffer of ours from
@@ -174,8 +174,8 @@ class CollectiveAllReduce(RingAllReduce):
                 out = buffers[-1][lo_out:hi_out]
                 into = (scratch if reduce else buffers[0])[lo_in:hi_in]
             else:
-                out = send_host[:hi_out - lo_out]
-                out[...] = devices[-1].to_numpy(buffers[-1][lo_out:hi_out])   # waits for step t-1
+                out = devices[-1].download_into(send_host[:hi_out - lo_out],      # waits for
+                                                buffers[-1][lo_out:hi_out])       # step t-1
                 into = recv_host[:hi_in - lo_in]
             incoming = workers.sendrecv(out, next_worker, into, prev_worker, tag=t, what=step.what)
             with first.activate():

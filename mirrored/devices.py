@@ -195,6 +195,16 @@ class Device:
         """Copy an array of this device to a new NumPy array (waits for pending work)."""
         raise NotImplementedError
 
+    def download_into(self, host, buf):
+        """Copy ``buf`` (an array of this device) into the existing NumPy array ``host``
+        of the same shape and dtype: ``to_numpy`` without an allocation (waits for
+        pending work). The cross-worker ring sends its chunks from one such array."""
+        if tuple(host.shape) != tuple(buf.shape) or host.dtype != np.dtype(buf.dtype):
+            raise ValueError(f"download_into: the device array {np.dtype(buf.dtype)}{list(buf.shape)} "
+                             f"does not fit the host array {host.dtype}{list(host.shape)}.")
+        self._download_into(host, buf)
+        return host
+
     def copy_from(self, buf, src):
         """A copy, on this device, of ``buf`` living on device ``src``."""
         raise NotImplementedError
@@ -276,6 +286,9 @@ class CpuDevice(Device):
     def to_numpy(self, buf):
         return np.array(buf, copy=True)
 
+    def _download_into(self, host, buf):
+        np.copyto(host, buf)
+
     def copy_from(self, buf, src):
         return self.from_numpy(src.to_numpy(buf) if src is not self else buf)
 
@@ -334,6 +347,11 @@ class CudaDevice(Device):
             host = buf.copy_to_host(stream=self.stream)
             self.stream.synchronize()
         return host
+
+    def _download_into(self, host, buf):
+        with self.activate():
+            buf.copy_to_host(host, stream=self.stream)
+            self.stream.synchronize()
 
     def copy_from(self, buf, src):
         if not isinstance(src, CudaDevice):

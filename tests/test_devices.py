@@ -118,6 +118,25 @@ def test_copies_between_every_pair_of_devices(devices, rng):
             np.testing.assert_array_equal(c.numpy(), host)
 
 
+def test_download_into_fills_the_host_array_it_is_given(devices, rng):
+    """download_into: to_numpy into an existing array (the cross-worker ring's send
+    buffer), on a CPU and a simulated GPU; a misfit refused before anything is copied."""
+    for dev in devices(cpus=1, gpus=1):
+        want = rng.standard_normal(7).astype(np.float32)
+        buf = dev.from_numpy(want)
+        host = np.full(7, np.nan, np.float32)                      # poisoned
+        assert dev.download_into(host, buf) is host
+        np.testing.assert_array_equal(host, want)
+        part = np.full(3, np.nan, np.float32)
+        dev.download_into(part, buf[2:5])                          # a slice of the device array
+        np.testing.assert_array_equal(part, want[2:5])
+        for bad in (np.zeros(6, np.float32), np.zeros(7, np.float64)):
+            before = bad.copy()
+            with pytest.raises(ValueError, match="does not fit the host array"):
+                dev.download_into(bad, buf)
+            np.testing.assert_array_equal(bad, before)
+
+
 def test_info_lists_four_logical_gpus_after_splitting():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM=os.environ.get("NUMBA_ENABLE_CUDASIM", "1"))
     out = subprocess.run([sys.executable, "-m", "mirrored", "info", "--logical-gpus", "4"],
