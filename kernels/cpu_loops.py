@@ -68,9 +68,10 @@ from kernels.pooling import pool_geometry
 #: Serial by default. ``MIRRORED_CPU_PARALLEL=1`` (read at import) runs the loops over
 #: images on Numba's threads instead (``prange``; NUMBA_NUM_THREADS of them), each
 #: iteration writing only its own image's outputs, so the result does not depend on the
-#: thread count. Not the default: measured here on 2 shared cores, Numba's OpenMP
-#: threads and OpenBLAS's own fought over the cores (max-pool forward 1.5 ms serial,
-#: 11.7 ms with 2 threads, wall clock); on a quiet machine it is untested. Parallel
+#: thread count. Not the default: Numba's threads and OpenBLAS's own (which keep
+#: spinning after a GEMM) fight over the cores. Measured on 2 quiet cores, the lab
+#: ConvNet's step: 7.1-7.6 ms serial, 47.5 ms parallel, 6.97 ms parallel with
+#: OPENBLAS_NUM_THREADS=1 (README, "The course lab's ConvNet on the CPU"). Parallel
 #: loops are not cached (a cache entry does not record how its code was compiled).
 PARALLEL = os.environ.get("MIRRORED_CPU_PARALLEL", "0") == "1"
 _JIT = dict(cache=True, nogil=True)
