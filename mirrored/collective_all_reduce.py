@@ -25,10 +25,16 @@ formed are exactly those of one machine with N devices. Only the hops differ:
   buffer and receives straight into the scratch buffer (or, all-gather, into
   place), no copies.
 
+With a CUDA-aware MPI (one that reads and writes GPU memory itself: asked once,
+``Workers.cuda_aware``), GPU chunks skip the host: MPI sends straight from the last
+replica's buffer and receives straight into the first replica's scratch buffer (or,
+all-gather, into place), after the worker's streams have drained (MPI touches the
+memory from the host thread, outside any stream's order).
+
 Same schedule, same fixed summation order, so every replica of every worker ends
-bitwise equal (and equal to one machine's ring with the same N and inputs). A
-chunk staged through the host costs a device-to-host and a host-to-device copy
-per step; a CUDA-aware MPI could send device buffers instead (not done here).
+bitwise equal (and equal to one machine's ring with the same N and inputs), staged or
+direct. A chunk staged through the host costs a device-to-host and a host-to-device
+copy per step.
 
 The trace (``trace=True``) is the one-machine trace over the N global replicas,
 each ``RingTransfer`` naming its two workers (``src_worker``, ``dst_worker``).
@@ -64,9 +70,12 @@ class CollectiveAllReduce(RingAllReduce):
     the same size and dtype, in the same order (checked once per size and dtype).
     """
 
-    def __init__(self, workers, peer_access=True, trace=False):
+    def __init__(self, workers, peer_access=True, trace=False, cuda_aware=None):
+        """``cuda_aware``: hand GPU buffers to MPI directly (True), stage them through
+        host memory (False), or ask the MPI library (None: ``workers.cuda_aware``)."""
         super().__init__(peer_access=peer_access, trace=trace)
         self.workers = workers
+        self._cuda_aware = cuda_aware
         self._agreed = set()        # (local devices, size, dtype) every worker has confirmed
         self._host = {}             # (size, dtype) -> (send, receive) host staging arrays
         self._plans = {}            # (size, local replicas) -> this worker's steps (``_plan``)
@@ -161,7 +170,9 @@ class CollectiveAllReduce(RingAllReduce):
         first = devices[0]
         scratch = self._scratch_for(first, size, dtype)  # the first replica's incoming chunks
         on_host = first.device_type == "CPU"             # (a ring is all CPU or all GPU)
-        send_host, recv_host = self._host_stage(size, dtype, local * workers.size) if not on_host else (None, None)
+        direct = not on_host and (workers.cuda_aware if self._cuda_aware is None else self._cuda_aware)
+        staged = not on_host and not direct
+        send_host, recv_host = self._host_stage(size, dtype, local * workers.size) if staged else (None, None)
         for l, dev in enumerate(devices):
             with dev.activate():
                 _record(dev, done[l][0])                 # inputs ready
@@ -173,6 +184,13 @@ class CollectiveAllReduce(RingAllReduce):
                 # CPU devices: their memory IS host memory; MPI reads and writes it in place
                 out = buffers[-1][lo_out:hi_out]
                 into = (scratch if reduce else buffers[0])[lo_in:hi_in]
+            elif direct:
+                # CUDA-aware MPI: device memory in place, once no queued kernel still
+                # writes the chunk we send or reads the one we receive into
+                for dev in devices:
+                    dev.synchronize()
+                out = devices[-1].mpi_buffer(buffers[-1][lo_out:hi_out])
+                into = first.mpi_buffer((scratch if reduce else buffers[0])[lo_in:hi_in])
             else:
                 out = devices[-1].download_into(send_host[:hi_out - lo_out],      # waits for
                                                 buffers[-1][lo_out:hi_out])       # step t-1
@@ -180,7 +198,7 @@ class CollectiveAllReduce(RingAllReduce):
             incoming = workers.sendrecv(out, next_worker, into, prev_worker, tag=t, what=step.what)
             with first.activate():
                 if hi_in > lo_in:
-                    if not on_host:                      # host -> the first replica's memory
+                    if staged:                           # host -> the first replica's memory
                         first.upload_into((scratch if reduce else buffers[0])[lo_in:hi_in], incoming)
                     if reduce:
                         first.ops.ring_reduce_step(buffers[0], scratch, lo_in, hi_in)

@@ -25,6 +25,7 @@ Neighbours: ``multi_worker.py`` (the strategy), ``collective_all_reduce.py``
 (the ring whose hop between workers is ``sendrecv``).
 """
 import contextlib
+import functools
 import os
 import pickle
 import sys
@@ -87,6 +88,32 @@ class Workers:
 
     def __repr__(self):
         return f"<Workers: worker {self.rank} of {self.size}, timeout {self.timeout_s:g} s>"
+
+    @functools.cached_property
+    def cuda_aware(self):
+        """Whether this MPI reads and writes GPU memory itself (a CUDA-aware MPI), so the
+        ring hands it device buffers instead of staging them through host memory.
+
+        ``MIRRORED_CUDA_AWARE_MPI=1`` / ``0`` decides; else the library is asked:
+        ``MPIX_Query_cuda_support()``, which MPICH and Open MPI export (1 when the build
+        and the run-time settings allow it, e.g. Cray MPICH's
+        ``MPICH_GPU_SUPPORT_ENABLED=1``). No answer (an MPI without it): not aware.
+        The mpich wheel of requirements.txt answers 0.
+        """
+        forced = os.environ.get("MIRRORED_CUDA_AWARE_MPI", "").strip()
+        if forced in ("0", "1"):
+            return forced == "1"
+        if forced:
+            raise ValueError(f"MIRRORED_CUDA_AWARE_MPI={forced!r}: expected 1 (hand GPU buffers "
+                             f"to MPI), 0 (stage them through host memory) or unset (ask MPI).")
+        if self.comm is None:
+            return False
+        try:
+            import ctypes
+            from mpi4py import MPI
+            return bool(ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support())
+        except (AttributeError, OSError):
+            return False
 
     # -- waiting, with a deadline -------------------------------------------------------
     def _wait(self, requests, what, peers):

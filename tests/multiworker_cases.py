@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python tests/multiworker_cases.py train OUT [--gpus 2]
     mpiexec -n 3 python tests/multiworker_cases.py ring OUT [--cpus 2]
+    mpiexec -n 2 python tests/multiworker_cases.py ring-gpus OUT [--gpus 2]
     mpiexec -n 2 python tests/multiworker_cases.py fail OUT
     mpiexec -n 2 python tests/multiworker_cases.py stall OUT
 
@@ -211,6 +212,35 @@ def case_stall(out):
 STALL_TIMEOUT_S = 3
 
 
+def case_ring_gpus(out, gpus=2):
+    """The ring over simulated logical GPUs: staged through host memory and handed to MPI
+    directly (the CUDA-aware path; in the simulator device memory is host memory, so the
+    wheel's MPI can carry it) on the same inputs, and what this MPI says it is."""
+    from mirrored import devices as registry
+    from mirrored.collective_all_reduce import CollectiveAllReduce
+    from mirrored.workers import install_abort_hook, world
+    configure(gpus=gpus)
+    workers = world()
+    install_abort_hook(workers)
+    devices = [d for d in registry.logical_devices() if d.device_type == "GPU"]
+    rng = np.random.default_rng([int.from_bytes(os.urandom(4), "little"), workers.rank])
+    rings = {"staged": CollectiveAllReduce(workers, cuda_aware=False),
+             "direct": CollectiveAllReduce(workers, cuda_aware=True)}
+    results = {"asked": workers.cuda_aware}
+    for n_elems in RING_GPU_SIZES:
+        inputs = [rng.standard_normal(n_elems).astype(np.float32) for _ in devices]
+        results[f"inputs_{n_elems}"] = np.concatenate(workers.allgather(np.stack(inputs)))
+        for name, ring in rings.items():
+            for _ in range(2):                   # twice: the second call reuses plan and scratch
+                buffers = [dev.from_numpy(a) for dev, a in zip(devices, inputs)]
+                ring.all_reduce_flat("SUM", buffers, devices)
+            results[f"{name}_{n_elems}"] = np.stack([dev.to_numpy(b) for dev, b in zip(devices, buffers)])
+    np.savez(os.path.join(out, f"ring_gpus_rank{workers.rank}.npz"), **results)
+
+
+RING_GPU_SIZES = (1, 5, 33, 1001)        # awkward: empty chunks, uneven chunks
+
+
 if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
@@ -218,6 +248,8 @@ if __name__ == "__main__":
         case_train(out, gpus=int(opts.get("--gpus", 0)))
     elif case == "ring":
         case_ring(out, cpus=int(opts.get("--cpus", 1)))
+    elif case == "ring-gpus":
+        case_ring_gpus(out, gpus=int(opts.get("--gpus", 2)))
     elif case == "fail":
         case_fail(out)
     elif case == "stall":

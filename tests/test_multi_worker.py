@@ -212,6 +212,41 @@ def test_ring_across_workers_equals_mpi_allreduce(tmp_path, workers, cpus):
         assert g["int_mean"].dtype == np.float64 and np.array_equal(g["int_mean"], want_ints / n)
 
 
+@pytest.mark.parametrize("aware", ["", "1"])
+def test_ring_on_gpus_staged_and_handed_to_a_cuda_aware_mpi_agree_bitwise(tmp_path, monkeypatch, aware):
+    """2 workers x 2 simulated GPUs: the hop between workers staged through host memory,
+    and handed to MPI as device memory (a CUDA-aware MPI), give the same bits on every
+    replica of every worker, within float32 rounding of the float64 sum. The wheel's MPI
+    says it is not CUDA-aware; MIRRORED_CUDA_AWARE_MPI=1 overrides the answer."""
+    monkeypatch.setenv("MIRRORED_CUDA_AWARE_MPI", aware)
+    proc, _ = launch(2, "ring-gpus", tmp_path, "--gpus", "2", simulator=True)
+    _ok(proc)
+    got = [np.load(tmp_path / f"ring_gpus_rank{r}.npz") for r in range(2)]
+    for g in got:
+        assert bool(g["asked"]) is (aware == "1"), "Workers.cuda_aware: the wheel's MPICH says 0"
+    for size in cases.RING_GPU_SIZES:
+        every = got[0][f"inputs_{size}"]                               # (4, size): all replicas
+        want = every.astype(np.float64).sum(0)
+        bound = 1e-6 * 4 * np.abs(every).astype(np.float64).sum(0) + 1e-30
+        first = got[0][f"staged_{size}"][0]
+        assert (np.abs(first - want) <= bound).all(), f"size {size}: staged ring is wrong"
+        for r, g in enumerate(got):
+            for path in ("staged", "direct"):
+                for copy in g[f"{path}_{size}"]:
+                    assert np.array_equal(copy, first), f"size {size}: worker {r} {path} differs"
+
+
+def test_cuda_aware_mpi_setting_is_checked():
+    from mirrored.workers import Workers
+    os.environ["MIRRORED_CUDA_AWARE_MPI"] = "yes"
+    try:
+        with pytest.raises(ValueError, match="expected 1 .* 0 .* or unset"):
+            Workers(None).cuda_aware
+    finally:
+        del os.environ["MIRRORED_CUDA_AWARE_MPI"]
+    assert Workers(None).cuda_aware is False          # a lone worker has no MPI to ask
+
+
 def test_a_stuck_worker_times_the_others_out(tmp_path):
     proc, took = launch(2, "stall", tmp_path, timeout=FAIL_DEADLINE_S + 30)
     output = proc.stdout + proc.stderr
