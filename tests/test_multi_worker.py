@@ -25,6 +25,7 @@ import mirrored as tf
 from mirrored import backends, multi_worker
 
 import multiworker_cases as cases
+from conftest import SIMULATOR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "multiworker_cases.py"
@@ -47,9 +48,12 @@ pytestmark = pytest.mark.skipif(
     reason="needs mpiexec and mpi4py (python -m pip install mpi4py mpich: requirements.txt)")
 
 
-def launch(n, case, out, *args, simulator=False, timeout=300):
+def launch(n, case, out, *args, timeout=300):
+    """``mpiexec -n n`` of one case; (the finished process, seconds). The workers use CUDA
+    as this test run does: the simulator here (tests/conftest.py), the real GPU in a
+    session that has one (every worker's logical GPUs then share it)."""
     env = dict(os.environ, MIRRORED_WORKER_TIMEOUT_S="120")
-    env["NUMBA_ENABLE_CUDASIM"] = "1" if simulator else env.get("NUMBA_ENABLE_CUDASIM", "1")
+    env["NUMBA_ENABLE_CUDASIM"] = env.get("NUMBA_ENABLE_CUDASIM", "1")
     started = time.monotonic()
     proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(CASES), case, str(out), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -176,7 +180,7 @@ class _FakeDevice:
 
 
 def test_two_workers_two_simulated_gpus_each(tmp_path):
-    proc, _ = launch(2, "train", tmp_path, "--gpus", "2", simulator=True)
+    proc, _ = launch(2, "train", tmp_path, "--gpus", "2")
     _check_training(tmp_path, proc, replicas=4)
 
 
@@ -219,7 +223,7 @@ def test_ring_on_gpus_staged_and_handed_to_a_cuda_aware_mpi_agree_bitwise(tmp_pa
     replica of every worker, within float32 rounding of the float64 sum. The wheel's MPI
     says it is not CUDA-aware; MIRRORED_CUDA_AWARE_MPI=1 overrides the answer."""
     monkeypatch.setenv("MIRRORED_CUDA_AWARE_MPI", aware)
-    proc, _ = launch(2, "ring-gpus", tmp_path, "--gpus", "2", simulator=True)
+    proc, _ = launch(2, "ring-gpus", tmp_path, "--gpus", "2")
     _ok(proc)
     got = [np.load(tmp_path / f"ring_gpus_rank{r}.npz") for r in range(2)]
     for g in got:
@@ -231,7 +235,10 @@ def test_ring_on_gpus_staged_and_handed_to_a_cuda_aware_mpi_agree_bitwise(tmp_pa
         first = got[0][f"staged_{size}"][0]
         assert (np.abs(first - want) <= bound).all(), f"size {size}: staged ring is wrong"
         for r, g in enumerate(got):
-            for path in ("staged", "direct"):
+            # the direct path runs where MPI can read this "device memory": the simulator's
+            # (host memory), or real GPUs with a CUDA-aware MPI
+            assert f"direct_{size}" in g or not SIMULATOR
+            for path in ("staged", "direct")[:1 + (f"direct_{size}" in g)]:
                 for copy in g[f"{path}_{size}"]:
                     assert np.array_equal(copy, first), f"size {size}: worker {r} {path} differs"
 
