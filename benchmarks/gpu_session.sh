@@ -12,6 +12,8 @@
 #   tests      graphs, then the whole suite without the simulator    graphs.log, tests.log
 #   report     python -m kernels.report --hardware                   report.log
 #   kernels, allreduce, training   the benchmarks                    NAME.log, NAME.json
+#   multiworker  python -m benchmarks.multiworker: the ring across 2 and 4 processes (a core
+#              each) vs MPI_Allreduce, the ConvNet with 1/2/4 workers  multiworker.log, .json
 #   profile    Nsight Compute over python -m benchmarks.profile (the lab-shape conv, pooling,
 #              softmax-xent and optimizer kernels, a few launches each, warm-up excluded):
 #              profile.ncu-rep, profile-details.csv (the sections' values per kernel),
@@ -45,6 +47,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 # Per-stage time limits (seconds); override with e.g. TESTS_S=300.
 : "${TESTS_S:=330}" "${KERNELS_S:=200}" "${ALLREDUCE_S:=200}" "${TRAINING_S:=420}" "${XDIST:=12}"
+: "${MULTIWORKER_S:=240}"
 # breakdown + profile (+ its fallback) + versions fit in one 10-minute device command.
 : "${PROFILE_S:=360}" "${PROFILE_TIMES_S:=120}" "${BREAKDOWN_S:=180}"
 # Nsight Compute sections for the profile stage: is each kernel compute- or memory-bound,
@@ -153,6 +156,10 @@ PYEOF
       stage allreduce "$ALLREDUCE_S" "$PY" -m benchmarks.allreduce --out "$OUT/allreduce.json" ${ALLREDUCE_ARGS:-} ;;
     training)
       stage training "$TRAINING_S" "$PY" -m benchmarks.training --out "$OUT/training.json" ${TRAINING_ARGS:-} ;;
+    multiworker)
+      # the cross-process ring vs MPI_Allreduce with a core per process (this machine has
+      # 16), and the lab ConvNet with 1/2/4 workers sharing the GPU (issue 17)
+      stage multiworker "$MULTIWORKER_S" "$PY" -m benchmarks.multiworker --out "$OUT/multiworker.json" ${MULTIWORKER_ARGS:-} ;;
     profile)
       profile ;;
     breakdown)
