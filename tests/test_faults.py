@@ -396,6 +396,25 @@ def test_an_out_of_memory_step_leaves_no_trace(small_devices, rng):
         assert np.array_equal(a, b)
 
 
+def test_an_out_of_memory_predict_or_evaluate_leaves_no_trace(small_devices, rng):
+    """predict and evaluate at a batch whose layer buffers do not fit: the error, then the
+    devices' memory, weights and optimizer as before, and a small predict that still
+    gives what a clean model gives (predict kept the buffers it had made: issue 15)."""
+    from mirrored.errors import ResourceExhaustedError
+    x, y = labelled(rng, n=256, features=4)
+    model = small_model(small_devices, hidden=64, features=4)
+    model.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)
+    want = model.predict(x[:8], batch_size=8, verbose=0)
+    before = state_of(model)
+    with pytest.raises(ResourceExhaustedError):
+        model.predict(x, batch_size=256, verbose=0)
+    assert_same_state(before, state_of(model))
+    with pytest.raises(ResourceExhaustedError):
+        model.evaluate(x, y, batch_size=256, verbose=0)
+    assert_same_state(before, state_of(model))
+    np.testing.assert_array_equal(model.predict(x[:8], batch_size=8, verbose=0), want)
+
+
 # --- all_reduce MEAN of integers -------------------------------------------------------------------
 
 def test_all_reduce_mean_of_integers_divides_as_true_division(strategy):
