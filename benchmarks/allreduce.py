@@ -163,11 +163,8 @@ def _time_ring_graph(devs, elements, timer):
 def run(args):
     common.choose_cuda(smoke=args.smoke)        # before anything imports numba
     if not args.smoke:
-        ok, why = common.gpu_status()
-        if not ok:
-            print(f"benchmarks.allreduce: no real GPU to time on ({why}).\n"
-                  f"Nothing measured, nothing written. Run it on a machine with a CUDA GPU, "
-                  f"or `python -m benchmarks.allreduce --smoke --out PATH` to check the program.")
+        if common.no_gpu("benchmarks.allreduce", "Run it on a machine with a CUDA GPU, or "
+                         "`python -m benchmarks.allreduce --smoke --out PATH` to check the program."):
             return 0
     import numpy as np
     from mirrored.cross_device_ops import ReductionToOneDevice, RingAllReduce

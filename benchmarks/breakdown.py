@@ -248,12 +248,9 @@ def main(argv=None):
     clock = CLOCKS[args.clock]
     common.choose_cuda(smoke=args.smoke)
     if gpu and not args.smoke:
-        ok, why = common.gpu_status()
-        if not ok:
-            print(f"benchmarks.breakdown --device gpu: no GPU to time on ({why}).\n"
-                  f"Nothing was timed and nothing was written. Without a GPU, "
-                  f"`python -m benchmarks.breakdown` breaks a CPU step down; "
-                  f"`python -m benchmarks.breakdown --smoke` checks the GPU path in the simulator.")
+        if common.no_gpu("benchmarks.breakdown --device gpu",
+                         "Without a GPU, `python -m benchmarks.breakdown` breaks a CPU step down; "
+                         "`python -m benchmarks.breakdown --smoke` checks the GPU path in the simulator."):
             return 0
     os.environ.setdefault("MIRRORED_OFFLINE", "1")
     import mirrored as tf

@@ -6,6 +6,7 @@ peer, never a single time. This module holds the parts every program needs:
 
     choose_cuda(smoke)     decide real CUDA vs the simulator *before* numba is imported
     gpu_status()           (True, name) or (False, why not)
+    no_gpu(program, instead)   say so and return True where there is no GPU to time on
     device_info()          device name, compute capability, driver and library versions
     time_gpu(fn)           CUDA-event timer: warm-up, samples of ``number`` calls, median
     time_host(fn)          the same with time.perf_counter (simulator smoke runs, CPU)
@@ -73,6 +74,17 @@ def choose_cuda(smoke=False):
 def simulator():
     from numba import config
     return bool(config.ENABLE_CUDASIM)
+
+
+def no_gpu(program, instead):
+    """True, after saying so, where there is no real GPU to time on: the benchmark then
+    returns 0 having measured and written nothing. ``program``: its name as run
+    (``benchmarks.kernels``); ``instead``: what to run here instead, or where."""
+    ok, why = gpu_status()
+    if not ok:
+        print(f"{program}: no real GPU to time on ({why}).\n"
+              f"Nothing was timed and nothing was written. {instead}")
+    return not ok
 
 
 def gpu_status():

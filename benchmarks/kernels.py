@@ -442,14 +442,10 @@ def main(argv=None):
         conv_batch, conv_hw = SMOKE_CONV_BATCH, SMOKE_CONV_HW
         skipped = [dict(name="cuBLAS peer", reason="smoke run in the CUDA simulator")]
     else:
-        ok, why = common.gpu_status()
-        if not ok:
-            print(f"benchmarks.kernels: no GPU to measure on ({why}).\n"
-                  f"Nothing was timed and nothing was written. On a machine with a CUDA GPU "
-                  f"run `python -m benchmarks.kernels`; to check that this program works, "
-                  f"`python -m benchmarks.kernels --smoke --out /tmp/kernels.json`.")
+        if common.no_gpu("benchmarks.kernels", "On a machine with a CUDA GPU run "
+                         "`python -m benchmarks.kernels`; to check that this program works, "
+                         "`python -m benchmarks.kernels --smoke --out /tmp/kernels.json`."):
             return 0
-
         repeat, warmup = args.repeat, common.WARMUP
 
         def timer(fn):

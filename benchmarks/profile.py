@@ -154,13 +154,10 @@ def main(argv=None):
     hw = kbench.SMOKE_CONV_HW if args.smoke else kbench.CONV_HW
     nbytes = kbench.SMOKE_MEM_BYTES if args.smoke else kbench.MEM_BYTES
     if not args.smoke and not args.list:
-        ok, why = common.gpu_status()
-        if not ok:
-            print(f"benchmarks.profile: no GPU to profile on ({why}).\n"
-                  f"Nothing was launched. On a machine with a CUDA GPU run "
-                  f"`bash benchmarks/gpu_session.sh profile` (under ncu) or "
-                  f"`python -m benchmarks.profile`; to check this program, "
-                  f"`python -m benchmarks.profile --smoke`.")
+        if common.no_gpu("benchmarks.profile", "On a machine with a CUDA GPU run "
+                         "`bash benchmarks/gpu_session.sh profile` (under ncu) or "
+                         "`python -m benchmarks.profile`; to check this program, "
+                         "`python -m benchmarks.profile --smoke`."):
             return 0
     if args.list:                      # names only: built at smoke sizes, in the simulator
         for case in cases(SMOKE_BATCH, kbench.SMOKE_CONV_HW, kbench.SMOKE_MEM_BYTES):
