@@ -152,7 +152,8 @@ class ModelCheckpoint(Callback):
     ``{batch}`` (the batch's 1-based number within its epoch), and log keys.
     ``save_best_only=True``: save only when ``monitor`` improved on the best value so far
     (``mode`` "auto"/"min"/"max"; ``initial_value_threshold`` the value to beat first),
-    read from the logs of the epoch or batch where a save is due. Under
+    read from the logs of the epoch or batch where a save is due; logs without it (e.g.
+    ``val_loss`` in a batch's logs) give a warning and a save, as Keras 3. Under
     ``MultiWorkerMirroredStrategy`` only the chief keeps the files and prints.
     """
 
