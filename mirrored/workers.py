@@ -133,15 +133,14 @@ class Workers:
             if polls % _POLLS_PER_CLOCK == 0:
                 waited = time.monotonic() - start
                 patient = waited > _YIELD_FOR_S
-                if waited <= self.timeout_s:
-                    continue
-                raise DeadlineExceededError(
-                    f"worker {self.rank} of {self.size} waited {self.timeout_s:g} s for {what} "
-                    f"with worker(s) {sorted(set(peers) - {self.rank})}, which never answered. A worker is stuck "
-                    f"in its own code, was started with a different script or data, or makes "
-                    f"different collective calls (every worker must run the same steps). Raise "
-                    f"CommunicationOptions(timeout_seconds=...) or MIRRORED_WORKER_TIMEOUT_S if a "
-                    f"step is really slower than that.")
+                if waited > self.timeout_s:
+                    raise DeadlineExceededError(
+                        f"worker {self.rank} of {self.size} waited {self.timeout_s:g} s for {what} "
+                        f"with worker(s) {sorted(set(peers) - {self.rank})}, which never answered. "
+                        f"A worker is stuck in its own code, was started with a different script or "
+                        f"data, or makes different collective calls (every worker must run the same "
+                        f"steps). Raise CommunicationOptions(timeout_seconds=...) or "
+                        f"MIRRORED_WORKER_TIMEOUT_S if a step is really slower than that.")
 
     # -- the messages ------------------------------------------------------------------------
     def sendrecv(self, send, dest, recv, source, tag, what="a ring step"):
