@@ -119,3 +119,29 @@ def make_model(kind="conv"):
     model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"])
     return model
+
+
+def same_weights_on_every_worker(folder, workers):
+    """Lab 06's check: every worker wrote ``weights-<rank>.crc32`` (a CRC-32 of its weights'
+    bytes) into ``folder``; return ``{rank: checksum}`` if all ``workers`` wrote the same one.
+
+    Each worker writes its own file, so nothing depends on how the workers' printed lines
+    interleave (they share one stdout and may run together on one line). A missing file or
+    two different checksums raise a ``ValueError`` naming the workers: the check can fail.
+    """
+    folder = os.fspath(folder)
+    sums, missing = {}, []
+    for rank in range(int(workers)):
+        path = os.path.join(folder, f"weights-{rank}.crc32")
+        try:
+            with open(path) as f:
+                sums[rank] = f.read().strip()
+        except FileNotFoundError:
+            missing.append(rank)
+    if missing:
+        raise ValueError(f"worker(s) {missing} wrote no weights checksum in {folder} (expected "
+                         f"weights-<rank>.crc32 from each of the {workers} workers): did they finish?")
+    if len(set(sums.values())) != 1:
+        raise ValueError(f"the workers' weights differ: checksums {sums}. Every replica of every "
+                         f"worker should hold bitwise the same weights after the ring.")
+    return sums

@@ -15,7 +15,15 @@ measurements.
 Neighbours: ``timing.py`` (the measurements), ``viz.py`` (the plot),
 ``cross_device_ops.py`` (the ring whose traffic ``ring_allreduce_time`` counts).
 """
+import warnings
+
+import numpy as np
+
 from mirrored.keras.step import FORWARD_BACKWARD, INPUT_COPY
+
+
+class CalibrationWarning(UserWarning):
+    """``calibrate`` had to change what it measured to keep the model meaningful."""
 
 
 #: Link bandwidths (bytes/s, one direction, what a ring step can use). Rounded
@@ -99,7 +107,10 @@ def calibrate(breakdown, grad_bytes=None, model=None, measured=None):
     The overhead is then what ``fit`` spends per step beyond the compute —
     ``global_batch / samples_per_s - compute``: the optimizer, the input pipeline
     (shuffle, batch, the host-to-device copy), Keras's callbacks and metrics — so the
-    model reproduces that measurement at N=1 exactly. Without it the overhead is the
+    model reproduces that measurement at N=1 exactly. Where the breakdown's compute alone
+    is longer than that measured step, the overhead would be negative: the compute is then
+    scaled down to the measured step, the overhead is 0, and a ``CalibrationWarning`` says
+    so (the figures it printed before hid this as an overhead of 0). Without it the overhead is the
     breakdown's bare step minus the compute (``step_breakdown`` feeds prepared host
     batches and runs no callbacks), and the model overestimates ``fit`` at N=1.
     """
@@ -115,8 +126,21 @@ def calibrate(breakdown, grad_bytes=None, model=None, measured=None):
                              f"{measured.get('replicas')!r}, samples_per_s="
                              f"{measured.get('samples_per_s')!r}.")
         step_s = measured["global_batch"] / measured["samples_per_s"]
+    overhead = step_s - compute
+    if overhead < 0:
+        # The breakdown's phases, each timed on its own, add up to more than the measured
+        # step (every phase boundary waits for the device; a busy machine slowed the
+        # breakdown). A negative overhead means nothing, so the compute is scaled down to
+        # the measured step: the model still reproduces the measurement at N=1, all of it
+        # as compute. Said aloud, since it changes what the model assumes.
+        warnings.warn(f"calibrate: the breakdown's compute ({compute * 1e3:.3g} ms per step) is "
+                      f"longer than the whole measured step ({step_s * 1e3:.3g} ms): the compute is "
+                      f"scaled down to the measured step and the overhead set to 0. Time the "
+                      f"breakdown and the measurement on a quiet machine, one after the other.",
+                      CalibrationWarning, stacklevel=2)
+        compute, overhead = step_s, 0.0
     return {"compute_per_example_s": compute / max(breakdown["global_batch"], 1),
-            "overhead_s": max(step_s - compute, 0.0),
+            "overhead_s": overhead,
             "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"]}
 
 
@@ -137,3 +161,38 @@ def predict_throughput(calibration, ns, batch_per_replica, links=None, latency_s
             rows.append({"link": link, "bandwidth": float(bw), "n": int(n), "step_s": t,
                          "samples_per_s": n * batch_per_replica / t})
     return rows
+
+
+def fit_link(rows):
+    """Latency α (s per ring step) and bandwidth β (bytes/s) of a link, fitted to ring times.
+
+    ``rows``: dicts with ``n`` (ring size), ``bytes`` (buffer) and ``ring_us`` (measured
+    all-reduce time), e.g. ``benchmarks.multiworker``'s results. The model is
+    ``t = 2(N-1)·α + 2(N-1)/N · S/β`` (``ring_allreduce_time``).
+
+    The fit minimises the *relative* error of every row, not the absolute one: the sizes
+    span 1 KB to many MB, and a plain least-squares fit is dominated by the largest
+    times, so it may give a latency ten times the 1 KB measurement. Neither parameter
+    may be negative (if the unconstrained fit makes one negative, the other is refitted
+    alone with it fixed at 0). Returns ``{"alpha_s", "beta_bytes_per_s",
+    "relative_errors"}`` (model/measured - 1, one per row, in the rows' order).
+    """
+    rows = list(rows)
+    if len(rows) < 2:
+        raise ValueError(f"fit_link needs at least two measured rows (two sizes), got {len(rows)}.")
+    n = np.array([r["n"] for r in rows], np.float64)
+    size = np.array([r["bytes"] for r in rows], np.float64)
+    t = np.array([r["ring_us"] for r in rows], np.float64) * 1e-6           # (rows,) seconds
+    if (t <= 0).any() or (n < 2).any():
+        raise ValueError("fit_link: every row needs n >= 2 and a positive ring_us.")
+    a = np.stack([2 * (n - 1), 2 * (n - 1) / n * size], axis=1) / t[:, None]  # rows scaled by 1/t
+    ones = np.ones_like(t)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, ones, rcond=None)
+    if alpha < 0:                                   # bandwidth alone
+        alpha, inv_beta = 0.0, max(float(a[:, 1] @ ones / (a[:, 1] @ a[:, 1])), 0.0)
+    elif inv_beta < 0:                              # latency alone
+        alpha, inv_beta = max(float(a[:, 0] @ ones / (a[:, 0] @ a[:, 0])), 0.0), 0.0
+    beta = 1.0 / inv_beta if inv_beta > 0 else float("inf")
+    model = np.array([ring_allreduce_time(s, int(k), beta, latency_s=alpha) for s, k in zip(size, n)])
+    return {"alpha_s": float(alpha), "beta_bytes_per_s": float(beta),
+            "relative_errors": [float(e) for e in model / t - 1]}

@@ -7,6 +7,8 @@ process for the kernel demos).
     python -m pytest tests/test_labs_02_04.py            # ~30 s on a 2-core laptop
     python -m pytest -m "not notebook"                    # everything else
 """
+import re
+
 import pytest
 
 NOTEBOOKS = ["02_custom_training_loop.ipynb", "03_ring_allreduce_step_through.ipynb",
@@ -25,6 +27,9 @@ def test_lab_runs_top_to_bottom(name, run_lab):
     elif name.startswith("03"):
         assert "6 steps = 2 (N - 1)" in text
         assert "equal to NumPy's sum on every device: True" in text
+        # the bytes table counts sent + received in every column: at N = 2 the ring's device
+        # and reduce-to-one's device 0 carry the same 2 x 1.389 MB (sent alone: 1 buffer)
+        assert re.search(r"^ 2\s+2\.777 MB\s+1\.000\s+1\.000\s+2\.777 MB\s+2\.777 MB$", text, re.M), text
     else:
         assert text.count(" OK ") == 12 and "WRONG" not in text        # 3 versions x 4 transposes
         # conv2d v1 and v2 against NumPy: 2 paddings x 2 strides x 2 versions, v2 == v1 bitwise
