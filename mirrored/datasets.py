@@ -306,13 +306,12 @@ def _fallback_message(directory, problems, mode, not_writable=None):
         why = "the full set could not be downloaded (no network?)"
     bad = [p for p in problems.values() if "is missing" not in p]
     details = f" Bad cached file(s): {'; '.join(bad)}." if bad else ""
-    return (f"mirrored.datasets.load('mnist'): using the bundled subset {BUNDLED_NAME}: "
-            f"{counts['train']:,} train / {counts['test']:,} test real MNIST images "
-            f"(the full set has 60,000 / 10,000), because {why}.{details} To get the full "
-            f"set, run load('mnist') with network access (download=True, MIRRORED_OFFLINE "
-            f"unset), or copy the four files "
-            f"{', '.join(MNIST_FILES)} into {directory} (the originals, or any copies whose "
-            f"uncompressed contents are MNIST's, .gz or not, there or in {directory.parent}).")
+    # Short: a notebook shows it in every run that has no full set (the classroom's usual
+    # case). The ways to get the full set are in load()'s docstring and the README.
+    return (f"load('mnist'): the bundled subset {BUNDLED_NAME}, {counts['train']:,} train / "
+            f"{counts['test']:,} test real MNIST images (the full set: 60,000 / 10,000), because "
+            f"{why}.{details} For the full set, load with network access or put MNIST's four "
+            f"files in {directory}.")
 
 
 def _force_failure_message(directory, problems, mode):
