@@ -98,7 +98,8 @@ class SMLimits:
 
 #: The compute capabilities the report knows (CUDA 12.9's NVVM and ptxas compile every one).
 SM_LIMITS = {
-    (7, 5): SMLimits("T4", 32, 16, 64 * 1024),
+    (6, 0): SMLimits("P100 (Kaggle)", 64, 32, 64 * 1024),
+    (7, 5): SMLimits("T4 (Colab, Kaggle)", 32, 16, 64 * 1024),
     (8, 0): SMLimits("A100", 64, 32, 164 * 1024),
     (8, 6): SMLimits("RTX 3090, A10", 48, 16, 100 * 1024),
     (8, 9): SMLimits("RTX 4090, L4", 48, 24, 100 * 1024),

@@ -30,8 +30,9 @@ import pytest
 from conftest import SUMMARY_KEY
 from kernels import registry, report
 
-#: The compute capabilities CI compiles for: A100 and H100, the GPUs the course uses.
-CCS = ("8.0", "9.0")
+#: The compute capabilities CI compiles for: where students' GPUs are (P100 6.0 on Kaggle, T4
+#: 7.5 on Colab and Kaggle) and the A100 and H100 the course uses.
+CCS = ("6.0", "7.5", "8.0", "9.0")
 
 #: Seconds the child process may take compiling everything (measured: ~30 s on 2 busy cores).
 REPORT_TIMEOUT_S = 600
@@ -177,7 +178,7 @@ def test_broken_kernels_are_reported_with_name_signature_and_message():
 
 def test_unknown_compute_capability_names_the_known_ones():
     assert report.parse_cc("9.0") == (9, 0) == report.parse_cc("sm_90")
-    with pytest.raises(ValueError, match=r"unknown compute capability '4\.2'; known: 7\.5 .*9\.0"):
+    with pytest.raises(ValueError, match=r"unknown compute capability '4\.2'; known: 6\.0 .*7\.5 .*9\.0"):
         report.parse_cc("4.2")
 
 
