@@ -24,5 +24,6 @@ def test_lab_06_beyond_one_machine(run_lab):
     assert "equal on every worker: True" in text
     assert "files the chief kept: ['chief.json', 'model.weights.h5', 'train.py']" in text
     assert "(MPI)" in text and "= 1 + 2 + ... + N = 3" in text              # 2 workers x 1 CPU
-    assert re.search(r"fitted link: latency α = [\d.]+ µs per step, bandwidth β = [\d.]+ GB/s", text)
+    # a quick run times two sizes only: under load the latency may explain both (no bandwidth)
+    assert re.search(r"fitted link: latency α = [\d.]+ µs per step, bandwidth β = ([\d.]+ GB/s|too high to tell)", text)
     assert images >= 3, f"sharding, ring diagram, cost model: found {images} figures"
