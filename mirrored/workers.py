@@ -114,7 +114,7 @@ class Workers:
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1
         self.timeout_s = None if timeout_s is None else float(timeout_s)   # None: counted in steps
-        self.pids = self.hosts = None              # per rank, once ``introduce`` has run
+        self.pids = self.hosts = self.pid_namespaces = None   # per rank, once ``introduce`` has run
         self.steps_done = 0                        # ``step_done`` calls so far
         self.slowest_step_s = 0.0                  # the longest step after the warm-up
         self._last_step_end = None
@@ -127,10 +127,11 @@ class Workers:
     def introduce(self, value=None, what="introducing the workers"):
         """Gather every worker's PID and host (kept in ``pids``/``hosts``, by rank) with
         a picklable ``value`` of each; returns the values, in rank order."""
-        seen = self.allgather((os.getpid(), socket.gethostname(), value), what)
-        self.pids = [pid for pid, _, _ in seen]
-        self.hosts = [host for _, host, _ in seen]
-        return [v for _, _, v in seen]
+        seen = self.allgather((os.getpid(), socket.gethostname(), _pid_namespace(), value), what)
+        self.pids = [pid for pid, *_ in seen]
+        self.hosts = [host for _, host, *_ in seen]
+        self.pid_namespaces = [space for _, _, space, _ in seen]
+        return [v for *_, v in seen]
 
     def table(self):
         """The start-up table the chief prints: one line per worker, rank, PID and host."""
@@ -172,12 +173,14 @@ class Workers:
                 f"({self.slowest_step_s:.3g} s), at least {STEP_DEADLINE_FLOOR_S:g} s")
 
     def _gone(self, peers):
-        """The peers on this host whose processes no longer exist (killed, crashed)."""
+        """The peers on this host whose processes no longer exist (killed, crashed). Only
+        peers whose PIDs this process can see: the same host name and PID namespace (two
+        containers may share a host name, not their PIDs)."""
         if self.pids is None:
             return []
-        here, gone = self.hosts[self.rank], []
+        here, gone = (self.hosts[self.rank], self.pid_namespaces[self.rank]), []
         for r in peers:
-            if r != self.rank and self.hosts[r] == here:
+            if r != self.rank and here[1] is not None and (self.hosts[r], self.pid_namespaces[r]) == here:
                 try:
                     os.kill(self.pids[r], 0)          # signal 0: only asks whether it exists
                 except ProcessLookupError:
@@ -300,6 +303,14 @@ class Workers:
         if self.comm is not None and self.size > 1:
             self.comm.Abort(code)
         os._exit(code)
+
+
+def _pid_namespace():
+    """This process's PID namespace ('pid:[4026531836]' on Linux; None where unknown)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _mpi_byte():

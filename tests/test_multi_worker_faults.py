@@ -18,7 +18,7 @@ import test_multi_worker as harness
 from mirrored import workers
 from mirrored.errors import DeadlineExceededError
 
-pytestmark = harness.pytestmark                  # skipped without mpiexec and mpi4py
+needs_mpi = harness.pytestmark                   # skipped without mpiexec and mpi4py
 SCRIPT = pathlib.Path(__file__).resolve().parent / "multiworker_fault_cases.py"
 END_WITHIN_S = 60                                # a wrong worker ends every worker within this
 
@@ -41,6 +41,7 @@ def every_workers_error(out, case):
     return [(out / f"{case}_rank{r}.txt").read_text() for r in range(2)]
 
 
+@needs_mpi
 @pytest.mark.parametrize("differ", ["width", "middle", "end"])
 def test_workers_that_build_different_models_are_refused_on_every_worker(tmp_path, differ):
     """Worker 1 builds Dense(8) where the chief has Dense(6) (width), an extra layer in the
@@ -65,6 +66,7 @@ def test_workers_that_build_different_models_are_refused_on_every_worker(tmp_pat
     assert not list(tmp_path.glob("models_rank*_finished"))
 
 
+@needs_mpi
 def test_arrays_of_different_lengths_are_refused_naming_each_workers_count(tmp_path):
     """48 examples on the chief, 56 on worker 1. Before: `cannot reshape array of size 0`
     on worker 1 (the chief's shuffle order is too short for its arrays). Now both workers
@@ -78,6 +80,7 @@ def test_arrays_of_different_lengths_are_refused_naming_each_workers_count(tmp_p
                 and f"worker 1 (PID {table[1]} on " in error and f": {cases.EXAMPLES + 8})" in error), error
 
 
+@needs_mpi
 def test_a_peer_that_stops_answering_is_named_after_steps_worth_of_time(tmp_path):
     """No fixed deadline: after WARM_STEPS quick steps worker 1 sleeps. Worker 0 waits
     max(floor, 10 x its slowest step) — the floor lowered to 3 s for the test — not the
@@ -91,6 +94,7 @@ def test_a_peer_that_stops_answering_is_named_after_steps_worth_of_time(tmp_path
     assert float((tmp_path / "slow_deadline_rank0.txt").read_text()) == cases.SLOW_FLOOR_S
 
 
+@needs_mpi
 def test_a_killed_workers_rank_is_in_the_chiefs_start_up_table(tmp_path):
     """Worker 1 is SIGKILLed. The launcher (the mpich wheel's Hydra) names only the PID,
     and ends the survivors at once (they cannot speak); the chief's start-up table names
@@ -132,7 +136,7 @@ def fake(monkeypatch):
 
 def _two_workers_on_one_host():
     me = workers.Workers(None, timeout_s=None)
-    me.size, me.pids, me.hosts = 2, [100, 4242], ["here", "here"]
+    me.size, me.pids, me.hosts, me.pid_namespaces = 2, [100, 4242], ["here", "here"], ["pid:[1]", "pid:[1]"]
     return me
 
 
@@ -173,9 +177,24 @@ def test_a_dead_peer_on_this_host_is_named_within_a_second(fake):
                                                     r"while waiting .* for a ring step: its process has ended"):
         me._wait([], "a ring step", [1])
     assert workers._LIVENESS_EVERY_S <= fake.clock[0] < workers._LIVENESS_EVERY_S + 0.1
-    fake.dead.clear()                                    # alive, or on another host: the deadline
-    me.hosts = ["here", "elsewhere"]
-    fake.dead.add(4242)
-    me.timeout_s = 5.0
-    with pytest.raises(DeadlineExceededError, match=r"waited 5 s .*worker 1 \(PID 4242 on elsewhere\)"):
-        me._wait([], "a ring step", [1])
+    me.timeout_s = 5.0                                   # on another host, or in another PID
+    for hosts, spaces in ((["here", "elsewhere"], ["pid:[1]"] * 2),      # namespace (a container
+                          (["here", "here"], ["pid:[1]", "pid:[2]"])):   # with the same host name):
+        me.hosts, me.pid_namespaces = hosts, spaces                            # not asked, the deadline
+        with pytest.raises(DeadlineExceededError, match=rf"waited 5 s .*worker 1 \(PID 4242 on {hosts[1]}\)"):
+            me._wait([], "a ring step", [1])
+
+
+def test_the_liveness_check_asks_the_real_system():
+    """``_gone`` with the real ``os.kill``: a process that ended (and was reaped) is gone,
+    this process and its parent are not."""
+    import os
+    import subprocess
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    me = workers.Workers(None, timeout_s=None)
+    me.size, me.pids = 3, [os.getpid(), os.getppid(), ended.pid]
+    me.hosts, me.pid_namespaces = ["here"] * 3, [workers._pid_namespace()] * 3
+    if me.pid_namespaces[0] is None:
+        pytest.skip("no /proc/self/ns/pid here: the liveness check is off")
+    assert me._gone([0, 1, 2]) == [2]
