@@ -41,7 +41,9 @@ each ``RingTransfer`` naming its two workers (``src_worker``, ``dst_worker``).
 
 Neighbours: ``cross_device_ops.py`` (the ring, its schedule and trace; this class
 only replaces ``_run_ring``'s hops), ``workers.py`` (``sendrecv`` with a deadline),
-``multi_worker.py`` (the strategy that makes one).
+``multi_worker.py`` (the strategy that makes one). Each all-reduce ends with
+``workers.step_done()``: the steps it times set the deadline of every wait for a peer
+(``workers.Workers.deadline_s``).
 """
 import dataclasses
 
@@ -94,6 +96,7 @@ class CollectiveAllReduce(RingAllReduce):
         if size == 0:
             return
         self._run_global_ring(buffers, devices, size, dtype)
+        self.workers.step_done()        # a step's gradients summed: the clock of the deadline
         if self.trace is not None:
             steps = self._trace_steps(n, size, buffer_index, dtype)
             self.trace.extend(dataclasses.replace(

@@ -49,6 +49,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -447,16 +448,19 @@ def _fsync_dir(directory):
 
 def _raw_bytes(path):
     """The uncompressed contents of an IDX file: gunzipped when its name ends in .gz,
-    else as it is. A ValueError naming the file when a .gz does not decompress."""
+    else as it is. A ValueError naming the file when a .gz does not decompress: not gzip
+    at all, cut short (EOFError), a bad CRC, or bytes damaged inside the compressed
+    stream (``zlib.error``, which is not an OSError) — so a damaged file is passed over
+    and named, like a truncated one, and the offline path falls back to the subset."""
     path = Path(path)
     if path.suffix != ".gz":
         return path.read_bytes()
     try:
         with gzip.open(path, "rb") as f:
             return f.read()
-    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
-        raise ValueError(f"{path}: not a readable gzip file ({error}). Delete it and "
-                         f"load again.") from error
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path}: not a readable gzip file ({type(error).__name__}: {error}). "
+                         f"Delete it and load again.") from error
 
 
 def read_idx(path, expected_magic=None):

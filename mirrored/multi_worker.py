@@ -15,7 +15,14 @@ What changes from ``MirroredStrategy`` (``strategy.py``), and nothing else does:
   messages. ``CommunicationOptions(implementation=RING)`` (or AUTO) selects it;
   NCCL is refused with the reason.
 * Variables start equal everywhere: each initial value is broadcast from the
-  chief (TensorFlow does the same), so the workers need not share a seed.
+  chief (TensorFlow does the same), so the workers need not share a seed. The same
+  message carries every worker's (name, shape, dtype) of the variable: workers that
+  build different models are refused on every worker, naming the first difference
+  and the ranks, before any value is used (``_agree_on_variable``). Arrays given to
+  ``fit``/``evaluate`` must hold as many examples on every worker
+  (``extended.check_example_count``, before the first step).
+* Start-up: the chief prints every worker's rank, PID and host (``Workers.table``),
+  so that a launcher's "PID 4242 ... EXIT CODE: 9" names the worker that died.
 * Input: ``experimental_distribute_dataset(ds)`` gives each worker its rows of
   every global batch (TensorFlow's DATA sharding): every worker reads the same
   global batches, cuts each into ``num_replicas_in_sync`` slices by the
@@ -33,10 +40,13 @@ What changes from ``MirroredStrategy`` (``strategy.py``), and nothing else does:
   temporary directory that is deleted at once — what Keras's callbacks do on
   non-chief workers (``distributed_file_utils.write_filepath``: a
   ``workertemp_<task_id>`` directory, removed after the save).
-* Faults: every wait for another worker has a deadline
-  (``CommunicationOptions(timeout_seconds=...)``, default ``workers.DEFAULT_TIMEOUT_S``),
-  and an exception nobody catches ends every worker (``workers.install_abort_hook``):
-  the failing worker prints its error and rank, then ``MPI.Abort``.
+* Faults: every wait for another worker has a deadline, counted in steps once the
+  first steps (which compile) are done: max(60 s, 10 x the slowest step so far)
+  (``workers.Workers.deadline_s``); ``CommunicationOptions(timeout_seconds=...)`` or
+  ``MIRRORED_WORKER_TIMEOUT_S`` fixes it instead. A peer on this host whose process
+  ended is named (rank and PID) within a second. An exception nobody catches ends every
+  worker (``workers.install_abort_hook``): the failing worker prints its error, rank
+  and PID, then ``MPI.Abort``.
 
 Neighbours: ``strategy.py`` (MirroredStrategy, which this extends),
 ``collective_all_reduce.py`` (the ring across workers), ``workers.py`` (MPI),
@@ -72,8 +82,9 @@ class CommunicationOptions:
 
     ``implementation``: ``RING`` (or ``AUTO``, which picks it) is ours: the ring
     over every replica of every worker, MPI between workers. ``NCCL`` is refused.
-    ``timeout_seconds``: the deadline of every wait for another worker (None:
-    ``workers.DEFAULT_TIMEOUT_S``). ``bytes_per_pack`` is accepted for
+    ``timeout_seconds``: a fixed deadline for every wait for another worker (None:
+    ``MIRRORED_WORKER_TIMEOUT_S`` if set, else the deadline counted in steps,
+    ``workers.Workers.deadline_s``). ``bytes_per_pack`` is accepted for
     compatibility (gradients are always fused into one buffer per dtype).
     """
 
@@ -204,6 +215,20 @@ class MultiWorkerExtended(StrategyExtended):
         """The chief's ``value`` (picklable), on every worker."""
         return self._workers.bcast(value, 0, what)
 
+    def check_example_count(self, count, what):
+        """Refuse arrays of different lengths on the workers, naming each worker's count:
+        every worker cuts the same global batches (with the chief's shuffle), so a worker
+        with other data would read past its arrays or run another number of steps."""
+        counts = self._workers.allgather(int(count), "agreeing on the number of examples")
+        if len(set(counts)) > 1:
+            named = "; ".join(f"{self._workers.name(r)}: {n}" for r, n in enumerate(counts))
+            raise ValueError(
+                f"{what}: the workers hold different numbers of examples ({named}). With "
+                f"MultiWorkerMirroredStrategy every worker passes the same arrays (each keeps "
+                f"its replicas' rows of every global batch); to give each worker its own data, "
+                f"use strategy.distribute_datasets_from_function with datasets that yield the "
+                f"same number of batches on every worker.")
+
     def _sum_across_workers(self, values, what="a sum"):
         """Host float64 ``values``, summed over the workers in rank order (same bits on each)."""
         parts = self._workers.allgather(np.asarray(values, np.float64), what)
@@ -262,16 +287,19 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         Strategy.__init__(self, devices, CollectiveAllReduce(workers))
         self._workers = workers
         self._resolver = MPIClusterResolver(workers.rank, workers.size)
-        seen = workers.allgather((len(devices), devices[0].device_type, socket.gethostname()),
-                                 "agreeing on the devices")
-        kinds = [(n, kind) for n, kind, _ in seen]
+        # one message: every worker's PID and host (for the table and for naming a lost
+        # peer in an error), its local devices, and whether this host is shared
+        kinds = [tuple(kind) for kind in workers.introduce((len(devices), devices[0].device_type),
+                                                           "agreeing on the devices")]
+        if workers.rank == 0 and workers.size > 1:
+            print(workers.table(), flush=True)
         if len(set(kinds)) > 1:
             named = "; ".join(f"worker {r}: {n} {kind}(s)" for r, (n, kind) in enumerate(kinds))
             raise ValueError(f"MultiWorkerMirroredStrategy: the workers have different local "
                              f"devices ({named}). Every worker needs the same number and kind of "
                              f"replicas (TensorFlow requires it too): configure the same logical "
                              f"devices on each.")
-        blas = _share_cores(devices, sum(host == socket.gethostname() for *_, host in seen))
+        blas = _share_cores(devices, workers.hosts.count(socket.gethostname()))
         print(f"Using MultiWorkerMirroredStrategy: worker {workers.rank} of {workers.size} "
               f"(chief: worker 0), local devices {tuple(d.name for d in devices)}, "
               f"{self.num_replicas_in_sync} replicas in sync, communication "
@@ -281,15 +309,46 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def cluster_resolver(self):
         return self._resolver
 
-    # -- variables: the chief's initial value everywhere
+    # -- variables: the chief's initial value everywhere, once every worker has the same one
     def _create_variable(self, initial_value=None, **kwargs):
         if callable(initial_value):
             initial_value = initial_value()
         if self._workers.size > 1:
             host = initial_value.numpy() if isinstance(initial_value, (Tensor, Variable)) \
                 else np.asarray(initial_value)
-            initial_value = self._workers.bcast(host, 0, "broadcasting a variable's initial value")
+            dtype = kwargs.get("dtype") or host.dtype
+            dtype = getattr(dtype, "name", str(dtype))
+            initial_value = self._agree_on_variable(
+                (kwargs.get("name") or "Variable", tuple(host.shape), dtype), host)
         return super()._create_variable(initial_value, **kwargs)
+
+    def _agree_on_variable(self, spec, host):
+        """The chief's initial value, once every worker has created the same variable.
+
+        One message per variable (what a broadcast costs anyway): every worker sends its
+        (name, shape, dtype), the chief its value too. A worker that built another model
+        (Dense(8) where the chief has Dense(6)) is refused on every worker, naming the
+        first difference and the ranks, before any value is used; a worker with an extra
+        variable reaches this call while the others are elsewhere, which ``allgather``
+        names (the workers' collective calls differ).
+        """
+        workers = self._workers
+        seen = workers.allgather((spec, host if workers.rank == 0 else None), "creating a variable",
+                                 detail=f"{spec[0]!r} of shape {spec[1]}, {spec[2]}")
+        specs = [s for s, _ in seen]
+        differ = [r for r, other in enumerate(specs) if other != specs[0]]
+        if differ:
+            def show(r):
+                name, shape, dtype = specs[r]
+                return f"{workers.name(r)} creates {name!r} of shape {shape}, {dtype}"
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy: the workers build different models: "
+                f"{show(0)}; {show(differ[0])}"
+                f"{f' (and {len(differ) - 1} more worker(s) differ)' if len(differ) > 1 else ''}. "
+                f"Every worker must create the same variables (names, shapes, dtypes) in the same "
+                f"order, inside strategy.scope(): run the same script with the same model on every "
+                f"worker (the chief's initial values are then copied to all).")
+        return seen[0][1]
 
     # -- results over every worker
     def reduce(self, reduce_op, value, axis=None):

@@ -539,3 +539,28 @@ def test_a_really_read_only_data_dir_is_named(tmp_path, monkeypatch, full_set):
             datasets.load("mnist", data_dir=tmp_path)
     finally:
         cache_dir(tmp_path).chmod(0o755)
+
+
+@pytest.mark.parametrize("where", ["images", "labels"])
+def test_a_corrupt_compressed_stream_names_the_file_and_falls_back(tmp_path, full_set, where):
+    """Bytes flipped inside the deflate stream (not a short file, not a bad magic):
+    gunzip fails with zlib.error. Read directly: a ValueError naming the file; through
+    load: the offline path falls back to the bundled subset with a warning naming the
+    file, and download='force' refuses, naming it."""
+    import zlib
+    files, _ = full_set
+    put_cached(tmp_path, files)
+    name = "train-images-idx3-ubyte.gz" if where == "images" else "t10k-labels-idx1-ubyte.gz"
+    blob = bytearray(files[name])
+    blob[12:16] = b"\xff\xff\xff\xff"            # just past the 10-byte gzip header
+    with pytest.raises(zlib.error):              # the damage this test is about
+        gzip.decompress(bytes(blob))
+    bad = cache_dir(tmp_path) / name
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match=rf"{name}: not a readable gzip file .*Error -3.*[Dd]elete it"):
+        datasets.read_idx(bad)
+    with pytest.warns(BundledSubsetWarning, match=rf"{name} has SHA-256 \w+, expected \w+ \(corrupt\)"):
+        _, info = datasets.load("mnist", data_dir=tmp_path, with_info=True, download=False)
+    assert "bundled" in info.source and list(info.problems) == [name]
+    with pytest.raises(DownloadError, match=rf"(?s){name} has SHA-256 .*corrupt.*[Dd]elete"):
+        datasets.load("mnist", data_dir=tmp_path, download="force")

@@ -48,14 +48,17 @@ pytestmark = pytest.mark.skipif(
     reason="needs mpiexec and mpi4py (python -m pip install mpi4py mpich: requirements.txt)")
 
 
-def launch(n, case, out, *args, timeout=300):
-    """``mpiexec -n n`` of one case; (the finished process, seconds). The workers use CUDA
-    as this test run does: the simulator here (tests/conftest.py), the real GPU in a
-    session that has one (every worker's logical GPUs then share it)."""
+def launch(n, case, out, *args, timeout=300, script=CASES, fixed_deadline=True):
+    """``mpiexec -n n`` of one case of ``script``; (the finished process, seconds). The
+    workers use CUDA as this test run does: the simulator here (tests/conftest.py), the
+    real GPU in a session that has one (every worker's logical GPUs then share it).
+    ``fixed_deadline``: every wait's deadline is 120 s (else the one counted in steps)."""
     env = dict(os.environ, MIRRORED_WORKER_TIMEOUT_S="120")
+    if not fixed_deadline:
+        del env["MIRRORED_WORKER_TIMEOUT_S"]
     env["NUMBA_ENABLE_CUDASIM"] = env.get("NUMBA_ENABLE_CUDASIM", "1")
     started = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(CASES), case, str(out), *args],
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(script), case, str(out), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc, time.monotonic() - started
 

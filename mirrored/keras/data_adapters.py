@@ -182,12 +182,16 @@ class ArrayBatches:
 
     Across workers (``MultiWorkerMirroredStrategy``) every worker must cut the same
     global batches, so the chief's permutation is used everywhere (``extended``'s
-    ``_broadcast_from_chief``), whatever each worker's seed.
+    ``_broadcast_from_chief``), whatever each worker's seed, and every worker must hold
+    as many examples (``check_example_count``, before the first step).
     """
 
     def __init__(self, x, y, batch_size, shuffle, extended=None):
         self.x, self.y, self.bs, self.shuffle = x, y, int(batch_size), shuffle
         self.extended = extended
+        agree = getattr(extended, "check_example_count", None)     # across workers: same length
+        if agree is not None:
+            agree(len(x), "fit/evaluate with arrays")
 
     def __iter__(self):
         n = len(self.x)
