@@ -48,7 +48,7 @@ per training forward read and advance it there:
 
 ``counter[SEED] = mix64(GOLDEN ^ seed)`` is dropout_key's first link, so the key is
 dropout_key(seed, step, replica) bit for bit: the masks of a replayed graph are the
-eager ones for the same counters (tests/test_graphs_dropout.py checks it).
+eager ones for the same counters (tests/test_dropout_layer.py and tests/test_graphs.py check it).
 
 Versions. v1: one thread per element, grid-stride over the flattened array, the key a
 launch argument. v2: the same, the key read from the device counter.
@@ -56,7 +56,7 @@ launch argument. v2: the same, the key read from the device counter.
 Neighbours: kernels/launch.py; the Keras layer Dropout (mirrored/keras/layers.py) calls
 ``dropout_next_key`` then ``dropout_keyed`` (GPU), or their references
 ``next_key_ref`` / ``dropout_ref`` (CPU), through mirrored/backends.py.
-``python -m pytest -q tests/test_kernels_dropout.py tests/test_graphs_dropout.py``
+``python -m pytest -q tests/test_kernels_dropout.py tests/test_dropout_layer.py``
 """
 import warnings
 
