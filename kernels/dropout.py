@@ -48,7 +48,7 @@ per training forward read and advance it there:
 
 ``counter[SEED] = mix64(GOLDEN ^ seed)`` is dropout_key's first link, so the key is
 dropout_key(seed, step, replica) bit for bit: the masks of a replayed graph are the
-eager ones for the same counters (tests/test_dropout_layer.py and tests/test_graphs.py check it).
+eager ones for the same counters (tests/test_dropout_layer.py, tests/test_graphs.py).
 
 Versions. v1: one thread per element, grid-stride over the flattened array, the key a
 launch argument. v2: the same, the key read from the device counter.
