@@ -939,7 +939,8 @@ def main(argv=None):
         if "eager" in modes:
             makers += [lambda: OursRow(tf, kind, "none", 1, False, m, x, y, w),
                        lambda: OursRow(tf, kind, "one", 1, False, m, x, y, w)]
-            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w) for n in REPLICA_COUNTS]
+            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w)
+                       for n in REPLICA_COUNTS]
             if not args.no_resident and hasattr(tf.distribute, "InputOptions"):
                 makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w)
                            for n in RESIDENT_COUNTS]

@@ -590,7 +590,8 @@ class Dropout(Layer):
         # the key names the replica among ALL replicas (every worker's), so no two draw one mask
         state.ops.dropout_next_key(counter, state.global_replica_id)  # this step's key, step += 1
         y = state.buffers(b)
-        state.ops.dropout_keyed(view(x, (b,) + self.input_shape), y, self.rate, counter)  # y: (b,) + input shape
+        x = view(x, (b,) + self.input_shape)
+        state.ops.dropout_keyed(x, y, self.rate, counter)             # y: (b,) + input shape
         return y
 
     def backward(self, state, dy):
