@@ -21,8 +21,8 @@
 #      benchmarks.profile --only 'conv|pool'; where ncu is missing or refused:
 #      profile.log, profile-times.log, profile.json, CUDA-event times alone)         8 files
 #   3  sanitize-memcheck.log, sanitize-racecheck.log, sanitize-synccheck.log
-#      (compute-sanitizer --tool T over pytest of SANITIZE_TESTS: the kernel, graph and
-#      dropout tests, real CUDA); tests.log (the suite, -n XDIST)                    4 files
+#      (compute-sanitizer --tool T over pytest of the kernel tests that launch, the graph
+#      and the dropout tests, real CUDA); tests.log (the suite, -n XDIST)            4 files
 #
 # compute-sanitizer: from NVIDIA's nvidia-cuda-sanitizer-api wheel carried in .whl/ (it
 # unpacks under $SITE/nvidia/cu13/compute-sanitizer/), else SANITIZER=PATH, else the one on
@@ -82,8 +82,9 @@ fi
 : "${MEMCHECK_S:=120}" "${RACECHECK_S:=110}" "${SYNCCHECK_S:=90}" "${TESTS_S:=200}" "${XDIST:=12}"
 : "${ALLREDUCE_S:=200}" "${MULTIWORKER_S:=240}" "${GRAPHS_S:=120}" "${REPORT_S:=240}"
 : "${TRAINING_ARGS=--models lab,convnet}"
-# The tests compute-sanitizer runs: every kernel test, the graphs and the dropout layer.
-: "${SANITIZE_TESTS:=tests/test_kernels_*.py tests/test_graphs.py tests/test_dropout_layer.py}"
+# The tests compute-sanitizer runs (sanitize_tests): every kernel test that launches CUDA
+# kernels (not test_kernels_compile.py, the compiler alone, nor test_kernels_cpu_loops.py),
+# the graphs and the dropout layer; SANITIZE_TESTS="..." chooses others.
 # Nsight Compute sections for the profile stage: is each kernel compute- or memory-bound,
 # and on what (speed of light; memory and compute workload, with the per-level tables that
 # show sectors per request, i.e. coalescing; launch, occupancy; warp stalls and scheduler
@@ -175,8 +176,14 @@ profile() {  # ncu over benchmarks.profile's launches (cuProfilerStart/Stop rang
   ls -l "$OUT"/profile*
 }
 
-sanitize() {  # compute-sanitizer's memcheck, racecheck and synccheck over SANITIZE_TESTS
-  local san tool limit
+sanitize_tests() {
+  if [ -n "${SANITIZE_TESTS:-}" ]; then echo "$SANITIZE_TESTS"; return; fi
+  ls tests/test_kernels_*.py | grep -v -e test_kernels_compile.py -e test_kernels_cpu_loops.py | tr '\n' ' '
+  echo tests/test_graphs.py tests/test_dropout_layer.py
+}
+
+sanitize() {  # compute-sanitizer's memcheck, racecheck and synccheck over sanitize_tests
+  local san tool limit tests
   if ! san=$(find_sanitizer); then
     for tool in memcheck racecheck synccheck; do
       echo "sanitize: no compute-sanitizer (carry NVIDIA's nvidia-cuda-sanitizer-api wheel in .whl/," \
@@ -185,12 +192,13 @@ sanitize() {  # compute-sanitizer's memcheck, racecheck and synccheck over SANIT
     return
   fi
   echo "=== sanitize: $san ($("$san" --version 2>&1 | tail -n 1))"
+  tests=$(sanitize_tests)
   for tool in memcheck racecheck synccheck; do
     case $tool in memcheck) limit=$MEMCHECK_S ;; racecheck) limit=$RACECHECK_S ;; *) limit=$SYNCCHECK_S ;; esac
     # One pytest process (no xdist): the tool follows it and numba's compiles; every kernel
     # launch is checked. --error-exitcode 3: the stage's exit says the tool found errors.
     stage "sanitize-$tool" "$limit" "$san" --tool "$tool" --target-processes all --error-exitcode 3 \
-      --print-limit 50 "$PY" -m pytest -q -p no:cacheprovider -rfEs $SANITIZE_TESTS
+      --print-limit 50 "$PY" -m pytest -q -p no:cacheprovider -rfEs $tests
   done
 }
 

@@ -120,6 +120,8 @@ def test_the_three_commands_in_order_each_within_nine_minutes_and_eight_files(tm
         tests = [w for w in c.split() if w.startswith("tests/")]
         assert "tests/test_graphs.py" in tests and "tests/test_dropout_layer.py" in tests
         assert "tests/test_kernels_dropout.py" in tests and len(tests) >= 10, tests    # the glob, expanded
+        assert "tests/test_kernels_compile.py" not in tests        # the compiler alone: no launches
+        assert "tests/test_kernels_cpu_loops.py" not in tests      # no CUDA at all
     assert calls[-1].startswith("python -m pytest -q -p no:cacheprovider -n 12"), calls   # then the suite
     assert sum(limits(stdout).values()) <= budget, limits(stdout)
 
