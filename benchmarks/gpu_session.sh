@@ -8,9 +8,9 @@
 #                                       # tests; then the whole suite without the simulator
 #
 # Each command leaves at most 8 files under $OUT (what the device tool brings back):
-#   1  versions.log; training.log, .json (benchmarks.training --models lab,convnet: the dense
-#      and ConvNet rows, eager (run_eagerly=True) and graph (run_eagerly=False), x1, x2, x4
-#      logical GPUs, PyTorch eager beside them); breakdown.log, .json (benchmarks.breakdown
+#   1  versions.log; training.log, .json (benchmarks.training --models lab,convnet
+#      --no-resident --epochs 5: the dense and ConvNet rows, eager (run_eagerly=True) and
+#      graph (run_eagerly=False), x1, x2, x4 logical GPUs, PyTorch eager beside them); breakdown.log, .json (benchmarks.breakdown
 #      --device gpu: a ConvNet step, each layer's forward and backward, loss, all-reduce,
 #      optimizer)                                                                   5 files
 #   2  kernels.log, .json (benchmarks.kernels: every case it has, conv and pooling v1 beside
@@ -81,7 +81,7 @@ fi
 : "${KERNELS_S:=170}" "${LAUNCH_S:=60}" "${PROFILE_S:=180}" "${PROFILE_TIMES_S:=90}" "${EXPORT_S:=30}"
 : "${MEMCHECK_S:=120}" "${RACECHECK_S:=110}" "${SYNCCHECK_S:=90}" "${TESTS_S:=200}" "${XDIST:=12}"
 : "${ALLREDUCE_S:=200}" "${MULTIWORKER_S:=240}" "${GRAPHS_S:=120}" "${REPORT_S:=240}"
-: "${TRAINING_ARGS=--models lab,convnet}"
+: "${TRAINING_ARGS=--models lab,convnet --no-resident --epochs 5}"   # fits TRAINING_S
 # The tests compute-sanitizer runs (sanitize_tests): every kernel test that launches CUDA
 # kernels (not test_kernels_compile.py, the compiler alone, nor test_kernels_cpu_loops.py),
 # the graphs and the dropout layer; SANITIZE_TESTS="..." chooses others.
