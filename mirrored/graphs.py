@@ -1,4 +1,5 @@
-"""Capture the device part of a training step once as a CUDA graph; replay it every step.
+"""Capture the device part of a step (fit's, evaluate's, predict's) once as a CUDA graph;
+replay it every step.
 
 Why. One step of the lab model is about twenty small kernels. Launching a kernel
 from Python costs several microseconds of host time, more than many of these
@@ -23,7 +24,8 @@ What a captured step must not do, and how the training step (``keras/step.py``) 
 * Take numbers from the host that change from step to step: launch arguments are
   frozen into the graph. The optimizer's per-step scalars (Adam's alpha) live in
   a device buffer that the host part of each step writes (``keras/optimizers.py``,
-  ``begin_step``); the metrics count examples on the device (``keras/engine.py``).
+  ``begin_step``); the metrics count examples on the device (``keras/engine.py``);
+  Dropout's step counter and key live on the device, advanced by a kernel in the step.
 * Allocate, free or synchronise. Buffers are made during the first, eager step
   of each batch size and reused: the layers' buffers, gradients, the ring's events.
 * Read other buffers than the ones it was captured with. Each replica's slice is
@@ -43,8 +45,8 @@ replays it from then on. Where there is nothing to capture (CPU devices, Numba's
 CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
 time and ``reason`` says why.
 
-Dropout draws a new mask at every replay: its counter lives in device memory and a
-kernel inside the graph advances it (``kernels/dropout.py``, ``keras/layers.py``).
+So Dropout draws a new mask at every replay, the eager one for the same counter
+(``kernels/dropout.py``, ``keras/layers.py``).
 
 ``CapturedStep`` puts the two together for a model, for each pass Keras compiles:
 ``train`` (``fit``'s step: ``Step.host_part``, then ``Step.device_part``), ``evaluate``
