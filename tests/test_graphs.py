@@ -319,3 +319,15 @@ def test_graph_replay_matches_eager_on_a_gpu(devices, rng, n, optimizer, dropout
     assert {k[0] for k in graphed._step_graphs._graphs} == {"train", "evaluate", "predict"}
     assert counts["replayed"] > counts["eager"]
     assert_same(a, b)
+
+
+def test_run_eagerly_is_saved_and_loaded_with_the_model(devices, rng, tmp_path):
+    """Keras 3 keeps run_eagerly in the .keras file's compile_config; load_model compiles with it."""
+    devices(cpus=1)
+    strategy = tf.distribute.OneDeviceStrategy("CPU:0")
+    for eager in (True, False):
+        model = make_model(strategy, 4, run_eagerly=eager)
+        model.fit(rng.standard_normal((6, 4)).astype(np.float32), rng.integers(0, 3, 6), verbose=0)
+        model.save(tmp_path / f"m{eager}.keras")
+        with strategy.scope():
+            assert tf.keras.models.load_model(tmp_path / f"m{eager}.keras").run_eagerly is eager
