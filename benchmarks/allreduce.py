@@ -7,9 +7,9 @@
 What is timed: ``CrossDeviceOps._sum_in_place(buffers, devices)`` on flat float32
 buffers already on the devices (in place, as nccl-tests' all_reduce_perf), for
 ``RingAllReduce`` and ``ReductionToOneDevice``, and on a GPU the ring once more captured
-as a CUDA graph and replayed (``mirrored.graphs``, as ``fit`` with
-``compile(cuda_graph=True)`` runs it: the same kernels and events, without Python's
-cost per launch, which dominates the eager ring on logical GPUs); medians of CUDA-event timings after
+as a CUDA graph and replayed (``mirrored.graphs``, as ``fit`` runs it by default,
+``compile(run_eagerly=False)``: the same kernels and events, without Python's cost per
+launch, which dominates the eager ring on logical GPUs); medians of CUDA-event timings after
 warm-up (``benchmarks/common.py``). Each algorithm's result is checked first
 (buffer i holds i+1 everywhere, so the sum N(N+1)/2 is exact in float32); the timed
 calls then run on zeros, which keeps the values from growing to inf and costs the
@@ -130,8 +130,8 @@ def _fill(devs, bufs, value_of):
 
 
 def _time_ring_graph(devs, elements, timer):
-    """The ring captured once as a CUDA graph and replayed (what ``fit`` does with
-    ``compile(cuda_graph=True)``): the same launches and events, without Python's cost
+    """The ring captured once as a CUDA graph and replayed (what ``fit`` does by default,
+    ``compile(run_eagerly=False)``): the same launches and events, without Python's cost
     per launch. Checked like the eager ring before it is timed. Returns (timing, None)
     or (None, why it was not timed)."""
     import numpy as np
@@ -245,7 +245,7 @@ def run(args):
             "ring_mem_GBps": "5(N-1) * bytes / median ring time / 1e9",
             "copy_GBps": "2 * bytes / median device-to-device copy time / 1e9",
             "ring_graph": "the same ring captured once as a CUDA graph and replayed "
-                          "(mirrored.graphs.StepGraphs, as fit(cuda_graph=True) does)",
+                          "(mirrored.graphs.StepGraphs, as fit does by default)",
         },
         "copy": copy,
         "results": rows,

@@ -1,55 +1,90 @@
 #!/usr/bin/env bash
-# What a session that is lent a GPU runs, in as few device calls as possible.
+# What a session that is lent a GPU runs: a plan of three device commands, in order, each
+# within 9 minutes (PLAN_S, 530 s, plus the kill grace), the three within a 30-minute lease:
 #
-#   bash benchmarks/gpu_session.sh versions tests      # versions, graphs test, then the suite
-#   bash benchmarks/gpu_session.sh kernels allreduce    # benchmarks (JSON under $OUT)
-#   bash benchmarks/gpu_session.sh training report      # report: kernels.report --hardware
-#   bash benchmarks/gpu_session.sh versions breakdown profile    # where the GPU time goes
+#   bash benchmarks/gpu_session.sh 1    # versions; training rows; the step part by part
+#   bash benchmarks/gpu_session.sh 2    # conv/pool kernels through graphs; launches; ncu
+#   bash benchmarks/gpu_session.sh 3    # compute-sanitizer x3 on the kernel/graph/dropout
+#                                       # tests; then the whole suite without the simulator
 #
-# Stages (they run in the order named), and what each leaves under $OUT:
-#   versions   GPU, driver and package versions                      versions.log
+# Each command leaves at most 8 files under $OUT (what the device tool brings back):
+#   1  versions.log; training.log, .json (benchmarks.training --models lab,convnet
+#      --no-resident --epochs 5: the dense and ConvNet rows, eager (run_eagerly=True) and
+#      graph (run_eagerly=False), x1, x2, x4 logical GPUs, PyTorch eager beside them); breakdown.log, .json (benchmarks.breakdown
+#      --device gpu: a ConvNet step, each layer's forward and backward, loss, all-reduce,
+#      optimizer)                                                                   5 files
+#   2  kernels.log, .json (benchmarks.kernels: every case it has, conv and pooling v1 beside
+#      v3/fused where they exist, timed with CUDA events around captured graphs;
+#      KERNELS_ARGS adds flags); launch.log, .json (benchmarks.launch with the real driver:
+#      host µs per launch, numba's path vs the cached one); profile.ncu-rep,
+#      profile-details.csv, profile-raw.csv, profile.log (Nsight Compute over
+#      benchmarks.profile --only 'conv|pool'; where ncu is missing or refused:
+#      profile.log, profile-times.log, profile.json, CUDA-event times alone)         8 files
+#   3  sanitize-memcheck.log, sanitize-racecheck.log, sanitize-synccheck.log
+#      (compute-sanitizer --tool T over pytest of the kernel tests that launch, the graph
+#      and the dropout tests, real CUDA); tests.log (the suite, -n XDIST)            4 files
+#
+# compute-sanitizer: from NVIDIA's nvidia-cuda-sanitizer-api wheel carried in .whl/ (it
+# unpacks under $SITE/nvidia/cu13/compute-sanitizer/), else SANITIZER=PATH, else the one on
+# PATH or in /usr/local/cuda/bin; none: the logs say so. Exit 3 from a sanitize stage:
+# the tool reported errors (--error-exitcode 3).
+#
+# The stages can also be named one by one (the plans are lists of them):
+#   versions graphs tests report kernels allreduce training multiworker profile breakdown
+#   launch sanitize
 #   graphs     tests/test_graphs.py alone                            graphs.log
-#   tests      graphs, then the whole suite without the simulator    graphs.log, tests.log
 #   report     python -m kernels.report --hardware                   report.log
-#   kernels, allreduce, training   the benchmarks                    NAME.log, NAME.json
-#   multiworker  python -m benchmarks.multiworker: the ring across 2 and 4 processes (a core
-#              each) vs MPI_Allreduce, the ConvNet with 1/2/4 workers  multiworker.log, .json
-#   profile    Nsight Compute over python -m benchmarks.profile (the lab-shape conv, pooling,
-#              softmax-xent and optimizer kernels, a few launches each, warm-up excluded):
-#              profile.ncu-rep, profile-details.csv (the sections' values per kernel),
-#              profile-raw.csv (every metric collected), profile.log (the run, then the
-#              details page as text, with ncu's advice). No ncu, or no access to the counters
-#              (ERR_NVGPUCTRPERM, or "LibraryNotLoaded" on gVisor): the log says so and the
-#              same program runs alone with CUDA-event times per launch: profile-times.log,
-#              profile.json
-#   breakdown  python -m benchmarks.breakdown --device gpu: a ConvNet training step, part by
-#              part (each layer's forward and backward, loss, all-reduce, optimizer), host
-#              and CUDA-event GPU ms per step, beside PyTorch eager: breakdown.log, .json
+#   allreduce  python -m benchmarks.allreduce                        allreduce.log, .json
+#   multiworker  python -m benchmarks.multiworker: the ring across 2 and 4 processes vs
+#              MPI_Allreduce, the ConvNet with 1/2/4 workers         multiworker.log, .json
+#   profile    Nsight Compute over python -m benchmarks.profile ${PROFILE_ARGS} (the lab-shape
+#              conv, pooling, softmax-xent and optimizer kernels, a few launches each,
+#              warm-up excluded): profile.ncu-rep, profile-details.csv (the sections'
+#              values per kernel), profile-raw.csv (every metric), profile.log (the run,
+#              then the details page as text, with ncu's advice). No ncu, or no access to
+#              the counters (ERR_NVGPUCTRPERM, or "LibraryNotLoaded" on gVisor): the log
+#              says so and the same program runs with CUDA-event times per launch:
+#              profile-times.log, profile.json
 #
-# Every stage writes its log (and JSON, for benchmarks) under $OUT (default /tmp/gpu-out),
-# with a time limit of its own so that one stuck stage cannot eat the whole call.
-# Real CUDA only: NUMBA_ENABLE_CUDASIM=0 everywhere. The device tool brings back at most
-# 8 files from $OUT (16 MiB each): name few stages per call.
+# Every stage runs under its own time limit, cut to what is left of the command's budget
+# (BUDGET_S, PLAN_S for a plan), so one stuck stage cannot eat the lease. Real CUDA only:
+# NUMBA_ENABLE_CUDASIM=0 everywhere. NUMBA_CACHE_DIR is one folder for every stage and
+# command (the machine stays warm between the plan's commands): what numba caches on disk
+# (the CPU loops, kernels/cpu_loops.py) is compiled once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
 export NUMBA_ENABLE_CUDASIM=0 MIRRORED_OFFLINE=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1
+export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/mirrored-numba-cache}"
+mkdir -p "$NUMBA_CACHE_DIR"
 # ptxas for kernels.report and the compile tests: a CUDA toolkit's, where no wheel brings one.
 [ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
 PY="${PYTHON:-python3}"
+SITE="${SITE:-/tmp/site}"
 # Wheels carried to the machine in .whl/ (e.g. numpy<2.5, which numba-cuda 0.30 needs: numpy
-# 2.5 removed np.row_stack, which numba-cuda's CUDA target imports on its first compile).
+# 2.5 removed np.row_stack, which numba-cuda's CUDA target imports on its first compile; the
+# sanitizer). Installed once per machine: later commands find the same set already there.
 if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  wheels="$(cd .whl && ls *.whl | sort | tr '\n' ' ')"
+  if [ "$(cat "$SITE/.carried" 2>/dev/null)" != "$wheels" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" .whl/*.whl || exit 1
+    echo "$wheels" > "$SITE/.carried"
+  fi
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
-# Per-stage time limits (seconds); override with e.g. TESTS_S=300.
-: "${TESTS_S:=330}" "${KERNELS_S:=200}" "${ALLREDUCE_S:=200}" "${TRAINING_S:=420}" "${XDIST:=12}"
-: "${MULTIWORKER_S:=240}"
-# breakdown + profile (+ its fallback) + versions fit in one 10-minute device command.
-: "${PROFILE_S:=360}" "${PROFILE_TIMES_S:=120}" "${BREAKDOWN_S:=180}"
+# Per-stage time limits (seconds); override with e.g. TESTS_S=300. A plan's limits add up
+# to at most PLAN_S (tests/test_gpu_session.py checks it).
+: "${PLAN_S:=530}" "${BUDGET_S:=100000}"
+: "${VERSIONS_S:=45}" "${TRAINING_S:=330}" "${BREAKDOWN_S:=150}"
+: "${KERNELS_S:=170}" "${LAUNCH_S:=60}" "${PROFILE_S:=180}" "${PROFILE_TIMES_S:=90}" "${EXPORT_S:=30}"
+: "${MEMCHECK_S:=120}" "${RACECHECK_S:=110}" "${SYNCCHECK_S:=90}" "${TESTS_S:=200}" "${XDIST:=12}"
+: "${ALLREDUCE_S:=200}" "${MULTIWORKER_S:=240}" "${GRAPHS_S:=120}" "${REPORT_S:=240}"
+: "${TRAINING_ARGS=--models lab,convnet --no-resident --epochs 5}"   # fits TRAINING_S
+# The tests compute-sanitizer runs (sanitize_tests): every kernel test that launches CUDA
+# kernels (not test_kernels_compile.py, the compiler alone, nor test_kernels_cpu_loops.py),
+# the graphs and the dropout layer; SANITIZE_TESTS="..." chooses others.
 # Nsight Compute sections for the profile stage: is each kernel compute- or memory-bound,
 # and on what (speed of light; memory and compute workload, with the per-level tables that
 # show sectors per request, i.e. coalescing; launch, occupancy; warp stalls and scheduler
@@ -58,8 +93,18 @@ fi
 # Files the device tool can bring back from $OUT: at most 16 MiB each.
 MAX_FILE_BYTES=$((16 * 1024 * 1024))
 
+left() {  # seconds left of this command's budget
+  echo $((BUDGET_S - SECONDS))
+}
+
 stage() {  # stage NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, say how it ended
   local name=$1 limit=$2; shift 2
+  local rest; rest=$(left)
+  if [ "$rest" -lt 15 ]; then
+    echo "=== $name: skipped, ${rest}s left of the command's ${BUDGET_S}s" | tee "$OUT/$name.log"
+    return
+  fi
+  [ "$limit" -gt "$rest" ] && limit=$rest
   echo "=== $name (limit ${limit}s): $*"
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -72,6 +117,17 @@ find_ncu() {  # the Nsight Compute CLI: on PATH, in the CUDA toolkit, or the new
   command -v ncu 2>/dev/null && return 0
   [ -x /usr/local/cuda/bin/ncu ] && { echo /usr/local/cuda/bin/ncu; return 0; }
   ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n 1 | grep . && return 0
+  return 1
+}
+
+find_sanitizer() {  # compute-sanitizer: SANITIZER, the carried wheel's, PATH, the toolkit's
+  local f
+  for f in ${SANITIZER:-} "$SITE"/nvidia/cu*/compute-sanitizer/compute-sanitizer \
+           "$SITE"/nvidia/cuda_sanitizer_api/compute-sanitizer/compute-sanitizer; do
+    [ -f "$f" ] && { chmod +x "$f" 2>/dev/null; echo "$f"; return 0; }
+  done
+  command -v compute-sanitizer 2>/dev/null && return 0
+  [ -x /usr/local/cuda/bin/compute-sanitizer ] && { echo /usr/local/cuda/bin/compute-sanitizer; return 0; }
   return 1
 }
 
@@ -105,12 +161,12 @@ profile() {  # ncu over benchmarks.profile's launches (cuProfilerStart/Stop rang
     return
   fi
   echo "=== profile: exporting $rep ($("$ncu" --version | tail -n 1))"
-  timeout -k 5 120 "$ncu" --import "$rep" --page details --csv --print-units base \
+  timeout -k 5 "$EXPORT_S" "$ncu" --import "$rep" --page details --csv --print-units base \
     > "$OUT/profile-details.csv" 2>> "$OUT/profile.log"
-  timeout -k 5 120 "$ncu" --import "$rep" --page raw --csv --print-units base \
+  timeout -k 5 "$EXPORT_S" "$ncu" --import "$rep" --page raw --csv --print-units base \
     > "$OUT/profile-raw.csv" 2>> "$OUT/profile.log"
   { echo; echo "=== ncu --import profile.ncu-rep --page details"
-    timeout -k 5 120 "$ncu" --import "$rep" --page details; } >> "$OUT/profile.log" 2>&1
+    timeout -k 5 "$EXPORT_S" "$ncu" --import "$rep" --page details; } >> "$OUT/profile.log" 2>&1
   for f in "$rep" "$OUT/profile-raw.csv" "$OUT/profile.log"; do
     if [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt "$MAX_FILE_BYTES" ]; then
       gzip -f -9 "$f" && f="$f.gz"
@@ -120,20 +176,48 @@ profile() {  # ncu over benchmarks.profile's launches (cuProfilerStart/Stop rang
   ls -l "$OUT"/profile*
 }
 
-for what in "$@"; do
-  case "$what" in
-    versions)
-      { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
-        if ncu=$(find_ncu); then echo "ncu: $ncu, $("$ncu" --version | tail -n 1)"; else echo "ncu: not found"; fi
-        "$PY" - <<'PYEOF'
+sanitize_tests() {
+  if [ -n "${SANITIZE_TESTS:-}" ]; then echo "$SANITIZE_TESTS"; return; fi
+  ls tests/test_kernels_*.py | grep -v -e test_kernels_compile.py -e test_kernels_cpu_loops.py | tr '\n' ' '
+  echo tests/test_graphs.py tests/test_dropout_layer.py
+}
+
+sanitize() {  # compute-sanitizer's memcheck, racecheck and synccheck over sanitize_tests
+  local san tool limit tests
+  if ! san=$(find_sanitizer); then
+    for tool in memcheck racecheck synccheck; do
+      echo "sanitize: no compute-sanitizer (carry NVIDIA's nvidia-cuda-sanitizer-api wheel in .whl/," \
+           "or set SANITIZER=PATH); $tool not run" | tee "$OUT/sanitize-$tool.log"
+    done
+    return
+  fi
+  echo "=== sanitize: $san ($("$san" --version 2>&1 | tail -n 1))"
+  tests=$(sanitize_tests)
+  for tool in memcheck racecheck synccheck; do
+    case $tool in memcheck) limit=$MEMCHECK_S ;; racecheck) limit=$RACECHECK_S ;; *) limit=$SYNCCHECK_S ;; esac
+    # One pytest process (no xdist): the tool follows it and numba's compiles; every kernel
+    # launch is checked. --error-exitcode 3: the stage's exit says the tool found errors.
+    stage "sanitize-$tool" "$limit" "$san" --tool "$tool" --target-processes all --error-exitcode 3 \
+      --print-limit 50 "$PY" -m pytest -q -p no:cacheprovider -rfEs $tests
+  done
+}
+
+versions() {
+  { nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+    if ncu=$(find_ncu); then echo "ncu: $ncu, $("$ncu" --version | tail -n 1)"; else echo "ncu: not found"; fi
+    if san=$(find_sanitizer); then echo "compute-sanitizer: $san, $("$san" --version 2>&1 | tail -n 1)"
+    else echo "compute-sanitizer: not found"; fi
+    echo "NUMBA_CACHE_DIR: $NUMBA_CACHE_DIR"
+    echo "=== versions (limit ${VERSIONS_S}s): $PY -" >&3
+    timeout -k 5 "$VERSIONS_S" "$PY" - <<'PYEOF'
 import importlib.metadata as md, platform
 for d in ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "cuda-toolkit",
-          "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc", "cupy-cuda13x", "torch", "mpi4py", "h5py",
-          "pytest", "pytest-xdist", "pytest-timeout", "nbclient", "hypothesis"):
+          "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc", "nvidia-cuda-sanitizer-api", "cupy-cuda13x",
+          "torch", "mpi4py", "h5py", "pytest", "pytest-xdist", "pytest-timeout", "nbclient", "hypothesis"):
     try:
-        print(f"{d:22s} {md.version(d)}")
+        print(f"{d:26s} {md.version(d)}")
     except md.PackageNotFoundError:
-        print(f"{d:22s} (not installed)")
+        print(f"{d:26s} (not installed)")
 print("python", platform.python_version())
 from numba import cuda
 print("numba.cuda.implementation:", getattr(cuda, "implementation", None))
@@ -141,15 +225,19 @@ print("cuda.is_available():", cuda.is_available())
 cuda.detect()
 print("driver:", cuda.cudadrv.driver.driver.get_version(), "runtime:", cuda.runtime.get_version())
 PYEOF
-      } > "$OUT/versions.log" 2>&1
-      cat "$OUT/versions.log" ;;
+  } 3>&1 > "$OUT/versions.log" 2>&1
+  cat "$OUT/versions.log"
+}
+
+run_stage() {
+  case "$1" in
+    versions) versions ;;
     graphs)
-      stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py ;;
+      stage graphs "$GRAPHS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py ;;
     tests)
-      stage graphs 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py
       stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout "${TEST_TIMEOUT:-120}" -rfEs ;;
     report)
-      stage report 240 "$PY" -m kernels.report --hardware ;;
+      stage report "$REPORT_S" "$PY" -m kernels.report --hardware ;;
     kernels)
       stage kernels "$KERNELS_S" "$PY" -m benchmarks.kernels --out "$OUT/kernels.json" ${KERNELS_ARGS:-} ;;
     allreduce)
@@ -165,6 +253,28 @@ PYEOF
     breakdown)
       stage breakdown "$BREAKDOWN_S" "$PY" -m benchmarks.breakdown --device gpu \
         --out "$OUT/breakdown.json" ${BREAKDOWN_ARGS:-} ;;
-    *) echo "unknown stage $what"; exit 2 ;;
+    launch)
+      stage launch "$LAUNCH_S" "$PY" -m benchmarks.launch --out "$OUT/launch.json" ${LAUNCH_ARGS:-} ;;
+    sanitize)
+      sanitize ;;
+    *) echo "unknown stage $1 (the plan: 1, 2, 3; stages: see the header)"; exit 2 ;;
+  esac
+}
+
+if [ $# -eq 0 ]; then
+  echo "usage: bash benchmarks/gpu_session.sh 1|2|3, or stage names (see the header)"; exit 2
+fi
+for what in "$@"; do
+  case "$what" in
+    1|2|3)
+      BUDGET_S=$((SECONDS + PLAN_S))
+      echo "=== plan $what: at most ${PLAN_S}s"
+      case "$what" in
+        1) stages="versions training breakdown" ;;
+        2) stages="kernels launch profile"; : "${PROFILE_ARGS=--only conv|pool}" ;;
+        3) stages="sanitize tests" ;;
+      esac
+      for s in $stages; do run_stage "$s"; done ;;
+    *) run_stage "$what" ;;
   esac
 done

@@ -4,6 +4,7 @@
     python -m benchmarks.training --tf-python /tmp/tfvenv/bin/python    # TF from another venv
     python -m benchmarks.training --smoke --out /tmp/training.json   # tiny; the test suite runs this
     python -m benchmarks.training --models convnet                  # the lab's ConvNet only
+    python -m benchmarks.training --modes graph --no-resident       # GPU: the CUDA-graph rows only
 
 (where the time of one ConvNet step goes, layer by layer: python -m benchmarks.breakdown)
 
@@ -23,9 +24,11 @@ samples/s compares replica counts fairly. Rows, each with the same initial weigh
     ours      no strategy; OneDeviceStrategy; MirroredStrategy on 1, 2 and 4 devices
               (logical CPUs without a GPU, logical GPUs carved from GPU:0 with one);
               MirroredStrategy 1 and 2 with the data set kept on the devices
-              (InputOptions(experimental_place_dataset_on_device=True)); on a GPU also
-              MirroredStrategy 1 and 2 with compile(cuda_graph=True) ("graph": the
-              device part of each step replayed as one CUDA graph), copied and resident
+              (InputOptions(experimental_place_dataset_on_device=True)); all compiled
+              with run_eagerly=True (every kernel launched from Python). On a GPU also
+              MirroredStrategy 1, 2 and 4 compiled with run_eagerly=False, Keras's default
+              ("graph": the device part of each step replayed as one CUDA graph), copied,
+              and 1 and 2 resident. ``--modes eager,graph`` picks which of the two kinds run.
     torch     PyTorch eager, the same layers, weights, batches (the same mirrored.data
               pipeline and shuffle seed) and Adam (epsilon 1e-7 as Keras), CPU or CUDA
     tf        TensorFlow/Keras without a strategy, and MirroredStrategy on 1 and 2
@@ -109,7 +112,9 @@ SMOKE_EXAMPLES = 512
 LOGICAL_DEVICES = 4
 REPLICA_COUNTS = (1, 2, 4)
 RESIDENT_COUNTS = (1, 2)
-GRAPH_COUNTS = (1, 2)             # GPU only: compile(cuda_graph=True)
+GRAPH_COUNTS = (1, 2, 4)          # GPU only: compile(run_eagerly=False), the data copied ...
+RESIDENT_GRAPH_COUNTS = (1, 2)    # ... and kept on the devices
+MODES = ("eager", "graph")        # --modes: run_eagerly=True rows, run_eagerly=False (GPU) rows
 TF_REPLICA_COUNTS = (1, 2)
 #: Timed epochs per row: enough for ROW_SECONDS of timing per row (a lab epoch on the
 #: bundled subset is ~50 ms: one slow spell of a shared machine must not decide the
@@ -236,7 +241,7 @@ class OursRow:
         self.model.set_weights(weights)
         self.model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
                            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                           metrics=["accuracy"], **({"cuda_graph": True} if graph else {}))
+                           metrics=["accuracy"], run_eagerly=not graph)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
         ds = ds.batch(self.global_batch)
         if resident:
@@ -871,6 +876,11 @@ def main(argv=None):
     parser.add_argument("--tf-python", help="an interpreter with TensorFlow for the TF rows "
                                             "(default: this one, if it can import tensorflow)")
     parser.add_argument("--no-peers", action="store_true", help="time our rows only")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated: eager (our rows compiled with run_eagerly=True), graph "
+                             "(MirroredStrategy rows with run_eagerly=False: CUDA graphs, GPU only)")
+    parser.add_argument("--no-resident", action="store_true",
+                        help="leave out the rows that keep the data set on the devices")
     parser.add_argument("--tf-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -897,6 +907,12 @@ def main(argv=None):
     warmup = WARMUP_EPOCHS
     models = SMOKE_MODELS if args.smoke else MODELS
     models = {k: models[k] for k in args.models.split(",")}
+    modes = set(args.modes.split(","))
+    if not modes or not modes <= set(MODES):
+        parser.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
+    if "graph" in modes and not gpu:
+        skipped.append({"name": "graph rows", "reason": "no GPU: there are no CUDA graphs to replay "
+                        "(run_eagerly=False runs the same launches eagerly on CPU devices)"})
 
     import mirrored as tf
     phys = tf.config.list_physical_devices(kind)[0]
@@ -919,21 +935,25 @@ def main(argv=None):
     results, epochs = [], {}
     for model_name, m in models.items():
         w = weights[model_name]
-        makers = [lambda: OursRow(tf, kind, "none", 1, False, m, x, y, w),
-                  lambda: OursRow(tf, kind, "one", 1, False, m, x, y, w)]
-        makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w) for n in REPLICA_COUNTS]
-        if hasattr(tf.distribute, "InputOptions"):
-            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w) for n in RESIDENT_COUNTS]
-        elif model_name == next(iter(models)):
-            skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
-        if gpu and hasattr(tf, "graphs"):
-            for r in (False, True):
-                for n in GRAPH_COUNTS:
+        makers = []
+        if "eager" in modes:
+            makers += [lambda: OursRow(tf, kind, "none", 1, False, m, x, y, w),
+                       lambda: OursRow(tf, kind, "one", 1, False, m, x, y, w)]
+            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w)
+                       for n in REPLICA_COUNTS]
+            if not args.no_resident and hasattr(tf.distribute, "InputOptions"):
+                makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w)
+                           for n in RESIDENT_COUNTS]
+            elif not args.no_resident and model_name == next(iter(models)):
+                skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
+        if gpu and "graph" in modes and hasattr(tf, "graphs"):
+            for r in (False,) if args.no_resident else (False, True):
+                for n in RESIDENT_GRAPH_COUNTS if r else GRAPH_COUNTS:
                     make = lambda n=n, r=r: OursRow(tf, kind, "mirrored", n, r, m, x, y, w, graph=True)  # noqa: E731
                     make.optional = True                 # a failed capture must not cost the other rows
                     make.label = f"{model_name} ours MirroredStrategy x{n}{' resident' if r else ''} graph"
                     makers.append(make)
-        elif gpu and model_name == next(iter(models)):
+        elif gpu and "graph" in modes and model_name == next(iter(models)):
             skipped.append({"name": "graph rows", "reason": "this mirrored has no mirrored.graphs"})
         if torch is not None:
             makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
@@ -1017,7 +1037,8 @@ def main(argv=None):
                                    f"at least {ROW_SECONDS} s of timing per row, within [{EPOCHS}, {MAX_EPOCHS}]"),
                    "examples": len(x), "data": source, "shuffle_seed": SHUFFLE_SEED,
                    "optimizer": f"Adam(lr={LEARNING_RATE}, epsilon={ADAM_EPSILON})",
-                   "logical_devices": LOGICAL_DEVICES, "backend": kind},
+                   "logical_devices": LOGICAL_DEVICES, "backend": kind,
+                   "modes": sorted(modes), "resident_rows": not args.no_resident},
         "models": {k: {"units": list(v["units"]), "per_replica": v["per_replica"], "what": v["what"],
                        **({"conv": list(v["conv"])} if "conv" in v else {})}
                    for k, v in models.items()},

@@ -36,11 +36,27 @@ while a stored mask would cost a buffer per batch size and an extra write and re
 A dropped unit is 0 even when x is NaN or inf (a select, as ``np.where``, not a
 multiplication by a 0/1 mask).
 
-Versions: v1 only. One thread per element, grid-stride over the flattened array.
+The counter on the device (for CUDA graphs). A graph replays its launches with the
+arguments it captured, so a key passed from the host would freeze the first step's mask
+into every replay. The Keras layer therefore keeps each replica's counter in device
+memory, one (3,) uint64 array ``counter = [seed part, step, key]``, and two launches
+per training forward read and advance it there:
 
-Neighbours: kernels/launch.py; the Keras layer Dropout (mirrored/keras/) calls
-``dropout`` on a GPU and ``dropout_ref`` on the CPU, with ``dropout_key`` of its seed,
-the step and the replica.  ``python -m pytest -q tests/test_kernels_dropout.py``
+    dropout_next_key(counter, replica)   one thread: counter[KEY] = dropout_key(seed,
+                                         counter[STEP], replica); counter[STEP] += 1
+    dropout_keyed(x, out, rate, counter) v2: v1 with the key read from counter[KEY]
+
+``counter[SEED] = mix64(GOLDEN ^ seed)`` is dropout_key's first link, so the key is
+dropout_key(seed, step, replica) bit for bit: the masks of a replayed graph are the
+eager ones for the same counters (tests/test_dropout_layer.py, tests/test_graphs.py).
+
+Versions. v1: one thread per element, grid-stride over the flattened array, the key a
+launch argument. v2: the same, the key read from the device counter.
+
+Neighbours: kernels/launch.py; the Keras layer Dropout (mirrored/keras/layers.py) calls
+``dropout_next_key`` then ``dropout_keyed`` (GPU), or their references
+``next_key_ref`` / ``dropout_ref`` (CPU), through mirrored/backends.py.
+``python -m pytest -q tests/test_kernels_dropout.py tests/test_dropout_layer.py``
 """
 import warnings
 
@@ -122,7 +138,32 @@ def threshold_and_scale(rate, dtype=np.float32):
     return threshold, np.dtype(dtype).type(1.0 / (1.0 - rate))
 
 
+#: The device counter's layout: one (COUNTER_SIZE,) uint64 array per replica.
+SEED, STEP, KEY = 0, 1, 2
+COUNTER_SIZE = 3
+
+
+def counter_init(seed, step=0):
+    """A counter (host NumPy, (3,) uint64) that draws dropout_key(seed, step, r) next."""
+    for what, value in (("seed", seed), ("step", step)):
+        if int(value) < 0:
+            raise ValueError(f"dropout counter: {what} must be >= 0, got {value}.")
+    counter = np.zeros(COUNTER_SIZE, np.uint64)
+    counter[SEED:SEED + 1] = mix64(np.array([GOLDEN]) ^ np.array([int(seed) % 2**64], np.uint64))
+    counter[STEP] = int(step) % 2**64
+    return counter
+
+
 # --- NumPy reference -----------------------------------------------------------------------
+
+def next_key_ref(counter, replica):
+    """``dropout_next_key`` on a host counter, in place: the key of this step, then step + 1.
+    (1-element slices, not scalars: NumPy arrays wrap modulo 2^64 without warnings.)"""
+    step = counter[STEP:STEP + 1].copy()
+    counter[KEY:KEY + 1] = mix64(mix64(counter[SEED:SEED + 1] ^ step) ^ np.uint64(int(replica) % 2**64))
+    counter[STEP:STEP + 1] = step + _ONE
+    return counter
+
 
 def dropout_mask_ref(key, size, rate):
     """The keep mask (size,) bool of units 0 .. size-1 under ``key``."""
@@ -140,12 +181,9 @@ def dropout_ref(x, key, rate):
 
 # --- kernel --------------------------------------------------------------------------------
 
-@cuda.jit
-def dropout_v1(x, out, key, threshold, scale):
-    """One thread per element i of the flattened arrays (grid-stride).
-    Loop nest: for i in range(size):
-                   out[i] = x[i] * scale if keep_unit(key, i, threshold) else 0
-    """
+@cuda.jit(device=True, inline="always")
+def _apply_mask(x, out, key, threshold, scale):
+    """The loop both kernels run: this thread's elements, grid-stride."""
     for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
         if _keep_unit_device(key, uint64(i), threshold):
             out[i] = x[i] * scale
@@ -153,10 +191,42 @@ def dropout_v1(x, out, key, threshold, scale):
             out[i] = float32(0.0)
 
 
+@cuda.jit
+def dropout_v1(x, out, key, threshold, scale):
+    """One thread per element i of the flattened arrays (grid-stride).
+    Loop nest: for i in range(size):
+                   out[i] = x[i] * scale if keep_unit(key, i, threshold) else 0
+    """
+    _apply_mask(x, out, key, threshold, scale)
+
+
+@cuda.jit
+def dropout_v2(x, out, counter, threshold, scale):
+    """v1 with the key read from the device counter (``counter[KEY]``, written by
+    ``next_key_v1`` earlier on the same stream): every thread reads the same word."""
+    _apply_mask(x, out, counter[KEY], threshold, scale)
+
+
+@cuda.jit
+def next_key_v1(counter, replica):
+    """One thread (the grid is one block of one): counter[KEY] = dropout_key(seed,
+    counter[STEP], replica), then counter[STEP] += 1 (see ``next_key_ref``)."""
+    if cuda.grid(1) == 0:
+        step = counter[STEP]
+        counter[KEY] = _mix64_device(_mix64_device(counter[SEED] ^ step) ^ replica)
+        counter[STEP] = step + _ONE
+
+
+#: next_key_v1 runs on one thread: the counter is one word, read and written once.
+NEXT_KEY_BLOCK = 1
+
 # What the real compiler checks (kernels/registry.py): float32 vectors, uint64 key and
 # threshold, float32 scale.
 register(dropout_v1, "dropout_v1", sig(vec("float32"), vec("float32"), "uint64", "uint64",
                                        "float32"), block=grid_1d(1)[1])
+register(dropout_v2, "dropout_v2", sig(vec("float32"), vec("float32"), vec("uint64"), "uint64",
+                                       "float32"), block=grid_1d(1)[1])
+register(next_key_v1, "dropout_next_key_v1", sig(vec("uint64"), "uint64"), block=NEXT_KEY_BLOCK)
 
 
 # --- launcher --------------------------------------------------------------------------------
@@ -169,17 +239,50 @@ def dropout(x, out, rate, key, stream=None):
     ``dropout_key(seed, step, replica)``. The backward: ``dropout(dy, dx, rate, key)``
     with the forward's key. ``rate`` in [0, 1), checked before the launch.
     """
+    threshold, scale = _checked("dropout", x, out, rate)
+    if out.size:
+        _launch(dropout_v1, *grid_1d(out.size), stream, flat(x), flat(out), np.uint64(key),
+                threshold, scale)
+    return out
+
+
+def dropout_keyed(x, out, rate, counter, stream=None):
+    """``dropout`` with the key in device memory: ``counter[KEY]``, as ``dropout_next_key``
+    last wrote it (a CUDA graph replays this launch unchanged, and still draws each step's
+    mask). The backward: the same call on (dy, dx) with the same counter."""
+    threshold, scale = _checked("dropout_keyed", x, out, rate)
+    _check_counter("dropout_keyed", counter)
+    if out.size:
+        _launch(dropout_v2, *grid_1d(out.size), stream, flat(x), flat(out), counter, threshold, scale)
+    return out
+
+
+def dropout_next_key(counter, replica, stream=None):
+    """On the device: the key of this step into ``counter[KEY]``, then ``counter[STEP] += 1``
+    (one thread). ``replica``: the replica's id among all replicas, >= 0."""
+    _check_counter("dropout_next_key", counter)
+    if int(replica) < 0:
+        raise ValueError(f"dropout_next_key: replica must be >= 0, got {replica}.")
+    _launch(next_key_v1, NEXT_KEY_BLOCK, NEXT_KEY_BLOCK, stream, counter, np.uint64(replica))
+    return counter
+
+
+def _checked(what, x, out, rate):
     threshold, scale = threshold_and_scale(rate)
-    check_array("dropout: x", x, np.float32)
-    check_array("dropout: out", out, np.float32, shape=x.shape)
-    check_out("dropout", out, same_ok=(x,), others=())
-    if not out.size:
-        return out
-    args = (dropout_v1, *grid_1d(out.size), stream, flat(x), flat(out), np.uint64(key),
-            threshold, scale)
+    check_array(f"{what}: x", x, np.float32)
+    check_array(f"{what}: out", out, np.float32, shape=x.shape)
+    check_out(what, out, same_ok=(x,), others=())
+    return threshold, scale
+
+
+def _check_counter(what, counter):
+    check_array(f"{what}: counter", counter, np.uint64, shape=(COUNTER_SIZE,))
+
+
+def _launch(*args):
     if not SIMULATOR:
         launch(*args)
-        return out
+        return
     # The simulator runs the kernel's uint64 arithmetic on NumPy scalars, which warn about
     # the wrap-around modulo 2^64 that the hash is built on (and a GPU does silently).
     # Its launches are synchronous, so the filter covers exactly this kernel's run.
@@ -187,4 +290,3 @@ def dropout(x, out, rate, key, stream=None):
         warnings.filterwarnings("ignore", message="overflow encountered in scalar",
                                 category=RuntimeWarning)
         launch(*args)
-    return out

@@ -119,6 +119,13 @@ class CpuOps:
         out[...] = dropout.dropout_ref(x, key, rate)
         return out
 
+    def dropout_next_key(self, counter, replica):
+        return dropout.next_key_ref(counter, replica)
+
+    def dropout_keyed(self, x, out, rate, counter):
+        out[...] = dropout.dropout_ref(x, counter[dropout.KEY], rate)
+        return out
+
     # optimizers (kernels/optimizers.py): one call per (packed) parameter buffer
     def sgd(self, w, g, velocity, hyper, nesterov=False):
         return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
@@ -206,6 +213,12 @@ class CudaOps:
 
     def dropout(self, x, out, rate, key):
         return dropout.dropout(x, out, rate, key, self.stream)
+
+    def dropout_next_key(self, counter, replica):
+        return dropout.dropout_next_key(counter, replica, self.stream)
+
+    def dropout_keyed(self, x, out, rate, counter):
+        return dropout.dropout_keyed(x, out, rate, counter, self.stream)
 
     def sgd(self, w, g, velocity, hyper, nesterov=False):
         return optimizers.sgd(w, g, velocity, hyper, nesterov, self.stream)

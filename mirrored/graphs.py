@@ -1,4 +1,5 @@
-"""Capture the device part of a training step once as a CUDA graph; replay it every step.
+"""Capture the device part of a step (fit's, evaluate's, predict's) once as a CUDA graph;
+replay it every step.
 
 Why. One step of the lab model is about twenty small kernels. Launching a kernel
 from Python costs several microseconds of host time, more than many of these
@@ -23,7 +24,8 @@ What a captured step must not do, and how the training step (``keras/step.py``) 
 * Take numbers from the host that change from step to step: launch arguments are
   frozen into the graph. The optimizer's per-step scalars (Adam's alpha) live in
   a device buffer that the host part of each step writes (``keras/optimizers.py``,
-  ``begin_step``); the metrics count examples on the device (``keras/engine.py``).
+  ``begin_step``); the metrics count examples on the device (``keras/engine.py``);
+  Dropout's step counter and key live on the device, advanced by a kernel in the step.
 * Allocate, free or synchronise. Buffers are made during the first, eager step
   of each batch size and reused: the layers' buffers, gradients, the ring's events.
 * Read other buffers than the ones it was captured with. Each replica's slice is
@@ -43,10 +45,21 @@ replays it from then on. Where there is nothing to capture (CPU devices, Numba's
 CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
 time and ``reason`` says why.
 
-``CapturedStep`` puts the two together for a model: ``Step.host_part``, then the
-device part through ``StepGraphs.run`` — the step itself knows nothing of graphs.
+So Dropout draws a new mask at every replay, the eager one for the same counter
+(``kernels/dropout.py``, ``keras/layers.py``).
 
-Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``compile(cuda_graph=True)``),
+``CapturedStep`` puts the two together for a model, for each pass Keras compiles:
+``train`` (``fit``'s step: ``Step.host_part``, then ``Step.device_part``), ``evaluate``
+(forward and loss) and ``predict`` (forward; the outputs are read after the replay).
+The step itself knows nothing of graphs.
+
+When. ``compile(run_eagerly=False)``, Keras's default, runs fit, evaluate and predict
+through ``CapturedStep`` on a GPU; ``run_eagerly=True`` launches every kernel from
+Python (what labs 04 and 05 step through). The default stays silent where nothing can
+be captured (it is the default); the old ``compile(cuda_graph=True)``, an explicit
+request for graphs, warns there once. The weights come out bitwise the same either way.
+
+Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``compile``, ``_trainer``),
 ``cross_device_ops.py`` (the ring: events between neighbours, captured as graph edges).
 """
 import warnings
@@ -95,26 +108,29 @@ class StepGraphs:
         self.devices = list(devices)
         self.reason = why_not_capturable(self.devices, cross_device_ops)   # None: graphs are used
         self._graphs = {}          # key -> _Graph
-        self._seen = set()         # keys that have run once, eagerly
+        self._results = {}         # key -> what the device part returned the first time
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
+        self.last = None           # how the last run ran: "eager" or "replayed"
 
     @property
     def enabled(self):
         return self.reason is None
 
     def run(self, key, fn, *args):
-        """Run the device part ``fn(*args)`` of this step; returns "eager" or "replayed".
+        """Run the device part ``fn(*args)`` of a pass; returns what ``fn`` returned the
+        first time this key ran (device buffers, e.g. predict's outputs: a replay writes
+        into the same ones). ``self.last`` says how it ran: "eager" or "replayed".
 
-        ``key`` must name everything the launches depend on: the buffers' addresses,
-        the batch sizes, the loss mode. A key seen for the first time runs eagerly
-        (it compiles kernels and allocates buffers); the second time it is captured,
-        and from then on the graph is replayed.
+        ``key`` must name everything the launches depend on: the pass, the buffers'
+        addresses, the batch sizes, the loss mode. A key seen for the first time runs
+        eagerly (it compiles kernels and allocates buffers); the second time it is
+        captured, and from then on the graph is replayed.
         """
-        if not self.enabled or key not in self._seen:
-            self._seen.add(key)
-            fn(*args)
-            self.counts["eager"] += 1
-            return "eager"
+        if not self.enabled:
+            return self._ran("eager", fn(*args))
+        if key not in self._results:
+            self._results[key] = fn(*args)               # not kept if it raises
+            return self._ran("eager", self._results[key])
         graph = self._graphs.get(key)
         if graph is None:
             try:
@@ -123,17 +139,19 @@ class StepGraphs:
                 # Nothing of the step ran during the capture: run it eagerly, now and from
                 # now on (a step that cannot be captured once will not be the next time).
                 self.reason = f"capturing the step as a CUDA graph failed ({err})"
-                warnings.warn(f"compile(cuda_graph=True): {self.reason}; this and every later "
-                              f"step runs eagerly (same results, more launch overhead).",
+                warnings.warn(f"CUDA graphs (compile(run_eagerly=False)): {self.reason}; this and "
+                              f"every later step runs eagerly (same results, more launch overhead).",
                               RuntimeWarning, stacklevel=2)
-                fn(*args)
-                self.counts["eager"] += 1
-                return "eager"
+                return self._ran("eager", fn(*args))
             self._graphs[key] = graph
             self.counts["captured"] += 1
         graph.launch()
-        self.counts["replayed"] += 1
-        return "replayed"
+        return self._ran("replayed", self._results[key])
+
+    def _ran(self, how, result):
+        self.last = how
+        self.counts[how] += 1
+        return result
 
     def close(self):
         for graph in self._graphs.values():
@@ -142,10 +160,12 @@ class StepGraphs:
 
 
 class CapturedStep:
-    """A model's training step (``keras/step.py``) with its device part run through graphs.
+    """A model's passes (``keras/step.py``) with their device parts run through graphs.
 
-    ``train(batch)`` does what ``Step.train`` does — the same host part, the same
-    launches — but the device part is captured once per key and replayed after.
+    ``train(batch)``, ``evaluate(batch, mode)`` and ``predict(xb)`` do what ``Step``'s
+    methods of those names do — the same host part, the same launches — but each
+    device part is captured once per key (the pass, the replicas' input buffers, so
+    the batch shape) and replayed after.
     """
 
     def __init__(self, step, graphs):
@@ -154,8 +174,22 @@ class CapturedStep:
     def train(self, batch):
         inputs, scale = self.step.host_part(batch)
         mode = self.step.loss_mode()
-        key = (mode, scale) + tuple((_address(x), _address(y)) for x, y in inputs)
-        self.graphs.run(key, self.step.device_part, inputs, mode, scale)
+        self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
+                        inputs, mode, scale)
+
+    def evaluate(self, batch, mode):
+        inputs = self.step.inputs(batch)
+        self.graphs.run(("evaluate", mode) + _addresses(inputs), self.step.evaluate_part, inputs, mode)
+
+    def predict(self, xb):
+        inputs = self.step.predict_inputs(xb)
+        outs = self.graphs.run(("predict",) + _addresses(inputs), self.step.predict_part, inputs)
+        return self.step.read_outputs(outs)
+
+
+def _addresses(inputs):
+    """The replicas' input buffers (x, y) as addresses: what a captured graph reads."""
+    return tuple((_address(x), _address(y)) for x, y in inputs)
 
 
 def _address(buf):

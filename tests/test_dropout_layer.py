@@ -3,8 +3,10 @@
 N replicas do NOT train like one replica with dropout (each replica drops different
 units), so instead of that invariant these tests check: the gradient of a step against a
 float64 oracle given the mask, identity in evaluate/predict, a different mask on every
-replica and step, reproducibility under ``mirrored.random.set_seed``, and the same mask
-on the CPU and (simulated) GPU paths for the same counters.
+replica and step, reproducibility under ``mirrored.random.set_seed``, the same mask
+on the CPU and (simulated) GPU paths for the same counters, and the same launch arguments
+at every step (the counter is on the device: what a CUDA graph of the step needs;
+tests/test_graphs.py replays whole steps).
 
     python -m pytest -q tests/test_dropout_layer.py
 """
@@ -140,10 +142,45 @@ def test_bad_dropout_arguments():
         layers.Dropout(0.5, noise_shape=(1, 4))
 
 
-def test_cuda_graph_capture_is_refused_with_dropout(devices):
-    devices(cpus=1)
-    model = compiled(tf.distribute.OneDeviceStrategy("CPU:0"), dense_with_dropout(), "sgd")
-    optimizer = model.optimizer
-    with pytest.raises(NotImplementedError, match="reuse the first step's dropout mask"):
-        model.compile(loss="sparse_categorical_crossentropy", optimizer="adam", cuda_graph=True)
-    assert model.optimizer is optimizer, "the refused compile changed the model"
+def test_every_step_launches_the_same_arguments_and_draws_its_own_mask(devices, rng):
+    """What a CUDA graph of the step needs (mirrored/graphs.py): a training forward's dropout
+    launches are the same, argument for argument (buffers and numbers), at every step, and
+    still each step draws its own mask, the eager one for its counter: the counter lives on
+    the device and a launch in the step advances it. A restored state is written into the
+    same counter (a captured graph reads that one)."""
+    devices(cpus=1, gpus=1)
+    strategy = tf.distribute.OneDeviceStrategy("GPU:0")
+    with strategy.scope():
+        model = tf.keras.Sequential([layers.Dense(6, input_shape=(5,), bias_initializer="ones"),
+                                     layers.Dropout(RATE, seed=21)])
+    x = rng.standard_normal((4, 5)).astype(np.float32)
+    dev, dropout = model.step.devices[0], model.layers[1]
+    calls = []
+
+    def recorded(name):
+        original = getattr(dev.ops, name)
+
+        def call(*args):
+            calls[-1].append((name,) + tuple(("array", id(a)) if hasattr(a, "shape") and np.ndim(a)
+                                             else ("value", int(a) if isinstance(a, (int, np.integer))
+                                                   else float(a)) for a in args))
+            return original(*args)
+        return call
+    for name in ("dropout_next_key", "dropout_keyed"):
+        setattr(dev.ops, name, recorded(name))
+    outs = []
+    for _ in range(3):
+        calls.append([])
+        outs.append(model(x, training=True).numpy())
+    counter = dropout._counters[0][1]
+    dropout.set_training_state({"seed": np.uint64(21), "steps": np.array([1])}, "a test")
+    calls.append([])
+    outs.append(model(x, training=True).numpy())                     # step 1 again
+    assert dropout._counters[0][1] is counter, "a restore must write into the counter, not replace it"
+    assert [c[0] for c in calls[0]] == ["dropout_next_key", "dropout_keyed"]
+    assert calls[0] == calls[1] == calls[2] == calls[3], "a launch argument changed between steps"
+    for out, step in zip(outs, (0, 1, 2, 1)):
+        want = dropout_mask_ref(dropout_key(21, step, 0), out.size, RATE).reshape(out.shape)
+        np.testing.assert_array_equal(out != 0, want)
+    assert not np.array_equal(outs[0] != 0, outs[1] != 0) and not np.array_equal(outs[1] != 0, outs[2] != 0)
+    assert dropout._steps == {0: 2} and list(dropout.training_state()["steps"]) == [2]

@@ -498,21 +498,29 @@ class Dropout(Layer):
 
         key = dropout_key(seed, step, replica)
 
-    so there is no random state on the devices: the mask is reproducible (the seed is
-    ``seed``, or drawn from ``mirrored.random`` when the layer is built, so
-    ``mirrored.random.set_seed`` repeats a run), different on every replica and step (each
-    replica drops different units of its own slice, as in TensorFlow), and the same bits on
-    the CPU (``dropout_ref``) and the GPU. ``step`` counts this replica's training forwards.
-    Backward applies the same mask to dy (same key), in place: dx = dy * scale where kept.
+    so the mask is reproducible (the seed is ``seed``, or drawn from ``mirrored.random``
+    when the layer is built, so ``mirrored.random.set_seed`` repeats a run), different on
+    every replica and step (each replica drops different units of its own slice, as in
+    TensorFlow), and the same bits on the CPU (``dropout_ref``) and the GPU. ``step``
+    counts this replica's training forwards.
+
+    The counter lives on the replica's device (a (3,) uint64 array: seed, step, key; made
+    on first use), not in Python: a training forward launches ``dropout_next_key`` (one
+    thread writes this step's key and counts the step) and then the mask kernel, which
+    reads the key there. Neither launch takes anything from the host that changes from
+    step to step, so a CUDA graph of the step (``compile(run_eagerly=False)``,
+    ``mirrored/graphs.py``) draws a new mask at every replay, the eager masks bit for bit.
+    Backward applies the same mask to dy (the key is still there), in place:
+    dx = dy * scale where kept.
 
     Because N replicas drop different units, a model with dropout does NOT train like one
     replica on the global batch (the other layers still do, given the same masks).
 
     ``model.save("m.keras")`` keeps the seed in use and every replica's step count
-    (``training_state``) and ``load_model`` restores them, so training resumes with the
-    masks an uninterrupted run would draw. Keras 3 keeps its Dropout's SeedGenerator state
-    in neither file (a loaded model restarts its counter at 0); ``save_weights`` /
-    ``load_weights`` leave this state alone, as Keras's do.
+    (``training_state``, read from the devices) and ``load_model`` restores them, so
+    training resumes with the masks an uninterrupted run would draw. Keras 3 keeps its
+    Dropout's SeedGenerator state in neither file (a loaded model restarts its counter at
+    0); ``save_weights`` / ``load_weights`` leave this state alone, as Keras's do.
     """
 
     def __init__(self, rate, noise_shape=None, seed=None, input_shape=None, name=None, **kwargs):
@@ -527,16 +535,25 @@ class Dropout(Layer):
                              f"got {seed!r}.")
         self.seed = seed
         self._seed = None            # the seed in use, fixed when the layer is built
-        self._steps = {}             # replica id -> training forwards so far
-        self._keys = {}              # replica id -> the last training forward's key (for backward)
+        self._counters = {}          # replica id -> (device, its (3,) uint64 counter there)
+        self._start = {}             # replica id -> the step its counter starts at (a restore)
 
     def build(self, input_shape):
         super().build(input_shape)
         self._seed = int(self.seed) if self.seed is not None else int(_random.generator().integers(2**63))
 
+    @property
+    def _steps(self):
+        """{replica id: training forwards so far}, read from the devices."""
+        steps = dict(self._start)
+        for r, (dev, counter) in self._counters.items():
+            steps[r] = int(dev.to_numpy(counter)[dropout_kernels.STEP])
+        return steps
+
     def training_state(self):
-        steps = np.zeros(max(self._steps, default=0) + 1, np.int64)  # (replicas,): forwards so far
-        for r, n in self._steps.items():
+        counts = self._steps
+        steps = np.zeros(max(counts, default=0) + 1, np.int64)    # (replicas,): forwards so far
+        for r, n in counts.items():
             steps[r] = n
         return {"seed": np.uint64(self._seed % 2**64), "steps": steps}    # dropout_key takes mod 2^64
 
@@ -549,29 +566,39 @@ class Dropout(Layer):
                              f"integer seed and a vector of step counts >= 0, got {state!r}. Read the "
                              f"weights alone with model.load_weights (the masks then start afresh).")
         self._seed = int(seed)
-        self._steps = {r: int(n) for r, n in enumerate(steps)}
-        self._keys = {}
+        self._start = {r: int(n) for r, n in enumerate(steps)}
+        for r, (dev, counter) in self._counters.items():          # in place: a graph reads them
+            dev.upload_into(counter, dropout_kernels.counter_init(self._seed, self._start.pop(r, 0)))
+
+    def _counter(self, state):
+        """This replica's counter on its device, made on first use."""
+        r = state.replica_id
+        if r not in self._counters:
+            host = dropout_kernels.counter_init(self._seed, self._start.pop(r, 0))   # (3,) uint64
+            self._counters[r] = (state.dev, state.dev.from_numpy(host))
+        return self._counters[r][1]
 
     def make_buffers(self, state, b):
+        self._counter(state)                                          # before any step computes
         return state.dev.empty((b,) + self.input_shape, FLOAT)       # y: (b,) + input shape
 
     def forward(self, state, x, training=False):
         if not training or self.rate == 0.0:
             return x                                                  # identity: nothing launched
-        b, r = x.shape[0], state.replica_id
-        step = self._steps.get(r, 0)
-        self._steps[r] = step + 1
+        b = x.shape[0]
+        counter = self._counter(state)
         # the key names the replica among ALL replicas (every worker's), so no two draw one mask
-        key = self._keys[r] = dropout_kernels.dropout_key(self._seed, step, state.global_replica_id)
+        state.ops.dropout_next_key(counter, state.global_replica_id)  # this step's key, step += 1
         y = state.buffers(b)
-        state.ops.dropout(view(x, (b,) + self.input_shape), y, self.rate, key)   # y: (b,) + input shape
+        x = view(x, (b,) + self.input_shape)
+        state.ops.dropout_keyed(x, y, self.rate, counter)             # y: (b,) + input shape
         return y
 
     def backward(self, state, dy):
         if not state.need_dx:
             return None
         if self.rate != 0.0:
-            state.ops.dropout(dy, dy, self.rate, self._keys[state.replica_id])  # dx = dy * mask * scale
+            state.ops.dropout_keyed(dy, dy, self.rate, self._counter(state))  # dx = dy * mask * scale
         return dy
 
 

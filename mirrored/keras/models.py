@@ -30,7 +30,7 @@ from mirrored.keras import data_adapters
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
-from mirrored.keras.layers import IMAGE_LAYERS, Dropout, InputLayer, Layer
+from mirrored.keras.layers import IMAGE_LAYERS, InputLayer, Layer
 from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import Step, check_compiled
@@ -51,7 +51,9 @@ class Sequential:
         self.step = None                 # the training step (step.Step), made by build
         self.optimizer = self.loss = None
         self._metric_names = []
-        self._cuda_graph, self._graphs, self._captured = False, None, None
+        # compile(run_eagerly=...): False (Keras's default) replays each pass as CUDA graphs
+        # on a GPU; _graphs: its StepGraphs, made on first use; _captured: the CapturedStep
+        self._run_eagerly, self._graphs_asked, self._graphs, self._captured = False, False, None, None
         self.history = None
         self.stop_training = False
         for layer in layers or []:
@@ -200,21 +202,22 @@ class Sequential:
     # -- compile -------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
                 weighted_metrics=None, run_eagerly=None, steps_per_execution=None, jit_compile=None,
-                cuda_graph=False, **kwargs):
-        """Keras's ``compile``: optimizer, loss, ``metrics=['accuracy']``.
+                cuda_graph=None, **kwargs):
+        """Keras's ``compile``: optimizer, loss, ``metrics=['accuracy']``, ``run_eagerly``.
 
-        ``cuda_graph=True`` (this library's own option, not Keras's): on a GPU, ``fit``
-        captures the device part of its training step once as a CUDA graph and replays
-        it every step (``mirrored/graphs.py`` says how and why). Where there is nothing
-        to capture (CPU devices, the CUDA simulator) it warns once and runs eagerly;
-        the weights come out the same either way.
+        ``run_eagerly=False`` (Keras's default; ``None`` means False, as in Keras): on a
+        GPU, ``fit``, ``evaluate`` and ``predict`` capture the device part of each pass
+        once per batch shape as a CUDA graph and replay it (``mirrored/graphs.py`` says
+        how and why), as Keras compiles its step into a graph. ``run_eagerly=True``: every
+        kernel is launched from Python, one by one (what labs 04 and 05 step through).
+        Where there is nothing to capture (CPU devices, the CUDA simulator) both run the
+        same launches eagerly, silently. The weights come out bitwise the same either way.
+
+        ``cuda_graph=`` (this library's old option) is deprecated: ``cuda_graph=True`` is
+        ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
+        DeprecationWarning; ``cuda_graph=True`` still warns once where nothing can be captured.
         """
-        dropouts = [l.name for l in self.layers if isinstance(l, Dropout) and l.rate > 0]
-        if cuda_graph and dropouts:
-            raise NotImplementedError(
-                f"compile(cuda_graph=True) with dropout ({', '.join(dropouts)}): a CUDA graph replays "
-                f"its launches with the arguments it captured, so every step would reuse the first "
-                f"step's dropout mask. Compile without cuda_graph (each step then gets its own mask).")
+        run_eagerly = _eager_from(run_eagerly, cuda_graph)
         if optimizer == "rmsprop":
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
@@ -234,27 +237,40 @@ class Sequential:
             raise NotImplementedError("one accuracy metric per model here.")
         if self.built:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
+        self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
+        self.run_eagerly = run_eagerly              # drops the graphs: they hold the old optimizer's buffers
+
+    @property
+    def run_eagerly(self):
+        """Keras's attribute: True launches every kernel from Python; False (the default)
+        replays fit's, evaluate's and predict's device parts as CUDA graphs on a GPU."""
+        return self._run_eagerly
+
+    @run_eagerly.setter
+    def run_eagerly(self, value):
         if self._graphs is not None:
-            self._graphs.close()                    # they hold the old optimizer's buffers
-        self._cuda_graph, self._graphs, self._captured = bool(cuda_graph), None, None
+            self._graphs.close()
+        self._run_eagerly, self._graphs, self._captured = bool(value), None, None
 
     @property
     def _step_graphs(self):
-        """The CUDA graphs of this model's step (``compile(cuda_graph=True)``), else None."""
-        if not self._cuda_graph:
+        """This model's CUDA graphs (``mirrored.graphs.StepGraphs``, made on first use), or
+        None when it runs eagerly (``run_eagerly=True``). Their ``reason`` says why not
+        where there is nothing to capture; only ``compile(cuda_graph=True)`` warns of it."""
+        if self._run_eagerly or self.step is None:
             return None
         if self._graphs is None:
             self._graphs = StepGraphs(self.step.devices, self._strategy.extended.cross_device_ops)
-            if self._graphs.reason:
-                warnings.warn(f"compile(cuda_graph=True): {self._graphs.reason}; every training "
-                              f"step runs eagerly (the same launches, one by one).", stacklevel=5)
+            if self._graphs.reason and self._graphs_asked:
+                warnings.warn(f"compile(cuda_graph=True): {self._graphs.reason}; fit, evaluate and "
+                              f"predict run eagerly (the same launches, one by one).", stacklevel=5)
         return self._graphs
 
     def _trainer(self):
-        """What runs a training step: the step itself, or the step with its device part
-        captured as CUDA graphs (``compile(cuda_graph=True)``)."""
+        """What runs fit's, evaluate's and predict's passes: the step itself, or the step
+        with its device parts captured as CUDA graphs (``mirrored/graphs.py``)."""
         graphs = self._step_graphs
-        if graphs is None:
+        if graphs is None or not graphs.enabled:
             return self.step
         if self._captured is None or self._captured.graphs is not graphs:
             self._captured = CapturedStep(self.step, graphs)
@@ -377,7 +393,7 @@ class Sequential:
             if step == 0:
                 mode = self.step.loss_mode()            # the model is built by now
             with self.step.no_trace():                  # out of memory: nothing stays charged
-                self.step.evaluate(batch, mode)
+                self._trainer().evaluate(batch, mode)
             step += 1
         if not step:
             raise _no_batches("test_function", x, None)
@@ -413,7 +429,7 @@ class Sequential:
             self.check_example_shape(xb.shape[1:])
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
             with self.step.no_trace():                  # out of memory: nothing stays charged
-                outs.extend(self.step.predict(xb))
+                outs.extend(self._trainer().predict(xb))
             done += 1
         if verbose:
             bar.finish(done, {})
@@ -471,6 +487,20 @@ class Sequential:
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:
             print_fn(line)
+
+
+def _eager_from(run_eagerly, cuda_graph):
+    """``run_eagerly`` as a bool from compile's arguments (``cuda_graph=``: deprecated alias)."""
+    if cuda_graph is None:
+        return bool(run_eagerly)                    # None: False, as in Keras
+    warnings.warn(f"compile(cuda_graph={cuda_graph!r}) is deprecated: use Keras's run_eagerly "
+                  f"(cuda_graph=True is run_eagerly=False, the default: fit, evaluate and predict "
+                  f"replay CUDA graphs on a GPU; cuda_graph=False is run_eagerly=True).",
+                  DeprecationWarning, stacklevel=3)
+    if run_eagerly is not None and bool(run_eagerly) == bool(cuda_graph):
+        raise ValueError(f"compile(run_eagerly={run_eagerly!r}, cuda_graph={cuda_graph!r}) asks for "
+                         f"both eager launches and CUDA graphs; pass run_eagerly alone.")
+    return not cuda_graph
 
 
 def _no_batches(function, x, epoch):

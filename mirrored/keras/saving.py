@@ -422,7 +422,7 @@ def model_config(model):
             "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
             "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), ignore_class=None)),
             "loss_weights": None, "metrics": list(model._metric_names), "weighted_metrics": None,
-            "run_eagerly": False, "steps_per_execution": 1, "jit_compile": False}
+            "run_eagerly": model.run_eagerly, "steps_per_execution": 1, "jit_compile": False}
     else:
         config["compile_config"] = None
     return config
@@ -496,4 +496,5 @@ def compile_from_config(model, compile_config):
             raise NotImplementedError(f"loss {loss['class_name']!r} is not implemented here.")
         cfg = {k: v for k, v in loss["config"].items() if k in ("from_logits", "reduction", "name")}
         loss = _losses.SparseCategoricalCrossentropy(**cfg)
-    model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None)
+    model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None,
+                  run_eagerly=bool(compile_config.get("run_eagerly")))

@@ -194,23 +194,43 @@ class Step:
         return kernel_mode(self.model.loss, self.programs[0].softmax_output)
 
     # -- evaluate and predict: forward (and the loss) on the same programs -------------------
+    # Each is a host part (the inputs onto the devices) and a device part (launches only),
+    # as the training step is, so that ``mirrored.graphs.CapturedStep`` can capture the latter.
     def evaluate(self, batch, mode):
         """Loss and accuracy of one global batch, added to the metrics on the devices."""
-        parts, load, _ = self.split(batch)
-        for program, (x, y) in zip(self.programs, self.copy_in(parts, load)):
+        self.evaluate_part(self.inputs(batch), mode)
+
+    def inputs(self, batch, shard=True):
+        """Each replica's share of ``batch`` in its device's input buffers: [(x, y)]."""
+        parts, load, _ = self.split(batch, shard)
+        return self.copy_in(parts, load)
+
+    def evaluate_part(self, inputs, mode):
+        """Forward and the loss (no gradient) on every replica: launches only."""
+        for program, (x, y) in zip(self.programs, inputs):
             with program.dev.activate():
                 program.forward(x)
                 program.loss(y, mode, 1.0, with_grad=False)
 
     def predict(self, xb):
         """xb: (B, in) float32 -> each replica's outputs on the host, in replica order."""
+        return self.read_outputs(self.predict_part(self.predict_inputs(xb)))
+
+    def predict_inputs(self, xb):
         labels = np.zeros(xb.shape[0], np.int32)                       # unused: predict has no loss
-        parts, load, _ = self.split((xb, labels), shard=False)
+        return self.inputs((xb, labels), shard=False)
+
+    def predict_part(self, inputs):
+        """Forward on every replica: launches only; returns each replica's output buffer."""
         outs = []
-        for program, (x, _) in zip(self.programs, self.copy_in(parts, load)):
+        for program, (x, _) in zip(self.programs, inputs):
             with program.dev.activate():
-                outs.append(program.dev.to_numpy(program.forward(x, probabilities=True)))
+                outs.append(program.forward(x, probabilities=True))
         return outs
+
+    def read_outputs(self, outs):
+        """Each replica's output buffer, read to the host (waits for its device)."""
+        return [program.dev.to_numpy(out) for program, out in zip(self.programs, outs)]
 
     # -- metrics, kept on the devices ------------------------------------------------------------
     def zero_metrics(self):
