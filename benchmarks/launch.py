@@ -128,17 +128,18 @@ _FAKE_BASE = [0x7F0000000000]
 _ALLOCATIONS = {}       # address -> the allocation, while an array uses it
 
 
-def fake_array(shape, dtype, freed=None):
+def fake_array(shape, dtype, freed=None, address=None):
     """A numba ``DeviceNDArray`` of ``shape`` and ``dtype`` over a made-up device address that
-    nothing reads (addresses are never reused within a process). ``freed``: a list that gets
-    the address when numba would queue the memory's cuMemFree."""
+    nothing reads: a fresh one, or ``address`` (as an allocator may hand out a freed block
+    again). ``freed``: a list that gets the address when numba would queue its cuMemFree."""
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
     from numba.cuda.cudadrv.driver import AutoFreePointer
     dtype = np.dtype(dtype)
     shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
     nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
-    address = _FAKE_BASE[0]
-    _FAKE_BASE[0] += (nbytes + 255) // 256 * 256 + 256
+    if address is None:
+        address = _FAKE_BASE[0]
+        _FAKE_BASE[0] += (nbytes + 255) // 256 * 256 + 256
 
     def free():                          # numba calls it when the last view has gone
         _ALLOCATIONS.pop(address, None)

@@ -268,11 +268,13 @@ def _is_c_contiguous(arr):
 def _data_range(arr):
     """(first byte address, one past the last) of an array's memory (kept in ``_facts``
     for a device array)."""
+    facts = _facts.get(id(arr))          # an entry is there only while its array lives
+    if facts is not None and facts.range is not None:
+        return facts.range
     facts = _facts_of(arr)
     if facts is None:
         return _read_range(arr)
-    if facts.range is None:
-        facts.range = _read_range(arr)
+    facts.range = _read_range(arr)
     return facts.range
 
 
@@ -323,13 +325,13 @@ def check_array(what, arr, dtype, ndim=None, shape=None, contiguous=True):
     ``what`` names the argument in the message, e.g. ``"gemm: A"``. A device array that
     passed the same check before is not checked again (``_facts``).
     """
-    facts = _facts_of(arr)
-    if facts is not None:
-        spec = (dtype, ndim, shape if shape is None or shape.__class__ is tuple else tuple(shape),
-                contiguous)
-        if spec in facts.passed:
-            return
+    facts = _facts.get(id(arr))          # an entry is there only while its array lives
+    spec = (dtype, ndim, shape if shape is None or shape.__class__ is tuple else tuple(shape),
+            contiguous)
+    if facts is not None and spec in facts.passed:
+        return
     _check_array(what, arr, dtype, ndim, shape, contiguous)
+    facts = _facts_of(arr)
     if facts is not None:
         facts.passed.add(spec)
 

@@ -275,6 +275,8 @@ def make_record(overload, griddim, blockdim, stream, args):
     """A ``_Record`` for launching ``overload`` (the ``_Kernel`` numba launched) again with
     ``args``' buffers, or an ``_Uncached`` saying why not."""
     from numba.cuda.cudadrv.driver import Stream, binding
+    if not enabled():
+        return _Uncached(_state["why_not"])
     if overload.debug or overload.cooperative:
         return _Uncached("a debug or cooperative kernel: numba's launch makes more than one call")
     if not isinstance(stream, Stream) or not int(stream.handle or 0):
