@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -235,7 +236,7 @@ def recorded_launches():
     del kernels
 
 
-def measure(call, stream, number=NUMBER, repeat=REPEAT, sync=None):
+def measure(call, stream, number=NUMBER, repeat=REPEAT, sync=None, clock=time.perf_counter):
     """The three figures for one launcher ``call`` (µs per call of the launcher), and notes."""
     from kernels import launch as kl
     from kernels import launch_cache
@@ -256,8 +257,8 @@ def measure(call, stream, number=NUMBER, repeat=REPEAT, sync=None):
             kl.launch(k, g, b, s, *a)
 
     def us(fn):
-        return common.time_host(fn, warmup=10, repeat=repeat, number=number,
-                                sync=sync)["median_s"] * 1e6
+        return common.time_host(fn, warmup=10, repeat=repeat, number=number, sync=sync,
+                                clock=clock)["median_s"] * 1e6
     why = {launch_cache.explain(launch_cache.key(k, g, b, s, a)) for k, g, b, s, a in launches}
     row = {"launches": len(launches), "numba_us": us(numba_path), "cached_us": us(cached_path),
            "cached_with_checks_us": us(call)}
@@ -275,19 +276,20 @@ def run(names=None, number=NUMBER, repeat=REPEAT):
     if ok:
         from numba import cuda
         stream, make, sync = cuda.stream(), (lambda s, t: cuda.device_array(s, t)), None
-        sync = stream.synchronize
-        driver = f"real: {why}"
+        sync, clock = stream.synchronize, time.perf_counter
+        driver = f"real: {why}; clock: wall time"
     else:
         stub_driver()
-        stream, make, sync = fake_stream(), fake_array, None
+        stream, make, sync, clock = fake_stream(), fake_array, None, time.thread_time
         driver = (f"stubbed ({why}): numba-cuda's real path up to the driver call, which is a "
-                  f"Python stand-in on both paths")
+                  f"Python stand-in on both paths; clock: this thread's CPU time (pure host "
+                  f"work: time spent waiting for a core on a shared machine is not counted)")
     calls = launcher_calls(make, stream)
     unknown = sorted(set(names or ()) - set(calls))
     if unknown:
         raise SystemExit(f"benchmarks.launch: unknown launcher(s) {unknown}; choose from "
                          f"{sorted(calls)}.")
-    rows = {name: measure(calls[name], stream, number, repeat, sync)
+    rows = {name: measure(calls[name], stream, number, repeat, sync, clock)
             for name in (names or calls)}
     from kernels import launch_cache
     return {"driver": driver, "numba_cuda": launch_cache.numba_cuda_version(),
