@@ -3,6 +3,7 @@
     python -m benchmarks.launch                      # a table, every launcher
     python -m benchmarks.launch --json               # the same as JSON, on stdout
     python -m benchmarks.launch --launchers gemm,conv2d
+    python -m benchmarks.launch --smoke --out /tmp/launch.json    # a few calls: does it run?
 
 For each launcher, with the lab's shapes, the medians of ``REPEAT`` samples of ``NUMBER`` calls:
 
@@ -46,6 +47,8 @@ STUB_CC = (9, 0)
 #: Calls per sample, and samples: a launch costs µs, so 2,000 calls make a ~10 ms sample.
 NUMBER = 2000
 REPEAT = 15
+#: --smoke: enough calls to go through numba twice and the cache after, not to time.
+SMOKE_NUMBER, SMOKE_REPEAT = 20, 2
 #: Where ``run_in_child`` gives up (each launcher compiles its kernels once, ~1 s each here).
 CHILD_TIMEOUT_S = 900
 
@@ -320,9 +323,16 @@ def main(argv=None):
     parser.add_argument("--launchers", help="comma-separated names (default: all)")
     parser.add_argument("--number", type=int, default=NUMBER, help="calls per sample")
     parser.add_argument("--repeat", type=int, default=REPEAT, help="samples (median quoted)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"{SMOKE_NUMBER} calls x {SMOKE_REPEAT} samples: checks the program "
+                             f"runs (its times mean little)")
+    parser.add_argument("--out", help="also write the JSON here (atomically)")
     args = parser.parse_args(argv)
     names = [n for n in (args.launchers or "").split(",") if n]
-    doc = run(names, args.number, args.repeat)
+    number, repeat = (SMOKE_NUMBER, SMOKE_REPEAT) if args.smoke else (args.number, args.repeat)
+    doc = run(names, number, repeat)
+    if args.out:
+        common.write_json("launch", doc, common.device_info(), out=args.out)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0

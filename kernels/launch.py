@@ -6,7 +6,11 @@ One place decides three things for all kernels:
   so every launcher sizes its grid the same way, within the GPU's limits
   (``check_launch``, which ``launch`` applies to every launch);
 * whether we run on real CUDA or in Numba's CUDA simulator (``SIMULATOR``);
-* how a configured kernel is launched (``launch``).
+* how a configured kernel is launched (``launch``): numba's path,
+  ``kernel[grid, block, stream](*args)``, until ``launch_cache.py`` holds a record
+  of the launch, then one driver call;
+* which argument checks need not run again (``check_array``, ``check_no_alias``
+  remember what a device array passed: ``_facts``).
 
 Why ``launch`` exists: on a real GPU ``kernel[grid, block, stream]`` returns a
 new *configured* kernel object, which is cheap to keep and call again. In the
@@ -17,7 +21,7 @@ simulator is single-device and synchronous anyway); on real CUDA there is no
 lock and configured kernels are cached per (kernel, grid, block, stream).
 
 Neighbours: ``elementwise.py``, ``reduction.py``, ``gemm.py`` ... all import
-from here; ``mirrored/backends.py`` calls their launchers; ``registry.py`` records, for
+from here; ``launch_cache.py`` keeps the records ``launch`` replays; ``mirrored/backends.py`` calls their launchers; ``registry.py`` records, for
 the real compiler's checks (``python -m kernels.report``), the block each launcher
 takes from here.
 """

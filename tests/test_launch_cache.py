@@ -258,3 +258,21 @@ def test_requirements_pin_the_tested_numba_cuda_range():
     spec = SpecifierSet(line.split("]", 1)[1].split("#")[0].strip())
     assert any(s.operator in ("<", "<=") for s in spec), f"no upper bound in {line!r}"
     assert metadata.version("numba-cuda") in spec
+
+
+def test_the_benchmark_runs_and_every_launch_it_times_is_cached(tmp_path):
+    out = tmp_path / "launch.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.launch", "--smoke", "--json",
+                          "--out", str(out), "--launchers", "binary,dropout,sum_all,conv2d_backward"],
+                         env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert doc["driver"].startswith(("stubbed", "real"))
+    assert list(doc["launchers"]) == ["binary", "dropout", "sum_all", "conv2d_backward"]
+    for name, row in doc["launchers"].items():
+        assert row["note"] == "", (name, row["note"])          # every launch replayed
+        assert all(row[k] > 0 for k in ("numba_us", "cached_us", "cached_with_checks_us"))
+    assert doc["launchers"]["conv2d_backward"]["launches"] == 3
+    assert json.loads(out.read_text())["launchers"] == doc["launchers"]
