@@ -87,6 +87,7 @@ _state = {"enabled": None, "why_not": None}    # enabled None: not checked yet
 cuLaunchKernel = None
 
 _DeviceNDArray = None    # numba's DeviceNDArray class, once imported (real CUDA only)
+_LaunchConfiguration = None   # what numba's kernel[grid, block, stream] returns
 
 
 def numba_cuda_version():
@@ -124,19 +125,20 @@ def disable(why):
 
 def enabled():
     """True where launches are cached: real CUDA, and numba-cuda has the names we read."""
-    global _DeviceNDArray, cuLaunchKernel
-    if _state["enabled"] is None:
-        missing = [] if SIMULATOR else missing_numba_names()
-        if SIMULATOR:
-            _state["enabled"], _state["why_not"] = False, "Numba's CUDA simulator has no driver"
-        elif missing:
-            disable(_version_message(f"lacks {', '.join(missing)}, which this cache reads"))
-        else:
-            from numba.cuda.cudadrv.devicearray import DeviceNDArray
-            from numba.cuda.cudadrv.driver import binding
-            _DeviceNDArray = DeviceNDArray
-            cuLaunchKernel = cuLaunchKernel or binding.cuLaunchKernel
-            _state["enabled"] = True
+    global _DeviceNDArray, _LaunchConfiguration, cuLaunchKernel
+    if _state["enabled"] is not None:
+        return _state["enabled"]
+    if SIMULATOR:
+        _state["enabled"], _state["why_not"] = False, "Numba's CUDA simulator has no driver"
+    elif missing := missing_numba_names():
+        disable(_version_message(f"lacks {', '.join(missing)}, which this cache reads"))
+    else:
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        from numba.cuda.cudadrv.driver import binding
+        from numba.cuda.dispatcher import _LaunchConfiguration
+        _DeviceNDArray = DeviceNDArray
+        cuLaunchKernel = cuLaunchKernel or binding.cuLaunchKernel
+        _state["enabled"] = True
     return _state["enabled"]
 
 
@@ -151,7 +153,8 @@ def key(kernel, grid, block, stream, args):
 
 
 class _Record:
-    """One recorded launch: everything ``cuLaunchKernel`` takes, ready."""
+    """One recorded launch: everything ``cuLaunchKernel`` takes, ready. A scalar's slot keeps
+    the C type numba chose at the record (a Python int: int64, as numba types ints below 2**63)."""
     __slots__ = ("func", "dims", "stream", "params", "storage", "slots", "refs")
 
     def launch(self, args):
@@ -184,9 +187,9 @@ def replay(key, args):
 def launch_and_record(key, configured, stream, args):
     """Numba's launch ``configured(*args)``; the second time a key is seen, also keep a record,
     so that later launches of it are one driver call (see the module docstring)."""
-    if key is None or key in _records:            # cache off, or numba's path for this key
-        configured(*args)
-        return
+    if key is None or key in _records or not isinstance(configured, _LaunchConfiguration):
+        configured(*args)                         # cache off, numba's path for this key, or
+        return                                    # not numba's kernel (a test's stand-in)
     if key not in _seen:
         if len(_seen) >= SEEN_LIMIT:
             _seen.clear()
