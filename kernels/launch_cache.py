@@ -34,7 +34,9 @@ which numba copies on every launch, foreign CUDA arrays), a debug or cooperative
 default stream (whose kernel handle depends on the thread's current context) stays on numba's
 path every time.
 
-Numba-cuda's private names this relies on are listed in ``NUMBA_NAMES``; ``missing_numba_names``
+``MIRRORED_LAUNCH_CACHE=0`` in the environment turns the cache off (every launch takes numba's
+path), for comparing the two or debugging. Numba-cuda's private names this relies on are listed
+in ``NUMBA_NAMES``; ``missing_numba_names``
 checks them, and where one is missing the cache turns itself off with a warning that names the
 installed numba-cuda version (requirements.txt pins the tested range).
 
@@ -45,6 +47,7 @@ registered signature).
 """
 import ctypes
 import importlib
+import os
 import threading
 import warnings
 import weakref
@@ -77,7 +80,7 @@ NUMBA_NAMES = (
 #: record one launch early, which is still correct. Cleared past this many entries.
 SEEN_LIMIT = 65536
 
-_records = {}            # key -> _Record, or _Uncached (numba's path for this key, and why)
+_records = {}            # key -> Record, or _Uncached (numba's path for this key, and why)
 _seen = {}               # key -> True: launched once through numba
 _record_lock = threading.Lock()
 _state = {"enabled": None, "why_not": None}    # enabled None: not checked yet
@@ -130,6 +133,8 @@ def enabled():
         return _state["enabled"]
     if SIMULATOR:
         _state["enabled"], _state["why_not"] = False, "Numba's CUDA simulator has no driver"
+    elif os.environ.get("MIRRORED_LAUNCH_CACHE", "1").strip().lower() in ("0", "false", "no"):
+        _state["enabled"], _state["why_not"] = False, "MIRRORED_LAUNCH_CACHE=0 is set"
     elif missing := missing_numba_names():
         disable(_version_message(f"lacks {', '.join(missing)}, which this cache reads"))
     else:
@@ -152,10 +157,10 @@ def key(kernel, grid, block, stream, args):
             *[id(a) if a.__class__ is cls else a.__class__ for a in args])
 
 
-class _Record:
+class Record:
     """One recorded launch: everything ``cuLaunchKernel`` takes, ready. A scalar's slot keeps
     the C type numba chose at the record (a Python int: int64, as numba types ints below 2**63)."""
-    __slots__ = ("func", "dims", "stream", "params", "storage", "slots", "refs")
+    __slots__ = ("name", "func", "dims", "stream", "params", "storage", "slots", "refs")
 
     def launch(self, args):
         for i, slot in self.slots:             # the scalars that may change: written in place
@@ -163,8 +168,11 @@ class _Record:
         gx, gy, gz, bx, by, bz = self.dims
         err, = cuLaunchKernel(self.func, gx, gy, gz, bx, by, bz, 0, self.stream, self.params, 0)
         if err:
-            raise RuntimeError(f"cuLaunchKernel returned {err!r} for a cached launch (numba's "
-                               f"path would have met the same CUDA error).")
+            raise RuntimeError(
+                f"cuLaunchKernel returned {err!r} launching {self.name} (a cached launch, "
+                f"kernels/launch_cache.py). An earlier kernel may have failed on this context: "
+                f"run the step under compute-sanitizer, or with MIRRORED_LAUNCH_CACHE=0 to "
+                f"launch through numba-cuda's path, which raises CudaAPIError for the same error.")
 
 
 class _Uncached:
@@ -178,7 +186,7 @@ class _Uncached:
 def replay(key, args):
     """Launch from the record for ``key`` in one driver call; False if there is none."""
     record = _records.get(key)
-    if record is None or record.__class__ is not _Record:
+    if record is None or record.__class__ is not Record:
         return False
     record.launch(args)
     return True
@@ -275,7 +283,7 @@ def is_scalar(value):
 
 
 def make_record(overload, griddim, blockdim, stream, args):
-    """A ``_Record`` for launching ``overload`` (the ``_Kernel`` numba launched) again with
+    """A ``Record`` for launching ``overload`` (the ``_Kernel`` numba launched) again with
     ``args``' buffers, or an ``_Uncached`` saying why not."""
     from numba.cuda.cudadrv.driver import Stream, binding
     if not enabled():
@@ -290,7 +298,8 @@ def make_record(overload, griddim, blockdim, stream, args):
     except (ValueError, TypeError) as err:
         return _Uncached(str(err))
     pointers = (ctypes.c_void_p * max(len(words), 1))(*[ctypes.addressof(w) for w in words])
-    record = _Record()
+    record = Record()
+    record.name = getattr(overload.py_func, "__name__", "a kernel")
     cufunc = overload._codelibrary.get_cufunc()        # the handle numba launched, this device
     record.func = binding.CUfunction(int(cufunc.handle))
     record.dims = tuple(int(d) for d in (*griddim, *blockdim))
@@ -305,7 +314,7 @@ def explain(key):
     """Why ``key`` is on numba's path, or "cached" (for labs and tests)."""
     record = _records.get(key)
     if record is not None:
-        return "cached" if record.__class__ is _Record else record.why
+        return "cached" if record.__class__ is Record else record.why
     if key is None:
         return _state["why_not"]
     return "seen once: recorded at its next launch" if key in _seen else "not launched yet"

@@ -49,9 +49,10 @@ def cached_bytes(sizes):
 """ % ROOT
 
 
-def run_child(code):
-    """Run PRELUDE + ``code`` with real numba-cuda; return the JSON it prints last."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+def run_child(code, **environ):
+    """Run PRELUDE + ``code`` with real numba-cuda (and ``environ`` added to the environment);
+    return the JSON it prints last."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", **environ,
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env,
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT, cwd=ROOT)
@@ -97,12 +98,12 @@ def test_packed_bytes_equal_numbas_for_every_registered_signature():
                 kernel = _Kernel.__new__(_Kernel)          # numba's class, not compiled
                 kernel.signature = types.void(*argtypes)
                 kernel.extensions, kernel.debug, kernel.cooperative = [], False, False
-                kernel._codelibrary = Library()
+                kernel._codelibrary, kernel.py_func = Library(), spec.kernel.py_func
                 args = [value_for(t) for t in argtypes]
                 grid, block = (3, 2, 1), (32, 4, 1)
                 kernel.launch(args, grid, block, stream)    # numba's real launch
                 record = launch_cache.make_record(kernel, grid, block, stream, args)
-                assert type(record).__name__ == "_Record", (spec.label, getattr(record, "why", ""))
+                assert isinstance(record, launch_cache.Record), (spec.label, getattr(record, "why", ""))
                 record.launch(args)                          # the cached launch
                 sizes = [n for t in argtypes for n in abi_sizes(t)]
                 words, theirs = numba_bytes(sizes)
@@ -231,6 +232,22 @@ def test_numba_names_exist_and_a_missing_one_falls_back_to_numbas_path():
         result["warnings"]
 
 
+def test_the_environment_can_turn_the_cache_off():
+    result = run_child("""
+        from kernels import elementwise
+        stream = fake_stream()
+        x, out = fake_array((9,), np.float32), fake_array((9,), np.float32)
+        numba_launches = 0
+        for _ in range(4):
+            stub.numba = None
+            elementwise.unary("neg", x, out, stream=stream)
+            numba_launches += stub.numba is not None
+        print(json.dumps({"numba": numba_launches, "cached": stub.cached is not None,
+                          "why": launch_cache.explain(None)}))
+    """, MIRRORED_LAUNCH_CACHE="0")
+    assert result == {"numba": 4, "cached": False, "why": "MIRRORED_LAUNCH_CACHE=0 is set"}
+
+
 def test_a_failed_driver_call_raises():
     result = run_child("""
         from kernels import elementwise
@@ -246,7 +263,9 @@ def test_a_failed_driver_call_raises():
             message = str(err)
         print(json.dumps({"message": message}))
     """)
-    assert result["message"] and "cuLaunchKernel" in result["message"] and "700" in result["message"]
+    message = result["message"]
+    assert message and "cuLaunchKernel returned 700 launching unary_kernel" in message
+    assert "MIRRORED_LAUNCH_CACHE=0" in message
 
 
 def test_requirements_pin_the_tested_numba_cuda_range():
