@@ -303,23 +303,21 @@ def time_launches(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=0):
                 method="back-to-back launches")
 
 
-def time_host(fn, warmup=WARMUP, repeat=REPEAT, number=1, sync=None, clock=time.perf_counter):
+def time_host(fn, warmup=WARMUP, repeat=REPEAT, number=1, sync=None):
     """Time ``fn()`` with time.perf_counter; ``sync()`` (if given) runs before each clock
-    read, e.g. ``cuda.synchronize``. For smoke runs in the simulator and CPU code.
-    ``clock=time.thread_time``: this thread's CPU time, for pure host work on a machine
-    shared with other jobs (waiting for a core is not counted)."""
+    read, e.g. ``cuda.synchronize``. For smoke runs in the simulator and CPU code."""
     for _ in range(warmup):
         fn()
     if sync:
         sync()
     per_call = []
     for _ in range(repeat):
-        t0 = clock()
+        t0 = time.perf_counter()
         for _ in range(number):
             fn()
         if sync:
             sync()
-        per_call.append((clock() - t0) / number)
+        per_call.append((time.perf_counter() - t0) / number)
     return _summary(per_call, number)
 
 
