@@ -82,7 +82,7 @@ class _StubModule:
     initialized = True                    # numba's bind() sets a module up once
 
 
-class _StubCufunc:
+class StubCufunc:
     """What ``CUDACodeLibrary.get_cufunc`` returns: a loaded kernel's handle (one per code
     library, so two kernels never share one) and its module."""
     module = _StubModule
@@ -117,8 +117,12 @@ def stub_driver():
     stub = DriverStub()
     handles = {}
 
-    def get_cufunc(library):
-        return handles.setdefault(id(library), _StubCufunc(0x10000 + 0x100 * len(handles)))
+    def get_cufunc(library):              # numba's: the current context, then a dict lookup
+        Context.device
+        cufunc = handles.get(id(library))
+        if cufunc is None:
+            cufunc = handles[id(library)] = StubCufunc(0x10000 + 0x100 * len(handles))
+        return cufunc
 
     devices._runtime.ensure_context = contextlib.nullcontext
     devices.get_context = dispatcher.get_context = lambda devnum=None: Context

@@ -32,7 +32,8 @@ with alive.) A replaced buffer is a different array: a different key, a fresh re
 ``DeviceNDArray`` arguments and Python/NumPy scalars are recorded; anything else (host arrays,
 which numba copies on every launch, foreign CUDA arrays), a debug or cooperative kernel, or the
 default stream (whose kernel handle depends on the thread's current context) stays on numba's
-path every time.
+path every time. A record belongs to one stream, and one stream is launched on from one thread
+(each replica's thread has its own), so a slot is never written by two launches at once.
 
 ``MIRRORED_LAUNCH_CACHE=0`` in the environment turns the cache off (every launch takes numba's
 path), for comparing the two or debugging. Numba-cuda's private names this relies on are listed

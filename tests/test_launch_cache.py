@@ -72,8 +72,8 @@ def test_packed_bytes_equal_numbas_for_every_registered_signature():
         class Library:                      # what numba's launch asks for the kernel's handle
             def get_cufunc(self):
                 return stub_cufunc
-        from benchmarks.launch import _StubCufunc
-        stub_cufunc = _StubCufunc(0x4242)
+        from benchmarks.launch import StubCufunc
+        stub_cufunc = StubCufunc(0x4242)
 
         def abi_sizes(ty):
             '''Bytes of each parameter word the compiled kernel reads for one argument.'''
