@@ -21,9 +21,9 @@ simulator is single-device and synchronous anyway); on real CUDA there is no
 lock and configured kernels are cached per (kernel, grid, block, stream).
 
 Neighbours: ``elementwise.py``, ``reduction.py``, ``gemm.py`` ... all import
-from here; ``launch_cache.py`` keeps the records ``launch`` replays; ``mirrored/backends.py`` calls their launchers; ``registry.py`` records, for
-the real compiler's checks (``python -m kernels.report``), the block each launcher
-takes from here.
+from here; ``launch_cache.py`` keeps the records ``launch`` replays;
+``mirrored/backends.py`` calls the launchers; ``registry.py`` records, for the real
+compiler's checks (``python -m kernels.report``), the block each launcher takes from here.
 """
 import threading
 import weakref
