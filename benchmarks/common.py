@@ -8,7 +8,9 @@ peer, never a single time. This module holds the parts every program needs:
     gpu_status()           (True, name) or (False, why not)
     no_gpu(program, instead)   say so and return True where there is no GPU to time on
     device_info()          device name, compute capability, driver and library versions
-    time_gpu(fn)           CUDA-event timer: warm-up, samples of ``number`` calls, median
+    time_gpu(fn)           CUDA events around a captured graph of ``number`` calls of fn(stream)
+    time_launches(fn)      the old way: events around fn() called back to back (host-bound
+                           once fn's kernels are shorter than its host call)
     time_host(fn)          the same with time.perf_counter (simulator smoke runs, CPU)
     copy_bandwidth(nbytes) measured device-to-device copy GB/s: the memory ceiling
     print_table(rows, columns), write_json(name, payload, info, out)
@@ -23,10 +25,11 @@ Typical program::
     common.choose_cuda(smoke=args.smoke)      # first, before anything imports numba
     ok, why = common.gpu_status()
     ...
-    t = common.time_gpu(lambda: kernel(...))  # {"median_s": ..., ...}
+    t = common.time_gpu(lambda s: kernel(..., stream=s))  # {"median_s": ..., ...}
     common.write_json("kernels", {"results": rows}, common.device_info())
 """
 import datetime as _dt
+import inspect
 import json
 import os
 import platform
@@ -171,18 +174,115 @@ def _summary(per_call, number):
     }
 
 
-def time_gpu(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=0):
-    """Time ``fn()`` (which launches GPU work on ``stream``) with CUDA events.
-
-    Each sample records an event, calls ``fn`` ``number`` times, records another event
-    and waits for it; the sample's time per call is the elapsed GPU time / number.
-    ``number=None`` calibrates it so a sample lasts >= MIN_SAMPLE_S. ``stream=0`` is
-    the legacy default stream, which also orders work that CuPy or PyTorch launch on
-    their default streams, so one timer serves our kernels and the peers. (The hot path
-    never uses the legacy default stream; a benchmark is not the hot path.)
-    Returns a dict of seconds per call: median_s, min_s, max_s, samples, calls_per_sample.
-    """
+def _gpu_api():
+    """(numba.cuda, numba-cuda's driver, the CUDA bindings): one place, so that a test can put
+    stand-ins here (tests/test_benchmarks_time_gpu.py)."""
     from numba import cuda
+    from numba.cuda.cudadrv.driver import binding, driver
+    return cuda, driver, binding
+
+
+def _takes_stream(fn):
+    """True if ``fn`` takes one positional argument (the stream to launch on)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+               for p in params)
+
+
+def time_gpu(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=None):
+    """Time the GPU work of ``fn(stream)``: CUDA events around a CUDA graph of ``number`` calls.
+
+    Why a graph. Calling ``fn`` back to back from Python and reading events around the calls
+    (``time_launches``) measures the host whenever one call's kernels take less time than the
+    call itself: the GPU then waits for each launch, and the events bracket the waits. Measured
+    on an H100, every conv and pooling kernel at batch 64 was in that regime. Here ``fn``'s
+    launches on ``stream`` are captured once as a graph of ``number`` calls
+    (``cuStreamBeginCapture`` ... ``cuStreamEndCapture``, as ``mirrored/graphs.py`` captures a
+    step) and the graph is replayed between two events: the GPU runs the kernels back to back,
+    whatever Python costs.
+
+    ``fn(stream)`` must queue its work on ``stream`` only (a capture records that stream), and
+    must not allocate, free or synchronise (run it ``warmup`` times first, uncaptured: the first
+    call compiles and allocates). ``stream``: a non-default stream (default: a new one).
+    ``number=None`` calibrates it so a sample lasts >= MIN_SAMPLE_S. A ``fn`` that takes no
+    argument cannot be put on our stream: it is timed the old way, ``time_launches``, and the
+    result's ``method`` says so. Returns a dict of seconds per call: median_s, min_s, max_s,
+    samples, calls_per_sample, method ("graph" or "back-to-back launches").
+    """
+    if not _takes_stream(fn):
+        return time_launches(fn, warmup, repeat, number, stream or 0)
+    cuda, driver, binding = _gpu_api()
+    stream = stream or cuda.stream()
+    handle = int(stream.handle)
+    for _ in range(warmup):
+        fn(stream)
+    stream.synchronize()
+    start, end = cuda.event(timing=True), cuda.event(timing=True)
+
+    def graph_of(n):
+        """(graph, executable) of ``n`` calls of fn, captured on ``stream``."""
+        with cuda.defer_cleanup():                  # a free during a capture would sync
+            driver.cuStreamBeginCapture(
+                handle, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            try:
+                for _ in range(n):
+                    fn(stream)
+            except BaseException:                   # end the capture, drop what it held
+                _end_failed_capture(driver, handle)
+                raise
+            graph = driver.cuStreamEndCapture(handle)
+        try:
+            return graph, driver.cuGraphInstantiate(graph, 0)
+        except BaseException:
+            driver.cuGraphDestroy(graph)
+            raise
+
+    def sample(exe, n):
+        start.record(stream)
+        driver.cuGraphLaunch(exe, handle)
+        end.record(stream)
+        end.synchronize()
+        return cuda.event_elapsed_time(start, end) / 1e3 / n     # ms -> s, per call
+
+    def samples(n, count):
+        graph, exe = graph_of(n)
+        try:
+            sample(exe, n)                          # the first replay uploads the graph
+            return [sample(exe, n) for _ in range(count)]
+        finally:
+            driver.cuGraphExecDestroy(exe)
+            driver.cuGraphDestroy(graph)
+
+    if number is None:
+        once = max(samples(1, 1)[0], 1e-7)
+        number = int(min(MAX_NUMBER, max(1, MIN_SAMPLE_S // once)))
+    return dict(_summary(samples(number, repeat), number), method="graph")
+
+
+def _end_failed_capture(driver, handle):
+    """End a capture that a failed call broke; its error is the one to see, not ours."""
+    try:
+        graph = driver.cuStreamEndCapture(handle)
+    except Exception:                               # noqa: BLE001 (an invalidated capture)
+        return
+    try:
+        driver.cuGraphDestroy(graph)
+    except Exception:                               # noqa: BLE001
+        pass
+
+
+def time_launches(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=0):
+    """The old ``time_gpu``: events around ``number`` calls of ``fn()`` made back to back from
+    Python. Right only while the GPU is busier than the host: once ``fn``'s kernels take less
+    time than the call, it reports host time (see ``time_gpu``). Kept for work that cannot be
+    put on one stream of ours (a peer library's default stream) and for the test that shows
+    the difference. ``stream=0`` is the legacy default stream, which also orders CuPy's and
+    PyTorch's default-stream work. Returns ``time_gpu``'s dict.
+    """
+    cuda, _, _ = _gpu_api()
     start, end = cuda.event(timing=True), cuda.event(timing=True)
 
     def sample(n):
@@ -199,7 +299,8 @@ def time_gpu(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=0):
     if number is None:
         once = max(sample(1), 1e-7)
         number = int(min(MAX_NUMBER, max(1, MIN_SAMPLE_S // once)))
-    return _summary([sample(number) for _ in range(repeat)], number)
+    return dict(_summary([sample(number) for _ in range(repeat)], number),
+                method="back-to-back launches")
 
 
 def time_host(fn, warmup=WARMUP, repeat=REPEAT, number=1, sync=None):

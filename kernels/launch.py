@@ -6,7 +6,11 @@ One place decides three things for all kernels:
   so every launcher sizes its grid the same way, within the GPU's limits
   (``check_launch``, which ``launch`` applies to every launch);
 * whether we run on real CUDA or in Numba's CUDA simulator (``SIMULATOR``);
-* how a configured kernel is launched (``launch``).
+* how a configured kernel is launched (``launch``): numba's path,
+  ``kernel[grid, block, stream](*args)``, until ``launch_cache.py`` holds a record
+  of the launch, then one driver call;
+* which argument checks need not run again (``check_array``, ``check_no_alias``
+  remember what a device array passed: ``_facts``).
 
 Why ``launch`` exists: on a real GPU ``kernel[grid, block, stream]`` returns a
 new *configured* kernel object, which is cheap to keep and call again. In the
@@ -17,9 +21,9 @@ simulator is single-device and synchronous anyway); on real CUDA there is no
 lock and configured kernels are cached per (kernel, grid, block, stream).
 
 Neighbours: ``elementwise.py``, ``reduction.py``, ``gemm.py`` ... all import
-from here; ``mirrored/backends.py`` calls their launchers; ``registry.py`` records, for
-the real compiler's checks (``python -m kernels.report``), the block each launcher
-takes from here.
+from here; ``launch_cache.py`` keeps the records ``launch`` replays;
+``mirrored/backends.py`` calls the launchers; ``registry.py`` records, for the real
+compiler's checks (``python -m kernels.report``), the block each launcher takes from here.
 """
 import threading
 import weakref
@@ -27,6 +31,8 @@ import warnings
 
 from numba import config as _numba_config
 from numba import cuda
+
+from kernels import launch_cache
 
 #: True when ``NUMBA_ENABLE_CUDASIM=1`` was set before numba.cuda was imported.
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
@@ -160,6 +166,23 @@ def flat(a):
     return view(a, (a.size,))
 
 
+def head(a, n):
+    """``a[:n]`` of a 1-D array, made once per array and ``n`` (see ``view``): a launch with
+    the same view is a launch with the same buffers, which ``launch_cache`` replays."""
+    if n == a.shape[0]:
+        return a
+    try:
+        views = _views.get(a)
+        if views is None:
+            views = _views[a] = {}
+    except TypeError:
+        return a[:n]
+    v = views.get(("head", n))
+    if v is None:
+        v = views[("head", n)] = a[:n]
+    return v
+
+
 def grid_rows(rows):
     """Blocks along y for ``rows`` block-rows: all of them up to the hardware's
     ``MAX_GRID_YZ``; a kernel launched with it loops ``for r in range(blockIdx.y,
@@ -203,7 +226,10 @@ def launch(kernel, grid, block, stream, *args):
     """Run ``kernel[grid, block, stream](*args)``, after ``check_launch``.
 
     Real CUDA: the configured kernel is cached, so repeated launches skip
-    Numba's configuration step (and the limits check, done when it is cached).
+    Numba's configuration step (and the limits check, done when it is cached);
+    and from the third launch with the same buffers on the same stream, the launch
+    is one driver call from ``kernels/launch_cache.py``'s record (numba's path,
+    ``configured(*args)``, is what runs until then, and what the record equals).
     Simulator: launches are serialised (see the module docstring), checked every
     time, and ``stream`` may be ``None`` or a simulated stream.
     """
@@ -212,13 +238,16 @@ def launch(kernel, grid, block, stream, *args):
         with _sim_lock:
             _configure(kernel, grid, block, stream)(*args)
         return
+    cache_key = launch_cache.key(kernel, grid, block, stream, args)
+    if launch_cache.replay(cache_key, args):      # the fast path: one driver call
+        return
     key = (kernel, grid, block, stream)
     configured = _configured.get(key)
     if configured is None:
         check_launch(kernel, grid, block)
         with _configure_lock:             # warnings.catch_warnings is process-wide state
             configured = _configured[key] = _configure(kernel, grid, block, stream)
-    configured(*args)
+    launch_cache.launch_and_record(cache_key, configured, stream, args)   # configured(*args)
 
 
 def _configure(kernel, grid, block, stream):
@@ -241,7 +270,19 @@ def _is_c_contiguous(arr):
 
 
 def _data_range(arr):
-    """(first byte address, one past the last) of an array's memory."""
+    """(first byte address, one past the last) of an array's memory (kept in ``_facts``
+    for a device array)."""
+    facts = _facts.get(id(arr))          # an entry is there only while its array lives
+    if facts is not None and facts.range is not None:
+        return facts.range
+    facts = _facts_of(arr)
+    if facts is None:
+        return _read_range(arr)
+    facts.range = _read_range(arr)
+    return facts.range
+
+
+def _read_range(arr):
     if hasattr(arr, "_ary"):  # simulator's FakeCUDAArray wraps a NumPy array
         arr = arr._ary
     iface = getattr(arr, "__cuda_array_interface__", None) or arr.__array_interface__
@@ -249,11 +290,57 @@ def _data_range(arr):
     return start, start + arr.nbytes
 
 
+#: The class of numba's device arrays on real CUDA (None in the simulator). Their shape, dtype,
+#: strides and memory never change, so a check they passed need not run again: see ``_facts``.
+_DEVICE_ARRAY = None
+if not SIMULATOR:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray as _DEVICE_ARRAY
+
+
+class _Facts:
+    """What the checks learnt about one device array: the checks it passed, its memory range."""
+    __slots__ = ("passed", "range", "ref")
+
+
+#: id(device array) -> _Facts, dropped by a weak reference's callback when the array goes
+#: (before its id can be reused). Why: a launcher's checks ran on every call, and
+#: ``__cuda_array_interface__`` builds a dictionary each time it is read (``check_no_alias``
+#: read it about 22 times per conv2d_backward call). A training step checks the same buffers
+#: every step, so each check now runs once per array and shape.
+_facts = {}
+
+
+def _facts_of(arr):
+    """The ``_Facts`` of a device array (made on first sight), or None for any other array."""
+    if _DEVICE_ARRAY is None or arr.__class__ is not _DEVICE_ARRAY:
+        return None
+    facts = _facts.get(id(arr))
+    if facts is None:
+        facts = _Facts()
+        facts.passed, facts.range = set(), None
+        facts.ref = weakref.ref(arr, lambda _ref, i=id(arr): _facts.pop(i, None))
+        _facts[id(arr)] = facts
+    return facts
+
+
 def check_array(what, arr, dtype, ndim=None, shape=None, contiguous=True):
     """Raise a clear error unless ``arr`` has ``dtype`` (and ndim/shape), C order.
 
-    ``what`` names the argument in the message, e.g. ``"gemm: A"``.
+    ``what`` names the argument in the message, e.g. ``"gemm: A"``. A device array that
+    passed the same check before is not checked again (``_facts``).
     """
+    facts = _facts.get(id(arr))          # an entry is there only while its array lives
+    spec = (dtype, ndim, shape if shape is None or shape.__class__ is tuple else tuple(shape),
+            contiguous)
+    if facts is not None and spec in facts.passed:
+        return
+    _check_array(what, arr, dtype, ndim, shape, contiguous)
+    facts = _facts_of(arr)
+    if facts is not None:
+        facts.passed.add(spec)
+
+
+def _check_array(what, arr, dtype, ndim, shape, contiguous):
     import numpy as np
 
     if np.dtype(arr.dtype) != np.dtype(dtype):

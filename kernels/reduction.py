@@ -22,7 +22,7 @@ Neighbours: ``launch.py`` (grids), ``elementwise.py`` (the same file layout),
 import numpy as np
 from numba import cuda, from_dtype
 
-from kernels.launch import SIMULATOR, ceil_div, check_array, grid_rows, launch
+from kernels.launch import SIMULATOR, ceil_div, check_array, flat, grid_rows, head, launch, view
 from kernels.registry import TENSOR_DTYPES, arr3, mat, register, sig, vec
 
 #: Threads per block in ``sum_all``: a power of two (the tree halves it each
@@ -159,7 +159,6 @@ def sum_all(x, out, partial=None, stream=None):
     check_array("sum_all: out", out, x.dtype)
     if out.size != 1:
         raise ValueError(f"sum_all: out must hold 1 element, got shape {tuple(out.shape)}.")
-    flat = x.reshape(x.size)
     blocks = min(SUM_BLOCKS, max(1, ceil_div(x.size, SUM_THREADS)))
     if partial is None:
         partial = cuda.device_array(SUM_BLOCKS, dtype=x.dtype, stream=stream or 0)
@@ -167,8 +166,9 @@ def sum_all(x, out, partial=None, stream=None):
     if partial.shape[0] < blocks:
         raise ValueError(f"sum_all: partial holds {partial.shape[0]} elements, pass 1 writes "
                          f"{blocks}; pass a scratch array of SUM_BLOCKS = {SUM_BLOCKS}.")
-    launch(block_sums, blocks, SUM_THREADS, stream, flat, partial)
-    launch(block_sums, 1, SUM_THREADS, stream, partial[:blocks], out.reshape(1))
+    # flat, head and view: the same view objects every call, so the launches are replayed
+    launch(block_sums, blocks, SUM_THREADS, stream, flat(x), partial)
+    launch(block_sums, 1, SUM_THREADS, stream, head(partial, blocks), view(out, (1,)))
     return out
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 TENSOR_DTYPES = ("float32", "float64", "int32", "int64")
 
 #: Modules of this package that hold no kernels (skipped when importing them all).
-_NOT_KERNEL_MODULES = ("registry", "report", "launch")
+_NOT_KERNEL_MODULES = ("registry", "report", "launch", "launch_cache")
 
 
 def vec(dtype):

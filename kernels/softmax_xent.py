@@ -56,6 +56,7 @@ from kernels.registry import mat, register, sig, vec
 EPSILON = 1e-7
 
 _LABEL_DTYPES = (np.int32, np.int64)
+_LABEL_DTYPE_SET = frozenset(np.dtype(t) for t in _LABEL_DTYPES)   # checked at every launch
 
 
 # --- NumPy references -----------------------------------------------------------------
@@ -323,7 +324,7 @@ def _check_args(what, x, labels, loss_out, grad_out, correct_out):
     check_array(f"{what}: {'logits' if what == 'softmax_xent' else 'probs'}", x,
                 np.float32, ndim=2)
     b, c = x.shape
-    if np.dtype(labels.dtype) not in [np.dtype(t) for t in _LABEL_DTYPES]:
+    if labels.dtype not in _LABEL_DTYPE_SET:
         raise TypeError(f"{what}: labels must be int32 or int64 class indices, got "
                         f"{labels.dtype}; for one-hot labels take argmax first.")
     check_array(f"{what}: labels", labels, labels.dtype, shape=(b,))

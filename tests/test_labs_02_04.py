@@ -42,3 +42,5 @@ def test_lab_runs_top_to_bottom(name, run_lab):
         # the real compiler's table (kernels.report): the four v3 rows, then one row per version
         assert text.count("gemm_v3[trans_a=") == 4 and "problem(s)" not in text
         assert "spill+stack B" in text
+        # section 8: the launch table, computed by benchmarks.launch in a child process
+        assert "numba / cached" in text and ("driver: stubbed" in text or "driver: real" in text)
