@@ -91,6 +91,13 @@ DW_THREADS = 32 if SIMULATOR else 256
 #: layer; pass 2 then adds 128 partials per weight.
 DW_MAX_CHUNKS = 128
 DW_MIN_CHUNK_ROWS = 4
+#: Elements an array may have for kernels that index with 32-bit unsigned arithmetic
+#: (v3 and the kernels compiled per shape): every index, and index + one row, stays
+#: below 2**32. ``check_size`` refuses larger arrays.
+MAX_ELEMENTS_32 = 2**31
+#: v2's blocks at most: one block per output tile up to this (a grid-stride loop over
+#: tiles covers the rest): 31 blocks of 256 threads per SM of an H100.
+V2_MAX_BLOCKS = 4 if SIMULATOR else 4096
 
 
 # --- geometry: shared with kernels/pooling.py ----------------------------------------
@@ -450,6 +457,24 @@ register(conv2d_dw_finish, "conv2d_dw_finish", sig(mat("float32"), _F32, _F32),
 DEFAULT_VERSION = "v1"
 
 
+def check_size(what, *arrays):
+    """Raise a ValueError unless every array has fewer than 2**31 elements (the kernels
+    compiled per shape index with 32-bit unsigned arithmetic)."""
+    for a in arrays:
+        if a.size >= MAX_ELEMENTS_32:
+            raise ValueError(f"{what}: an array of shape {tuple(a.shape)} has {a.size:,} "
+                             f"elements; these kernels index with 32-bit arithmetic and take "
+                             f"fewer than 2**31 = {MAX_ELEMENTS_32:,}: split the batch.")
+
+
+def v2_grid(out_shape):
+    """v2's (blocks, threads): one block per 8 x 8 output tile (all channels), up to
+    V2_MAX_BLOCKS. (It was ``grid_1d(tiles, 256)``: tiles / 256 blocks, 32 at batch 512,
+    each looping over 256 tiles: no GPU was filled.)"""
+    tiles = out_shape[0] * ceil_div(out_shape[1], V2_TILE) * ceil_div(out_shape[2], V2_TILE)
+    return max(1, min(tiles, V2_MAX_BLOCKS)), V2_THREADS
+
+
 def v2_fits(kernel_shape, strides):
     """True when v2's shared buffers hold this layer's kernel and one tile's input patch."""
     kh, kw, cin, cout = kernel_shape
@@ -496,9 +521,7 @@ def conv2d(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=
         launch(KERNELS["v1"][bool(relu)], *grid_1d(out.size), stream, x, kernel, bias, out,
                sh, sw, pt, pl)
     else:
-        tiles = shape[0] * ceil_div(shape[1], V2_TILE) * ceil_div(shape[2], V2_TILE)
-        blocks, _ = grid_1d(tiles, V2_THREADS)
-        launch(KERNELS["v2"][bool(relu)], blocks, V2_THREADS, stream, x, flat(kernel), bias,
+        launch(KERNELS["v2"][bool(relu)], *v2_grid(shape), stream, x, flat(kernel), bias,
                out, sh, sw, pt, pl, kernel.shape[0], kernel.shape[1])
     return out
 
