@@ -128,6 +128,14 @@ def geometry(x_shape, kernel_shape, strides, padding):
     return h, w, cin, kh, kw, cout, sh, sw, pt, pl, oh, ow
 
 
+def is_padded(geo):
+    """True when some window of ``geo`` hangs over x's edge (taps there count 0): without
+    padding every output's window is inside x, and a clamped tap (``step``) feeds only
+    outputs past OW, which are not stored."""
+    h, w, _, kh, kw, _, sh, sw, pt, pl, oh, ow = geo
+    return pt > 0 or pl > 0 or (oh - 1) * sh + kh > h or (ow - 1) * sw + kw > w
+
+
 _kernels = {}
 
 
@@ -163,9 +171,7 @@ def _make_forward(geo, relu, pool):
     PATCH = ROWS_IN * COLS_IN * CHUNK
     ACCS = pool * CONV_COLS                                # conv outputs per step
     OUT_H, OUT_W = (OH // pool, OW // pool) if pool == POOL else (OH, OW)
-    # Taps outside x (0 in the sum) only where the layer pads; without padding every
-    # output's window is inside x, and a clamped tap feeds only outputs past OW.
-    PADDED = PT > 0 or PL > 0 or (OH - 1) * SH + KH > H or (OW - 1) * SW + KW > W
+    PADDED = is_padded(geo)
 
     @cuda.jit(device=True, inline="always")
     def load_weights(w, wreg, co, c):
