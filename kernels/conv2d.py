@@ -467,6 +467,33 @@ def check_size(what, *arrays):
                              f"fewer than 2**31 = {MAX_ELEMENTS_32:,}: split the batch.")
 
 
+class CheckMemo:
+    """What a launcher's checks concluded, remembered per (argument arrays, settings).
+
+    A training step calls each launcher with the same buffers every time, so shapes,
+    dtypes, aliasing and the window geometry are checked on the first call only. The
+    memo holds the arrays themselves: an entry is used only for the very same objects
+    (an id is never reused while its array is held here), and at most MAX_ENTRIES are
+    kept (cleared past that: a test that makes thousands of arrays does not pile them up).
+    """
+    MAX_ENTRIES = 256
+
+    def __init__(self):
+        self._entries = {}
+
+    def get(self, arrays, settings):
+        hit = self._entries.get((settings, tuple(id(a) for a in arrays)))
+        if hit is not None and all(x is y for x, y in zip(hit[0], arrays)):
+            return hit[1]
+        return None
+
+    def put(self, arrays, settings, value):
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[(settings, tuple(id(a) for a in arrays))] = (tuple(arrays), value)
+        return value
+
+
 def v2_grid(out_shape):
     """v2's (blocks, threads): one block per 8 x 8 output tile (all channels), up to
     V2_MAX_BLOCKS. (It was ``grid_1d(tiles, 256)``: tiles / 256 blocks, 32 at batch 512,

@@ -39,7 +39,8 @@ ReLU mask, whose dz this consumes), mirrored/backends.py (CudaOps).
 import numpy as np
 from numba import cuda, float32
 
-from kernels.conv2d import check_size, conv2d_dw_finish, conv2d_output_shape, dw_partial_shape
+from kernels.conv2d import (CheckMemo, check_size, conv2d_backward, conv2d_dw_finish,
+                            conv2d_output_shape, dw_partial_shape)
 from kernels.conv2d_v3 import LANES, MAX_TAPS, geometry, is_padded, u32
 from kernels.launch import SIMULATOR, check_array, check_no_alias, flat, grid_1d, grid_rows, launch
 from kernels.registry import mat, register, sig, vec
@@ -263,7 +264,7 @@ def partial_shape(x_shape, kernel_shape, strides=1, padding="valid", with_bias=T
     return max(1, min(-(-rows // DW_MIN_CHUNK_ROWS), DW_MAX_CHUNKS)), cols
 
 
-_checked = {}
+_checked = CheckMemo()
 
 
 def conv2d_backward_v2(x, kernel, dy, dx, dw, db, strides=1, padding="valid", partial=None,
@@ -271,10 +272,8 @@ def conv2d_backward_v2(x, kernel, dy, dx, dw, db, strides=1, padding="valid", pa
     """Conv2D backward with the v2 kernels: arguments and results as
     ``kernels.conv2d.conv2d_backward`` (``partial``: ``partial_shape(...)``). The checks
     run once per (shapes, buffers) and are remembered."""
-    key = (strides, padding, partial is None,
-           *((tuple(a.shape), str(a.dtype), id(a)) for a in (x, kernel, dy, dx, dw, db, partial)
-             if a is not None), dx is None, db is None)
-    geo = _checked.get(key)
+    arrays, settings = (x, kernel, dy, dx, dw, db, partial), (strides, padding)
+    geo = _checked.get(arrays, settings)
     if geo is None:
         shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_backward")
         if not fits(kernel.shape):
@@ -298,7 +297,7 @@ def conv2d_backward_v2(x, kernel, dy, dx, dw, db, strides=1, padding="valid", pa
         check_size("conv2d_backward", x, dy)
         geo = geometry(x.shape, kernel.shape, strides, padding)
         if partial is not None:              # a per-call scratch is new each call: not kept
-            _checked[key] = geo
+            _checked.put(arrays, settings, geo)
     b, oh = x.shape[0], geo[10]
     part_shape = partial_shape(x.shape, kernel.shape, strides, padding, db is not None)
     if partial is None:
@@ -317,3 +316,15 @@ def conv2d_backward_v2(x, kernel, dy, dx, dw, db, strides=1, padding="valid", pa
     launch(conv2d_dw_finish, *grid_1d(cols), stream, partial, dw_flat,
            db if db is not None else dw_flat)
     return dx, dw, db
+
+
+def backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", scratch=None, stream=None):
+    """The library's Conv2D backward on a GPU: v2 where it exists (``fits``), else v1.
+    ``scratch(shape)``: returns the float32 partial-sum buffer of that shape (a device's
+    scratch); None makes one per call."""
+    v2 = fits(kernel.shape)
+    shape = (partial_shape if v2 else dw_partial_shape)(x.shape, kernel.shape, strides, padding,
+                                                        db is not None)
+    partial = scratch(shape) if scratch is not None else None
+    run = conv2d_backward_v2 if v2 else conv2d_backward
+    return run(x, kernel, dy, dx, dw, db, strides, padding, partial, stream)

@@ -62,7 +62,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int8, uint32
 
-from kernels.conv2d import check_size, conv2d_output_shape, conv2d_ref, pair, window_geometry
+from kernels.conv2d import (CheckMemo, check_size, conv2d, conv2d_output_shape, conv2d_ref, pair,
+                            window_geometry)
 from kernels.pooling import max_pool_ref
 from kernels.launch import (SIMULATOR, check_array, check_no_alias, flat, grid_rows, launch)
 from kernels.registry import register, sig, vec
@@ -322,16 +323,15 @@ def _grid(rows, cout):
     return (row_blocks, grid_rows(-(-cout // LANES))), (LANES, ROWS_PER_BLOCK)
 
 
-_checked = {}
+_checked = CheckMemo()
 
 
 def _check_once(what, x, kernel, bias, outs, strides, padding, pool):
     """The launcher's checks, run once per (argument shapes, dtypes, buffers) and
     remembered: a training step calls the launcher with the same buffers every time.
     Returns (geometry, output shape)."""
-    key = (what, pool, strides, padding, *((tuple(a.shape), str(a.dtype), id(a)) for a in
-                                           (x, kernel, bias, *outs)))
-    done = _checked.get(key)
+    arrays, settings = (x, kernel, bias, *outs), (what, pool, strides, padding)
+    done = _checked.get(arrays, settings)
     if done is not None:
         return done
     b, oh, ow, cout = conv2d_output_shape(x.shape, kernel.shape, strides, padding, what)
@@ -355,8 +355,7 @@ def _check_once(what, x, kernel, bias, outs, strides, padding, pool):
         check_no_alias(what, outs[1], x, kernel, bias, outs[0])
     check_no_alias(what, outs[0], x, kernel, bias)
     check_size(what, x, *outs)
-    done = _checked[key] = (geo, shape)
-    return done
+    return _checked.put(arrays, settings, (geo, shape))
 
 
 def conv2d_v3(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=None):
@@ -370,6 +369,23 @@ def conv2d_v3(x, kernel, bias, out, strides=1, padding="valid", relu=False, stre
         launch(forward_kernel(geo, relu, 1), grid, block, stream, flat(x), flat(kernel), bias,
                flat(out), np.uint32(rows))
     return out
+
+
+def forward(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=None):
+    """The library's Conv2D forward on a GPU: v3 where it exists for the kernel size
+    (``fits``: KH*KW <= MAX_TAPS), else v1 (kernels/conv2d.py)."""
+    if fits(kernel.shape, pair("conv2d", "strides", strides)):
+        return conv2d_v3(x, kernel, bias, out, strides, padding, relu, stream)
+    return conv2d(x, kernel, bias, out, strides, padding, relu, stream, version="v1")
+
+
+def fuses_with_pool(kernel_shape, strides, activation, pool_size, pool_strides, pool_padding):
+    """True when Conv2D(activation) followed by MaxPooling2D(pool_size, pool_strides,
+    pool_padding) runs as one ``conv2d_relu_pool``: a ReLU, a 2x2 pool of stride 2,
+    'valid', and a kernel the fused kernel holds."""
+    return (activation == "relu" and tuple(pool_size) == (POOL, POOL)
+            and tuple(pool_strides) == (POOL, POOL) and pool_padding == "valid"
+            and fits(kernel_shape, pair("conv2d", "strides", strides), POOL))
 
 
 def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", stream=None):
