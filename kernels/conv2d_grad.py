@@ -41,7 +41,7 @@ from numba import cuda, float32
 
 from kernels.conv2d import (CheckMemo, check_size, conv2d_backward, conv2d_dw_finish,
                             conv2d_output_shape, dw_partial_shape)
-from kernels.conv2d_v3 import LANES, MAX_TAPS, geometry, is_padded, u32
+from kernels.conv2d_v3 import LANES, MAX_TAPS, geometry, is_padded, shape_label, u32
 from kernels.launch import SIMULATOR, check_array, check_no_alias, flat, grid_1d, grid_rows, launch
 from kernels.registry import mat, register, sig, vec
 
@@ -80,7 +80,7 @@ def dw_kernel(geo, with_bias):
         _kernels[key] = _make_dw(geo, bool(with_bias))
         register(_kernels[key], "conv2d_dw_partial_v2",
                  sig(vec("float32"), vec("float32"), mat("float32"), "uint32", "uint32"),
-                 block=(LANES, DW_WARPS), variant=_variant(geo) + (" bias" if with_bias else ""))
+                 block=(LANES, DW_WARPS), variant=shape_label(geo) + (" bias" if with_bias else ""))
     return _kernels[key]
 
 
@@ -91,13 +91,8 @@ def dx_kernel(geo):
         _kernels[key] = _make_dx(geo)
         register(_kernels[key], "conv2d_dx_v2",
                  sig(vec("float32"), vec("float32"), vec("float32"), "uint32"),
-                 block=(LANES, DX_WARPS), variant=_variant(geo))
+                 block=(LANES, DX_WARPS), variant=shape_label(geo))
     return _kernels[key]
-
-
-def _variant(geo):
-    h, w, cin, kh, kw, cout, sh, sw, pt, pl, _, _ = geo
-    return f"{h}x{w}x{cin} k{kh}x{kw}->{cout} s{sh}x{sw} p{pt},{pl}"
 
 
 def _make_dw(geo, with_bias):

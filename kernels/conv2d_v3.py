@@ -129,6 +129,12 @@ def geometry(x_shape, kernel_shape, strides, padding):
     return h, w, cin, kh, kw, cout, sh, sw, pt, pl, oh, ow
 
 
+def shape_label(geo):
+    """``geo`` in words, the registered variant: "28x28x1 k3x3->32 s1x1 p0,0 out26x26"."""
+    h, w, cin, kh, kw, cout, sh, sw, pt, pl, oh, ow = geo
+    return f"{h}x{w}x{cin} k{kh}x{kw}->{cout} s{sh}x{sw} p{pt},{pl} out{oh}x{ow}"
+
+
 def is_padded(geo):
     """True when some window of ``geo`` hangs over x's edge (taps there count 0): without
     padding every output's window is inside x, and a clamped tap (``step``) feeds only
@@ -147,9 +153,7 @@ def forward_kernel(geo, relu, pool):
     kernel = _kernels.get(key)
     if kernel is None:
         kernel = _kernels[key] = _make_forward(geo, bool(relu), pool)
-        h, w, cin, kh, kw, cout, sh, sw, pt, pl, oh, ow = geo
-        variant = (f"{h}x{w}x{cin} k{kh}x{kw}->{cout} s{sh}x{sw} p{pt},{pl}"
-                   + (" relu" if relu else ""))
+        variant = shape_label(geo) + (" relu" if relu else "")
         if pool == 1:
             register(kernel, "conv2d_v3", sig(_F32, _F32, _F32, _F32, "uint32"),
                      block=(LANES, ROWS_PER_BLOCK), variant=variant, outputs_per_pass=STEP)

@@ -236,11 +236,11 @@ def backward_v2_kernel(geo, relu_mask, arg_dtype):
     key = (geo, bool(relu_mask), np.dtype(arg_dtype).name)
     if key not in _v2_kernels:
         _v2_kernels[key] = _make_backward_v2(geo, bool(relu_mask))
-        h, w, c, ph, pw, pt, pl, _, _ = geo
+        h, w, c, ph, pw, pt, pl, oh, ow = geo
         f32 = vec("float32")
         register(_v2_kernels[key], "max_pool_backward_v2",
                  sig(f32, vec(key[2]), f32, f32, "uint32"), block=grid_1d(1)[1],
-                 variant=f"{h}x{w}x{c} pool{ph}x{pw} p{pt},{pl} {key[2]}"
+                 variant=f"{h}x{w}x{c} pool{ph}x{pw} p{pt},{pl} out{oh}x{ow} {key[2]}"
                          + (" relu" if relu_mask else ""))
     return _v2_kernels[key]
 
