@@ -19,11 +19,16 @@ Versions (the launcher ``conv2d(..., version=...)`` picks one):
         channel; it first copies the input patch the tile needs and the whole kernel
         into shared memory, so each input value is read from global memory once per
         block instead of KH * KW * Cout times. Possible when both fit (``v2_fits``);
-        the same sums in the same order as v1, so the two agree bit for bit. NOT the
-        default: measured on an H100 for the course lab's layer (3x3, 1 -> 32, 28x28,
-        batch 512), v2 took 3,690 µs against v1's 775 (both far from the ~16 µs that
-        the 46 MB moved would take at copy speed), so ``version=None`` runs v1 until a
-        v2 that is faster has been measured.
+        the same sums in the same order as v1, so the two agree bit for bit. Measured
+        on an H100 for the course lab's layer (3x3, 1 -> 32, 28x28, batch 512), v2 took
+        3,690 µs against v1's 775 (both far from the ~16 µs that the 46 MB moved would
+        take at copy speed). Its grid was then ``grid_1d(tiles, 256)``: tiles / 256
+        blocks, 32 at batch 512, each looping over 256 tiles, which fills no GPU; it is
+        now one block per tile (``v2_grid``), not yet timed.
+    v3  compiled per layer shape, in kernels/conv2d_v3.py (with the fused conv + ReLU +
+        2x2 max-pool): what the library runs on a GPU (``conv2d_v3.forward``), v1 past
+        its register budget. v1 and v2 stay here as the lessons that lead to it;
+        ``conv2d(..., version=None)`` runs v1.
 
 Backward (``conv2d_backward``), given dy = dLoss/dout (already masked by the ReLU's
 backward when the layer's activation is fused, kernels/activations.py):
@@ -52,7 +57,8 @@ Layout of this file (as every file in ``kernels/``): geometry (shared with pooli
     python -m kernels.report --only conv2d        # registers, spills, stack on sm_90
     python -m pytest -q tests/test_kernels_conv2d.py
 
-Neighbours: kernels/pooling.py (shares ``window_geometry``), kernels/activations.py
+Neighbours: kernels/conv2d_v3.py and kernels/conv2d_grad.py (the same math compiled per
+layer shape: what the library runs on a GPU), kernels/pooling.py (shares ``window_geometry``), kernels/activations.py
 (``relu_backward`` before ``conv2d_backward`` when the ReLU is fused), kernels/launch.py;
 the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and, on the CPU,
 kernels/cpu_loops.py (this reference's math, faster).
@@ -453,7 +459,8 @@ register(conv2d_dw_finish, "conv2d_dw_finish", sig(mat("float32"), _F32, _F32),
 
 # --- launchers -----------------------------------------------------------------------------
 
-#: What ``conv2d(..., version=None)`` runs: v1, measured 4.8x faster than v2 on an H100.
+#: What ``conv2d(..., version=None)`` runs: v1, measured 4.8x faster than v2 on an H100
+#: (before v2's grid was fixed). The library runs v3 (kernels/conv2d_v3.py).
 DEFAULT_VERSION = "v1"
 
 
