@@ -63,6 +63,8 @@ layer shape: what the library runs on a GPU), kernels/pooling.py (shares ``windo
 the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and, on the CPU,
 kernels/cpu_loops.py (this reference's math, faster).
 """
+import weakref
+
 import numpy as np
 from numba import cuda, float32
 
@@ -478,10 +480,11 @@ class CheckMemo:
     """What a launcher's checks concluded, remembered per (argument arrays, settings).
 
     A training step calls each launcher with the same buffers every time, so shapes,
-    dtypes, aliasing and the window geometry are checked on the first call only. The
-    memo holds the arrays themselves: an entry is used only for the very same objects
-    (an id is never reused while its array is held here), and at most MAX_ENTRIES are
-    kept (cleared past that: a test that makes thousands of arrays does not pile them up).
+    dtypes, aliasing and the window geometry are checked on the first call only. An
+    entry holds weak references to its arrays and is used only for the very same live
+    objects (a freed array's id may be reused by a new one: its dead reference then
+    misses); it keeps no array alive (a device's memory accounting refunds freed
+    buffers). At most MAX_ENTRIES are kept (cleared past that).
     """
     MAX_ENTRIES = 256
 
@@ -490,14 +493,20 @@ class CheckMemo:
 
     def get(self, arrays, settings):
         hit = self._entries.get((settings, tuple(id(a) for a in arrays)))
-        if hit is not None and all(x is y for x, y in zip(hit[0], arrays)):
-            return hit[1]
-        return None
+        if hit is None:
+            return None
+        refs, value = hit
+        same = all(a is None if r is None else r() is a for r, a in zip(refs, arrays))
+        return value if same else None
 
     def put(self, arrays, settings, value):
+        try:
+            refs = tuple(None if a is None else weakref.ref(a) for a in arrays)
+        except TypeError:                   # an array type without weak references
+            return value
         if len(self._entries) >= self.MAX_ENTRIES:
             self._entries.clear()
-        self._entries[(settings, tuple(id(a) for a in arrays))] = (tuple(arrays), value)
+        self._entries[(settings, tuple(id(a) for a in arrays))] = (refs, value)
         return value
 
 

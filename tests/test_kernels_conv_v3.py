@@ -195,3 +195,27 @@ def test_v2_has_one_block_per_tile_and_v3_one_row_per_warp(monkeypatch):
                  cuda.to_device(np.zeros(40, np.float32)), poisoned((3, 26, 26, 40)))
     (gx, gy), (lanes, warps) = seen[-1]
     assert (lanes, gy) == (32, 2) and gx * warps == 3 * 26
+
+
+def test_checks_run_once_per_arrays_and_keep_nothing_alive(rng, monkeypatch):
+    """The second call with the same buffers skips the checks; new buffers are checked; a
+    memo entry does not keep its arrays alive (device memory is refunded when freed)."""
+    import gc
+    import weakref
+    calls = []
+    real = v3.conv2d_output_shape
+    monkeypatch.setattr(v3, "conv2d_output_shape", lambda *a: calls.append(1) or real(*a))
+    x, k, bias = device(*make_case(rng, (1, 4, 5, 1), (3, 3, 1, 2)))
+    out = poisoned((1, 2, 3, 2))
+    for _ in range(3):
+        v3.conv2d_v3(x, k, bias, out)
+    assert len(calls) == 1
+    other = poisoned((1, 2, 3, 2))
+    v3.conv2d_v3(x, k, bias, other)
+    assert len(calls) == 2
+    gone = weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None
+    with pytest.raises(ValueError, match="has shape"):     # a new, wrong buffer is checked
+        v3.conv2d_v3(x, k, bias, poisoned((1, 3, 3, 2)))
