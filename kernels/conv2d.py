@@ -58,7 +58,8 @@ Layout of this file (as every file in ``kernels/``): geometry (shared with pooli
     python -m pytest -q tests/test_kernels_conv2d.py
 
 Neighbours: kernels/conv2d_v3.py and kernels/conv2d_grad.py (the same math compiled per
-layer shape: what the library runs on a GPU), kernels/pooling.py (shares ``window_geometry``), kernels/activations.py
+layer shape: what the library runs on a GPU), kernels/pooling.py (shares
+``window_geometry``), kernels/activations.py
 (``relu_backward`` before ``conv2d_backward`` when the ReLU is fused), kernels/launch.py;
 the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and, on the CPU,
 kernels/cpu_loops.py (this reference's math, faster).

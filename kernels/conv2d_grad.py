@@ -110,7 +110,7 @@ def _make_dw(geo, with_bias):
         c = blockIdx.x covers rows [c * per_chunk, min((c + 1) * per_chunk, rows)).
         Loop nest: for each input-channel chunk: acc[t] = 0
                        for row in this warp's rows: for ow: d = dy[n, oh, ow, co]
-                           acc[t] += x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci] * d  (t = kh, kw, ci)
+                           acc[kh, kw, ci] += x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci] * d
                        smem[warp, t, lane] = acc[t]; sync
                        partial[c, (kh, kw, ci, co)] = sum over warps in order; sync
         """

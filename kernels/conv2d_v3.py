@@ -101,7 +101,8 @@ def chunk_channels(kh, kw, cin, rows_in, cols_in):
     whose taps (kh*kw*chunk) and patch (rows_in*cols_in*chunk) fit the budgets; 0 when
     even one channel does not fit (no v3 for that kernel size)."""
     for chunk in range(cin, 0, -1):
-        if cin % chunk == 0 and kh * kw * chunk <= MAX_TAPS and rows_in * cols_in * chunk <= MAX_PATCH:
+        if (cin % chunk == 0 and kh * kw * chunk <= MAX_TAPS
+                and rows_in * cols_in * chunk <= MAX_PATCH):
             return chunk
     return 0
 
@@ -293,7 +294,8 @@ def _make_forward(geo, relu, pool):
                             for a in range(POOL):
                                 for bb in range(POOL):
                                     v = relu_of(acc[a * CONV_COLS + j * POOL + bb])
-                                    if k < 0 or v > best or (math.isnan(v) and not math.isnan(best)):
+                                    nan_first = math.isnan(v) and not math.isnan(best)
+                                    if k < 0 or v > best or nan_first:
                                         best = v
                                         k = a * POOL + bb
                             o = u32(u32(row * OUT_W + pw0 + j) * COUT + co)

@@ -319,8 +319,8 @@ def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid", s
         check_array("max_pool_backward: dy", dy, np.float32, shape=shape)
         arg_types = (ARG_DTYPE, np.int8) if version == "v2" else (ARG_DTYPE,)
         if np.dtype(arg.dtype) not in [np.dtype(t) for t in arg_types]:
-            raise TypeError(f"max_pool_backward: arg must be "
-                            f"{' or '.join(np.dtype(t).name for t in arg_types)}, got {arg.dtype}.")
+            names = " or ".join(np.dtype(t).name for t in arg_types)
+            raise TypeError(f"max_pool_backward: arg must be {names}, got {arg.dtype}.")
         check_array("max_pool_backward: arg", arg, arg.dtype, shape=shape)
         if relu_y is not None:
             check_array("max_pool_backward: relu_y", relu_y, np.float32, shape=shape)

@@ -393,7 +393,8 @@ def format_table(rows):
     width = max([len(r["kernel"]) for r in good] + [6])
     swidth = max([len(_compact(r["signature"])) for r in good] + [9])
     head = (f"{'kernel':<{width}}  {'signature':<{swidth}}  {'cc':>4}  {'registers':>9}  "
-            f"{'smem B':>6}  {'spill B':>7}  {'stack B':>7}  {'SASS/out':>8}  {'f64':>4}  {'block':>5}  "
+            f"{'smem B':>6}  {'spill B':>7}  {'stack B':>7}  {'SASS/out':>8}  {'f64':>4}  "
+            f"{'block':>5}  "
             f"{'blocks/SM':>9}  {'occupancy':>9}")
     lines = [head, "-" * len(head)]
     for r in good:

@@ -110,7 +110,7 @@ def test_backward_v2_matches_the_oracle(rng, x_shape, k_shape, strides, padding)
     check_sum("dw v2", dw.copy_to_host(), want_dw, scale_dw, rows)
     check_sum("db v2", db.copy_to_host(), want_db, scale_db, rows)
     first = (dw.copy_to_host(), db.copy_to_host())
-    grad.conv2d_backward_v2(d_x, d_k, d_dy, None, dw, None, strides, padding)   # first layer, no bias
+    grad.conv2d_backward_v2(d_x, d_k, d_dy, None, dw, None, strides, padding)  # 1st layer, no bias
     assert np.array_equal(dw.copy_to_host(), first[0]), "dW not bitwise reproducible"
 
 
@@ -171,8 +171,9 @@ def test_bad_input_raises_before_launch(no_launch):
         big = cuda.to_device(np.zeros((7, 7, 1, 4), np.float32))
         v3.conv2d_v3(x, big, b, poisoned((1, 0, 0, 4)), padding="same")
     with pytest.raises(ValueError, match="v2 needs strides equal"):
-        pooling.max_pool_backward(poisoned((1, 5, 5, 4)), cuda.to_device(np.zeros((1, 5, 5, 4), np.int32)),
-                                  poisoned((1, 6, 6, 4)), 2, 1, version="v2")
+        arg = cuda.to_device(np.zeros((1, 5, 5, 4), np.int32))
+        pooling.max_pool_backward(poisoned((1, 5, 5, 4)), arg, poisoned((1, 6, 6, 4)), 2, 1,
+                                  version="v2")
 
 
 # --- grids ---------------------------------------------------------------------------------------
@@ -186,8 +187,8 @@ def test_v2_has_one_block_per_tile_and_v3_one_row_per_warp(monkeypatch):
     monkeypatch.setattr(v3, "launch", lambda k, grid, block, *a: seen.append((grid, block)))
     monkeypatch.setattr(conv, "V2_MAX_BLOCKS", 4096)
     monkeypatch.setattr(v3, "MAX_ROW_BLOCKS", 2048)
-    x, k = cuda.to_device(np.zeros((3, 28, 28, 1), np.float32)), cuda.to_device(np.zeros((3, 3, 1, 32), np.float32))
-    b = cuda.to_device(np.zeros(32, np.float32))
+    x, k, b = device(np.zeros((3, 28, 28, 1), np.float32), np.zeros((3, 3, 1, 32), np.float32),
+                     np.zeros(32, np.float32))
     conv.conv2d(x, k, b, poisoned((3, 26, 26, 32)), version="v2")
     assert seen[-1] == (3 * 4 * 4, conv.V2_THREADS)                 # 4 x 4 tiles of 8 x 8 per image
     assert conv.v2_grid((512, 26, 26, 32))[0] == 4096 >= 512 * 16 // 2
