@@ -96,6 +96,8 @@ POOL = 2
 FUSED_ARG_DTYPE = np.int8
 
 
+# --- geometry and register budgets ---------------------------------------------------------
+
 def chunk_channels(kh, kw, cin, rows_in, cols_in):
     """The input channels one pass holds in registers: the largest divisor of ``cin``
     whose taps (kh*kw*chunk) and patch (rows_in*cols_in*chunk) fit the budgets; 0 when
@@ -143,6 +145,18 @@ def is_padded(geo):
     h, w, _, kh, kw, _, sh, sw, pt, pl, oh, ow = geo
     return pt > 0 or pl > 0 or (oh - 1) * sh + kh > h or (ow - 1) * sw + kw > w
 
+
+# --- NumPy reference (the v3 forward's is kernels/conv2d.py's conv2d_ref) -------------
+
+def conv2d_relu_pool_ref(x, kernel, bias, strides=1, padding="valid"):
+    """NumPy reference of the fused kernel: (pooled, arg int8) from conv2d_ref (ReLU)
+    and max_pool_ref (2x2, stride 2, 'valid')."""
+    y = conv2d_ref(x, kernel, bias, strides, padding, relu=True)
+    pooled, arg = max_pool_ref(y, POOL, POOL, "valid")
+    return pooled, arg.astype(FUSED_ARG_DTYPE)
+
+
+# --- kernels -------------------------------------------------------------------------------
 
 _kernels = {}
 
@@ -366,7 +380,7 @@ def _check_once(what, x, kernel, bias, outs, strides, padding, pool):
 
 def conv2d_v3(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=None):
     """Conv2D forward v3 on the GPU: arguments and result as ``kernels.conv2d.conv2d``
-    (which calls this for ``version="v3"``). Raises before any launch on bad input, for
+    (``forward`` picks v3 or v1 for the library). Raises before any launch on bad input, for
     a kernel size v3 cannot hold (``fits``), or for arrays of 2**31 elements or more."""
     geo, shape = _check_once("conv2d", x, kernel, bias, (out,), strides, padding, 1)
     if out.size:
@@ -408,11 +422,3 @@ def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", stre
         launch(forward_kernel(geo, True, POOL), grid, block, stream, flat(x), flat(kernel),
                bias, flat(out), flat(arg), np.uint32(rows))
     return out, arg
-
-
-def conv2d_relu_pool_ref(x, kernel, bias, strides=1, padding="valid"):
-    """NumPy reference of the fused kernel: (pooled, arg int8) from conv2d_ref (ReLU)
-    and max_pool_ref (2x2, stride 2, 'valid')."""
-    y = conv2d_ref(x, kernel, bias, strides, padding, relu=True)
-    pooled, arg = max_pool_ref(y, POOL, POOL, "valid")
-    return pooled, arg.astype(FUSED_ARG_DTYPE)
