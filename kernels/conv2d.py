@@ -19,11 +19,16 @@ Versions (the launcher ``conv2d(..., version=...)`` picks one):
         channel; it first copies the input patch the tile needs and the whole kernel
         into shared memory, so each input value is read from global memory once per
         block instead of KH * KW * Cout times. Possible when both fit (``v2_fits``);
-        the same sums in the same order as v1, so the two agree bit for bit. NOT the
-        default: measured on an H100 for the course lab's layer (3x3, 1 -> 32, 28x28,
-        batch 512), v2 took 3,690 µs against v1's 775 (both far from the ~16 µs that
-        the 46 MB moved would take at copy speed), so ``version=None`` runs v1 until a
-        v2 that is faster has been measured.
+        the same sums in the same order as v1, so the two agree bit for bit. Measured
+        on an H100 for the course lab's layer (3x3, 1 -> 32, 28x28, batch 512), v2 took
+        3,690 µs against v1's 775 (both far from the ~16 µs that the 46 MB moved would
+        take at copy speed). Its grid was then ``grid_1d(tiles, 256)``: tiles / 256
+        blocks, 32 at batch 512, each looping over 256 tiles, which fills no GPU; it is
+        now one block per tile (``v2_grid``), not yet timed.
+    v3  compiled per layer shape, in kernels/conv2d_v3.py (with the fused conv + ReLU +
+        2x2 max-pool): what the library runs on a GPU (``conv2d_v3.forward``), v1 past
+        its register budget. v1 and v2 stay here as the lessons that lead to it;
+        ``conv2d(..., version=None)`` runs v1.
 
 Backward (``conv2d_backward``), given dy = dLoss/dout (already masked by the ReLU's
 backward when the layer's activation is fused, kernels/activations.py):
@@ -52,11 +57,15 @@ Layout of this file (as every file in ``kernels/``): geometry (shared with pooli
     python -m kernels.report --only conv2d        # registers, spills, stack on sm_90
     python -m pytest -q tests/test_kernels_conv2d.py
 
-Neighbours: kernels/pooling.py (shares ``window_geometry``), kernels/activations.py
+Neighbours: kernels/conv2d_v3.py and kernels/conv2d_grad.py (the same math compiled per
+layer shape: what the library runs on a GPU), kernels/pooling.py (shares
+``window_geometry``), kernels/activations.py
 (``relu_backward`` before ``conv2d_backward`` when the ReLU is fused), kernels/launch.py;
 the Keras layer Conv2D (mirrored/keras/) calls the launchers on a GPU and, on the CPU,
 kernels/cpu_loops.py (this reference's math, faster).
 """
+import weakref
+
 import numpy as np
 from numba import cuda, float32
 
@@ -91,6 +100,13 @@ DW_THREADS = 32 if SIMULATOR else 256
 #: layer; pass 2 then adds 128 partials per weight.
 DW_MAX_CHUNKS = 128
 DW_MIN_CHUNK_ROWS = 4
+#: Elements an array may have for kernels that index with 32-bit unsigned arithmetic
+#: (v3 and the kernels compiled per shape): every index, and index + one row, stays
+#: below 2**32. ``check_size`` refuses larger arrays.
+MAX_ELEMENTS_32 = 2**31
+#: v2's blocks at most: one block per output tile up to this (a grid-stride loop over
+#: tiles covers the rest): 31 blocks of 256 threads per SM of an H100.
+V2_MAX_BLOCKS = 4 if SIMULATOR else 4096
 
 
 # --- geometry: shared with kernels/pooling.py ----------------------------------------
@@ -446,8 +462,61 @@ register(conv2d_dw_finish, "conv2d_dw_finish", sig(mat("float32"), _F32, _F32),
 
 # --- launchers -----------------------------------------------------------------------------
 
-#: What ``conv2d(..., version=None)`` runs: v1, measured 4.8x faster than v2 on an H100.
+#: What ``conv2d(..., version=None)`` runs: v1, measured 4.8x faster than v2 on an H100
+#: (before v2's grid was fixed). The library runs v3 (kernels/conv2d_v3.py).
 DEFAULT_VERSION = "v1"
+
+
+def check_size(what, *arrays):
+    """Raise a ValueError unless every array has fewer than 2**31 elements (the kernels
+    compiled per shape index with 32-bit unsigned arithmetic)."""
+    for a in arrays:
+        if a.size >= MAX_ELEMENTS_32:
+            raise ValueError(f"{what}: an array of shape {tuple(a.shape)} has {a.size:,} "
+                             f"elements; these kernels index with 32-bit arithmetic and take "
+                             f"fewer than 2**31 = {MAX_ELEMENTS_32:,}: split the batch.")
+
+
+class CheckMemo:
+    """What a launcher's checks concluded, remembered per (argument arrays, settings).
+
+    A training step calls each launcher with the same buffers every time, so shapes,
+    dtypes, aliasing and the window geometry are checked on the first call only. An
+    entry holds weak references to its arrays and is used only for the very same live
+    objects (a freed array's id may be reused by a new one: its dead reference then
+    misses); it keeps no array alive (a device's memory accounting refunds freed
+    buffers). At most MAX_ENTRIES are kept (cleared past that).
+    """
+    MAX_ENTRIES = 256
+
+    def __init__(self):
+        self._entries = {}
+
+    def get(self, arrays, settings):
+        hit = self._entries.get((settings, tuple(id(a) for a in arrays)))
+        if hit is None:
+            return None
+        refs, value = hit
+        same = all(a is None if r is None else r() is a for r, a in zip(refs, arrays))
+        return value if same else None
+
+    def put(self, arrays, settings, value):
+        try:
+            refs = tuple(None if a is None else weakref.ref(a) for a in arrays)
+        except TypeError:                   # an array type without weak references
+            return value
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[(settings, tuple(id(a) for a in arrays))] = (refs, value)
+        return value
+
+
+def v2_grid(out_shape):
+    """v2's (blocks, threads): one block per 8 x 8 output tile (all channels), up to
+    V2_MAX_BLOCKS. (It was ``grid_1d(tiles, 256)``: tiles / 256 blocks, 32 at batch 512,
+    each looping over 256 tiles: no GPU was filled.)"""
+    tiles = out_shape[0] * ceil_div(out_shape[1], V2_TILE) * ceil_div(out_shape[2], V2_TILE)
+    return max(1, min(tiles, V2_MAX_BLOCKS)), V2_THREADS
 
 
 def v2_fits(kernel_shape, strides):
@@ -467,6 +536,10 @@ def _check_forward(x, kernel, strides, padding):
     return shape, pair("conv2d", "strides", strides), pads
 
 
+_forward_checked = CheckMemo()
+_backward_checked = CheckMemo()
+
+
 def conv2d(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=None,
            version=None):
     """Conv2D forward on the GPU: out = conv(x, kernel) + bias, then max(., 0) if ``relu``.
@@ -480,15 +553,20 @@ def conv2d(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=
     if version is not None and version not in VERSIONS:
         raise ValueError(f"conv2d: unknown version {version!r}; expected one of {VERSIONS} "
                          f"or None.")
-    shape, (sh, sw), (pt, _, pl, _) = _check_forward(x, kernel, strides, padding)
-    check_array("conv2d: bias", bias, np.float32, shape=(shape[3],))
-    check_array("conv2d: out", out, np.float32, shape=shape)
-    check_no_alias("conv2d", out, x, kernel, bias)
-    if version == "v2" and not v2_fits(kernel.shape, (sh, sw)):
-        raise ValueError(f"conv2d: v2 holds at most {V2_KERNEL_FLOATS} kernel floats and a "
-                         f"{V2_PATCH_FLOATS}-float input patch in shared memory; kernel "
-                         f"{tuple(kernel.shape)} with strides {(sh, sw)} needs more: use v1 "
-                         f"(or version=None).")
+    arrays, settings = (x, kernel, bias, out), (strides, padding, version)
+    done = _forward_checked.get(arrays, settings)
+    if done is None:
+        shape, (sh, sw), (pt, _, pl, _) = _check_forward(x, kernel, strides, padding)
+        check_array("conv2d: bias", bias, np.float32, shape=(shape[3],))
+        check_array("conv2d: out", out, np.float32, shape=shape)
+        check_no_alias("conv2d", out, x, kernel, bias)
+        if version == "v2" and not v2_fits(kernel.shape, (sh, sw)):
+            raise ValueError(f"conv2d: v2 holds at most {V2_KERNEL_FLOATS} kernel floats and "
+                             f"a {V2_PATCH_FLOATS}-float input patch in shared memory; kernel "
+                             f"{tuple(kernel.shape)} with strides {(sh, sw)} needs more: use "
+                             f"v1 (or version=None).")
+        done = _forward_checked.put(arrays, settings, (shape, sh, sw, pt, pl))
+    shape, sh, sw, pt, pl = done
     version = version or DEFAULT_VERSION
     if out.size == 0:
         return out
@@ -496,9 +574,7 @@ def conv2d(x, kernel, bias, out, strides=1, padding="valid", relu=False, stream=
         launch(KERNELS["v1"][bool(relu)], *grid_1d(out.size), stream, x, kernel, bias, out,
                sh, sw, pt, pl)
     else:
-        tiles = shape[0] * ceil_div(shape[1], V2_TILE) * ceil_div(shape[2], V2_TILE)
-        blocks, _ = grid_1d(tiles, V2_THREADS)
-        launch(KERNELS["v2"][bool(relu)], blocks, V2_THREADS, stream, x, flat(kernel), bias,
+        launch(KERNELS["v2"][bool(relu)], *v2_grid(shape), stream, x, flat(kernel), bias,
                out, sh, sw, pt, pl, kernel.shape[0], kernel.shape[1])
     return out
 
@@ -522,20 +598,28 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", parti
     a fused ReLU, pass dy already masked (kernels.activations.relu_backward). dW and db
     are bitwise reproducible (module docstring). Every check runs before any launch.
     """
-    shape, (sh, sw), (pt, _, pl, _) = _check_forward(x, kernel, strides, padding)
-    check_array("conv2d_backward: dy", dy, np.float32, shape=shape)
-    if dx is not None:
-        check_array("conv2d_backward: dx", dx, np.float32, shape=x.shape)
-    check_array("conv2d_backward: dw", dw, np.float32, shape=kernel.shape)
-    if db is not None:
-        check_array("conv2d_backward: db", db, np.float32, shape=(shape[3],))
-    part_shape = dw_partial_shape(x.shape, kernel.shape, (sh, sw), padding, db is not None)
-    if partial is None:
-        partial = cuda.device_array(part_shape, np.float32, stream=stream or 0)
-    check_array("conv2d_backward: partial", partial, np.float32, shape=part_shape)
-    outs = [o for o in (dx, dw, db, partial) if o is not None]
-    for i, o in enumerate(outs):             # each output clear of the inputs and the others
-        check_no_alias("conv2d_backward", o, x, kernel, dy, *outs[i + 1:])
+    arrays, settings = (x, kernel, dy, dx, dw, db, partial), (strides, padding)
+    done = _backward_checked.get(arrays, settings) if partial is not None else None
+    if done is None:
+        shape, (sh, sw), (pt, _, pl, _) = _check_forward(x, kernel, strides, padding)
+        check_array("conv2d_backward: dy", dy, np.float32, shape=shape)
+        if dx is not None:
+            check_array("conv2d_backward: dx", dx, np.float32, shape=x.shape)
+        check_array("conv2d_backward: dw", dw, np.float32, shape=kernel.shape)
+        if db is not None:
+            check_array("conv2d_backward: db", db, np.float32, shape=(shape[3],))
+        part_shape = dw_partial_shape(x.shape, kernel.shape, (sh, sw), padding, db is not None)
+        if partial is None:                  # a scratch made per call: not remembered
+            partial = cuda.device_array(part_shape, np.float32, stream=stream or 0)
+            arrays = None
+        check_array("conv2d_backward: partial", partial, np.float32, shape=part_shape)
+        outs = [o for o in (dx, dw, db, partial) if o is not None]
+        for i, o in enumerate(outs):         # each output clear of the inputs and the others
+            check_no_alias("conv2d_backward", o, x, kernel, dy, *outs[i + 1:])
+        done = (part_shape, sh, sw, pt, pl)
+        if arrays is not None:
+            _backward_checked.put(arrays, settings, done)
+    part_shape, sh, sw, pt, pl = done
     if dx is not None and dx.size:
         launch(conv2d_dx_v1, *grid_1d(dx.size), stream, dy, kernel, dx, sh, sw, pt, pl)
     chunks, cols = part_shape

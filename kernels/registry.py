@@ -81,6 +81,9 @@ class KernelSpec:
     signatures the Numba signature strings it is launched with
     block      threads per block its launcher uses on a GPU, as (x, y, z)
     module     the kernels/ module that defines it
+    outputs_per_pass  outputs one pass through the kernel's code computes (a kernel that
+               unrolls 4 outputs per loop trip has 4): the report divides the kernel's
+               static SASS instructions by it (``sass_per_output``)
     """
     name: str
     variant: str
@@ -88,6 +91,7 @@ class KernelSpec:
     signatures: tuple
     block: tuple
     module: str
+    outputs_per_pass: int = 1
 
     @property
     def label(self):
@@ -102,9 +106,12 @@ class KernelSpec:
 _REGISTRY = []
 
 
-def register(kernel, name, signatures, block, variant=""):
+def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
     """Declare that the library launches ``kernel`` with each of ``signatures`` and
     ``block`` threads per block (an int or a tuple). Returns ``kernel``.
+    ``outputs_per_pass``: see ``KernelSpec``. A kernel factory that compiles per layer
+    shape (kernels/conv2d_v3.py) registers each kernel it makes, with the shape as its
+    variant.
 
     Called at import time, right below the kernels, by every file in ``kernels/``.
     """
@@ -115,7 +122,8 @@ def register(kernel, name, signatures, block, variant=""):
                          f"launched with, e.g. sig(vec('float32'), vec('float32')).")
     block = tuple(block) if isinstance(block, (tuple, list)) else (int(block),)
     spec = KernelSpec(name, variant, kernel, tuple(signatures), block,
-                      getattr(getattr(kernel, "py_func", None), "__module__", "?"))
+                      getattr(getattr(kernel, "py_func", None), "__module__", "?"),
+                      int(outputs_per_pass))
     if any(s.label == spec.label for s in _REGISTRY):
         raise ValueError(f"register: {spec.label} is registered twice; give each compile-time "
                          f"variant its own variant string.")

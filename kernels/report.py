@@ -22,6 +22,12 @@ One row per kernel and signature (JSON keys in brackets):
                                  ran out and values went to slow memory. Goal: 0.
     stack B    [stack_bytes]     the thread's stack frame in local memory: a local array
                                  indexed at run time, or a call. Goal: 0.
+    SASS/out   [sass_per_output] static SASS instructions of the kernel (the GPU's machine
+                                 code, [sass_instructions]) divided by the outputs one pass
+                                 through its code computes ([outputs_per_pass], declared
+                                 at registration): what each output costs in instructions
+                                 issued, prologue included. A static count, not a trace:
+                                 a loop inside the pass counts once.
     f64        [f64_instructions] PTX instructions on float64. In a float32 kernel each
                                  one is a bug (a Python float constant, ``/`` on ints),
                                  and costs 2x to 64x a float32 one on most GPUs. Goal: 0.
@@ -154,6 +160,39 @@ _PTXAS_FIELDS = {
 }
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
+#: SASS instructions are 16 bytes each on every architecture the report knows (Volta,
+#: sm_70, on): the instruction count of a kernel is its ``.text.<kernel>`` section's size
+#: / 16. The code ends with EXIT, a branch to itself, then NOPs up to an alignment: the
+#: trailing NOPs are not counted. (The CUDA wheels that numba-cuda installs bring ptxas
+#: but neither nvdisasm nor cuobjdump, so the cubin's ELF sections are read directly.)
+SASS_INSTRUCTION_BYTES = 16
+#: The opcode field (low 12 bits) of NOP on sm_70 and later.
+SASS_NOP_OPCODE = 0x918
+
+
+def count_sass_instructions(cubin):
+    """Static SASS instructions in a cubin (an ELF file's bytes) with one kernel: the
+    16-byte words of its ``.text.*`` section, less the trailing NOP padding."""
+    import struct
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = sections[names][4]
+    texts = []
+    for name, _, _, _, offset, size in sections:
+        end = cubin.index(b"\0", strtab + name)
+        if cubin[strtab + name:end].startswith(b".text."):
+            words = [int.from_bytes(cubin[i:i + 8], "little")
+                     for i in range(offset, offset + size, SASS_INSTRUCTION_BYTES)]
+            while words and words[-1] & 0xFFF == SASS_NOP_OPCODE:
+                words.pop()
+            texts.append(len(words))
+    if len(texts) != 1:
+        raise ValueError(f"the cubin has {len(texts)} .text sections, expected 1 (one kernel)")
+    return texts[0]
+
 
 def parse_ptxas(text):
     """The numbers of ``ptxas -v`` for a module with ONE entry function: registers,
@@ -239,6 +278,7 @@ def compile_ptx(spec, signature, cc):
 def _base_row(spec, signature, cc):
     return {"kernel": spec.label, "signature": signature, "cc": cc_name(cc),
             "module": spec.module, "block_threads": spec.block_threads,
+            "outputs_per_pass": getattr(spec, "outputs_per_pass", 1),
             "float64_allowed": "float64" in signature, "error": None}
 
 
@@ -250,15 +290,20 @@ def _assemble(row, ptx, cc, ptxas):
             path = os.path.join(tmp, "kernel.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            done = subprocess.run([ptxas, "-v", f"-arch={arch}", path, "-o", os.devnull],
+            cubin = os.path.join(tmp, "kernel.cubin")
+            done = subprocess.run([ptxas, "-v", f"-arch={arch}", path, "-o", cubin],
                                   capture_output=True, text=True, timeout=PTXAS_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"ptxas failed (exit {done.returncode}): {done.stderr}")
+            if done.returncode != 0:
+                raise RuntimeError(f"ptxas failed (exit {done.returncode}): {done.stderr}")
+            with open(cubin, "rb") as f:
+                sass = count_sass_instructions(f.read())
         numbers = parse_ptxas(done.stderr)
     except (RuntimeError, ValueError, OSError, subprocess.TimeoutExpired) as err:
         row["error"] = f"{row['kernel']} {row['signature']} ({arch}): {_short(err)}"
         return row
     row.update(numbers)
+    row["sass_instructions"] = sass
+    row["sass_per_output"] = round(sass / row["outputs_per_pass"], 1)
     row["spill_bytes"] = numbers["spill_stores_bytes"] + numbers["spill_loads_bytes"]
     row["f64_instructions"] = count_f64_instructions(ptx)
     blocks, occ, limited_by = occupancy(numbers["registers"], numbers["shared_bytes"],
@@ -349,14 +394,16 @@ def format_table(rows):
     width = max([len(r["kernel"]) for r in good] + [6])
     swidth = max([len(_compact(r["signature"])) for r in good] + [9])
     head = (f"{'kernel':<{width}}  {'signature':<{swidth}}  {'cc':>4}  {'registers':>9}  "
-            f"{'smem B':>6}  {'spill B':>7}  {'stack B':>7}  {'f64':>4}  {'block':>5}  "
+            f"{'smem B':>6}  {'spill B':>7}  {'stack B':>7}  {'SASS/out':>8}  {'f64':>4}  "
+            f"{'block':>5}  "
             f"{'blocks/SM':>9}  {'occupancy':>9}")
     lines = [head, "-" * len(head)]
     for r in good:
         lines.append(
             f"{r['kernel']:<{width}}  {_compact(r['signature']):<{swidth}}  {r['cc']:>4}  "
             f"{r['registers']:>9}  {r['shared_bytes']:>6}  {r['spill_bytes']:>7}  "
-            f"{r['stack_bytes']:>7}  {r['f64_instructions']:>4}  {r['block_threads']:>5}  "
+            f"{r['stack_bytes']:>7}  {r['sass_per_output']:>8}  {r['f64_instructions']:>4}  "
+            f"{r['block_threads']:>5}  "
             f"{r['blocks_per_sm']:>9}  {r['occupancy']:>9.1%}")
     bad = [r for r in rows if r["error"]]
     if bad:

@@ -16,8 +16,8 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-from kernels import (activations, allreduce, conv2d, cpu_loops, dropout, elementwise, gather, gemm, optimizers, pooling,
-                     reduction, softmax_xent)
+from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_loops, dropout, elementwise, gather,
+                     gemm, optimizers, pooling, reduction, softmax_xent)
 from kernels.launch import SIMULATOR
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
@@ -196,20 +196,27 @@ class CudaOps:
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
 
+    #: Conv2D(relu) + MaxPooling2D(2) run as one ``conv2d_relu_pool`` here (keras/engine.py
+    #: asks ``getattr(ops, "FUSES_CONV_RELU_POOL", False)``; the CPU keeps the two layers).
+    FUSES_CONV_RELU_POOL = True
+
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
-        return conv2d.conv2d(x, kernel, bias, out, strides, padding, relu, self.stream)
+        return conv2d_v3.forward(x, kernel, bias, out, strides, padding, relu, self.stream)  # v3 (v1 past its size)
+
+    def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding):
+        return conv2d_v3.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, self.stream)
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # dW/db's pass-1 partial sums: a scratch buffer of the device, as sum_all's.
-        shape = conv2d.dw_partial_shape(x.shape, kernel.shape, strides, padding, db is not None)
-        partial = self.device.scratch("conv2d dW partials", shape, "float32")
-        return conv2d.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, partial, self.stream)
+        scratch = lambda shape: self.device.scratch("conv2d dW partials", shape, "float32")  # noqa: E731
+        return conv2d_grad.backward(x, kernel, dy, dx, dw, db, strides, padding, scratch, self.stream)
 
     def max_pool(self, x, out, arg, pool_size, strides, padding):
         return pooling.max_pool(x, out, arg, pool_size, strides, padding, self.stream)
 
-    def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
-        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream)
+    def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding, relu_y=None):
+        # v2 (one thread per window) where windows do not overlap; relu_y: the fused ReLU's mask
+        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream, relu_y)
 
     def dropout(self, x, out, rate, key):
         return dropout.dropout(x, out, rate, key, self.stream)

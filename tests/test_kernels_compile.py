@@ -95,6 +95,26 @@ def test_launch_block_fits_the_register_file(rows):
                      + "\n".join(bad))
 
 
+#: Static SASS instructions per output that conv2d v3 forward may need for the lab's layer
+#: (28x28x1, 3x3 -> 32, 'valid'; issue 24). v1 needs 880 on sm_90 (one output per pass).
+V3_MAX_SASS_PER_OUTPUT = 80
+
+
+def test_conv2d_v3_needs_few_instructions_per_output(rows):
+    """The report's SASS column, read from the real compile: v3 forward for the lab's layer
+    within V3_MAX_SASS_PER_OUTPUT on every cc, and far below v1 (so the count is real)."""
+    lab = [r for r in _good(rows) if r["kernel"].startswith("conv2d_v3[28x28x1 k3x3->32 s1x1 p0,0 out26x26")]
+    v1 = [r for r in _good(rows) if r["kernel"].startswith("conv2d_v1[relu=True]")]
+    assert len(lab) == len(CCS) and len(v1) == len(CCS), [r["kernel"] for r in lab + v1]
+    for r in lab:
+        assert r["sass_per_output"] <= V3_MAX_SASS_PER_OUTPUT, (
+            f"{_where(r)}: {r['sass_per_output']} SASS instructions per output "
+            f"({r['sass_instructions']} / {r['outputs_per_pass']}) > {V3_MAX_SASS_PER_OUTPUT}")
+    for r in v1:
+        assert r["sass_per_output"] > 5 * V3_MAX_SASS_PER_OUTPUT, r
+    assert all(r["sass_instructions"] > 0 for r in _good(rows))
+
+
 # --- the registry cannot fall behind the code ---------------------------------------------
 
 def test_every_kernel_in_kernels_is_registered():

@@ -36,6 +36,7 @@ import re
 import numpy as np
 
 from kernels import conv2d as conv2d_kernels, pooling   # shape rules (the math runs in state.ops)
+from kernels import conv2d_v3                            # which Conv2D + MaxPooling2D pairs fuse
 from kernels import dropout as dropout_kernels           # the mask's key and the rate's check
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
@@ -336,6 +337,11 @@ class Conv2D(Layer):
     The math is kernels/conv2d.py's: ``conv2d_ref`` (im2col + one matmul) on the CPU, the
     launchers on a GPU. As the first layer it gets the model's input as (b, H*W*Cin) and
     views it as (b, H, W, Cin) (free: the host copied each image in row-major order).
+
+    Fused with a following MaxPooling2D(2) on a GPU (``fuses_with``, keras/engine.py's
+    ``fuse_layers``): the forward is one ``ops.conv2d_relu_pool`` into the pool's buffers
+    (the conv output is never written), the pool's backward writes dz = d loss / d conv
+    output with the ReLU mask applied, and this backward skips relu_backward.
     """
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None,
@@ -386,13 +392,21 @@ class Conv2D(Layer):
 
     trainable_weights = weights
 
+    def fuses_with(self, layer):
+        """True when this layer and ``layer`` (the next one) can run as one fused
+        conv + bias + ReLU + 2x2 max-pool kernel (kernels/conv2d_v3.py)."""
+        return (isinstance(layer, MaxPooling2D) and self.built and conv2d_v3.fuses_with_pool(
+            self.kernel_size + (self.input_shape[2], self.filters), self.strides, self.activation,
+            layer.pool_size, layer.strides, layer.padding))
+
     def make_buffers(self, state, b):
         dev = state.dev
         zero_bias = None
         if not self.use_bias:                         # the kernel adds a bias: give it zeros
             zero_bias = dev.empty((self.filters,), FLOAT)
             state.ops.fill(zero_bias, 0.0)
-        return _ConvBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, Cout)
+        y = None if state.fused else dev.empty((b,) + self.output_shape, FLOAT)  # fused: never written
+        return _ConvBuffers(y,                                                                     # y: (b, OH, OW, Cout)
                             dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None,  # dx: (b, H, W, Cin)
                             zero_bias)
 
@@ -402,6 +416,11 @@ class Conv2D(Layer):
         kernel = state.weights[0]                                   # (KH, KW, Cin, Cout)
         bias = state.weights[1] if self.use_bias else buf.zero_bias  # (Cout,)
         buf.x = view(x, (b,) + self.input_shape)                    # (b, H, W, Cin), kept for d kernel
+        if state.fused:                                             # + ReLU + the next layer's pool
+            pool = state.fused.buffers(b)
+            state.ops.conv2d_relu_pool(buf.x, kernel, bias, pool.y, pool.arg, self.strides,
+                                       self.padding)                # (b, OH/2, OW/2, Cout), int8 arg
+            return pool.y
         state.ops.conv2d(buf.x, kernel, bias, buf.y, self.strides, self.padding,
                          relu=self.activation == "relu")            # y: (b, OH, OW, Cout)
         return buf.y
@@ -410,7 +429,7 @@ class Conv2D(Layer):
         buf = state.buffers(dy.shape[0])
         dkernel = state.grads[0]                                    # (KH, KW, Cin, Cout)
         dbias = state.grads[1] if self.use_bias else None           # (Cout,)
-        if self.activation == "relu":
+        if self.activation == "relu" and not state.fused:       # fused: the pool's backward masked dy
             state.ops.relu_backward(dy, buf.y, dy)                  # dz = dy * (y > 0), in place
         dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
         state.ops.conv2d_backward(buf.x, state.weights[0], dy, dx, dkernel, dbias,
@@ -436,6 +455,8 @@ class MaxPooling2D(Layer):
     of its window's FIRST maximum (int32; TensorFlow's tie rule, kernels/pooling.py).
     Backward: one ``ops.max_pool_backward``, each output's gradient to that position;
     inputs in no window (the last row of an odd size with 'valid') get zero. No weights.
+    Fused with the Conv2D before it on a GPU (see Conv2D): its forward has already run
+    (the conv wrote y and an int8 arg), and its backward also applies the conv's ReLU mask.
     """
 
     def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None,
@@ -456,13 +477,16 @@ class MaxPooling2D(Layer):
 
     def make_buffers(self, state, b):
         dev = state.dev
+        arg_dtype = conv2d_v3.FUSED_ARG_DTYPE if state.fused else pooling.ARG_DTYPE
         return _PoolBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, C)
-                            dev.empty((b,) + self.output_shape, pooling.ARG_DTYPE),               # arg: (b, OH, OW, C)
+                            dev.empty((b,) + self.output_shape, arg_dtype),                       # arg: (b, OH, OW, C)
                             dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None)  # dx: (b, H, W, C)
 
     def forward(self, state, x, training=False):
         b = x.shape[0]
         buf = state.buffers(b)
+        if state.fused:                                            # the conv before wrote y and arg
+            return buf.y
         x = view(x, (b,) + self.input_shape)                       # (b, H, W, C)
         state.ops.max_pool(x, buf.y, buf.arg, self.pool_size, self.strides, self.padding)
         return buf.y                                               # (b, OH, OW, C)
@@ -471,7 +495,11 @@ class MaxPooling2D(Layer):
         if not state.need_dx:
             return None
         buf = state.buffers(dy.shape[0])
-        state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
+        if state.fused:                                            # dz of the conv: ReLU mask fused
+            state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides,
+                                        self.padding, relu_y=buf.y)
+        else:
+            state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
         return buf.dx                                              # (b, H, W, C)
 
 
