@@ -29,6 +29,7 @@ Neighbours: mirrored/datasets.py loads MNIST into a `Dataset`;
 `strategy.experimental_distribute_dataset` (mirrored/distribute) iterates our batches
 and splits each global batch across the replicas.
 """
+import enum
 import itertools
 import types
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from kernels.launch import ceil_div
 from mirrored import random as _random
+from mirrored.tensor import TensorSpec
 
 AUTOTUNE = -1              # tf.data.AUTOTUNE: "let the runtime choose" (prefetch accepts it)
 INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
@@ -274,6 +276,34 @@ class Dataset:
         return _TensorSliceDataset(tensors)
 
     @staticmethod
+    def from_tensors(tensors, name=None):
+        """One element: ``tensors`` whole (an array, or a tuple/dict of them), as TF's
+        ``from_tensors``; ``from_tensors(([1.], [1.])).repeat(100).batch(10)`` gives ten
+        (10, 1) batches. Held as a row, so it shuffles, batches and stays resident as fast
+        as ``from_tensor_slices``."""
+        return _TensorSliceDataset(_map_structure(lambda leaf: np.asarray(_to_numpy(leaf))[np.newaxis],
+                                                  tensors))
+
+    @staticmethod
+    def from_generator(generator, output_types=None, output_shapes=None, args=None,
+                       output_signature=None, name=None):
+        """Elements from ``generator()`` (called afresh for each epoch, with ``args``), each
+        checked against ``output_signature`` (a structure of ``TensorSpec``; ``None`` in a
+        shape accepts any size) and converted to its dtype, as TF's ``from_generator``.
+        ``output_types``/``output_shapes`` (TF's older spelling) work too."""
+        if not callable(generator):
+            raise TypeError(f"from_generator needs a callable that returns an iterator (the "
+                            f"generator function itself, not a generator), got {generator!r}.")
+        if output_signature is None:
+            if output_types is None:
+                raise TypeError("from_generator needs output_signature=(a structure of "
+                                "mirrored.TensorSpec) (or output_types).")
+            shapes = output_shapes if output_shapes is not None else \
+                _map_structure(lambda _: None, output_types)
+            output_signature = _map_structure(lambda t, s: TensorSpec(s, t), output_types, shapes)
+        return _GeneratorDataset(generator, tuple(args or ()), output_signature)
+
+    @staticmethod
     def range(*args, output_type=np.int64):
         """Like Python's range(stop) / range(start, stop[, step]); int64 scalar elements."""
         return _RangeDataset(range(*args), np.dtype(output_type))
@@ -319,6 +349,27 @@ class Dataset:
     def take(self, count, name=None):
         """The first count elements (-1: all)."""
         return _TakeDataset(self, count)
+
+    def enumerate(self, start=0, name=None):
+        """``(i, element)`` pairs, ``i`` an int64 counting from ``start`` (TF's ``enumerate``)."""
+        return _EnumerateDataset(self, int(start))
+
+    def with_options(self, options, name=None):
+        """This dataset with ``options`` (a ``mirrored.data.Options``) merged into its own.
+
+        Every option is accepted; what each changes here is on ``Options``."""
+        if not isinstance(options, Options):
+            raise TypeError(f"with_options takes a mirrored.data.Options(), got {options!r}.")
+        return _OptionsDataset(self, options)
+
+    def options(self):
+        """The ``Options`` in force (TF's ``Dataset.options()``)."""
+        return Options()
+
+    @property
+    def element_spec(self):
+        """The structure of ``TensorSpec`` of one element (TF's ``element_spec``)."""
+        return self._element_spec()
 
     def shard(self, num_shards, index, name=None):
         """Every num_shards-th element, starting at element ``index`` (TF's ``shard``): the
@@ -380,6 +431,10 @@ class Dataset:
     def _cardinality(self):
         raise NotImplementedError
 
+    def _element_spec(self):
+        """Default: this dataset's input's spec (pass-through transformations)."""
+        return self._input._element_spec()
+
     def _index_plan(self):
         """(rows, chunks) if this epoch is a stream of rows we hold, else None.
 
@@ -423,6 +478,9 @@ class _TensorSliceDataset(Dataset):
     def _cardinality(self):
         return self._rows.count
 
+    def _element_spec(self):
+        return _map_structure(lambda a: TensorSpec(a.shape[1:], a.dtype), self._rows.columns)
+
     def _index_plan(self):               # always there: our elements are rows we hold
         return self._rows, _in_order(self._rows.count)
 
@@ -437,6 +495,9 @@ class _RangeDataset(Dataset):
     def _generate(self):
         return (self._dtype.type(v) for v in self._values)
 
+    def _element_spec(self):
+        return TensorSpec((), self._dtype)
+
 
 # --- element-wise transformations ----------------------------------------------------
 
@@ -450,6 +511,17 @@ class _MapDataset(Dataset):
     def _generate(self):
         for element in self._input:
             yield _map_structure(_to_numpy, _call_unpacked(self._fn, element))
+
+    def _element_spec(self):             # TF traces the function; we look at its first result
+        first = next(iter(self), None)
+        if first is None:
+            raise ValueError("element_spec of an empty mapped dataset is not known here.")
+        specs = _map_structure(TensorSpec.from_value, first)
+        batched = all(len(s.shape) and s.shape[0] is None for s in _leaves(self._input._element_spec()))
+        if batched:                      # a batch's size varies: keep its axis unknown, as TF
+            specs = _map_structure(lambda s: TensorSpec((None,) + tuple(s.shape)[1:], s.dtype)
+                                   if len(s.shape) else s, specs)
+        return specs
 
 
 class _FilterDataset(Dataset):
@@ -549,6 +621,11 @@ class _BatchDataset(Dataset):
         if n < 0:
             return n
         return n // b if self._drop_remainder else ceil_div(n, b)
+
+    def _element_spec(self):
+        lead = self._batch_size if self._drop_remainder else None
+        return _map_structure(lambda spec: TensorSpec((lead,) + tuple(spec.shape), spec.dtype),
+                              self._input._element_spec())
 
     def _generate(self):
         plan = self._input._index_plan()
@@ -664,6 +741,130 @@ class _PrefetchDataset(Dataset):
 
     def _generate(self):
         return iter(self._input)
+
+
+class _GeneratorDataset(Dataset):
+    def __init__(self, generator, args, signature):
+        self._generator, self._args = generator, args
+        self._signature = _map_structure(lambda spec: spec if isinstance(spec, TensorSpec)
+                                         else TensorSpec(None, spec), signature)
+
+    def _cardinality(self):
+        return UNKNOWN_CARDINALITY
+
+    def _element_spec(self):
+        return self._signature
+
+    def _generate(self):
+        for element in self._generator(*self._args):
+            yield _map_structure(_conform, self._signature, element)
+
+
+def _conform(spec, value):
+    """``value`` as ``spec.dtype``, its shape checked against ``spec.shape`` (None: any)."""
+    arr = np.asarray(_to_numpy(value))
+    if arr.dtype != spec.dtype:
+        converted = arr.astype(spec.dtype)
+        if arr.dtype.kind in "fc" and spec.dtype.kind in "iub" and not np.array_equal(converted, arr):
+            raise TypeError(f"from_generator: the generator yielded {arr.dtype} values, but the "
+                            f"output_signature says {spec.dtype}; yield {spec.dtype} values.")
+        arr = converted
+    if not spec.shape.is_compatible_with(arr.shape):
+        raise TypeError(f"from_generator: the generator yielded an element of shape {arr.shape}, "
+                        f"which is not compatible with the output_signature's {spec.shape}.")
+    return arr
+
+
+class _EnumerateDataset(Dataset):
+    def __init__(self, input_dataset, start):
+        self._input, self._start = input_dataset, start
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _element_spec(self):
+        return TensorSpec((), np.int64), self._input._element_spec()
+
+    def _generate(self):
+        return ((np.int64(i), e) for i, e in enumerate(self._input, self._start))
+
+
+class _OptionsDataset(Dataset):
+    def __init__(self, input_dataset, options):
+        self._input, self._options = input_dataset, options
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _index_plan(self):
+        return self._input._index_plan()
+
+    def _generate(self):
+        return iter(self._input)
+
+    def options(self):
+        return self._input.options().merge(self._options)
+
+
+class AutoShardPolicy(enum.Enum):
+    """``tf.data.experimental.AutoShardPolicy``: how a dataset is split between workers.
+
+    Here every multi-worker dataset is split by DATA (each worker keeps its replicas'
+    slices of every global batch: ``input_lib.local_bounds``), whatever the policy; the
+    policy is recorded (``OFF``, ``FILE``, ``HINT`` change nothing). One worker: nothing to split."""
+
+    OFF = -1
+    AUTO = 0
+    FILE = 1
+    DATA = 2
+    HINT = 3
+
+
+class DistributeOptions:
+    """``options.experimental_distribute``: ``auto_shard_policy`` (see ``AutoShardPolicy``)."""
+
+    def __init__(self):
+        self.auto_shard_policy = AutoShardPolicy.AUTO
+        self.num_devices = None
+
+
+class Options:
+    """``tf.data.Options``: accepted and recorded; what each changes here:
+
+    ``experimental_distribute.auto_shard_policy``: nothing (see ``AutoShardPolicy``);
+    ``deterministic`` / ``experimental_deterministic``: nothing (every pipeline here is
+    deterministic: one thread, in order); ``experimental_optimization``, ``threading``:
+    nothing (there is no graph to optimise and no thread pool)."""
+
+    _FIELDS = ("experimental_distribute", "deterministic", "experimental_deterministic",
+               "experimental_optimization", "threading", "autotune", "experimental_slack",
+               "experimental_external_state_policy", "experimental_symbolic_checkpoint",
+               "experimental_warm_start")
+
+    def __init__(self):
+        self.experimental_distribute = DistributeOptions()
+        self.experimental_optimization = types.SimpleNamespace()
+        self.threading = types.SimpleNamespace(private_threadpool_size=None, max_intra_op_parallelism=None)
+        self.autotune = types.SimpleNamespace(enabled=True)
+        self.deterministic = self.experimental_deterministic = None
+
+    def __setattr__(self, name, value):
+        if name not in self._FIELDS:
+            raise AttributeError(f"tf.data.Options has no option {name!r}; options here: {self._FIELDS}.")
+        object.__setattr__(self, name, value)
+
+    def merge(self, other):
+        """A new Options: ``other``'s settings over this one's (TF's ``Options.merge``)."""
+        merged = Options()
+        for src in (self, other):
+            for k in self._FIELDS:
+                if k in src.__dict__:
+                    object.__setattr__(merged, k, src.__dict__[k])
+        return merged
+
+
+experimental.AutoShardPolicy = AutoShardPolicy
+experimental.DistributeOptions = DistributeOptions
 
 
 # --- a batched epoch as row numbers (for input_lib's resident data sets) ----------------

@@ -167,8 +167,9 @@ class _LossBuffers:
 class ReplicaProgram:
     """The model's layers on one device: forward, loss, backward (see the module docstring)."""
 
-    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0):
+    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
         self.layers = list(layers)
+        self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
         self.pack = pack
         self.r = replica_id
         self.dev = pack.devices[replica_id]
@@ -270,6 +271,23 @@ class ReplicaProgram:
         else:
             self.ops.softmax_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
         self._accumulate(buf)
+        self._accumulate_penalties(b)
+
+    def _accumulate_penalties(self, b):
+        """The loss metric += b x model.losses (Keras reports the data loss plus the penalties)."""
+        for state in self.states:
+            for reg, i in state.layer.regularized:
+                value = self.dev.scratch("penalty value", (1,), FLOAT)
+                reg.value_into(self.dev, state.weights[i], value)
+                self.ops.binary_scalar("mul", value, float(b), value)
+                self.ops.binary("add", self.acc[0:1], value, self.acc[0:1])
+
+    def add_penalty_gradients(self):
+        """fit's regularization: each regularized weight's penalty gradient x 1/N into this
+        replica's packed gradient, so the all-reduce SUM adds it once (keras/regularizers.py)."""
+        for state in self.states:
+            for reg, i in state.layer.regularized:
+                reg.add_gradient(self.dev, state.weights[i], state.grads[i], self.penalty_factor)
 
     def backward(self):
         """The layers in reverse, from the loss's gradient; every weight's gradient lands
@@ -289,6 +307,7 @@ class ReplicaProgram:
         self.forward(x, training=True)
         self.loss(y, mode, scale)
         self.backward()
+        self.add_penalty_gradients()
 
     def _accumulate(self, buf):
         """acc += [sum of losses, number correct, examples]: one column-sum launch, one add.

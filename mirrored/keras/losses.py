@@ -14,9 +14,34 @@ loop under a strategy wants, to divide by the GLOBAL batch with
 Called on a model's output inside a ``GradientTape``, the result remembers
 where it came from, so ``tape.gradient`` can run the backward kernels.
 """
+import enum
+
 from mirrored.tensor import Tensor
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
+
+
+class Reduction(str, enum.Enum):
+    """``tf.keras.losses.Reduction``: how a loss object reduces its per-example values.
+
+    ``NONE``: the per-example vector (a custom loop under a strategy then divides by the
+    GLOBAL batch with ``mirrored.nn.compute_average_loss``); ``SUM``; ``SUM_OVER_BATCH_SIZE``
+    (the mean over the batch this call sees: Keras's default); ``AUTO`` (that default).
+    Each member equals its string, so ``reduction='none'`` means the same."""
+
+    AUTO = "auto"
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+
+    @classmethod
+    def all(cls):
+        return tuple(cls)
+
+    @classmethod
+    def validate(cls, key):
+        if getattr(key, "value", key) not in REDUCTIONS:
+            raise ValueError(f"Invalid Reduction Key: {key!r}. Expected keys are {REDUCTIONS}.")
 
 
 class SparseCategoricalCrossentropy:

@@ -145,6 +145,12 @@ class Sequential:
     def non_trainable_variables(self):
         return []
 
+    @property
+    def losses(self):
+        """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
+        ``model.losses``), on this replica's copies inside ``strategy.run``."""
+        return [loss for layer in self.layers for loss in layer.losses]
+
     def count_params(self):
         return int(sum(np.prod(v.shape) for v in self.trainable_variables))
 

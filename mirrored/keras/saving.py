@@ -404,6 +404,10 @@ def layer_config(layer):
         raise NotImplementedError(f"layer {layer.name!r} ({type(layer).__name__}) has no config: saving a "
                                   f"whole model needs the library's layers ({', '.join(L.SUPPORTED)}); "
                                   f"save_weights works for any layer.")
+    reg = layer.kernel_regularizer
+    if isinstance(layer, (L.Dense, L.Conv2D)):
+        config["kernel_regularizer"] = (_ser("keras.regularizers", type(reg).__name__, reg.get_config())
+                                        if reg is not None else None)
     return config
 
 

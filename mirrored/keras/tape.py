@@ -23,7 +23,7 @@ import numpy as np
 
 from mirrored import context
 from mirrored.keras.losses import kernel_mode
-from mirrored.tensor import Tensor
+from mirrored.tensor import Tensor, add_n
 
 
 class ModelOutput:
@@ -34,17 +34,52 @@ class ModelOutput:
 
 
 class _Loss:
-    """Per-example cross-entropy of a model output against labels."""
+    """``weight`` x the per-example loss of a model output against labels (a vector)."""
 
-    def __init__(self, output_node, labels, mode):
-        self.output, self.labels, self.mode = output_node, labels, mode
+    def __init__(self, output_node, labels, mode, weight=1.0):
+        self.output, self.labels, self.mode, self.weight = output_node, labels, mode, weight
+
+    def scaled(self, factor):
+        return _Loss(self.output, self.labels, self.mode, self.weight * factor)
+
+    def summed(self):
+        return _Scaled(((self, 1.0),))
+
+    def plus(self, other):
+        return None                       # vector + vector: not a loss this tape knows
 
 
 class _Scaled:
-    """``scale * sum(per-example loss)``."""
+    """A scalar loss: ``sum_i scale_i * sum(loss_i) + sum_j factor_j * penalty_j``.
 
-    def __init__(self, loss_node, scale):
-        self.loss, self.scale = loss_node, scale
+    ``losses``: ((_Loss, scale), ...). ``penalties``: ((regularizer, pack, k, r, factor), ...),
+    each ``factor * regularizer(variable k of pack, replica r's copy)`` (``model.losses``,
+    keras/regularizers.py). ``Tensor`` arithmetic (``+``, ``-``, ``*`` and ``/`` by a
+    number, ``add_n``, ``scale_regularization_loss``) combines nodes through ``plus`` and
+    ``scaled``, so the custom-training page's ``compute_average_loss(per_example) +
+    scale_regularization_loss(add_n(model.losses))`` is one node, and its gradient
+    the sum of both parts' gradients.
+    """
+
+    def __init__(self, losses=(), penalties=()):
+        self.losses, self.penalties = tuple(losses), tuple(penalties)
+
+    def scaled(self, factor):
+        return _Scaled(((l, s * factor) for l, s in self.losses),
+                       (p[:4] + (p[4] * factor,) for p in self.penalties))
+
+    def summed(self):
+        return self
+
+    def plus(self, other):
+        if not isinstance(other, _Scaled):
+            return None
+        return _Scaled(self.losses + other.losses, self.penalties + other.penalties)
+
+
+def penalty_node(regularizer, pack, k, r):
+    """The tape's record of ``regularizer(variable k of pack, replica r's copy)``."""
+    return _Scaled(penalties=((regularizer, pack, k, r, 1.0),))
 
 
 def _labels_on(dev, y_true):
@@ -99,12 +134,7 @@ def _scaled_sum(per_example, scale):
         dev.ops.sum_all(per_example._buf, total)
         dev.ops.binary_scalar("mul", total, scale, total)
     node = per_example._node
-    if isinstance(node, _Scaled):
-        node = _Scaled(node.loss, node.scale * scale)
-    elif isinstance(node, _Loss):
-        node = _Scaled(node, scale)
-    else:
-        node = None
+    node = node.summed().scaled(scale) if node is not None else None
     return Tensor(total.reshape(()), dev, node)
 
 
@@ -130,29 +160,66 @@ class GradientTape:
                                "of gradients; create it with persistent=True for more.")
         self._used = True
         node = getattr(target, "_node", None)
-        if isinstance(node, _Loss):
-            node = _Scaled(node, 1.0)          # the gradient of a vector is that of its sum
+        node = node.summed() if node is not None else None     # a vector's gradient is its sum's
         if not isinstance(node, _Scaled):
             raise TypeError(
                 "GradientTape here differentiates losses computed from a mirrored.keras model: "
                 "loss = loss_object(labels, model(x, training=True)) (optionally through "
-                "mirrored.nn.compute_average_loss). Got a target that was not made that way.")
-        out = node.loss.output
-        program = out.program
-        if program.x is not out.x:
-            raise RuntimeError("the model was called again after this loss's predictions were "
-                               "computed; compute the loss and its gradient right after the call.")
-        with program.dev.activate():
-            program.loss(node.loss.labels, node.loss.mode, node.scale, with_grad=True)
-            program.backward()
-        grads = program.pack.grad_tensors(program.r)
+                "mirrored.nn.compute_average_loss, sums, products with numbers, and "
+                "model.losses). Got a target that was not made that way.")
+        r, pack = self._backward(node)
+        if pack is None:
+            raise TypeError("this loss has no model output and no model.losses term: nothing to "
+                            "differentiate here.")
         single = not isinstance(sources, (list, tuple))
         wanted = [sources] if single else list(sources)
+        grads = pack.grad_tensors(r)
         result = []
         for var in wanted:
-            k = program.pack.index_of(var)
+            k = pack.index_of(var)
             result.append(grads[k] if k is not None else None)
         return result[0] if single else result
+
+    @staticmethod
+    def _backward(node):
+        """Run the backward kernels for ``node``; returns (replica index, ParameterPack)."""
+        outputs = {id(l.output): l.output for l, _ in node.losses}
+        if len(outputs) > 1:
+            raise NotImplementedError("this loss combines several model calls; the tape here "
+                                      "differentiates the loss of one model(x) call at a time.")
+        terms = {}
+        for l, s in node.losses:                    # the same loss twice: scales add up
+            key = (id(l.labels), l.mode)
+            prev = terms.get(key)
+            terms[key] = (l, (prev[1] if prev else 0.0) + s * l.weight)
+        if len(terms) > 1:
+            raise NotImplementedError("two different losses of one model output in one target "
+                                      "are not supported here; use one loss object.")
+        r, pack = None, None
+        if terms:
+            (l, scale), = terms.values()
+            out = l.output
+            program = out.program
+            if program.x is not out.x:
+                raise RuntimeError("the model was called again after this loss's predictions were "
+                                   "computed; compute the loss and its gradient right after the call.")
+            with program.dev.activate():
+                program.loss(l.labels, l.mode, scale, with_grad=True)
+                program.backward()
+            r, pack = program.r, program.pack
+        for regularizer, p_pack, k, p_r, factor in node.penalties:
+            if pack is not None and (p_pack is not pack or p_r != r):
+                raise NotImplementedError("model.losses of another model or replica than the "
+                                          "loss's predictions: compute both on one replica.")
+            r, pack = p_r, p_pack
+            dev = pack.devices[r]
+            if not node.losses:                     # penalties alone: start from zero
+                with dev.activate():
+                    dev.ops.fill(pack.grads[r], 0.0)
+        for regularizer, p_pack, k, p_r, factor in node.penalties:
+            with pack.devices[r].activate():
+                regularizer.add_gradient(pack.devices[r], pack.param_views[r][k], pack.grad_views[r][k], factor)
+        return r, pack
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None,
@@ -178,3 +245,15 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
 def _replicas():
     strategy, _ = context.top()
     return strategy.num_replicas_in_sync if strategy is not None else 1
+
+
+def scale_regularization_loss(regularization_loss):
+    """``regularization_loss / num_replicas_in_sync`` (TensorFlow's ``tf.nn.scale_regularization_loss``).
+
+    Every replica adds the model's penalty to its loss; the all-reduce SUM of the
+    replicas' gradients then counts it once. Accepts a scalar or a list of them
+    (``model.losses``), which it adds first, as TensorFlow does.
+    """
+    if isinstance(regularization_loss, (list, tuple)):
+        regularization_loss = add_n(regularization_loss)
+    return regularization_loss * (1.0 / _replicas())

@@ -1,0 +1,262 @@
+"""TensorFlow's own tf.distribute pages, as a student runs them after the lab (issue 27).
+
+Each test uses a name the way the custom-training, Keras and distributed-input tutorials
+and the distributed-training guide use it, with tiny shapes, and checks the numbers
+against float64 NumPy oracles (uneven global batches: 5 rows over 2 replicas).
+"""
+import numpy as np
+import pytest
+
+import mirrored as tf
+from mirrored import devices as registry
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, devices):
+    """A machine without GPU (not even the CUDA simulator's): ``no_gpu(cpus=2)``."""
+    monkeypatch.setattr(registry, "cuda_mode", lambda: "none")
+    return devices
+
+
+def _softmax(z):
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _oracle_step(w, b, x, y, l2, lr):
+    """One SGD step of mean sparse softmax cross-entropy + l2 * sum(w**2), in float64."""
+    w, b, x = (np.asarray(a, np.float64) for a in (w, b, x))
+    p = _softmax(x @ w + b)
+    n = len(y)
+    data_loss = -np.log(p[np.arange(n), y]).mean()
+    d = p.copy()
+    d[np.arange(n), y] -= 1.0
+    d /= n
+    gw = x.T @ d + 2.0 * l2 * w
+    gb = d.sum(axis=0)
+    return w - lr * gw, b - lr * gb, data_loss + l2 * (w ** 2).sum()
+
+
+def _dense_model(strategy, l2, features=4, classes=3):
+    with strategy.scope():
+        reg = tf.keras.regularizers.L2(l2) if l2 else None
+        return tf.keras.Sequential([tf.keras.layers.Dense(classes, input_shape=(features,),
+                                                          kernel_regularizer=reg)])
+
+
+# --- 2, 3: Reduction.NONE + compute_average_loss + scale_regularization_loss(model.losses) --------
+
+@pytest.mark.parametrize("with_penalty", [True, False])
+def test_custom_training_page_loop_matches_numpy(no_gpu, with_penalty):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()               # every logical CPU, as TF
+    assert strategy.num_replicas_in_sync == 2
+    rng = np.random.default_rng()
+    GLOBAL, l2, lr = 5, 0.05, 0.3
+    x = rng.standard_normal((GLOBAL, 4)).astype(np.float32)
+    y = rng.integers(0, 3, GLOBAL)
+    model = _dense_model(strategy, l2)
+    with strategy.scope():
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+        optimizer = tf.keras.optimizers.SGD(learning_rate=lr)
+    model.build((None, 4))
+    w0, b0 = model.get_weights()
+
+    def compute_loss(labels, predictions, model_losses):
+        per_example_loss = loss_object(labels, predictions)
+        loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL)
+        if model_losses and with_penalty:
+            loss += tf.nn.scale_regularization_loss(tf.add_n(model_losses))
+        return loss
+
+    def train_step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(images, training=True)
+            loss = compute_loss(labels, predictions, model.losses)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL))
+    for batch in dist:
+        per_replica = strategy.run(train_step, args=(batch,))
+        total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    w1, b1, loss = _oracle_step(w0, b0, x, y, l2 if with_penalty else 0.0, lr)
+    np.testing.assert_allclose(total, loss, rtol=1e-5)
+    np.testing.assert_allclose(model.get_weights()[0], w1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], b1, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_trains_the_penalty_and_reports_it(no_gpu):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 5)
+    model = _dense_model(strategy, 0.1)
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.SGD(0.2))
+    model.build((None, 4))
+    w0, b0 = model.get_weights()
+    history = model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    w1, b1, loss = _oracle_step(w0, b0, x, y, 0.1, 0.2)
+    np.testing.assert_allclose(model.get_weights()[0], w1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], b1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"][0], loss, rtol=1e-5)
+    (penalty,) = model.losses
+    np.testing.assert_allclose(penalty.numpy(), 0.1 * (w1.astype(np.float64) ** 2).sum(), rtol=1e-5)
+
+
+def test_l2_regularizer_api(devices):
+    devices(cpus=1)
+    w = np.random.default_rng().standard_normal((3, 7)).astype(np.float32)
+    assert tf.keras.regularizers.l2 is tf.keras.regularizers.L2
+    np.testing.assert_allclose(tf.keras.regularizers.L2(0.3)(w).numpy(), 0.3 * (w.astype(np.float64) ** 2).sum(),
+                               rtol=1e-5)
+    np.testing.assert_allclose(tf.keras.regularizers.L2()(tf.Variable(w)).numpy(),
+                               0.01 * (w.astype(np.float64) ** 2).sum(), rtol=1e-5)   # Keras's default
+    with pytest.raises(ValueError, match="l2"):
+        tf.keras.regularizers.L2(-1.0)
+    conv = tf.keras.layers.Conv2D(2, 3, kernel_regularizer=tf.keras.regularizers.L2(1e-3))
+    assert conv.kernel_regularizer.l2 == 1e-3 and conv.losses == []       # nothing before build
+    model = tf.keras.Sequential([tf.keras.layers.Input((5, 5, 1)), conv, tf.keras.layers.Flatten(),
+                                 tf.keras.layers.Dense(2)])
+    (penalty,) = model.losses                                             # only the conv has one
+    kernel = model.get_weights()[0].astype(np.float64)
+    np.testing.assert_allclose(penalty.numpy(), 1e-3 * (kernel ** 2).sum(), rtol=1e-5)
+    assert model.get_config()["layers"][1]["config"]["kernel_regularizer"]["config"] == {"l2": 1e-3}
+
+
+@pytest.mark.parametrize("reduction", ["NONE", "SUM", "SUM_OVER_BATCH_SIZE"])
+def test_reduction_enum_reduces_model_output_as_keras(devices, reduction):
+    devices(cpus=1)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((7, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 7)
+    model = _dense_model(tf.distribute.get_strategy(), 0.0)
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=getattr(tf.keras.losses.Reduction, reduction))
+    out = loss_object(y, model(x, training=True))
+    w, b = model.get_weights()
+    per_example = -np.log(_softmax(x.astype(np.float64) @ w + b)[np.arange(7), y])
+    expected = {"NONE": per_example, "SUM": per_example.sum(), "SUM_OVER_BATCH_SIZE": per_example.mean()}
+    np.testing.assert_allclose(out.numpy(), expected[reduction], rtol=1e-5)
+    assert tf.keras.losses.Reduction.NONE == "none"
+    with pytest.raises(ValueError, match="reduction"):
+        tf.keras.losses.SparseCategoricalCrossentropy(reduction="mean")
+
+
+# --- 1, 10, 11, 12: datasets ------------------------------------------------------------------------
+
+def test_from_tensors_as_the_guide_uses_it(devices):
+    devices(cpus=1)
+    ds = tf.data.Dataset.from_tensors(([1.], [1.])).repeat(100).batch(10)
+    batches = list(ds)
+    assert len(batches) == len(ds) == 10
+    for features, labels in batches:
+        assert features.shape == labels.shape == (10, 1) and features.dtype == np.float32
+        assert (features == 1).all() and (labels == 1).all()
+    value = np.random.default_rng().standard_normal((2, 3))
+    (only,) = list(tf.data.Dataset.from_tensors({"a": value, "b": 3}))
+    np.testing.assert_array_equal(only["a"], value)            # the whole tensor, one element
+    assert only["b"] == 3 and only["b"].dtype == np.int32
+    assert ds.element_spec == (tf.TensorSpec((None, 1), tf.float32),) * 2
+    assert repr(ds.element_spec[0]) == "TensorSpec(shape=(None, 1), dtype=tf.float32, name=None)"
+    assert tf.data.Dataset.from_tensors([1, 2]).batch(3, drop_remainder=True).element_spec == \
+        tf.TensorSpec((3, 2), tf.int32)
+
+
+def test_from_generator_enumerate_and_options(devices):
+    devices(cpus=1)
+    sizes = np.random.default_rng().integers(1, 5, 6)
+
+    def gen():
+        for i, n in enumerate(sizes):
+            yield np.full(n, i, np.float64), i
+
+    sig = (tf.TensorSpec(shape=(None,), dtype=tf.float32), tf.TensorSpec(shape=(), dtype=tf.int64))
+    ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
+    for epoch in range(2):                                   # each epoch calls the generator again
+        got = list(ds)
+        assert [len(v) for v, _ in got] == list(sizes)
+        assert all(v.dtype == np.float32 and i.dtype == np.int64 for v, i in got)
+    assert ds.element_spec == sig and ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    bad = tf.data.Dataset.from_generator(gen, output_signature=(tf.TensorSpec((2, 2)), sig[1]))
+    with pytest.raises(TypeError, match="not compatible"):
+        list(bad)
+    pairs = list(tf.data.Dataset.range(3).enumerate(start=10))
+    assert [(int(i), int(v)) for i, v in pairs] == [(10, 0), (11, 1), (12, 2)]
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    shaped = tf.data.Dataset.range(7).with_options(options)
+    assert [int(v) for v in shaped] == list(range(7))
+    assert shaped.options().experimental_distribute.auto_shard_policy is tf.data.experimental.AutoShardPolicy.DATA
+    with pytest.raises(AttributeError, match="no option"):
+        options.not_an_option = 1
+
+
+# --- 4, 8, 10, 14: strategies and distributed iterators ------------------------------------------------
+
+def test_mirrored_strategy_takes_every_logical_cpu_and_logs_to_stderr(no_gpu, capsys):
+    no_gpu(cpus=3)
+    strategy = tf.distribute.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 3
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Using MirroredStrategy with devices" in captured.err
+
+
+def test_distributed_iterator_get_next_optional_and_element_spec(no_gpu):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+    x = np.random.default_rng().standard_normal((5, 2)).astype(np.float32)
+    dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(3))
+    spec = dist.element_spec
+    assert repr(spec).startswith("PerReplicaSpec(TensorSpec(shape=(None, 2), dtype=tf.float32")
+    it = iter(dist)
+    assert iter(it) is it
+    first = it.get_next()
+    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in first.values]), x[:3])
+    opt = it.get_next_as_optional()
+    assert bool(opt.has_value())
+    np.testing.assert_array_equal(np.concatenate([v.numpy() for v in opt.get_value().values]), x[3:])
+    end = it.get_next_as_optional()
+    assert not bool(end.has_value())
+    with pytest.raises(tf.errors.OutOfRangeError):
+        it.get_next()
+    with pytest.raises(tf.errors.OutOfRangeError):
+        end.get_value()
+    assert sum(1 for _ in dist) == 2                       # a fresh iterator per iter()
+
+
+def test_named_gpus_without_gpus_run_on_logical_cpus(no_gpu):
+    no_gpu(cpus=2)
+    with pytest.warns(UserWarning, match="soft placement"):
+        strategy = tf.distribute.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    assert {d.device_type for d in strategy.extended.devices} == {"CPU"}
+    no_gpu(cpus=1)
+    with pytest.raises(ValueError, match="set_logical_device_configuration"):
+        tf.distribute.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
+
+
+# --- 9: tensor functions ---------------------------------------------------------------------------
+
+def test_print_range_reshape_and_tensor_repr(devices, capsys):
+    devices(cpus=1)
+    r = tf.range(10)
+    assert r.dtype == tf.int32 and list(r.numpy()) == list(range(10))
+    assert tf.range(1.0, 2.0, 0.5).dtype == tf.float32
+    tf.print(r)
+    tf.print("loss:", tf.constant(2.5))
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "[0 1 2 ... 7 8 9]\nloss: 2.5\n"   # TF's tf.print: stderr
+    m = tf.reshape(tf.range(6), (2, -1))
+    assert m.shape == (2, 3) and m.numpy()[1, 0] == 3
+    with pytest.raises(ValueError):
+        tf.reshape(tf.range(6), (4, -1))
+    assert repr(tf.constant(1.0)) == "<tf.Tensor: shape=(), dtype=float32, numpy=1.0>"
+    shape = tf.TensorShape([None, 28])
+    assert shape == (None, 28) and shape.rank == 2 and shape.as_list() == [None, 28]
+    assert shape.is_compatible_with((5, 28)) and not shape.is_compatible_with((5, 27))
