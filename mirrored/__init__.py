@@ -40,10 +40,12 @@ Map of the rest:
     keras/        also losses, metrics, callbacks, saving, GradientTape (tape.py), progbar
     nn.py         compute_average_loss, scale_regularization_loss
     random.py     set_seed
+    checkpoint.py mirrored.train: Checkpoint, CheckpointManager, latest_checkpoint
     workflow.py   the command-line lab (``python -m mirrored``)
     labs.py       the lab notebooks' first cell (``labs.setup``) and the lab's model
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
+from mirrored import checkpoint as train  # tf.train: Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.devices import device_scope as device
 from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirroredStrategy,
                                  OneDeviceStrategy, ReduceOp,

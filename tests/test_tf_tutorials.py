@@ -260,3 +260,100 @@ def test_print_range_reshape_and_tensor_repr(devices, capsys):
     shape = tf.TensorShape([None, 28])
     assert shape == (None, 28) and shape.rank == 2 and shape.as_list() == [None, 28]
     assert shape.is_compatible_with((5, 28)) and not shape.is_compatible_with((5, 27))
+
+
+# --- 5, 6: checkpoints and the learning rate as a variable ----------------------------------------------
+
+def _trained(strategy, x, y, lr=0.01):
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+        optimizer = tf.keras.optimizers.Adam(lr)
+        model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=optimizer)
+    return model, optimizer
+
+
+def test_checkpoint_manager_restores_bitwise_and_resumes_identically(no_gpu, tmp_path):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+    rng = np.random.default_rng()
+    x = rng.standard_normal((7, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 7)
+    model, optimizer = _trained(strategy, x, y)
+    model.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    checkpoint = tf.train.Checkpoint(optimizer=optimizer, model=model)
+    manager = tf.train.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=2)
+    paths = [manager.save() for _ in range(3)]
+    assert paths == [str(tmp_path / f"ckpt-{i}") for i in (1, 2, 3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-2.npz", "ckpt-3.npz"]
+    assert tf.train.latest_checkpoint(str(tmp_path)) == paths[-1] == manager.latest_checkpoint
+    assert manager.checkpoints == paths[1:]
+    assert tf.train.latest_checkpoint(str(tmp_path / "empty")) is None
+    new_model, new_optimizer = _trained(strategy, x, y, lr=0.5)      # not built, another rate
+    status = tf.train.Checkpoint(optimizer=new_optimizer, model=new_model).restore(
+        tf.train.latest_checkpoint(str(tmp_path)))
+    status.assert_consumed()
+    for a, b in zip(new_model.get_weights(), model.get_weights()):
+        assert a.tobytes() == b.tobytes()
+    assert new_optimizer.learning_rate.numpy() == np.float32(0.01)
+    assert int(new_optimizer.iterations) == int(optimizer.iterations) == 3
+    for m in (model, new_model):                                   # the same Adam state: the same next steps
+        m.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(new_model.get_weights(), model.get_weights()):
+        assert a.tobytes() == b.tobytes()
+    for replica in new_model.trainable_variables[0].values:           # every replica's copy restored
+        np.testing.assert_array_equal(replica.numpy(), model.get_weights()[0])
+
+
+def test_checkpoint_save_restore_variables_and_refuses_other_architectures(devices, tmp_path):
+    devices(cpus=1)
+    v = tf.Variable(np.random.default_rng().standard_normal(3).astype(np.float32))
+    ckpt = tf.train.Checkpoint(v=v)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    saved = v.numpy().copy()
+    v.assign(np.zeros(3, np.float32))
+    ckpt.restore(path)
+    assert v.numpy().tobytes() == saved.tobytes() and int(ckpt.save_counter) == 1
+    small = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(4,))])
+    small.build((None, 4))
+    tf.train.Checkpoint(model=small).save(str(tmp_path / "m"))
+    other = tf.keras.Sequential([tf.keras.layers.Dense(5, input_shape=(4,))])
+    other.build((None, 4))
+    before = other.get_weights()
+    with pytest.raises(ValueError, match="architecture"):
+        tf.train.Checkpoint(model=other).restore(str(tmp_path / "m-1"))
+    for a, b in zip(other.get_weights(), before):                     # nothing changed
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileNotFoundError, match="latest_checkpoint"):
+        ckpt.restore(str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="max_to_keep"):
+        tf.train.CheckpointManager(ckpt, str(tmp_path), max_to_keep=0)
+
+
+def test_learning_rate_is_a_variable_read_by_callbacks(devices, capsys):
+    devices(cpus=1)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 6)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam())
+    seen = []
+
+    class PrintLR(tf.keras.callbacks.Callback):                       # the Keras tutorial's callback
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(self.model.optimizer.learning_rate.numpy())
+
+    def decay(epoch):
+        return 1e-3 if epoch < 1 else 1e-4 if epoch < 2 else 1e-5
+
+    model.fit(x, y, batch_size=3, epochs=3, verbose=0,
+              callbacks=[tf.keras.callbacks.LearningRateScheduler(decay), PrintLR()])
+    assert seen == [np.float32(1e-3), np.float32(1e-4), np.float32(1e-5)]
+    lr = model.optimizer.learning_rate
+    assert lr.numpy().dtype == np.float32 and float(lr * 2) == 2e-5
+    lr.assign(0.5)
+    assert model.optimizer.learning_rate.numpy() == np.float32(0.5)
+    model.optimizer.learning_rate = 0.25                               # Keras 3 allows this too
+    assert lr.numpy() == np.float32(0.25) and "numpy=0.25>" in repr(lr)
+    with pytest.raises(ValueError, match="finite"):
+        lr.assign(float("nan"))
