@@ -580,6 +580,17 @@ def _soft_place(devices, names):
     return [present[n] if n in present else stand_in[n] for n in names]
 
 
+class CentralStorageStrategy:
+    """``tf.distribute.experimental.CentralStorageStrategy``: not implemented, says what to use."""
+
+    def __init__(self, compute_devices=None, parameter_device=None):
+        raise NotImplementedError(
+            "CentralStorageStrategy (variables kept on one device, usually the CPU, and computation "
+            "mirrored on the GPUs) is not implemented here. Use MirroredStrategy(compute_devices) "
+            "instead: the same synchronous data parallelism, with a copy of every variable on each "
+            "replica's device and the gradients summed by the ring all-reduce.")
+
+
 class OneDeviceStrategy(Strategy):
     """Everything on one device: one replica, plain variables there."""
 

@@ -357,3 +357,26 @@ def test_learning_rate_is_a_variable_read_by_callbacks(devices, capsys):
     assert lr.numpy() == np.float32(0.25) and "numpy=0.25>" in repr(lr)
     with pytest.raises(ValueError, match="finite"):
         lr.assign(float("nan"))
+
+
+# --- 13: the guide's other cross-device ops and strategies -----------------------------------------------
+
+def test_hierarchical_copy_runs_as_the_ring_and_central_storage_says_what_to_use(no_gpu, monkeypatch):
+    no_gpu(cpus=2)
+    from mirrored import cross_device_ops
+    monkeypatch.setattr(cross_device_ops, "_HIERARCHICAL_NOTED", [])     # the note comes once per process
+    with pytest.warns(UserWarning, match="RingAllReduce"):
+        ops = tf.distribute.HierarchicalCopyAllReduce()
+    assert isinstance(ops, tf.distribute.RingAllReduce)
+    strategy = tf.distribute.MirroredStrategy(cross_device_ops=ops)
+    values = np.random.default_rng().standard_normal((2, 3)).astype(np.float32)
+
+    def fn():
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(values[int(r)]))
+
+    result = strategy.run(fn)
+    for component in strategy.experimental_local_results(result):
+        np.testing.assert_allclose(component.numpy(), values.astype(np.float64).sum(axis=0), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="MirroredStrategy"):
+        tf.distribute.experimental.CentralStorageStrategy()
