@@ -380,3 +380,96 @@ def test_hierarchical_copy_runs_as_the_ring_and_central_storage_says_what_to_use
         np.testing.assert_allclose(component.numpy(), values.astype(np.float64).sum(axis=0), rtol=1e-6)
     with pytest.raises(NotImplementedError, match="MirroredStrategy"):
         tf.distribute.experimental.CentralStorageStrategy()
+
+
+# --- 7: MSE and binary cross-entropy: the kernel, fit, and the guide's custom loop ----------------------
+
+def _target_loss_oracle(kind, z, y):
+    """Per-example loss and d(sum of losses)/dz, float64."""
+    z, y = np.asarray(z, np.float64), np.asarray(y, np.float64)
+    c = z.shape[1]
+    if kind == "mse":
+        return ((z - y) ** 2).mean(axis=1), 2 * (z - y) / c
+    if kind == "bce_logits":
+        s = 1 / (1 + np.exp(-z))
+        return (-(y * np.log(s) + (1 - y) * np.log(1 - s))).mean(axis=1), (s - y) / c
+    return (-(y * np.log(z) + (1 - y) * np.log(1 - z))).mean(axis=1), ((z - y) / (z * (1 - z))) / c
+
+
+@pytest.mark.parametrize("kind", ["mse", "bce_logits", "bce_probs"])
+@pytest.mark.parametrize("shape", [(1, 1), (33, 3), (31, 1)])
+def test_regression_loss_kernel_and_reference_match_float64(kind, shape):
+    from numba import cuda
+    from kernels.regression_losses import regression_loss, regression_loss_ref
+    rng = np.random.default_rng()
+    z = (rng.uniform(0.05, 0.95, shape) if kind == "bce_probs" else rng.standard_normal(shape) * 3).astype(np.float32)
+    y = (rng.random(shape) if kind != "mse" else rng.standard_normal(shape)).astype(np.float32)
+    loss, grad = _target_loss_oracle(kind, z, y)
+    ref_loss, ref_grad = regression_loss_ref(kind, z, y, np.full(shape[0], np.nan, np.float32),
+                                             np.full(shape, np.nan, np.float32), scale=0.5)
+    np.testing.assert_allclose(ref_loss, loss, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(ref_grad, 0.5 * grad, rtol=2e-5, atol=1e-6)
+    out_loss = cuda.to_device(np.full(shape[0], np.nan, np.float32))       # poisoned outputs
+    out_grad = cuda.to_device(np.full(shape, np.nan, np.float32))
+    regression_loss(kind, cuda.to_device(z), cuda.to_device(y), out_loss, out_grad, scale=0.5)
+    np.testing.assert_allclose(out_loss.copy_to_host(), loss, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(out_grad.copy_to_host(), 0.5 * grad, rtol=2e-5, atol=1e-6)
+
+
+def test_fit_with_mse_matches_numpy_over_two_replicas(no_gpu):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    t = rng.standard_normal((5, 2)).astype(np.float32)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
+        model.compile(loss="mse", optimizer=tf.keras.optimizers.SGD(0.1))
+    model.build((None, 3))
+    w, b = (a.astype(np.float64) for a in model.get_weights())
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, t)).batch(5), epochs=1, verbose=0)
+    loss, dz = _target_loss_oracle("mse", x @ w + b, t)
+    np.testing.assert_allclose(history.history["loss"][0], loss.mean(), rtol=1e-5)
+    np.testing.assert_allclose(model.get_weights()[0], w - 0.1 * x.T @ dz / 5, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], b - 0.1 * dz.sum(axis=0) / 5, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.evaluate(x, t, batch_size=2, verbose=0),
+                               _target_loss_oracle("mse", x @ model.get_weights()[0] + model.get_weights()[1], t)[0].mean(),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="targets of shape"):
+        model.fit(x, t[:, :1], verbose=0)
+    with pytest.raises(NotImplementedError, match="accuracy"):
+        model.compile(loss=tf.keras.losses.MeanSquaredError(), optimizer="sgd", metrics=["accuracy"])
+
+
+def test_guide_custom_loop_with_binary_crossentropy(no_gpu):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+    rng = np.random.default_rng()
+    GLOBAL, l2 = 6, 0.01      # compute_average_loss's default divides by each replica's rows x 2: even here
+    x = rng.standard_normal((GLOBAL, 1)).astype(np.float32)
+    t = rng.integers(0, 2, (GLOBAL, 1)).astype(np.float32)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(1,),
+                                                           kernel_regularizer=tf.keras.regularizers.L2(l2))])
+        optimizer = tf.keras.optimizers.SGD()                               # Keras's 0.01
+    loss_object = tf.keras.losses.BinaryCrossentropy(from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    model.build((None, 1))
+    w, b = (a.astype(np.float64) for a in model.get_weights())
+
+    def train_step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(features, training=True)
+            loss = tf.nn.compute_average_loss(loss_object(labels, predictions))
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, t)).batch(GLOBAL))
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(train_step, args=(next(iter(dist)),)), axis=None)
+    loss, dz = _target_loss_oracle("bce_logits", x @ w + b, t)
+    np.testing.assert_allclose(total, loss.mean() + l2 * (w ** 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(model.get_weights()[0], w - 0.01 * (x.T @ dz / GLOBAL + 2 * l2 * w), rtol=1e-5)
+    np.testing.assert_allclose(model.get_weights()[1], b - 0.01 * dz.sum(axis=0) / GLOBAL, rtol=1e-5, atol=1e-7)

@@ -221,20 +221,21 @@ class ReplicaProgram:
         The next ``upload`` of the same size overwrites them (on a GPU, in stream
         order, after the kernels of this step have read them).
         """
-        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype)
+        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype, y.shape[1:])
         if x.shape[0]:
             self.dev.upload_into(x_dev, x)
             self.dev.upload_into(y_dev, y)
         return x_dev, y_dev
 
-    def input_buffers(self, b, label_dtype):
+    def input_buffers(self, b, label_dtype, label_shape=()):
         """This device's reusable input buffers for batches of ``b``: x (b, in_dim)
-        float32 and y (b,) of ``label_dtype`` (filled by ``upload`` or a gather)."""
-        key = (b, np.dtype(label_dtype))
+        float32 and y (b,) + ``label_shape`` of ``label_dtype`` (filled by ``upload`` or a
+        gather): class labels (b,), or float targets (b, classes) for MSE and BCE."""
+        key = (b, np.dtype(label_dtype), tuple(label_shape))
         bufs = self._inputs.get(key)
         if bufs is None:
             bufs = self._inputs[key] = (self.dev.empty((b, self.in_dim), FLOAT),   # x: (b, in) float32
-                                        self.dev.empty((b,), label_dtype))         # y: (b,) labels
+                                        self.dev.empty((b,) + tuple(label_shape), label_dtype))   # y
         return bufs
 
     # -- the program
@@ -268,8 +269,11 @@ class ReplicaProgram:
         grad = buf.dlogits if with_grad else None                # (b, classes)
         if mode == "probs":
             self.ops.prob_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
-        else:
+        elif mode == "logits":
             self.ops.softmax_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
+        else:                        # MSE, BCE against float targets (b, classes): no accuracy here
+            self.ops.regression_loss(mode, self.logits, labels, buf.loss, grad, scale)
+            self.ops.fill(buf.correct, 0.0)
         self._accumulate(buf)
         self._accumulate_penalties(b)
 

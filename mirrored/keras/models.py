@@ -238,6 +238,10 @@ class Sequential:
                 raise NotImplementedError(f"metric {m!r} is not implemented; use metrics=['accuracy'].")
         if len(self._metric_names) > 1:
             raise NotImplementedError("one accuracy metric per model here.")
+        if self._metric_names and _losses.takes_targets(self.loss):
+            raise NotImplementedError(f"metrics={self._metric_names} with {type(self.loss).__name__}: the "
+                                      f"accuracy metric here counts class indices; compile without metrics "
+                                      f"(the loss is reported).")
         if self.built:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         if self._graphs is not None:

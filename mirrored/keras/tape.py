@@ -100,24 +100,44 @@ def _labels_on(dev, y_true):
         return dev.from_numpy(arr)
 
 
+def _targets_on(dev, y_true, b, cols):
+    """Float targets of the output's shape (b, cols) on ``dev`` (MSE, BCE)."""
+    if isinstance(y_true, Tensor):
+        if y_true._device is not dev:
+            raise ValueError(f"targets are on {y_true.device} but the predictions on {dev.name}: "
+                             f"use the targets of the same replica (inside strategy.run).")
+        y_true = y_true.numpy()
+    arr = np.asarray(y_true, np.float32)
+    if arr.size != b * cols or arr.shape[:1] != (b,):
+        raise ValueError(f"targets of shape {arr.shape} for predictions of shape {(b, cols)}: "
+                         f"give one target per output, shape ({b}, {cols}).")
+    with dev.activate():
+        return dev.from_numpy(np.ascontiguousarray(arr.reshape(b, cols)))
+
+
 def loss_from_model_output(loss_obj, y_true, y_pred):
-    """Forward of a SparseCategoricalCrossentropy on a model output; keeps a node for the tape."""
+    """Forward of one of our losses on a model output; keeps a node for the tape."""
     node = y_pred._node
     if not isinstance(node, ModelOutput):
         raise TypeError("the loss must be computed on a model's output: loss(labels, model(x)).")
     program = node.program
     dev = program.dev
     mode = kernel_mode(loss_obj, program.softmax_output)
-    labels = _labels_on(dev, y_true)
     b = program.last_b
+    if mode in ("logits", "probs"):
+        labels = _labels_on(dev, y_true)
+    else:
+        labels = _targets_on(dev, y_true, b, program.classes)
     if labels.shape[0] != b:
         raise ValueError(f"{labels.shape[0]} labels for a batch of {b} predictions.")
     with dev.activate():
         per_example = dev.empty((b,), np.float32)          # the caller's: a new tensor each call
         correct = dev.scratch("xent correct", (b,), np.float32)   # nobody reads it here: reused
-        if b:
+        if b and mode in ("logits", "probs"):
             op = dev.ops.prob_xent if mode == "probs" else dev.ops.softmax_xent
             op(program.logits, labels, per_example, None, correct, 1.0)
+        elif b:
+            dev.ops.regression_loss(mode, program.logits, labels, per_example, None, 1.0)
         loss_node = _Loss(node, labels, mode)
         vec = Tensor(per_example, dev, loss_node)
         if loss_obj.reduction == "none":
