@@ -37,7 +37,7 @@ import numpy as np
 
 from kernels.launch import ceil_div
 from mirrored import random as _random
-from mirrored.tensor import TensorSpec
+from mirrored.tensor import HostTensor, TensorSpec
 
 AUTOTUNE = -1              # tf.data.AUTOTUNE: "let the runtime choose" (prefetch accepts it)
 INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
@@ -408,6 +408,12 @@ class Dataset:
         return True   # as TF: truth must not call __len__ (which fails on infinite data)
 
     def __iter__(self):
+        """A fresh epoch. Each element's arrays come as ``HostTensor``s: NumPy arrays that
+        also answer ``.numpy()`` and print as TensorFlow's eager tensors do."""
+        return (_map_structure(HostTensor.wrap, e) for e in self._elements())
+
+    def _elements(self):
+        """A fresh epoch of plain NumPy elements: what the transformations pass along."""
         plan = self._index_plan()
         if plan is None:
             return iter(self._generate())
@@ -415,8 +421,8 @@ class Dataset:
         return (rows.row(i) for i in _row_numbers(chunks))
 
     def as_numpy_iterator(self):
-        """As TF; our elements are already NumPy values."""
-        return iter(self)
+        """As TF: the elements as plain NumPy values."""
+        return self._elements()
 
     def __repr__(self):
         n = self._cardinality()
@@ -509,11 +515,11 @@ class _MapDataset(Dataset):
         return self._input._cardinality()
 
     def _generate(self):
-        for element in self._input:
+        for element in self._input._elements():
             yield _map_structure(_to_numpy, _call_unpacked(self._fn, element))
 
     def _element_spec(self):             # TF traces the function; we look at its first result
-        first = next(iter(self), None)
+        first = next(self._elements(), None)
         if first is None:
             raise ValueError("element_spec of an empty mapped dataset is not known here.")
         specs = _map_structure(TensorSpec.from_value, first)
@@ -533,7 +539,7 @@ class _FilterDataset(Dataset):
         return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
 
     def _generate(self):
-        return (e for e in self._input if bool(_call_unpacked(self._predicate, e)))
+        return (e for e in self._input._elements() if bool(_call_unpacked(self._predicate, e)))
 
 
 class _ShardDataset(Dataset):
@@ -547,7 +553,7 @@ class _ShardDataset(Dataset):
         return n // self._num_shards + (1 if self._index < n % self._num_shards else 0)
 
     def _generate(self):
-        return itertools.islice(self._input, self._index, None, self._num_shards)
+        return itertools.islice(self._input._elements(), self._index, None, self._num_shards)
 
 
 class _CacheDataset(Dataset):
@@ -571,7 +577,7 @@ class _CacheDataset(Dataset):
 
     def _generate(self):
         elements = []
-        for element in self._input:
+        for element in self._input._elements():
             elements.append(element)
             yield element
         if self._rows is None:           # the input ran to its end: the cache is complete
@@ -607,7 +613,7 @@ class _ShuffleDataset(Dataset):
         return rows, _chunked(order)
 
     def _generate(self):
-        return _buffer_shuffle(iter(self._input), self._buffer_size, self._epoch_rng())
+        return _buffer_shuffle(self._input._elements(), self._buffer_size, self._epoch_rng())
 
 
 class _BatchDataset(Dataset):
@@ -636,7 +642,7 @@ class _BatchDataset(Dataset):
                     return
                 yield rows.gather(batch_rows)
             return
-        elements = iter(self._input)    # element by element: collect, then stack
+        elements = self._input._elements()    # element by element: collect, then stack
         while batch := list(itertools.islice(elements, self._batch_size)):
             if len(batch) < self._batch_size and self._drop_remainder:
                 return
@@ -686,7 +692,7 @@ class _RepeatDataset(Dataset):
     def _generate(self):
         for _ in self._epochs():
             empty = True
-            for element in self._input:
+            for element in self._input._elements():
                 empty = False
                 yield element
             if empty:
@@ -722,7 +728,7 @@ class _TakeDataset(Dataset):
         return rows, first_rows()
 
     def _generate(self):
-        elements = iter(self._input)
+        elements = self._input._elements()
         return elements if self._count < 0 else itertools.islice(elements, self._count)
 
 
@@ -740,7 +746,7 @@ class _PrefetchDataset(Dataset):
         return self._input._index_plan()
 
     def _generate(self):
-        return iter(self._input)
+        return self._input._elements()
 
 
 class _GeneratorDataset(Dataset):
@@ -786,7 +792,7 @@ class _EnumerateDataset(Dataset):
         return TensorSpec((), np.int64), self._input._element_spec()
 
     def _generate(self):
-        return ((np.int64(i), e) for i, e in enumerate(self._input, self._start))
+        return ((np.int64(i), e) for i, e in enumerate(self._input._elements(), self._start))
 
 
 class _OptionsDataset(Dataset):
@@ -800,7 +806,7 @@ class _OptionsDataset(Dataset):
         return self._input._index_plan()
 
     def _generate(self):
-        return iter(self._input)
+        return self._input._elements()
 
     def options(self):
         return self._input.options().merge(self._options)

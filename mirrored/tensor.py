@@ -158,11 +158,20 @@ def numpy_repr(value):
 
 
 class HostTensor(np.ndarray):
-    """A result on the host: a NumPy array that also answers ``.numpy()``.
+    """A value on the host: a NumPy array that also answers ``.numpy()``.
 
-    ``strategy.reduce`` and ``strategy.gather`` return these, so code written
-    for TensorFlow (``strategy.reduce(...).numpy()``) and NumPy code both work.
+    ``strategy.reduce``, ``strategy.gather`` and iterating a ``mirrored.data.Dataset``
+    give these, so code written for TensorFlow (``strategy.reduce(...).numpy()``,
+    ``for x in ds: x.numpy()``) and NumPy code both work. They print as TensorFlow's
+    eager tensors (``<tf.Tensor: shape=(), dtype=float32, numpy=2.0>``); arithmetic on
+    them is NumPy's.
     """
+
+    def __repr__(self):
+        return f"<tf.Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+
+    def __str__(self):
+        return f"tf.Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
 
     @classmethod
     def wrap(cls, value):

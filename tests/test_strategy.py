@@ -220,7 +220,7 @@ def test_all_reduce_inside_the_replica_function(strategy):
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
     result = no_hang(strategy.run, step_fn)
-    assert type(result).__name__ == "Mirrored"                  # as TensorFlow returns it
+    assert type(result).__name__ == "PerReplica"                # as TensorFlow returns it
     local = strategy.experimental_local_results(result)
     assert [t.numpy() for t in local] == [float(n)] * n
     assert [t.device for t in local] == list(strategy.extended.worker_devices)

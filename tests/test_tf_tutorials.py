@@ -473,3 +473,41 @@ def test_guide_custom_loop_with_binary_crossentropy(no_gpu):
     np.testing.assert_allclose(total, loss.mean() + l2 * (w ** 2).sum(), rtol=1e-5)
     np.testing.assert_allclose(model.get_weights()[0], w - 0.01 * (x.T @ dz / GLOBAL + 2 * l2 * w), rtol=1e-5)
     np.testing.assert_allclose(model.get_weights()[1], b - 0.01 * dz.sum(axis=0) / GLOBAL, rtol=1e-5, atol=1e-7)
+
+
+# --- 15: the types the API pages print ---------------------------------------------------------------------
+
+def test_dataset_elements_are_tensors_and_numpy_code_still_works(devices):
+    devices(cpus=1)
+    images = np.random.default_rng().integers(0, 256, (4, 2, 2, 1), dtype=np.uint8)
+    labels = np.arange(4, dtype=np.int64)
+    ds = tf.data.Dataset.from_tensor_slices((images, labels))
+    image, label = next(iter(ds))
+    assert isinstance(image.numpy(), np.ndarray) and type(image.numpy()) is np.ndarray
+    np.testing.assert_array_equal(image.numpy(), images[0])
+    assert label.numpy() == 0 and type(label.numpy()) is np.int64
+    assert repr(label) == "<tf.Tensor: shape=(), dtype=int64, numpy=0>"
+    assert [int(v) for v in tf.data.Dataset.range(3)] == [0, 1, 2]
+
+    def scale(image, label):                            # the course lab's map function
+        image = tf.cast(image, tf.float32)
+        image /= 255
+        return image, label
+
+    for x, y in ds.map(scale).batch(3):
+        assert x.dtype == np.float32 and float(np.max(x.numpy())) <= 1.0
+    assert all(type(v) is np.int64 for v in tf.data.Dataset.range(2).as_numpy_iterator())   # NumPy, as TF
+
+
+def test_all_reduce_results_come_back_per_replica(no_gpu):
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+
+    def step_fn():
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(tf.constant(1.)))
+
+    result = strategy.run(step_fn)
+    assert isinstance(result, tf.distribute.PerReplica)       # TensorFlow's regroup: a PerReplica
+    assert [t.numpy() for t in strategy.experimental_local_results(result)] == [2.0, 2.0]
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, result, axis=None)
+    assert repr(total) == "<tf.Tensor: shape=(), dtype=float32, numpy=4.0>" and total.numpy() == 4.0
