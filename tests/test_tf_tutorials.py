@@ -380,6 +380,8 @@ def test_hierarchical_copy_runs_as_the_ring_and_central_storage_says_what_to_use
         np.testing.assert_allclose(component.numpy(), values.astype(np.float64).sum(axis=0), rtol=1e-6)
     with pytest.raises(NotImplementedError, match="MirroredStrategy"):
         tf.distribute.experimental.CentralStorageStrategy()
+    with pytest.raises(NotImplementedError, match="StringLookup"):
+        tf.keras.layers.StringLookup(vocabulary=["a", "b"])
 
 
 # --- 7: MSE and binary cross-entropy: the kernel, fit, and the guide's custom loop ----------------------

@@ -609,3 +609,4 @@ AveragePooling2D = _not_here("AveragePooling2D")
 BatchNormalization = _not_here("BatchNormalization")
 Embedding = _not_here("Embedding")
 LSTM = _not_here("LSTM")
+StringLookup = _not_here("StringLookup")      # the distributed-input tutorial's one preprocessing cell
