@@ -551,32 +551,26 @@ _SOFT_PLACED_WARNED = set()
 
 
 def _soft_place(devices, names):
-    """The named devices; GPUs that are not here stand in on unused logical CPUs.
+    """The named devices; GPUs that are not here stand in on CPU devices.
 
     TensorFlow accepts ``MirroredStrategy(devices=["/gpu:0", "/gpu:1"])`` on a machine
     without those GPUs (soft placement: the replicas' ops run on the CPU). Here each
     replica needs a device of its own, so every missing GPU takes the next logical CPU
-    that is not named; it warns once, saying where the replicas run."""
+    that is not named, then extra CPU devices (``devices.cpu_stand_ins``); it warns once,
+    saying where the replicas run."""
     present = {d.name: d for d in _dev.logical_devices()}
     missing = [n for n in names if n not in present and "/device:GPU:" in n]
     if not missing or [d for d in present.values() if d.device_type == "GPU"]:
         return [_dev.get_device(d) for d in devices]          # as before: ValueError names what exists
     spare = [d for d in present.values() if d.device_type == "CPU" and d.name not in names]
-    if len(spare) < len(missing):
-        raise ValueError(
-            f"MirroredStrategy(devices={list(devices)}): this machine has no GPU, so the "
-            f"{len(missing)} GPU replicas would run on logical CPUs (TensorFlow's soft placement), "
-            f"but only {len(spare)} logical CPU(s) are free. Split the CPU first: "
-            f"mirrored.config.set_logical_device_configuration(cpu, "
-            f"[mirrored.config.LogicalDeviceConfiguration()] * {len(names)}), or name CPU devices.")
+    spare += _dev.cpu_stand_ins(max(0, len(missing) - len(spare)))
     stand_in = dict(zip(missing, spare))
-    key = tuple(sorted(stand_in.items()))
+    key = tuple(sorted((m, id(d)) for m, d in stand_in.items()))      # once per device layout
     if key not in _SOFT_PLACED_WARNED:
         _SOFT_PLACED_WARNED.add(key)
         where = ", ".join(f"{m.rsplit('/', 1)[-1]} on {d.short_name}" for m, d in stand_in.items())
-        warnings.warn(f"MirroredStrategy: no GPU here; the replicas for the missing GPUs run on "
-                      f"logical CPUs ({where}), as TensorFlow's soft placement runs them on the CPU.",
-                      stacklevel=4)
+        warnings.warn(f"MirroredStrategy: no GPU here; the replicas for the missing GPUs run on the "
+                      f"CPU ({where}), as TensorFlow's soft placement runs them there.", stacklevel=4)
     return [present[n] if n in present else stand_in[n] for n in names]
 
 

@@ -236,9 +236,19 @@ def test_named_gpus_without_gpus_run_on_logical_cpus(no_gpu):
         strategy = tf.distribute.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
     assert strategy.num_replicas_in_sync == 2
     assert {d.device_type for d in strategy.extended.devices} == {"CPU"}
-    no_gpu(cpus=1)
-    with pytest.raises(ValueError, match="set_logical_device_configuration"):
-        tf.distribute.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
+    no_gpu(cpus=1)                                          # the guide's machine: one CPU device
+    with pytest.warns(UserWarning, match="soft placement"):
+        strategy = tf.distribute.MirroredStrategy(devices=["/gpu:0", "/gpu:1"])
+    devs = strategy.extended.devices
+    assert len({d.name for d in devs}) == 2 and {d.device_type for d in devs} == {"CPU"}
+    assert tf.config.list_logical_devices("CPU") == [tf.config.list_logical_devices()[0]]   # unchanged
+    value = np.random.default_rng().standard_normal(4).astype(np.float32)
+    with strategy.scope():
+        v = tf.Variable(value)
+    assert [c.numpy().tobytes() for c in v.values] == [value.tobytes()] * 2
+    got = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", v.value()))
+    for part in strategy.experimental_local_results(got):
+        np.testing.assert_allclose(part.numpy(), 2 * value.astype(np.float64), rtol=1e-6)
 
 
 # --- 9: tensor functions ---------------------------------------------------------------------------
