@@ -860,11 +860,19 @@ class Options:
         object.__setattr__(self, name, value)
 
     def merge(self, other):
-        """A new Options: ``other``'s settings over this one's (TF's ``Options.merge``)."""
-        merged = Options()
+        """A new Options: the settings ``other`` changed from the defaults, over this one's
+        (TF's ``Options.merge``)."""
+        merged, default = Options(), Options()
         for src in (self, other):
             for k in self._FIELDS:
-                if k in src.__dict__:
+                if k not in src.__dict__:
+                    continue
+                if k == "experimental_distribute":
+                    for field, value in vars(src.experimental_distribute).items():
+                        if value != getattr(default.experimental_distribute, field):
+                            setattr(merged.experimental_distribute, field, value)
+                elif src.__dict__[k] is not default.__dict__.get(k) and \
+                        src.__dict__[k] != default.__dict__.get(k):
                     object.__setattr__(merged, k, src.__dict__[k])
         return merged
 

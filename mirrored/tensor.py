@@ -417,14 +417,27 @@ def reshape(tensor, shape):
     order (``tf.reshape``). A Tensor's result shares its buffer; NumPy stays NumPy."""
     if not isinstance(tensor, Tensor):
         return np.reshape(np.asarray(tensor), _shape_tuple(shape))
-    new = np.empty(tensor.shape, dtype=np.bool_).reshape(_shape_tuple(shape)).shape  # checks -1 and the size
-    return Tensor(tensor._buf.reshape(new), tensor._device)
+    size = int(np.prod(tensor.shape, dtype=np.int64))
+    return Tensor(tensor._buf.reshape(_resolved_shape(size, _shape_tuple(shape))), tensor._device)
 
 
 def _shape_tuple(shape):
     if isinstance(shape, Tensor):
         shape = shape.numpy()
     return tuple(int(d) for d in np.atleast_1d(np.asarray(shape))) if np.ndim(shape) else (int(shape),)
+
+
+def _resolved_shape(size, shape):
+    """``shape`` with its one -1 worked out for ``size`` elements; ValueError if they differ."""
+    unknown = [i for i, d in enumerate(shape) if d == -1]
+    known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+    if len(unknown) > 1 or any(d < -1 for d in shape) or \
+            (unknown and (known == 0 or size % known)) or (not unknown and known != size):
+        raise ValueError(f"cannot reshape a tensor of {size} elements to shape {shape} "
+                         f"(at most one -1, and the sizes must match).")
+    if unknown:
+        return shape[:unknown[0]] + (size // known,) + shape[unknown[0] + 1:]
+    return shape
 
 
 def range_(start, limit=None, delta=1, dtype=None, name=None):

@@ -523,3 +523,23 @@ def test_all_reduce_results_come_back_per_replica(no_gpu):
     assert [t.numpy() for t in strategy.experimental_local_results(result)] == [2.0, 2.0]
     total = strategy.reduce(tf.distribute.ReduceOp.SUM, result, axis=None)
     assert repr(total) == "<tf.Tensor: shape=(), dtype=float32, numpy=4.0>" and total.numpy() == 4.0
+
+
+def test_options_merge_keeps_what_each_set_and_reshape_checks_sizes(devices):
+    devices(cpus=1)
+    first, second = tf.data.Options(), tf.data.Options()
+    first.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    second.deterministic = False
+    merged = tf.data.Dataset.range(3).with_options(first).with_options(second).options()
+    assert merged.experimental_distribute.auto_shard_policy is tf.data.experimental.AutoShardPolicy.OFF
+    assert merged.deterministic is False
+    values = np.random.default_rng().standard_normal(12).astype(np.float32)
+    t = tf.constant(values)
+    for shape, expected in [((3, -1), (3, 4)), ((-1,), (12,)), ((2, 2, 3), (2, 2, 3)), ((12, 1), (12, 1))]:
+        out = tf.reshape(t, shape)
+        assert out.shape == expected
+        np.testing.assert_array_equal(out.numpy(), values.reshape(expected))
+    for bad in [(5, -1), (-1, -1), (13,), (0, -1)]:
+        with pytest.raises(ValueError, match="cannot reshape"):
+            tf.reshape(t, bad)
+    assert tf.reshape(values, (4, 3)).shape == (4, 3)          # NumPy stays NumPy
