@@ -543,3 +543,74 @@ def test_options_merge_keeps_what_each_set_and_reshape_checks_sizes(devices):
         with pytest.raises(ValueError, match="cannot reshape"):
             tf.reshape(t, bad)
     assert tf.reshape(values, (4, 3)).shape == (4, 3)          # NumPy stays NumPy
+
+
+def test_custom_training_page_flow_end_to_end(no_gpu, tmp_path, monkeypatch):
+    """The page's structure: a model with no input shape, first called inside strategy.run
+    (built once, by one replica), penalties on every layer, a checkpoint after the first
+    epoch, a NEW model outside the scope restored from it scoring that epoch's accuracy."""
+    no_gpu(cpus=2)
+    import time
+    conv_build = tf.keras.layers.Conv2D.build
+
+    def slow_build(self, input_shape):        # widen the window in which both replicas could build
+        time.sleep(0.2)
+        conv_build(self, input_shape)
+
+    monkeypatch.setattr(tf.keras.layers.Conv2D, "build", slow_build)
+    strategy = tf.distribute.MirroredStrategy()
+    rng = np.random.default_rng()
+    images = rng.random((20, 6, 6, 1), dtype=np.float32)
+    labels = rng.integers(0, 3, 20)
+    GLOBAL = 6
+    train = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((images, labels)).shuffle(20).batch(GLOBAL))
+    test = tf.data.Dataset.from_tensor_slices((images, labels)).batch(GLOBAL)
+
+    def create_model():
+        regularizer = tf.keras.regularizers.L2(1e-3)
+        return tf.keras.Sequential([
+            tf.keras.layers.Conv2D(2, 3, activation="relu", kernel_regularizer=regularizer),
+            tf.keras.layers.MaxPooling2D(), tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(3, kernel_regularizer=regularizer)])
+
+    with strategy.scope():
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+        model = create_model()
+        optimizer = tf.keras.optimizers.Adam(learning_rate=0.01)
+        checkpoint = tf.train.Checkpoint(optimizer=optimizer, model=model)
+
+    def train_step(inputs):
+        x, y = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(x, training=True)
+            loss = tf.nn.compute_average_loss(loss_object(y, predictions), global_batch_size=GLOBAL)
+            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    def accuracy(m):
+        metric = tf.keras.metrics.SparseCategoricalAccuracy()
+        for x, y in test:
+            metric(y, m(x, training=False))
+        return float(metric.result())
+
+    for epoch in range(2):
+        for batch in train:
+            strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(train_step, args=(batch,)), axis=None)
+        if epoch == 0:
+            path = checkpoint.save(str(tmp_path / "ckpt"))
+            after_first = accuracy(model)
+            first_weights = model.get_weights()
+    assert len(model.losses) == 2
+    for var in model.trainable_variables:                    # one build: the copies never drift
+        a, b = (c.numpy() for c in var.values)
+        assert a.tobytes() == b.tobytes()
+    new_model, new_optimizer = create_model(), tf.keras.optimizers.Adam()
+    tf.train.Checkpoint(optimizer=new_optimizer, model=new_model).restore(tf.train.latest_checkpoint(str(tmp_path)))
+    assert tf.train.latest_checkpoint(str(tmp_path)) == path
+    for a, b in zip(new_model.get_weights(), first_weights):
+        assert a.tobytes() == b.tobytes()
+    assert accuracy(new_model) == after_first

@@ -19,6 +19,7 @@ Neighbours: ``layers.py`` (what a model is made of), ``step.py`` (the step),
 import contextlib
 import os
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -37,6 +38,9 @@ from mirrored.keras.step import Step, check_compiled
 from mirrored.keras.tape import ModelOutput
 from mirrored.tensor import Tensor
 from mirrored.values import components
+
+
+_BUILD_LOCK = threading.Lock()       # one model built at a time (replica threads may race to it)
 
 
 class Sequential:
@@ -89,9 +93,18 @@ class Sequential:
 
     def build(self, input_shape=None):
         """Create the weights (under the model's strategy) for examples of ``input_shape``
-        (with or without a leading ``None`` batch axis), then the training step."""
+        (with or without a leading ``None`` batch axis), then the training step.
+
+        Once: a model first called inside ``strategy.run`` (TensorFlow's custom-training
+        tutorial gives no input shape) is built by the first replica to get here while the
+        others wait, so every replica uses the same weights and step."""
         if self.built:
             return
+        with _BUILD_LOCK:
+            if not self.built:
+                self._build(input_shape)
+
+    def _build(self, input_shape):
         if input_shape is not None:
             self._input_shape = tuple(input_shape)[1:] if len(input_shape) > 1 and input_shape[0] is None \
                 else tuple(input_shape)

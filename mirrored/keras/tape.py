@@ -229,8 +229,10 @@ class GradientTape:
             r, pack = program.r, program.pack
         for regularizer, p_pack, k, p_r, factor in node.penalties:
             if pack is not None and (p_pack is not pack or p_r != r):
-                raise NotImplementedError("model.losses of another model or replica than the "
-                                          "loss's predictions: compute both on one replica.")
+                raise NotImplementedError(
+                    f"this loss adds model.losses of {'another model' if p_pack is not pack else f'replica {p_r}'} "
+                    f"to a loss computed on replica {r}: compute the penalties where the predictions "
+                    f"are (model.losses inside the same strategy.run call).")
             r, pack = p_r, p_pack
             dev = pack.devices[r]
             if not node.losses:                     # penalties alone: start from zero
