@@ -96,6 +96,13 @@ class Tensor:
             raise TypeError("len() of a scalar (shape ()) Tensor is undefined.")
         return self.shape[0]
 
+    def __iter__(self):
+        """Its rows along axis 0, each a Tensor on the same device (``for i in tf.range(5)``)."""
+        if not self.shape:
+            raise TypeError("iterating over a scalar (shape ()) Tensor is not allowed, as in TensorFlow.")
+        host = self.numpy()
+        return (constant(row, device=self._device) for row in host)
+
     def __float__(self):
         return float(self.numpy())
 
@@ -453,19 +460,34 @@ def range_(start, limit=None, delta=1, dtype=None, name=None):
 
 def print_(*inputs, output_stream=None, summarize=3, sep=" ", end="\n", name=None):
     """``tf.print``: tensors shown by value (``[0 1 2 ... 7 8 9]``: ``summarize`` items from
-    each end of each axis), anything else as ``str``; to standard error by default, as
+    each end of each axis), tuples, lists and dicts of them element by element, per-replica
+    values replica by replica, anything else as ``str``; to standard error by default, as
     TensorFlow's. (In TensorFlow it is the way to print from inside a ``tf.function``;
     here every function runs eagerly, so it prints when called.)"""
-    def show(value):
-        if isinstance(value, (Tensor, np.ndarray, np.generic)) or hasattr(value, "_as_tensor"):
-            arr = np.asarray(value)
-            if arr.ndim == 0:
-                return str(arr[()])
-            return np.array2string(arr, threshold=2 * summarize if summarize >= 0 else sys.maxsize,
-                                   edgeitems=max(summarize, 1), separator=" ")
-        return str(value)
     stream = sys.stderr if output_stream is None else output_stream
-    print(*(show(v) for v in inputs), sep=sep, end=end, file=stream)
+    print(*(_print_form(v, summarize) for v in inputs), sep=sep, end=end, file=stream)
+
+
+def _print_form(value, summarize):
+    """How ``tf.print`` shows ``value`` (see ``print_``)."""
+    if isinstance(value, (Tensor, np.ndarray, np.generic)) or hasattr(value, "_as_tensor"):
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return str(arr[()])
+        return np.array2string(arr, threshold=2 * summarize if summarize >= 0 else sys.maxsize,
+                               edgeitems=max(summarize, 1), separator=" ")
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        parts = [_print_form(v, summarize) for v in value]
+        return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(_print_form(v, summarize) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_print_form(v, summarize)}" for k, v in value.items()) + "}"
+    components = getattr(value, "values", None)
+    if isinstance(components, tuple) and type(value).__name__ in ("PerReplica", "Mirrored"):
+        shown = ",\n".join(f"  {i}: {_print_form(v, summarize)}" for i, v in enumerate(components))
+        return f"{type(value).__name__}:{{\n{shown}\n}}"
+    return str(value)
 
 
 class TensorShape:

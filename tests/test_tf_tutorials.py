@@ -614,3 +614,27 @@ def test_custom_training_page_flow_end_to_end(no_gpu, tmp_path, monkeypatch):
     for a, b in zip(new_model.get_weights(), first_weights):
         assert a.tobytes() == b.tobytes()
     assert accuracy(new_model) == after_first
+
+
+def test_tf_print_of_structures_and_looping_over_tf_range(no_gpu, capsys):
+    """The input tutorial: ``for _ in tf.range(n)`` with ``get_next_as_optional``, then
+    ``tf.print(strategy.experimental_local_results(...))`` of an uneven last batch."""
+    no_gpu(cpus=2)
+    strategy = tf.distribute.MirroredStrategy()
+    capsys.readouterr()
+    it = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(9).batch(4)))
+    steps = 0
+    for _ in tf.range(5):
+        optional = it.get_next_as_optional()
+        if not optional.has_value():
+            break
+        results = strategy.run(lambda x: x, args=(optional.get_value(),))
+        tf.print(strategy.experimental_local_results(results))
+        steps += 1
+    assert steps == 3
+    assert capsys.readouterr().err == "([0 1], [2 3])\n([4 5], [6 7])\n([8], [])\n"
+    tf.print({"a": tf.constant([1, 2])}, [tf.constant(3)], "x", output_stream=__import__("sys").stdout)
+    assert capsys.readouterr().out == "{'a': [1 2]} [3] x\n"
+    assert [int(t) for t in tf.range(2, 5)] == [2, 3, 4]
+    with pytest.raises(TypeError, match="scalar"):
+        iter(tf.constant(1.0))
