@@ -638,3 +638,18 @@ def test_tf_print_of_structures_and_looping_over_tf_range(no_gpu, capsys):
     assert [int(t) for t in tf.range(2, 5)] == [2, 3, 4]
     with pytest.raises(TypeError, match="scalar"):
         iter(tf.constant(1.0))
+
+
+@pytest.mark.parametrize("loss", ["mse", "binary_crossentropy"])
+def test_save_and_load_model_with_the_new_losses(devices, tmp_path, loss):
+    devices(cpus=1)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,),
+                                                       kernel_regularizer=tf.keras.regularizers.L2(0.5))])
+    model.compile(loss=loss, optimizer="sgd")
+    x = np.random.default_rng().random((4, 2), dtype=np.float32)
+    model.fit(x, np.ones((4, 1), np.float32), verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = tf.keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.loss) is type(model.loss) and loaded.layers[0].kernel_regularizer.l2 == 0.5
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        assert a.tobytes() == b.tobytes()

@@ -17,8 +17,11 @@ Two ideas make a data-parallel step cheap, and both are here:
 
        forward    x = layer.forward(state, x)  for each layer, in order
        loss       l, dlogits = xent(logits, labels)   fused softmax cross-entropy,
-                                                      scaled by 1/GLOBAL batch
+                                                      scaled by 1/GLOBAL batch (or MSE/BCE
+                                                      against float targets, regression_losses)
        backward   dy = layer.backward(state, dy)   for each layer, in reverse
+       penalties  grad += 2 l2 w / N                  kernel_regularizer (fit only;
+                                                      keras/regularizers.py)
 
    What each layer launches is the layer's business (``layers.py``): the
    program knows no layer type. Loss sums and correct counts are accumulated ON

@@ -424,7 +424,8 @@ def model_config(model):
         loss = model.loss
         config["compile_config"] = {
             "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
-            "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), ignore_class=None)),
+            "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
+                {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
             "loss_weights": None, "metrics": list(model._metric_names), "weighted_metrics": None,
             "run_eagerly": False, "steps_per_execution": 1, "jit_compile": False}
     else:
@@ -496,8 +497,12 @@ def compile_from_config(model, compile_config):
         opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]))
     loss = compile_config["loss"]
     if isinstance(loss, dict):
-        if loss["class_name"] != "SparseCategoricalCrossentropy":
+        cls = {"SparseCategoricalCrossentropy": _losses.SparseCategoricalCrossentropy,
+               "MeanSquaredError": _losses.MeanSquaredError,
+               "BinaryCrossentropy": _losses.BinaryCrossentropy}.get(loss["class_name"])
+        if cls is None:
             raise NotImplementedError(f"loss {loss['class_name']!r} is not implemented here.")
-        cfg = {k: v for k, v in loss["config"].items() if k in ("from_logits", "reduction", "name")}
-        loss = _losses.SparseCategoricalCrossentropy(**cfg)
+        keys = ("from_logits", "reduction", "name")
+        loss = cls(**{k: v for k, v in loss["config"].items() if k in keys and (k != "from_logits" or
+                                                                               cls is not _losses.MeanSquaredError)})
     model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None)
