@@ -410,7 +410,7 @@ class Dataset:
     def __iter__(self):
         """A fresh epoch. Each element's arrays come as ``HostTensor``s: NumPy arrays that
         also answer ``.numpy()`` and print as TensorFlow's eager tensors do."""
-        return (_map_structure(HostTensor.wrap, e) for e in self._elements())
+        return (_as_tensors(e) for e in self._elements())
 
     def _elements(self):
         """A fresh epoch of plain NumPy elements: what the transformations pass along."""
@@ -448,6 +448,13 @@ class Dataset:
         fall back to `_generate`.
         """
         return None
+
+
+def _as_tensors(element):
+    """An element's arrays as HostTensors (a flat tuple, the usual (image, label), directly)."""
+    if type(element) is tuple and all(isinstance(leaf, (np.ndarray, np.generic)) for leaf in element):
+        return tuple(np.asarray(leaf).view(HostTensor) for leaf in element)
+    return _map_structure(HostTensor.wrap, element)
 
 
 def _call_unpacked(fn, element):
