@@ -589,7 +589,8 @@ class OneDeviceStrategy(Strategy):
     """Everything on one device: one replica, plain variables there."""
 
     def __init__(self, device):
-        super().__init__([_dev.get_device(device)], ReductionToOneDevice())
+        # a GPU this machine lacks runs on the CPU, as TensorFlow's soft placement (warned once)
+        super().__init__(_soft_place([device], [_dev.canonical_name(device)]), ReductionToOneDevice())
 
     @contextlib.contextmanager
     def scope(self):

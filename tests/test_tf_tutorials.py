@@ -249,6 +249,9 @@ def test_named_gpus_without_gpus_run_on_logical_cpus(no_gpu):
     got = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", v.value()))
     for part in strategy.experimental_local_results(got):
         np.testing.assert_allclose(part.numpy(), 2 * value.astype(np.float64), rtol=1e-6)
+    with pytest.warns(UserWarning, match="soft placement"):
+        one = tf.distribute.OneDeviceStrategy(device="/gpu:0")            # the guide's example
+    assert one.extended.devices[0].device_type == "CPU" and one.num_replicas_in_sync == 1
 
 
 # --- 9: tensor functions ---------------------------------------------------------------------------
