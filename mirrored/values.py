@@ -195,7 +195,7 @@ class Variable:
         return self._tensor
 
     def __repr__(self):
-        return f"<Variable '{self.name}' shape={self.shape} dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+        return f"<tf.Variable '{self.name}' shape={self.shape} dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
 
     def __array__(self, dtype=None, copy=None):
         return self._tensor.__array__(dtype)

@@ -81,8 +81,8 @@ def test_variable_in_scope_is_mirrored_with_tf_repr(strategy):
     assert isinstance(x, MirroredVariable) and isinstance(x, tf.Variable)
     kind = strategy.extended.devices[0].device_type
     lines = ["MirroredVariable:{",
-             "  0: <Variable 'Variable:0' shape=() dtype=float32, numpy=1.0>,"]
-    lines += [f"  {i}: <Variable 'Variable/replica_{i}:0' shape=() dtype=float32, numpy=1.0>,"
+             "  0: <tf.Variable 'Variable:0' shape=() dtype=float32, numpy=1.0>,"]
+    lines += [f"  {i}: <tf.Variable 'Variable/replica_{i}:0' shape=() dtype=float32, numpy=1.0>,"
               for i in range(1, n)]
     lines[-1] = lines[-1].rstrip(",")
     assert repr(x) == "\n".join(lines + ["}"])
@@ -107,7 +107,7 @@ def test_variable_created_in_a_function_under_scope(strategy):
 def test_variable_outside_scope_is_plain(strategy):
     x = tf.Variable(1.)
     assert type(x) is tf.Variable
-    assert repr(x) == "<Variable 'Variable:0' shape=() dtype=float32, numpy=1.0>"
+    assert repr(x) == "<tf.Variable 'Variable:0' shape=() dtype=float32, numpy=1.0>"
 
 
 def test_copies_start_equal_from_one_random_initialiser(strategy, rng):
