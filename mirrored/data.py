@@ -7,8 +7,13 @@ pipeline runs unchanged with `tf` replaced by `mirrored`:
     for images, labels in ds: ...            # every iter() is a fresh epoch
 
 Elements are NumPy values: arrays, scalars, and tuples or dicts of them ("structures").
-`from_tensor_slices` slices along axis 0, `map` calls a Python function per element,
+`for x in ds` hands them out as `tensor.HostTensor`s (NumPy arrays that answer `.numpy()`
+and print as TF's eager tensors); `map` functions and `as_numpy_iterator` get plain NumPy.
+`from_tensor_slices` slices along axis 0 (`from_tensors` keeps one whole element,
+`from_generator` calls a generator), `map` calls a Python function per element,
 `shuffle` is TF's *buffer* shuffle, `batch` stacks components along a new axis 0.
+`element_spec` describes an element (`TensorSpec`s); `Options`/`with_options` are
+accepted and recorded (see `Options` for what each changes here).
 
 Why it is shaped like this — two ways to run one pipeline:
 

@@ -8,7 +8,9 @@ partial batch of an epoch may leave a replica an EMPTY slice, which every layer
 above must handle (a replica with no rows contributes zero gradient).
 
 Each slice is copied to its replica's device, as a ``PerReplica`` value of
-``mirrored.Tensor``s that ``strategy.run`` unpacks.
+``mirrored.Tensor``s that ``strategy.run`` unpacks. ``iter(dist_dataset)`` is a
+``DistributedIterator`` (``next``, ``get_next``, ``get_next_as_optional``), and
+``dist_dataset.element_spec`` says what a step's value looks like (``PerReplicaSpec``).
 
 ``strategy.distribute_datasets_from_function(fn)`` is the other road: ``fn``
 builds a dataset that is already batched per replica; replica r takes batch

@@ -12,9 +12,14 @@ What TensorFlow users expect, and get here:
     mirrored.reduce_sum(x), mirrored.cast(x, mirrored.int32)
     with mirrored.device("CPU:0"): ...   # place new tensors explicitly
 
-``cast``, ``reduce_sum``, ``reduce_mean`` and ``identity`` also accept NumPy
+``cast``, ``reduce_sum``, ``reduce_mean``, ``identity`` and ``reshape`` also accept NumPy
 values and answer in NumPy, so ``Dataset.map(scale)`` from the course lab works
 on the host pipeline unchanged.
+
+Also here, for TensorFlow's distribute pages: ``add_n``, ``reshape``, ``range_``
+(``mirrored.range``), ``print_`` (``mirrored.print``: to stderr), ``TensorShape`` and
+``TensorSpec``; ``HostTensor`` (host results and dataset elements). Arithmetic on a loss
+keeps the record ``GradientTape`` follows (``_scalar_node``/``_tensor_node``, keras/tape.py).
 
 Neighbours: ``devices.py`` (where buffers live), ``backends.py`` (the ops).
 """
