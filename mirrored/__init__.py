@@ -38,12 +38,14 @@ Map of the rest:
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
     keras/        also losses, metrics, callbacks, saving, GradientTape (tape.py), progbar
-    nn.py         compute_average_loss
+    nn.py         compute_average_loss, scale_regularization_loss
     random.py     set_seed
+    checkpoint.py mirrored.train: Checkpoint, CheckpointManager, latest_checkpoint
     workflow.py   the command-line lab (``python -m mirrored``)
     labs.py       the lab notebooks' first cell (``labs.setup``) and the lab's model
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
+from mirrored import checkpoint as train  # tf.train: Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.devices import device_scope as device
 from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirroredStrategy,
                                  OneDeviceStrategy, ReduceOp,
@@ -51,9 +53,11 @@ from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirr
                                  in_cross_replica_context)
 from mirrored.keras.tape import GradientTape
 from mirrored.values import Variable, VariableAggregation, VariableSynchronization
-from mirrored.tensor import (Tensor, as_dtype, bool_, cast, constant, convert_to_tensor, float16,
-                             float32, float64, identity, int8, int16, int32, int64, ones, reduce_mean,
-                             reduce_sum, uint8, zeros)
+from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, bool_, cast, constant,
+                             convert_to_tensor, float16, float32, float64, identity, int8, int16, int32,
+                             int64, ones, reduce_mean, reduce_sum, reshape, uint8, zeros)
+from mirrored.tensor import print_ as print  # noqa: A001 (tf.print: to stderr, as TensorFlow's)
+from mirrored.tensor import range_ as range  # noqa: A001 (tf.range)
 
 
 

@@ -16,8 +16,8 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_loops, dropout, elementwise, gather,
-                     gemm, optimizers, pooling, reduction, softmax_xent)
+from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_loops, dropout, elementwise,
+                     gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
@@ -91,6 +91,9 @@ class CpuOps:
 
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
+
+    def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
+        return regression_losses.regression_loss_ref(kind, pred, target, loss, grad, scale)
 
     # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
@@ -199,6 +202,9 @@ class CudaOps:
     #: Conv2D(relu) + MaxPooling2D(2) run as one ``conv2d_relu_pool`` here (keras/engine.py
     #: asks ``getattr(ops, "FUSES_CONV_RELU_POOL", False)``; the CPU keeps the two layers).
     FUSES_CONV_RELU_POOL = True
+
+    def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
+        return regression_losses.regression_loss(kind, pred, target, loss, grad, scale, self.stream)
 
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         return conv2d_v3.forward(x, kernel, bias, out, strides, padding, relu, self.stream)  # v3 (v1 past its size)

@@ -26,6 +26,7 @@ ever left holding a partial sum.
 """
 import dataclasses
 import threading
+import warnings
 
 import numpy as np
 
@@ -273,10 +274,6 @@ class NcclAllReduce(CrossDeviceOps):
             "NcclAllReduce: mirrored does not use NCCL; its all-reduce is our own ring over "
             "peer memory. Use mirrored.distribute.RingAllReduce() (the default), or "
             "ReductionToOneDevice() as the simple baseline.")
-
-
-class HierarchicalCopyAllReduce(NcclAllReduce):
-    """Not available (it is DGX-1-specific in TensorFlow); use RingAllReduce."""
 
 
 # --- ring all-reduce ------------------------------------------------------------------
@@ -679,3 +676,24 @@ def _record(dev, event):
 def _wait(dev, event):
     if event is not None:
         event.wait(dev.stream)
+
+
+_HIERARCHICAL_NOTED = []
+
+
+class HierarchicalCopyAllReduce(RingAllReduce):
+    """Accepted, and runs as our ring (``RingAllReduce``), with a note once.
+
+    TensorFlow's hierarchical copy is a reduction tree laid out for the NVLink topology
+    of one 8-GPU machine (the DGX-1); the guide names it as the alternative to NCCL. Its
+    result is the same sum; here the ring computes it. ``num_packs`` is accepted for
+    compatibility (gradients are already one packed buffer)."""
+
+    def __init__(self, num_packs=1):
+        super().__init__()
+        self.num_packs = num_packs
+        if not _HIERARCHICAL_NOTED:
+            _HIERARCHICAL_NOTED.append(True)
+            warnings.warn("HierarchicalCopyAllReduce runs as mirrored's ring all-reduce "
+                          "(RingAllReduce): the same sums; the hierarchical copy tree is "
+                          "specific to the DGX-1's NVLink layout.", stacklevel=2)

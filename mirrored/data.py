@@ -7,8 +7,13 @@ pipeline runs unchanged with `tf` replaced by `mirrored`:
     for images, labels in ds: ...            # every iter() is a fresh epoch
 
 Elements are NumPy values: arrays, scalars, and tuples or dicts of them ("structures").
-`from_tensor_slices` slices along axis 0, `map` calls a Python function per element,
+`for x in ds` hands them out as `tensor.HostTensor`s (NumPy arrays that answer `.numpy()`
+and print as TF's eager tensors); `map` functions and `as_numpy_iterator` get plain NumPy.
+`from_tensor_slices` slices along axis 0 (`from_tensors` keeps one whole element,
+`from_generator` calls a generator), `map` calls a Python function per element,
 `shuffle` is TF's *buffer* shuffle, `batch` stacks components along a new axis 0.
+`element_spec` describes an element (`TensorSpec`s); `Options`/`with_options` are
+accepted and recorded (see `Options` for what each changes here).
 
 Why it is shaped like this — two ways to run one pipeline:
 
@@ -29,6 +34,7 @@ Neighbours: mirrored/datasets.py loads MNIST into a `Dataset`;
 `strategy.experimental_distribute_dataset` (mirrored/distribute) iterates our batches
 and splits each global batch across the replicas.
 """
+import enum
 import itertools
 import types
 
@@ -36,6 +42,7 @@ import numpy as np
 
 from kernels.launch import ceil_div
 from mirrored import random as _random
+from mirrored.tensor import HostTensor, TensorSpec
 
 AUTOTUNE = -1              # tf.data.AUTOTUNE: "let the runtime choose" (prefetch accepts it)
 INFINITE_CARDINALITY = -1  # tf.data.INFINITE_CARDINALITY
@@ -274,6 +281,34 @@ class Dataset:
         return _TensorSliceDataset(tensors)
 
     @staticmethod
+    def from_tensors(tensors, name=None):
+        """One element: ``tensors`` whole (an array, or a tuple/dict of them), as TF's
+        ``from_tensors``; ``from_tensors(([1.], [1.])).repeat(100).batch(10)`` gives ten
+        (10, 1) batches. Held as a row, so it shuffles, batches and stays resident as fast
+        as ``from_tensor_slices``."""
+        return _TensorSliceDataset(_map_structure(lambda leaf: np.asarray(_to_numpy(leaf))[np.newaxis],
+                                                  tensors))
+
+    @staticmethod
+    def from_generator(generator, output_types=None, output_shapes=None, args=None,
+                       output_signature=None, name=None):
+        """Elements from ``generator()`` (called afresh for each epoch, with ``args``), each
+        checked against ``output_signature`` (a structure of ``TensorSpec``; ``None`` in a
+        shape accepts any size) and converted to its dtype, as TF's ``from_generator``.
+        ``output_types``/``output_shapes`` (TF's older spelling) work too."""
+        if not callable(generator):
+            raise TypeError(f"from_generator needs a callable that returns an iterator (the "
+                            f"generator function itself, not a generator), got {generator!r}.")
+        if output_signature is None:
+            if output_types is None:
+                raise TypeError("from_generator needs output_signature=(a structure of "
+                                "mirrored.TensorSpec) (or output_types).")
+            shapes = output_shapes if output_shapes is not None else \
+                _map_structure(lambda _: None, output_types)
+            output_signature = _map_structure(lambda t, s: TensorSpec(s, t), output_types, shapes)
+        return _GeneratorDataset(generator, tuple(args or ()), output_signature)
+
+    @staticmethod
     def range(*args, output_type=np.int64):
         """Like Python's range(stop) / range(start, stop[, step]); int64 scalar elements."""
         return _RangeDataset(range(*args), np.dtype(output_type))
@@ -320,6 +355,27 @@ class Dataset:
         """The first count elements (-1: all)."""
         return _TakeDataset(self, count)
 
+    def enumerate(self, start=0, name=None):
+        """``(i, element)`` pairs, ``i`` an int64 counting from ``start`` (TF's ``enumerate``)."""
+        return _EnumerateDataset(self, int(start))
+
+    def with_options(self, options, name=None):
+        """This dataset with ``options`` (a ``mirrored.data.Options``) merged into its own.
+
+        Every option is accepted; what each changes here is on ``Options``."""
+        if not isinstance(options, Options):
+            raise TypeError(f"with_options takes a mirrored.data.Options(), got {options!r}.")
+        return _OptionsDataset(self, options)
+
+    def options(self):
+        """The ``Options`` in force (TF's ``Dataset.options()``)."""
+        return Options()
+
+    @property
+    def element_spec(self):
+        """The structure of ``TensorSpec`` of one element (TF's ``element_spec``)."""
+        return self._element_spec()
+
     def shard(self, num_shards, index, name=None):
         """Every num_shards-th element, starting at element ``index`` (TF's ``shard``): the
         usual way to give each worker its own part of the input
@@ -357,6 +413,12 @@ class Dataset:
         return True   # as TF: truth must not call __len__ (which fails on infinite data)
 
     def __iter__(self):
+        """A fresh epoch. Each element's arrays come as ``HostTensor``s: NumPy arrays that
+        also answer ``.numpy()`` and print as TensorFlow's eager tensors do."""
+        return (_as_tensors(e) for e in self._elements())
+
+    def _elements(self):
+        """A fresh epoch of plain NumPy elements: what the transformations pass along."""
         plan = self._index_plan()
         if plan is None:
             return iter(self._generate())
@@ -364,8 +426,8 @@ class Dataset:
         return (rows.row(i) for i in _row_numbers(chunks))
 
     def as_numpy_iterator(self):
-        """As TF; our elements are already NumPy values."""
-        return iter(self)
+        """As TF: the elements as plain NumPy values."""
+        return self._elements()
 
     def __repr__(self):
         n = self._cardinality()
@@ -380,6 +442,10 @@ class Dataset:
     def _cardinality(self):
         raise NotImplementedError
 
+    def _element_spec(self):
+        """Default: this dataset's input's spec (pass-through transformations)."""
+        return self._input._element_spec()
+
     def _index_plan(self):
         """(rows, chunks) if this epoch is a stream of rows we hold, else None.
 
@@ -387,6 +453,13 @@ class Dataset:
         fall back to `_generate`.
         """
         return None
+
+
+def _as_tensors(element):
+    """An element's arrays as HostTensors (a flat tuple, the usual (image, label), directly)."""
+    if type(element) is tuple and all(isinstance(leaf, (np.ndarray, np.generic)) for leaf in element):
+        return tuple(np.asarray(leaf).view(HostTensor) for leaf in element)
+    return _map_structure(HostTensor.wrap, element)
 
 
 def _call_unpacked(fn, element):
@@ -423,6 +496,9 @@ class _TensorSliceDataset(Dataset):
     def _cardinality(self):
         return self._rows.count
 
+    def _element_spec(self):
+        return _map_structure(lambda a: TensorSpec(a.shape[1:], a.dtype), self._rows.columns)
+
     def _index_plan(self):               # always there: our elements are rows we hold
         return self._rows, _in_order(self._rows.count)
 
@@ -437,6 +513,9 @@ class _RangeDataset(Dataset):
     def _generate(self):
         return (self._dtype.type(v) for v in self._values)
 
+    def _element_spec(self):
+        return TensorSpec((), self._dtype)
+
 
 # --- element-wise transformations ----------------------------------------------------
 
@@ -448,8 +527,19 @@ class _MapDataset(Dataset):
         return self._input._cardinality()
 
     def _generate(self):
-        for element in self._input:
+        for element in self._input._elements():
             yield _map_structure(_to_numpy, _call_unpacked(self._fn, element))
+
+    def _element_spec(self):             # TF traces the function; we look at its first result
+        first = next(self._elements(), None)
+        if first is None:
+            raise ValueError("element_spec of an empty mapped dataset is not known here.")
+        specs = _map_structure(TensorSpec.from_value, first)
+        batched = all(len(s.shape) and s.shape[0] is None for s in _leaves(self._input._element_spec()))
+        if batched:                      # a batch's size varies: keep its axis unknown, as TF
+            specs = _map_structure(lambda s: TensorSpec((None,) + tuple(s.shape)[1:], s.dtype)
+                                   if len(s.shape) else s, specs)
+        return specs
 
 
 class _FilterDataset(Dataset):
@@ -461,7 +551,7 @@ class _FilterDataset(Dataset):
         return INFINITE_CARDINALITY if n == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
 
     def _generate(self):
-        return (e for e in self._input if bool(_call_unpacked(self._predicate, e)))
+        return (e for e in self._input._elements() if bool(_call_unpacked(self._predicate, e)))
 
 
 class _ShardDataset(Dataset):
@@ -475,7 +565,7 @@ class _ShardDataset(Dataset):
         return n // self._num_shards + (1 if self._index < n % self._num_shards else 0)
 
     def _generate(self):
-        return itertools.islice(self._input, self._index, None, self._num_shards)
+        return itertools.islice(self._input._elements(), self._index, None, self._num_shards)
 
 
 class _CacheDataset(Dataset):
@@ -499,7 +589,7 @@ class _CacheDataset(Dataset):
 
     def _generate(self):
         elements = []
-        for element in self._input:
+        for element in self._input._elements():
             elements.append(element)
             yield element
         if self._rows is None:           # the input ran to its end: the cache is complete
@@ -535,7 +625,7 @@ class _ShuffleDataset(Dataset):
         return rows, _chunked(order)
 
     def _generate(self):
-        return _buffer_shuffle(iter(self._input), self._buffer_size, self._epoch_rng())
+        return _buffer_shuffle(self._input._elements(), self._buffer_size, self._epoch_rng())
 
 
 class _BatchDataset(Dataset):
@@ -550,6 +640,11 @@ class _BatchDataset(Dataset):
             return n
         return n // b if self._drop_remainder else ceil_div(n, b)
 
+    def _element_spec(self):
+        lead = self._batch_size if self._drop_remainder else None
+        return _map_structure(lambda spec: TensorSpec((lead,) + tuple(spec.shape), spec.dtype),
+                              self._input._element_spec())
+
     def _generate(self):
         plan = self._input._index_plan()
         if plan is not None:            # fast: one gather per batch
@@ -559,7 +654,7 @@ class _BatchDataset(Dataset):
                     return
                 yield rows.gather(batch_rows)
             return
-        elements = iter(self._input)    # element by element: collect, then stack
+        elements = self._input._elements()    # element by element: collect, then stack
         while batch := list(itertools.islice(elements, self._batch_size)):
             if len(batch) < self._batch_size and self._drop_remainder:
                 return
@@ -609,7 +704,7 @@ class _RepeatDataset(Dataset):
     def _generate(self):
         for _ in self._epochs():
             empty = True
-            for element in self._input:
+            for element in self._input._elements():
                 empty = False
                 yield element
             if empty:
@@ -645,7 +740,7 @@ class _TakeDataset(Dataset):
         return rows, first_rows()
 
     def _generate(self):
-        elements = iter(self._input)
+        elements = self._input._elements()
         return elements if self._count < 0 else itertools.islice(elements, self._count)
 
 
@@ -663,7 +758,139 @@ class _PrefetchDataset(Dataset):
         return self._input._index_plan()
 
     def _generate(self):
-        return iter(self._input)
+        return self._input._elements()
+
+
+class _GeneratorDataset(Dataset):
+    def __init__(self, generator, args, signature):
+        self._generator, self._args = generator, args
+        self._signature = _map_structure(lambda spec: spec if isinstance(spec, TensorSpec)
+                                         else TensorSpec(None, spec), signature)
+
+    def _cardinality(self):
+        return UNKNOWN_CARDINALITY
+
+    def _element_spec(self):
+        return self._signature
+
+    def _generate(self):
+        for element in self._generator(*self._args):
+            yield _map_structure(_conform, self._signature, element)
+
+
+def _conform(spec, value):
+    """``value`` as ``spec.dtype``, its shape checked against ``spec.shape`` (None: any)."""
+    arr = np.asarray(_to_numpy(value))
+    if arr.dtype != spec.dtype:
+        converted = arr.astype(spec.dtype)
+        if arr.dtype.kind in "fc" and spec.dtype.kind in "iub" and not np.array_equal(converted, arr):
+            raise TypeError(f"from_generator: the generator yielded {arr.dtype} values, but the "
+                            f"output_signature says {spec.dtype}; yield {spec.dtype} values.")
+        arr = converted
+    if not spec.shape.is_compatible_with(arr.shape):
+        raise TypeError(f"from_generator: the generator yielded an element of shape {arr.shape}, "
+                        f"which is not compatible with the output_signature's {spec.shape}.")
+    return arr
+
+
+class _EnumerateDataset(Dataset):
+    def __init__(self, input_dataset, start):
+        self._input, self._start = input_dataset, start
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _element_spec(self):
+        return TensorSpec((), np.int64), self._input._element_spec()
+
+    def _generate(self):
+        return ((np.int64(i), e) for i, e in enumerate(self._input._elements(), self._start))
+
+
+class _OptionsDataset(Dataset):
+    def __init__(self, input_dataset, options):
+        self._input, self._options = input_dataset, options
+
+    def _cardinality(self):
+        return self._input._cardinality()
+
+    def _index_plan(self):
+        return self._input._index_plan()
+
+    def _generate(self):
+        return self._input._elements()
+
+    def options(self):
+        return self._input.options().merge(self._options)
+
+
+class AutoShardPolicy(enum.Enum):
+    """``tf.data.experimental.AutoShardPolicy``: how a dataset is split between workers.
+
+    Here every multi-worker dataset is split by DATA (each worker keeps its replicas'
+    slices of every global batch: ``input_lib.local_bounds``), whatever the policy; the
+    policy is recorded (``OFF``, ``FILE``, ``HINT`` change nothing). One worker: nothing to split."""
+
+    OFF = -1
+    AUTO = 0
+    FILE = 1
+    DATA = 2
+    HINT = 3
+
+
+class DistributeOptions:
+    """``options.experimental_distribute``: ``auto_shard_policy`` (see ``AutoShardPolicy``)."""
+
+    def __init__(self):
+        self.auto_shard_policy = AutoShardPolicy.AUTO
+        self.num_devices = None
+
+
+class Options:
+    """``tf.data.Options``: accepted and recorded; what each changes here:
+
+    ``experimental_distribute.auto_shard_policy``: nothing (see ``AutoShardPolicy``);
+    ``deterministic`` / ``experimental_deterministic``: nothing (every pipeline here is
+    deterministic: one thread, in order); ``experimental_optimization``, ``threading``:
+    nothing (there is no graph to optimise and no thread pool)."""
+
+    _FIELDS = ("experimental_distribute", "deterministic", "experimental_deterministic",
+               "experimental_optimization", "threading", "autotune", "experimental_slack",
+               "experimental_external_state_policy", "experimental_symbolic_checkpoint",
+               "experimental_warm_start")
+
+    def __init__(self):
+        self.experimental_distribute = DistributeOptions()
+        self.experimental_optimization = types.SimpleNamespace()
+        self.threading = types.SimpleNamespace(private_threadpool_size=None, max_intra_op_parallelism=None)
+        self.autotune = types.SimpleNamespace(enabled=True)
+        self.deterministic = self.experimental_deterministic = None
+
+    def __setattr__(self, name, value):
+        if name not in self._FIELDS:
+            raise AttributeError(f"tf.data.Options has no option {name!r}; options here: {self._FIELDS}.")
+        object.__setattr__(self, name, value)
+
+    def merge(self, other):
+        """A new Options: the settings ``other`` changed from the defaults, over this one's
+        (TF's ``Options.merge``)."""
+        merged, default = Options(), Options()
+        for src in (self, other):
+            for k in self._FIELDS:
+                if k not in src.__dict__:
+                    continue
+                if k == "experimental_distribute":
+                    for field, value in vars(src.experimental_distribute).items():
+                        if value != getattr(default.experimental_distribute, field):
+                            setattr(merged.experimental_distribute, field, value)
+                elif src.__dict__[k] is not default.__dict__.get(k) and \
+                        src.__dict__[k] != default.__dict__.get(k):
+                    object.__setattr__(merged, k, src.__dict__[k])
+        return merged
+
+
+experimental.AutoShardPolicy = AutoShardPolicy
+experimental.DistributeOptions = DistributeOptions
 
 
 # --- a batched epoch as row numbers (for input_lib's resident data sets) ----------------

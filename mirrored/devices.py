@@ -487,6 +487,7 @@ class _Registry:
         self.gpu_ids = {}             # physical GPU name -> CUDA device id
         self.configs = {}             # physical name -> [LogicalDeviceConfiguration]
         self.devices = None           # list[Device] once initialised (then frozen)
+        self.stand_ins = []           # extra CpuDevices made by cpu_stand_ins (soft placement)
 
 
 _registry = _Registry()
@@ -551,6 +552,21 @@ def logical_devices():
         return list(_registry.devices)
 
 
+def cpu_stand_ins(count):
+    """``count`` CPU devices beyond the logical CPUs, for replicas that TensorFlow would
+    soft-place on the CPU (``MirroredStrategy(devices=["/gpu:0", "/gpu:1"])`` on a machine
+    without GPUs: each replica needs a device of its own here). They share the CPU like
+    logical CPUs, are named after them (``CPU:<n>``, ``CPU:<n+1>``... past the last logical
+    CPU), are made once and reused, and ``get_device`` finds them; ``list_logical_devices``
+    does not list them (the configuration stays as the program set it)."""
+    with _registry.lock:
+        cpus = [d for d in logical_devices() if d.device_type == "CPU"]
+        phys = next(p for p in list_physical() if p.device_type == "CPU")
+        while len(_registry.stand_ins) < count:
+            _registry.stand_ins.append(CpuDevice(len(cpus) + len(_registry.stand_ins), phys))
+        return list(_registry.stand_ins[:count])
+
+
 def _reset():
     """Forget the configuration and the logical devices (for tests only: a real
     program configures once, as in TensorFlow). Existing tensors keep working."""
@@ -590,7 +606,7 @@ def get_device(spec):
     if isinstance(spec, Device):
         return spec
     name = canonical_name(spec)
-    for d in logical_devices():
+    for d in logical_devices() + list(_registry.stand_ins):
         if d.name == name:
             return d
     raise ValueError(f"there is no device {spec!r} ({name}). Devices here: "

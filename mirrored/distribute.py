@@ -8,7 +8,8 @@ also available at the top level (``mirrored.MirroredStrategy``).
 from mirrored.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                        ReduceOp, ReductionToOneDevice, RingAllReduce)
 from mirrored.input_lib import InputOptions
-from mirrored.strategy import (InputContext, MirroredStrategy, OneDeviceStrategy, ReplicaContext,
+from mirrored.strategy import (CentralStorageStrategy, InputContext, MirroredStrategy, OneDeviceStrategy,
+                               ReplicaContext,
                                Strategy, StrategyExtended, ValueContext, get_replica_context,
                                get_strategy, has_strategy, in_cross_replica_context)
 from mirrored.values import DistributedValues, Mirrored, MirroredVariable, PerReplica
@@ -20,6 +21,7 @@ from mirrored.multi_worker import (ClusterSpec, CommunicationImplementation, Com
 class experimental:  # noqa: N801 (TensorFlow's namespace: tf.distribute.experimental)
     """``tf.distribute.experimental``: the multi-worker communication options."""
 
+    CentralStorageStrategy = CentralStorageStrategy
     CommunicationImplementation = CommunicationImplementation
     CommunicationOptions = CommunicationOptions
     MultiWorkerMirroredStrategy = MultiWorkerMirroredStrategy

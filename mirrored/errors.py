@@ -19,3 +19,8 @@ class InvalidArgumentError(ValueError):
 class DeadlineExceededError(RuntimeError):
     """Something waited longer than its deadline (TensorFlow's ``tf.errors.DeadlineExceededError``):
     here, a replica at a merge point whose peers never came."""
+
+
+class OutOfRangeError(IndexError):
+    """An iterator has no more elements (TensorFlow's ``tf.errors.OutOfRangeError``):
+    ``get_next()`` of a distributed dataset's iterator past its end."""

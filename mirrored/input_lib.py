@@ -8,7 +8,9 @@ partial batch of an epoch may leave a replica an EMPTY slice, which every layer
 above must handle (a replica with no rows contributes zero gradient).
 
 Each slice is copied to its replica's device, as a ``PerReplica`` value of
-``mirrored.Tensor``s that ``strategy.run`` unpacks.
+``mirrored.Tensor``s that ``strategy.run`` unpacks. ``iter(dist_dataset)`` is a
+``DistributedIterator`` (``next``, ``get_next``, ``get_next_as_optional``), and
+``dist_dataset.element_spec`` says what a step's value looks like (``PerReplicaSpec``).
 
 ``strategy.distribute_datasets_from_function(fn)`` is the other road: ``fn``
 builds a dataset that is already batched per replica; replica r takes batch
@@ -46,8 +48,91 @@ import numpy as np
 from kernels.launch import ceil_div
 from mirrored import data as _data
 from mirrored import nest
-from mirrored.tensor import Tensor
+from mirrored.errors import OutOfRangeError
+from mirrored.tensor import Tensor, TensorSpec, constant
 from mirrored.values import PerReplica
+
+
+class Optional:
+    """``tf.experimental.Optional``: a value or nothing (``get_next_as_optional``)."""
+
+    def __init__(self, value=None, has_value=False, spec_fn=None):
+        self._value, self._has, self._spec_fn = value, has_value, spec_fn
+
+    @property
+    def element_spec(self):
+        return self._spec_fn() if self._spec_fn is not None else None
+
+    def has_value(self):
+        """A bool scalar tensor, as TF's."""
+        return constant(self._has)
+
+    def get_value(self):
+        if not self._has:
+            raise OutOfRangeError("Optional.get_value(): the optional has no value (the "
+                                  "iterator was at its end); test has_value() first.")
+        return self._value
+
+    def __repr__(self):
+        return f"<Optional has_value={self._has}>"
+
+
+class DistributedIterator:
+    """``iter(dist_dataset)``: TensorFlow's distributed iterator, a real iterator object.
+
+    ``next(it)`` (StopIteration at the end, so ``for`` loops work), ``it.get_next()``
+    (``tf.errors.OutOfRangeError`` at the end, as TF's eager iterator),
+    ``it.get_next_as_optional()`` and ``it.element_spec``."""
+
+    def __init__(self, batches, element_spec):
+        self._batches = batches
+        self._spec = element_spec
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._batches)
+
+    def get_next(self):
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence: the distributed dataset's iterator has no "
+                                  "more batches (use get_next_as_optional() to test first).") from None
+
+    def get_next_as_optional(self):
+        try:
+            return Optional(next(self._batches), True, self._spec)
+        except StopIteration:
+            return Optional(None, False, self._spec)
+
+    @property
+    def element_spec(self):
+        return self._spec()
+
+
+class PerReplicaSpec:
+    """The spec of a ``PerReplica`` value: one ``TensorSpec`` per replica (TF's ``PerReplicaSpec``)."""
+
+    def __init__(self, *specs):
+        self._value_specs = tuple(specs)
+
+    def __eq__(self, other):
+        return isinstance(other, PerReplicaSpec) and self._value_specs == other._value_specs
+
+    def __repr__(self):
+        return f"PerReplicaSpec({', '.join(repr(s) for s in self._value_specs)})"
+
+
+def _distributed_spec(spec, num_replicas):
+    """A global batch's spec, as each replica sees it: the batch axis unknown (the last
+    batch may split unevenly); a PerReplicaSpec over several replicas."""
+    def per_leaf(leaf):
+        shape = (None,) + tuple(leaf.shape)[1:] if len(leaf.shape) else ()
+        one = TensorSpec(shape, leaf.dtype)
+        return one if num_replicas == 1 else PerReplicaSpec(*[one] * num_replicas)
+    return nest.map_structure(per_leaf, spec)
 
 
 class InputOptions:
@@ -203,6 +288,14 @@ class DistributedDataset:
                                      for (lo, hi), dev in zip(bounds, devices)]), batch)
 
     def __iter__(self):
+        return DistributedIterator(self._batches(), lambda: self.element_spec)
+
+    @property
+    def element_spec(self):
+        """The spec of one step's value: the dataset's spec with the batch axis per replica."""
+        return _distributed_spec(self.dataset.element_spec, len(self.strategy.extended.devices))
+
+    def _batches(self):
         epoch = self.resident_epoch() if self.place_on_device else None
         if epoch is None:
             for batch in self.dataset:
@@ -231,6 +324,13 @@ class DistributedDatasetsFromFunction:
         self._strategy = strategy
 
     def __iter__(self):
+        return DistributedIterator(self._batches(), lambda: self.element_spec)
+
+    @property
+    def element_spec(self):
+        return _distributed_spec(self._dataset.element_spec, len(self._strategy.extended.devices))
+
+    def _batches(self):
         devices = self._strategy.extended.devices
         n = len(devices)
         it = iter(self._dataset)

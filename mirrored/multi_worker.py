@@ -13,7 +13,7 @@ What changes from ``MirroredStrategy`` (``strategy.py``), and nothing else does:
 * The gradients' sum is ``CollectiveAllReduce`` (``collective_all_reduce.py``):
   the same ring, stretched over all W*L replicas, its hops between workers MPI
   messages. ``CommunicationOptions(implementation=RING)`` (or AUTO) selects it;
-  NCCL is refused with the reason.
+  NCCL runs as the ring, with a note.
 * Variables start equal everywhere: each initial value is broadcast from the
   chief (TensorFlow does the same), so the workers need not share a seed. The same
   message carries every worker's (name, shape, dtype) of the variable: workers that
@@ -56,6 +56,7 @@ import enum
 import json
 import os
 import socket
+import warnings
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class CommunicationOptions:
     """``tf.distribute.experimental.CommunicationOptions``: how the workers' all-reduce runs.
 
     ``implementation``: ``RING`` (or ``AUTO``, which picks it) is ours: the ring
-    over every replica of every worker, MPI between workers. ``NCCL`` is refused.
+    over every replica of every worker, MPI between workers. ``NCCL`` runs as the ring, with a warning that says so.
     ``timeout_seconds``: a fixed deadline for every wait for another worker (None:
     ``MIRRORED_WORKER_TIMEOUT_S`` if set, else the deadline counted in steps,
     ``workers.Workers.deadline_s``). ``bytes_per_pack`` is accepted for
@@ -99,11 +100,10 @@ class CommunicationOptions:
             raise ValueError(f"implementation must be a CommunicationImplementation (AUTO, RING, "
                              f"NCCL), got {implementation!r}.")
         if name == "NCCL":
-            raise NotImplementedError(
+            warnings.warn(
                 "CommunicationImplementation.NCCL: mirrored does not use NCCL; the workers' "
-                "all-reduce is our own ring (peer-memory reads inside a worker, MPI messages "
-                "between workers), which is the point of reading it. Use "
-                "CommunicationOptions(implementation=CommunicationImplementation.RING) or AUTO.")
+                "all-reduce runs on our own ring (peer-memory reads inside a worker, MPI messages "
+                "between workers), as with RING: the same sums.", stacklevel=2)
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be positive (or None), got {timeout_seconds}.")
         self.bytes_per_pack = bytes_per_pack

@@ -3,7 +3,8 @@
 What ``tf.distribute.MirroredStrategy`` does, in the order a student meets it:
 
 1. ``strategy = MirroredStrategy()`` picks the devices (every logical GPU, else
-   the CPU) and prints TensorFlow's ``Using MirroredStrategy with devices (...)``.
+   every logical CPU) and logs TensorFlow's ``Using MirroredStrategy with devices (...)``
+   to standard error, as TensorFlow's INFO log does.
 2. ``with strategy.scope():`` makes it the current strategy, so that
    ``mirrored.Variable(...)`` (and every Keras weight) becomes a
    ``MirroredVariable``: one copy per device, all from one initial value.
@@ -30,7 +31,9 @@ Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
 ``StrategyExtended._replica_offset`` / ``_num_workers`` are where it differs).
 """
 import contextlib
+import sys
 import threading
+import warnings
 
 import numpy as np
 
@@ -489,19 +492,21 @@ class MirroredStrategy(Strategy):
     """Synchronous data parallelism on one machine: one replica per device.
 
     ``devices``: device strings (any TensorFlow spelling); ``None`` means every
-    logical GPU, or the CPU if there is none. ``cross_device_ops``: how gradients
+    logical GPU, or every logical CPU if there is none (TensorFlow's choice). ``cross_device_ops``: how gradients
     are summed; the default is our ring all-reduce (``RingAllReduce``).
     """
 
     def __init__(self, devices=None, cross_device_ops=None):
-        chosen = _choose_devices(devices)
+        chosen = _choose_devices(devices, every_cpu=True)
         if cross_device_ops is None:
             cross_device_ops = _default_cross_device_ops(chosen)
         if not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as RingAllReduce(), "
                             f"got {cross_device_ops!r}.")
         super().__init__(chosen, cross_device_ops)
-        print(f"Using MirroredStrategy with devices {tuple(d.name for d in chosen)}")
+        # TensorFlow logs this line at INFO level, to standard error (absl's logger)
+        print(f"INFO:mirrored:Using MirroredStrategy with devices {tuple(d.name for d in chosen)}",
+              file=sys.stderr)
 
     def _create_variable(self, initial_value=None, trainable=True, name=None, dtype=None,
                          aggregation=VariableAggregation.NONE, **kwargs):
@@ -518,12 +523,15 @@ class MirroredStrategy(Strategy):
         return MirroredVariable._build(self, components, aggregation)
 
 
-def _choose_devices(devices):
-    """MirroredStrategy's devices: ``None`` = every logical GPU, else the CPU; or the named ones."""
+def _choose_devices(devices, every_cpu=False):
+    """MirroredStrategy's devices: ``None`` = every logical GPU, else the CPU (``every_cpu``:
+    every logical CPU, as TensorFlow's ``MirroredStrategy()``; a worker of
+    ``MultiWorkerMirroredStrategy`` takes CPU:0 only, as TensorFlow's); or the named ones.
+    Named GPUs this machine lacks run on logical CPUs (``_soft_place``)."""
     if devices is None:
         all_devices = _dev.logical_devices()
-        chosen = [d for d in all_devices if d.device_type == "GPU"] or \
-                 [d for d in all_devices if d.device_type == "CPU"][:1]
+        cpus = [d for d in all_devices if d.device_type == "CPU"]
+        chosen = [d for d in all_devices if d.device_type == "GPU"] or (cpus if every_cpu else cpus[:1])
     else:
         if isinstance(devices, str):
             devices = [devices]
@@ -535,15 +543,54 @@ def _choose_devices(devices):
         if dup:
             raise ValueError(f"No duplicates allowed in `devices` argument: {devices} "
                              f"({dup[0]} appears twice).")
-        chosen = [_dev.get_device(d) for d in devices]
+        chosen = _soft_place(devices, names)
     return chosen
+
+
+_SOFT_PLACED_WARNED = set()
+
+
+def _soft_place(devices, names):
+    """The named devices; GPUs that are not here stand in on CPU devices.
+
+    TensorFlow accepts ``MirroredStrategy(devices=["/gpu:0", "/gpu:1"])`` on a machine
+    without those GPUs (soft placement: the replicas' ops run on the CPU). Here each
+    replica needs a device of its own, so every missing GPU takes the next logical CPU
+    that is not named, then extra CPU devices (``devices.cpu_stand_ins``); it warns once,
+    saying where the replicas run."""
+    present = {d.name: d for d in _dev.logical_devices()}
+    missing = [n for n in names if n not in present and "/device:GPU:" in n]
+    if not missing or [d for d in present.values() if d.device_type == "GPU"]:
+        return [_dev.get_device(d) for d in devices]          # as before: ValueError names what exists
+    spare = [d for d in present.values() if d.device_type == "CPU" and d.name not in names]
+    spare += _dev.cpu_stand_ins(max(0, len(missing) - len(spare)))
+    stand_in = dict(zip(missing, spare))
+    key = tuple(sorted((m, id(d)) for m, d in stand_in.items()))      # once per device layout
+    if key not in _SOFT_PLACED_WARNED:
+        _SOFT_PLACED_WARNED.add(key)
+        where = ", ".join(f"{m.rsplit('/', 1)[-1]} on {d.short_name}" for m, d in stand_in.items())
+        warnings.warn(f"MirroredStrategy: no GPU here; the replicas for the missing GPUs run on the "
+                      f"CPU ({where}), as TensorFlow's soft placement runs them there.", stacklevel=4)
+    return [present[n] if n in present else stand_in[n] for n in names]
+
+
+class CentralStorageStrategy:
+    """``tf.distribute.experimental.CentralStorageStrategy``: not implemented, says what to use."""
+
+    def __init__(self, compute_devices=None, parameter_device=None):
+        raise NotImplementedError(
+            "CentralStorageStrategy (variables kept on one device, usually the CPU, and computation "
+            "mirrored on the GPUs) is not implemented here. Use MirroredStrategy(compute_devices) "
+            "instead: the same synchronous data parallelism, with a copy of every variable on each "
+            "replica's device and the gradients summed by the ring all-reduce.")
 
 
 class OneDeviceStrategy(Strategy):
     """Everything on one device: one replica, plain variables there."""
 
     def __init__(self, device):
-        super().__init__([_dev.get_device(device)], ReductionToOneDevice())
+        # a GPU this machine lacks runs on the CPU, as TensorFlow's soft placement (warned once)
+        super().__init__(_soft_place([device], [_dev.canonical_name(device)]), ReductionToOneDevice())
 
     @contextlib.contextmanager
     def scope(self):

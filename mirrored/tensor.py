@@ -12,13 +12,19 @@ What TensorFlow users expect, and get here:
     mirrored.reduce_sum(x), mirrored.cast(x, mirrored.int32)
     with mirrored.device("CPU:0"): ...   # place new tensors explicitly
 
-``cast``, ``reduce_sum``, ``reduce_mean`` and ``identity`` also accept NumPy
+``cast``, ``reduce_sum``, ``reduce_mean``, ``identity`` and ``reshape`` also accept NumPy
 values and answer in NumPy, so ``Dataset.map(scale)`` from the course lab works
 on the host pipeline unchanged.
+
+Also here, for TensorFlow's distribute pages: ``add_n``, ``reshape``, ``range_``
+(``mirrored.range``), ``print_`` (``mirrored.print``: to stderr), ``TensorShape`` and
+``TensorSpec``; ``HostTensor`` (host results and dataset elements). Arithmetic on a loss
+keeps the record ``GradientTape`` follows (``_scalar_node``/``_tensor_node``, keras/tape.py).
 
 Neighbours: ``devices.py`` (where buffers live), ``backends.py`` (the ops).
 """
 import numbers
+import sys
 
 import numpy as np
 
@@ -85,15 +91,22 @@ class Tensor:
         return host if dtype is None else host.astype(dtype)
 
     def __repr__(self):
-        return f"<Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+        return f"<tf.Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
 
     def __str__(self):
-        return f"Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
+        return f"tf.Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
 
     def __len__(self):
         if not self.shape:
             raise TypeError("len() of a scalar (shape ()) Tensor is undefined.")
         return self.shape[0]
+
+    def __iter__(self):
+        """Its rows along axis 0, each a Tensor on the same device (``for i in tf.range(5)``)."""
+        if not self.shape:
+            raise TypeError("iterating over a scalar (shape ()) Tensor is not allowed, as in TensorFlow.")
+        host = self.numpy()
+        return (constant(row, device=self._device) for row in host)
 
     def __float__(self):
         return float(self.numpy())
@@ -144,7 +157,11 @@ class Tensor:
         out = _empty(self._device, self.shape, self.dtype)
         with self._device.activate():
             self._device.ops.unary("neg", self._buf, out)
-        return Tensor(out, self._device)
+        return Tensor(out, self._device, self._node.scaled(-1.0) if self._node is not None else None)
+
+    def get_shape(self):
+        """The shape as a ``TensorShape`` (TensorFlow's ``Tensor.get_shape``)."""
+        return TensorShape(self.shape)
 
 
 def numpy_repr(value):
@@ -153,11 +170,20 @@ def numpy_repr(value):
 
 
 class HostTensor(np.ndarray):
-    """A result on the host: a NumPy array that also answers ``.numpy()``.
+    """A value on the host: a NumPy array that also answers ``.numpy()``.
 
-    ``strategy.reduce`` and ``strategy.gather`` return these, so code written
-    for TensorFlow (``strategy.reduce(...).numpy()``) and NumPy code both work.
+    ``strategy.reduce``, ``strategy.gather`` and iterating a ``mirrored.data.Dataset``
+    give these, so code written for TensorFlow (``strategy.reduce(...).numpy()``,
+    ``for x in ds: x.numpy()``) and NumPy code both work. They print as TensorFlow's
+    eager tensors (``<tf.Tensor: shape=(), dtype=float32, numpy=2.0>``); arithmetic on
+    them is NumPy's.
     """
+
+    def __repr__(self):
+        return f"<tf.Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+
+    def __str__(self):
+        return f"tf.Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
 
     @classmethod
     def wrap(cls, value):
@@ -194,7 +220,7 @@ def _binary(op, x, other):
         out = _empty(dev, x.shape, x.dtype)
         with dev.activate():
             dev.ops.binary_scalar(op, x._buf, other, out)
-        return Tensor(out, dev)
+        return Tensor(out, dev, _scalar_node(op, x._node, other))
     if hasattr(other, "_as_tensor"):          # a Variable: use its value
         other = other._as_tensor()
     if not isinstance(other, Tensor):
@@ -214,7 +240,46 @@ def _binary(op, x, other):
         if op.startswith("r"):   # reflected forms never arise between two tensors
             raise AssertionError(op)
         dev.ops.binary(op, x._buf, other._buf, out)
-    return Tensor(out, dev)
+    return Tensor(out, dev, _tensor_node(op, x, other))
+
+
+# --- what GradientTape needs to know of arithmetic on losses ------------------------------
+# A loss made from a model's output carries a node (keras/tape.py: ``_Loss`` for a
+# per-example vector, ``_Scaled`` for a scalar). Arithmetic keeps it: + and - combine
+# nodes (``plus``), * and / by a number scale it (``scaled``). A Tensor without a node
+# is a constant to the tape (as a value TensorFlow's tape did not watch); an operation the
+# tape cannot follow gives no node, and ``tape.gradient`` then says what it supports.
+
+def _scalar_node(op, node, s):
+    if node is None:
+        return None
+    s = float(s)
+    if op == "mul":
+        return node.scaled(s)
+    if op == "div":
+        return node.scaled(1.0 / s) if s else None
+    if op in ("add", "sub"):
+        return node                       # plus a constant: the same gradient
+    if op == "rsub":
+        return node.scaled(-1.0)
+    return None
+
+
+def _tensor_node(op, x, y):
+    a, b = x._node, y._node
+    if a is None and b is None:
+        return None
+    if op in ("add", "sub"):
+        if b is not None and op == "sub":
+            b = b.scaled(-1.0)
+        if a is None or b is None:
+            return a if b is None else b  # plus a constant
+        return a.plus(b)
+    if op in ("mul", "div") and y.shape == () and b is None:
+        return _scalar_node(op, a, y.numpy())
+    if op == "mul" and x.shape == () and a is None:
+        return _scalar_node(op, b, x.numpy())
+    return None
 
 
 # --- creating tensors ------------------------------------------------------------
@@ -318,6 +383,7 @@ def reduce_sum(x, axis=None, keepdims=False):
             out = _empty(dev, (1,), x.dtype)
             dev.ops.sum_all(x._buf, out)
             shape = (1,) * x.ndim if keepdims else ()
+            return Tensor(out.reshape(shape), dev, x._node.summed() if x._node is not None else None)
         else:
             outer = int(np.prod(x.shape[:axis], dtype=np.int64))
             inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
@@ -339,4 +405,179 @@ def reduce_mean(x, axis=None, keepdims=False):
     out = _empty(total._device, total.shape, total.dtype)
     with total._device.activate():
         total._device.ops.binary_scalar("div", total._buf, count, out)
-    return Tensor(out, total._device)
+    return Tensor(out, total._device, _scalar_node("div", total._node, count) if count else None)
+
+
+# --- the handful of other tensor functions TensorFlow's distribute pages use ------------------
+
+def add_n(inputs):
+    """The elementwise sum of a non-empty list of same-shape tensors (``tf.add_n``).
+
+    Losses keep their GradientTape record (``model.losses`` summed this way)."""
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("add_n needs at least one tensor (TensorFlow refuses an empty list too); "
+                         "guard it with `if model.losses:`.")
+    total = inputs[0] if isinstance(inputs[0], Tensor) else convert_to_tensor(inputs[0])
+    for t in inputs[1:]:
+        total = total + t
+    return total
+
+
+def reshape(tensor, shape):
+    """``tensor`` with a new ``shape`` (one entry may be -1), the same values in row-major
+    order (``tf.reshape``). A Tensor's result shares its buffer; NumPy stays NumPy."""
+    if not isinstance(tensor, Tensor):
+        return np.reshape(np.asarray(tensor), _shape_tuple(shape))
+    size = int(np.prod(tensor.shape, dtype=np.int64))
+    return Tensor(tensor._buf.reshape(_resolved_shape(size, _shape_tuple(shape))), tensor._device)
+
+
+def _shape_tuple(shape):
+    if isinstance(shape, Tensor):
+        shape = shape.numpy()
+    return tuple(int(d) for d in np.atleast_1d(np.asarray(shape))) if np.ndim(shape) else (int(shape),)
+
+
+def _resolved_shape(size, shape):
+    """``shape`` with its one -1 worked out for ``size`` elements; ValueError if they differ."""
+    unknown = [i for i, d in enumerate(shape) if d == -1]
+    known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+    if len(unknown) > 1 or any(d < -1 for d in shape) or \
+            (unknown and (known == 0 or size % known)) or (not unknown and known != size):
+        raise ValueError(f"cannot reshape a tensor of {size} elements to shape {shape} "
+                         f"(at most one -1, and the sizes must match).")
+    if unknown:
+        return shape[:unknown[0]] + (size // known,) + shape[unknown[0] + 1:]
+    return shape
+
+
+def range_(start, limit=None, delta=1, dtype=None, name=None):
+    """``tf.range``: ``[start, limit)`` by ``delta`` as a 1-D tensor on the current device;
+    int32 for integers and float32 for floats, as TensorFlow infers them."""
+    if limit is None:
+        start, limit = 0, start
+    values = np.arange(start, limit, delta)
+    if dtype is None:
+        dtype = float32 if values.dtype.kind == "f" else int32
+    return constant(values, dtype=dtype)
+
+
+def print_(*inputs, output_stream=None, summarize=3, sep=" ", end="\n", name=None):
+    """``tf.print``: tensors shown by value (``[0 1 2 ... 7 8 9]``: ``summarize`` items from
+    each end of each axis), tuples, lists and dicts of them element by element, per-replica
+    values replica by replica, anything else as ``str``; to standard error by default, as
+    TensorFlow's. (In TensorFlow it is the way to print from inside a ``tf.function``;
+    here every function runs eagerly, so it prints when called.)"""
+    stream = sys.stderr if output_stream is None else output_stream
+    print(*(_print_form(v, summarize) for v in inputs), sep=sep, end=end, file=stream)
+
+
+def _print_form(value, summarize):
+    """How ``tf.print`` shows ``value`` (see ``print_``)."""
+    if isinstance(value, (Tensor, np.ndarray, np.generic)) or hasattr(value, "_as_tensor"):
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return str(arr[()])
+        return np.array2string(arr, threshold=2 * summarize if summarize >= 0 else sys.maxsize,
+                               edgeitems=max(summarize, 1), separator=" ")
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        parts = [_print_form(v, summarize) for v in value]
+        return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(_print_form(v, summarize) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_print_form(v, summarize)}" for k, v in value.items()) + "}"
+    components = getattr(value, "values", None)
+    if isinstance(components, tuple) and type(value).__name__ in ("PerReplica", "Mirrored"):
+        shown = ",\n".join(f"  {i}: {_print_form(v, summarize)}" for i, v in enumerate(components))
+        return f"{type(value).__name__}:{{\n{shown}\n}}"
+    return str(value)
+
+
+class TensorShape:
+    """A shape whose dimensions may be unknown (``None``): ``tf.TensorShape``.
+
+    Compares equal to a tuple or list with the same dimensions; ``as_list()``, ``rank``,
+    ``is_compatible_with``, indexing and iteration as TensorFlow's."""
+
+    def __init__(self, dims):
+        if isinstance(dims, TensorShape):
+            dims = dims._dims
+        self._dims = None if dims is None else tuple(None if d is None else int(d) for d in dims)
+
+    @property
+    def rank(self):
+        return None if self._dims is None else len(self._dims)
+
+    def as_list(self):
+        if self._dims is None:
+            raise ValueError("as_list() is not defined on an unknown TensorShape.")
+        return list(self._dims)
+
+    def is_compatible_with(self, other):
+        other = TensorShape(other)
+        if self._dims is None or other._dims is None:
+            return True
+        return len(self._dims) == len(other._dims) and all(
+            a is None or b is None or a == b for a, b in zip(self._dims, other._dims))
+
+    def __iter__(self):
+        return iter(self._dims or ())
+
+    def __len__(self):
+        return len(self._dims)
+
+    def __getitem__(self, i):
+        return TensorShape(self._dims[i]) if isinstance(i, slice) else self._dims[i]
+
+    def __eq__(self, other):
+        try:
+            return self._dims == TensorShape(other)._dims
+        except TypeError:
+            return NotImplemented
+
+    def __hash__(self):
+        return hash(self._dims)
+
+    def __repr__(self):
+        return "TensorShape(None)" if self._dims is None else f"TensorShape({list(self._dims)})"
+
+    def __str__(self):
+        if self._dims is None:
+            return "<unknown>"
+        return "(" + ", ".join("None" if d is None else str(d) for d in self._dims) + \
+            ("," if len(self._dims) == 1 else "") + ")"
+
+
+class TensorSpec:
+    """What a tensor will look like: shape (dimensions may be ``None``) and dtype
+    (``tf.TensorSpec``). ``Dataset.element_spec`` and ``from_generator``'s
+    ``output_signature`` are structures of these."""
+
+    def __init__(self, shape, dtype=float32, name=None):
+        self.shape = TensorShape(shape)
+        self.dtype = as_dtype(dtype)
+        self.name = name
+
+    @classmethod
+    def from_value(cls, value):
+        arr = np.asarray(value)
+        return cls(arr.shape, arr.dtype)
+
+    def is_compatible_with(self, value):
+        """``value`` (a spec or an array) has this dtype and a compatible shape."""
+        if isinstance(value, TensorSpec):
+            return value.dtype == self.dtype and self.shape.is_compatible_with(value.shape)
+        arr = np.asarray(value)
+        return arr.dtype == self.dtype and self.shape.is_compatible_with(arr.shape)
+
+    def __eq__(self, other):
+        return (isinstance(other, TensorSpec) and self.shape == other.shape
+                and self.dtype == other.dtype and self.name == other.name)
+
+    def __hash__(self):
+        return hash((self.shape, self.dtype, self.name))
+
+    def __repr__(self):
+        return f"TensorSpec(shape={self.shape}, dtype=tf.{self.dtype.name}, name={self.name!r})"

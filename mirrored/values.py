@@ -80,9 +80,10 @@ class PerReplica(DistributedValues):
 class Mirrored(DistributedValues):
     """Components that are equal on every replica.
 
-    Each component remembers this Mirrored (``_mirrored_parent``), so when every
-    replica of ``strategy.run`` returns its own component — e.g. the result of
-    ``all_reduce`` — ``run`` hands back the Mirrored, as TensorFlow does.
+    Each component remembers this Mirrored (``_mirrored_parent``). When every replica
+    of ``strategy.run`` returns its own component — e.g. the result of ``all_reduce`` —
+    ``run`` hands back a ``PerReplica`` of them, as TensorFlow does (its regroup keeps
+    only variables whole; equal tensors on several devices are per-replica values).
     """
 
     def __init__(self, values):
@@ -102,14 +103,15 @@ def regroup(per_replica_structures, wrap=PerReplica):
     """[structure of replica 0, structure of replica 1, ...] -> structure of PerReplica.
 
     A leaf that is the very same object on every replica stays itself (TF's
-    rule); components of one MirroredVariable regroup to that variable.
+    rule); components of one MirroredVariable regroup to that variable; anything
+    else (the tensors of an all-reduce included) becomes a PerReplica, as in TensorFlow.
     """
     def group(*leaves):
         first = leaves[0]
         if all(leaf is first for leaf in leaves):
             return first
         parent = getattr(first, "_mirrored_parent", None)
-        if parent is not None and len(parent.values) == len(leaves) and \
+        if isinstance(parent, Variable) and len(parent.values) == len(leaves) and \
                 all(leaf is comp for leaf, comp in zip(leaves, parent.values)):
             return parent
         return wrap(leaves)
@@ -193,7 +195,7 @@ class Variable:
         return self._tensor
 
     def __repr__(self):
-        return f"<Variable '{self.name}' shape={self.shape} dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+        return f"<tf.Variable '{self.name}' shape={self.shape} dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
 
     def __array__(self, dtype=None, copy=None):
         return self._tensor.__array__(dtype)

@@ -69,7 +69,7 @@ def test_range():
     assert ints(Dataset.range(5)) == [0, 1, 2, 3, 4]
     assert ints(Dataset.range(2, 11, 3)) == [2, 5, 8]
     assert ints(Dataset.range(5, 0, -2)) == [5, 3, 1]
-    assert all(type(x) is np.int64 for x in Dataset.range(3))
+    assert all(x.dtype == np.int64 and x.shape == () for x in Dataset.range(3))     # int64 scalar tensors, as TF
     assert len(Dataset.range(2, 11, 3)) == 3
 
 

@@ -348,11 +348,11 @@ def test_a_wait_yields_the_core_then_sleeps_then_times_out(monkeypatch, done_aft
         assert calls.count("sleep") >= 100
 
 
-def test_nccl_is_refused_with_the_reason():
+def test_nccl_runs_as_the_ring_with_the_reason():
     options = tf.distribute.experimental.CommunicationOptions
     impl = tf.distribute.experimental.CommunicationImplementation
-    with pytest.raises(NotImplementedError, match="does not use NCCL.*RING"):
-        options(implementation=impl.NCCL)
+    with pytest.warns(UserWarning, match="does not use NCCL.*ring"):      # the guide's option: accepted
+        assert options(implementation=impl.NCCL).implementation is impl.NCCL
     assert options(implementation="ring").implementation is impl.RING
     assert options().implementation is impl.AUTO
     with pytest.raises(ValueError, match="timeout_seconds"):

@@ -75,7 +75,7 @@ def test_tf_default_dtypes_and_scalars(where):
         s = tf.constant(2.0)
     assert s.shape == () and isinstance(s.numpy(), np.floating) and float(s) == 2.0
     assert repr(tf.constant([0], dtype=tf.int64, device=where)) == \
-        "<Tensor: shape=(1,), dtype=int64, numpy=array([0])>"
+        "<tf.Tensor: shape=(1,), dtype=int64, numpy=array([0])>"
     assert tf.constant(7, shape=(2, 2), device=where).numpy().tolist() == [[7, 7], [7, 7]]
 
 

@@ -13,10 +13,10 @@ forward/backward, all-reduce, update), engine.py (packed weights; a replica's
 program of layers), layers.py (Input, Flatten, Dense, Conv2D, MaxPooling2D,
 Dropout: each with its forward and backward), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
-losses.py, optimizers.py (SGD, Adam), metrics.py, callbacks.py, tape.py
+losses.py, regularizers.py (L2), optimizers.py (SGD, Adam), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.
 """
-from mirrored.keras import callbacks, layers, losses, metrics, optimizers, saving
+from mirrored.keras import callbacks, layers, losses, metrics, optimizers, regularizers, saving
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Sequential
 

@@ -127,7 +127,7 @@ class LearningRateScheduler(Callback):
     def on_epoch_begin(self, epoch, logs=None):
         opt = self.model.optimizer
         try:
-            lr = self.schedule(epoch, opt.learning_rate)
+            lr = self.schedule(epoch, float(opt.learning_rate))   # a float, as Keras 3 passes it
         except TypeError:
             lr = self.schedule(epoch)
         opt.learning_rate = float(lr)

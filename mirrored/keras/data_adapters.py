@@ -30,6 +30,7 @@ from kernels.softmax_xent import check_labels
 from mirrored import nest
 from mirrored import random as _random
 from mirrored.input_lib import DistributedDataset
+from mirrored.keras.losses import takes_targets
 from mirrored.tensor import Tensor
 
 
@@ -41,7 +42,10 @@ def batches(model, x, y, batch_size, shuffle):
         x, y = np.asarray(x), np.asarray(y)
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
-        if x.ndim >= 2:                        # every label checked once, before any step
+        if x.ndim >= 2 and takes_targets(model.loss):
+            model.build((None,) + tuple(x.shape[1:]))
+            targets(model, y, len(y))            # MSE, BCE: float targets, checked once
+        elif x.ndim >= 2:                        # every label checked once, before any step
             model.build((None,) + tuple(x.shape[1:]))
             check_label_shape(model, y.shape, len(y))
             check_labels(y.reshape(-1) if y.dtype.kind in "iu" else y.reshape(-1).astype(np.int64),
@@ -110,6 +114,10 @@ def prepare(model, batch):
     """A batch from ``batches`` as the step takes it (host arrays via ``host_batch``, or
     the ``ResidentBatch`` itself), the model built from it if need be."""
     if isinstance(batch, ResidentBatch):
+        if takes_targets(model.loss):
+            raise NotImplementedError(f"{type(model.loss).__name__} with experimental_place_dataset_on_device "
+                                      f"is not implemented (resident rows hold class labels); "
+                                      f"distribute the dataset without that option.")
         batch.loader(model)                    # builds the model from the resident rows' shape
         return batch
     return host_batch(model, batch)
@@ -137,12 +145,26 @@ def host_batch(model, batch):
     if xb.shape[1] != in_dim:
         raise ValueError(f"examples have {xb.shape[1]} features, the model expects "
                          f"{in_dim} (input shape {model.input_shape[1:]}).")
+    if takes_targets(model.loss):
+        return xb, targets(model, yb, xb.shape[0])
     check_label_shape(model, yb.shape, xb.shape[0])
     yb = yb.reshape(-1)
     if yb.dtype.kind not in "iu":
         yb = yb.astype(np.int64)
     check_labels(yb, model.step.programs[0].classes)    # on the host, before any device sees them
     return xb, np.ascontiguousarray(yb)
+
+
+def targets(model, y, examples):
+    """Float targets for MSE and BCE: (B, outputs) float32, C-contiguous; (B,) is read as
+    (B, 1), as Keras does for a one-output model."""
+    outputs = model.step.programs[0].classes
+    y = np.asarray(y)
+    if y.shape[:1] != (examples,) or int(np.prod(y.shape[1:], dtype=np.int64)) != outputs:
+        raise ValueError(f"targets of shape {y.shape} for {examples} examples: the loss "
+                         f"{type(model.loss).__name__} compares each example's {outputs} outputs with as "
+                         f"many targets: give shape ({examples}, {outputs}).")
+    return np.ascontiguousarray(y.reshape(examples, outputs), np.float32)
 
 
 def check_label_shape(model, shape, examples):

@@ -17,8 +17,11 @@ Two ideas make a data-parallel step cheap, and both are here:
 
        forward    x = layer.forward(state, x)  for each layer, in order
        loss       l, dlogits = xent(logits, labels)   fused softmax cross-entropy,
-                                                      scaled by 1/GLOBAL batch
+                                                      scaled by 1/GLOBAL batch (or MSE/BCE
+                                                      against float targets, regression_losses)
        backward   dy = layer.backward(state, dy)   for each layer, in reverse
+       penalties  grad += 2 l2 w / N                  kernel_regularizer (fit only;
+                                                      keras/regularizers.py)
 
    What each layer launches is the layer's business (``layers.py``): the
    program knows no layer type. Loss sums and correct counts are accumulated ON
@@ -184,8 +187,9 @@ class _LossBuffers:
 class ReplicaProgram:
     """The model's layers on one device: forward, loss, backward (see the module docstring)."""
 
-    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0):
+    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
         self.layers = list(layers)
+        self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
         self.pack = pack
         self.r = replica_id
         self.dev = pack.devices[replica_id]
@@ -238,20 +242,21 @@ class ReplicaProgram:
         The next ``upload`` of the same size overwrites them (on a GPU, in stream
         order, after the kernels of this step have read them).
         """
-        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype)
+        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype, y.shape[1:])
         if x.shape[0]:
             self.dev.upload_into(x_dev, x)
             self.dev.upload_into(y_dev, y)
         return x_dev, y_dev
 
-    def input_buffers(self, b, label_dtype):
+    def input_buffers(self, b, label_dtype, label_shape=()):
         """This device's reusable input buffers for batches of ``b``: x (b, in_dim)
-        float32 and y (b,) of ``label_dtype`` (filled by ``upload`` or a gather)."""
-        key = (b, np.dtype(label_dtype))
+        float32 and y (b,) + ``label_shape`` of ``label_dtype`` (filled by ``upload`` or a
+        gather): class labels (b,), or float targets (b, classes) for MSE and BCE."""
+        key = (b, np.dtype(label_dtype), tuple(label_shape))
         bufs = self._inputs.get(key)
         if bufs is None:
             bufs = self._inputs[key] = (self.dev.empty((b, self.in_dim), FLOAT),   # x: (b, in) float32
-                                        self.dev.empty((b,), label_dtype))         # y: (b,) labels
+                                        self.dev.empty((b,) + tuple(label_shape), label_dtype))   # y
         return bufs
 
     # -- the program
@@ -285,9 +290,29 @@ class ReplicaProgram:
         grad = buf.dlogits if with_grad else None                # (b, classes)
         if mode == "probs":
             self.ops.prob_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
-        else:
+        elif mode == "logits":
             self.ops.softmax_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
+        else:                        # MSE, BCE against float targets (b, classes): no accuracy here
+            self.ops.regression_loss(mode, self.logits, labels, buf.loss, grad, scale)
+            self.ops.fill(buf.correct, 0.0)
         self._accumulate(buf)
+        self._accumulate_penalties(b)
+
+    def _accumulate_penalties(self, b):
+        """The loss metric += b x model.losses (Keras reports the data loss plus the penalties)."""
+        for state in self.states:
+            for reg, i in state.layer.regularized:
+                value = self.dev.scratch("penalty value", (1,), FLOAT)
+                reg.value_into(self.dev, state.weights[i], value)
+                self.ops.binary_scalar("mul", value, float(b), value)
+                self.ops.binary("add", self.acc[0:1], value, self.acc[0:1])
+
+    def add_penalty_gradients(self):
+        """fit's regularization: each regularized weight's penalty gradient x 1/N into this
+        replica's packed gradient, so the all-reduce SUM adds it once (keras/regularizers.py)."""
+        for state in self.states:
+            for reg, i in state.layer.regularized:
+                reg.add_gradient(self.dev, state.weights[i], state.grads[i], self.penalty_factor)
 
     def backward(self):
         """The layers in reverse, from the loss's gradient; every weight's gradient lands
@@ -307,6 +332,7 @@ class ReplicaProgram:
         self.forward(x, training=True)
         self.loss(y, mode, scale)
         self.backward()
+        self.add_penalty_gradients()
 
     def _accumulate(self, buf):
         """acc += [sum of losses, number correct, examples]: one column-sum launch, one add.

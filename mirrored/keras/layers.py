@@ -40,6 +40,7 @@ from kernels import conv2d_v3                            # which Conv2D + MaxPoo
 from kernels import dropout as dropout_kernels           # the mask's key and the rate's check
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
+from mirrored.keras import regularizers
 from mirrored.values import Variable
 
 ACTIVATIONS = (None, "linear", "relu", "softmax")
@@ -115,6 +116,21 @@ class Layer:
         return []
 
     trainable_weights = weights
+
+    # -- weight penalties (keras/regularizers.py): Dense and Conv2D take kernel_regularizer=
+    kernel_regularizer = None
+
+    @property
+    def regularized(self):
+        """[(regularizer, index of the weight in ``weights``)] for this layer's penalties."""
+        if self.kernel_regularizer is None or not self.built:
+            return []
+        return [(self.kernel_regularizer, 0)]
+
+    @property
+    def losses(self):
+        """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``)."""
+        return [reg(self.weights[i]) for reg, i in self.regularized]
 
     def output_shape_for(self, input_shape):
         return input_shape
@@ -216,8 +232,9 @@ class Dense(Layer):
     """
 
     def __init__(self, units, activation=None, use_bias=True, kernel_initializer="glorot_uniform",
-                 bias_initializer="zeros", input_shape=None, name=None, **kwargs):
+                 bias_initializer="zeros", kernel_regularizer=None, input_shape=None, name=None, **kwargs):
         super().__init__(input_shape=input_shape, name=name, **kwargs)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
         if not isinstance(units, (int, np.integer)) or units < 1:
             raise ValueError(f"Dense: units must be a positive integer, got {units!r}.")
         if activation not in ACTIVATIONS:
@@ -346,9 +363,10 @@ class Conv2D(Layer):
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None,
                  dilation_rate=1, groups=1, activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros", input_shape=None,
-                 name=None, **kwargs):
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros", kernel_regularizer=None,
+                 input_shape=None, name=None, **kwargs):
         super().__init__(input_shape=input_shape, name=name, **kwargs)
+        self.kernel_regularizer = regularizers.get(kernel_regularizer)
         what = f"Conv2D {self.name!r}"
         if not isinstance(filters, (int, np.integer)) or isinstance(filters, bool) or filters < 1:
             raise ValueError(f"{what}: filters must be a positive integer (the number of output "
@@ -646,3 +664,4 @@ AveragePooling2D = _not_here("AveragePooling2D")
 BatchNormalization = _not_here("BatchNormalization")
 Embedding = _not_here("Embedding")
 LSTM = _not_here("LSTM")
+StringLookup = _not_here("StringLookup")      # the distributed-input tutorial's one preprocessing cell

@@ -1,4 +1,12 @@
-"""``SparseCategoricalCrossentropy``: the loss of the course lab.
+"""Losses: ``SparseCategoricalCrossentropy`` (the course lab's), ``MeanSquaredError`` and
+``BinaryCrossentropy`` (the distributed-training guide's), each with Keras's ``Reduction``.
+
+Each is computed by one fused kernel with its gradient: the classification loss by
+``kernels/softmax_xent.py``, the two losses against float targets by
+``kernels/regression_losses.py`` (``kind`` below names which). They take targets of the
+model's output shape, (B, C) float, as Keras does; ``(B,)`` is read as (B, 1).
+
+``SparseCategoricalCrossentropy``:
 
 Integer labels, per-example loss ``-log softmax(logits)[label]``.
 ``from_logits=True``: the model outputs logits (the lab's last ``Dense(10)``).
@@ -14,9 +22,34 @@ loop under a strategy wants, to divide by the GLOBAL batch with
 Called on a model's output inside a ``GradientTape``, the result remembers
 where it came from, so ``tape.gradient`` can run the backward kernels.
 """
+import enum
+
 from mirrored.tensor import Tensor
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
+
+
+class Reduction(str, enum.Enum):
+    """``tf.keras.losses.Reduction``: how a loss object reduces its per-example values.
+
+    ``NONE``: the per-example vector (a custom loop under a strategy then divides by the
+    GLOBAL batch with ``mirrored.nn.compute_average_loss``); ``SUM``; ``SUM_OVER_BATCH_SIZE``
+    (the mean over the batch this call sees: Keras's default); ``AUTO`` (that default).
+    Each member equals its string, so ``reduction='none'`` means the same."""
+
+    AUTO = "auto"
+    NONE = "none"
+    SUM = "sum"
+    SUM_OVER_BATCH_SIZE = "sum_over_batch_size"
+
+    @classmethod
+    def all(cls):
+        return tuple(cls)
+
+    @classmethod
+    def validate(cls, key):
+        if getattr(key, "value", key) not in REDUCTIONS:
+            raise ValueError(f"Invalid Reduction Key: {key!r}. Expected keys are {REDUCTIONS}.")
 
 
 class SparseCategoricalCrossentropy:
@@ -44,10 +77,76 @@ class SparseCategoricalCrossentropy:
         return {"from_logits": self.from_logits, "reduction": self.reduction, "name": self.name}
 
 
+class _TargetLoss:
+    """A loss against float targets of the output's shape (``kernels/regression_losses.py``)."""
+
+    def __init__(self, reduction, name):
+        reduction = getattr(reduction, "value", reduction)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}.")
+        self.reduction = "sum_over_batch_size" if reduction == "auto" else reduction
+        self.name = name
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        from mirrored.keras.tape import loss_from_model_output
+        if sample_weight is not None:
+            raise NotImplementedError(f"sample_weight is not implemented for {type(self).__name__}.")
+        if not isinstance(y_pred, Tensor) or y_pred._node is None:
+            raise TypeError(f"{type(self).__name__} here is computed from a mirrored.keras model's "
+                            f"output: call it as loss(targets, model(x, training=True)).")
+        return loss_from_model_output(self, y_true, y_pred)
+
+    def get_config(self):
+        return {"reduction": self.reduction, "name": self.name}
+
+
+class MeanSquaredError(_TargetLoss):
+    """``mean((y_pred - y_true) ** 2)`` over the last axis, per example (``loss='mse'``)."""
+
+    kind = "mse"
+
+    def __init__(self, reduction="sum_over_batch_size", name="mean_squared_error"):
+        super().__init__(reduction, name)
+
+
+class BinaryCrossentropy(_TargetLoss):
+    """Binary cross-entropy over the last axis, per example. ``from_logits=True``: the model
+    outputs logits (TensorFlow's ``sigmoid_cross_entropy_with_logits``, stable); ``False``:
+    probabilities, clipped to [1e-7, 1 - 1e-7] as Keras does."""
+
+    def __init__(self, from_logits=False, label_smoothing=0.0, axis=-1, reduction="sum_over_batch_size",
+                 name="binary_crossentropy"):
+        super().__init__(reduction, name)
+        if label_smoothing or axis != -1:
+            raise NotImplementedError("BinaryCrossentropy: label_smoothing and axis other than -1 "
+                                      "are not implemented here.")
+        self.from_logits = bool(from_logits)
+
+    @property
+    def kind(self):
+        return "bce_logits" if self.from_logits else "bce_probs"
+
+    def get_config(self):
+        return dict(super().get_config(), from_logits=self.from_logits, label_smoothing=0.0, axis=-1)
+
+
+def takes_targets(loss):
+    """True for losses against float targets of the output's shape (MSE, BCE), False for
+    class-index losses."""
+    return isinstance(loss, _TargetLoss)
+
+
 def kernel_mode(loss, softmax_output):
-    """Which fused loss kernel a model's output takes: "logits" (softmax cross-entropy)
-    or "probs" (cross-entropy of probabilities). ``softmax_output``: the model's last
-    layer has activation='softmax' (its logits are used, as Keras does)."""
+    """Which fused loss kernel a model's output takes: "logits" (softmax cross-entropy),
+    "probs" (cross-entropy of probabilities), or a regression kind ("mse", "bce_logits",
+    "bce_probs"). ``softmax_output``: the model's last layer has activation='softmax'
+    (its logits are used, as Keras does)."""
+    if takes_targets(loss):
+        if softmax_output:
+            raise NotImplementedError(
+                f"{type(loss).__name__} on a layer with activation='softmax' is not implemented: "
+                f"the softmax is fused into the cross-entropy here. Drop the softmax.")
+        return loss.kind
     if softmax_output:
         if loss.from_logits:
             raise NotImplementedError(
@@ -57,11 +156,18 @@ def kernel_mode(loss, softmax_output):
     return "logits" if loss.from_logits else "probs"
 
 
+_BY_NAME = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+            "SparseCategoricalCrossentropy": SparseCategoricalCrossentropy,
+            "mse": MeanSquaredError, "mean_squared_error": MeanSquaredError, "MeanSquaredError": MeanSquaredError,
+            "binary_crossentropy": BinaryCrossentropy, "BinaryCrossentropy": BinaryCrossentropy}
+
+
 def get(identifier):
     """A loss object from Keras's string names or the object itself."""
-    if isinstance(identifier, SparseCategoricalCrossentropy):
+    if isinstance(identifier, (SparseCategoricalCrossentropy, _TargetLoss)):
         return identifier
-    if identifier in ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy"):
-        return SparseCategoricalCrossentropy()
-    raise NotImplementedError(f"loss {identifier!r} is not implemented; use "
-                              f"'sparse_categorical_crossentropy' or losses.SparseCategoricalCrossentropy(...).")
+    if isinstance(identifier, str) and identifier in _BY_NAME:
+        return _BY_NAME[identifier]()
+    raise NotImplementedError(f"loss {identifier!r} is not implemented; use one of {sorted(_BY_NAME)} "
+                              f"or the classes losses.SparseCategoricalCrossentropy, MeanSquaredError, "
+                              f"BinaryCrossentropy.")

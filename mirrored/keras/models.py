@@ -19,6 +19,7 @@ Neighbours: ``layers.py`` (what a model is made of), ``step.py`` (the step),
 import contextlib
 import os
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -37,6 +38,9 @@ from mirrored.keras.step import Step, check_compiled
 from mirrored.keras.tape import ModelOutput
 from mirrored.tensor import Tensor
 from mirrored.values import components
+
+
+_BUILD_LOCK = threading.Lock()       # one model built at a time (replica threads may race to it)
 
 
 class Sequential:
@@ -91,9 +95,18 @@ class Sequential:
 
     def build(self, input_shape=None):
         """Create the weights (under the model's strategy) for examples of ``input_shape``
-        (with or without a leading ``None`` batch axis), then the training step."""
+        (with or without a leading ``None`` batch axis), then the training step.
+
+        Once: a model first called inside ``strategy.run`` (TensorFlow's custom-training
+        tutorial gives no input shape) is built by the first replica to get here while the
+        others wait, so every replica uses the same weights and step."""
         if self.built:
             return
+        with _BUILD_LOCK:
+            if not self.built:
+                self._build(input_shape)
+
+    def _build(self, input_shape):
         if input_shape is not None:
             self._input_shape = tuple(input_shape)[1:] if len(input_shape) > 1 and input_shape[0] is None \
                 else tuple(input_shape)
@@ -146,6 +159,12 @@ class Sequential:
     @property
     def non_trainable_variables(self):
         return []
+
+    @property
+    def losses(self):
+        """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
+        ``model.losses``), on this replica's copies inside ``strategy.run``."""
+        return [loss for layer in self.layers for loss in layer.losses]
 
     def count_params(self):
         return int(sum(np.prod(v.shape) for v in self.trainable_variables))
@@ -235,6 +254,10 @@ class Sequential:
                 raise NotImplementedError(f"metric {m!r} is not implemented; use metrics=['accuracy'].")
         if len(self._metric_names) > 1:
             raise NotImplementedError("one accuracy metric per model here.")
+        if self._metric_names and _losses.takes_targets(self.loss):
+            raise NotImplementedError(f"metrics={self._metric_names} with {type(self.loss).__name__}: the "
+                                      f"accuracy metric here counts class indices; compile without metrics "
+                                      f"(the loss is reported).")
         if self.built:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)

@@ -54,6 +54,64 @@ class _Iterations:
         return f"<iterations: {self._opt._step}>"
 
 
+class LearningRate:
+    """``optimizer.learning_rate``: a scalar variable, as Keras 3's (not a Python float).
+
+    ``.numpy()`` (float32), ``.assign(x)``, ``float(lr)``, arithmetic and comparisons with
+    numbers; ``optimizer.learning_rate = x`` assigns it too. The optimizer reads its value
+    at each step's start (``begin_step``), so a callback that changes it between batches or
+    epochs takes effect at the next step, on every replica alike."""
+
+    def __init__(self, value):
+        self._value = 0.0
+        self.assign(value)
+
+    def assign(self, value, read_value=True):
+        value = float(value)
+        if not np.isfinite(value):
+            raise ValueError(f"learning_rate must be a finite number, got {value!r}.")
+        self._value = value
+        return self if read_value else None
+
+    def numpy(self):
+        return np.float32(self._value)
+
+    value = read_value = numpy
+    shape = property(lambda self: ())
+    dtype = property(lambda self: np.dtype(np.float32))
+
+    def __float__(self):
+        return self._value
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.numpy(), dtype)
+
+    def __format__(self, spec):
+        return format(self.numpy(), spec) if spec else str(self.numpy())
+
+    def __repr__(self):
+        return f"<tf.Variable 'learning_rate:0' shape=() dtype=float32, numpy={str(self.numpy())}>"
+
+    def __add__(self, o): return self._value + o
+    def __radd__(self, o): return o + self._value
+    def __sub__(self, o): return self._value - o
+    def __rsub__(self, o): return o - self._value
+    def __mul__(self, o): return self._value * o
+    def __rmul__(self, o): return o * self._value
+    def __truediv__(self, o): return self._value / o
+    def __rtruediv__(self, o): return o / self._value
+    def __lt__(self, o): return self._value < float(o)
+    def __le__(self, o): return self._value <= float(o)
+    def __gt__(self, o): return self._value > float(o)
+    def __ge__(self, o): return self._value >= float(o)
+    def __eq__(self, o):
+        try:
+            return self._value == float(o)
+        except (TypeError, ValueError):
+            return NotImplemented
+    __hash__ = None
+
+
 class Optimizer:
     """Base: learning rate, step counter, slot buffers per (buffer, device)."""
 
@@ -63,15 +121,23 @@ class Optimizer:
         if callable(learning_rate):
             raise NotImplementedError("learning-rate schedules are not implemented; pass a float "
                                       "and change optimizer.learning_rate between epochs if needed.")
-        self.learning_rate = float(learning_rate)
+        self._learning_rate = LearningRate(learning_rate)
         self.name = name
         self._step = 0
         self._slots = {}
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
 
-    lr = property(lambda self: self.learning_rate,
-                  lambda self, value: setattr(self, "learning_rate", float(value)))
+    @property
+    def learning_rate(self):
+        """The rate as a variable (``LearningRate``); assigning a number sets it."""
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._learning_rate.assign(value)
+
+    lr = learning_rate
 
     @property
     def iterations(self):
@@ -170,7 +236,7 @@ class Optimizer:
         return self.iterations
 
     def get_config(self):
-        return {"name": self.name, "learning_rate": self.learning_rate}
+        return {"name": self.name, "learning_rate": float(self.learning_rate)}
 
     # -- the state Keras saves (keras/saving.py) ---------------------------------------------
     def _pack_slots(self, pack, r):
@@ -188,7 +254,7 @@ class Optimizer:
         """Keras 3's ``optimizer.variables`` as NumPy, in its order: iteration (int64),
         learning_rate (float32), then for each trainable variable its slots (Adam: m, v;
         SGD with momentum: the velocity), read from the first replica (all replicas agree)."""
-        out = [np.int64(self._step), np.float32(self.learning_rate)]
+        out = [np.int64(self._step), self.learning_rate.numpy()]
         slots = self._pack_slots(pack, 0)
         if slots is None:
             return out
@@ -203,7 +269,7 @@ class Optimizer:
         counter, the learning rate, and every replica's slots (created if need be)."""
         self._step = int(np.asarray(values[0]))
         lr = np.float32(np.asarray(values[1]))
-        if lr != np.float32(self.learning_rate):   # Keras keeps it as float32: the same float32
+        if lr != self.learning_rate.numpy():       # Keras keeps it as float32: the same float32
             self.learning_rate = float(lr)          # keeps this exact float (the same updates)
         k = len(self.slot_names)
         if not k:
@@ -257,7 +323,7 @@ class SGD(Optimizer):
         self.slot_names = ("momentum",) if self.momentum else ()
 
     def _scalars(self):
-        return sgd_scalars(self.learning_rate, self.momentum)
+        return sgd_scalars(float(self.learning_rate), self.momentum)
 
     def get_config(self):
         return dict(super().get_config(), momentum=self.momentum, nesterov=self.nesterov)
@@ -280,7 +346,7 @@ class Adam(Optimizer):
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
     def _scalars(self):
-        return adam_scalars(self.learning_rate, self._step, self.beta_1, self.beta_2, self.epsilon)
+        return adam_scalars(float(self.learning_rate), self._step, self.beta_1, self.beta_2, self.epsilon)
 
     def get_config(self):
         return dict(super().get_config(), beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon,

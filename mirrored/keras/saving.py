@@ -404,6 +404,10 @@ def layer_config(layer):
         raise NotImplementedError(f"layer {layer.name!r} ({type(layer).__name__}) has no config: saving a "
                                   f"whole model needs the library's layers ({', '.join(L.SUPPORTED)}); "
                                   f"save_weights works for any layer.")
+    reg = layer.kernel_regularizer
+    if isinstance(layer, (L.Dense, L.Conv2D)):
+        config["kernel_regularizer"] = (_ser("keras.regularizers", type(reg).__name__, reg.get_config())
+                                        if reg is not None else None)
     return config
 
 
@@ -420,7 +424,8 @@ def model_config(model):
         loss = model.loss
         config["compile_config"] = {
             "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
-            "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), ignore_class=None)),
+            "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
+                {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
             "loss_weights": None, "metrics": list(model._metric_names), "weighted_metrics": None,
             "run_eagerly": model.run_eagerly, "steps_per_execution": 1, "jit_compile": False}
     else:
@@ -492,9 +497,13 @@ def compile_from_config(model, compile_config):
         opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]))
     loss = compile_config["loss"]
     if isinstance(loss, dict):
-        if loss["class_name"] != "SparseCategoricalCrossentropy":
+        cls = {"SparseCategoricalCrossentropy": _losses.SparseCategoricalCrossentropy,
+               "MeanSquaredError": _losses.MeanSquaredError,
+               "BinaryCrossentropy": _losses.BinaryCrossentropy}.get(loss["class_name"])
+        if cls is None:
             raise NotImplementedError(f"loss {loss['class_name']!r} is not implemented here.")
-        cfg = {k: v for k, v in loss["config"].items() if k in ("from_logits", "reduction", "name")}
-        loss = _losses.SparseCategoricalCrossentropy(**cfg)
+        keys = ("from_logits", "reduction", "name")
+        loss = cls(**{k: v for k, v in loss["config"].items() if k in keys and (k != "from_logits" or
+                                                                               cls is not _losses.MeanSquaredError)})
     model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None,
                   run_eagerly=bool(compile_config.get("run_eagerly")))

@@ -60,7 +60,8 @@ class Step:
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
         offset = model.distribute_strategy.extended._replica_offset     # 0 on one machine
-        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset)
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset, replicas)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
         self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set

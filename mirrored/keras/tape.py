@@ -23,7 +23,7 @@ import numpy as np
 
 from mirrored import context
 from mirrored.keras.losses import kernel_mode
-from mirrored.tensor import Tensor
+from mirrored.tensor import Tensor, add_n
 
 
 class ModelOutput:
@@ -34,17 +34,52 @@ class ModelOutput:
 
 
 class _Loss:
-    """Per-example cross-entropy of a model output against labels."""
+    """``weight`` x the per-example loss of a model output against labels (a vector)."""
 
-    def __init__(self, output_node, labels, mode):
-        self.output, self.labels, self.mode = output_node, labels, mode
+    def __init__(self, output_node, labels, mode, weight=1.0):
+        self.output, self.labels, self.mode, self.weight = output_node, labels, mode, weight
+
+    def scaled(self, factor):
+        return _Loss(self.output, self.labels, self.mode, self.weight * factor)
+
+    def summed(self):
+        return _Scaled(((self, 1.0),))
+
+    def plus(self, other):
+        return None                       # vector + vector: not a loss this tape knows
 
 
 class _Scaled:
-    """``scale * sum(per-example loss)``."""
+    """A scalar loss: ``sum_i scale_i * sum(loss_i) + sum_j factor_j * penalty_j``.
 
-    def __init__(self, loss_node, scale):
-        self.loss, self.scale = loss_node, scale
+    ``losses``: ((_Loss, scale), ...). ``penalties``: ((regularizer, pack, k, r, factor), ...),
+    each ``factor * regularizer(variable k of pack, replica r's copy)`` (``model.losses``,
+    keras/regularizers.py). ``Tensor`` arithmetic (``+``, ``-``, ``*`` and ``/`` by a
+    number, ``add_n``, ``scale_regularization_loss``) combines nodes through ``plus`` and
+    ``scaled``, so the custom-training page's ``compute_average_loss(per_example) +
+    scale_regularization_loss(add_n(model.losses))`` is one node, and its gradient
+    the sum of both parts' gradients.
+    """
+
+    def __init__(self, losses=(), penalties=()):
+        self.losses, self.penalties = tuple(losses), tuple(penalties)
+
+    def scaled(self, factor):
+        return _Scaled(((l, s * factor) for l, s in self.losses),
+                       (p[:4] + (p[4] * factor,) for p in self.penalties))
+
+    def summed(self):
+        return self
+
+    def plus(self, other):
+        if not isinstance(other, _Scaled):
+            return None
+        return _Scaled(self.losses + other.losses, self.penalties + other.penalties)
+
+
+def penalty_node(regularizer, pack, k, r):
+    """The tape's record of ``regularizer(variable k of pack, replica r's copy)``."""
+    return _Scaled(penalties=((regularizer, pack, k, r, 1.0),))
 
 
 def _labels_on(dev, y_true):
@@ -65,24 +100,44 @@ def _labels_on(dev, y_true):
         return dev.from_numpy(arr)
 
 
+def _targets_on(dev, y_true, b, cols):
+    """Float targets of the output's shape (b, cols) on ``dev`` (MSE, BCE)."""
+    if isinstance(y_true, Tensor):
+        if y_true._device is not dev:
+            raise ValueError(f"targets are on {y_true.device} but the predictions on {dev.name}: "
+                             f"use the targets of the same replica (inside strategy.run).")
+        y_true = y_true.numpy()
+    arr = np.asarray(y_true, np.float32)
+    if arr.size != b * cols or arr.shape[:1] != (b,):
+        raise ValueError(f"targets of shape {arr.shape} for predictions of shape {(b, cols)}: "
+                         f"give one target per output, shape ({b}, {cols}).")
+    with dev.activate():
+        return dev.from_numpy(np.ascontiguousarray(arr.reshape(b, cols)))
+
+
 def loss_from_model_output(loss_obj, y_true, y_pred):
-    """Forward of a SparseCategoricalCrossentropy on a model output; keeps a node for the tape."""
+    """Forward of one of our losses on a model output; keeps a node for the tape."""
     node = y_pred._node
     if not isinstance(node, ModelOutput):
         raise TypeError("the loss must be computed on a model's output: loss(labels, model(x)).")
     program = node.program
     dev = program.dev
     mode = kernel_mode(loss_obj, program.softmax_output)
-    labels = _labels_on(dev, y_true)
     b = program.last_b
+    if mode in ("logits", "probs"):
+        labels = _labels_on(dev, y_true)
+    else:
+        labels = _targets_on(dev, y_true, b, program.classes)
     if labels.shape[0] != b:
         raise ValueError(f"{labels.shape[0]} labels for a batch of {b} predictions.")
     with dev.activate():
         per_example = dev.empty((b,), np.float32)          # the caller's: a new tensor each call
         correct = dev.scratch("xent correct", (b,), np.float32)   # nobody reads it here: reused
-        if b:
+        if b and mode in ("logits", "probs"):
             op = dev.ops.prob_xent if mode == "probs" else dev.ops.softmax_xent
             op(program.logits, labels, per_example, None, correct, 1.0)
+        elif b:
+            dev.ops.regression_loss(mode, program.logits, labels, per_example, None, 1.0)
         loss_node = _Loss(node, labels, mode)
         vec = Tensor(per_example, dev, loss_node)
         if loss_obj.reduction == "none":
@@ -99,12 +154,7 @@ def _scaled_sum(per_example, scale):
         dev.ops.sum_all(per_example._buf, total)
         dev.ops.binary_scalar("mul", total, scale, total)
     node = per_example._node
-    if isinstance(node, _Scaled):
-        node = _Scaled(node.loss, node.scale * scale)
-    elif isinstance(node, _Loss):
-        node = _Scaled(node, scale)
-    else:
-        node = None
+    node = node.summed().scaled(scale) if node is not None else None
     return Tensor(total.reshape(()), dev, node)
 
 
@@ -130,29 +180,68 @@ class GradientTape:
                                "of gradients; create it with persistent=True for more.")
         self._used = True
         node = getattr(target, "_node", None)
-        if isinstance(node, _Loss):
-            node = _Scaled(node, 1.0)          # the gradient of a vector is that of its sum
+        node = node.summed() if node is not None else None     # a vector's gradient is its sum's
         if not isinstance(node, _Scaled):
             raise TypeError(
                 "GradientTape here differentiates losses computed from a mirrored.keras model: "
                 "loss = loss_object(labels, model(x, training=True)) (optionally through "
-                "mirrored.nn.compute_average_loss). Got a target that was not made that way.")
-        out = node.loss.output
-        program = out.program
-        if program.x is not out.x:
-            raise RuntimeError("the model was called again after this loss's predictions were "
-                               "computed; compute the loss and its gradient right after the call.")
-        with program.dev.activate():
-            program.loss(node.loss.labels, node.loss.mode, node.scale, with_grad=True)
-            program.backward()
-        grads = program.pack.grad_tensors(program.r)
+                "mirrored.nn.compute_average_loss, sums, products with numbers, and "
+                "model.losses). Got a target that was not made that way.")
+        r, pack = self._backward(node)
+        if pack is None:
+            raise TypeError("this loss has no model output and no model.losses term: nothing to "
+                            "differentiate here.")
         single = not isinstance(sources, (list, tuple))
         wanted = [sources] if single else list(sources)
+        grads = pack.grad_tensors(r)
         result = []
         for var in wanted:
-            k = program.pack.index_of(var)
+            k = pack.index_of(var)
             result.append(grads[k] if k is not None else None)
         return result[0] if single else result
+
+    @staticmethod
+    def _backward(node):
+        """Run the backward kernels for ``node``; returns (replica index, ParameterPack)."""
+        outputs = {id(l.output): l.output for l, _ in node.losses}
+        if len(outputs) > 1:
+            raise NotImplementedError("this loss combines several model calls; the tape here "
+                                      "differentiates the loss of one model(x) call at a time.")
+        terms = {}
+        for l, s in node.losses:                    # the same loss twice: scales add up
+            key = (id(l.labels), l.mode)
+            prev = terms.get(key)
+            terms[key] = (l, (prev[1] if prev else 0.0) + s * l.weight)
+        if len(terms) > 1:
+            raise NotImplementedError("two different losses of one model output in one target "
+                                      "are not supported here; use one loss object.")
+        r, pack = None, None
+        if terms:
+            (l, scale), = terms.values()
+            out = l.output
+            program = out.program
+            if program.x is not out.x:
+                raise RuntimeError("the model was called again after this loss's predictions were "
+                                   "computed; compute the loss and its gradient right after the call.")
+            with program.dev.activate():
+                program.loss(l.labels, l.mode, scale, with_grad=True)
+                program.backward()
+            r, pack = program.r, program.pack
+        for regularizer, p_pack, k, p_r, factor in node.penalties:
+            if pack is not None and (p_pack is not pack or p_r != r):
+                raise NotImplementedError(
+                    f"this loss adds model.losses of {'another model' if p_pack is not pack else f'replica {p_r}'} "
+                    f"to a loss computed on replica {r}: compute the penalties where the predictions "
+                    f"are (model.losses inside the same strategy.run call).")
+            r, pack = p_r, p_pack
+            dev = pack.devices[r]
+            if not node.losses:                     # penalties alone: start from zero
+                with dev.activate():
+                    dev.ops.fill(pack.grads[r], 0.0)
+        for regularizer, p_pack, k, p_r, factor in node.penalties:
+            with pack.devices[r].activate():
+                regularizer.add_gradient(pack.devices[r], pack.param_views[r][k], pack.grad_views[r][k], factor)
+        return r, pack
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None,
@@ -178,3 +267,15 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
 def _replicas():
     strategy, _ = context.top()
     return strategy.num_replicas_in_sync if strategy is not None else 1
+
+
+def scale_regularization_loss(regularization_loss):
+    """``regularization_loss / num_replicas_in_sync`` (TensorFlow's ``tf.nn.scale_regularization_loss``).
+
+    Every replica adds the model's penalty to its loss; the all-reduce SUM of the
+    replicas' gradients then counts it once. Accepts a scalar or a list of them
+    (``model.losses``), which it adds first, as TensorFlow does.
+    """
+    if isinstance(regularization_loss, (list, tuple)):
+        regularization_loss = add_n(regularization_loss)
+    return regularization_loss * (1.0 / _replicas())

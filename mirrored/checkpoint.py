@@ -1,0 +1,337 @@
+"""``mirrored.train``: ``Checkpoint``, ``CheckpointManager``, ``latest_checkpoint`` (TensorFlow's
+``tf.train`` names, as the custom-training tutorial uses them).
+
+    checkpoint = mirrored.train.Checkpoint(optimizer=optimizer, model=model)
+    path = checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))     # ".../ckpt-1"
+    checkpoint.restore(mirrored.train.latest_checkpoint(checkpoint_dir))
+
+What a checkpoint holds, and the format. TensorFlow writes a ``.index`` and a
+``.data-*`` file per checkpoint; here one NumPy ``.npz`` file per checkpoint,
+``<prefix>-<n>.npz`` (``save``) or ``<prefix>.npz`` (``write``), with one array per entry:
+
+    save_counter                 int64: how many times ``save`` was called
+    model:<key>/input_shape      one example's shape (the model is built from it on restore)
+    model:<key>/<i>              the model's weights in Keras's order (``get_weights``)
+    optimizer:<key>/<i>          Keras 3's ``optimizer.variables``: iteration, learning_rate,
+                                 then each weight's slots (Adam's m and v), from
+                                 ``Optimizer.keras_variables``
+    variable:<key>               a ``mirrored.Variable``'s value
+
+``<key>`` is the keyword the object was given to ``Checkpoint``. Restoring writes the
+values back bit for bit (float32 in, float32 out) to every replica's copy, so training
+resumes exactly where it stopped. In the same directory the text file ``checkpoint``
+names the latest checkpoint and the ones kept (TensorFlow's format of that file), which
+``latest_checkpoint(dir)`` reads. Every file is written to a temporary name and renamed
+into place (``os.replace``): a crash never leaves a half-written checkpoint or a state
+file that names a missing one. Under ``MultiWorkerMirroredStrategy`` only the chief writes.
+
+Differences from TensorFlow: objects are matched by their keyword (not by TensorFlow's
+object graph), and a model that is not built yet is built on restore from the shape the
+file records (TensorFlow defers the restore until the variables exist; the result is the same).
+Neighbours: ``keras/saving.py`` (``model.save``'s ``.keras`` files), ``keras/optimizers.py``.
+"""
+import io
+import os
+import re
+import tempfile
+
+import numpy as np
+
+from mirrored.keras.models import Sequential
+from mirrored.keras.optimizers import Optimizer
+from mirrored.values import Variable
+
+STATE_FILE = "checkpoint"        # TensorFlow's name for the directory's list of checkpoints
+_SUFFIX = ".npz"
+
+
+def _write_atomically(path, data):
+    """``data`` (bytes) to ``path`` via a temporary file in the same folder, fsync, rename."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}-{os.getpid()}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _read_state(directory):
+    """(latest, [kept, oldest first]) from ``directory``'s state file, as written paths."""
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        return None, []
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    latest = re.search(r'^model_checkpoint_path: "(.*)"$', text, re.M)
+    kept = re.findall(r'^all_model_checkpoint_paths: "(.*)"$', text, re.M)
+    return (latest.group(1) if latest else None), kept
+
+
+def _write_state(directory, latest, kept):
+    lines = [f'model_checkpoint_path: "{latest}"'] + [f'all_model_checkpoint_paths: "{p}"' for p in kept]
+    _write_atomically(os.path.join(directory, STATE_FILE), ("\n".join(lines) + "\n").encode())
+
+
+def _absolute(directory, name):
+    return name if os.path.isabs(name) else os.path.join(directory, name)
+
+
+def latest_checkpoint(checkpoint_dir, latest_filename=None):
+    """The path of the newest checkpoint in ``checkpoint_dir`` (as ``save`` returned it), or
+    ``None`` when there is none (TensorFlow's ``tf.train.latest_checkpoint``)."""
+    latest, _ = _read_state(checkpoint_dir)
+    if latest is None:
+        return None
+    path = _absolute(checkpoint_dir, latest)
+    return path if os.path.exists(path + _SUFFIX) else None
+
+
+class _Counter:
+    """``checkpoint.save_counter``: reads like a scalar variable."""
+
+    def __init__(self):
+        self.value = 0
+
+    def numpy(self):
+        return np.int64(self.value)
+
+    def __int__(self):
+        return self.value
+
+    def __repr__(self):
+        return f"<tf.Variable 'save_counter:0' shape=() dtype=int64, numpy={self.value}>"
+
+
+class CheckpointLoadStatus:
+    """What ``restore`` returns; the assertions pass when every object was restored."""
+
+    def __init__(self, missing=()):
+        self._missing = list(missing)
+
+    def assert_consumed(self):
+        if self._missing:
+            raise AssertionError(f"objects not found in the checkpoint: {self._missing}")
+        return self
+
+    assert_existing_objects_matched = assert_consumed
+
+    def expect_partial(self):
+        return self
+
+    def assert_nontrivial_match(self):
+        return self
+
+
+class Checkpoint:
+    """Models, optimizers and variables to save and restore together (``tf.train.Checkpoint``)."""
+
+    def __init__(self, root=None, **kwargs):
+        if root is not None:
+            kwargs = dict(kwargs, root=root)
+        for key, obj in kwargs.items():
+            if not isinstance(obj, (Sequential, Optimizer, Variable)):
+                raise TypeError(f"Checkpoint({key}=...): can keep a mirrored.keras model, an "
+                                f"optimizer or a mirrored.Variable here, got {type(obj).__name__}.")
+        self._objects = dict(kwargs)
+        self.save_counter = _Counter()
+
+    def __getattr__(self, name):
+        objects = self.__dict__.get("_objects", {})
+        if name in objects:
+            return objects[name]
+        raise AttributeError(f"this Checkpoint has no object {name!r}; it holds {sorted(objects)}.")
+
+    # -- what goes in the file
+    def _model_for(self, key):
+        models = [o for o in self._objects.values() if isinstance(o, Sequential)]
+        if len(models) != 1:
+            raise ValueError(f"Checkpoint: the optimizer {key!r} is saved with the model it trains; "
+                             f"give the Checkpoint exactly one model (it has {len(models)}).")
+        return models[0]
+
+    def _arrays(self):
+        arrays = {"save_counter": np.int64(self.save_counter.value)}
+        for key, obj in self._objects.items():
+            if isinstance(obj, Sequential):
+                if not obj.built:
+                    continue                          # nothing to save yet
+                arrays[f"model:{key}/input_shape"] = np.asarray(obj.input_shape[1:], np.int64)
+                for i, w in enumerate(obj.get_weights()):
+                    arrays[f"model:{key}/{i}"] = w
+            elif isinstance(obj, Variable):
+                arrays[f"variable:{key}"] = obj.numpy()
+        for key, obj in self._objects.items():
+            if isinstance(obj, Optimizer):
+                model = self._model_for(key)
+                if model.built:
+                    for i, v in enumerate(obj.keras_variables(model.step.pack)):
+                        arrays[f"optimizer:{key}/{i}"] = v
+                else:
+                    arrays[f"optimizer:{key}/1"] = obj.learning_rate.numpy()
+        return arrays
+
+    def _should_write(self):
+        for obj in self._objects.values():
+            if isinstance(obj, Sequential):
+                return obj.distribute_strategy.extended.should_checkpoint
+        return True
+
+    def write(self, file_prefix, options=None):
+        """Write this checkpoint to ``file_prefix`` (no counter, no state file); returns the path."""
+        if self._should_write():
+            buf = io.BytesIO()
+            np.savez(buf, **self._arrays())
+            _write_atomically(file_prefix + _SUFFIX, buf.getvalue())
+        return file_prefix
+
+    def save(self, file_prefix, options=None):
+        """``save_counter += 1``, write ``<file_prefix>-<save_counter>``, make it the directory's
+        latest; returns that path (TensorFlow's ``Checkpoint.save``)."""
+        self.save_counter.value += 1
+        path = self.write(f"{file_prefix}-{self.save_counter.value}")
+        if self._should_write():
+            directory = os.path.dirname(os.path.abspath(path))
+            _, kept = _read_state(directory)
+            name = os.path.basename(path)
+            _write_state(directory, name, [p for p in kept if p != name] + [name])
+        return path
+
+    # -- reading it back
+    def read(self, save_path, options=None):
+        return self.restore(save_path, options)
+
+    def restore(self, save_path, options=None):
+        """Put the values saved at ``save_path`` back into every object (all replicas' copies).
+        ``None`` (no checkpoint yet, e.g. ``latest_checkpoint`` of an empty folder) restores
+        nothing, as TensorFlow. Every value is checked before anything changes."""
+        if save_path is None:
+            return CheckpointLoadStatus()
+        file = save_path + _SUFFIX
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"no checkpoint at {save_path!r} (looked for {file}); pass a path "
+                                    f"that save() returned, or mirrored.train.latest_checkpoint(dir).")
+        with np.load(file, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+        plan, missing = [], []
+        for key, obj in self._objects.items():
+            if isinstance(obj, Sequential):
+                shape_key = f"model:{key}/input_shape"
+                if shape_key not in arrays:
+                    missing.append(key)
+                    continue
+                if not obj.built:
+                    obj.build((None,) + tuple(int(d) for d in arrays[shape_key]))
+                weights = _numbered(arrays, f"model:{key}/")
+                _check_weights(key, obj, weights)
+                plan.append((obj.set_weights, weights))
+            elif isinstance(obj, Variable):
+                value = arrays.get(f"variable:{key}")
+                if value is None:
+                    missing.append(key)
+                    continue
+                if value.shape != tuple(obj.shape):
+                    raise ValueError(f"checkpoint {save_path!r}: variable {key!r} has shape {value.shape} "
+                                     f"there and {tuple(obj.shape)} here.")
+                plan.append((obj.assign, value))
+        for key, obj in self._objects.items():
+            if isinstance(obj, Optimizer):
+                values = _numbered(arrays, f"optimizer:{key}/")
+                if not values and f"optimizer:{key}/1" not in arrays:
+                    missing.append(key)
+                    continue
+                model = self._model_for(key)
+                plan.append((_optimizer_setter(obj, model, values, arrays.get(f"optimizer:{key}/1")), None))
+        for apply, value in plan:                     # everything checked: now change the objects
+            apply() if value is None else apply(value)
+        self.save_counter.value = int(arrays.get("save_counter", 0))
+        return CheckpointLoadStatus(missing)
+
+
+def _numbered(arrays, prefix):
+    out, i = [], 0
+    while f"{prefix}{i}" in arrays:
+        out.append(arrays[f"{prefix}{i}"])
+        i += 1
+    return out
+
+
+def _check_weights(key, model, weights):
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    got = [w.shape for w in weights]
+    if got != shapes:
+        raise ValueError(f"checkpoint: model {key!r} has weights of shapes {shapes}, the file "
+                         f"{got}: it was saved from another architecture.")
+
+
+def _optimizer_setter(opt, model, values, lr):
+    """A function that restores ``opt``'s state (checked now, applied later)."""
+    pack = model.step.pack
+    if values and len(values) == opt.keras_variable_count(pack, built=True):
+        return lambda: opt.set_keras_variables(pack, values)
+    if values and len(values) != 2:
+        raise ValueError(f"checkpoint: the optimizer's state has {len(values)} values, this "
+                         f"{type(opt).__name__} for this model takes "
+                         f"{opt.keras_variable_count(pack, built=True)}.")
+
+    def set_rate():                                   # saved before its first step: only the rate
+        opt.learning_rate = float(values[1] if values else lr)
+    return set_rate
+
+
+class CheckpointManager:
+    """Numbered checkpoints in ``directory``, keeping the newest ``max_to_keep``
+    (``tf.train.CheckpointManager``). ``save()`` writes the new one, then records it in
+    the state file, then deletes the oldest beyond ``max_to_keep``: at every moment the
+    state file names only checkpoints that exist."""
+
+    def __init__(self, checkpoint, directory, max_to_keep, keep_checkpoint_every_n_hours=None,
+                 checkpoint_name="ckpt", step_counter=None, checkpoint_interval=None,
+                 init_fn=None):
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"CheckpointManager needs a mirrored.train.Checkpoint, got {checkpoint!r}.")
+        if max_to_keep is not None and (int(max_to_keep) != max_to_keep or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive integer or None (keep all), got {max_to_keep!r}.")
+        self._checkpoint = checkpoint
+        self.directory = directory
+        self._max_to_keep = max_to_keep
+        self._prefix = os.path.join(directory, checkpoint_name)
+        _, kept = _read_state(directory)
+        self._kept = [_absolute(directory, p) for p in kept if os.path.exists(_absolute(directory, p) + _SUFFIX)]
+
+    @property
+    def checkpoints(self):
+        """The kept checkpoints' paths, oldest first."""
+        return list(self._kept)
+
+    @property
+    def latest_checkpoint(self):
+        return self._kept[-1] if self._kept else None
+
+    def save(self, checkpoint_number=None, check_interval=True, options=None):
+        if checkpoint_number is not None:
+            self._checkpoint.save_counter.value = int(checkpoint_number) - 1
+        path = self._checkpoint.save(self._prefix)
+        if not self._checkpoint._should_write():
+            return path
+        self._kept = [p for p in self._kept if p != path] + [path]
+        doomed = []
+        if self._max_to_keep is not None and len(self._kept) > self._max_to_keep:
+            doomed, self._kept = self._kept[:-self._max_to_keep], self._kept[-self._max_to_keep:]
+        _write_state(self.directory, os.path.basename(path), [os.path.basename(p) for p in self._kept])
+        for old in doomed:                            # after the state file stops naming them
+            if os.path.exists(old + _SUFFIX):
+                os.remove(old + _SUFFIX)
+        return path
+
+    def restore_or_initialize(self):
+        if self.latest_checkpoint is not None:
+            self._checkpoint.restore(self.latest_checkpoint)
+            return self.latest_checkpoint
+        return None
