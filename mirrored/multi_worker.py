@@ -40,7 +40,7 @@ What changes from ``MirroredStrategy`` (``strategy.py``), and nothing else does:
 
 Neighbours: ``strategy.py`` (MirroredStrategy, which this extends),
 ``collective_all_reduce.py`` (the ring across workers), ``workers.py`` (MPI),
-``input_lib.py`` and ``keras/step.py`` (which read ``extended._replica_offset``).
+``input_lib.py`` and ``keras/step.py`` (which read ``extended.replica_offset``).
 """
 import enum
 import json
@@ -194,17 +194,22 @@ class MultiWorkerExtended(StrategyExtended):
         self._replica_offset = workers.rank * len(self.devices)
 
     @property
+    def workers(self):
+        """The ``workers.World`` joining this worker to the others (rank, size, MPI messages)."""
+        return self._workers
+
+    @property
     def _is_chief(self):
         return self._workers.rank == 0
 
     should_checkpoint = property(lambda self: self._is_chief)
     should_save_summary = property(lambda self: self._is_chief)
 
-    def _broadcast_from_chief(self, value, what="a broadcast"):
+    def broadcast_from_chief(self, value, what="a broadcast"):
         """The chief's ``value`` (picklable), on every worker."""
         return self._workers.bcast(value, 0, what)
 
-    def _sum_across_workers(self, values, what="a sum"):
+    def sum_across_workers(self, values, what="a sum"):
         """Host float64 ``values``, summed over the workers in rank order (same bits on each)."""
         parts = self._workers.allgather(np.asarray(values, np.float64), what)
         total = parts[0].copy()

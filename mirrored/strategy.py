@@ -27,7 +27,7 @@ Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
 (PerReplica, MirroredVariable), ``cross_device_ops.py`` (the sums), ``context.py``
 (which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets),
 ``multi_worker.py`` (``MultiWorkerMirroredStrategy``: this strategy across MPI processes;
-``StrategyExtended._replica_offset`` / ``_num_workers`` are where it differs).
+``StrategyExtended.replica_offset`` / ``num_workers`` are where it differs).
 """
 import contextlib
 import threading
@@ -203,9 +203,11 @@ class StrategyExtended:
     ``worker_pool()``: the replica threads of ``strategy.run`` (made on first use).
 
     Across workers (``MultiWorkerMirroredStrategy``, ``multi_worker.py``) ``devices``
-    are this worker's replicas only, which are replicas ``_replica_offset`` ..
-    ``_replica_offset + len(devices) - 1`` of ``_num_replicas`` in all; on one
-    machine the offset is 0 and every replica is local.
+    are this worker's replicas only, which are replicas ``replica_offset`` ..
+    ``replica_offset + len(devices) - 1`` of ``num_replicas`` in all; on one
+    machine the offset is 0 and every replica is local. ``num_workers``,
+    ``sum_across_workers`` and ``broadcast_from_chief`` are what the rest of the
+    library asks of the other workers (one worker here: nothing to ask).
     """
 
     _replica_offset = 0          # this worker's first replica among all workers' replicas
@@ -230,7 +232,18 @@ class StrategyExtended:
         return tuple(d.name for d in self.devices)
 
     @property
-    def _num_replicas(self):
+    def replica_offset(self):
+        """This worker's first replica among every worker's replicas (0 on one machine):
+        its local replica ``i`` is replica ``replica_offset + i``."""
+        return self._replica_offset
+
+    @property
+    def num_workers(self):
+        """How many workers (processes) train together: 1 on one machine."""
+        return self._num_workers
+
+    @property
+    def num_replicas(self):
         """Replicas over every worker (``num_replicas_in_sync``)."""
         return len(self.devices) * self._num_workers
 
@@ -244,9 +257,14 @@ class StrategyExtended:
     def _in_multi_worker_mode(self):
         return self._num_workers > 1
 
-    def _sum_across_workers(self, values, what="a sum"):
-        """Host float64 ``values`` summed over every worker (here: this one only)."""
+    def sum_across_workers(self, values, what="a sum"):
+        """Host float64 ``values`` summed over every worker (here: this one only).
+        ``what`` names the sum in a timeout's error (across workers it is a collective)."""
         return np.asarray(values, np.float64)
+
+    def broadcast_from_chief(self, value, what="a broadcast"):
+        """The chief's ``value`` (picklable) on every worker (here: ``value`` itself)."""
+        return value
 
     @property
     def parameter_devices(self):
@@ -293,7 +311,7 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self):
-        return self._extended._num_replicas
+        return self._extended.num_replicas
 
     @property
     def cluster_resolver(self):

@@ -59,7 +59,7 @@ class Step:
         self.pack = ParameterPack(model.trainable_variables, devices)
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
-        offset = model.distribute_strategy.extended._replica_offset     # 0 on one machine
+        offset = model.distribute_strategy.extended.replica_offset      # 0 on one machine
         self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
@@ -227,9 +227,9 @@ class Step:
             l, c, s = program.read_metrics()
             loss, correct, seen = loss + l, correct + c, seen + s
         ext = self.model.distribute_strategy.extended
-        if across_workers and ext._num_workers > 1:
+        if across_workers and ext.num_workers > 1:
             loss, correct, seen = (float(v) for v in
-                                   ext._sum_across_workers([loss, correct, seen], "the epoch's metrics"))
+                                   ext.sum_across_workers([loss, correct, seen], "the epoch's metrics"))
         logs = {prefix + "loss": loss / seen if seen else float("nan")}
         for name in metric_names:
             logs[prefix + name] = correct / seen if seen else float("nan")
