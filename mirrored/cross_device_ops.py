@@ -356,7 +356,7 @@ def _enable_peer_access(reader_gpu, owner_gpu):
     key = (reader_gpu, owner_gpu)
     with _peer_lock:
         if key not in _peer_access:
-            cuda = _dev._cuda()
+            cuda = _dev.numba_cuda()
             ok = False
             with cuda.gpus[reader_gpu]:
                 ctx = cuda.current_context()
@@ -560,7 +560,7 @@ class RingAllReduce(CrossDeviceOps):
             return [None] * count
         events = self._events.setdefault(dev.name, [])
         if len(events) < count:
-            cuda = _dev._cuda()
+            cuda = _dev.numba_cuda()
             with dev.activate():
                 while len(events) < count:
                     # timing=False: cheaper events, we only order streams with them.
@@ -623,19 +623,19 @@ class RingAllReduce(CrossDeviceOps):
         done = [self._step_events(dev, total + 1) for dev in devices]
         for i, dev in enumerate(devices):
             with dev.activate():
-                _record(dev, done[i][0])             # inputs ready (packed on this stream)
+                record_event(dev, done[i][0])             # inputs ready (packed on this stream)
         for t, (phase, _, sends) in enumerate(self.schedule(n), start=1):
             for src, dst, c in sends:
                 recv, send = devices[dst], devices[src]
                 with recv.activate():
-                    _wait(recv, done[src][t - 1])    # the sender finished this chunk at step t-1
+                    wait_event(recv, done[src][t - 1])    # the sender finished this chunk at step t-1
                     lo, hi = bounds[c]
                     if hi > lo:
                         self._step(phase, recv, buffers[dst], send, buffers[src], lo, hi, links[dst], dtype)
-                    _record(recv, done[dst][t])
+                    record_event(recv, done[dst][t])
         for i, dev in enumerate(devices):            # nobody reads device i any more
             with dev.activate():
-                _wait(dev, done[(i + 1) % n][total])
+                wait_event(dev, done[(i + 1) % n][total])
 
     def _step(self, phase, recv, own, send, peer, lo, hi, link, dtype):
         """One device's part of one step: receive chunk [lo, hi) from ``send``."""
@@ -671,11 +671,13 @@ class RingAllReduce(CrossDeviceOps):
         return steps
 
 
-def _record(dev, event):
+def record_event(dev, event):
+    """Mark ``event`` done once ``dev``'s stream reaches this point (None: a CPU, nothing to do)."""
     if event is not None:
         event.record(dev.stream)
 
 
-def _wait(dev, event):
+def wait_event(dev, event):
+    """Make ``dev``'s stream wait, on the GPU, for ``event`` (None: a CPU, nothing to do)."""
     if event is not None:
         event.wait(dev.stream)

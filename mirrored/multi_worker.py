@@ -51,8 +51,8 @@ import numpy as np
 
 from mirrored import nest
 from mirrored.collective_all_reduce import CollectiveAllReduce
-from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, _choose_devices,
-                               _host_components, _reduce_on_host)
+from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, choose_devices,
+                               host_components, reduce_on_host)
 from mirrored import backends, context, workers as _workers
 from mirrored.cross_device_ops import ReduceOp
 from mirrored.tensor import HostTensor, Tensor
@@ -262,7 +262,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._options = options
         workers = _workers.world(options.timeout_seconds)
         check_tf_config(workers.rank, workers.size)
-        devices = _choose_devices(None)
+        devices = choose_devices(None)
         _workers.install_abort_hook(workers)
         Strategy.__init__(self, devices, CollectiveAllReduce(workers))
         self._workers = workers
@@ -308,8 +308,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if context.top()[1] is not None:
             raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
                                "function use get_replica_context().all_reduce(...).")
-        comps = _host_components(value, "reduce")
-        local = _reduce_on_host(ReduceOp.SUM, comps, axis)
+        comps = host_components(value, "reduce")
+        local = reduce_on_host(ReduceOp.SUM, comps, axis)
         count = len(comps) if axis is None else sum(c.shape[axis] for c in comps)
         parts = self._workers.allgather((np.asarray(local), count), "strategy.reduce")
         shapes = [p[0].shape for p in parts]
@@ -327,7 +327,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def gather(self, value, axis):
         """Every replica's value (every worker's) concatenated along ``axis``, in replica order."""
-        comps = [np.atleast_1d(c) for c in _host_components(self._as_local_replicas(value), "gather")]
+        comps = [np.atleast_1d(c) for c in host_components(self._as_local_replicas(value), "gather")]
         every = self._workers.allgather(comps, "strategy.gather")
         return HostTensor.wrap(np.concatenate([c for part in every for c in part], axis=axis))
 

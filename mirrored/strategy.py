@@ -346,10 +346,10 @@ class Strategy:
         """Call ``fn(*args, **kwargs)`` once per replica; returns PerReplica (or plain) values."""
         kwargs = kwargs or {}
         strategy, replica_ctx = context.top()
-        if replica_ctx is not None and strategy is not None and not isinstance(strategy, _DefaultStrategy):
+        if replica_ctx is not None and strategy is not None and not isinstance(strategy, DefaultStrategy):
             raise RuntimeError("strategy.run was called inside a replica function; call it from "
                                "the outer (cross-replica) code.")
-        if strategy is not None and strategy is not self and not isinstance(strategy, _DefaultStrategy):
+        if strategy is not None and strategy is not self and not isinstance(strategy, DefaultStrategy):
             raise RuntimeError(
                 f"Mixing different tf.distribute.Strategy objects: {self!r}.run was called inside "
                 f"the scope of {strategy!r}. Call run outside that scope, or enter "
@@ -385,7 +385,7 @@ class Strategy:
         """
         reduce_op = ReduceOp.validate(reduce_op)
         _, replica_ctx = context.top()
-        if replica_ctx is not None and not isinstance(self, _DefaultStrategy):
+        if replica_ctx is not None and not isinstance(self, DefaultStrategy):
             raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
                                "function use get_replica_context().all_reduce(...).")
         if nest.is_nested(value) and any(isinstance(leaf, DistributedValues) for leaf in nest.flatten(value)):
@@ -399,12 +399,12 @@ class Strategy:
                                  f"with the given reduce op SUM over {n} replicas; return it from "
                                  f"strategy.run so that each replica contributes its own.")
             if axis is None:
-                return HostTensor.wrap(_host_components(value, "reduce")[0])
-        return HostTensor.wrap(_reduce_on_host(reduce_op, _host_components(value, "reduce"), axis))
+                return HostTensor.wrap(host_components(value, "reduce")[0])
+        return HostTensor.wrap(reduce_on_host(reduce_op, host_components(value, "reduce"), axis))
 
     def gather(self, value, axis):
         """Every replica's value concatenated along ``axis``, on the host."""
-        comps = _host_components(value, "gather")
+        comps = host_components(value, "gather")
         return HostTensor.wrap(np.concatenate([np.atleast_1d(c) for c in comps], axis=axis))
 
     # -- distributing inputs
@@ -443,7 +443,7 @@ class Strategy:
         return f"<{type(self).__name__} on {[d.short_name for d in self._extended.devices]}>"
 
 
-def _host_components(value, what):
+def host_components(value, what):
     """A value's per-replica components as NumPy arrays (numbers only)."""
     comps = value.values if isinstance(value, DistributedValues) else (value,)
     out = []
@@ -456,7 +456,7 @@ def _host_components(value, what):
     return out
 
 
-def _reduce_on_host(reduce_op, comps, axis):
+def reduce_on_host(reduce_op, comps, axis):
     """``strategy.reduce``'s math on the replicas' arrays ``comps`` (see its docstring)."""
     if axis is None:
         total = comps[0].copy()
@@ -512,7 +512,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices=None, cross_device_ops=None):
-        chosen = _choose_devices(devices)
+        chosen = choose_devices(devices)
         if cross_device_ops is None:
             cross_device_ops = _default_cross_device_ops(chosen)
         if not isinstance(cross_device_ops, CrossDeviceOps):
@@ -536,7 +536,7 @@ class MirroredStrategy(Strategy):
         return MirroredVariable._build(self, components, aggregation)
 
 
-def _choose_devices(devices):
+def choose_devices(devices):
     """MirroredStrategy's devices: ``None`` = every logical GPU, else the CPU; or the named ones."""
     if devices is None:
         all_devices = _dev.logical_devices()
@@ -569,7 +569,7 @@ class OneDeviceStrategy(Strategy):
             yield self
 
 
-class _DefaultStrategy(Strategy):
+class DefaultStrategy(Strategy):
     """The strategy in force outside every scope: one replica on the current device."""
 
     def __init__(self):
@@ -599,7 +599,7 @@ _DEFAULT = None
 def _default_strategy():
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = _DefaultStrategy()
+        _DEFAULT = DefaultStrategy()
     return _DEFAULT
 
 

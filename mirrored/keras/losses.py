@@ -14,6 +14,7 @@ loop under a strategy wants, to divide by the GLOBAL batch with
 Called on a model's output inside a ``GradientTape``, the result remembers
 where it came from, so ``tape.gradient`` can run the backward kernels.
 """
+from mirrored.keras.tape import loss_from_model_output
 from mirrored.tensor import Tensor
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
@@ -32,13 +33,12 @@ class SparseCategoricalCrossentropy:
         self.name = name
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        from mirrored.keras.tape import loss_from_model_output
         if sample_weight is not None:
             raise NotImplementedError("sample_weight is not implemented for this loss.")
         if not isinstance(y_pred, Tensor) or y_pred._node is None:
             raise TypeError("SparseCategoricalCrossentropy here is computed from a mirrored.keras "
                             "model's output: call it as loss(labels, model(images, training=True)).")
-        return loss_from_model_output(self, y_true, y_pred)
+        return loss_from_model_output(self, y_true, y_pred, kernel_mode)
 
     def get_config(self):
         return {"from_logits": self.from_logits, "reduction": self.reduction, "name": self.name}

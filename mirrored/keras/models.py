@@ -39,6 +39,7 @@ from mirrored.tensor import Tensor
 from mirrored.values import components
 
 
+@saving.register_model_class
 class Sequential:
     """A stack of layers run in order (see layers.py for the layers there are)."""
 
@@ -83,7 +84,7 @@ class Sequential:
         return None if self._input_shape is None else (None,) + tuple(self._input_shape)
 
     def _scope(self):
-        if isinstance(self._strategy, _strategy._DefaultStrategy):
+        if isinstance(self._strategy, _strategy.DefaultStrategy):
             return contextlib.nullcontext()
         return self._strategy.scope()
 

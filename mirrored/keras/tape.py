@@ -22,7 +22,6 @@ what is supported.
 import numpy as np
 
 from mirrored import context
-from mirrored.keras.losses import kernel_mode
 from mirrored.tensor import Tensor
 
 
@@ -65,8 +64,10 @@ def _labels_on(dev, y_true):
         return dev.from_numpy(arr)
 
 
-def loss_from_model_output(loss_obj, y_true, y_pred):
-    """Forward of a SparseCategoricalCrossentropy on a model output; keeps a node for the tape."""
+def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
+    """Forward of a SparseCategoricalCrossentropy on a model output; keeps a node for the tape.
+    ``kernel_mode``: ``losses.kernel_mode``, which fused loss kernel the loss takes (the loss
+    passes it in: ``losses.py`` calls this module, not the other way round)."""
     node = y_pred._node
     if not isinstance(node, ModelOutput):
         raise TypeError("the loss must be computed on a model's output: loss(labels, model(x)).")
