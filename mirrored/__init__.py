@@ -16,7 +16,7 @@ Reading order: one ``fit`` step, file by file (the README's four steps)::
                                backward (step 2); ParameterPack; all_reduce (step 3)
     6. keras/layers.py         Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's own forward and backward
     7. backends.py             ``dev.ops``: the op on a GPU (our kernels) or a CPU (NumPy)
-    8. cross_device_ops.py     RingAllReduce: the ring that sums the packed gradients (step 3)
+    8. ring.py                 RingAllReduce: the ring that sums the packed gradients (step 3)
     9. keras/optimizers.py     Adam/SGD ``update``: one launch per device (step 4)
    then kernels/: gemm.py, activations.py, softmax_xent.py, reduction.py, allreduce.py,
    optimizers.py (each with its NumPy reference).
@@ -32,6 +32,7 @@ Map of the rest:
     errors.py     TF-named errors
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
     multi_worker.py  MultiWorkerMirroredStrategy: workers are MPI ranks (mpiexec -n N)
+    cross_device_ops.py  CrossDeviceOps (packing, MEAN), ReductionToOneDevice, ReduceOp
     collective_all_reduce.py  the ring across workers (MPI between processes)
     workers.py    MPI: rank and size, messages with deadlines, abort on failure
     values.py     PerReplica, Mirrored, Variable, MirroredVariable

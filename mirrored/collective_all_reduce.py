@@ -2,7 +2,7 @@
 
 TensorFlow's ``MultiWorkerMirroredStrategy`` sums gradients with a *collective*
 all-reduce over every replica of every worker; ours is the same ring as on one
-machine (``cross_device_ops.RingAllReduce``), with more devices in it.
+machine (``ring.RingAllReduce``), with more devices in it.
 
 With W workers of L local replicas each, the ring has N = W*L positions in one
 fixed order: global replica g = rank*L + l (worker ``rank``, its local replica
@@ -39,7 +39,7 @@ copy per step.
 The trace (``trace=True``) is the one-machine trace over the N global replicas,
 each ``RingTransfer`` naming its two workers (``src_worker``, ``dst_worker``).
 
-Neighbours: ``cross_device_ops.py`` (the ring, its schedule and trace; this class
+Neighbours: ``ring.py`` (the ring, its schedule and trace; this class
 only replaces ``_run_ring``'s hops), ``workers.py`` (``sendrecv`` with a deadline),
 ``multi_worker.py`` (the strategy that makes one).
 """
@@ -47,7 +47,7 @@ import dataclasses
 
 import numpy as np
 
-from mirrored.cross_device_ops import RingAllReduce, record_event, wait_event
+from mirrored.ring import RingAllReduce, record_event, wait_event
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ cross-device ops and distributed values, gathered in one namespace. Each name is
 also available at the top level (``mirrored.MirroredStrategy``).
 """
 from mirrored.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                       ReduceOp, ReductionToOneDevice, RingAllReduce)
+                                       ReduceOp, ReductionToOneDevice)
+from mirrored.ring import RingAllReduce
 from mirrored.input_lib import InputOptions
 from mirrored.strategy import (InputContext, MirroredStrategy, OneDeviceStrategy, ReplicaContext,
                                Strategy, StrategyExtended, ValueContext, get_replica_context,

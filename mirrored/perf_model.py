@@ -13,7 +13,7 @@ numbers and dicts; ``mirrored.viz.plot_performance_model`` draws them beside
 measurements.
 
 Neighbours: ``timing.py`` (the measurements), ``viz.py`` (the plot),
-``cross_device_ops.py`` (the ring whose traffic ``ring_allreduce_time`` counts).
+``ring.py`` (the ring whose traffic ``ring_allreduce_time`` counts).
 """
 import warnings
 

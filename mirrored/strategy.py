@@ -24,7 +24,7 @@ in ``mirrored_run.py``. ``StrategyExtended`` carries what the rest of the librar
 needs of a strategy: its ``devices``, its ``cross_device_ops`` and its worker pool.
 
 Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
-(PerReplica, MirroredVariable), ``cross_device_ops.py`` (the sums), ``context.py``
+(PerReplica, MirroredVariable), ``cross_device_ops.py`` and ``ring.py`` (the sums), ``context.py``
 (which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets),
 ``multi_worker.py`` (``MultiWorkerMirroredStrategy``: this strategy across MPI processes;
 ``StrategyExtended.replica_offset`` / ``num_workers`` are where it differs).
@@ -497,7 +497,7 @@ def _plain_variable(initial_value, **kwargs):
 
 def _default_cross_device_ops(devices):
     """Our ring all-reduce; reduce-to-one-device when CPUs and GPUs are mixed (as TF)."""
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     if len({d.device_type for d in devices}) > 1:
         return ReductionToOneDevice()
     return RingAllReduce()

@@ -179,7 +179,7 @@ def test_ring_scratch_is_kept_per_size_and_dtype(devices, rng):
     # reduce of size B in between (a scalar strategy.reduce during fit) used to free it
     # and put B's in its place.
     import mirrored as tf
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     from mirrored.values import PerReplica
     devs = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]
     ring = RingAllReduce(peer_access=False)                 # the staged path has scratch
@@ -292,7 +292,7 @@ def fake_gpus(n):
 
 def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(monkeypatch):
     from mirrored import graphs
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     fake = FakeCapture()
     monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
     monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
@@ -325,7 +325,7 @@ def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(mon
 def test_capture_that_works_still_replays_with_the_fake_driver(monkeypatch):
     # The same fakes on the good path: captured once, launched, every stream rejoined.
     from mirrored import graphs
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     fake = FakeCapture()
     monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
     monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
@@ -554,7 +554,7 @@ def test_copies_between_physical_gpus_use_the_peer_copy(devices, monkeypatch, rn
     # simulator has one GPU, so the second logical GPU pretends to be on card 1 and the
     # peer copy is recorded (and done with a plain copy).
     from mirrored import devices as registry
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     from mirrored.values import PerReplica
     import mirrored as tf
     gpu0, gpu1 = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]

@@ -178,7 +178,7 @@ def test_no_text_sits_under_an_arrowhead_in_the_ring_pictures(devices, rng):
     from matplotlib.patches import FancyArrowPatch
     from matplotlib.text import Text
     from matplotlib.transforms import Bbox
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
 
     names = [d.name for d in devices(cpus=4) if d.device_type == "CPU"]
     strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=RingAllReduce(trace=True))

@@ -12,7 +12,7 @@ import pytest
 
 import mirrored as tf
 from mirrored import viz
-from mirrored.cross_device_ops import RingAllReduce
+from mirrored.ring import RingAllReduce
 from mirrored.values import PerReplica
 
 matplotlib = pytest.importorskip("matplotlib")
