@@ -21,9 +21,10 @@ Reading order: one ``fit`` step, file by file (the README's four steps)::
    then kernels/: gemm.py, activations.py, softmax_xent.py, reduction.py, allreduce.py,
    optimizers.py (each with its NumPy reference).
 
-Around the step, wrapping it from outside: graphs.py (CUDA-graph capture),
-timing.py (phase timer, TimedStep), scaling.py (compare strategies), perf_model.py
-(N GPUs predicted), viz.py (drawings).
+Around the step, wrapping it from outside: graphs.py (CUDA-graph capture); and, apart
+from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,
+TimedStep), lab/scaling.py (compare strategies), lab/perf_model.py (N GPUs predicted),
+lab/viz.py (drawings).
 
 Map of the rest:
     devices.py    devices: physical, logical, CPU and CUDA backends
@@ -41,8 +42,8 @@ Map of the rest:
     keras/        also losses, metrics, callbacks, saving, GradientTape (tape.py), progbar
     nn.py         compute_average_loss
     random.py     set_seed
-    workflow.py   the command-line lab (``python -m mirrored``)
-    labs.py       the lab notebooks' first cell (``labs.setup``) and the lab's model
+    lab/workflow.py  the command-line lab (``python -m mirrored``) and the lab's model
+    lab/labs.py   the lab notebooks' first cell (``labs.setup``)
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored.devices import device_scope as device

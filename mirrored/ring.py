@@ -11,7 +11,7 @@ chunk) with one CUDA event between neighbours per step.
 Neighbours: ``cross_device_ops.py`` (``CrossDeviceOps``, the base class: packing,
 MEAN, destinations; it calls this ring's ``_sum_in_place``), ``collective_all_reduce.py``
 (the same ring across MPI workers), ``kernels/allreduce.py`` (the chunk kernels),
-``viz.py`` (the ring's pictures).
+``lab/viz.py`` (the ring's pictures).
 """
 import dataclasses
 import threading
@@ -24,7 +24,7 @@ from mirrored.cross_device_ops import CrossDeviceOps, check_distinct
 
 # Plain data for the teaching trace (``RingAllReduce(trace=True)``): what moved in
 # each step and what every chunk holds afterwards. Frozen dataclasses so that a
-# notebook or ``mirrored.viz`` can keep, compare and draw them.
+# notebook or ``mirrored.lab.viz`` can keep, compare and draw them.
 
 @dataclasses.dataclass(frozen=True)
 class RingTransfer:

@@ -443,7 +443,7 @@ class FakeEventClock:
 def event_clock(monkeypatch):
     from types import SimpleNamespace
     from numba import cuda
-    from mirrored import timing
+    from mirrored.lab import timing
     clock = FakeEventClock()
     monkeypatch.setattr(timing, "_uses_events", lambda device: device is not None)
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=clock.perf_counter))
@@ -454,7 +454,7 @@ def event_clock(monkeypatch):
 
 def test_logical_gpus_of_one_card_share_one_anchor(event_clock):
     # One anchor (one host sync) per card: a second per logical device only adds skew.
-    from mirrored import timing
+    from mirrored.lab import timing
     gpu0, gpu1 = event_clock.device("GPU:0"), event_clock.device("GPU:1")
     timer = timing.PhaseTimer()
     event_clock.now = 0.5
@@ -470,7 +470,7 @@ def test_logical_gpus_of_one_card_share_one_anchor(event_clock):
 def test_phase_times_stay_precise_long_after_the_first_mark(event_clock):
     # cuEventElapsedTime is float32 ms: measured from a 100 s old anchor, an 8 µs phase
     # came out as a multiple of 7.8 µs.
-    from mirrored import timing
+    from mirrored.lab import timing
     gpu0 = event_clock.device("GPU:0")
     timer = timing.PhaseTimer()
     with timer.phase("warm-up", 0, gpu0):

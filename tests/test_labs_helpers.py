@@ -1,4 +1,4 @@
-"""What the lab notebooks lean on: ``mirrored.labs`` (the first cell, the lab's model), the
+"""What the lab notebooks lean on: ``mirrored.lab.labs`` (the first cell, the lab's model), the
 efficiency written in the figures, the performance model's calibration, the Conv2D mapping
 picture, and each replica's own optimizer time. The notebooks themselves run in
 tests/test_labs_01_05.py and tests/test_labs_02_04.py; these checks are small and fast.
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import labs, perf_model, timing, viz
+from mirrored.lab import labs, perf_model, timing, viz
 from mirrored.keras.step import OPTIMIZER
 
 

@@ -17,7 +17,7 @@ four steps of the README, each a visible call::
 A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
 scalars) and a *device part* (2-4: kernel launches only). A step that raises leaves no
 trace (``Step.no_trace``: the step count and the memory as before it). Nothing here times or captures anything:
-``mirrored.timing.TimedStep`` is this step with each phase timed, and
+``mirrored.lab.timing.TimedStep`` is this step with each phase timed, and
 ``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
 wrap it from outside and launch exactly the same kernels.
 
@@ -37,8 +37,8 @@ from mirrored.keras.data_adapters import ResidentBatch
 from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
 from mirrored.keras.losses import kernel_mode
 
-#: The phases of one training step, in the order they happen (``mirrored.timing``
-#: records them, ``mirrored.viz`` colours them).
+#: The phases of one training step, in the order they happen (``mirrored.lab.timing``
+#: records them, ``mirrored.lab.viz`` colours them).
 INPUT_COPY = "input copy"              # host slice (or row numbers) -> the replica's device
 FORWARD_BACKWARD = "forward+backward"  # the layers, the loss, the gradients
 ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)

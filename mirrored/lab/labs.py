@@ -4,7 +4,7 @@ Every notebook starts the same way: is this a quick run (``MIRRORED_QUICK=1``, s
 the test suite)? which devices do the replicas get? ``setup`` answers both, once, and
 says what it chose::
 
-    from mirrored import labs
+    from mirrored.lab import labs
     lab = labs.setup(replicas=2)      # lab.quick, lab.devices, lab.description, lab.root
 
 The device split follows ``workflow.configure_devices`` (the one ``python -m mirrored``
@@ -31,8 +31,8 @@ import os
 
 import mirrored as tf
 from mirrored import devices as _dev
-from mirrored import workflow
-from mirrored.workflow import MODEL_KINDS, make_model, model_layers   # the lab's model: labs.make_model
+from mirrored.lab import workflow
+from mirrored.lab.workflow import MODEL_KINDS, make_model, model_layers   # the lab's model: labs.make_model
 
 #: Quick mode (``MIRRORED_QUICK=1``: the test suite runs every notebook so): the first
 #: examples of each split only, and few timed steps. The ConvNet takes ~30 ms a step of 64

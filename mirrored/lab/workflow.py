@@ -40,7 +40,7 @@ import warnings
 
 import mirrored as tf
 from mirrored import devices as _dev
-from mirrored import scaling, viz
+from mirrored.lab import scaling, viz
 
 BATCH_PER_REPLICA = 64           # the course lab's BATCH_SIZE_PER_REPLICA
 BUFFER_SIZE = 10000              # the lab's shuffle buffer
