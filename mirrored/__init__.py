@@ -5,21 +5,22 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step, file by file (the README's four steps)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,400 in all)::
 
-    1. keras/models.py         Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
-    2. keras/data_adapters.py  the global batch as host arrays (or a resident batch's row numbers)
-    3. keras/step.py           Step.train: the whole step in four visible calls --
-                                 split -> forward_backward -> all_reduce -> update
-    4. input_lib.py            rebatch_bounds: TensorFlow's rule for splitting (step 1)
-    5. keras/engine.py         ReplicaProgram: one replica's layers forward, the loss,
-                               backward (step 2); ParameterPack; all_reduce (step 3)
-    6. keras/layers.py         Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's own forward and backward
-    7. backends.py             ``dev.ops``: the op on a GPU (our kernels) or a CPU (NumPy)
-    8. ring.py                 RingAllReduce: the ring that sums the packed gradients (step 3)
-    9. keras/optimizers.py     Adam/SGD ``update``: one launch per device (step 4)
-   then kernels/: gemm.py, activations.py, softmax_xent.py, reduction.py, allreduce.py,
-   optimizers.py (each with its NumPy reference).
+    1. keras/models.py      484  Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
+    2. keras/step.py        253  Step.train: the whole step in four visible calls --
+                                   split -> forward_backward -> all_reduce -> update
+    3. keras/engine.py      307  ReplicaProgram: one replica's layers forward, the loss,
+                                 backward (step 2); ParameterPack; all_reduce (step 3)
+    4. keras/layers.py      629  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
+                                 own forward and backward, through ``dev.ops``
+    5. ring.py              425  RingAllReduce: the ring that sums the packed gradients (step 3)
+    6. keras/optimizers.py  302  Adam/SGD ``update``: one launch per device (step 4)
+
+   Beside them: keras/data_adapters.py (the global batch as host arrays), input_lib.py
+   (``rebatch_bounds``: TensorFlow's rule for the split, step 1), backends.py (``dev.ops``:
+   the op on a GPU, our kernels, or a CPU, NumPy); then kernels/: gemm.py, activations.py,
+   softmax_xent.py, reduction.py, allreduce.py, optimizers.py (each with its NumPy reference).
 
 Around the step, wrapping it from outside: graphs.py (CUDA-graph capture); and, apart
 from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,
