@@ -135,7 +135,7 @@ def _time_ring_graph(devs, elements, timer):
     per launch. Checked like the eager ring before it is timed. Returns (timing, None)
     or (None, why it was not timed)."""
     import numpy as np
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     from mirrored.graphs import StepGraphs
     ring = RingAllReduce()
     graphs = StepGraphs(devs, ring)
@@ -167,7 +167,8 @@ def run(args):
                          "`python -m benchmarks.allreduce --smoke --out PATH` to check the program."):
             return 0
     import numpy as np
-    from mirrored.cross_device_ops import ReductionToOneDevice, RingAllReduce
+    from mirrored.cross_device_ops import ReductionToOneDevice
+    from mirrored.ring import RingAllReduce
 
     sizes = SMOKE_SIZES if args.smoke else SIZES
     if args.max_bytes:

@@ -26,7 +26,7 @@ of this one model (the library is not changed):
 On the CPU the backend computes synchronously, so a wrapped call's host time is its work.
 On a GPU a call only queues kernels and returns: its host time is the cost of launching
 them. So ``--device gpu`` also times every part on the GPU: a CUDA event is recorded
-on the replica's stream before and after each wrapped call (``mirrored.timing.
+on the replica's stream before and after each wrapped call (``mirrored.lab.timing.
 PhaseTimer``, the library's per-phase timer), the step ends with a synchronisation (so
 steps do not overlap), and each part's GPU time is the sum of its event intervals.
 An interval is what the stream spent between the two marks: the part's kernels, plus
@@ -57,7 +57,7 @@ few µs more for the two event records on a GPU, ~20 calls per step): small agai
 step of milliseconds. Writes JSON with ``--out`` only.
 
 Neighbours: benchmarks/training.py (ms/step of whole epochs beside PyTorch and
-TensorFlow), mirrored/keras/step.py (the step's parts), mirrored/timing.py (the phase
+TensorFlow), mirrored/keras/step.py (the step's parts), mirrored/lab/timing.py (the phase
 timer; ``step_breakdown`` times the four phases of every replica), mirrored/backends.py
 (CpuOps, CudaOps), benchmarks/profile.py (inside the kernels).
 """
@@ -97,7 +97,7 @@ clock = time.perf_counter
 class Parts:
     """Seconds per named part, accumulated by wrappers around the model's methods.
 
-    With a ``timer`` (a ``mirrored.timing.PhaseTimer``) and the replica's ``device``,
+    With a ``timer`` (a ``mirrored.lab.timing.PhaseTimer``) and the replica's ``device``,
     each wrapped call is also recorded as a phase on the device's stream (CUDA events
     on a GPU): ``gpu_seconds()`` sums them per part."""
 
@@ -255,7 +255,7 @@ def main(argv=None):
     os.environ.setdefault("MIRRORED_OFFLINE", "1")
     import mirrored as tf
     from mirrored import backends
-    from mirrored.timing import PhaseTimer
+    from mirrored.lab.timing import PhaseTimer
 
     spec = (SMOKE_MODELS if args.smoke else training.MODELS)[args.model]
     x, y, source = training.load_mnist(args.steps * batch)

@@ -151,7 +151,7 @@ def train_worker(steps, out):
     import mirrored as tf
     import mirrored.datasets as tfds
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    workers = strategy.extended._workers
+    workers = strategy.extended.workers
     datasets, _ = tfds.load(name="mnist", with_info=True, as_supervised=True, download=False)
 
     def scale(image, label):

@@ -2,7 +2,7 @@
 
 Versions: v1 only. One thread per element of the chunk, grid-stride loop.
 
-A ring all-reduce (``mirrored/cross_device_ops.py``, ``RingAllReduce``) splits
+A ring all-reduce (``mirrored/ring.py``, ``RingAllReduce``) splits
 every device's flat buffer into N chunks and moves one chunk per device per
 step to the next device in the ring. Each step on the receiving device is one
 of two tiny kernels, given the chunk as element offsets ``[lo, hi)`` so that

@@ -5,25 +5,27 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step, file by file (the README's four steps)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,400 in all)::
 
-    1. keras/models.py         Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
-    2. keras/data_adapters.py  the global batch as host arrays (or a resident batch's row numbers)
-    3. keras/step.py           Step.train: the whole step in four visible calls --
-                                 split -> forward_backward -> all_reduce -> update
-    4. input_lib.py            rebatch_bounds: TensorFlow's rule for splitting (step 1)
-    5. keras/engine.py         ReplicaProgram: one replica's layers forward, the loss,
-                               backward (step 2); ParameterPack; all_reduce (step 3)
-    6. keras/layers.py         Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's own forward and backward
-    7. backends.py             ``dev.ops``: the op on a GPU (our kernels) or a CPU (NumPy)
-    8. cross_device_ops.py     RingAllReduce: the ring that sums the packed gradients (step 3)
-    9. keras/optimizers.py     Adam/SGD ``update``: one launch per device (step 4)
-   then kernels/: gemm.py, activations.py, softmax_xent.py, reduction.py, allreduce.py,
-   optimizers.py (each with its NumPy reference).
+    1. keras/models.py      484  Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
+    2. keras/step.py        253  Step.train: the whole step in four visible calls --
+                                   split -> forward_backward -> all_reduce -> update
+    3. keras/engine.py      307  ReplicaProgram: one replica's layers forward, the loss,
+                                 backward (step 2); ParameterPack; all_reduce (step 3)
+    4. keras/layers.py      629  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
+                                 own forward and backward, through ``dev.ops``
+    5. ring.py              425  RingAllReduce: the ring that sums the packed gradients (step 3)
+    6. keras/optimizers.py  302  Adam/SGD ``update``: one launch per device (step 4)
 
-Around the step, wrapping it from outside: graphs.py (CUDA-graph capture),
-timing.py (phase timer, TimedStep), scaling.py (compare strategies), perf_model.py
-(N GPUs predicted), viz.py (drawings).
+   Beside them: keras/data_adapters.py (the global batch as host arrays), input_lib.py
+   (``rebatch_bounds``: TensorFlow's rule for the split, step 1), backends.py (``dev.ops``:
+   the op on a GPU, our kernels, or a CPU, NumPy); then kernels/: gemm.py, activations.py,
+   softmax_xent.py, reduction.py, allreduce.py, optimizers.py (each with its NumPy reference).
+
+Around the step, wrapping it from outside: graphs.py (CUDA-graph capture); and, apart
+from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,
+TimedStep), lab/scaling.py (compare strategies), lab/perf_model.py (N GPUs predicted),
+lab/viz.py (drawings).
 
 Map of the rest:
     devices.py    devices: physical, logical, CPU and CUDA backends
@@ -32,6 +34,7 @@ Map of the rest:
     errors.py     TF-named errors
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
     multi_worker.py  MultiWorkerMirroredStrategy: workers are MPI ranks (mpiexec -n N)
+    cross_device_ops.py  CrossDeviceOps (packing, MEAN), ReductionToOneDevice, ReduceOp
     collective_all_reduce.py  the ring across workers (MPI between processes)
     workers.py    MPI: rank and size, messages with deadlines, abort on failure
     values.py     PerReplica, Mirrored, Variable, MirroredVariable
@@ -41,8 +44,8 @@ Map of the rest:
     nn.py         compute_average_loss, scale_regularization_loss
     random.py     set_seed
     checkpoint.py mirrored.train: Checkpoint, CheckpointManager, latest_checkpoint
-    workflow.py   the command-line lab (``python -m mirrored``)
-    labs.py       the lab notebooks' first cell (``labs.setup``) and the lab's model
+    lab/workflow.py  the command-line lab (``python -m mirrored``) and the lab's model
+    lab/labs.py   the lab notebooks' first cell (``labs.setup``)
 """
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored import checkpoint as train  # tf.train: Checkpoint, CheckpointManager, latest_checkpoint

@@ -15,7 +15,7 @@ from the same initial weights, prints Keras's progress lines, then a table
 a bar chart (--plot). With no GPU the CPU is split into 2 logical CPUs, so
 the table has a two-replica row (--logical-gpus N for N). The data is full
 MNIST when it is cached or can be downloaded, else the bundled 8k/2k subset
-(the report says which). The logic lives in mirrored/workflow.py.
+(the report says which). The logic lives in mirrored/lab/workflow.py.
 """
 import argparse
 import sys
@@ -33,7 +33,7 @@ def _split_devices(n):
 
 
 def build_parser():
-    from mirrored.workflow import (BATCH_PER_REPLICA, CPU_REPLICAS, DEFAULT_EPOCHS, DEFAULT_MODEL,
+    from mirrored.lab.workflow import (BATCH_PER_REPLICA, CPU_REPLICAS, DEFAULT_EPOCHS, DEFAULT_MODEL,
                                    DEFAULT_PLOT, MODELS, QUICK)
     parser = argparse.ArgumentParser(prog="python -m mirrored", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +82,7 @@ def main(argv=None):
         parser.error("--batch-per-replica must be at least 1")
     import matplotlib
     matplotlib.use("Agg")                 # a command line only writes the PNG
-    from mirrored import workflow
+    from mirrored.lab import workflow
     try:
         workflow.run(epochs=args.epochs, devices=args.devices, logical_gpus=args.logical_gpus,
                      batch_per_replica=args.batch_per_replica, data_dir=args.data_dir,

@@ -2,7 +2,7 @@
 
 TensorFlow's ``MultiWorkerMirroredStrategy`` sums gradients with a *collective*
 all-reduce over every replica of every worker; ours is the same ring as on one
-machine (``cross_device_ops.RingAllReduce``), with more devices in it.
+machine (``ring.RingAllReduce``), with more devices in it.
 
 With W workers of L local replicas each, the ring has N = W*L positions in one
 fixed order: global replica g = rank*L + l (worker ``rank``, its local replica
@@ -39,7 +39,7 @@ copy per step.
 The trace (``trace=True``) is the one-machine trace over the N global replicas,
 each ``RingTransfer`` naming its two workers (``src_worker``, ``dst_worker``).
 
-Neighbours: ``cross_device_ops.py`` (the ring, its schedule and trace; this class
+Neighbours: ``ring.py`` (the ring, its schedule and trace; this class
 only replaces ``_run_ring``'s hops), ``workers.py`` (``sendrecv`` with a deadline),
 ``multi_worker.py`` (the strategy that makes one). Each all-reduce ends with
 ``workers.step_done()``: the steps it times set the deadline of every wait for a peer
@@ -49,7 +49,7 @@ import dataclasses
 
 import numpy as np
 
-from mirrored.cross_device_ops import RingAllReduce, _record, _wait
+from mirrored.ring import RingAllReduce, record_event, wait_event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ class CollectiveAllReduce(RingAllReduce):
         send_host, recv_host = self._host_stage(size, dtype, local * workers.size) if staged else (None, None)
         for l, dev in enumerate(devices):
             with dev.activate():
-                _record(dev, done[l][0])                 # inputs ready
+                record_event(dev, done[l][0])                 # inputs ready
         for step in plan:
             t, reduce = step.t, step.phase == "reduce-scatter"
             # 1. between workers: our last replica -> next worker; previous worker -> our first
@@ -205,15 +205,15 @@ class CollectiveAllReduce(RingAllReduce):
                         first.upload_into((scratch if reduce else buffers[0])[lo_in:hi_in], incoming)
                     if reduce:
                         first.ops.ring_reduce_step(buffers[0], scratch, lo_in, hi_in)
-                _record(first, done[0][t])
+                record_event(first, done[0][t])
             # 2. inside this worker: replica l-1 -> l, as on one machine
             for l, (lo, hi) in enumerate(step.inside, start=1):
                 recv, send = devices[l], devices[l - 1]
                 with recv.activate():
-                    _wait(recv, done[l - 1][t - 1])
+                    wait_event(recv, done[l - 1][t - 1])
                     if hi > lo:
                         self._step(step.phase, recv, buffers[l], send, buffers[l - 1], lo, hi, links[l], dtype)
-                    _record(recv, done[l][t])
+                    record_event(recv, done[l][t])
         for l in range(local - 1):                       # nobody reads replica l any more
             with devices[l].activate():
-                _wait(devices[l], done[l + 1][total])
+                wait_event(devices[l], done[l + 1][total])

@@ -78,7 +78,8 @@ class LogicalDeviceConfiguration:
 # Importing numba.cuda fixes the simulator-or-real choice for the process (tests
 # decide it in tests/conftest.py), so nothing here touches it at import time.
 
-def _cuda():
+def numba_cuda():
+    """``numba.cuda``, imported on first use (the simulator-or-real choice stays open until then)."""
     from numba import cuda
     return cuda
 
@@ -89,7 +90,7 @@ def cuda_mode():
     if SIMULATOR:
         return "simulator"
     try:
-        return "real" if _cuda().is_available() else "none"
+        return "real" if numba_cuda().is_available() else "none"
     except Exception:  # a broken driver counts as no GPU
         return "none"
 
@@ -320,16 +321,16 @@ class CudaDevice(Device):
         from mirrored.backends import CudaOps
         self.gpu_id = gpu_id
         with self.activate():
-            self.stream = _cuda().stream()   # never the legacy default stream
+            self.stream = numba_cuda().stream()   # never the legacy default stream
         self.ops = CudaOps(self)
         self._staging = {}                   # (shape, dtype) -> [[pinned host array, event], ...]
 
     def activate(self):
-        return _cuda().gpus[self.gpu_id]
+        return numba_cuda().gpus[self.gpu_id]
 
     def _alloc(self, make, nbytes):
         self._check_fits(nbytes)
-        cuda = _cuda()
+        cuda = numba_cuda()
         try:
             with self.activate():
                 buf = make(cuda)
@@ -424,7 +425,7 @@ class CudaDevice(Device):
         key = (tuple(shape), np.dtype(dtype))
         slots = self._staging.get(key)
         if slots is None:
-            cuda = _cuda()
+            cuda = numba_cuda()
             slots = self._staging[key] = [
                 [cuda.pinned_array(key[0], key[1]),
                  cuda.event(timing=False) if cuda_mode() == "real" else cuda.event()]
@@ -439,7 +440,7 @@ class CudaDevice(Device):
 
     def memory_info(self):
         with self.activate():
-            free, total = _cuda().current_context().get_memory_info()
+            free, total = numba_cuda().current_context().get_memory_info()
         if self.memory_limit is not None:
             return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
         return free, total
@@ -449,7 +450,7 @@ def _memcpy_peer(dst_dev, dst, src_dev, src, nbytes):
     """``cuMemcpyPeerAsync``: ``nbytes`` from ``src`` (GPU ``src_dev.gpu_id``) to ``dst``
     (GPU ``dst_dev.gpu_id``), queued on ``dst_dev``'s stream. Needs no peer access
     (the driver stages through the host where the GPUs cannot reach each other)."""
-    cuda = _cuda()
+    cuda = numba_cuda()
     from numba.cuda.cudadrv.driver import device_pointer, driver
     dst_ctx = cuda.gpus[dst_dev.gpu_id].get_primary_context().handle
     src_ctx = cuda.gpus[src_dev.gpu_id].get_primary_context().handle
@@ -470,7 +471,7 @@ def wait_for(src, dst):
     """
     if src is dst or src.stream is None or dst.stream is None:
         return
-    cuda = _cuda()
+    cuda = numba_cuda()
     with src.activate():
         event = cuda.event(timing=False) if cuda_mode() == "real" else cuda.event()
         event.record(src.stream)
@@ -493,13 +494,18 @@ class _Registry:
 _registry = _Registry()
 
 
+def physical_gpu_id(name):
+    """The CUDA device id of the physical GPU named ``name`` (``list_physical()``'s names)."""
+    return _registry.gpu_ids[name]
+
+
 def list_physical():
     """Every physical device: the CPU first, then each CUDA GPU."""
     with _registry.lock:
         if _registry.physical is None:
             phys = [PhysicalDevice("/physical_device:CPU:0", "CPU")]
             if cuda_mode() != "none":
-                for gpu in _cuda().gpus:
+                for gpu in numba_cuda().gpus:
                     name = f"/physical_device:GPU:{gpu.id}"
                     phys.append(PhysicalDevice(name, "GPU"))
                     _registry.gpu_ids[name] = gpu.id

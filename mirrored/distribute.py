@@ -5,8 +5,8 @@ over MPI), contexts, reduce ops,
 cross-device ops and distributed values, gathered in one namespace. Each name is
 also available at the top level (``mirrored.MirroredStrategy``).
 """
-from mirrored.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                       ReduceOp, ReductionToOneDevice, RingAllReduce)
+from mirrored.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReduceOp, ReductionToOneDevice
+from mirrored.ring import HierarchicalCopyAllReduce, RingAllReduce
 from mirrored.input_lib import InputOptions
 from mirrored.strategy import (CentralStorageStrategy, InputContext, MirroredStrategy, OneDeviceStrategy,
                                ReplicaContext,

@@ -60,7 +60,7 @@ be captured (it is the default); the old ``compile(cuda_graph=True)``, an explic
 request for graphs, warns there once. The weights come out bitwise the same either way.
 
 Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``compile``, ``_trainer``),
-``cross_device_ops.py`` (the ring: events between neighbours, captured as graph edges).
+``ring.py`` (the ring: events between neighbours, captured as graph edges).
 """
 import warnings
 
@@ -87,7 +87,7 @@ def why_not_capturable(devices, cross_device_ops=None):
         return ("the gradients are summed across workers: the ring's hops between workers are MPI "
                 "messages sent from the host, which a CUDA graph cannot hold")
     if len(devices) > 1:
-        from mirrored.cross_device_ops import RingAllReduce
+        from mirrored.ring import RingAllReduce
         if not isinstance(cross_device_ops, RingAllReduce):
             return (f"the gradients are summed by {type(cross_device_ops).__name__}; only "
                     f"RingAllReduce keeps its buffers and events from one call to the next")

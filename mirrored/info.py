@@ -59,7 +59,7 @@ def report():
         extra = ""
         if phys.device_type == "GPU" and mode == "real":
             from numba import cuda
-            gpu = cuda.gpus[_dev._registry.gpu_ids[phys.name]]
+            gpu = cuda.gpus[_dev.physical_gpu_id(phys.name)]
             with gpu:
                 free, total = cuda.current_context().get_memory_info()
             extra = f"  {gpu.name.decode() if isinstance(gpu.name, bytes) else gpu.name}, " \

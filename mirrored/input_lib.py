@@ -174,8 +174,8 @@ def local_bounds(batch_size, extended):
     """This worker's replicas' [(start, stop)] of one global batch: the rebatching rule
     over every worker's replicas, then the slices of ours (TensorFlow's DATA sharding).
     On one machine that is every slice."""
-    offset, local = extended._replica_offset, len(extended.devices)
-    return rebatch_bounds(batch_size, extended._num_replicas)[offset:offset + local]
+    offset, local = extended.replica_offset, len(extended.devices)
+    return rebatch_bounds(batch_size, extended.num_replicas)[offset:offset + local]
 
 
 def _to_device(leaf, dev):

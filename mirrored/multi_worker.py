@@ -50,7 +50,7 @@ What changes from ``MirroredStrategy`` (``strategy.py``), and nothing else does:
 
 Neighbours: ``strategy.py`` (MirroredStrategy, which this extends),
 ``collective_all_reduce.py`` (the ring across workers), ``workers.py`` (MPI),
-``input_lib.py`` and ``keras/step.py`` (which read ``extended._replica_offset``).
+``input_lib.py`` and ``keras/step.py`` (which read ``extended.replica_offset``).
 """
 import enum
 import json
@@ -62,8 +62,8 @@ import numpy as np
 
 from mirrored import nest
 from mirrored.collective_all_reduce import CollectiveAllReduce
-from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, _choose_devices,
-                               _host_components, _reduce_on_host)
+from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, choose_devices,
+                               host_components, reduce_on_host)
 from mirrored import backends, context, workers as _workers
 from mirrored.cross_device_ops import ReduceOp
 from mirrored.tensor import HostTensor, Tensor
@@ -205,13 +205,18 @@ class MultiWorkerExtended(StrategyExtended):
         self._replica_offset = workers.rank * len(self.devices)
 
     @property
+    def workers(self):
+        """The ``workers.World`` joining this worker to the others (rank, size, MPI messages)."""
+        return self._workers
+
+    @property
     def _is_chief(self):
         return self._workers.rank == 0
 
     should_checkpoint = property(lambda self: self._is_chief)
     should_save_summary = property(lambda self: self._is_chief)
 
-    def _broadcast_from_chief(self, value, what="a broadcast"):
+    def broadcast_from_chief(self, value, what="a broadcast"):
         """The chief's ``value`` (picklable), on every worker."""
         return self._workers.bcast(value, 0, what)
 
@@ -229,7 +234,7 @@ class MultiWorkerExtended(StrategyExtended):
                 f"use strategy.distribute_datasets_from_function with datasets that yield the "
                 f"same number of batches on every worker.")
 
-    def _sum_across_workers(self, values, what="a sum"):
+    def sum_across_workers(self, values, what="a sum"):
         """Host float64 ``values``, summed over the workers in rank order (same bits on each)."""
         parts = self._workers.allgather(np.asarray(values, np.float64), what)
         total = parts[0].copy()
@@ -282,7 +287,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._options = options
         workers = _workers.world(options.timeout_seconds)
         check_tf_config(workers.rank, workers.size)
-        devices = _choose_devices(None)
+        devices = choose_devices(None)
         _workers.install_abort_hook(workers)
         Strategy.__init__(self, devices, CollectiveAllReduce(workers))
         self._workers = workers
@@ -362,8 +367,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if context.top()[1] is not None:
             raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
                                "function use get_replica_context().all_reduce(...).")
-        comps = _host_components(value, "reduce")
-        local = _reduce_on_host(ReduceOp.SUM, comps, axis)
+        comps = host_components(value, "reduce")
+        local = reduce_on_host(ReduceOp.SUM, comps, axis)
         count = len(comps) if axis is None else sum(c.shape[axis] for c in comps)
         parts = self._workers.allgather((np.asarray(local), count), "strategy.reduce")
         shapes = [p[0].shape for p in parts]
@@ -381,7 +386,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def gather(self, value, axis):
         """Every replica's value (every worker's) concatenated along ``axis``, in replica order."""
-        comps = [np.atleast_1d(c) for c in _host_components(self._as_local_replicas(value), "gather")]
+        comps = [np.atleast_1d(c) for c in host_components(self._as_local_replicas(value), "gather")]
         every = self._workers.allgather(comps, "strategy.gather")
         return HostTensor.wrap(np.concatenate([c for part in every for c in part], axis=axis))
 

@@ -25,10 +25,10 @@ in ``mirrored_run.py``. ``StrategyExtended`` carries what the rest of the librar
 needs of a strategy: its ``devices``, its ``cross_device_ops`` and its worker pool.
 
 Neighbours: ``mirrored_run.py`` (replica threads, merge points), ``values.py``
-(PerReplica, MirroredVariable), ``cross_device_ops.py`` (the sums), ``context.py``
+(PerReplica, MirroredVariable), ``cross_device_ops.py`` and ``ring.py`` (the sums), ``context.py``
 (which strategy/replica this thread is in), ``input_lib.py`` (distributed datasets),
 ``multi_worker.py`` (``MultiWorkerMirroredStrategy``: this strategy across MPI processes;
-``StrategyExtended._replica_offset`` / ``_num_workers`` are where it differs).
+``StrategyExtended.replica_offset`` / ``num_workers`` are where it differs).
 """
 import contextlib
 import sys
@@ -206,9 +206,11 @@ class StrategyExtended:
     ``worker_pool()``: the replica threads of ``strategy.run`` (made on first use).
 
     Across workers (``MultiWorkerMirroredStrategy``, ``multi_worker.py``) ``devices``
-    are this worker's replicas only, which are replicas ``_replica_offset`` ..
-    ``_replica_offset + len(devices) - 1`` of ``_num_replicas`` in all; on one
-    machine the offset is 0 and every replica is local.
+    are this worker's replicas only, which are replicas ``replica_offset`` ..
+    ``replica_offset + len(devices) - 1`` of ``num_replicas`` in all; on one
+    machine the offset is 0 and every replica is local. ``num_workers``,
+    ``sum_across_workers`` and ``broadcast_from_chief`` are what the rest of the
+    library asks of the other workers (one worker here: nothing to ask).
     """
 
     _replica_offset = 0          # this worker's first replica among all workers' replicas
@@ -233,7 +235,18 @@ class StrategyExtended:
         return tuple(d.name for d in self.devices)
 
     @property
-    def _num_replicas(self):
+    def replica_offset(self):
+        """This worker's first replica among every worker's replicas (0 on one machine):
+        its local replica ``i`` is replica ``replica_offset + i``."""
+        return self._replica_offset
+
+    @property
+    def num_workers(self):
+        """How many workers (processes) train together: 1 on one machine."""
+        return self._num_workers
+
+    @property
+    def num_replicas(self):
         """Replicas over every worker (``num_replicas_in_sync``)."""
         return len(self.devices) * self._num_workers
 
@@ -247,9 +260,14 @@ class StrategyExtended:
     def _in_multi_worker_mode(self):
         return self._num_workers > 1
 
-    def _sum_across_workers(self, values, what="a sum"):
-        """Host float64 ``values`` summed over every worker (here: this one only)."""
+    def sum_across_workers(self, values, what="a sum"):
+        """Host float64 ``values`` summed over every worker (here: this one only).
+        ``what`` names the sum in a timeout's error (across workers it is a collective)."""
         return np.asarray(values, np.float64)
+
+    def broadcast_from_chief(self, value, what="a broadcast"):
+        """The chief's ``value`` (picklable) on every worker (here: ``value`` itself)."""
+        return value
 
     @property
     def parameter_devices(self):
@@ -296,7 +314,7 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self):
-        return self._extended._num_replicas
+        return self._extended.num_replicas
 
     @property
     def cluster_resolver(self):
@@ -331,10 +349,10 @@ class Strategy:
         """Call ``fn(*args, **kwargs)`` once per replica; returns PerReplica (or plain) values."""
         kwargs = kwargs or {}
         strategy, replica_ctx = context.top()
-        if replica_ctx is not None and strategy is not None and not isinstance(strategy, _DefaultStrategy):
+        if replica_ctx is not None and strategy is not None and not isinstance(strategy, DefaultStrategy):
             raise RuntimeError("strategy.run was called inside a replica function; call it from "
                                "the outer (cross-replica) code.")
-        if strategy is not None and strategy is not self and not isinstance(strategy, _DefaultStrategy):
+        if strategy is not None and strategy is not self and not isinstance(strategy, DefaultStrategy):
             raise RuntimeError(
                 f"Mixing different tf.distribute.Strategy objects: {self!r}.run was called inside "
                 f"the scope of {strategy!r}. Call run outside that scope, or enter "
@@ -370,7 +388,7 @@ class Strategy:
         """
         reduce_op = ReduceOp.validate(reduce_op)
         _, replica_ctx = context.top()
-        if replica_ctx is not None and not isinstance(self, _DefaultStrategy):
+        if replica_ctx is not None and not isinstance(self, DefaultStrategy):
             raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
                                "function use get_replica_context().all_reduce(...).")
         if nest.is_nested(value) and any(isinstance(leaf, DistributedValues) for leaf in nest.flatten(value)):
@@ -384,12 +402,12 @@ class Strategy:
                                  f"with the given reduce op SUM over {n} replicas; return it from "
                                  f"strategy.run so that each replica contributes its own.")
             if axis is None:
-                return HostTensor.wrap(_host_components(value, "reduce")[0])
-        return HostTensor.wrap(_reduce_on_host(reduce_op, _host_components(value, "reduce"), axis))
+                return HostTensor.wrap(host_components(value, "reduce")[0])
+        return HostTensor.wrap(reduce_on_host(reduce_op, host_components(value, "reduce"), axis))
 
     def gather(self, value, axis):
         """Every replica's value concatenated along ``axis``, on the host."""
-        comps = _host_components(value, "gather")
+        comps = host_components(value, "gather")
         return HostTensor.wrap(np.concatenate([np.atleast_1d(c) for c in comps], axis=axis))
 
     # -- distributing inputs
@@ -428,7 +446,7 @@ class Strategy:
         return f"<{type(self).__name__} on {[d.short_name for d in self._extended.devices]}>"
 
 
-def _host_components(value, what):
+def host_components(value, what):
     """A value's per-replica components as NumPy arrays (numbers only)."""
     comps = value.values if isinstance(value, DistributedValues) else (value,)
     out = []
@@ -441,7 +459,7 @@ def _host_components(value, what):
     return out
 
 
-def _reduce_on_host(reduce_op, comps, axis):
+def reduce_on_host(reduce_op, comps, axis):
     """``strategy.reduce``'s math on the replicas' arrays ``comps`` (see its docstring)."""
     if axis is None:
         total = comps[0].copy()
@@ -482,7 +500,7 @@ def _plain_variable(initial_value, **kwargs):
 
 def _default_cross_device_ops(devices):
     """Our ring all-reduce; reduce-to-one-device when CPUs and GPUs are mixed (as TF)."""
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     if len({d.device_type for d in devices}) > 1:
         return ReductionToOneDevice()
     return RingAllReduce()
@@ -497,7 +515,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices=None, cross_device_ops=None):
-        chosen = _choose_devices(devices, every_cpu=True)
+        chosen = choose_devices(devices, every_cpu=True)
         if cross_device_ops is None:
             cross_device_ops = _default_cross_device_ops(chosen)
         if not isinstance(cross_device_ops, CrossDeviceOps):
@@ -523,7 +541,7 @@ class MirroredStrategy(Strategy):
         return MirroredVariable._build(self, components, aggregation)
 
 
-def _choose_devices(devices, every_cpu=False):
+def choose_devices(devices, every_cpu=False):
     """MirroredStrategy's devices: ``None`` = every logical GPU, else the CPU (``every_cpu``:
     every logical CPU, as TensorFlow's ``MirroredStrategy()``; a worker of
     ``MultiWorkerMirroredStrategy`` takes CPU:0 only, as TensorFlow's); or the named ones.
@@ -598,7 +616,7 @@ class OneDeviceStrategy(Strategy):
             yield self
 
 
-class _DefaultStrategy(Strategy):
+class DefaultStrategy(Strategy):
     """The strategy in force outside every scope: one replica on the current device."""
 
     def __init__(self):
@@ -628,7 +646,7 @@ _DEFAULT = None
 def _default_strategy():
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = _DefaultStrategy()
+        _DEFAULT = DefaultStrategy()
     return _DEFAULT
 
 

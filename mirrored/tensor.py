@@ -284,7 +284,7 @@ def _tensor_node(op, x, y):
 
 # --- creating tensors ------------------------------------------------------------
 
-def _infer_host_array(value, dtype):
+def infer_host_array(value, dtype):
     """Python values -> NumPy with TensorFlow's default dtypes (float32, int32)."""
     if isinstance(value, Tensor):
         value = value.numpy()
@@ -307,7 +307,7 @@ def constant(value, dtype=None, shape=None, name=None, device=None):
 
     ``device`` (ours): place it elsewhere without a ``with mirrored.device(...)``.
     """
-    arr = _infer_host_array(value, dtype)
+    arr = infer_host_array(value, dtype)
     if shape is not None:
         shape = tuple(shape)
         if arr.size == 1 and int(np.prod(shape)) != 1:

@@ -23,7 +23,7 @@ import enum
 
 from mirrored import context, nest
 from mirrored import devices as _dev
-from mirrored.tensor import Tensor, _infer_host_array, as_dtype, numpy_repr
+from mirrored.tensor import Tensor, infer_host_array, as_dtype, numpy_repr
 
 
 class VariableAggregation(enum.Enum):
@@ -131,7 +131,7 @@ def _to_device_buffer(value, dtype, device):
             raise ValueError(f"initial value has dtype {value.dtype}, the variable's is {as_dtype(dtype)}.")
         with device.activate():
             return device.copy_from(value._buf, value._device)
-    return device.from_numpy(_infer_host_array(value, dtype))
+    return device.from_numpy(infer_host_array(value, dtype))
 
 
 class Variable:

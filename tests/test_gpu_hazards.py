@@ -179,7 +179,7 @@ def test_ring_scratch_is_kept_per_size_and_dtype(devices, rng):
     # reduce of size B in between (a scalar strategy.reduce during fit) used to free it
     # and put B's in its place.
     import mirrored as tf
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     from mirrored.values import PerReplica
     devs = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]
     ring = RingAllReduce(peer_access=False)                 # the staged path has scratch
@@ -292,7 +292,7 @@ def fake_gpus(n):
 
 def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(monkeypatch):
     from mirrored import graphs
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     fake = FakeCapture()
     monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
     monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
@@ -325,7 +325,7 @@ def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(mon
 def test_capture_that_works_still_replays_with_the_fake_driver(monkeypatch):
     # The same fakes on the good path: captured once, launched, every stream rejoined.
     from mirrored import graphs
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     fake = FakeCapture()
     monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
     monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
@@ -443,7 +443,7 @@ class FakeEventClock:
 def event_clock(monkeypatch):
     from types import SimpleNamespace
     from numba import cuda
-    from mirrored import timing
+    from mirrored.lab import timing
     clock = FakeEventClock()
     monkeypatch.setattr(timing, "_uses_events", lambda device: device is not None)
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=clock.perf_counter))
@@ -454,7 +454,7 @@ def event_clock(monkeypatch):
 
 def test_logical_gpus_of_one_card_share_one_anchor(event_clock):
     # One anchor (one host sync) per card: a second per logical device only adds skew.
-    from mirrored import timing
+    from mirrored.lab import timing
     gpu0, gpu1 = event_clock.device("GPU:0"), event_clock.device("GPU:1")
     timer = timing.PhaseTimer()
     event_clock.now = 0.5
@@ -470,7 +470,7 @@ def test_logical_gpus_of_one_card_share_one_anchor(event_clock):
 def test_phase_times_stay_precise_long_after_the_first_mark(event_clock):
     # cuEventElapsedTime is float32 ms: measured from a 100 s old anchor, an 8 µs phase
     # came out as a multiple of 7.8 µs.
-    from mirrored import timing
+    from mirrored.lab import timing
     gpu0 = event_clock.device("GPU:0")
     timer = timing.PhaseTimer()
     with timer.phase("warm-up", 0, gpu0):
@@ -554,7 +554,7 @@ def test_copies_between_physical_gpus_use_the_peer_copy(devices, monkeypatch, rn
     # simulator has one GPU, so the second logical GPU pretends to be on card 1 and the
     # peer copy is recorded (and done with a plain copy).
     from mirrored import devices as registry
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
     from mirrored.values import PerReplica
     import mirrored as tf
     gpu0, gpu1 = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]

@@ -1,4 +1,4 @@
-"""What the lab notebooks lean on: ``mirrored.labs`` (the first cell, the lab's model), the
+"""What the lab notebooks lean on: ``mirrored.lab.labs`` (the first cell, the lab's model), the
 efficiency written in the figures, the performance model's calibration, the Conv2D mapping
 picture, and each replica's own optimizer time. The notebooks themselves run in
 tests/test_labs_01_05.py and tests/test_labs_02_04.py; these checks are small and fast.
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import labs, perf_model, timing, viz
+from mirrored.lab import labs, perf_model, timing, viz
 from mirrored.keras.step import OPTIMIZER
 
 
@@ -178,7 +178,7 @@ def test_no_text_sits_under_an_arrowhead_in_the_ring_pictures(devices, rng):
     from matplotlib.patches import FancyArrowPatch
     from matplotlib.text import Text
     from matplotlib.transforms import Bbox
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
 
     names = [d.name for d in devices(cpus=4) if d.device_type == "CPU"]
     strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=RingAllReduce(trace=True))

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mirrored import labs
+from mirrored.lab import labs
 
 
 def _write(folder, sums):

@@ -399,9 +399,9 @@ def test_array_batches_follow_the_chiefs_shuffle_across_workers(rng):
     chief_order = rng.permutation(7)
 
     class TwoWorkers:                      # what ArrayBatches asks of extended
-        _num_workers = 2
+        num_workers = 2
 
-        def _broadcast_from_chief(self, value, what):
+        def broadcast_from_chief(self, value, what):
             assert sorted(value) == list(range(7))          # this worker's own permutation
             return chief_order
 

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mirrored import perf_model
+from mirrored.lab import perf_model
 
 
 def _breakdown(compute, step_s):

@@ -1,4 +1,4 @@
-"""Ring all-reduce: kernels/allreduce.py and RingAllReduce in mirrored/cross_device_ops.py.
+"""Ring all-reduce: kernels/allreduce.py and RingAllReduce in mirrored/ring.py.
 
 What is checked, and on what:
 * the two step kernels against their NumPy references (simulator: tiny chunks);
@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import mirrored as tf
 from kernels import allreduce
-from mirrored.cross_device_ops import ReductionToOneDevice, RingAllReduce, RingStep, RingTransfer
+from mirrored.cross_device_ops import ReductionToOneDevice
+from mirrored.ring import RingAllReduce, RingStep, RingTransfer
 from mirrored.values import PerReplica
 
 #: float32 unit roundoff scale: a float32 sum of N terms is within

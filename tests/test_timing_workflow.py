@@ -1,4 +1,4 @@
-"""Timing (mirrored/timing.py) and the lab workflow behind ``python -m mirrored``.
+"""Timing (mirrored/lab/timing.py) and the lab workflow behind ``python -m mirrored``.
 
 What is checked, and why it cannot flake:
 * the phase timer never reports less than a known sleep inside a phase (a sleep
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import perf_model, scaling, timing, viz
+from mirrored.lab import perf_model, scaling, timing, viz
 from mirrored.values import MirroredVariable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,7 +339,7 @@ def test_the_help_is_plain_text_and_offers_both_models(tmp_path):
 
 def test_the_default_model_is_the_labs_convnet_and_dense_is_the_option():
     """What each kind builds is tests/test_labs_helpers.py's (``labs.make_model``)."""
-    from mirrored import labs, workflow
+    from mirrored.lab import labs, workflow
     from mirrored.__main__ import build_parser
     assert build_parser().parse_args([]).model == "conv" == workflow.DEFAULT_MODEL
     assert build_parser().parse_args(["--model", "dense"]).model == "dense"

@@ -1,4 +1,4 @@
-"""mirrored.viz: every picture is a Figure with the expected panels and marks.
+"""mirrored.lab.viz: every picture is a Figure with the expected panels and marks.
 
 The figures are drawn from real data where the library makes it (a ring
 all-reduce trace over logical CPU devices) and rendered to PNG bytes with the
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import viz
-from mirrored.cross_device_ops import RingAllReduce
+from mirrored.lab import viz
+from mirrored.ring import RingAllReduce
 from mirrored.values import PerReplica
 
 matplotlib = pytest.importorskip("matplotlib")

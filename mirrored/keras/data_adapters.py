@@ -204,7 +204,7 @@ class ArrayBatches:
 
     Across workers (``MultiWorkerMirroredStrategy``) every worker must cut the same
     global batches, so the chief's permutation is used everywhere (``extended``'s
-    ``_broadcast_from_chief``), whatever each worker's seed, and every worker must hold
+    ``broadcast_from_chief``), whatever each worker's seed, and every worker must hold
     as many examples (``check_example_count``, before the first step).
     """
 
@@ -218,8 +218,8 @@ class ArrayBatches:
     def __iter__(self):
         n = len(self.x)
         order = _random.generator().permutation(n) if self.shuffle else None    # (n,) int64
-        if order is not None and self.extended is not None and self.extended._num_workers > 1:
-            order = self.extended._broadcast_from_chief(order, "the epoch's shuffle of the arrays")
+        if order is not None and self.extended is not None and self.extended.num_workers > 1:
+            order = self.extended.broadcast_from_chief(order, "the epoch's shuffle of the arrays")
         for i in range(0, n, self.bs):
             idx = order[i:i + self.bs] if order is not None else slice(i, i + self.bs)
             yield self.x[idx], self.y[idx]

@@ -35,7 +35,7 @@ device would compute on the whole batch (TensorFlow's rule; the tests check it).
 
 Neighbours: ``layers.py`` (forward/backward of each layer), ``step.py`` (the
 training step that drives these programs), ``optimizers.py`` (updates the packed
-buffers), ``mirrored/cross_device_ops.py`` (the ring).
+buffers), ``mirrored/ring.py`` (the ring).
 """
 import weakref
 

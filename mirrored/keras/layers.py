@@ -103,7 +103,7 @@ class Layer:
         unknown = set(kwargs) - {"dtype", "trainable"}
         if unknown:
             raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(unknown)}.")
-        base = _snake(type(self).__name__)
+        base = snake_case(type(self).__name__)
         n = Layer._counts.get(base, 0)
         Layer._counts[base] = n + 1
         self.name = name or (base if n == 0 else f"{base}_{n}")
@@ -136,8 +136,7 @@ class Layer:
         return input_shape
 
     def get_config(self):
-        """Keras's config of this layer (``keras/saving.py`` writes and reads it)."""
-        from mirrored.keras.saving import layer_config
+        """Keras's config of this layer (``layer_config``; ``keras/saving.py`` writes and reads it)."""
         return layer_config(self)
 
     def build(self, input_shape):
@@ -179,7 +178,7 @@ class Layer:
                                   f"the protocol in mirrored/keras/layers.py.")
 
 
-def _snake(name):
+def snake_case(name):
     """Keras's layer names: Dense -> dense, Conv2D -> conv2d, MaxPooling2D -> max_pooling2d."""
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower().lstrip("_")
@@ -665,3 +664,45 @@ BatchNormalization = _not_here("BatchNormalization")
 Embedding = _not_here("Embedding")
 LSTM = _not_here("LSTM")
 StringLookup = _not_here("StringLookup")      # the distributed-input tutorial's one preprocessing cell
+
+
+# -- configs (Keras's get_config keys; keras/saving.py writes them) -----------------------------
+def _initializer_config(fn):
+    for name, f in INITIALIZERS.items():
+        if f is fn:
+            return {"module": "keras.initializers", "class_name": "".join(p.title() for p in name.split("_")),
+                    "config": {} if name in ("zeros", "ones") else {"seed": None}, "registered_name": None}
+    return None                      # a custom callable: the weights in the file are what count
+
+
+def layer_config(layer):
+    """``layer.get_config()``: Keras's keys for the arguments this library's layers take
+    (``keras/saving.py`` writes them into a .keras archive's config.json)."""
+    config = {"name": layer.name, "trainable": True, "dtype": "float32"}
+    if isinstance(layer, Dense):
+        config.update(units=layer.units, activation=layer.activation or "linear", use_bias=True,
+                      kernel_initializer=_initializer_config(layer.kernel_initializer),
+                      bias_initializer=_initializer_config(layer.bias_initializer))
+    elif isinstance(layer, Conv2D):
+        config.update(filters=layer.filters, kernel_size=list(layer.kernel_size), strides=list(layer.strides),
+                      padding=layer.padding, data_format="channels_last", dilation_rate=[1, 1], groups=1,
+                      activation=layer.activation or "linear", use_bias=layer.use_bias,
+                      kernel_initializer=_initializer_config(layer.kernel_initializer),
+                      bias_initializer=_initializer_config(layer.bias_initializer))
+    elif isinstance(layer, MaxPooling2D):
+        config.update(pool_size=list(layer.pool_size), strides=list(layer.strides), padding=layer.padding,
+                      data_format="channels_last")
+    elif isinstance(layer, Dropout):
+        config.update(rate=layer.rate, seed=layer.seed, noise_shape=None)
+    elif isinstance(layer, Flatten):
+        config.update(data_format="channels_last")
+    else:
+        raise NotImplementedError(f"layer {layer.name!r} ({type(layer).__name__}) has no config: saving a "
+                                  f"whole model needs the library's layers ({', '.join(SUPPORTED)}); "
+                                  f"save_weights works for any layer.")
+    if isinstance(layer, (Dense, Conv2D)):
+        reg = layer.kernel_regularizer
+        config["kernel_regularizer"] = (None if reg is None else
+                                        {"module": "keras.regularizers", "class_name": type(reg).__name__,
+                                         "config": reg.get_config(), "registered_name": None})
+    return config

@@ -24,6 +24,7 @@ where it came from, so ``tape.gradient`` can run the backward kernels.
 """
 import enum
 
+from mirrored.keras.tape import loss_from_model_output
 from mirrored.tensor import Tensor
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
@@ -65,13 +66,12 @@ class SparseCategoricalCrossentropy:
         self.name = name
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        from mirrored.keras.tape import loss_from_model_output
         if sample_weight is not None:
             raise NotImplementedError("sample_weight is not implemented for this loss.")
         if not isinstance(y_pred, Tensor) or y_pred._node is None:
             raise TypeError("SparseCategoricalCrossentropy here is computed from a mirrored.keras "
                             "model's output: call it as loss(labels, model(images, training=True)).")
-        return loss_from_model_output(self, y_true, y_pred)
+        return loss_from_model_output(self, y_true, y_pred, kernel_mode)
 
     def get_config(self):
         return {"from_logits": self.from_logits, "reduction": self.reduction, "name": self.name}
@@ -88,13 +88,12 @@ class _TargetLoss:
         self.name = name
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        from mirrored.keras.tape import loss_from_model_output
         if sample_weight is not None:
             raise NotImplementedError(f"sample_weight is not implemented for {type(self).__name__}.")
         if not isinstance(y_pred, Tensor) or y_pred._node is None:
             raise TypeError(f"{type(self).__name__} here is computed from a mirrored.keras model's "
                             f"output: call it as loss(targets, model(x, training=True)).")
-        return loss_from_model_output(self, y_true, y_pred)
+        return loss_from_model_output(self, y_true, y_pred, kernel_mode)
 
     def get_config(self):
         return {"reduction": self.reduction, "name": self.name}

@@ -43,6 +43,7 @@ from mirrored.values import components
 _BUILD_LOCK = threading.Lock()       # one model built at a time (replica threads may race to it)
 
 
+@saving.register_model_class
 class Sequential:
     """A stack of layers run in order (see layers.py for the layers there are)."""
 
@@ -89,7 +90,7 @@ class Sequential:
         return None if self._input_shape is None else (None,) + tuple(self._input_shape)
 
     def _scope(self):
-        if isinstance(self._strategy, _strategy._DefaultStrategy):
+        if isinstance(self._strategy, _strategy.DefaultStrategy):
             return contextlib.nullcontext()
         return self._strategy.scope()
 

@@ -183,7 +183,7 @@ class Optimizer:
         """Step 4 of a training step: one update launch per device, each copy of the
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
         ``around(r, dev)``: a context manager entered around replica r's launch
-        (``mirrored.timing.TimedStep`` times each replica's update with it).
+        (``mirrored.lab.timing.TimedStep`` times each replica's update with it).
 
         The slots of every device are made (on the first step) before the first launch:
         running out of memory for device 1's slots after device 0 was updated would leave

@@ -48,7 +48,7 @@ Loading a truncated, empty or foreign file names the file and says what is wrong
 
 Neighbours: ``models.py`` (``Sequential.save``/``save_weights``/``load_weights``),
 ``optimizers.py`` (``keras_variables``: the optimizer's state in Keras's order),
-``layers.py`` (the layers rebuilt from a config).
+``layers.py`` (the layers rebuilt from a config; ``layer_config``: each layer's config).
 """
 import contextlib
 import datetime
@@ -62,6 +62,10 @@ import warnings
 import zipfile
 
 import numpy as np
+
+from mirrored.keras import layers as L
+from mirrored.keras import losses as _losses
+from mirrored.keras import optimizers as _optimizers
 
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
@@ -154,10 +158,9 @@ def _check_suffix(filepath, suffix, what):
 # -- the HDF5 layout ------------------------------------------------------------------------------
 def layer_keys(layers):
     """Keras's paths for a model's layers: class name in snake case, ``_1``, ``_2``... per class."""
-    from mirrored.keras.layers import _snake
     used, keys = {}, []
     for layer in layers:
-        name = _snake(type(layer).__name__)
+        name = L.snake_case(type(layer).__name__)
         if name in used:
             used[name] += 1
             name = f"{name}_{used[name]}"
@@ -370,45 +373,16 @@ def _ser(module, class_name, config):
     return {"module": module, "class_name": class_name, "config": config, "registered_name": None}
 
 
-def _initializer_config(fn):
-    from mirrored.keras.layers import INITIALIZERS
-    for name, f in INITIALIZERS.items():
-        if f is fn:
-            return _ser("keras.initializers", "".join(p.title() for p in name.split("_")),
-                        {} if name in ("zeros", "ones") else {"seed": None})
-    return None                      # a custom callable: the weights in the file are what count
+#: The model classes ``load_model`` can rebuild, by Keras's class name: ``models.py`` registers
+#: ``Sequential`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
+#: so that this module, which ``models.py`` imports, need not import ``models.py``.
+MODEL_CLASSES = {}
 
 
-def layer_config(layer):
-    """``layer.get_config()``: Keras's keys for the arguments this library's layers take."""
-    from mirrored.keras import layers as L
-    config = {"name": layer.name, "trainable": True, "dtype": "float32"}
-    if isinstance(layer, L.Dense):
-        config.update(units=layer.units, activation=layer.activation or "linear", use_bias=True,
-                      kernel_initializer=_initializer_config(layer.kernel_initializer),
-                      bias_initializer=_initializer_config(layer.bias_initializer))
-    elif isinstance(layer, L.Conv2D):
-        config.update(filters=layer.filters, kernel_size=list(layer.kernel_size), strides=list(layer.strides),
-                      padding=layer.padding, data_format="channels_last", dilation_rate=[1, 1], groups=1,
-                      activation=layer.activation or "linear", use_bias=layer.use_bias,
-                      kernel_initializer=_initializer_config(layer.kernel_initializer),
-                      bias_initializer=_initializer_config(layer.bias_initializer))
-    elif isinstance(layer, L.MaxPooling2D):
-        config.update(pool_size=list(layer.pool_size), strides=list(layer.strides), padding=layer.padding,
-                      data_format="channels_last")
-    elif isinstance(layer, L.Dropout):
-        config.update(rate=layer.rate, seed=layer.seed, noise_shape=None)
-    elif isinstance(layer, L.Flatten):
-        config.update(data_format="channels_last")
-    else:
-        raise NotImplementedError(f"layer {layer.name!r} ({type(layer).__name__}) has no config: saving a "
-                                  f"whole model needs the library's layers ({', '.join(L.SUPPORTED)}); "
-                                  f"save_weights works for any layer.")
-    reg = layer.kernel_regularizer
-    if isinstance(layer, (L.Dense, L.Conv2D)):
-        config["kernel_regularizer"] = (_ser("keras.regularizers", type(reg).__name__, reg.get_config())
-                                        if reg is not None else None)
-    return config
+def register_model_class(cls):
+    """Class decorator: ``load_model`` rebuilds configs whose class_name is ``cls.__name__``."""
+    MODEL_CLASSES[cls.__name__] = cls
+    return cls
 
 
 def model_config(model):
@@ -416,7 +390,7 @@ def model_config(model):
     layers = [_ser("keras.layers", "InputLayer",
                    {"batch_shape": [None] + list(model._input_shape), "dtype": "float32", "sparse": False,
                     "name": "input_layer"})]
-    layers += [_ser("keras.layers", type(l).__name__, layer_config(l)) for l in model.layers]
+    layers += [_ser("keras.layers", type(l).__name__, L.layer_config(l)) for l in model.layers]
     config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
                                           "layers": layers})
     config["build_config"] = {"input_shape": [None] + list(model._input_shape)}
@@ -441,9 +415,8 @@ def _kwargs_for(cls, config, what):
     for key in ("kernel_initializer", "bias_initializer"):
         spec = kwargs.get(key)
         if isinstance(spec, dict) or spec is None:
-            from mirrored.keras.layers import INITIALIZERS, _snake
-            name = _snake(spec["class_name"]) if isinstance(spec, dict) else None
-            if name in INITIALIZERS:
+            name = L.snake_case(spec["class_name"]) if isinstance(spec, dict) else None
+            if name in L.INITIALIZERS:
                 kwargs[key] = name
             else:
                 kwargs.pop(key, None)    # unknown initializer: the default (the file has the weights)
@@ -458,9 +431,8 @@ def _kwargs_for(cls, config, what):
 
 def model_from_config(config):
     """A Sequential from Keras's config (the layers this library has)."""
-    from mirrored.keras import layers as L
-    from mirrored.keras.models import Sequential
-    if config.get("class_name") != "Sequential":
+    Sequential = MODEL_CLASSES.get(config.get("class_name"))
+    if Sequential is None:
         raise NotImplementedError(f"only Sequential models can be loaded here, the file holds a "
                                   f"{config.get('class_name')!r}.")
     inner = config["config"]
@@ -487,8 +459,6 @@ def model_from_config(config):
 
 
 def compile_from_config(model, compile_config):
-    from mirrored.keras import losses as _losses
-    from mirrored.keras import optimizers as _optimizers
     opt = compile_config["optimizer"]
     if isinstance(opt, dict):
         cls = {"Adam": _optimizers.Adam, "SGD": _optimizers.SGD}.get(opt["class_name"])

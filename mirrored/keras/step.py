@@ -17,7 +17,7 @@ four steps of the README, each a visible call::
 A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
 scalars) and a *device part* (2-4: kernel launches only). A step that raises leaves no
 trace (``Step.no_trace``: the step count and the memory as before it). Nothing here times or captures anything:
-``mirrored.timing.TimedStep`` is this step with each phase timed, and
+``mirrored.lab.timing.TimedStep`` is this step with each phase timed, and
 ``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
 wrap it from outside and launch exactly the same kernels.
 
@@ -37,8 +37,8 @@ from mirrored.keras.data_adapters import ResidentBatch
 from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
 from mirrored.keras.losses import kernel_mode
 
-#: The phases of one training step, in the order they happen (``mirrored.timing``
-#: records them, ``mirrored.viz`` colours them).
+#: The phases of one training step, in the order they happen (``mirrored.lab.timing``
+#: records them, ``mirrored.lab.viz`` colours them).
 INPUT_COPY = "input copy"              # host slice (or row numbers) -> the replica's device
 FORWARD_BACKWARD = "forward+backward"  # the layers, the loss, the gradients
 ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)
@@ -59,7 +59,7 @@ class Step:
         self.pack = ParameterPack(model.trainable_variables, devices)
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
-        offset = model.distribute_strategy.extended._replica_offset     # 0 on one machine
+        offset = model.distribute_strategy.extended.replica_offset      # 0 on one machine
         replicas = model.distribute_strategy.num_replicas_in_sync
         self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset, replicas)
                          for r in range(len(self.devices))]
@@ -248,9 +248,9 @@ class Step:
             l, c, s = program.read_metrics()
             loss, correct, seen = loss + l, correct + c, seen + s
         ext = self.model.distribute_strategy.extended
-        if across_workers and ext._num_workers > 1:
+        if across_workers and ext.num_workers > 1:
             loss, correct, seen = (float(v) for v in
-                                   ext._sum_across_workers([loss, correct, seen], "the epoch's metrics"))
+                                   ext.sum_across_workers([loss, correct, seen], "the epoch's metrics"))
         logs = {prefix + "loss": loss / seen if seen else float("nan")}
         for name in metric_names:
             logs[prefix + name] = correct / seen if seen else float("nan")

@@ -22,7 +22,6 @@ what is supported.
 import numpy as np
 
 from mirrored import context
-from mirrored.keras.losses import kernel_mode
 from mirrored.tensor import Tensor, add_n
 
 
@@ -115,8 +114,10 @@ def _targets_on(dev, y_true, b, cols):
         return dev.from_numpy(np.ascontiguousarray(arr.reshape(b, cols)))
 
 
-def loss_from_model_output(loss_obj, y_true, y_pred):
-    """Forward of one of our losses on a model output; keeps a node for the tape."""
+def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
+    """Forward of one of our losses on a model output; keeps a node for the tape.
+    ``kernel_mode``: ``losses.kernel_mode``, which fused loss kernel the loss takes (the loss
+    passes it in: ``losses.py`` calls this module, not the other way round)."""
     node = y_pred._node
     if not isinstance(node, ModelOutput):
         raise TypeError("the loss must be computed on a model's output: loss(labels, model(x)).")

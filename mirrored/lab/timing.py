@@ -5,10 +5,10 @@
 wrapped in a timed block — timing wraps the step from outside, so a timed step
 launches exactly what an untimed one does (a test checks the weights bitwise);
 ``step_breakdown`` times steps that way and returns a per-replica timeline
-(``mirrored.viz.timeline`` draws it), ``format_breakdown`` prints it.
+(``mirrored.lab.viz.timeline`` draws it), ``format_breakdown`` prints it.
 
 Everything returns plain structures (lists of dicts, tuples, floats) so a notebook
-can print them, a test can check them, and ``mirrored.viz`` can draw them.
+can print them, a test can check them, and ``mirrored.lab.viz`` can draw them.
 
 Clocks. On a real GPU a kernel launch returns long before the kernel has run, so
 the host clock measures launches, not work. There the timer records a CUDA event
@@ -20,10 +20,10 @@ used there too.
 
 Typical use (a notebook; see labs/05)::
 
-    from mirrored import timing
+    from mirrored.lab import timing
     bd = timing.step_breakdown(model, dataset, steps=20)
     print(timing.format_breakdown(bd))
-    bd["timeline"]     # [(replica, phase, start_s, end_s), ...] for mirrored.viz.timeline
+    bd["timeline"]     # [(replica, phase, start_s, end_s), ...] for mirrored.lab.viz.timeline
 
 Neighbours: ``keras/step.py`` (the step that ``TimedStep`` wraps), ``scaling.py``
 (whole epochs under several strategies: ``compare``), ``perf_model.py`` (N GPUs

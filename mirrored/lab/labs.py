@@ -4,7 +4,7 @@ Every notebook starts the same way: is this a quick run (``MIRRORED_QUICK=1``, s
 the test suite)? which devices do the replicas get? ``setup`` answers both, once, and
 says what it chose::
 
-    from mirrored import labs
+    from mirrored.lab import labs
     lab = labs.setup(replicas=2)      # lab.quick, lab.devices, lab.description, lab.root
 
 The device split follows ``workflow.configure_devices`` (the one ``python -m mirrored``
@@ -20,7 +20,8 @@ and restart the kernel to change it.
 MaxPooling2D -> Flatten -> Dense(64, relu) -> Dense(10)`` (347,146 parameters),
 compiled as the lab compiles it; ``make_model("dense")`` is the fast option,
 ``Flatten -> Dense(64, relu) -> Dense(10)`` (50,890 parameters). One model for every
-lab: a notebook that uses the dense stack says why.
+lab: a notebook that uses the dense stack says why. (They live in ``workflow.py``, which
+``python -m mirrored`` trains too; this module names them for the notebooks.)
 
 Neighbours: ``workflow.py`` (the command-line lab: devices, data pipeline), ``scaling.py``,
 ``timing.py``, ``perf_model.py`` and ``viz.py`` (what the labs measure and draw).
@@ -30,7 +31,8 @@ import os
 
 import mirrored as tf
 from mirrored import devices as _dev
-from mirrored import workflow
+from mirrored.lab import workflow
+from mirrored.lab.workflow import MODEL_KINDS, make_model, model_layers   # the lab's model: labs.make_model
 
 #: Quick mode (``MIRRORED_QUICK=1``: the test suite runs every notebook so): the first
 #: examples of each split only, and few timed steps. The ConvNet takes ~30 ms a step of 64
@@ -38,9 +40,7 @@ from mirrored import workflow
 #: an epoch per strategy in about a second. Enough to run every cell, not to measure.
 QUICK = {"train_examples": 256, "test_examples": 128, "steps": 3, "warmup_steps": 1}
 
-#: The lab's two models: the course's ConvNet (the default) and the fast dense stack.
-MODEL_KINDS = ("conv", "dense")
-#: Their parameter counts (``model.count_params()``), for the labs' arithmetic.
+#: The parameter counts of the lab's two models (``MODEL_KINDS``) (``model.count_params()``), for the labs' arithmetic.
 PARAMS = {"conv": (3 * 3 * 1 * 32 + 32) + (13 * 13 * 32 * 64 + 64) + (64 * 10 + 10),   # 347,146
           "dense": (28 * 28 * 64 + 64) + (64 * 10 + 10)}                                # 50,890
 
@@ -93,32 +93,6 @@ def setup(replicas=2, device_type=None, out=print):
             for name in names:
                 out(f"   {name}")
     return lab
-
-
-def model_layers(kind="conv"):
-    """A fresh list of the lab model's layers (``kind``: "conv" or "dense")."""
-    layers = tf.keras.layers
-    if kind == "conv":
-        return [layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
-                layers.MaxPooling2D(),
-                layers.Flatten(),
-                layers.Dense(64, activation="relu"),
-                layers.Dense(10)]
-    if kind == "dense":
-        return [layers.Flatten(input_shape=(28, 28, 1)),
-                layers.Dense(64, activation="relu"),
-                layers.Dense(10)]
-    raise ValueError(f"labs: unknown model kind {kind!r}; expected one of {MODEL_KINDS} "
-                     f"('conv': the course lab's ConvNet, 'dense': the fast dense stack).")
-
-
-def make_model(kind="conv"):
-    """The lab's model, compiled as the lab compiles it (call inside ``strategy.scope()``):
-    Adam, ``SparseCategoricalCrossentropy(from_logits=True)``, ``metrics=['accuracy']``."""
-    model = tf.keras.Sequential(model_layers(kind))
-    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"])
-    return model
 
 
 def same_weights_on_every_worker(folder, workers):

@@ -9,11 +9,11 @@ buffer over the slowest link, plus an overhead that does not shrink::
 ``calibrate`` measures compute and overhead on ONE replica (from
 ``timing.step_breakdown``, and ``fit``'s measured throughput so that N=1 matches it); ``predict_throughput`` then extrapolates to N devices
 with the lab's rule (the global batch grows with N). Everything returns plain
-numbers and dicts; ``mirrored.viz.plot_performance_model`` draws them beside
+numbers and dicts; ``mirrored.lab.viz.plot_performance_model`` draws them beside
 measurements.
 
 Neighbours: ``timing.py`` (the measurements), ``viz.py`` (the plot),
-``cross_device_ops.py`` (the ring whose traffic ``ring_allreduce_time`` counts).
+``ring.py`` (the ring whose traffic ``ring_allreduce_time`` counts).
 """
 import warnings
 

@@ -30,7 +30,7 @@ What it does, in the lab's order:
    Figures from too few timed steps are marked as too short to compare
    (``scaling.MIN_TIMED_STEPS``); ``--quick`` times two epochs after its warm-up.
 
-The model is ``labs.make_model`` (the one every notebook trains); the notebooks use
+The model is ``make_model`` (the one every notebook trains, as ``labs.make_model``); the notebooks use
 this file's ``scale``, ``load_mnist``, ``make_data_fn`` and ``configure_devices`` too.
 
 Neighbours: ``__main__.py`` (the command line), ``scaling.py`` (the measurements), ``viz.py``.
@@ -40,7 +40,7 @@ import warnings
 
 import mirrored as tf
 from mirrored import devices as _dev
-from mirrored import scaling, viz
+from mirrored.lab import scaling, viz
 
 BATCH_PER_REPLICA = 64           # the course lab's BATCH_SIZE_PER_REPLICA
 BUFFER_SIZE = 10000              # the lab's shuffle buffer
@@ -49,11 +49,13 @@ QUICK = {"train_examples": 1024, "test_examples": 512, "epochs": 3}   # --quick 
 #                                  1 warm-up + 2 timed epochs (the median of one is one sample)
 DEFAULT_PLOT = "mirrored-timing.png"
 CPU_REPLICAS = 2                 # with no GPU, the CPU is split in two: the table gets a ×2 row
-MODELS = {                       # --model: labs.make_model's kinds, in words (the ConvNet by default)
+MODELS = {                       # --model: make_model's kinds, in words (the ConvNet by default)
     "conv": "the lab's ConvNet: Conv2D(32, 3, relu) → MaxPooling2D → Flatten → Dense(64, relu) → Dense(10)",
     "dense": "the dense stack: Flatten → Dense(64, relu) → Dense(10)",
 }
 DEFAULT_MODEL = "conv"
+#: The lab's two models: the course's ConvNet (the default) and the fast dense stack.
+MODEL_KINDS = ("conv", "dense")
 
 
 class DeviceError(ValueError):
@@ -190,6 +192,32 @@ def replica_counts(n):
 
 # --- the whole job ---------------------------------------------------------------------------
 
+def model_layers(kind="conv"):
+    """A fresh list of the lab model's layers (``kind``: "conv" or "dense")."""
+    layers = tf.keras.layers
+    if kind == "conv":
+        return [layers.Conv2D(32, 3, activation="relu", input_shape=(28, 28, 1)),
+                layers.MaxPooling2D(),
+                layers.Flatten(),
+                layers.Dense(64, activation="relu"),
+                layers.Dense(10)]
+    if kind == "dense":
+        return [layers.Flatten(input_shape=(28, 28, 1)),
+                layers.Dense(64, activation="relu"),
+                layers.Dense(10)]
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS} "
+                     f"('conv': the course lab's ConvNet, 'dense': the fast dense stack).")
+
+
+def make_model(kind="conv"):
+    """The lab's model, compiled as the lab compiles it (call inside ``strategy.scope()``):
+    Adam, ``SparseCategoricalCrossentropy(from_logits=True)``, ``metrics=['accuracy']``."""
+    model = tf.keras.Sequential(model_layers(kind))
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"])
+    return model
+
+
 def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PER_REPLICA,
         data_dir=None, plot=DEFAULT_PLOT, quick=False, model=DEFAULT_MODEL, out=print):
     """Run the lab workflow; returns ``(rows, report_text)``.
@@ -219,9 +247,8 @@ def run(epochs=None, devices=None, logical_gpus=None, batch_per_replica=BATCH_PE
     out(f"devices: {device_text}")
     strategies = scaling.lab_strategies(names, replica_counts(len(names)))
     data_fn = make_data_fn(train, test)
-    from mirrored import labs             # here: labs.py imports this module
     with tf.device(names[0]):             # "no strategy" runs on the first device compared
-        rows = scaling.compare(lambda: labs.make_model(model), data_fn, strategies, epochs=epochs,
+        rows = scaling.compare(lambda: make_model(model), data_fn, strategies, epochs=epochs,
                                batch_per_replica=batch_per_replica, verbose=1, log=out)
     warm = "first epoch is warm-up, not timed" if epochs > 1 else "one epoch: warm-up included"
     report = "\n".join([

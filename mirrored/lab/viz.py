@@ -36,7 +36,7 @@ Returning a bare ``Figure`` (not a pyplot one) means nothing piles up in pyplot'
 registry; Jupyter displays it once the inline backend is active (``%matplotlib
 inline``, the first line of every lab).
 
-Neighbours: ``cross_device_ops.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
+Neighbours: ``ring.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
 ``initial_holds``, ``schedule``), ``input_lib.py`` (``rebatch_bounds``), the timing
 helpers that produce events and rows (``timing.py``, ``scaling.py``, ``perf_model.py``),
 ``kernels/gemm.py`` (the tile sizes ``gemm_mapping`` draws), and ``labs/`` (which call
@@ -241,7 +241,7 @@ def ring_step(step, n_devices=None, ax=None, device_names=None, legend=True):
     when ``step`` is None). ``device_names``: row labels (default "device 0" ...).
     ``legend``: draw the colour legend under the grid.
     """
-    from mirrored.cross_device_ops import RingAllReduce
+    from mirrored.ring import RingAllReduce
 
     if step is None:
         if n_devices is None:

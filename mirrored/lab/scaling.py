@@ -5,7 +5,7 @@ on 1, 2, 4 devices), each from the same initial weights, with the course lab's
 rule for the global batch (``batch_per_replica × replicas``), and every epoch is
 timed by a Keras callback (``EpochTimer``). The rows say epoch time, ms/step,
 samples/s and the scaling efficiency against one replica; ``format_table`` prints
-them and ``mirrored.viz.plot_comparison`` / ``scaling_plot`` draw them.
+them and ``mirrored.lab.viz.plot_comparison`` / ``scaling_plot`` draw them.
 
 Logical devices are configured once per process (``set_logical_device_configuration``
 raises ``RuntimeError`` afterwards, as in TensorFlow): configure the largest number

@@ -1,0 +1,447 @@
+"""The ring all-reduce: how N replicas' gradients become one sum, each device talking
+only to its neighbour (``RingAllReduce``, the default ``cross_device_ops`` of
+``MirroredStrategy``; lab 03 steps through it).
+
+Read top to bottom: the plain records of the teaching trace (``RingTransfer``,
+``RingStep``), peer access between two cards, then ``RingAllReduce``: its schedule as
+plain functions (``chunk_bounds``, ``schedule``, ``bytes_moved``), the checks, and
+``_run_ring``, which launches the steps (``kernels/allreduce.py`` adds or copies one
+chunk) with one CUDA event between neighbours per step.
+
+Neighbours: ``cross_device_ops.py`` (``CrossDeviceOps``, the base class: packing,
+MEAN, destinations; it calls this ring's ``_sum_in_place``), ``collective_all_reduce.py``
+(the same ring across MPI workers), ``kernels/allreduce.py`` (the chunk kernels),
+``lab/viz.py`` (the ring's pictures).
+"""
+import dataclasses
+import threading
+import warnings
+
+import numpy as np
+
+from mirrored import devices as _dev
+from mirrored.cross_device_ops import CrossDeviceOps, check_distinct
+
+
+# Plain data for the teaching trace (``RingAllReduce(trace=True)``): what moved in
+# each step and what every chunk holds afterwards. Frozen dataclasses so that a
+# notebook or ``mirrored.lab.viz`` can keep, compare and draw them.
+
+@dataclasses.dataclass(frozen=True)
+class RingTransfer:
+    """One chunk moving one hop along the ring in one step.
+
+    ``src`` sends chunk ``chunk`` (elements ``[lo, hi)`` of the flat buffer) to
+    ``dst = (src + 1) % N``; ``op`` is ``"add"`` (reduce-scatter: dst's chunk +=
+    src's chunk) or ``"copy"`` (all-gather: dst's chunk = src's chunk). Device
+    numbers are positions in the ring (replica ids), not CUDA device ids.
+    ``src_worker``/``dst_worker``: the worker holding each end (0 on one machine;
+    under ``MultiWorkerMirroredStrategy`` a transfer whose workers differ is an MPI
+    message between processes).
+    """
+
+    src: int
+    dst: int
+    chunk: int
+    lo: int
+    hi: int
+    op: str
+    src_worker: int = 0     # the worker (MPI rank) of each end: a transfer between
+    dst_worker: int = 0     # two workers is an MPI message (MultiWorkerMirroredStrategy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+    """One step of the ring, for every device at once.
+
+    phase      "reduce-scatter" or "all-gather"
+    step       index within the phase, 0 .. N-2
+    transfers  one ``RingTransfer`` per device, ordered by sender (``transfers[i].src == i``)
+    holds      after the step: ``holds[d][c]`` is the frozenset of replica ids whose
+               contributions chunk ``c`` on device ``d`` now holds
+    buffer     which fused buffer (``batch_reduce`` fuses one per dtype), 0, 1, ...
+    dtype      that buffer's dtype name; ``size`` its number of elements
+    """
+
+    phase: str
+    step: int
+    transfers: tuple
+    holds: tuple
+    buffer: int = 0
+    dtype: str = "float32"
+    size: int = 0
+
+    def as_dict(self):
+        """JSON-friendly: dicts and lists, contribution sets as sorted lists. A transfer's
+        ``src_worker``/``dst_worker`` appear only in a ring that spans workers."""
+        across = any(t.src_worker or t.dst_worker for t in self.transfers)
+        transfers = [dataclasses.asdict(t) for t in self.transfers]
+        if not across:
+            for t in transfers:
+                del t["src_worker"], t["dst_worker"]
+        return {"phase": self.phase, "step": self.step, "buffer": self.buffer,
+                "dtype": self.dtype, "size": self.size,
+                "transfers": transfers,
+                "holds": [[sorted(c) for c in dev] for dev in self.holds]}
+
+
+# Peer access is a property of a pair of CUDA contexts, so it is cached for the
+# whole process: (reading GPU id, GPU id whose memory it reads) -> enabled?
+_peer_access = {}
+_peer_lock = threading.Lock()
+
+#: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: someone in this process enabled it first.
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def _enable_peer_access(reader_gpu, owner_gpu):
+    """Let kernels on GPU ``reader_gpu`` read memory of GPU ``owner_gpu``; False if impossible."""
+    key = (reader_gpu, owner_gpu)
+    with _peer_lock:
+        if key not in _peer_access:
+            cuda = _dev.numba_cuda()
+            ok = False
+            with cuda.gpus[reader_gpu]:
+                ctx = cuda.current_context()
+                if ctx.can_access_peer(owner_gpu):
+                    try:
+                        ctx.enable_peer_access(cuda.gpus[owner_gpu].get_primary_context().handle)
+                        ok = True
+                    except cuda.cudadrv.driver.CudaAPIError as err:
+                        # Already on is fine; any other failure: stage through copies.
+                        ok = getattr(err, "code", None) == _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            _peer_access[key] = ok
+        return _peer_access[key]
+
+
+class RingAllReduce(CrossDeviceOps):
+    """Ring all-reduce: reduce-scatter, then all-gather, each device talking only to its neighbour.
+
+    The N devices form a ring 0 -> 1 -> ... -> N-1 -> 0, and every device's flat
+    buffer is cut into N chunks (chunk c = elements [c*size//N, (c+1)*size//N):
+    sizes differ by at most one; with size < N some chunks are empty). In each
+    of 2(N-1) steps every device sends ONE chunk to the next device:
+
+    * reduce-scatter step s (s = 0 .. N-2): device i sends chunk (i - s) mod N to
+      device i+1, which adds it into its own copy of that chunk. After N-1 steps
+      device i holds the full sum of chunk (i + 1) mod N.
+    * all-gather step g (g = 0 .. N-2): device i sends chunk (i + 1 - g) mod N,
+      fully reduced, to device i+1, which overwrites its own copy with it.
+
+    The schedule for N = 4 (cK = chunk K; RS adds, AG copies)::
+
+                    GPU0->GPU1   GPU1->GPU2   GPU2->GPU3   GPU3->GPU0
+        RS step 0      c0           c1           c2           c3
+        RS step 1      c3           c0           c1           c2
+        RS step 2      c2           c3           c0           c1
+                    now GPU0 has all of c1, GPU1 of c2, GPU2 of c3, GPU3 of c0
+        AG step 0      c1           c2           c3           c0
+        AG step 1      c0           c1           c2           c3
+        AG step 2      c3           c0           c1           c2
+
+    The life of chunk 0 (the replicas whose contributions it holds)::
+
+        GPU0 {0} -RS0-> GPU1 {0,1} -RS1-> GPU2 {0,1,2} -RS2-> GPU3 {0,1,2,3}
+                 -AG0-> GPU0 -AG1-> GPU1 -AG2-> GPU2          (all four have the sum)
+
+    Why a ring: every device sends and receives 2(N-1)/N of the buffer, no matter
+    how large N is, and all links are busy at once; reduce-to-one-device pushes
+    (N-1) whole buffers through one device. (``bytes_moved`` counts both.)
+
+    Bitwise determinism, by construction: each chunk's sum is formed on one path
+    around the ring in a fixed order (chunk c: replica c, then c+1, c+2, ...),
+    then *copied* to everyone. So every device ends with the same bits, and a
+    rerun adds in the same order. (ReductionToOneDevice adds in another order:
+    the two agree to float32 rounding, not bitwise.)
+
+    Where the bytes go:
+    * logical GPUs on one card: the receiving device's kernel reads the sender's
+      allocation directly (one address space);
+    * physical GPUs: peer access is enabled where ``can_access_peer`` allows it
+      (once per ordered pair, cached) and the kernel reads over NVLink/PCIe;
+      where it is impossible, or with ``peer_access=False`` (to test this path
+      on one card), each chunk is first copied device-to-device into a scratch
+      buffer on the receiving device (``Device.copy_peer_into``: cuMemcpyPeerAsync
+      between two cards), then added from there. Same algorithm,
+      same order of additions, so the same bits;
+    * CPU devices: the same schedule over NumPy slices (``CpuOps``: the refs).
+    * CPU and GPU devices in one ring: refused (use ``ReductionToOneDevice``).
+
+    Ordering without any device-wide synchronisation: each device works on its own
+    stream; after its step t device i records an event, and device i+1's step
+    t+1 waits on it — nothing else. (See ``_run_ring`` for why that suffices.)
+
+    ``trace=True``: after each reduction ``self.trace`` is a list with one
+    ``RingStep`` per step (per fused buffer; the list is reset on every call):
+    ``phase``, ``step``, ``transfers`` (for each device: ``RingTransfer(src,
+    dst, chunk, lo, hi, op)``) and ``holds`` (after the step, ``holds[d][c]`` =
+    frozenset of the replica ids whose contributions chunk c on device d
+    holds). The state before the first step is ``RingAllReduce.initial_holds(N)``.
+    ``step.as_dict()`` gives lists and dicts for JSON. With ``trace=False`` (the
+    default, nothing recorded) ``self.trace`` is None.
+    """
+
+    PHASES = ("reduce-scatter", "all-gather")
+
+    def __init__(self, peer_access=True, trace=False):
+        self.peer_access = bool(peer_access)
+        self.trace = [] if trace else None
+        self._events = {}      # device name -> [CUDA events, one per step], reused call after call
+        self._scratch = {}     # (device name, size, dtype) -> staging buffer (staged path only)
+        self._buffer_index = 0
+
+    # -- the schedule, as plain functions (the trace, the tests and the lab use them)
+    @staticmethod
+    def chunk_bounds(size, n):
+        """[(lo, hi)] of the N chunks of a buffer of ``size`` elements (balanced, maybe empty)."""
+        return [(c * size // n, (c + 1) * size // n) for c in range(n)]
+
+    @staticmethod
+    def schedule(n):
+        """[(phase, step, [(src, dst, chunk) for every device src])] for a ring of ``n``."""
+        steps = []
+        for s in range(n - 1):
+            steps.append(("reduce-scatter", s, [(i, (i + 1) % n, (i - s) % n) for i in range(n)]))
+        for g in range(n - 1):
+            steps.append(("all-gather", g, [(i, (i + 1) % n, (i + 1 - g) % n) for i in range(n)]))
+        return steps
+
+    @staticmethod
+    def initial_holds(n):
+        """Before the first step every device's chunks hold only its own contribution."""
+        return tuple(tuple(frozenset([d]) for _ in range(n)) for d in range(n))
+
+    @staticmethod
+    def bytes_moved(size, n, itemsize=4):
+        """Bytes each device sends and receives to all-reduce ``size`` elements over ``n`` devices.
+
+        Returns ``{"ring": [{"sent": .., "received": ..} per device],
+        "reduce_to_one": [...]}``. Ring: each device sends and receives about
+        2(N-1)/N of the buffer (exactly, from the chunk sizes). Reduce to one
+        (device 0, as ``ReductionToOneDevice``): device 0 receives N-1 buffers and
+        sends N-1 sums back; every other device sends 1 and receives 1.
+        """
+        bounds = RingAllReduce.chunk_bounds(size, n)
+        ring = [{"sent": 0, "received": 0} for _ in range(n)]
+        for _, _, sends in RingAllReduce.schedule(n):
+            for src, dst, c in sends:
+                nbytes = (bounds[c][1] - bounds[c][0]) * itemsize
+                ring[src]["sent"] += nbytes
+                ring[dst]["received"] += nbytes
+        whole = size * itemsize
+        to_one = [{"sent": (n - 1) * whole, "received": (n - 1) * whole}]
+        to_one += [{"sent": whole, "received": whole} for _ in range(n - 1)]
+        return {"ring": ring, "reduce_to_one": to_one if n > 1 else [{"sent": 0, "received": 0}]}
+
+    # -- CrossDeviceOps
+    def all_reduce_components(self, reduce_op, values):
+        # One reduce/batch_reduce call = one fresh trace (also when N == 1 or
+        # every tensor is empty and the hook below is never called).
+        self._start_call()
+        return super().all_reduce_components(reduce_op, values)
+
+    def all_reduce_flat(self, reduce_op, buffers, devices):
+        self._start_call()
+        return super().all_reduce_flat(reduce_op, buffers, devices)
+
+    def _start_call(self):
+        if self.trace is not None:
+            self.trace = []
+        self._buffer_index = 0
+
+    def _sum_in_place(self, buffers, devices):
+        n = len(devices)
+        size = int(buffers[0].shape[0]) if n else 0
+        self._check(buffers, devices)               # refuse before anything is launched
+        buffer_index, self._buffer_index = self._buffer_index, self._buffer_index + 1
+        if n < 2 or size == 0:
+            return
+        links = [self._link(devices[(i - 1) % n], devices[i]) for i in range(n)]
+        self._run_ring(buffers, devices, links)
+        if self.trace is not None:
+            self.trace.extend(self._trace_steps(n, size, buffer_index, np.dtype(buffers[0].dtype)))
+
+    # -- checks and links
+    def _check(self, buffers, devices):
+        if not devices:
+            raise ValueError("RingAllReduce: no devices to reduce over (the device list is empty).")
+        names = [d.name for d in devices]
+        check_distinct(devices, "RingAllReduce", "a ring needs N distinct devices")
+        kinds = {d.device_type for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"RingAllReduce: the ring mixes CPU and GPU devices ({names}). Its steps read the "
+                f"neighbour's memory from a kernel (or a NumPy slice), which a GPU cannot do for "
+                f"host memory nor a CPU for device memory. Put every replica on the same kind of "
+                f"device, or use cross_device_ops=mirrored.distribute.ReductionToOneDevice(), "
+                f"which copies through the host.")
+        first = buffers[0]
+        for buf, dev in zip(buffers, devices):
+            if tuple(buf.shape) != (first.shape[0],) or np.dtype(buf.dtype) != np.dtype(first.dtype):
+                raise ValueError(f"RingAllReduce: buffer on {dev.name} is {tuple(buf.shape)} "
+                                 f"{buf.dtype}, expected flat ({first.shape[0]},) {first.dtype} "
+                                 f"like every other device.")
+
+    def _link(self, sender, receiver):
+        """How ``receiver`` reads ``sender``'s memory: "host", "direct", "peer" or "staged"."""
+        if receiver.device_type == "CPU":
+            return "host"                            # NumPy: one address space
+        if not self.peer_access:
+            return "staged"                          # forced (tests the staged path on one card)
+        if sender.gpu_id == receiver.gpu_id:
+            return "direct"                          # logical GPUs of one card: one context
+        return "peer" if _enable_peer_access(receiver.gpu_id, sender.gpu_id) else "staged"
+
+    def _step_events(self, dev, count):
+        """``count`` reusable events on ``dev`` (None on a CPU device, which needs none).
+
+        Reusing an event across calls is safe: ``event.wait(stream)`` captures the
+        event's *latest record at the time of the call*; re-recording it later
+        does not affect waits already queued.
+        """
+        if dev.stream is None:
+            return [None] * count
+        events = self._events.setdefault(dev.name, [])
+        if len(events) < count:
+            cuda = _dev.numba_cuda()
+            with dev.activate():
+                while len(events) < count:
+                    # timing=False: cheaper events, we only order streams with them.
+                    events.append(cuda.event(timing=False) if _dev.cuda_mode() == "real" else cuda.event())
+        return events[:count]
+
+    def _scratch_for(self, dev, size, dtype):
+        """The staging buffer of ``dev`` for reductions of ``size`` elements of ``dtype``.
+
+        One per (device, size, dtype), kept for the life of this object and never
+        replaced: a CUDA graph captured over an all-reduce keeps writing into the
+        scratch it was captured with, so an all-reduce of another size in between
+        (a scalar ``strategy.reduce`` during ``fit``) must get its own buffer, not
+        free and replace that one.
+        """
+        key = (dev.name, int(size), np.dtype(dtype))
+        buf = self._scratch.get(key)
+        if buf is None:
+            with dev.activate():
+                buf = self._scratch[key] = dev.empty((size,), dtype)
+        return buf
+
+    # -- the ring itself
+    def _run_ring(self, buffers, devices, links):
+        """Issue the 2(N-1) steps on every device's stream, ordered only by events.
+
+        Events: ``done[i][t]`` is recorded on device i's stream after its step t
+        (``done[i][0]`` = "inputs ready", before step 1; steps are numbered
+        1 .. 2(N-1) here). Device i's step t waits on ``done[i-1][t-1]`` and on
+        nothing else — its own earlier steps are ordered by its own stream.
+
+        Why that is enough (the data hazards):
+        * Read after write. At step t device i reads the chunk that device i-1
+          sends; device i-1 finished it at step t-1 (or it is i-1's input, at
+          t = 1), so waiting on done[i-1][t-1] is exactly what is needed.
+        * Write after read, reduce-scatter. Device i writes chunk (i-1-s) at RS
+          step s, and device i+1 reads device i's chunk (i-s') at RS step s'.
+          They are the same chunk only when s' = s+1: the neighbour reads a
+          chunk *after* it was written, never before, and no chunk is written
+          twice in this phase. So device i may race ahead into another chunk
+          while device i+1 still reads: no conflict.
+        * Write after read, across phases. Device i overwrites chunk (i-g) at
+          AG step g — the very chunk device i+1 read from it at RS step g. Is
+          device i+1 done reading? Device i's AG step g (step N-1+g+1 here)
+          waits, through the chain i-1, i-2, ... around the ring, on device i+1's
+          step g+1 = RS step g: N-1 hops back, exactly the read in question.
+          The ring's own dependency chain protects it; no extra event needed.
+        * Write after read, at the end. Device i+1 reads device i's memory in the
+          last step, after which the caller may overwrite device i's buffer on
+          device i's stream (MEAN divides in place). So, last, every device
+          waits on its successor's last step: a device's buffer is handed back
+          only when nobody reads it any more.
+        On CPU devices everything runs in host order and the events are None.
+        """
+        n = len(devices)
+        size = int(buffers[0].shape[0])
+        dtype = buffers[0].dtype
+        bounds = self.chunk_bounds(size, n)
+        total = 2 * (n - 1)
+        done = [self._step_events(dev, total + 1) for dev in devices]
+        for i, dev in enumerate(devices):
+            with dev.activate():
+                record_event(dev, done[i][0])             # inputs ready (packed on this stream)
+        for t, (phase, _, sends) in enumerate(self.schedule(n), start=1):
+            for src, dst, c in sends:
+                recv, send = devices[dst], devices[src]
+                with recv.activate():
+                    wait_event(recv, done[src][t - 1])    # the sender finished this chunk at step t-1
+                    lo, hi = bounds[c]
+                    if hi > lo:
+                        self._step(phase, recv, buffers[dst], send, buffers[src], lo, hi, links[dst], dtype)
+                    record_event(recv, done[dst][t])
+        for i, dev in enumerate(devices):            # nobody reads device i any more
+            with dev.activate():
+                wait_event(dev, done[(i + 1) % n][total])
+
+    def _step(self, phase, recv, own, send, peer, lo, hi, link, dtype):
+        """One device's part of one step: receive chunk [lo, hi) from ``send``."""
+        if link == "staged":
+            if phase == "reduce-scatter":
+                # Copy the peer's chunk into our scratch at the same offsets, on our
+                # stream, then add from there: the kernel only reads local memory.
+                scratch = self._scratch_for(recv, own.shape[0], dtype)
+                recv.copy_peer_into(scratch[lo:hi], peer[lo:hi], send)
+                recv.ops.ring_reduce_step(own, scratch, lo, hi)
+            else:
+                # All-gather is a plain copy: the device-to-device copy *is* the step.
+                recv.copy_peer_into(own[lo:hi], peer[lo:hi], send)
+        elif phase == "reduce-scatter":
+            recv.ops.ring_reduce_step(own, peer, lo, hi)
+        else:
+            recv.ops.ring_gather_step(own, peer, lo, hi)
+
+    def _trace_steps(self, n, size, buffer_index, dtype):
+        """Replay the schedule symbolically: sets of replica ids instead of numbers."""
+        bounds = self.chunk_bounds(size, n)
+        holds = [list(row) for row in self.initial_holds(n)]
+        steps = []
+        for phase, step, sends in self.schedule(n):
+            before = [list(row) for row in holds]    # every device acts at once
+            op = "add" if phase == "reduce-scatter" else "copy"
+            transfers = []
+            for src, dst, c in sends:
+                transfers.append(RingTransfer(src, dst, c, bounds[c][0], bounds[c][1], op))
+                holds[dst][c] = before[dst][c] | before[src][c] if op == "add" else before[src][c]
+            steps.append(RingStep(phase, step, tuple(transfers), tuple(tuple(r) for r in holds),
+                                  buffer_index, dtype.name, size))
+        return steps
+
+
+def record_event(dev, event):
+    """Mark ``event`` done once ``dev``'s stream reaches this point (None: a CPU, nothing to do)."""
+    if event is not None:
+        event.record(dev.stream)
+
+
+def wait_event(dev, event):
+    """Make ``dev``'s stream wait, on the GPU, for ``event`` (None: a CPU, nothing to do)."""
+    if event is not None:
+        event.wait(dev.stream)
+
+
+_HIERARCHICAL_NOTED = []
+
+
+class HierarchicalCopyAllReduce(RingAllReduce):
+    """Accepted, and runs as our ring (``RingAllReduce``), with a note once.
+
+    TensorFlow's hierarchical copy is a reduction tree laid out for the NVLink topology
+    of one 8-GPU machine (the DGX-1); the guide names it as the alternative to NCCL. Its
+    result is the same sum; here the ring computes it. ``num_packs`` is accepted for
+    compatibility (gradients are already one packed buffer)."""
+
+    def __init__(self, num_packs=1):
+        super().__init__()
+        self.num_packs = num_packs
+        if not _HIERARCHICAL_NOTED:
+            _HIERARCHICAL_NOTED.append(True)
+            warnings.warn("HierarchicalCopyAllReduce runs as mirrored's ring all-reduce "
+                          "(RingAllReduce): the same sums; the hierarchical copy tree is "
+                          "specific to the DGX-1's NVLink layout.", stacklevel=2)
