@@ -19,7 +19,9 @@ one: two threads using one model take turns, and a callback may still call ``pre
 to call, so without it a second thread's batch overwrote the first's mid-step. Inside
 ``strategy.run`` the replicas call the model on their own devices and programs, one
 ``run`` at a time per strategy; they take only the build lock, so a model with no
-``input_shape`` is built exactly once, by whichever replica comes first.
+``input_shape`` is built exactly once, by whichever replica comes first. (Not guarded:
+a custom loop's ``strategy.run`` calling the model while another thread runs its ``fit``;
+taking the model's lock there would deadlock a callback that calls ``strategy.run``.)
 
 Neighbours: ``layers.py`` (what a model is made of), ``step.py`` (the step),
 ``data_adapters.py`` (what fit/evaluate/predict accept), ``saving.py``,
