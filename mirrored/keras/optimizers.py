@@ -198,14 +198,12 @@ class Optimizer:
             out.extend(flat[off:off + size].reshape(shape) for flat in flats)
         return out
 
-    def set_keras_variables(self, pack, values):
-        """The inverse of ``keras_variables`` (the count checked by the caller): the step
-        counter, the learning rate, and every replica's slots (created if need be)."""
-        self.keras_variables_setter(pack, values)()
-
     def keras_variables_setter(self, pack, values):
-        """Check ``values`` (``keras_variables``' list, of a count the caller checked) against
-        this optimizer and ``pack``, changing nothing; return the function that sets them.
+        """The inverse of ``keras_variables``, in two halves: check ``values`` (of a count the
+        caller checked) against this optimizer and ``pack``, changing nothing, and return
+        the function that sets them: the step counter, the learning rate, and every
+        replica's slots (created if need be). ``keras/saving.py`` checks the whole file
+        before it calls it.
 
         ``values`` holds only the iteration and the learning rate when the optimizer that
         wrote them had not taken a step yet (Keras saves no slots then): those two are set
