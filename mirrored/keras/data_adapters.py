@@ -23,6 +23,8 @@ a GPU a bad label would only poison its row with NaN.)
 Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits the
 batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
 """
+import numbers
+
 import numpy as np
 
 from kernels.launch import ceil_div
@@ -42,14 +44,12 @@ def batches(model, x, y, batch_size, shuffle):
         x, y = np.asarray(x), np.asarray(y)
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
-        if x.ndim >= 2 and takes_targets(model.loss):
-            model.build((None,) + tuple(x.shape[1:]))
-            targets(model, y, len(y))            # MSE, BCE: float targets, checked once
-        elif x.ndim >= 2:                        # every label checked once, before any step
-            model.build((None,) + tuple(x.shape[1:]))
+        model.accept_inputs(x.shape, x.dtype)  # every example and label checked once, before any step
+        if takes_targets(model.loss):
+            targets(model, y, len(y))            # MSE, BCE: float targets
+        else:
             check_label_shape(model, y.shape, len(y))
-            check_labels(y.reshape(-1) if y.dtype.kind in "iu" else y.reshape(-1).astype(np.int64),
-                         model.step.programs[0].classes)
+            check_labels(class_indices(y.reshape(-1), model), model.step.programs[0].classes)
         adapter = ArrayBatches(x, y, batch_size or 32, shuffle, model.distribute_strategy.extended)
         return adapter, len(adapter)
     if y is not None:
@@ -138,8 +138,7 @@ def host_batch(model, batch):
         raise ValueError(f"the dataset yields single examples (x of shape {xb.shape}, one label "
                          f"{yb!r:.20}), but fit and evaluate take batches: call .batch(batch_size) "
                          f"on the dataset first, e.g. ds.batch(128).")
-    model.build((None,) + tuple(xb.shape[1:]))
-    model.check_example_shape(xb.shape[1:])
+    model.accept_inputs(xb.shape, xb.dtype)
     xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)     # Flatten: (B, features)
     in_dim = model.step.in_dim
     if xb.shape[1] != in_dim:
@@ -148,9 +147,7 @@ def host_batch(model, batch):
     if takes_targets(model.loss):
         return xb, targets(model, yb, xb.shape[0])
     check_label_shape(model, yb.shape, xb.shape[0])
-    yb = yb.reshape(-1)
-    if yb.dtype.kind not in "iu":
-        yb = yb.astype(np.int64)
+    yb = class_indices(yb.reshape(-1), model)
     check_labels(yb, model.step.programs[0].classes)    # on the host, before any device sees them
     return xb, np.ascontiguousarray(yb)
 
@@ -165,6 +162,37 @@ def targets(model, y, examples):
                          f"{type(model.loss).__name__} compares each example's {outputs} outputs with as "
                          f"many targets: give shape ({examples}, {outputs}).")
     return np.ascontiguousarray(y.reshape(examples, outputs), np.float32)
+
+
+def class_indices(y, model):
+    """Labels ``y`` (B,) as integer class indices (int64 unless already integers).
+
+    Float labels are accepted when every one is a whole number (3.0), as Keras casts
+    them; 0.5 or NaN would be truncated to a class silently, so they are refused."""
+    if y.dtype.kind in "iu":
+        return y
+    if y.dtype.kind not in "bf":
+        raise TypeError(f"labels of dtype {y.dtype}: the loss {type(model.loss).__name__} expects "
+                        f"integer class indices; convert them with y.astype(np.int64).")
+    whole = np.isfinite(y) & (y == np.floor(y)) if y.dtype.kind == "f" else np.ones(y.shape, bool)
+    if not whole.all():
+        bad = np.flatnonzero(~whole)
+        raise ValueError(f"labels of dtype {y.dtype} with values that are not whole numbers (at "
+                         f"{bad[:5].tolist()}: {y[bad[:5]].tolist()}): the loss {type(model.loss).__name__} "
+                         f"expects class indices, one integer per example. Round or fix the labels; "
+                         f"for soft or one-hot targets use a categorical loss.")
+    return y.astype(np.int64)
+
+
+def check_batch_size(batch_size, what):
+    """Refuse a ``batch_size`` that is not None or a positive integer (-1 gave an empty
+    predict and a negative length; 2.5 and True were taken as 2 and 1)."""
+    if batch_size is None:
+        return
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, numbers.Integral) \
+            or batch_size < 1:
+        raise ValueError(f"{what}: batch_size must be a positive integer (or None for 32), "
+                         f"got {batch_size!r}.")
 
 
 def check_label_shape(model, shape, examples):
@@ -299,8 +327,7 @@ class ResidentLoader:
         check_label_shape(model, (resident.rows_count,) + tuple(resident.shapes[self.ky]),
                           resident.rows_count)
         labels = nest.flatten(resident.rows.columns)[self.ky].reshape(-1)   # every label, once
-        check_labels(labels if labels.dtype.kind in "iu" else labels.astype(np.int64),
-                     model.step.programs[0].classes)
+        check_labels(class_indices(labels, model), model.step.programs[0].classes)
         y_dtype = np.dtype(resident.dtypes[self.ky])
         self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype

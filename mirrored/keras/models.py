@@ -11,12 +11,25 @@ This file is the Keras surface only. What happens in one training step is in
 Keras's loop around it (epochs, callbacks, the progress line). The loss and
 accuracy stay on the devices and are read when the progress line is drawn.
 
+One model, many threads. Each public method that runs or changes the model (``fit``,
+``evaluate``, ``predict``, ``train_step``, ``model(x)`` outside ``strategy.run``, the
+weights' getters and setters, saving and loading) holds the model's lock, a re-entrant
+one: two threads using one model take turns, and a callback may still call ``predict`` or
+``save_weights`` inside ``fit`` (same thread). Each replica's buffers are reused from call
+to call, so without it a second thread's batch overwrote the first's mid-step. Inside
+``strategy.run`` the replicas call the model on their own devices and programs, one
+``run`` at a time per strategy; they take only the build lock, so a model with no
+``input_shape`` is built exactly once, by whichever replica comes first. (Not guarded:
+a custom loop's ``strategy.run`` calling the model while another thread runs its ``fit``;
+taking the model's lock there would deadlock a callback that calls ``strategy.run``.)
+
 Neighbours: ``layers.py`` (what a model is made of), ``step.py`` (the step),
 ``data_adapters.py`` (what fit/evaluate/predict accept), ``saving.py``,
 ``losses.py``, ``optimizers.py``, ``callbacks.py``, ``progbar.py``,
 ``tape.py`` (``GradientTape`` custom loops use the same replica programs).
 """
 import contextlib
+import functools
 import os
 import tempfile
 import threading
@@ -40,7 +53,13 @@ from mirrored.tensor import Tensor
 from mirrored.values import components
 
 
-_BUILD_LOCK = threading.Lock()       # one model built at a time (replica threads may race to it)
+def serialised(method):
+    """Run ``method`` holding the model's re-entrant lock (the module docstring says why)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 @saving.register_model_class
@@ -48,6 +67,8 @@ class Sequential:
     """A stack of layers run in order (see layers.py for the layers there are)."""
 
     def __init__(self, layers=None, name=None):
+        self._lock = threading.RLock()          # one caller at a time (module docstring)
+        self._build_lock = threading.Lock()     # build exactly once, whoever calls first
         self.name = name or "sequential"
         self._strategy = _strategy.get_strategy()
         self.layers = []
@@ -90,7 +111,7 @@ class Sequential:
         return None if self._input_shape is None else (None,) + tuple(self._input_shape)
 
     def _scope(self):
-        if isinstance(self._strategy, _strategy.DefaultStrategy):
+        if _is_default(self._strategy):
             return contextlib.nullcontext()
         return self._strategy.scope()
 
@@ -98,12 +119,12 @@ class Sequential:
         """Create the weights (under the model's strategy) for examples of ``input_shape``
         (with or without a leading ``None`` batch axis), then the training step.
 
-        Once: a model first called inside ``strategy.run`` (TensorFlow's custom-training
-        tutorial gives no input shape) is built by the first replica to get here while the
-        others wait, so every replica uses the same weights and step."""
-        if self.built:
+        Thread-safe: replicas of ``strategy.run`` that call a model with no input shape
+        all ask to build it; the first builds, the others wait and find it built (each
+        building its own weights left the tape holding weights the optimizer never saw)."""
+        if self.built:                             # set last, once everything exists
             return
-        with _BUILD_LOCK:
+        with self._build_lock:
             if not self.built:
                 self._build(input_shape)
 
@@ -132,23 +153,68 @@ class Sequential:
         self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
         self.built = True
 
-    def check_example_shape(self, shape):
-        """Refuse examples of ``shape`` that the model would misread.
+    def accept_inputs(self, shape, dtype, what="x"):
+        """Check a batch of inputs of ``shape`` (batch axis first) and ``dtype``, build the
+        model from it if need be, and check it against the model's input shape
+        (``check_example_shape``). Raises before anything is computed or changed."""
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        if dtype.kind not in "biuf":
+            raise TypeError(f"{what} has dtype {dtype}{_why_not_numbers(dtype)}; the model takes "
+                            f"numbers (float32): convert it with np.asarray({what}, np.float32) after "
+                            f"removing or filling the missing entries.")
+        keras_expands = self._input_shape is not None and shape[1:] + (1,) == tuple(self._input_shape)
+        if len(shape) < 2 and not keras_expands:     # (B,) for input shape (1,): Keras adds the axis
+            want = "(batch, features)" if self._input_shape is None else str((None,) + self._input_shape)
+            raise ValueError(f"{what} of shape {shape} has no batch axis: the model takes a batch of "
+                             f"examples, shape {want}. For one example use {what}[None] "
+                             f"(shape {(1,) + shape}).")
+        self.build((None,) + shape[1:])
+        self.check_example_shape(shape[1:], what)
 
-        The step copies each example in flat; a dense model takes any shape with the
-        right number of features (as Flatten does), but a first Conv2D or MaxPooling2D
-        reads the image's axes, so its examples must have exactly the input shape:
-        MNIST as a 28x28 array is not a (28, 28, 1) image until its channel axis is added.
+    def check_example_shape(self, shape, what="x"):
+        """Refuse examples of ``shape`` that the model would misread, as Keras 3 does.
+
+        The examples must have the model's input shape. Keras 3 also accepts a last axis
+        of size 1 added or missing ((28, 28) for (28, 28, 1) and back), and so do we for
+        every first layer but an image layer (Conv2D, MaxPooling2D), which reads the
+        image's axes: MNIST as a 28x28 array is not a (28, 28, 1) image until its
+        channel axis is added, and saying so beats a silent reshape. Anything else,
+        such as (784,) for (28, 28, 1), is refused, as Keras refuses it: the step would
+        copy the numbers in and train on them silently.
         """
         shape, want = tuple(shape), tuple(self._input_shape)
-        if shape == want or not isinstance(self.layers[0], IMAGE_LAYERS):
+        if shape == want:
             return
         first = self.layers[0]
-        hint = (" Add the channel axis: x[..., None] (NumPy) or "
-                "dataset.map(lambda image, label: (image[..., None], label))."
-                if shape + (1,) == want else "")
-        raise ValueError(f"the model's first layer, {type(first).__name__} {first.name!r}, takes images "
-                         f"of shape {want} (height, width, channels), got examples of shape {shape}.{hint}")
+        if isinstance(first, IMAGE_LAYERS):
+            hint = (" Add the channel axis: x[..., None] (NumPy) or "
+                    "dataset.map(lambda image, label: (image[..., None], label))."
+                    if shape + (1,) == want else "")
+            raise ValueError(f"the model's first layer, {type(first).__name__} {first.name!r}, takes images "
+                             f"of shape {want} (height, width, channels), got examples of shape {shape}.{hint}")
+        if shape + (1,) == want or shape == want + (1,):    # Keras 3's last-axis squeeze
+            return
+        raise ValueError(f"the model expects inputs of shape {(None,) + want}, got {what} with examples of "
+                         f"shape {shape} ((batch,) + {shape}). Reshape {what} to (batch,) + {want}, or build "
+                         f"the model for this shape (input_shape={shape}).")
+
+    def _check_strategy(self):
+        """Refuse to run under the scope of a strategy other than the model's, as TensorFlow
+        refuses variables created outside the scope they are used in. Outside every scope
+        (the course lab's ``compile``/``fit`` after the ``with`` block) the model's own
+        strategy is used. A model not yet built and created outside any scope adopts the
+        strategy whose scope it is first used in (its weights do not exist yet)."""
+        current = _strategy.get_strategy()
+        if _is_default(current) or current is self._strategy:
+            return
+        if not self.built and _is_default(self._strategy):
+            self._strategy = current
+            return
+        raise ValueError(
+            f"the model's variables were not created in the scope of {current!r}, the strategy in force "
+            f"now: the model was created under {self._strategy!r}. Create the model inside the scope of "
+            f"the strategy that trains it:\n  with strategy.scope():\n    model = create_model()\n"
+            f"  model.compile(...)\n  model.fit(...)   # inside or outside the scope")
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -170,10 +236,12 @@ class Sequential:
     def count_params(self):
         return int(sum(np.prod(v.shape) for v in self.trainable_variables))
 
+    @serialised
     def get_weights(self):
         """NumPy copies in Keras's order: kernel (in, out), bias, layer by layer."""
         return [v.numpy() for v in self.trainable_variables]
 
+    @serialised
     def set_weights(self, weights):
         variables = self.trainable_variables
         weights = list(weights)
@@ -189,6 +257,7 @@ class Sequential:
             for c in components(v):
                 c.assign(w)
 
+    @serialised
     def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
         """Write the weights atomically to ``filepath``, a ``*.weights.h5`` file in Keras 3's
         layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact.
@@ -205,11 +274,13 @@ class Sequential:
         with tempfile.TemporaryDirectory(prefix=f"workertemp_{task}_") as tmp:
             return write(self, os.path.join(tmp, os.path.basename(os.fspath(filepath))), True)
 
+    @serialised
     def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
         """Read a ``*.weights.h5`` file (ours or Keras 3's) or a ``*.keras`` model's weights,
         checked against the model before anything changes."""
         saving.load_weights(self, filepath)
 
+    @serialised
     def save(self, filepath, overwrite=True, **kwargs):
         """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
         one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
@@ -220,6 +291,7 @@ class Sequential:
         return saving.model_config(self)["config"]
 
     # -- compile -------------------------------------------------------------------------
+    @serialised
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
                 weighted_metrics=None, run_eagerly=None, steps_per_execution=None, jit_compile=None,
                 cuda_graph=None, **kwargs):
@@ -237,6 +309,7 @@ class Sequential:
         ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
         DeprecationWarning; ``cuda_graph=True`` still warns once where nothing can be captured.
         """
+        self._check_strategy()
         run_eagerly = _eager_from(run_eagerly, cuda_graph)
         if optimizer == "rmsprop":
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
@@ -305,10 +378,12 @@ class Sequential:
         return ["loss"] + self._metric_names
 
     # -- one step ---------------------------------------------------------------------------
+    @serialised
     def train_step(self, x, y):
         """One training step on a host batch x (B, ...), y (B,): split, forward/backward on
         every replica, all-reduce, update (``step.py``). ``fit`` runs this for every batch."""
         check_compiled(self, "training")
+        self._check_strategy()
         self._train_on((x, y))
 
     def _train_on(self, batch):
@@ -327,6 +402,7 @@ class Sequential:
         return verbose if self._strategy.extended.should_checkpoint else 0
 
     # -- fit / evaluate / predict -------------------------------------------------------------
+    @serialised
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_data=None, shuffle=True, initial_epoch=0, steps_per_epoch=None,
             validation_split=0.0, **kwargs):
@@ -338,6 +414,8 @@ class Sequential:
         data set stays on the devices (``input_lib``'s docstring).
         """
         check_compiled(self, "training")
+        self._check_strategy()
+        data_adapters.check_batch_size(batch_size, "fit")
         return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split)
 
@@ -426,9 +504,12 @@ class Sequential:
             bar.finish(step, logs)
         return logs
 
+    @serialised
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         check_compiled(self, "evaluating")
+        self._check_strategy()
+        data_adapters.check_batch_size(batch_size, "evaluate")
         verbose = self._verbosity(verbose)
         logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
@@ -436,12 +517,19 @@ class Sequential:
         values = list(logs.values())
         return values if len(values) > 1 else values[0]
 
+    @serialised
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
-        """The model's outputs (probabilities after a softmax layer) as one NumPy array."""
+        """The model's outputs (probabilities after a softmax layer) as one NumPy array.
+        The model need not be compiled (as in Keras): predict has no loss and no update."""
+        self._check_strategy()
+        data_adapters.check_batch_size(batch_size, "predict")
         return self._predict(x, batch_size, verbose)
 
     def _predict(self, x, batch_size, verbose):
         verbose = self._verbosity(verbose)
+        if isinstance(x, (np.ndarray, list)):              # whole arrays: checked once, up front
+            x = np.asarray(x)
+            self.accept_inputs(x.shape, x.dtype)
         chunks, steps = data_adapters.predict_batches(x, batch_size)
         outs = []
         bar = Progbar(steps, verbose)
@@ -449,8 +537,7 @@ class Sequential:
         for batch in chunks:
             xb = batch[0] if isinstance(batch, (tuple, list)) else batch
             xb = xb.numpy() if isinstance(xb, Tensor) else np.asarray(xb)
-            self.build((None,) + tuple(xb.shape[1:]))
-            self.check_example_shape(xb.shape[1:])
+            self.accept_inputs(xb.shape, xb.dtype)
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
             with self.step.no_trace():                  # out of memory: nothing stays charged
                 outs.extend(self._trainer().predict(xb))
@@ -467,14 +554,21 @@ class Sequential:
 
         Returns a Tensor: probabilities after a softmax layer, else the last
         layer's output. Inside a GradientTape it remembers the call for
-        ``tape.gradient``.
+        ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
+        calling one model take turns); inside, each replica runs on its own program.
         """
-        shape = inputs.shape if hasattr(inputs, "shape") else np.shape(inputs)
-        self.build((None,) + tuple(shape[1:]))
-        self.check_example_shape(shape[1:])
-        features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         strategy, replica_ctx = context.top()
-        r = replica_ctx._replica_id if (replica_ctx is not None and strategy is self._strategy) else 0
+        if replica_ctx is not None and strategy is self._strategy:
+            return self._call(inputs, training, replica_ctx._replica_id)
+        with self._lock:
+            return self._call(inputs, training, 0)
+
+    def _call(self, inputs, training, r):
+        if not isinstance(inputs, Tensor):
+            inputs = np.asarray(inputs)
+        shape = inputs.shape
+        self.accept_inputs(shape, inputs.dtype, "inputs")
+        features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         p = self.step.programs[r]
         dev = p.dev
         with dev.activate():
@@ -525,6 +619,18 @@ def _eager_from(run_eagerly, cuda_graph):
         raise ValueError(f"compile(run_eagerly={run_eagerly!r}, cuda_graph={cuda_graph!r}) asks for "
                          f"both eager launches and CUDA graphs; pass run_eagerly alone.")
     return not cuda_graph
+
+
+def _is_default(strategy):
+    """True for the default (no-scope, one-replica) strategy."""
+    return isinstance(strategy, _strategy.DefaultStrategy)
+
+
+def _why_not_numbers(dtype):
+    """For an error about a non-numeric ``dtype``: why (an object array usually holds None)."""
+    if dtype.kind == "O":
+        return " (an object array: it holds None or other entries that are not numbers)"
+    return ""
 
 
 def _no_batches(function, x, epoch):

@@ -264,28 +264,47 @@ class Optimizer:
             out.extend(flat[off:off + size].reshape(shape) for flat in flats)
         return out
 
-    def set_keras_variables(self, pack, values):
-        """The inverse of ``keras_variables`` (the count checked by the caller): the step
-        counter, the learning rate, and every replica's slots (created if need be)."""
-        self._step = int(np.asarray(values[0]))
+    def keras_variables_setter(self, pack, values):
+        """The inverse of ``keras_variables``, in two halves: check ``values`` (of a count the
+        caller checked) against this optimizer and ``pack``, changing nothing, and return
+        the function that sets them: the step counter, the learning rate, and every
+        replica's slots (created if need be). ``keras/saving.py`` checks the whole file
+        before it calls it.
+
+        ``values`` holds only the iteration and the learning rate when the optimizer that
+        wrote them had not taken a step yet (Keras saves no slots then): those two are set
+        and the slots left as they are. (Reading slots that were not there raised an
+        IndexError after the weights had been loaded: ``load_weights`` between two
+        compiled, never-trained models with Adam.)"""
+        step = int(np.asarray(values[0]))
         lr = np.float32(np.asarray(values[1]))
-        if lr != self.learning_rate.numpy():       # Keras keeps it as float32: the same float32
-            self.learning_rate = float(lr)          # keeps this exact float (the same updates)
         k = len(self.slot_names)
-        if not k:
-            return
-        flats = [np.empty(pack.total, np.float32) for _ in range(k)]
-        for i, (off, size, shape) in enumerate(zip(pack.offsets, pack.sizes, pack.shapes)):
-            for j in range(k):
-                value = np.asarray(values[2 + i * k + j], np.float32)
-                if value.shape != tuple(shape):
-                    raise ValueError(f"optimizer slot {self.slot_names[j]} of {pack.variables[i].name}: "
-                                     f"shape {value.shape} in the file, {tuple(shape)} in the model.")
-                flats[j][off:off + size] = value.reshape(-1)
-        for r, dev in enumerate(pack.devices):
-            with dev.activate():
-                for buf, flat in zip(self._slot_buffers(("pack", id(pack), r), dev, pack.params[r]), flats):
-                    dev.upload_into(buf, flat)
+        flats = None
+        if k and len(values) > 2:
+            if len(values) != 2 + k * len(pack.variables):
+                raise ValueError(f"optimizer {self.name}: {len(values)} variables, expected 2 or "
+                                 f"{2 + k * len(pack.variables)} (iteration, learning rate, {k} slot(s) for "
+                                 f"each of {len(pack.variables)} variables).")
+            flats = [np.empty(pack.total, np.float32) for _ in range(k)]
+            for i, (off, size, shape) in enumerate(zip(pack.offsets, pack.sizes, pack.shapes)):
+                for j in range(k):
+                    value = np.asarray(values[2 + i * k + j], np.float32)
+                    if value.shape != tuple(shape):
+                        raise ValueError(f"optimizer slot {self.slot_names[j]} of {pack.variables[i].name}: "
+                                         f"shape {value.shape} in the file, {tuple(shape)} in the model.")
+                    flats[j][off:off + size] = value.reshape(-1)
+
+        def apply():
+            if flats is not None:                  # the slots first: the one part that may fail
+                for r, dev in enumerate(pack.devices):
+                    with dev.activate():
+                        for buf, flat in zip(self._slot_buffers(("pack", id(pack), r), dev, pack.params[r]),
+                                             flats):
+                            dev.upload_into(buf, flat)
+            self._step = step
+            if lr != self.learning_rate.numpy():     # Keras keeps it as float32: the same float32
+                self.learning_rate = float(lr)          # keeps this exact float (the same updates)
+        return apply
 
 
 def _copies(variable):

@@ -130,13 +130,19 @@ def clean_stale_temporaries(folder):
 
 
 def _atomic_write(filepath, suffix, write):
-    """``write(tmp_path)`` then fsync and rename onto ``filepath``; nothing half-written."""
+    """``write(tmp_path)`` then fsync and rename onto ``filepath``; nothing half-written.
+
+    The file gets the mode an ordinary ``open(filepath, "w")`` would give it, 0666 less
+    the umask (0644 under the usual umask 022), as h5py and Keras give theirs: mkstemp
+    makes its file 0600, which kept checkpoints from the user's other processes (a
+    serving job). The mode is set on the temporary file, before the rename."""
     folder = os.path.dirname(os.path.abspath(filepath))
     os.makedirs(folder, exist_ok=True)
     clean_stale_temporaries(folder)
     fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIXES[suffix]}{os.getpid()}-", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
+        os.chmod(tmp, NEW_FILE_MODE & ~current_umask())
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -145,6 +151,25 @@ def _atomic_write(filepath, suffix, write):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+#: The mode ``open()`` asks for when it creates a file; the umask then takes bits away.
+NEW_FILE_MODE = 0o666
+
+
+def current_umask():
+    """This process's umask, read without changing it (Linux's /proc/self/status has it;
+    elsewhere it is set and put back at once, as the standard library cannot read it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _check_suffix(filepath, suffix, what):
@@ -251,19 +276,23 @@ def _apply(model, stored, filepath, restore_optimizer=False):
 def _restore_optimizer(model, values, filepath, force):
     """Keras's ``Optimizer.load_own_variables``: restore when the counts agree, else warn and
     skip. ``force`` (load_model): build the optimizer's slots first, as Keras's
-    ``compile_from_config`` builds the optimizer before the weights are read."""
+    ``compile_from_config`` builds the optimizer before the weights are read.
+
+    Checks only, changing nothing: returns the function that restores (a no-op when there
+    is nothing to restore), so that the caller sets the weights only once every check of
+    the file has passed."""
     opt = model.optimizer
     if opt is None or values is None or not model.built:
-        return
+        return lambda: None
     pack = model.step.pack
     have = opt.keras_variable_count(pack, built=True if force else None)
     if len(values) != have:
         warnings.warn(f"Skipping variable loading for optimizer '{opt.name}', because it has {have} "
                       f"variables whereas the saved optimizer has {len(values)} variables (in {filepath})."
                       + (" This is likely because the optimizer has not been called/built yet."
-                         if have == 2 else ""), stacklevel=4)
-        return
-    opt.set_keras_variables(pack, values)
+                         if have == 2 else ""), stacklevel=3 if force else 5)
+        return lambda: None
+    return opt.keras_variables_setter(pack, values)
 
 
 # -- save_weights / load_weights ----------------------------------------------------------------
@@ -302,8 +331,10 @@ def load_weights(model, filepath):
     if not model.built:
         raise ValueError("You are loading weights into a model that has not yet been built: give the "
                          "first layer an input_shape, or call fit() or build() first.")
-    model.set_weights(_apply(model, stored, filepath))
-    _restore_optimizer(model, opt, filepath, force=False)
+    arrays = _apply(model, stored, filepath)
+    restore = _restore_optimizer(model, opt, filepath, force=False)   # checked before anything changes
+    model.set_weights(arrays)
+    restore()
 
 
 # -- model.save / load_model ---------------------------------------------------------------------
@@ -360,8 +391,10 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     model = model_from_config(config)
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
-    model.set_weights(_apply(model, stored, filepath))
-    _restore_optimizer(model, opt, filepath, force=True)
+    arrays = _apply(model, stored, filepath)
+    restore = _restore_optimizer(model, opt, filepath, force=True)
+    model.set_weights(arrays)
+    restore()
     for key, layer in zip(layer_keys(model.layers), model.layers):   # a model of our own: an error
         if key in states:                                            # leaves nobody a half-set one
             layer.set_training_state(states[key], f"{filepath} (layer {key!r})")

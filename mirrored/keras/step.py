@@ -105,15 +105,19 @@ class Step:
         is made before the first update launch (``host_part``, ``Optimizer.update``), and
         the update is the step's last phase. What it cannot undo: the running loss and
         accuracy of the epoch (``fit`` and ``evaluate`` start them from zero again).
+
+        A model that was never compiled has no optimizer: ``predict`` and ``model(x)`` run
+        on it (as in Keras), and only the buffers are put back.
         """
         opt = self.model.optimizer
-        step_count = opt._step
+        step_count = opt._step if opt is not None else None
         caches = self._caches()
         sizes = [len(c) for c in caches]                       # caches only grow: new keys come last
         try:
             yield
         except BaseException:
-            opt._step = step_count
+            if opt is not None:
+                opt._step = step_count
             for cache, n in zip(caches, sizes):
                 for key in list(cache)[n:]:
                     del cache[key]
@@ -124,7 +128,8 @@ class Step:
 
     def _caches(self):
         """Every dict of buffers made on first use that a step can add to."""
-        caches = [self.model.optimizer._slots, self.model.optimizer._hyper]
+        opt = self.model.optimizer
+        caches = [opt._slots, opt._hyper] if opt is not None else []
         for program in self.programs:
             caches += [program._inputs, program._loss_buffers] + [s._buffers for s in program.states]
         caches += [dev._scratch for dev in self.devices]
