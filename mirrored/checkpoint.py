@@ -271,17 +271,13 @@ def _check_weights(key, model, weights):
 
 
 def _optimizer_setter(opt, model, values, lr):
-    """A function that restores ``opt``'s state (checked now, applied later)."""
-    pack = model.step.pack
-    if values and len(values) == opt.keras_variable_count(pack, built=True):
-        return lambda: opt.set_keras_variables(pack, values)
-    if values and len(values) != 2:
-        raise ValueError(f"checkpoint: the optimizer's state has {len(values)} values, this "
-                         f"{type(opt).__name__} for this model takes "
-                         f"{opt.keras_variable_count(pack, built=True)}.")
+    """A function that restores ``opt``'s state: checked now (``Optimizer.keras_variables_setter``
+    refuses a wrong count or shape before anything changes), applied later."""
+    if values:
+        return opt.keras_variables_setter(model.step.pack, values)
 
-    def set_rate():                                   # saved before its first step: only the rate
-        opt.learning_rate = float(values[1] if values else lr)
+    def set_rate():                                   # only the rate was saved
+        opt.learning_rate = float(lr)
     return set_rate
 
 
