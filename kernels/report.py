@@ -411,6 +411,41 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def _span(values, fmt="{:,}"):
+    """``38–48`` for a range, ``32`` for one value (the summary's cells)."""
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def toolchain():
+    """``"numba-cuda 0.30.4, ptxas 12.9.86"``: what the summary's figures depend on."""
+    from importlib.metadata import version
+    done = subprocess.run([find_ptxas(), "--version"], capture_output=True, text=True)
+    found = re.search(r"V(\d+\.\d+\.\d+)", done.stdout)
+    return f"numba-cuda {version('numba-cuda')}, ptxas {found[1] if found else 'unknown'}"
+
+
+def format_markdown(rows):
+    """One Markdown row per kernel and compute capability, each column the range over the
+    kernel's registered signatures: the summary ``kernels/README.md`` carries (a test
+    checks it against the compiler's output, so its figures cannot go stale)."""
+    groups = {}
+    for r in rows:
+        if not r["error"]:
+            groups.setdefault((r["kernel"].split("[")[0], r["cc"]), []).append(r)
+    lines = ["| kernel | cc | signatures | registers | smem B | spill B | stack B | SASS per output "
+             "| block | occupancy |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (name, cc), rs in sorted(groups.items()):
+        lines.append(
+            f"| {name} | {cc} | {len(rs)} | {_span([r['registers'] for r in rs])} "
+            f"| {_span([r['shared_bytes'] for r in rs])} | {_span([r['spill_bytes'] for r in rs])} "
+            f"| {_span([r['stack_bytes'] for r in rs])} "
+            f"| {_span([r['sass_per_output'] for r in rs], '{:,.1f}')} "
+            f"| {_span([r['block_threads'] for r in rs])} "
+            f"| {_span([r['occupancy'] for r in rs], '{:.1%}')} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m kernels.report",
@@ -423,6 +458,9 @@ def main(argv=None):
     parser.add_argument("--only", metavar="TEXT", default="",
                         help="only kernels whose registered name contains TEXT (e.g. gemm)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    parser.add_argument("--markdown", action="store_true",
+                        help="one Markdown row per kernel (ranges over its signatures): the "
+                             "summary kernels/README.md carries")
     parser.add_argument("--hardware", action="store_true",
                         help="on a real GPU: compile for its compute capability and add what "
                              "the driver reports for each loaded kernel")
@@ -455,7 +493,10 @@ def main(argv=None):
     if not args.only:
         rows += unregistered_rows()
     seconds = time.perf_counter() - start
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    if args.markdown:
+        print(f"Compiled with {toolchain()}.\n")
+    print(json.dumps(rows, indent=1) if args.json else
+          format_markdown(rows) if args.markdown else format_table(rows))
     if args.hardware and not args.json:
         print("\n" + format_hardware(rows))
     n_ok = sum(not r["error"] for r in rows)

@@ -272,3 +272,25 @@ def test_hardware_numbers_sit_beside_ptxas_and_say_whether_they_agree():
     assert "no such function" in rows[2]["hw_error"]
     table = report.format_hardware(rows).splitlines()
     assert table[1].endswith("yes") and table[2].endswith("NO") and "no such function" in table[3]
+
+
+# --- the summary kernels/README.md carries is the compiler's output --------------------------
+
+def test_the_kernels_readme_summary_is_the_compilers_output(rows):
+    """kernels/README.md's sm_90 table is ``python -m kernels.report --cc 9.0 --markdown``:
+    compared here with what the compiler gives now, so a kernel change that moves a figure
+    fails until the table is regenerated (the figures were hand-typed, and went stale)."""
+    import pathlib
+    text = (pathlib.Path(__file__).resolve().parents[1] / "kernels" / "README.md").read_text()
+    begin = "<!-- begin: python -m kernels.report --cc 9.0 --markdown -->"
+    assert begin in text and "<!-- end -->" in text, "kernels/README.md lost its summary's markers"
+    block = text.split(begin, 1)[1].split("<!-- end -->", 1)[0].strip()
+    written = block.split("\n", 1)[0]                      # "Compiled with numba-cuda ..., ptxas ..."
+    here = f"Compiled with {report.toolchain()}."
+    if written != here:
+        pytest.skip(f"kernels/README.md's summary was made with another toolchain ({written!r}; "
+                    f"here: {here!r}): its figures are that toolchain's")
+    want = report.format_markdown([r for r in rows if r["cc"] == "9.0"])
+    got = block.split("\n", 1)[1].strip()
+    assert got == want, ("kernels/README.md's summary differs from the compiler's output: "
+                         "regenerate it with python -m kernels.report --cc 9.0 --markdown")
