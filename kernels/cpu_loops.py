@@ -82,6 +82,15 @@ _PAR = dict(nogil=True, parallel=True) if PARALLEL else _JIT
 _LOCK = threading.Lock()
 
 
+def threads_note():
+    """One line for ``python -m mirrored info``: how the loops over images run."""
+    if not PARALLEL:
+        return "serial, one thread (MIRRORED_CPU_PARALLEL=1 spreads images over Numba's threads)"
+    import numba
+    return (f"parallel over images, {numba.get_num_threads()} Numba threads "
+            f"(MIRRORED_CPU_PARALLEL=1; NUMBA_NUM_THREADS sets the count)")
+
+
 def _run(loop, *args):
     with _LOCK:
         return loop(*args)

@@ -217,12 +217,32 @@ class CudaOps:
         return gather.gather_rows(src, idx, out, self.stream)
 
 
-# --- which BLAS the CPU backend calls (recorded by the benchmarks) ------------------------
-# NumPy's matmul calls OpenBLAS, which splits every large enough GEMM over one thread per
-# core. ``fit`` drives its replicas from one thread (keras/step.py), so one product at a time
-# gets all the cores. ``blas_info`` reports the library and its thread count through
-# ctypes (no new dependency); with another BLAS (Accelerate, MKL) or on a system without
-# /proc/self/maps it says so.
+# --- the CPU backend's BLAS, and how many threads it may use --------------------------------
+# NumPy's matmul calls a BLAS (OpenBLAS in NumPy's wheels), which by default splits every
+# large enough GEMM over one thread per core, and whose threads spin-wait for each other.
+# For the small GEMMs of the course's models that is a bad bet: on this 2-core machine,
+# with one other busy process, the lab ConvNet's step went from 12 ms to 123-137 ms (one
+# of OpenBLAS's threads descheduled, the other spinning for it; issue 25). So, by
+# default, fit/evaluate/predict run with ONE BLAS thread (``blas_threads``, through
+# threadpoolctl, restored when they return); the images of a batch can be spread over
+# cores by our own compiled loops instead (kernels/cpu_loops.py, MIRRORED_CPU_PARALLEL).
+# No environment variable is set: a user's own OPENBLAS_NUM_THREADS / OMP_NUM_THREADS
+# (read by the BLAS at start) is respected, and MIRRORED_BLAS_THREADS chooses the count.
+
+#: The variable choosing the policy: unset or "auto" (1 thread during fit/evaluate/
+#: predict, unless a BLAS variable below is set), a number N (N threads), or "keep"
+#: (leave the BLAS as it is).
+BLAS_POLICY_VAR = "MIRRORED_BLAS_THREADS"
+#: Variables by which a user sets the BLAS's thread count themselves ("auto" then keeps it).
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: "auto"'s count: one thread per replica, the replicas being driven one after another
+#: by one host thread (keras/step.py), so one product at a time.
+AUTO_BLAS_THREADS = 1
+
+try:
+    import threadpoolctl
+except ImportError:                 # a requirement (requirements.txt); the ctypes route below remains
+    threadpoolctl = None
 
 #: Names of OpenBLAS's thread-count getter and setter: the plain build, and the
 #: symbol-prefixed 64-bit-integer builds that NumPy's and SciPy's wheels bundle.
@@ -234,7 +254,7 @@ _OPENBLAS_SET = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_"
 
 def _openblas():
     """``(path, getter, setter)`` of the OpenBLAS this process has loaded, or a string
-    saying why there is none."""
+    saying why there is none (the route where threadpoolctl is not installed)."""
     import ctypes
     try:
         with open("/proc/self/maps") as maps:        # the libraries this process has loaded
@@ -256,22 +276,42 @@ def _openblas():
 
 
 def blas_info():
-    """What the CPU backend's BLAS is: ``{"library", "threads", "note"}`` (for benchmarks)."""
+    """What the CPU backend's BLAS is: ``{"library", "threads", "note", "kernel"}`` (for the
+    benchmarks and ``python -m mirrored info``). ``kernel``: the CPU kernels the BLAS
+    picked (OpenBLAS's core name, e.g. SkylakeX or Haswell: the same GEMM is 3x slower on
+    a machine where OPENBLAS_CORETYPE forces Haswell's), None where unknown."""
+    if threadpoolctl is not None:
+        blas = [p for p in threadpoolctl.threadpool_info() if p.get("user_api") == "blas"]
+        if not blas:
+            return {"library": None, "threads": None, "note": "no BLAS found by threadpoolctl",
+                    "kernel": None}
+        first = blas[0]
+        return {"library": first["filepath"], "threads": int(first["num_threads"]),
+                "note": f"{first['internal_api']} {first.get('version') or ''}".strip(),
+                "kernel": first.get("architecture")}
     found = _openblas()
     if isinstance(found, str):
-        return {"library": None, "threads": None, "note": found}
+        return {"library": None, "threads": None, "note": found, "kernel": None}
     path, get, _ = found
-    return {"library": path, "threads": int(get()), "note": "OpenBLAS"}
+    return {"library": path, "threads": int(get()), "note": "OpenBLAS", "kernel": None}
 
 
 def set_blas_threads(n):
-    """Let OpenBLAS use ``n`` threads from now on; returns the count it had, or None
-    where NumPy's BLAS is not an OpenBLAS we can reach (then nothing changes).
+    """Let the BLAS use ``n`` threads from now on; returns the count it had, or None
+    where NumPy's BLAS cannot be reached (then nothing changes).
 
     Used by ``MultiWorkerMirroredStrategy`` when several workers share one machine's
     cores: each worker's OpenBLAS would otherwise start one thread per core, and the
     workers' threads, spinning for each other, made 2 workers on 2 cores 7x slower per
-    step than 1 (benchmarks.multiworker, README "Beyond one machine")."""
+    step than 1 (benchmarks.multiworker, README "Beyond one machine"); and by
+    ``blas_threads`` around fit/evaluate/predict."""
+    if threadpoolctl is not None:
+        controller = threadpoolctl.ThreadpoolController().select(user_api="blas")
+        if not controller.lib_controllers:
+            return None
+        before = int(controller.lib_controllers[0].num_threads)
+        controller.limit(limits=int(n))
+        return before
     import ctypes
     found = _openblas()
     if isinstance(found, str) or found[2] is None:
@@ -281,3 +321,49 @@ def set_blas_threads(n):
     put.argtypes = [ctypes.c_int]
     put(int(n))
     return before
+
+
+def blas_policy(environ=None):
+    """``(threads, why)``: the BLAS thread count fit/evaluate/predict will use (None: the
+    BLAS is left as it is) and a sentence saying why, from MIRRORED_BLAS_THREADS and the
+    BLAS's own variables. A bad MIRRORED_BLAS_THREADS raises ValueError saying what is
+    accepted."""
+    import os
+    environ = os.environ if environ is None else environ
+    raw = environ.get(BLAS_POLICY_VAR, "").strip().lower()
+    if raw in ("", "auto"):
+        mine = [v for v in BLAS_THREAD_VARS if environ.get(v)]
+        if mine:
+            return None, (f"left as {mine[0]}={environ[mine[0]]} sets it (yours; "
+                          f"{BLAS_POLICY_VAR}=N overrides)")
+        return AUTO_BLAS_THREADS, (f"{AUTO_BLAS_THREADS} thread while fit/evaluate/predict run "
+                                   f"(auto: small GEMMs; a busy core cannot stall it; "
+                                   f"{BLAS_POLICY_VAR}=N or =keep to change)")
+    if raw == "keep":
+        return None, f"left as the BLAS set it ({BLAS_POLICY_VAR}=keep)"
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw), f"{int(raw)} thread(s) while fit/evaluate/predict run ({BLAS_POLICY_VAR}={raw})"
+    raise ValueError(f"{BLAS_POLICY_VAR}={environ.get(BLAS_POLICY_VAR)!r}: expected 'auto', "
+                     f"'keep' or a whole number of threads >= 1; unset it for the default (auto).")
+
+
+class blas_threads:
+    """Context manager: the BLAS at ``blas_policy()``'s thread count inside, as it was after.
+
+    ``with backends.blas_threads(): model.fit(...)`` is what fit, evaluate and predict do
+    (keras/models.py). Nested uses (fit's validation pass) keep the outer count. Only
+    the process's BLAS is touched (threadpoolctl), never the environment."""
+
+    def __init__(self, threads="policy"):
+        self.threads = blas_policy()[0] if threads == "policy" else threads
+        self.before = None
+
+    def __enter__(self):
+        if self.threads is not None:
+            self.before = set_blas_threads(self.threads)
+        return self
+
+    def __exit__(self, *exc):
+        if self.before is not None and self.before != self.threads:
+            set_blas_threads(self.before)
+        return False

@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import context, strategy as _strategy
+from mirrored import backends, context, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import data_adapters
@@ -298,7 +298,8 @@ class Sequential:
         data set stays on the devices (``input_lib``'s docstring).
         """
         check_compiled(self, "training")
-        return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
+        with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
+            return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split)
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
@@ -390,7 +391,8 @@ class Sequential:
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         check_compiled(self, "evaluating")
         verbose = self._verbosity(verbose)
-        logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
+        with backends.blas_threads():
+            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -398,7 +400,8 @@ class Sequential:
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
         """The model's outputs (probabilities after a softmax layer) as one NumPy array."""
-        return self._predict(x, batch_size, verbose)
+        with backends.blas_threads():
+            return self._predict(x, batch_size, verbose)
 
     def _predict(self, x, batch_size, verbose):
         verbose = self._verbosity(verbose)
