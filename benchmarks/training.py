@@ -689,6 +689,7 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     fastest row's warm-up epoch), within [EPOCHS, MAX_EPOCHS]. Returns (rows, epochs).
     """
     import mirrored.devices as registry
+    from mirrored import timing         # (not at the top: the TF worker runs this file in TF's venv)
     all_devices = registry.logical_devices()
     rows = []
     for make in makers:
@@ -720,22 +721,24 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     if epochs is None:                  # the fastest row gets ROW_SECONDS too
         fastest = min(r.warmup_seconds[-1] for r in rows)
         epochs = int(min(MAX_EPOCHS, max(EPOCHS, -(-ROW_SECONDS // fastest))))
-    order = np.random.default_rng(ROUND_ORDER_SEED)
-    for _ in range(epochs):
-        # Each round in a fresh random order: what a row leaves behind (PyTorch's OpenMP
-        # threads still spinning, a cold cache) must not always land on the same next row.
-        for k in order.permutation(len(rows)):
-            rows[k].seconds.append(timer(rows[k].epoch))
+    # Each round in a fresh random order (mirrored.timing.interleaved_rounds, which
+    # python -m mirrored uses too): what a row leaves behind (PyTorch's OpenMP threads
+    # still spinning, a cold cache) must not always land on the same next row.
+    timing.interleaved_rounds(len(rows), epochs,
+                              lambda k, _: rows[k].seconds.append(timer(rows[k].epoch)),
+                              seed=ROUND_ORDER_SEED)
     return rows, epochs
 
 
 def summarise(model, row_name, framework, strategy, replicas, global_batch, examples, seconds, peak,
               final_loss):
+    from mirrored import timing         # (not at the top: the TF worker runs this file in TF's venv)
     steps = -(-examples // global_batch)
     median = statistics.median(seconds)
     return {"model": model, "row": row_name, "framework": framework, "strategy": strategy,
             "replicas": replicas, "global_batch": global_batch, "steps_per_epoch": steps,
             "epoch_seconds": seconds, "ms_per_step": median / steps * 1e3,
+            "epoch_spread": timing.epoch_spread(seconds),          # > timing.SPREAD_LIMIT: busy
             "ms_per_step_min": min(seconds) / steps * 1e3,
             "samples_per_s": examples / median, "peak_bytes_per_device": peak,
             "final_loss": final_loss}

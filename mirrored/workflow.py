@@ -24,11 +24,16 @@ What it does, in the lab's order:
    ``SparseCategoricalCrossentropy(from_logits=True)``, ``['accuracy']``), trained
    with no strategy and with MirroredStrategy on 1, 2, 4, ... of the devices,
    every run from the same initial weights (``scaling.compare``), printing
-   Keras's progress lines.
+   Keras's progress lines. The epochs are interleaved (every configuration's epoch
+   1, then every one's epoch 2, ...: ``timing.interleaved_rounds``), so a slow spell
+   of a shared machine lands on all rows alike.
 4. A table (epoch time, ms/step, samples/s, scaling efficiency, test accuracy)
    with the data source, the model and the devices, and a PNG bar chart of it.
    Figures from too few timed steps are marked as too short to compare
    (``scaling.MIN_TIMED_STEPS``); ``--quick`` times two epochs after its warm-up.
+   A row whose epoch times spread more than 2x, and every row when the no-strategy
+   reference drifted more than 1.5x, is marked "!" with the reason under the table
+   (``timing.timing_flags``): the machine was busy, run again.
 
 The model is ``labs.make_model`` (the one every notebook trains); the notebooks use
 this file's ``scale``, ``load_mnist``, ``make_data_fn`` and ``configure_devices`` too.
