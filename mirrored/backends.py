@@ -115,6 +115,20 @@ class CpuOps:
     def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
         return cpu_loops.max_pool_backward(dy, arg, dx, pool_size, strides, padding)
 
+    # Conv2D(relu) then MaxPooling2D as one op each way (layers.Conv2D.fuse_next): the
+    # activation is never written out; its backward takes the ReLU's mask from the pooled
+    # output. = max_pool_ref(conv2d_ref(..., relu=True)) bitwise, and its backward.
+    def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
+                         pool_strides=None, pool_padding="valid"):
+        cols = self._cols(x, kernel, strides, padding)
+        z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
+        z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
+        return cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
+                                          pool_strides, pool_padding, cols, z)
+
+    def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
+        return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
+
     def dropout(self, x, out, rate, key):
         out[...] = dropout.dropout_ref(x, key, rate)
         return out
@@ -276,7 +290,7 @@ def _openblas():
 
 
 def blas_info():
-    """What the CPU backend's BLAS is: ``{"library", "threads", "note", "kernel"}`` (for the
+    """What the CPU backend's BLAS is: ``{"library", "threads", "note", "kernel", "version"}`` (for the
     benchmarks and ``python -m mirrored info``). ``kernel``: the CPU kernels the BLAS
     picked (OpenBLAS's core name, e.g. SkylakeX or Haswell: the same GEMM is 3x slower on
     a machine where OPENBLAS_CORETYPE forces Haswell's), None where unknown."""
@@ -284,16 +298,17 @@ def blas_info():
         blas = [p for p in threadpoolctl.threadpool_info() if p.get("user_api") == "blas"]
         if not blas:
             return {"library": None, "threads": None, "note": "no BLAS found by threadpoolctl",
-                    "kernel": None}
+                    "kernel": None, "version": None}
         first = blas[0]
+        api = first["internal_api"]
         return {"library": first["filepath"], "threads": int(first["num_threads"]),
-                "note": f"{first['internal_api']} {first.get('version') or ''}".strip(),
-                "kernel": first.get("architecture")}
+                "note": {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(api, api),
+                "kernel": first.get("architecture"), "version": first.get("version")}
     found = _openblas()
     if isinstance(found, str):
-        return {"library": None, "threads": None, "note": found, "kernel": None}
+        return {"library": None, "threads": None, "note": found, "kernel": None, "version": None}
     path, get, _ = found
-    return {"library": path, "threads": int(get()), "note": "OpenBLAS", "kernel": None}
+    return {"library": path, "threads": int(get()), "note": "OpenBLAS", "kernel": None, "version": None}
 
 
 def set_blas_threads(n):

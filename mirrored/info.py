@@ -53,7 +53,8 @@ def _cpu_lines():
     except ValueError as err:
         why = f"invalid: {err}"
     kernel = f", {blas['kernel']} kernels" if blas.get("kernel") else ""
-    found = (f"{blas['note']}{kernel}, {blas['threads']} thread(s) now ({blas['library']})"
+    version = f" {blas['version']}" if blas.get("version") else ""
+    found = (f"{blas['note']}{version}{kernel}, {blas['threads']} thread(s) now ({blas['library']})"
              if blas["library"] else blas["note"])
     return ["", "CPU backend:",
             f"  BLAS         {found}",

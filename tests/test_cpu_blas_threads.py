@@ -16,7 +16,7 @@ from mirrored.keras import engine
 
 def test_blas_info_says_what_it_found():
     info = backends.blas_info()
-    assert set(info) == {"library", "threads", "note", "kernel"}
+    assert set(info) == {"library", "threads", "note", "kernel", "version"}
     assert (info["library"] is None) == (info["threads"] is None)
     assert info["threads"] is None or info["threads"] >= 1
 

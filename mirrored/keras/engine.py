@@ -136,7 +136,7 @@ class LayerState:
     """
 
     __slots__ = ("layer", "dev", "ops", "replica_id", "global_replica_id", "weights", "grads",
-                 "need_dx", "_buffers")
+                 "need_dx", "_buffers", "fused")
 
     def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None):
         self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
@@ -144,6 +144,7 @@ class LayerState:
         self.global_replica_id = replica_id if global_replica_id is None else global_replica_id
         self.weights, self.grads, self.need_dx = weights, grads, need_dx
         self._buffers = {}
+        self.fused = None        # the neighbour's state when two layers run as one op (Conv2D's fuse_next)
 
     def buffers(self, b):
         buf = self._buffers.get(b)
@@ -182,6 +183,10 @@ class ReplicaProgram:
                                           global_replica_id=replica_offset + replica_id))
             earlier_weights = earlier_weights or n > 0
             k += n
+        for state, following in zip(self.states, self.states[1:]):   # layers that run as one op
+            fuse = getattr(state.layer, "fuse_next", None)
+            if fuse is not None and following.fused is None and fuse(following.layer, self.ops):
+                state.fused, following.fused = following, state
         self.classes = self.layers[-1].output_shape[-1]
         self.softmax_output = getattr(self.layers[-1], "activation", None) == "softmax"
         self._loss_buffers = {}

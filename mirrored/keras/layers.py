@@ -396,12 +396,25 @@ class Conv2D(Layer):
                             dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None,  # dx: (b, H, W, Cin)
                             zero_bias)
 
+    def fuse_next(self, layer, ops):
+        """True when this layer and the next run as one op on ``ops``'s device: a ReLU
+        conv followed by MaxPooling2D, where the backend has ``conv2d_relu_pool`` (the CPU:
+        kernels/cpu_loops.py). The engine then gives each layer's state the other's
+        (``state.fused``): the conv writes the pool's output, the pool passes through."""
+        return (self.activation == "relu" and isinstance(layer, MaxPooling2D)
+                and hasattr(ops, "conv2d_relu_pool"))
+
     def forward(self, state, x, training=False):
         b = x.shape[0]
         buf = state.buffers(b)
         kernel = state.weights[0]                                   # (KH, KW, Cin, Cout)
         bias = state.weights[1] if self.use_bias else buf.zero_bias  # (Cout,)
         buf.x = view(x, (b,) + self.input_shape)                    # (b, H, W, Cin), kept for d kernel
+        if state.fused is not None:                                 # + the next MaxPooling2D, one op
+            pool, pbuf = state.fused.layer, state.fused.buffers(b)
+            state.ops.conv2d_relu_pool(buf.x, kernel, bias, pbuf.y, pbuf.arg, self.strides,
+                                       self.padding, pool.pool_size, pool.strides, pool.padding)
+            return pbuf.y                                           # pooled: (b, PH, PW, Cout)
         state.ops.conv2d(buf.x, kernel, bias, buf.y, self.strides, self.padding,
                          relu=self.activation == "relu")            # y: (b, OH, OW, Cout)
         return buf.y
@@ -410,7 +423,12 @@ class Conv2D(Layer):
         buf = state.buffers(dy.shape[0])
         dkernel = state.grads[0]                                    # (KH, KW, Cin, Cout)
         dbias = state.grads[1] if self.use_bias else None           # (Cout,)
-        if self.activation == "relu":
+        if state.fused is not None:                                 # dy: the pool's output gradient
+            pool, pbuf = state.fused.layer, state.fused.buffers(dy.shape[0])
+            state.ops.max_pool_relu_backward(dy, pbuf.arg, pbuf.y, buf.y, pool.pool_size,
+                                             pool.strides, pool.padding)   # dz: (b, OH, OW, Cout)
+            dy = buf.y
+        elif self.activation == "relu":
             state.ops.relu_backward(dy, buf.y, dy)                  # dz = dy * (y > 0), in place
         dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
         state.ops.conv2d_backward(buf.x, state.weights[0], dy, dx, dkernel, dbias,
@@ -458,9 +476,12 @@ class MaxPooling2D(Layer):
         dev = state.dev
         return _PoolBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, C)
                             dev.empty((b,) + self.output_shape, pooling.ARG_DTYPE),               # arg: (b, OH, OW, C)
-                            dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None)  # dx: (b, H, W, C)
+                            dev.empty((b,) + self.input_shape, FLOAT)                             # dx: (b, H, W, C)
+                            if state.need_dx and state.fused is None else None)
 
     def forward(self, state, x, training=False):
+        if state.fused is not None:             # the conv before wrote this layer's y and arg
+            return x
         b = x.shape[0]
         buf = state.buffers(b)
         x = view(x, (b,) + self.input_shape)                       # (b, H, W, C)
@@ -470,6 +491,8 @@ class MaxPooling2D(Layer):
     def backward(self, state, dy):
         if not state.need_dx:
             return None
+        if state.fused is not None:             # the conv before runs this layer's backward
+            return dy
         buf = state.buffers(dy.shape[0])
         state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
         return buf.dx                                              # (b, H, W, C)
