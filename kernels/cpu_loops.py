@@ -65,6 +65,7 @@ the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls the
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit, prange
@@ -89,12 +90,79 @@ _PAR = dict(nogil=True, parallel=True) if PARALLEL else _JIT
 _LOCK = threading.Lock()
 
 
+# --- the convs' products, split over threads ---------------------------------------------------
+
+#: A product (the conv's forward, dW, dX) is split over threads only past this many
+#: multiply-adds: below it, handing a part to another thread (~50 us) costs more than
+#: it saves. The lab ConvNet's first conv (43264 x 9 x 32: 12.5 M) stays whole; the
+#: two-conv model's second (7744 x 288 x 64: 143 M) is split.
+SPLIT_MIN_MADDS = 20_000_000
+#: ``MIRRORED_CPU_THREADS``: how many threads the convs' products are split over; unset
+#: or "auto": the cores that fit, the cores this process may use less the other work
+#: running (the 1-minute load average, this process counted as 1), at least 1. Each part
+#: is one BLAS call on one BLAS thread (mirrored/backends.py's policy); the parts' threads
+#: block, never spin, while they wait, so a core taken by something else slows its part
+#: but stalls nothing (issue 25). On this 2-core machine under a load average of 11 from
+#: other work, two parts made the two-conv model's second conv slower (forward 6.8 ->
+#: 9.8 ms, best of 20), hence the load rule.
+THREADS_VAR = "MIRRORED_CPU_THREADS"
+_POOL = {}
+
+
+def product_threads():
+    """The threads a large conv product is split over (``THREADS_VAR``). A bad value
+    raises ValueError saying what is accepted."""
+    raw = os.environ.get(THREADS_VAR, "").strip().lower()
+    if raw in ("", "auto"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        others = os.getloadavg()[0] - 1.0 if hasattr(os, "getloadavg") else 0.0
+        return max(1, min(cores, int(round(cores - max(others, 0.0)))))
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    raise ValueError(f"{THREADS_VAR}={raw!r}: expected 'auto' or a whole number of threads >= 1 "
+                     f"(unset: auto, the cores free of other work).")
+
+
+#: A large product is always cut in this many row blocks, whatever the thread count, so
+#: that its result depends on the shapes only: BLAS may round a block's rows differently
+#: from the whole (other edge kernels), and the replicas of a MirroredStrategy, run one
+#: after another while the load and so the thread count changes, must stay bitwise equal.
+PARTS = 4
+
+
+def matmul_rows(a, b, out):
+    """``np.matmul(a, b, out=out)`` for 2-D float32 ``a`` (M, K), ``b`` (K, N), ``out``
+    (M, N) C-contiguous. A large product (``SPLIT_MIN_MADDS``) is cut in ``PARTS`` blocks
+    of rows, one BLAS call each, run on ``product_threads()`` threads (this one and a
+    pool's): the same bits with any thread count, equal to the single call to float32
+    rounding (tests/test_cpu_conv_fused.py); a small one is the single call."""
+    m = a.shape[0]
+    if m < PARTS or m * a.shape[1] * b.shape[1] < SPLIT_MIN_MADDS:
+        return np.matmul(a, b, out=out)
+    bounds = [m * i // PARTS for i in range(PARTS + 1)]
+    blocks = list(zip(bounds[:-1], bounds[1:]))
+    n = min(product_threads(), PARTS)
+    pool = _POOL.get(n - 1) if n > 1 else None
+    if n > 1 and pool is None:
+        pool = _POOL[n - 1] = ThreadPoolExecutor(n - 1, thread_name_prefix="mirrored-cpu")
+    mine = blocks[::n]                                  # this thread's blocks; the pool's the rest
+    theirs = [pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
+              for i, (lo, hi) in enumerate(blocks) if i % n] if pool else []
+    for lo, hi in mine:
+        np.matmul(a[lo:hi], b, out=out[lo:hi])
+    for part in theirs:
+        part.result()
+    return out
+
+
 def threads_note():
     """One line for ``python -m mirrored info``: how the loops over images run."""
+    split = (f"large conv products split over {product_threads()} thread(s) now "
+             f"({THREADS_VAR}: {os.environ.get(THREADS_VAR) or 'auto, the cores free of other work'})")
     if not PARALLEL:
-        return "serial, one thread (MIRRORED_CPU_PARALLEL=1 spreads images over Numba's threads)"
+        return f"{split}; loops serial (MIRRORED_CPU_PARALLEL=1 spreads images over Numba's threads)"
     import numba
-    return (f"parallel over images, {numba.get_num_threads()} Numba threads "
+    return (f"{split}; loops parallel over images, {numba.get_num_threads()} Numba threads "
             f"(MIRRORED_CPU_PARALLEL=1; NUMBA_NUM_THREADS sets the count)")
 
 
@@ -216,7 +284,7 @@ def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False,
     _check_out("conv2d_forward", out, shape)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
-    np.matmul(cols, kernel.reshape(-1, cout), out=out2)  # (B*OH*OW, Cout)
+    matmul_rows(cols, kernel.reshape(-1, cout), out2)    # (B*OH*OW, Cout)
     if bias is not None or relu:
         _run(_bias_act, out2, np.zeros(cout, np.float32) if bias is None else bias, bool(relu))
     return out
@@ -234,14 +302,14 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=
     _check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
     dy2 = dy.reshape(b * out_h * out_w, cout)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
-    np.matmul(cols.T, dy2, out=dw.reshape(-1, cout))     # (KH*KW*Cin, Cout)
+    matmul_rows(cols.T, dy2, dw.reshape(-1, cout))       # (KH*KW*Cin, Cout)
     if db is not None:
         _run(_column_sums, dy2, db, max(out_h * out_w, 1))
     if dx is not None:
         _check_out("conv2d_backward: dx", dx, tuple(x.shape))
         (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
         # dcols = dy @ W^T (BLAS) into the column buffer, free now that dW is made
-        np.matmul(dy2, kernel.reshape(-1, cout).T, out=cols)   # (B*OH*OW, KH*KW*Cin)
+        matmul_rows(dy2, kernel.reshape(-1, cout).T, cols)     # (B*OH*OW, KH*KW*Cin)
         _run(_col2im, cols, dx, out_h, out_w, kernel.shape[0], kernel.shape[1], sh, sw, pt, pl)
     return dx, dw, db
 
@@ -417,7 +485,7 @@ def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool
         z = np.empty(conv_shape, np.float32)
     _check_out("conv2d_relu_pool: z", z, conv_shape)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
-    np.matmul(cols, kernel.reshape(-1, cout), out=z.reshape(b * out_h * out_w, cout))
+    matmul_rows(cols, kernel.reshape(-1, cout), z.reshape(b * out_h * out_w, cout))
     bias = np.zeros(cout, np.float32) if bias is None else bias
     _run(_max_pool_forward, z, out, arg, ph, pw, psh, psw, ppt, ppl, bias, True)
     return out, arg

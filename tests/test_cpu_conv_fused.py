@@ -9,6 +9,8 @@ overlapping windows), to float32 rounding otherwise (db: another order of sums).
 cases are the issue's: 1->32, 32->64 and 3->16 channels, strides 1 and 2, 'valid' and
 'same', on small awkward images (odd sizes, batch 1). Outputs start as NaN (poisoned).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,43 @@ def test_a_two_conv_model_trains_bitwise_alike_fused_or_not(devices, monkeypatch
     for a, b in zip(fused.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert not all(np.array_equal(a, b) for a, b in zip(start, fused.get_weights()))
+
+
+def test_large_products_are_cut_in_blocks_whose_bits_do_not_depend_on_the_threads(monkeypatch, rng):
+    """``matmul_rows`` cuts a large product (forced here on small ones: threshold 0) in
+    ``PARTS`` row blocks run on 1, 2, 3 or 5 threads: the same bits every time (replicas
+    must not drift apart as the load changes the thread count), the single call's result
+    to float32 rounding; and the conv's forward, dW and dX through it match the references."""
+    monkeypatch.setattr(cpu_loops, "SPLIT_MIN_MADDS", 0)
+    a = rng.standard_normal((37, 29), dtype=np.float32)
+    b = rng.standard_normal((29, 17), dtype=np.float32)
+    x, k, bias = data(rng, (3, 9, 8, 5), (3, 3, 5, 7))
+    dy = rng.standard_normal(conv2d.conv2d_output_shape(x.shape, k.shape, 1, "same"), dtype=np.float32)
+    want_dx, want_dw, _ = conv2d.conv2d_backward_ref(x, k, dy, 1, "same")
+    want_y = conv2d.conv2d_ref(x, k, bias, 1, "same", relu=True)
+    seen = []
+    for threads in ("1", "2", "3", "5"):
+        monkeypatch.setenv(cpu_loops.THREADS_VAR, threads)
+        assert cpu_loops.product_threads() == int(threads)
+        out, at = poisoned((37, 17)), poisoned((29, 17))
+        cpu_loops.matmul_rows(a, b, out)
+        cpu_loops.matmul_rows(a.T, out, at)                        # a transposed view, as dW's
+        dx, dw, y = poisoned(x.shape), poisoned(k.shape), poisoned(dy.shape)
+        cpu_loops.conv2d_backward(x, k, dy, dx, dw, None, 1, "same")
+        cpu_loops.conv2d_forward(x, k, bias, y, 1, "same", True)
+        seen.append((out, at, dx, dw, y))
+    for got in seen[1:]:
+        for g, first in zip(got, seen[0]):
+            np.testing.assert_array_equal(g, first)
+    out, at, dx, dw, y = seen[0]
+    for g, want in ((out, a.astype(np.float64) @ b), (at, a.T.astype(np.float64) @ out), (dx, want_dx),
+                    (dw, want_dw), (y, want_y)):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_the_thread_count_refuses_a_bad_value(monkeypatch):
+    monkeypatch.setenv(cpu_loops.THREADS_VAR, "0")
+    with pytest.raises(ValueError, match="MIRRORED_CPU_THREADS='0': expected 'auto' or a whole number"):
+        cpu_loops.product_threads()
+    monkeypatch.setenv(cpu_loops.THREADS_VAR, "auto")
+    assert 1 <= cpu_loops.product_threads() <= len(os.sched_getaffinity(0))
