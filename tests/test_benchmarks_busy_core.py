@@ -45,3 +45,19 @@ def test_busy_core_smoke_run_times_quiet_and_busy_rows(tmp_path):
     assert len(info["loadavg_start"]) == 3 and len(info["loadavg_end"]) == 3
     assert info["busy_core"]["loop"] == training.BUSY_LOOP
     assert "thread" in info["threads"]["blas_policy"]
+
+
+def test_breakdown_covers_the_two_conv_model(tmp_path):
+    out = tmp_path / "breakdown.json"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["MIRRORED_OFFLINE"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.breakdown", "--model", "two-conv", "--steps", "2",
+                           "--rounds", "1", "--no-peers", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    parts = {r["part"] for r in doc["rows"]}
+    for layer in ("conv2d", "conv2d_1", "max_pooling2d", "max_pooling2d_1"):
+        assert {f"{layer} fwd", f"{layer} bwd"} <= parts, parts
+    rows = {r["part"]: r for r in doc["rows"]}
+    assert rows["conv2d_1 bwd"]["ms_per_step"] > 0            # the second conv's dX runs
