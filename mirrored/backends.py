@@ -289,13 +289,26 @@ def _openblas():
     return "NumPy's BLAS is not OpenBLAS (or not found)"
 
 
+_CONTROLLERS = []
+
+
+def _blas_controllers():
+    """threadpoolctl's controllers of the BLAS libraries this process has loaded, found
+    once (a ThreadpoolController scans every loaded library: ~50 ms on a busy machine,
+    far too slow to make at every fit/predict call; setting a count is ~0.1 ms)."""
+    if not _CONTROLLERS:
+        found = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+        _CONTROLLERS.append(list(found))
+    return _CONTROLLERS[0]
+
+
 def blas_info():
     """What the CPU backend's BLAS is: ``{"library", "threads", "note", "kernel", "version"}`` (for the
     benchmarks and ``python -m mirrored info``). ``kernel``: the CPU kernels the BLAS
     picked (OpenBLAS's core name, e.g. SkylakeX or Haswell: the same GEMM is 3x slower on
     a machine where OPENBLAS_CORETYPE forces Haswell's), None where unknown."""
     if threadpoolctl is not None:
-        blas = [p for p in threadpoolctl.threadpool_info() if p.get("user_api") == "blas"]
+        blas = [c.info() for c in _blas_controllers()]
         if not blas:
             return {"library": None, "threads": None, "note": "no BLAS found by threadpoolctl",
                     "kernel": None, "version": None}
@@ -321,11 +334,12 @@ def set_blas_threads(n):
     step than 1 (benchmarks.multiworker, README "Beyond one machine"); and by
     ``blas_threads`` around fit/evaluate/predict."""
     if threadpoolctl is not None:
-        controller = threadpoolctl.ThreadpoolController().select(user_api="blas")
-        if not controller.lib_controllers:
+        controllers = _blas_controllers()
+        if not controllers:
             return None
-        before = int(controller.lib_controllers[0].num_threads)
-        controller.limit(limits=int(n))
+        before = int(controllers[0].get_num_threads())
+        for c in controllers:
+            c.set_num_threads(int(n))
         return before
     import ctypes
     found = _openblas()

@@ -5,7 +5,8 @@ on 1, 2, 4 devices), each from the same initial weights, with the course lab's
 rule for the global batch (``batch_per_replica × replicas``), and every epoch is
 timed by a Keras callback (``EpochTimer``). The rows' epochs are interleaved (round
 after round, every row once per round: ``timing.interleaved_rounds``) and a row whose
-epochs spread more than 2x, or whose reference drifted, is flagged (``timing_flags``). The rows say epoch time, ms/step,
+epochs spread more than 2x, or whose reference drifted, is flagged (``timing_flags``).
+The rows say epoch time, ms/step,
 samples/s and the scaling efficiency against one replica; ``format_table`` prints
 them and ``mirrored.viz.plot_comparison`` / ``scaling_plot`` draw them.
 
