@@ -157,8 +157,11 @@ def matmul_rows(a, b, out):
 
 def threads_note():
     """One line for ``python -m mirrored info``: how the loops over images run."""
-    split = (f"large conv products split over {product_threads()} thread(s) now "
-             f"({THREADS_VAR}: {os.environ.get(THREADS_VAR) or 'auto, the cores free of other work'})")
+    try:
+        split = (f"large conv products split over {product_threads()} thread(s) now "
+                 f"({THREADS_VAR}: {os.environ.get(THREADS_VAR) or 'auto, the cores free of other work'})")
+    except ValueError as err:
+        split = f"invalid: {err}"
     if not PARALLEL:
         return f"{split}; loops serial (MIRRORED_CPU_PARALLEL=1 spreads images over Numba's threads)"
     import numba

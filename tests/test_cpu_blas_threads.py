@@ -108,3 +108,13 @@ def test_fit_on_two_cpu_replicas_runs_on_the_callers_thread(devices, rng, monkey
     model.fit(x, rng.integers(0, 4, 10), batch_size=4, epochs=1, verbose=0)
     assert sorted(r for r, _ in threads) == [0, 0, 0, 1, 1, 1]       # 3 steps x 2 replicas
     assert {t for _, t in threads} == {caller}
+
+
+def test_info_reports_the_blas_and_the_policy_in_force(monkeypatch):
+    from mirrored.info import report
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "3")
+    text = report()
+    assert "BLAS policy  3 thread(s) while fit/evaluate/predict run (MIRRORED_BLAS_THREADS=3)" in text
+    assert "conv loops" in text and "MIRRORED_CPU_THREADS" in text
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "lots")
+    assert "BLAS policy  invalid: MIRRORED_BLAS_THREADS='lots'" in report()    # said, not raised
