@@ -99,7 +99,10 @@ _LOCK = threading.Lock()
 SPLIT_MIN_MADDS = 20_000_000
 #: ``MIRRORED_CPU_THREADS``: how many threads the convs' products are split over; unset
 #: or "auto": the cores that fit, the cores this process may use less the other work
-#: running (the 1-minute load average, this process counted as 1), at least 1. Each part
+#: running at that moment (the kernel's count of runnable threads, /proc/loadavg's 4th
+#: field, less this one: the pool's threads are idle between products; not the 1-minute
+#: average, which lags and counts our own threads, so 2 threads would talk it down to 1
+#: and back), at least 1. Each part
 #: is one BLAS call on one BLAS thread (mirrored/backends.py's policy); the parts' threads
 #: block, never spin, while they wait, so a core taken by something else slows its part
 #: but stalls nothing (issue 25). On this 2-core machine under a load average of 11 from
@@ -109,14 +112,23 @@ THREADS_VAR = "MIRRORED_CPU_THREADS"
 _POOL = {}
 
 
+def _other_runnable():
+    """Threads of other work runnable right now (/proc/loadavg: "1.2 0.9 0.7 3/412 99" has
+    3 runnable, this one among them); 0 where the kernel does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def product_threads():
     """The threads a large conv product is split over (``THREADS_VAR``). A bad value
     raises ValueError saying what is accepted."""
     raw = os.environ.get(THREADS_VAR, "").strip().lower()
     if raw in ("", "auto"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        others = os.getloadavg()[0] - 1.0 if hasattr(os, "getloadavg") else 0.0
-        return max(1, min(cores, int(round(cores - max(others, 0.0)))))
+        return max(1, min(cores, cores - _other_runnable()))
     if raw.isdigit() and int(raw) >= 1:
         return int(raw)
     raise ValueError(f"{THREADS_VAR}={raw!r}: expected 'auto' or a whole number of threads >= 1 "
