@@ -570,12 +570,12 @@ def step_bytes(spec, batch, n_devices):
         conv_out, pool_out = side * side * filters, pooled * pooled * filters
         taps = side * side * k * k * cin
         conv += (taps * (3 if j else 1)          # im2col's columns (and for dX: dcols, written, read by col2im)
-                + 2 * conv_out                   # bias + ReLU on the conv output (read, write)
-                + conv_out + 2 * pool_out        # pooling: read it, write max and arg-max
-                + conv_out + 2 * pool_out        # pooling backward: write dx, read dy and arg
-                + 3 * conv_out                   # ReLU backward (read dy and y, write)
-                + conv_out                       # conv bias gradient: column sums
-                + (2 * (side + k - 1) ** 2 * cin if j else 0))   # col2im: dX written (zeroed, added)
+                 + 2 * conv_out                   # bias + ReLU on the conv output (read, write)
+                 + conv_out + 2 * pool_out        # pooling: read it, write max and arg-max
+                 + conv_out + 2 * pool_out        # pooling backward: write dx, read dy and arg
+                 + 3 * conv_out                   # ReLU backward (read dy and y, write)
+                 + conv_out                       # conv bias gradient: column sums
+                 + (2 * (side + k - 1) ** 2 * cin if j else 0))   # col2im: dX written (zeroed, added)
     per_example = (conv + 2 * 784           # the input batch: read on the host, written on the device
                    + 2 * hidden + 3 * hidden   # bias+ReLU (read, write); ReLU backward (read 2, write)
                    + 2 * classes            # bias add on the logits
