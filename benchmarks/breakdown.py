@@ -1,6 +1,7 @@
 """Where one training step's time goes, layer by layer: the course lab's ConvNet.
 
     python -m benchmarks.breakdown                      # lab ConvNet on the CPU, batch 64, 200 steps x 5 rounds
+    python -m benchmarks.breakdown --model two-conv     # TF's tutorial model (two Conv2D + MaxPooling2D)
     python -m benchmarks.breakdown --model lab          # the dense lab model instead
     python -m benchmarks.breakdown --steps 50 --rounds 3 --out /tmp/breakdown.json
     python -m benchmarks.breakdown --device gpu         # on GPU:0: CUDA-event time per part
@@ -14,7 +15,9 @@ Every part of the step is wrapped with a ``time.perf_counter`` pair, on the inst
 of this one model (the library is not changed):
 
     <layer> fwd / bwd    each layer's ``forward`` / ``backward`` (Conv2D's backward
-                         includes its fused ReLU's backward; Dense's likewise)
+                         includes its fused ReLU's backward; Dense's likewise; on the CPU
+                         a ReLU Conv2D runs the MaxPooling2D after it in the same op,
+                         both ways, so that pool's parts are ~0 and the conv's hold it)
     loss                 the fused softmax cross-entropy and its metric sums
     all-reduce           the SUM of the replicas' packed gradients
     optimizer            Adam's update of the packed weights
@@ -78,8 +81,11 @@ BATCH = 64
 #: smoke models (2 filters, 4 hidden units): the simulator runs a Python thread per CUDA
 #: thread, and the first Dense layer's backward (13*13*filters x units) dominates there.
 SMOKE_BATCH = 2
-SMOKE_MODELS = {"convnet": {"conv": (2, 3), "units": (4, 10), "per_replica": SMOKE_BATCH,
+SMOKE_MODELS = {"convnet": {"convs": ((2, 3),), "units": (4, 10), "per_replica": SMOKE_BATCH,
                             "what": "smoke: Conv2D(2, 3) -> MaxPooling2D -> 4 -> 10"},
+                "two-conv": {"convs": ((2, 3), (2, 3)), "units": (4, 10), "per_replica": SMOKE_BATCH,
+                             "what": "smoke: Conv2D(2, 3) -> MaxPooling2D -> Conv2D(2, 3) -> MaxPooling2D "
+                                     "-> 4 -> 10"},
                 "lab": {"units": (4, 10), "per_replica": SMOKE_BATCH, "what": "smoke: 784 -> 4 -> 10"}}
 LEARNING_RATE = 1e-3
 ADAM_EPSILON = 1e-7
@@ -87,7 +93,7 @@ SEED = 0
 
 
 #: The models of benchmarks/training.py this program can break down.
-MODEL_NAMES = ("convnet", "lab")
+MODEL_NAMES = ("convnet", "two-conv", "lab")
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

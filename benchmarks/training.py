@@ -91,20 +91,27 @@ from benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The models: hidden/out units of the Dense layers, examples per replica, and for the
-#: ConvNet its first layer ``conv`` = (filters, kernel size), followed by MaxPooling2D(2).
+#: The models: hidden/out units of the Dense layers, examples per replica, and for a
+#: ConvNet its convs ``convs`` = ((filters, kernel size), ...), each Conv2D(relu) followed by
+#: MaxPooling2D(2) (``conv`` = one pair: the older spelling, still read: ``conv_layers``).
 MODELS = {
     "lab": {"units": (64, 10), "per_replica": 64, "what": "Flatten -> Dense 64 relu -> Dense 10"},
     "wide": {"units": (1024, 1024, 10), "per_replica": 256, "what": "784 -> 1024 -> 1024 -> 10"},
-    "convnet": {"conv": (32, 3), "units": (64, 10), "per_replica": 64,
+    "convnet": {"convs": ((32, 3),), "units": (64, 10), "per_replica": 64,
                 "what": "Conv2D(32, 3, relu) -> MaxPooling2D -> Flatten -> Dense 64 relu -> Dense 10"},
+    # TensorFlow's custom-training tutorial's model (issue 25): a second conv, 32 -> 64
+    "two-conv": {"convs": ((32, 3), (64, 3)), "units": (64, 10), "per_replica": 64,
+                 "what": "Conv2D(32, 3, relu) -> MaxPooling2D -> Conv2D(64, 3, relu) -> MaxPooling2D "
+                         "-> Flatten -> Dense 64 relu -> Dense 10"},
 }
 #: --smoke: the same shapes of program, tiny sizes (it proves the program runs).
 SMOKE_MODELS = {
     "lab": {"units": (16, 10), "per_replica": 16, "what": "smoke: 784 -> 16 -> 10"},
     "wide": {"units": (32, 32, 10), "per_replica": 32, "what": "smoke: 784 -> 32 -> 32 -> 10"},
-    "convnet": {"conv": (4, 3), "units": (16, 10), "per_replica": 16,
+    "convnet": {"convs": ((4, 3),), "units": (16, 10), "per_replica": 16,
                 "what": "smoke: Conv2D(4, 3) -> MaxPooling2D -> 16 -> 10"},
+    "two-conv": {"convs": ((2, 3), (4, 3)), "units": (8, 10), "per_replica": 16,
+                 "what": "smoke: Conv2D(2, 3) -> MaxPooling2D -> Conv2D(4, 3) -> MaxPooling2D -> 8 -> 10"},
 }
 IMAGE = (28, 28, 1)
 SMOKE_EXAMPLES = 512
@@ -138,6 +145,14 @@ PEAK_GEMM = 1024
 BANDWIDTH_BYTES = 64 * 2**20
 BEST = "min_s"
 RATE_SAMPLES = 15
+#: Issue 25's targets on the CPU (ratios within one run, ``issue25_targets``): the lab
+#: ConvNet's MirroredStrategy x1 against the faster of PyTorch eager and TensorFlow; the
+#: two-conv model against TensorFlow; the lab ConvNet with one busy core against quiet.
+TARGET_CONVNET_VS_PEERS = 0.70
+TARGET_TWO_CONV_VS_TF = 1.0
+TARGET_BUSY_VS_QUIET = 2.0
+#: --busy-core: the competing process, pinned to one core (the last this process may use).
+BUSY_LOOP = "while True: pass"
 #: The targets on the CPU (ratios within one run).
 TARGET_VS_TORCH = 1.0          # ours MirroredStrategy(1 CPU) ms/step / PyTorch eager, lab model
 TARGET_OVERHEAD = 1.10         # ours MirroredStrategy(1) / ours no strategy
@@ -161,33 +176,43 @@ def load_mnist(limit=None):
     return np.ascontiguousarray(x), y, str(getattr(info, "source", "unknown"))
 
 
+def conv_layers(spec):
+    """A spec's convs as ((filters, kernel size), ...): ``convs``, or the older ``conv`` (one)."""
+    if "convs" in spec:
+        return tuple(tuple(c) for c in spec["convs"])
+    return (tuple(spec["conv"]),) if "conv" in spec else ()
+
+
 def conv_geometry(spec):
-    """For a ConvNet spec: (filters, k, conv output side, pooled side, features after
-    Flatten); None for a dense model. 'valid' conv, then a 2x2 pool (odd sizes drop a row)."""
-    if "conv" not in spec:
+    """For a ConvNet spec: one (cin, filters, k, conv output side, pooled side) per
+    Conv2D + MaxPooling2D pair, in order; None for a dense model. 'valid' convs, each
+    then a 2x2 pool (odd sizes drop a row)."""
+    convs = conv_layers(spec)
+    if not convs:
         return None
-    filters, k = spec["conv"]
-    side = IMAGE[0] - k + 1
-    pooled = side // 2
-    return filters, k, side, pooled, pooled * pooled * filters
+    geo, cin, side_in = [], IMAGE[2], IMAGE[0]
+    for filters, k in convs:
+        side = side_in - k + 1
+        geo.append((cin, filters, k, side, side // 2))
+        cin, side_in = filters, side // 2
+    return geo
 
 
 def dense_dims(spec):
-    """The Dense layers' (in, out) sizes, from the input features on."""
+    """The Dense layers' (in, out) sizes, from the input features on (after Flatten)."""
     geo = conv_geometry(spec)
-    return ((geo[4] if geo else int(np.prod(IMAGE))),) + tuple(spec["units"])
+    first = geo[-1][4] ** 2 * geo[-1][1] if geo else int(np.prod(IMAGE))
+    return (first,) + tuple(spec["units"])
 
 
 def keras_layers(tf, spec, keras_input=False):
     """The model's layers, for our library or TensorFlow's Keras (the same calls)."""
-    geo = conv_geometry(spec)
     shape = {} if keras_input else {"input_shape": IMAGE}
     first = [tf.keras.Input(IMAGE)] if keras_input else []
-    if geo:
-        first += [tf.keras.layers.Conv2D(geo[0], geo[1], activation="relu", **shape),
-                  tf.keras.layers.MaxPooling2D(), tf.keras.layers.Flatten()]
-    else:
-        first += [tf.keras.layers.Flatten(**shape)]
+    for i, (filters, k) in enumerate(conv_layers(spec)):
+        first += [tf.keras.layers.Conv2D(filters, k, activation="relu", **(shape if i == 0 else {})),
+                  tf.keras.layers.MaxPooling2D()]
+    first += [tf.keras.layers.Flatten()] if conv_layers(spec) else [tf.keras.layers.Flatten(**shape)]
     return (first + [tf.keras.layers.Dense(u, activation="relu") for u in spec["units"][:-1]]
             + [tf.keras.layers.Dense(spec["units"][-1])])
 
@@ -198,12 +223,10 @@ def initial_weights(spec, seed=0):
     rng = np.random.default_rng(seed)
     dims = dense_dims(spec)
     weights = []
-    geo = conv_geometry(spec)
-    if geo:
-        filters, k = geo[0], geo[1]
-        fan_in, fan_out = k * k * IMAGE[2], k * k * filters
+    for cin, filters, k, _, _ in conv_geometry(spec) or ():
+        fan_in, fan_out = k * k * cin, k * k * filters
         limit = np.sqrt(6.0 / (fan_in + fan_out))
-        weights.append(rng.uniform(-limit, limit, (k, k, IMAGE[2], filters)).astype(np.float32))
+        weights.append(rng.uniform(-limit, limit, (k, k, cin, filters)).astype(np.float32))
         weights.append(np.zeros(filters, np.float32))
     for d_in, d_out in zip(dims[:-1], dims[1:]):
         limit = np.sqrt(6.0 / (d_in + d_out))
@@ -366,17 +389,19 @@ def torch_net(torch, spec, weights):
     layers, i = [], 0
     geo = conv_geometry(spec)
     with torch.no_grad():
+        for cin, filters, k, _, _ in geo or ():
+            conv = nn.Conv2d(cin, filters, k)
+            conv.weight.copy_(torch.from_numpy(weights[i].transpose(3, 2, 0, 1).copy()))
+            conv.bias.copy_(torch.from_numpy(weights[i + 1]))
+            layers += [conv, nn.ReLU(), nn.MaxPool2d(2)]
+            i += 2
         if geo:
-            filters, k, _, pooled, _ = geo
-            conv = nn.Conv2d(IMAGE[2], filters, k)
-            conv.weight.copy_(torch.from_numpy(weights[0].transpose(3, 2, 0, 1).copy()))
-            conv.bias.copy_(torch.from_numpy(weights[1]))
-            layers += [conv, nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
-            i = 2
+            layers.append(nn.Flatten())
         for j in range(i, len(weights), 2):
             kernel, bias = weights[j], weights[j + 1]         # Keras: (in, out), (out,)
             if geo and j == i:                                 # rows (h, w, c) -> (c, h, w)
-                kernel = (kernel.reshape(geo[3], geo[3], geo[0], -1).transpose(2, 0, 1, 3)
+                pooled, filters = geo[-1][4], geo[-1][1]
+                kernel = (kernel.reshape(pooled, pooled, filters, -1).transpose(2, 0, 1, 3)
                           .reshape(kernel.shape))
             lin = nn.Linear(kernel.shape[0], kernel.shape[1])
             lin.weight.copy_(torch.from_numpy(kernel.T.copy()))     # PyTorch keeps (out, in)
@@ -475,7 +500,7 @@ def run_tf_rows(python, gpu, models, x, y, weights, epochs, warmup):
             for i, w in enumerate(weights[name]):
                 arrays[f"{name}_w{i}"] = w
             spec_models[name] = {"units": list(m["units"]), "per_replica": m["per_replica"],
-                                 **({"conv": list(m["conv"])} if "conv" in m else {}),
+                                 "convs": [list(c) for c in conv_layers(m)],
                                  "n_weights": len(weights[name]), "epochs": epochs[name]}
         np.savez(Path(tmp) / "arrays.npz", **arrays)
         spec = {"arrays": str(Path(tmp) / "arrays.npz"), "gpu": gpu, "models": spec_models,
@@ -512,9 +537,8 @@ def step_flops(spec, batch):
     geo = conv_geometry(spec)
     if geo is None:
         return 2 * batch * (2 * sum(pairs) + sum(pairs[1:]))
-    filters, k, side, _, _ = geo
-    conv = side * side * k * k * IMAGE[2] * filters            # multiply-adds per example
-    return 2 * batch * (2 * conv + 3 * sum(pairs))
+    convs = [side * side * k * k * cin * filters for cin, filters, k, side, _ in geo]  # multiply-adds per example
+    return 2 * batch * (2 * sum(convs) + sum(convs[1:]) + 3 * sum(pairs))
 
 
 def step_gemm_shapes(spec, batch):
@@ -523,11 +547,12 @@ def step_gemm_shapes(spec, batch):
     dims = dense_dims(spec)
     geo = conv_geometry(spec)
     shapes = []
-    if geo:
-        filters, k, side, _, _ = geo
-        rows, taps = batch * side * side, k * k * IMAGE[2]
+    for j, (cin, filters, k, side, _) in enumerate(geo or ()):
+        rows, taps = batch * side * side, k * k * cin
         shapes.append((rows, filters, taps, False, False))      # out = cols @ W
         shapes.append((taps, filters, rows, True, False))        # dW = cols^T dz
+        if j:
+            shapes.append((rows, taps, filters, False, True))    # dcols = dz W^T (then col2im)
     for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
         shapes.append((batch, d_out, d_in, False, False))       # z = a @ W
         shapes.append((d_in, d_out, batch, True, False))         # dW = a^T dz
@@ -545,16 +570,17 @@ def step_bytes(spec, batch, n_devices):
     classes = units[-1]
     conv = 0
     geo = conv_geometry(spec)
-    if geo:
-        filters, k, side, pooled, _ = geo
-        params += k * k * IMAGE[2] * filters + filters
+    for j, (cin, filters, k, side, pooled) in enumerate(geo or ()):
+        params += k * k * cin * filters + filters
         conv_out, pool_out = side * side * filters, pooled * pooled * filters
-        conv = (side * side * k * k * IMAGE[2]   # im2col's columns: written (read again by the GEMMs)
-                + 2 * conv_out                   # bias + ReLU on the conv output (read, write)
-                + conv_out + 2 * pool_out        # pooling: read it, write max and arg-max
-                + conv_out + 2 * pool_out        # pooling backward: write dx, read dy and arg
-                + 3 * conv_out                   # ReLU backward (read dy and y, write)
-                + conv_out)                      # conv bias gradient: column sums
+        taps = side * side * k * k * cin
+        conv += (taps * (3 if j else 1)          # im2col's columns (and for dX: dcols, written, read by col2im)
+                 + 2 * conv_out                   # bias + ReLU on the conv output (read, write)
+                 + conv_out + 2 * pool_out        # pooling: read it, write max and arg-max
+                 + conv_out + 2 * pool_out        # pooling backward: write dx, read dy and arg
+                 + 3 * conv_out                   # ReLU backward (read dy and y, write)
+                 + conv_out                       # conv bias gradient: column sums
+                 + (2 * (side + k - 1) ** 2 * cin if j else 0))   # col2im: dX written (zeroed, added)
     per_example = (conv + 2 * 784           # the input batch: read on the host, written on the device
                    + 2 * hidden + 3 * hidden   # bias+ReLU (read, write); ReLU backward (read 2, write)
                    + 2 * classes            # bias add on the logits
@@ -657,6 +683,66 @@ def floor_for(row, model, spec, rates, gpu, launches_per_step=None):
     return out
 
 
+# --- a competing process (--busy-core) ----------------------------------------------------------
+
+class BusyCore:
+    """``python -c "while True: pass"`` pinned to one core, started once and paused
+    (SIGSTOP) until a busy row's epoch resumes it (SIGCONT): quiet and busy epochs of
+    the same configuration then alternate in the interleaved rounds, and their ratio is
+    measured in one run. A context manager: the process is killed on exit."""
+
+    def __init__(self):
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        self.core = cores[-1]
+        self.proc = None
+
+    def __enter__(self):
+        import signal
+        self.proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(self.proc.pid, {self.core})
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+        return False
+
+    @contextlib.contextmanager
+    def running(self):
+        import signal
+        os.kill(self.proc.pid, signal.SIGCONT)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+
+class BusyRow:
+    """Another row's epochs with the competing process running (``BusyCore``)."""
+
+    def __init__(self, row, busy):
+        self.row, self.busy = row, busy
+        self.framework, self.n = row.framework, row.n
+        self.name = f"{row.name} +busy core"
+        self.strategy_label = f"{row.strategy_label} +busy core"
+        self.global_batch, self.examples, self.devices = row.global_batch, row.examples, row.devices
+
+    def epoch(self):
+        with self.busy.running():
+            self.row.epoch()
+
+    def final_loss(self):
+        return self.row.final_loss()
+
+
+def busy_makers(makers, busy):
+    """For ``--busy-core``: a maker of a busy twin for every maker given (built anew:
+    its own model and weights, so the quiet row's state is not shared)."""
+    return [lambda make=make: BusyRow(make(), busy) for make in makers]
+
+
 # --- timing ------------------------------------------------------------------------------------
 
 def epoch_timer(gpu):
@@ -694,6 +780,7 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     fastest row's warm-up epoch), within [EPOCHS, MAX_EPOCHS]. Returns (rows, epochs).
     """
     import mirrored.devices as registry
+    from mirrored import timing         # (not at the top: the TF worker runs this file in TF's venv)
     all_devices = registry.logical_devices()
     rows = []
     for make in makers:
@@ -725,22 +812,24 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     if epochs is None:                  # the fastest row gets ROW_SECONDS too
         fastest = min(r.warmup_seconds[-1] for r in rows)
         epochs = int(min(MAX_EPOCHS, max(EPOCHS, -(-ROW_SECONDS // fastest))))
-    order = np.random.default_rng(ROUND_ORDER_SEED)
-    for _ in range(epochs):
-        # Each round in a fresh random order: what a row leaves behind (PyTorch's OpenMP
-        # threads still spinning, a cold cache) must not always land on the same next row.
-        for k in order.permutation(len(rows)):
-            rows[k].seconds.append(timer(rows[k].epoch))
+    # Each round in a fresh random order (mirrored.timing.interleaved_rounds, which
+    # python -m mirrored uses too): what a row leaves behind (PyTorch's OpenMP threads
+    # still spinning, a cold cache) must not always land on the same next row.
+    timing.interleaved_rounds(len(rows), epochs,
+                              lambda k, _: rows[k].seconds.append(timer(rows[k].epoch)),
+                              seed=ROUND_ORDER_SEED)
     return rows, epochs
 
 
 def summarise(model, row_name, framework, strategy, replicas, global_batch, examples, seconds, peak,
               final_loss):
+    from mirrored import timing         # (not at the top: the TF worker runs this file in TF's venv)
     steps = -(-examples // global_batch)
     median = statistics.median(seconds)
     return {"model": model, "row": row_name, "framework": framework, "strategy": strategy,
             "replicas": replicas, "global_batch": global_batch, "steps_per_epoch": steps,
             "epoch_seconds": seconds, "ms_per_step": median / steps * 1e3,
+            "epoch_spread": timing.epoch_spread(seconds),          # > timing.SPREAD_LIMIT: busy
             "ms_per_step_min": min(seconds) / steps * 1e3,
             "samples_per_s": examples / median, "peak_bytes_per_device": peak,
             "final_loss": final_loss}
@@ -826,6 +915,33 @@ def ratios_and_targets(results, models, gpu):
     return ratios, targets
 
 
+def issue25_targets(results):
+    """Issue 25's CPU targets, from the rows of this run (absent rows: no entry)."""
+    targets = []
+
+    def fastest(model, rows):
+        found = [r for r in (find(results, model, fw, st) for fw, st in rows) if r]
+        return min(found, key=lambda r: r["ms_per_step"]) if found else None
+
+    def target(what, a, b, threshold):
+        if a and b:
+            value = a["ms_per_step"] / b["ms_per_step"]
+            targets.append({"target": what, "measured": value, "threshold": threshold, "want": "<=",
+                            "met": value <= threshold, "against": b["row"]})
+
+    tf_rows = [("tf", "no strategy"), ("tf", "MirroredStrategy x1")]
+    target("ours MirroredStrategy x1 / the faster of PyTorch eager and TensorFlow, lab ConvNet (ms/step)",
+           find(results, "convnet", "ours", "MirroredStrategy"),
+           fastest("convnet", [("torch", "eager")] + tf_rows), TARGET_CONVNET_VS_PEERS)
+    target("ours MirroredStrategy x1 / the faster TensorFlow row, two-conv model (ms/step)",
+           find(results, "two-conv", "ours", "MirroredStrategy"), fastest("two-conv", tf_rows),
+           TARGET_TWO_CONV_VS_TF)
+    target("ours MirroredStrategy x1 with one busy core / quiet, lab ConvNet (ms/step)",
+           find(results, "convnet", "ours", "MirroredStrategy +busy core"),
+           find(results, "convnet", "ours", "MirroredStrategy"), TARGET_BUSY_VS_QUIET)
+    return targets
+
+
 # --- machine description -----------------------------------------------------------------------
 
 def cpu_model():
@@ -844,7 +960,9 @@ def thread_settings(torch):
     blas = getattr(backends, "blas_info", None)         # absent in older versions of the library
     out = {"cpu_count": os.cpu_count(), "env": env, "numpy_blas": blas() if blas else None,
            "python_switch_interval_s": sys.getswitchinterval(),
-           "fit_replicas": "driven in turn by one host thread; BLAS threads not changed"}
+           "fit_replicas": "driven in turn by one host thread",
+           "blas_policy": (backends.blas_policy()[1] if hasattr(backends, "blas_policy")
+                           else "BLAS threads not changed")}
     if torch is not None:
         out["torch_threads"] = torch.get_num_threads()
     try:            # which BLAS kernel runs (OpenBLAS's "architecture"), where threadpoolctl is
@@ -860,6 +978,62 @@ def thread_settings(torch):
 
 # --- the program ---------------------------------------------------------------------------------
 
+def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_epochs, warmup,
+                skipped, busy=None):
+    """Our rows and PyTorch's for every model, interleaved per model: (results, epochs).
+    ``args.rows == "x1"``: only no strategy and MirroredStrategy x1 of ours; ``busy`` (a
+    ``BusyCore``): those two and PyTorch again, with the competing process running."""
+    results, epochs = [], {}
+    modes = set(str(getattr(args, "modes", ",".join(MODES))).split(","))   # --modes
+    no_resident = getattr(args, "no_resident", False)
+    for model_name, m in models.items():
+        w = weights[model_name]
+        makers = [lambda: OursRow(tf, kind, "none", 1, False, m, x, y, w),
+                  lambda: OursRow(tf, kind, "one", 1, False, m, x, y, w)]
+        makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w) for n in REPLICA_COUNTS]
+        base = [makers[0], makers[2]]           # ours no strategy, Mirrored x1
+        if "eager" not in modes:
+            makers, base = [], []
+        elif args.rows == "x1":
+            makers = list(base)
+        elif no_resident:
+            pass
+        elif hasattr(tf.distribute, "InputOptions"):
+            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w) for n in RESIDENT_COUNTS]
+        elif model_name == next(iter(models)):
+            skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
+        if gpu and "graph" in modes and hasattr(tf, "graphs"):
+            for r in (False,) if no_resident else (False, True):
+                for n in RESIDENT_GRAPH_COUNTS if r else GRAPH_COUNTS:
+                    make = lambda n=n, r=r: OursRow(tf, kind, "mirrored", n, r, m, x, y, w, graph=True)  # noqa: E731
+                    make.optional = True                 # a failed capture must not cost the other rows
+                    make.label = f"{model_name} ours MirroredStrategy x{n}{' resident' if r else ''} graph"
+                    makers.append(make)
+        elif gpu and "graph" in modes and model_name == next(iter(models)):
+            skipped.append({"name": "graph rows", "reason": "this mirrored has no mirrored.graphs"})
+        if torch is not None:
+            makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
+            base.append(makers[-1])
+        if busy is not None:                    # no strategy, Mirrored x1, PyTorch: busy twins
+            makers += busy_makers(base, busy)
+        print(f"\n{model_name}: {m['what']}, {m['per_replica']} per replica: warm-up {warmup}, "
+              f"then {fixed_epochs or 'calibrated'} timed epoch(s) per row, interleaved")
+        rows, epochs[model_name] = time_rows(makers, tf, fixed_epochs, warmup, timer, gpu, torch, skipped)
+        for row in rows:
+            results.append(summarise(model_name, row.name, row.framework, row.strategy_label, row.n,
+                                     row.global_batch, row.examples, row.seconds, row.peak,
+                                     row.final_loss()))
+            if row.framework == "ours":
+                with Counter(row.devices) as counter:
+                    row.epoch()
+                steps = results[-1]["steps_per_epoch"]
+                results[-1].update({f"{k}_per_step": v / steps for k, v in counter.counts.items()})
+                if not gpu:
+                    results[-1]["launches_per_step"] = None     # no kernels on the CPU backend
+        del rows
+    return results, epochs
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -872,7 +1046,15 @@ def main(argv=None):
                              f"{EPOCHS} to {MAX_EPOCHS} epochs; 1 with --smoke)")
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                         help="auto: GPU:0 when a real GPU is usable, else the CPU")
-    parser.add_argument("--models", default="lab,wide,convnet", help="comma-separated: lab, wide, convnet")
+    parser.add_argument("--models", default="lab,wide,convnet,two-conv",
+                        help="comma-separated: lab, wide, convnet, two-conv")
+    parser.add_argument("--rows", choices=("all", "x1"), default="all",
+                        help="our rows: all (no strategy, OneDevice, Mirrored x1/x2/x4, resident), or "
+                             "x1 (no strategy and Mirrored x1 only: the peer comparison, faster)")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="also time our no-strategy and Mirrored x1 rows and PyTorch with "
+                             f"`python -c \"{BUSY_LOOP}\"` running pinned to one core (paused "
+                             "between those epochs, so quiet and busy rounds interleave)")
     parser.add_argument("--tf-python", help="an interpreter with TensorFlow for the TF rows "
                                             "(default: this one, if it can import tensorflow)")
     parser.add_argument("--no-peers", action="store_true", help="time our rows only")
@@ -932,46 +1114,11 @@ def main(argv=None):
         skipped.append({"name": "PyTorch rows", "reason": why})
 
     timer = epoch_timer(gpu)
-    results, epochs = [], {}
-    for model_name, m in models.items():
-        w = weights[model_name]
-        makers = []
-        if "eager" in modes:
-            makers += [lambda: OursRow(tf, kind, "none", 1, False, m, x, y, w),
-                       lambda: OursRow(tf, kind, "one", 1, False, m, x, y, w)]
-            makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, False, m, x, y, w)
-                       for n in REPLICA_COUNTS]
-            if not args.no_resident and hasattr(tf.distribute, "InputOptions"):
-                makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w)
-                           for n in RESIDENT_COUNTS]
-            elif not args.no_resident and model_name == next(iter(models)):
-                skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
-        if gpu and "graph" in modes and hasattr(tf, "graphs"):
-            for r in (False,) if args.no_resident else (False, True):
-                for n in RESIDENT_GRAPH_COUNTS if r else GRAPH_COUNTS:
-                    make = lambda n=n, r=r: OursRow(tf, kind, "mirrored", n, r, m, x, y, w, graph=True)  # noqa: E731
-                    make.optional = True                 # a failed capture must not cost the other rows
-                    make.label = f"{model_name} ours MirroredStrategy x{n}{' resident' if r else ''} graph"
-                    makers.append(make)
-        elif gpu and "graph" in modes and model_name == next(iter(models)):
-            skipped.append({"name": "graph rows", "reason": "this mirrored has no mirrored.graphs"})
-        if torch is not None:
-            makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
-        print(f"\n{model_name}: {m['what']}, {m['per_replica']} per replica: warm-up {warmup}, "
-              f"then {fixed_epochs or 'calibrated'} timed epoch(s) per row, interleaved")
-        rows, epochs[model_name] = time_rows(makers, tf, fixed_epochs, warmup, timer, gpu, torch, skipped)
-        for row in rows:
-            results.append(summarise(model_name, row.name, row.framework, row.strategy_label, row.n,
-                                     row.global_batch, row.examples, row.seconds, row.peak,
-                                     row.final_loss()))
-            if row.framework == "ours":
-                with Counter(row.devices) as counter:
-                    row.epoch()
-                steps = results[-1]["steps_per_epoch"]
-                results[-1].update({f"{k}_per_step": v / steps for k, v in counter.counts.items()})
-                if not gpu:
-                    results[-1]["launches_per_step"] = None     # no kernels on the CPU backend
-        del rows
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    busy = BusyCore() if args.busy_core else None
+    with busy if busy else contextlib.nullcontext():
+        results, epochs = time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer,
+                                      fixed_epochs, warmup, skipped, busy)
 
     tf_python = None if args.no_peers or (args.smoke and not args.tf_python) else find_tf_python(args.tf_python)
     tf_info = None
@@ -997,6 +1144,8 @@ def main(argv=None):
         r["floor"] = floor_for(r, r["model"], models[r["model"]], rates, gpu,
                                r.get("launches_per_step"))
     ratios, targets = ratios_and_targets(results, models, gpu)
+    if not gpu:
+        targets += issue25_targets(results)
 
     for model_name in models:
         print(f"\n{model_name}: {models[model_name]['what']}")
@@ -1025,6 +1174,9 @@ def main(argv=None):
         info["device_note"] = info.get("device_note")
         info["device"] = "CPU"
     info["cpu_model"] = cpu_model()
+    info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    info["loadavg_start"] = load_at_start
+    info["busy_core"] = {"core": busy.core, "loop": BUSY_LOOP} if busy else None
     info["threads"] = thread_settings(torch)
     info["tensorflow"] = tf_info
     payload = {
@@ -1040,7 +1192,7 @@ def main(argv=None):
                    "logical_devices": LOGICAL_DEVICES, "backend": kind,
                    "modes": sorted(modes), "resident_rows": not args.no_resident},
         "models": {k: {"units": list(v["units"]), "per_replica": v["per_replica"], "what": v["what"],
-                       **({"conv": list(v["conv"])} if "conv" in v else {})}
+                       "convs": [list(c) for c in conv_layers(v)]}
                    for k, v in models.items()},
         "rates": rates, "results": results, "ratios": ratios, "targets": targets, "skipped": skipped,
     }

@@ -18,12 +18,19 @@ compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
     conv2d_backward    dW = cols^T @ dy, the reference's matmul; db by ``_column_sums``
                        (float32 per image, float64 across images); dx (only when an
                        earlier layer needs it: never for the lab's first-layer conv,
-                       as in every framework) by ``_conv2d_input_grad``, a scatter of
-                       each output pixel's dy @ W^T onto its window
+                       as in every framework) as the reference: dcols = dy @ W^T
+                       (BLAS, into the column buffer dW is done with), then
+                       ``_col2im`` adds each window's row back onto its pixels
     max_pool_forward   max and arg-max in one pass over the input, the SAME comparisons
                        in the SAME order as ``max_pool_ref`` and the CUDA kernel: the
                        first maximum in row-major window order, NaN taken first
     max_pool_backward  each output's dy added at its recorded arg-max
+    conv2d_relu_pool   Conv2D(relu) then MaxPooling2D as one op (the layers fuse them on
+                       the CPU: keras/layers.py, ``Conv2D.fuse_next``): im2col + one
+                       matmul, then ONE pass adding the bias, clipping at 0 and pooling
+                       (the activation is never written out): bitwise the two references
+    max_pool_relu_backward  the pool's backward with the ReLU's mask (from the pooled
+                       output: the ReLU's value at the arg-max), one pass instead of two
     relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
                        reference's ``y > 0``)
 
@@ -58,6 +65,7 @@ the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls the
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit, prange
@@ -82,6 +90,97 @@ _PAR = dict(nogil=True, parallel=True) if PARALLEL else _JIT
 _LOCK = threading.Lock()
 
 
+# --- the convs' products, split over threads ---------------------------------------------------
+
+#: A product (the conv's forward, dW, dX) is split over threads only past this many
+#: multiply-adds: below it, handing a part to another thread (~50 us) costs more than
+#: it saves. The lab ConvNet's first conv (43264 x 9 x 32: 12.5 M) stays whole; the
+#: two-conv model's second (7744 x 288 x 64: 143 M) is split.
+SPLIT_MIN_MADDS = 20_000_000
+#: ``MIRRORED_CPU_THREADS``: how many threads the convs' products are split over; unset
+#: or "auto": the cores that fit, the cores this process may use less the other work
+#: running at that moment (the kernel's count of runnable threads, /proc/loadavg's 4th
+#: field, less this one: the pool's threads are idle between products; not the 1-minute
+#: average, which lags and counts our own threads, so 2 threads would talk it down to 1
+#: and back), at least 1. Each part
+#: is one BLAS call on one BLAS thread (mirrored/backends.py's policy); the parts' threads
+#: block, never spin, while they wait, so a core taken by something else slows its part
+#: but stalls nothing (issue 25). On this 2-core machine under a load average of 11 from
+#: other work, two parts made the two-conv model's second conv slower (forward 6.8 ->
+#: 9.8 ms, best of 20), hence the load rule.
+THREADS_VAR = "MIRRORED_CPU_THREADS"
+_POOL = {}
+
+
+def _other_runnable():
+    """Threads of other work runnable right now (/proc/loadavg: "1.2 0.9 0.7 3/412 99" has
+    3 runnable, this one among them); 0 where the kernel does not say."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def product_threads():
+    """The threads a large conv product is split over (``THREADS_VAR``). A bad value
+    raises ValueError saying what is accepted."""
+    raw = os.environ.get(THREADS_VAR, "").strip().lower()
+    if raw in ("", "auto"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(cores, cores - _other_runnable()))
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw)
+    raise ValueError(f"{THREADS_VAR}={raw!r}: expected 'auto' or a whole number of threads >= 1 "
+                     f"(unset: auto, the cores free of other work).")
+
+
+#: A large product is always cut in this many row blocks, whatever the thread count, so
+#: that its result depends on the shapes only: BLAS may round a block's rows differently
+#: from the whole (other edge kernels), and the replicas of a MirroredStrategy, run one
+#: after another while the load and so the thread count changes, must stay bitwise equal.
+PARTS = 4
+
+
+def matmul_rows(a, b, out):
+    """``np.matmul(a, b, out=out)`` for 2-D float32 ``a`` (M, K), ``b`` (K, N), ``out``
+    (M, N) C-contiguous. A large product (``SPLIT_MIN_MADDS``) is cut in ``PARTS`` blocks
+    of rows, one BLAS call each, run on ``product_threads()`` threads (this one and a
+    pool's): the same bits with any thread count, equal to the single call to float32
+    rounding (tests/test_cpu_conv_fused.py); a small one is the single call."""
+    m = a.shape[0]
+    if m < PARTS or m * a.shape[1] * b.shape[1] < SPLIT_MIN_MADDS:
+        return np.matmul(a, b, out=out)
+    bounds = [m * i // PARTS for i in range(PARTS + 1)]
+    blocks = list(zip(bounds[:-1], bounds[1:]))
+    n = min(product_threads(), PARTS)
+    pool = _POOL.get(n - 1) if n > 1 else None
+    if n > 1 and pool is None:
+        pool = _POOL[n - 1] = ThreadPoolExecutor(n - 1, thread_name_prefix="mirrored-cpu")
+    mine = blocks[::n]                                  # this thread's blocks; the pool's the rest
+    theirs = [pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
+              for i, (lo, hi) in enumerate(blocks) if i % n] if pool else []
+    for lo, hi in mine:
+        np.matmul(a[lo:hi], b, out=out[lo:hi])
+    for part in theirs:
+        part.result()
+    return out
+
+
+def threads_note():
+    """One line for ``python -m mirrored info``: how the loops over images run."""
+    try:
+        split = (f"large conv products split over {product_threads()} thread(s) now "
+                 f"({THREADS_VAR}: {os.environ.get(THREADS_VAR) or 'auto, the cores free of other work'})")
+    except ValueError as err:
+        split = f"invalid: {err}"
+    if not PARALLEL:
+        return f"{split}; loops serial (MIRRORED_CPU_PARALLEL=1 spreads images over Numba's threads)"
+    import numba
+    return (f"{split}; loops parallel over images, {numba.get_num_threads()} Numba threads "
+            f"(MIRRORED_CPU_PARALLEL=1; NUMBA_NUM_THREADS sets the count)")
+
+
 def _run(loop, *args):
     with _LOCK:
         return loop(*args)
@@ -103,21 +202,59 @@ def _taps_inside(o, stride, pad, taps, size):
 @njit(**_PAR)
 def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
     """cols[r, t] = x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci], 0 in the padding, for
-    r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop."""
+    r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop.
+    Each tap copies its Cin channels as one contiguous run (channels-last: x[n, ih, iw, :]
+    and cols[r, t:t + Cin] are both contiguous), with no test per element."""
     b, h, wd, cin = x.shape
     for n in prange(b):
         for oh in range(out_h):
             for ow in range(out_w):
                 row = cols[(n * out_h + oh) * out_w + ow]
-                t = 0
                 for kh in range(kh_n):
                     ih = oh * sh - pt + kh
                     for kw in range(kw_n):
                         iw = ow * sw - pl + kw
-                        inside = ih >= 0 and ih < h and iw >= 0 and iw < wd
+                        t = (kh * kw_n + kw) * cin
+                        if ih >= 0 and ih < h and iw >= 0 and iw < wd:
+                            src = x[n, ih, iw]
+                            for ci in range(cin):
+                                row[t + ci] = src[ci]
+                        else:
+                            for ci in range(cin):
+                                row[t + ci] = np.float32(0.0)
+
+
+@njit(**_PAR)
+def _col2im(dcols, dx, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
+    """col2im, the reference's order: dx[n] = 0; for each tap (kh, kw) in order, for each
+    output pixel (oh, ow) whose tap lands inside dx, for every ci:
+        dx[n, oh*sh - pt + kh, ow*sw - pl + kw, ci] += dcols[r, (kh*KW + kw)*Cin + ci]
+    (r = (n*OH + oh)*OW + ow). Each input pixel gets its taps' terms in tap order, as
+    ``conv2d_backward_ref``'s loop over (i, j) adds whole slices: bitwise the same sums."""
+    b, h, wd, cin = dx.shape
+    for n in prange(b):                     # image n's rows of dcols write only dx[n]
+        dx[n] = 0.0
+        for kh in range(kh_n):
+            for kw in range(kw_n):
+                t = (kh * kw_n + kw) * cin
+                oh_lo, oh_hi = _outputs_touching(kh, sh, pt, out_h, h)
+                ow_lo, ow_hi = _outputs_touching(kw, sw, pl, out_w, wd)
+                for oh in range(oh_lo, oh_hi):
+                    ih = oh * sh - pt + kh
+                    for ow in range(ow_lo, ow_hi):
+                        src = dcols[(n * out_h + oh) * out_w + ow]
+                        dst = dx[n, ih, ow * sw - pl + kw]
                         for ci in range(cin):
-                            row[t] = x[n, ih, iw, ci] if inside else np.float32(0.0)
-                            t += 1
+                            dst[ci] += src[t + ci]
+
+
+@njit(cache=True, inline="always")
+def _outputs_touching(tap, stride, pad, n_out, size):
+    """The outputs ``[lo, hi)`` whose tap ``tap`` lands inside the input:
+    0 <= o*stride - pad + tap < size."""
+    lo = max(0, -(-(pad - tap) // stride))         # ceil((pad - tap) / stride), at least 0
+    hi = min(n_out, (size - 1 + pad - tap) // stride + 1)
+    return lo, max(lo, hi)
 
 
 @njit(**_PAR)
@@ -150,30 +287,6 @@ def _column_sums(d, out, rows_per_part):
         out[c] = total
 
 
-@njit(**_PAR)
-def _conv2d_input_grad(dy, w, dx, sh, sw, pt, pl):
-    """Loop nest: dx[:] = 0; for each output pixel (n, oh, ow), tap (kh, kw) inside, ci:
-                      dx[n, ih, iw, ci] += sum over co of dy[n, oh, ow, co] * w[kh, kw, ci, co]"""
-    b, h, wd, cin = dx.shape
-    kh_n, kw_n, _, cout = w.shape
-    out_h, out_w = dy.shape[1], dy.shape[2]
-    for n in prange(b):                     # image n's windows write only dx[n]
-        dx[n] = 0.0
-        for oh in range(out_h):
-            for ow in range(out_w):
-                kh_lo, kh_hi = _taps_inside(oh, sh, pt, kh_n, h)
-                kw_lo, kw_hi = _taps_inside(ow, sw, pl, kw_n, wd)
-                for kh in range(kh_lo, kh_hi):
-                    ih = oh * sh - pt + kh
-                    for kw in range(kw_lo, kw_hi):
-                        iw = ow * sw - pl + kw
-                        for ci in range(cin):
-                            s = np.float32(0.0)
-                            for co in range(cout):
-                                s += dy[n, oh, ow, co] * w[kh, kw, ci, co]
-                            dx[n, ih, iw, ci] += s
-
-
 def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False, cols=None):
     """``conv2d_ref(x, kernel, bias, strides, padding, relu)`` written into ``out``
     (B, OH, OW, Cout) float32: x (B, H, W, Cin), kernel (KH, KW, Cin, Cout), bias (Cout,)
@@ -186,7 +299,7 @@ def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False,
     _check_out("conv2d_forward", out, shape)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
-    np.matmul(cols, kernel.reshape(-1, cout), out=out2)  # (B*OH*OW, Cout)
+    matmul_rows(cols, kernel.reshape(-1, cout), out2)    # (B*OH*OW, Cout)
     if bias is not None or relu:
         _run(_bias_act, out2, np.zeros(cout, np.float32) if bias is None else bias, bool(relu))
     return out
@@ -196,21 +309,23 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=
     """``conv2d_backward_ref`` written into dw (KH, KW, Cin, Cout), db (Cout,) or None, and
     dx (B, H, W, Cin) unless it is None (a first layer: no earlier layer needs it, and
     it is not computed). dW = cols^T @ dy as the reference (one matmul); db by
-    ``_column_sums``; dx by ``_conv2d_input_grad`` (a scatter, not the reference's
-    col2im temporaries)."""
+    ``_column_sums``; dx = col2im(dy @ W^T) as the reference: the product by BLAS into
+    ``cols`` (dW has used it), the col2im by ``_col2im`` (no temporaries)."""
     b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                         "conv2d_backward")
     _check_out("conv2d_backward: dy", dy, shape)
     _check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
     dy2 = dy.reshape(b * out_h * out_w, cout)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
-    np.matmul(cols.T, dy2, out=dw.reshape(-1, cout))     # (KH*KW*Cin, Cout)
+    matmul_rows(cols.T, dy2, dw.reshape(-1, cout))       # (KH*KW*Cin, Cout)
     if db is not None:
         _run(_column_sums, dy2, db, max(out_h * out_w, 1))
     if dx is not None:
         _check_out("conv2d_backward: dx", dx, tuple(x.shape))
         (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
-        _run(_conv2d_input_grad, dy, kernel, dx, sh, sw, pt, pl)
+        # dcols = dy @ W^T (BLAS) into the column buffer, free now that dW is made
+        matmul_rows(dy2, kernel.reshape(-1, cout).T, cols)     # (B*OH*OW, KH*KW*Cin)
+        _run(_col2im, cols, dx, out_h, out_w, kernel.shape[0], kernel.shape[1], sh, sw, pt, pl)
     return dx, dw, db
 
 
@@ -245,7 +360,7 @@ def _check_out(what, out, shape):
 # --- MaxPooling2D ------------------------------------------------------------------------------
 
 @njit(**_PAR)
-def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
+def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl, bias, relu):
     """Loop nest (max_pool_v1's, with the window positions outside the channel loop so
     that the loop over c, contiguous in NHWC, runs in SIMD lanes):
         for each output pixel (n, oh, ow):
@@ -253,7 +368,12 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
             each later position (a, b) inside x, in row-major order, for every c:
                 v = x[n, oh*sh - pt + a, ow*sw - pl + b, c]
                 take = v > best or (isnan(v) and not isnan(best));  if take: best, k = v, a*PW + b
-    which is max_pool_ref's rule: the first maximum, or the first NaN."""
+    which is max_pool_ref's rule: the first maximum, or the first NaN.
+
+    With ``bias`` (not None) each value read is first ``v + bias[c]``, then, with ``relu``,
+    ``0 if v < 0`` (``_bias_act``'s arithmetic): the pooling of a conv's output whose bias
+    and ReLU were never written out (``conv2d_relu_pool``). ``bias=None`` compiles a
+    version without that step (Numba prunes the branch for a None argument)."""
     b, h, wd, ch = x.shape
     out_h, out_w = out.shape[1], out.shape[2]
     for n in prange(b):
@@ -272,12 +392,19 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
                         pos = a * pw_n + bb
                         if first:
                             for c in range(ch):
-                                o[c] = xr[c]
+                                v = xr[c]
+                                if bias is not None:
+                                    v = v + bias[c]
+                                    v = np.float32(0.0) if relu and v < 0.0 else v
+                                o[c] = v
                                 g[c] = pos
                             first = False
                         else:
                             for c in range(ch):
                                 v = xr[c]
+                                if bias is not None:
+                                    v = v + bias[c]
+                                    v = np.float32(0.0) if relu and v < 0.0 else v
                                 best = o[c]
                                 take = v > best or (v != v and best == best)   # v != v: isnan(v)
                                 o[c] = v if take else best
@@ -285,9 +412,12 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl):
 
 
 @njit(**_PAR)
-def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
+def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl, y):
     """Loop nest: dx[:] = 0; for each output pixel (n, oh, ow), window position (a, b)
-           inside dx, for every c: dx[n, ih, iw, c] += dy[n, oh, ow, c] if arg[n, oh, ow, c] == a*PW + b else 0"""
+           inside dx, for every c: dx[n, ih, iw, c] += dy[n, oh, ow, c] if arg[n, oh, ow, c] == a*PW + b else 0
+    With ``y`` (the pooled output, not None), dy[n, oh, ow, c] counts only where
+    y[n, oh, ow, c] > 0: the ReLU before the pool, whose output at the arg-max IS the
+    pooled value, so its mask is known here (``max_pool_relu_backward``)."""
     h, wd = dx.shape[1], dx.shape[2]
     out_h, out_w, ch = dy.shape[1], dy.shape[2], dy.shape[3]
     for n in prange(dy.shape[0]):           # image n's windows write only dx[n]
@@ -304,8 +434,13 @@ def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl):
                         iw = ow * sw - pl + bb
                         pos = a * pw_n + bb
                         r = dx[n, ih, iw]
-                        for c in range(ch):
-                            r[c] += d[c] if g[c] == pos else np.float32(0.0)
+                        if y is None:
+                            for c in range(ch):
+                                r[c] += d[c] if g[c] == pos else np.float32(0.0)
+                        else:
+                            yr = y[n, oh, ow]
+                            for c in range(ch):
+                                r[c] += d[c] if g[c] == pos and yr[c] > 0.0 else np.float32(0.0)
 
 
 def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
@@ -316,7 +451,7 @@ def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
     if tuple(arg.shape) != shape or arg.dtype != np.int32:
         raise ValueError(f"max_pool_forward: arg must be int32 of shape {shape}, got "
                          f"{arg.dtype} {tuple(arg.shape)}.")
-    _run(_max_pool_forward, x, out, arg, ph, pw, sh, sw, pt, pl)
+    _run(_max_pool_forward, x, out, arg, ph, pw, sh, sw, pt, pl, None, False)
     return out, arg
 
 
@@ -325,8 +460,50 @@ def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid"):
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
                                                               padding, "max_pool_backward")
     _check_out("max_pool_backward: dy", dy, shape)
-    _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl)
+    _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl, None)
     return dx
+
+
+def max_pool_relu_backward(dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
+    """The gradient through ReLU then max-pool in one pass, into dx (B, H, W, C) float32:
+    ``relu_backward_ref(max_pool_backward_ref(dy, arg, ...), relu_out)``, where the ReLU's
+    output at each arg-max is the pooled output ``y`` (B, OH, OW, C): dy counts where
+    y > 0 (NaN: not counted, as ``y > 0``). Bitwise the two passes' result where windows
+    do not overlap."""
+    shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
+                                                              padding, "max_pool_relu_backward")
+    _check_out("max_pool_relu_backward: dy", dy, shape)
+    _check_out("max_pool_relu_backward: y", y, shape)
+    _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl, y)
+    return dx
+
+
+def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool_size=2,
+                     pool_strides=None, pool_padding="valid", cols=None, z=None):
+    """``max_pool_ref(conv2d_ref(x, kernel, bias, strides, padding, relu=True), pool_size,
+    pool_strides, pool_padding)`` written into out (B, PH, PW, Cout) float32 and arg
+    (B, PH, PW, Cout) int32, bitwise: im2col and ONE matmul into ``z`` (B, OH, OW, Cout),
+    the conv before its bias, then one pass adding the bias, clipping at 0 and pooling
+    (``_max_pool_forward`` with a bias), so the activation is never written out and read
+    back. ``cols``, ``z``: buffers to reuse (the CPU device keeps them), else made.
+    The backward: ``max_pool_relu_backward`` (the ReLU's mask from ``out``), then
+    ``conv2d_backward``."""
+    b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides,
+                                                             padding, "conv2d_relu_pool")
+    shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
+        conv_shape, pool_size, pool_strides, pool_padding, "conv2d_relu_pool")
+    _check_out("conv2d_relu_pool: out", out, shape)
+    if tuple(arg.shape) != shape or arg.dtype != np.int32:
+        raise ValueError(f"conv2d_relu_pool: arg must be int32 of shape {shape}, got "
+                         f"{arg.dtype} {tuple(arg.shape)}.")
+    if z is None:
+        z = np.empty(conv_shape, np.float32)
+    _check_out("conv2d_relu_pool: z", z, conv_shape)
+    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
+    matmul_rows(cols, kernel.reshape(-1, cout), z.reshape(b * out_h * out_w, cout))
+    bias = np.zeros(cout, np.float32) if bias is None else bias
+    _run(_max_pool_forward, z, out, arg, ph, pw, psh, psw, ppt, ppl, bias, True)
+    return out, arg
 
 
 # --- ReLU backward -------------------------------------------------------------------------------

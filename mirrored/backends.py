@@ -118,6 +118,24 @@ class CpuOps:
     def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
         return cpu_loops.max_pool_backward(dy, arg, dx, pool_size, strides, padding)
 
+    # Conv2D(relu) then MaxPooling2D as one op each way (layers.Conv2D.fuse_next): the
+    # activation is never written out; its backward takes the ReLU's mask from the pooled
+    # output. = max_pool_ref(conv2d_ref(..., relu=True)) bitwise, and its backward.
+    def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
+                         pool_strides=None, pool_padding="valid"):
+        cols = self._cols(x, kernel, strides, padding)
+        z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
+        z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
+        return cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
+                                          pool_strides, pool_padding, cols, z)
+
+    def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
+        return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
+
+    @staticmethod
+    def fuses_conv_relu_pool(kernel_shape, strides, pool_size, pool_strides, pool_padding):
+        return True                     # the compiled loops take any conv and any pool
+
     def dropout(self, x, out, rate, key):
         out[...] = dropout.dropout_ref(x, key, rate)
         return out
@@ -199,9 +217,14 @@ class CudaOps:
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
         return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
 
-    #: Conv2D(relu) + MaxPooling2D(2) run as one ``conv2d_relu_pool`` here (keras/engine.py
-    #: asks ``getattr(ops, "FUSES_CONV_RELU_POOL", False)``; the CPU keeps the two layers).
-    FUSES_CONV_RELU_POOL = True
+    #: Conv2D(relu) then MaxPooling2D as one op each way (layers.Conv2D.fuse_next) where the
+    #: fused kernel holds the layer (kernels/conv2d_v3.py): a 2x2, stride-2, 'valid' pool; its
+    #: arg-max is the window position a*2 + b, as int8.
+    FUSED_ARG_DTYPE = conv2d_v3.FUSED_ARG_DTYPE
+
+    @staticmethod
+    def fuses_conv_relu_pool(kernel_shape, strides, pool_size, pool_strides, pool_padding):
+        return conv2d_v3.fuses_with_pool(kernel_shape, strides, "relu", pool_size, pool_strides, pool_padding)
 
     def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
         return regression_losses.regression_loss(kind, pred, target, loss, grad, scale, self.stream)
@@ -209,8 +232,14 @@ class CudaOps:
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         return conv2d_v3.forward(x, kernel, bias, out, strides, padding, relu, self.stream)  # v3 (v1 past its size)
 
-    def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding):
+    def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
+                         pool_strides=None, pool_padding="valid"):
+        # the pool is 2x2, stride 2, 'valid' (fuses_conv_relu_pool said so)
         return conv2d_v3.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, self.stream)
+
+    def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
+        # v2, one thread per window, with the conv's ReLU mask read from the pooled output y
+        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream, relu_y=y)
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # dW/db's pass-1 partial sums: a scratch buffer of the device, as sum_all's.
@@ -220,9 +249,9 @@ class CudaOps:
     def max_pool(self, x, out, arg, pool_size, strides, padding):
         return pooling.max_pool(x, out, arg, pool_size, strides, padding, self.stream)
 
-    def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding, relu_y=None):
-        # v2 (one thread per window) where windows do not overlap; relu_y: the fused ReLU's mask
-        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream, relu_y)
+    def max_pool_backward(self, dy, arg, dx, pool_size, strides, padding):
+        # v2 (one thread per window) where windows do not overlap, else v1
+        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream)
 
     def dropout(self, x, out, rate, key):
         return dropout.dropout(x, out, rate, key, self.stream)
@@ -243,12 +272,32 @@ class CudaOps:
         return gather.gather_rows(src, idx, out, self.stream)
 
 
-# --- which BLAS the CPU backend calls (recorded by the benchmarks) ------------------------
-# NumPy's matmul calls OpenBLAS, which splits every large enough GEMM over one thread per
-# core. ``fit`` drives its replicas from one thread (keras/step.py), so one product at a time
-# gets all the cores. ``blas_info`` reports the library and its thread count through
-# ctypes (no new dependency); with another BLAS (Accelerate, MKL) or on a system without
-# /proc/self/maps it says so.
+# --- the CPU backend's BLAS, and how many threads it may use --------------------------------
+# NumPy's matmul calls a BLAS (OpenBLAS in NumPy's wheels), which by default splits every
+# large enough GEMM over one thread per core, and whose threads spin-wait for each other.
+# For the small GEMMs of the course's models that is a bad bet: on this 2-core machine,
+# with one other busy process, the lab ConvNet's step went from 12 ms to 123-137 ms (one
+# of OpenBLAS's threads descheduled, the other spinning for it; issue 25). So, by
+# default, fit/evaluate/predict run with ONE BLAS thread (``blas_threads``, through
+# threadpoolctl, restored when they return); the images of a batch can be spread over
+# cores by our own compiled loops instead (kernels/cpu_loops.py, MIRRORED_CPU_PARALLEL).
+# No environment variable is set: a user's own OPENBLAS_NUM_THREADS / OMP_NUM_THREADS
+# (read by the BLAS at start) is respected, and MIRRORED_BLAS_THREADS chooses the count.
+
+#: The variable choosing the policy: unset or "auto" (1 thread during fit/evaluate/
+#: predict, unless a BLAS variable below is set), a number N (N threads), or "keep"
+#: (leave the BLAS as it is).
+BLAS_POLICY_VAR = "MIRRORED_BLAS_THREADS"
+#: Variables by which a user sets the BLAS's thread count themselves ("auto" then keeps it).
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: "auto"'s count: one thread per replica, the replicas being driven one after another
+#: by one host thread (keras/step.py), so one product at a time.
+AUTO_BLAS_THREADS = 1
+
+try:
+    import threadpoolctl
+except ImportError:                 # a requirement (requirements.txt); the ctypes route below remains
+    threadpoolctl = None
 
 #: Names of OpenBLAS's thread-count getter and setter: the plain build, and the
 #: symbol-prefixed 64-bit-integer builds that NumPy's and SciPy's wheels bundle.
@@ -260,7 +309,7 @@ _OPENBLAS_SET = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_"
 
 def _openblas():
     """``(path, getter, setter)`` of the OpenBLAS this process has loaded, or a string
-    saying why there is none."""
+    saying why there is none (the route where threadpoolctl is not installed)."""
     import ctypes
     try:
         with open("/proc/self/maps") as maps:        # the libraries this process has loaded
@@ -281,23 +330,58 @@ def _openblas():
     return "NumPy's BLAS is not OpenBLAS (or not found)"
 
 
+_CONTROLLERS = []
+
+
+def _blas_controllers():
+    """threadpoolctl's controllers of the BLAS libraries this process has loaded, found
+    once (a ThreadpoolController scans every loaded library: ~50 ms on a busy machine,
+    far too slow to make at every fit/predict call; setting a count is ~0.1 ms)."""
+    if not _CONTROLLERS:
+        found = threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers
+        _CONTROLLERS.append(list(found))
+    return _CONTROLLERS[0]
+
+
 def blas_info():
-    """What the CPU backend's BLAS is: ``{"library", "threads", "note"}`` (for benchmarks)."""
+    """What the CPU backend's BLAS is: ``{"library", "threads", "note", "kernel", "version"}`` (for the
+    benchmarks and ``python -m mirrored info``). ``kernel``: the CPU kernels the BLAS
+    picked (OpenBLAS's core name, e.g. SkylakeX or Haswell: the same GEMM is 3x slower on
+    a machine where OPENBLAS_CORETYPE forces Haswell's), None where unknown."""
+    if threadpoolctl is not None:
+        blas = [c.info() for c in _blas_controllers()]
+        if not blas:
+            return {"library": None, "threads": None, "note": "no BLAS found by threadpoolctl",
+                    "kernel": None, "version": None}
+        first = blas[0]
+        api = first["internal_api"]
+        return {"library": first["filepath"], "threads": int(first["num_threads"]),
+                "note": {"openblas": "OpenBLAS", "mkl": "MKL", "blis": "BLIS"}.get(api, api),
+                "kernel": first.get("architecture"), "version": first.get("version")}
     found = _openblas()
     if isinstance(found, str):
-        return {"library": None, "threads": None, "note": found}
+        return {"library": None, "threads": None, "note": found, "kernel": None, "version": None}
     path, get, _ = found
-    return {"library": path, "threads": int(get()), "note": "OpenBLAS"}
+    return {"library": path, "threads": int(get()), "note": "OpenBLAS", "kernel": None, "version": None}
 
 
 def set_blas_threads(n):
-    """Let OpenBLAS use ``n`` threads from now on; returns the count it had, or None
-    where NumPy's BLAS is not an OpenBLAS we can reach (then nothing changes).
+    """Let the BLAS use ``n`` threads from now on; returns the count it had, or None
+    where NumPy's BLAS cannot be reached (then nothing changes).
 
     Used by ``MultiWorkerMirroredStrategy`` when several workers share one machine's
     cores: each worker's OpenBLAS would otherwise start one thread per core, and the
     workers' threads, spinning for each other, made 2 workers on 2 cores 7x slower per
-    step than 1 (benchmarks.multiworker, README "Beyond one machine")."""
+    step than 1 (benchmarks.multiworker, README "Beyond one machine"); and by
+    ``blas_threads`` around fit/evaluate/predict."""
+    if threadpoolctl is not None:
+        controllers = _blas_controllers()
+        if not controllers:
+            return None
+        before = int(controllers[0].get_num_threads())
+        for c in controllers:
+            c.set_num_threads(int(n))
+        return before
     import ctypes
     found = _openblas()
     if isinstance(found, str) or found[2] is None:
@@ -307,3 +391,49 @@ def set_blas_threads(n):
     put.argtypes = [ctypes.c_int]
     put(int(n))
     return before
+
+
+def blas_policy(environ=None):
+    """``(threads, why)``: the BLAS thread count fit/evaluate/predict will use (None: the
+    BLAS is left as it is) and a sentence saying why, from MIRRORED_BLAS_THREADS and the
+    BLAS's own variables. A bad MIRRORED_BLAS_THREADS raises ValueError saying what is
+    accepted."""
+    import os
+    environ = os.environ if environ is None else environ
+    raw = environ.get(BLAS_POLICY_VAR, "").strip().lower()
+    if raw in ("", "auto"):
+        mine = [v for v in BLAS_THREAD_VARS if environ.get(v)]
+        if mine:
+            return None, (f"left as {mine[0]}={environ[mine[0]]} sets it (yours; "
+                          f"{BLAS_POLICY_VAR}=N overrides)")
+        return AUTO_BLAS_THREADS, (f"{AUTO_BLAS_THREADS} thread while fit/evaluate/predict run "
+                                   f"(auto: small GEMMs; a busy core cannot stall it; "
+                                   f"{BLAS_POLICY_VAR}=N or =keep to change)")
+    if raw == "keep":
+        return None, f"left as the BLAS set it ({BLAS_POLICY_VAR}=keep)"
+    if raw.isdigit() and int(raw) >= 1:
+        return int(raw), f"{int(raw)} thread(s) while fit/evaluate/predict run ({BLAS_POLICY_VAR}={raw})"
+    raise ValueError(f"{BLAS_POLICY_VAR}={environ.get(BLAS_POLICY_VAR)!r}: expected 'auto', "
+                     f"'keep' or a whole number of threads >= 1; unset it for the default (auto).")
+
+
+class blas_threads:
+    """Context manager: the BLAS at ``blas_policy()``'s thread count inside, as it was after.
+
+    ``with backends.blas_threads(): model.fit(...)`` is what fit, evaluate and predict do
+    (keras/models.py). Nested uses (fit's validation pass) keep the outer count. Only
+    the process's BLAS is touched (threadpoolctl), never the environment."""
+
+    def __init__(self, threads="policy"):
+        self.threads = blas_policy()[0] if threads == "policy" else threads
+        self.before = None
+
+    def __enter__(self):
+        if self.threads is not None:
+            self.before = set_blas_threads(self.threads)
+        return self
+
+    def __exit__(self, *exc):
+        if self.before is not None and self.before != self.threads:
+            set_blas_threads(self.before)
+        return False

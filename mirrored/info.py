@@ -1,6 +1,7 @@
 """``python -m mirrored info``: what this machine offers, in one report.
 
 Versions of numba and numba-cuda, whether CUDA is real or Numba's simulator,
+the CPU backend's BLAS and its thread policy (mirrored/backends.py, ``blas_policy``),
 every physical and logical device with its memory, and which physical GPUs can
 read each other's memory directly (the peer-access matrix the ring all-reduce
 uses). Call ``report()`` for the text, e.g. from a notebook.
@@ -9,7 +10,8 @@ import platform
 import sys
 from importlib import metadata
 
-from mirrored import devices as _dev
+from kernels import cpu_loops
+from mirrored import backends, devices as _dev
 
 
 def _version(dist):
@@ -43,6 +45,23 @@ def peer_access_matrix():
     return matrix
 
 
+def _cpu_lines():
+    """The CPU backend's BLAS, the thread policy in force, and its compiled loops."""
+    blas = backends.blas_info()
+    try:
+        _, why = backends.blas_policy()
+    except ValueError as err:
+        why = f"invalid: {err}"
+    kernel = f", {blas['kernel']} kernels" if blas.get("kernel") else ""
+    version = f" {blas['version']}" if blas.get("version") else ""
+    found = (f"{blas['note']}{version}{kernel}, {blas['threads']} thread(s) now ({blas['library']})"
+             if blas["library"] else blas["note"])
+    return ["", "CPU backend:",
+            f"  BLAS         {found}",
+            f"  BLAS policy  {why}",
+            f"  conv loops   {cpu_loops.threads_note()}"]
+
+
 def report():
     """The whole report as a string."""
     lines = ["mirrored: MirroredStrategy re-implemented with Numba CUDA kernels", ""]
@@ -54,6 +73,7 @@ def report():
         "real": "real GPU(s) (numba-cuda)",
         "simulator": "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run as Python threads",
         "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy)"}[mode])
+    lines += _cpu_lines()
     lines += ["", "physical devices:"]
     for phys in _dev.list_physical():
         extra = ""

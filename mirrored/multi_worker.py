@@ -244,7 +244,7 @@ class MultiWorkerExtended(StrategyExtended):
 
 
 #: Variables by which a user sets the BLAS's thread count themselves (then we leave it).
-BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+BLAS_THREAD_VARS = backends.BLAS_THREAD_VARS
 
 
 def _share_cores(devices, workers_here):

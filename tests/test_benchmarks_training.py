@@ -38,9 +38,10 @@ def test_smoke_run_writes_valid_json(tmp_path):
     assert {"numpy", "numba", "numba_cuda", "date_utc", "device", "cpu_model", "threads"} <= set(info)
     assert info["device"] == "CPU" and info["threads"]["cpu_count"] >= 1
     assert doc["method"]["backend"] == "CPU"
-    assert set(doc["models"]) == {"lab", "wide", "convnet"} == set(doc["method"]["epochs"])
+    assert set(doc["models"]) == {"lab", "wide", "convnet", "two-conv"} == set(doc["method"]["epochs"])
+    assert doc["models"]["two-conv"]["convs"] == [[2, 3], [4, 3]]
 
-    for model in ("lab", "wide", "convnet"):
+    for model in ("lab", "wide", "convnet", "two-conv"):
         rows = [r for r in doc["results"] if r["model"] == model]
         ours = {(r["strategy"], r["replicas"]) for r in rows if r["framework"] == "ours"}
         assert ours == OURS, ours

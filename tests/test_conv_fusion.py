@@ -1,8 +1,8 @@
 """Conv2D(activation='relu') + MaxPooling2D(2) run as one fused kernel on (simulated) GPUs
-(keras/engine.py ``fuse_layers``, kernels/conv2d_v3.py ``conv2d_relu_pool``): the fused
-pair trains bit for bit like the two layers run apart, on every replica; the CPU keeps the
-two layers. A second conv after a pool makes its dX count; odd conv outputs make the
-pool drop a row and a column.
+(``Conv2D.fuse_next`` asks ``ops.fuses_conv_relu_pool``; kernels/conv2d_v3.py
+``conv2d_relu_pool``): the fused pair trains bit for bit like the two layers run apart, on
+every replica; the CPU fuses through its own loops, never the GPU kernel. A second conv
+after a pool makes its dX count; odd conv outputs make the pool drop a row and a column.
 
     python -m pytest -q tests/test_conv_fusion.py
 """
@@ -34,7 +34,8 @@ def train(kind, n, fuse, weights, xs, ys, monkeypatch):
         return real(self, *args)
 
     monkeypatch.setattr(backends.CudaOps, "conv2d_relu_pool", counted)
-    monkeypatch.setattr(backends.CudaOps, "FUSES_CONV_RELU_POOL", fuse)
+    if not fuse:
+        monkeypatch.setattr(backends.CudaOps, "fuses_conv_relu_pool", staticmethod(lambda *a: False))
     with tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)]).scope():
         model = tf.keras.Sequential(two_blocks())
     model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -61,7 +62,7 @@ def test_the_fused_pair_trains_exactly_like_the_two_layers(devices, rng, monkeyp
         assert not np.array_equal(a, w0), "every weight trained"
 
 
-def test_the_cpu_keeps_the_two_layers(devices, rng, monkeypatch):
+def test_the_cpu_fuses_through_its_own_loops_not_the_gpu_kernel(devices, rng, monkeypatch):
     devices(cpus=2)
     with tf.distribute.OneDeviceStrategy("CPU:0").scope():
         start = tf.keras.Sequential(two_blocks()).get_weights()
@@ -77,9 +78,10 @@ def test_the_cpu_keeps_the_two_layers(devices, rng, monkeypatch):
     (dict(pool_size=2), dict(activation=None)),                       # no ReLU
 ])
 def test_only_relu_then_2x2_stride_2_valid_pools_fuse(pool, conv):
+    gpu = backends.CudaOps.__new__(backends.CudaOps)         # fuse_next asks only its staticmethod
     c = layers.Conv2D(2, 3, input_shape=(8, 8, 1), **conv)
     c.build((8, 8, 1))
-    assert not c.fuses_with(layers.MaxPooling2D(**pool))
+    assert not c.fuse_next(layers.MaxPooling2D(**pool), gpu)
     r = layers.Conv2D(2, 3, activation="relu", input_shape=(8, 8, 1))
     r.build((8, 8, 1))
-    assert r.fuses_with(layers.MaxPooling2D()) and not r.fuses_with(layers.Flatten())
+    assert r.fuse_next(layers.MaxPooling2D(), gpu) and not r.fuse_next(layers.Flatten(), gpu)

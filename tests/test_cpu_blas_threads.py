@@ -1,50 +1,120 @@
-"""The CPU backend's BLAS, as the benchmarks record it (mirrored.backends.blas_info),
-and what fit does with BLAS threads: nothing — one host thread drives every replica,
-so one product at a time gets all of the cores (keras/step.py, ``Step.copy_in``).
+"""The CPU backend's BLAS and its thread policy (mirrored/backends.py, ``blas_policy``,
+``blas_threads``): fit, evaluate and predict run with the policy's BLAS thread count
+(one by default, so that a busy core cannot stall a spinning BLAS thread; issue 25) and
+give the BLAS back as they found it; one host thread drives every replica
+(keras/step.py, ``Step.copy_in``).
 """
+import threading
+
 import numpy as np
+import pytest
 
 import mirrored as tf
 from mirrored import backends
+from mirrored.keras import engine
 
 
 def test_blas_info_says_what_it_found():
     info = backends.blas_info()
-    assert set(info) == {"library", "threads", "note"}
+    assert set(info) == {"library", "threads", "note", "kernel", "version"}
     assert (info["library"] is None) == (info["threads"] is None)
     assert info["threads"] is None or info["threads"] >= 1
 
 
-def test_fit_on_two_cpu_replicas_runs_on_the_callers_thread_with_blas_untouched(devices, rng):
-    import threading
+@pytest.mark.parametrize("env, threads", [
+    ({}, backends.AUTO_BLAS_THREADS),
+    ({"MIRRORED_BLAS_THREADS": "auto"}, backends.AUTO_BLAS_THREADS),
+    ({"MIRRORED_BLAS_THREADS": " 3 "}, 3),
+    ({"MIRRORED_BLAS_THREADS": "keep"}, None),
+    ({"OPENBLAS_NUM_THREADS": "2"}, None),                         # the user's own choice stays
+    ({"OMP_NUM_THREADS": "4", "MIRRORED_BLAS_THREADS": "2"}, 2),   # ours, named, wins
+])
+def test_blas_policy_reads_the_variables(env, threads):
+    got, why = backends.blas_policy(env)
+    assert got == threads
+    assert "MIRRORED_BLAS_THREADS" in why or "OPENBLAS_NUM_THREADS" in why
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5"])
+def test_blas_policy_refuses_a_bad_value_saying_what_it_takes(bad):
+    with pytest.raises(ValueError, match="MIRRORED_BLAS_THREADS.*'auto', 'keep' or a whole number"):
+        backends.blas_policy({"MIRRORED_BLAS_THREADS": bad})
+
+
+def _model(rng):
+    model = tf.keras.Sequential([tf.keras.layers.Dense(4, input_shape=(6,))])
+    model.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class _Spy(tf.keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(backends.blas_info()["threads"])
+
+
+@pytest.mark.skipif(backends.blas_info()["threads"] is None, reason="no BLAS whose threads we can set")
+@pytest.mark.parametrize("policy", ["auto", "2", "keep"])
+def test_fit_runs_at_the_policys_thread_count_and_gives_the_blas_back(monkeypatch, rng, policy):
+    for var in backends.BLAS_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", policy)
+    start = 3                                   # not any policy's count: a missed restore shows
+    backends.set_blas_threads(start)
+    try:
+        model, spy = _model(rng), _Spy()
+        x = rng.standard_normal((10, 6)).astype(np.float32)
+        model.fit(x, rng.integers(0, 4, 10), batch_size=4, epochs=1, verbose=0, callbacks=[spy])
+        want = {"auto": backends.AUTO_BLAS_THREADS, "2": 2, "keep": start}[policy]
+        assert spy.seen == [want] * 3
+        assert backends.blas_info()["threads"] == start
+        model.predict(x, verbose=0)
+        model.evaluate(x, rng.integers(0, 4, 10), verbose=0)
+        assert backends.blas_info()["threads"] == start
+    finally:
+        monkeypatch.delenv("MIRRORED_BLAS_THREADS")
+        backends.set_blas_threads(start)
+
+
+def test_a_bad_policy_stops_fit_before_anything_changes(monkeypatch, rng):
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "many")
+    model = _model(rng)
+    model.build((None, 6))
+    before = [w.copy() for w in model.get_weights()]
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    with pytest.raises(ValueError, match="MIRRORED_BLAS_THREADS='many'"):
+        model.fit(x, rng.integers(0, 4, 5), batch_size=4, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_fit_on_two_cpu_replicas_runs_on_the_callers_thread(devices, rng, monkeypatch):
     devices(cpus=2)
-    before = backends.blas_info()["threads"]
-    seen = []
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.layers.Dense(4, input_shape=(6,))])
-    model.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = _model(rng)
     caller = threading.get_ident()
-
-    class Spy(tf.keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append(backends.blas_info()["threads"])
-
-    # Record the thread each replica's forward pass runs on.
-    threads = []
-    from mirrored.keras import engine
+    threads = []                                # the thread each replica's forward pass runs on
     real_forward = engine.ReplicaProgram.forward
 
     def forward(self, *args, **kwargs):
         threads.append((self.r, threading.get_ident()))
         return real_forward(self, *args, **kwargs)
 
-    engine.ReplicaProgram.forward = forward
-    try:
-        x = rng.standard_normal((10, 6)).astype(np.float32)
-        model.fit(x, rng.integers(0, 4, 10), batch_size=4, epochs=1, verbose=0, callbacks=[Spy()])
-    finally:
-        engine.ReplicaProgram.forward = real_forward
+    monkeypatch.setattr(engine.ReplicaProgram, "forward", forward)
+    x = rng.standard_normal((10, 6)).astype(np.float32)
+    model.fit(x, rng.integers(0, 4, 10), batch_size=4, epochs=1, verbose=0)
     assert sorted(r for r, _ in threads) == [0, 0, 0, 1, 1, 1]       # 3 steps x 2 replicas
     assert {t for _, t in threads} == {caller}
-    assert seen == [before] * 3
+
+
+def test_info_reports_the_blas_and_the_policy_in_force(monkeypatch):
+    from mirrored.info import report
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "3")
+    text = report()
+    assert "BLAS policy  3 thread(s) while fit/evaluate/predict run (MIRRORED_BLAS_THREADS=3)" in text
+    assert "conv loops" in text and "MIRRORED_CPU_THREADS" in text
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "lots")
+    assert "BLAS policy  invalid: MIRRORED_BLAS_THREADS='lots'" in report()    # said, not raised

@@ -137,39 +137,25 @@ class LayerState:
     the gradient with respect to the layer's input. ``buffers(b)``: the layer's
     own buffers for batches of ``b`` (``layer.make_buffers``), made on first use.
     ``fused``: the neighbour's LayerState when this layer and its neighbour run as one
-    kernel on this device (``fuse_layers``), else None.
+    op on this device (``Conv2D.fuse_next``), else None.
     """
 
     __slots__ = ("layer", "dev", "ops", "replica_id", "global_replica_id", "weights", "grads",
-                 "need_dx", "fused", "_buffers")
+                 "need_dx", "_buffers", "fused")
 
     def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None):
         self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
         # among every worker's replicas (MultiWorkerMirroredStrategy); the local id on one machine
         self.global_replica_id = replica_id if global_replica_id is None else global_replica_id
         self.weights, self.grads, self.need_dx = weights, grads, need_dx
-        self.fused = None
         self._buffers = {}
+        self.fused = None        # the neighbour's state when two layers run as one op (Conv2D's fuse_next)
 
     def buffers(self, b):
         buf = self._buffers.get(b)
         if buf is None:
             buf = self._buffers[b] = self.layer.make_buffers(self, b)
         return buf
-
-
-def fuse_layers(states):
-    """Pair up neighbouring layers that this device runs as one kernel: a layer that can
-    (``layer.fuses_with(next_layer)``: Conv2D(activation='relu') then MaxPooling2D(2))
-    and ops that do (``FUSES_CONV_RELU_POOL``: CudaOps; the CPU keeps both layers). Each
-    of the pair gets the other's state as ``fused``; the layers read it in forward and
-    backward. The math and the gradients are the unfused pair's (tests/test_conv_fusion.py)."""
-    if not states or not getattr(states[0].ops, "FUSES_CONV_RELU_POOL", False):
-        return
-    for first, second in zip(states, states[1:]):
-        fuses = getattr(first.layer, "fuses_with", None)
-        if first.fused is None and second.fused is None and fuses is not None and fuses(second.layer):
-            first.fused, second.fused = second, first
 
 
 class _LossBuffers:
@@ -203,7 +189,10 @@ class ReplicaProgram:
                                           global_replica_id=replica_offset + replica_id))
             earlier_weights = earlier_weights or n > 0
             k += n
-        fuse_layers(self.states)
+        for state, following in zip(self.states, self.states[1:]):   # layers that run as one op
+            fuse = getattr(state.layer, "fuse_next", None)
+            if fuse is not None and following.fused is None and fuse(following.layer, self.ops):
+                state.fused, following.fused = following, state
         self.classes = self.layers[-1].output_shape[-1]
         self.softmax_output = getattr(self.layers[-1], "activation", None) == "softmax"
         self._loss_buffers = {}

@@ -354,8 +354,8 @@ class Conv2D(Layer):
     launchers on a GPU. As the first layer it gets the model's input as (b, H*W*Cin) and
     views it as (b, H, W, Cin) (free: the host copied each image in row-major order).
 
-    Fused with a following MaxPooling2D(2) on a GPU (``fuses_with``, keras/engine.py's
-    ``fuse_layers``): the forward is one ``ops.conv2d_relu_pool`` into the pool's buffers
+    Fused with a following MaxPooling2D where the device's ops fuse the pair (``fuse_next``,
+    the loop in keras/engine.py's ``ReplicaProgram``): the forward is one ``ops.conv2d_relu_pool`` into the pool's buffers
     (the conv output is never written), the pool's backward writes dz = d loss / d conv
     output with the ReLU mask applied, and this backward skips relu_backward.
     """
@@ -409,23 +409,29 @@ class Conv2D(Layer):
 
     trainable_weights = weights
 
-    def fuses_with(self, layer):
-        """True when this layer and ``layer`` (the next one) can run as one fused
-        conv + bias + ReLU + 2x2 max-pool kernel (kernels/conv2d_v3.py)."""
-        return (isinstance(layer, MaxPooling2D) and self.built and conv2d_v3.fuses_with_pool(
-            self.kernel_size + (self.input_shape[2], self.filters), self.strides, self.activation,
-            layer.pool_size, layer.strides, layer.padding))
-
     def make_buffers(self, state, b):
         dev = state.dev
         zero_bias = None
         if not self.use_bias:                         # the kernel adds a bias: give it zeros
             zero_bias = dev.empty((self.filters,), FLOAT)
             state.ops.fill(zero_bias, 0.0)
-        y = None if state.fused else dev.empty((b,) + self.output_shape, FLOAT)  # fused: never written
+        y = dev.empty((b,) + self.output_shape, FLOAT)   # fused: not the conv's output, its dz (backward)
         return _ConvBuffers(y,                                                                     # y: (b, OH, OW, Cout)
                             dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None,  # dx: (b, H, W, Cin)
                             zero_bias)
+
+    def fuse_next(self, layer, ops):
+        """True when this layer and ``layer`` (the next) run as one op on ``ops``'s device: a
+        ReLU conv followed by MaxPooling2D, where the backend fuses that pair
+        (``ops.fuses_conv_relu_pool``: the CPU's compiled loops for any pool; a GPU's
+        ``conv2d_v3.conv2d_relu_pool`` for a 2x2, stride-2, 'valid' pool of a kernel it holds).
+        The engine then gives each layer's state the other's (``state.fused``): the conv
+        writes the pool's output and arg-max, and in backward runs the pool's backward with
+        the ReLU mask (``ops.max_pool_relu_backward``); the pool passes through."""
+        fuses = getattr(ops, "fuses_conv_relu_pool", None)
+        return (self.activation == "relu" and isinstance(layer, MaxPooling2D) and fuses is not None
+                and fuses(self.kernel_size + (self.input_shape[2], self.filters), self.strides,
+                          layer.pool_size, layer.strides, layer.padding))
 
     def forward(self, state, x, training=False):
         b = x.shape[0]
@@ -433,11 +439,11 @@ class Conv2D(Layer):
         kernel = state.weights[0]                                   # (KH, KW, Cin, Cout)
         bias = state.weights[1] if self.use_bias else buf.zero_bias  # (Cout,)
         buf.x = view(x, (b,) + self.input_shape)                    # (b, H, W, Cin), kept for d kernel
-        if state.fused:                                             # + ReLU + the next layer's pool
-            pool = state.fused.buffers(b)
-            state.ops.conv2d_relu_pool(buf.x, kernel, bias, pool.y, pool.arg, self.strides,
-                                       self.padding)                # (b, OH/2, OW/2, Cout), int8 arg
-            return pool.y
+        if state.fused is not None:                                 # + the next MaxPooling2D, one op
+            pool, pbuf = state.fused.layer, state.fused.buffers(b)
+            state.ops.conv2d_relu_pool(buf.x, kernel, bias, pbuf.y, pbuf.arg, self.strides,
+                                       self.padding, pool.pool_size, pool.strides, pool.padding)
+            return pbuf.y                                           # pooled: (b, PH, PW, Cout)
         state.ops.conv2d(buf.x, kernel, bias, buf.y, self.strides, self.padding,
                          relu=self.activation == "relu")            # y: (b, OH, OW, Cout)
         return buf.y
@@ -446,7 +452,12 @@ class Conv2D(Layer):
         buf = state.buffers(dy.shape[0])
         dkernel = state.grads[0]                                    # (KH, KW, Cin, Cout)
         dbias = state.grads[1] if self.use_bias else None           # (Cout,)
-        if self.activation == "relu" and not state.fused:       # fused: the pool's backward masked dy
+        if state.fused is not None:                                 # dy: the pool's output gradient
+            pool, pbuf = state.fused.layer, state.fused.buffers(dy.shape[0])
+            state.ops.max_pool_relu_backward(dy, pbuf.arg, pbuf.y, buf.y, pool.pool_size,
+                                             pool.strides, pool.padding)   # dz: (b, OH, OW, Cout)
+            dy = buf.y
+        elif self.activation == "relu":
             state.ops.relu_backward(dy, buf.y, dy)                  # dz = dy * (y > 0), in place
         dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
         state.ops.conv2d_backward(buf.x, state.weights[0], dy, dx, dkernel, dbias,
@@ -472,8 +483,8 @@ class MaxPooling2D(Layer):
     of its window's FIRST maximum (int32; TensorFlow's tie rule, kernels/pooling.py).
     Backward: one ``ops.max_pool_backward``, each output's gradient to that position;
     inputs in no window (the last row of an odd size with 'valid') get zero. No weights.
-    Fused with the Conv2D before it on a GPU (see Conv2D): its forward has already run
-    (the conv wrote y and an int8 arg), and its backward also applies the conv's ReLU mask.
+    Fused with the Conv2D before it (see ``Conv2D.fuse_next``): the conv writes y and the
+    arg-max, and runs this layer's backward with its ReLU mask; this layer passes through.
     """
 
     def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None,
@@ -494,16 +505,17 @@ class MaxPooling2D(Layer):
 
     def make_buffers(self, state, b):
         dev = state.dev
-        arg_dtype = conv2d_v3.FUSED_ARG_DTYPE if state.fused else pooling.ARG_DTYPE
+        arg_dtype = getattr(state.ops, "FUSED_ARG_DTYPE", pooling.ARG_DTYPE) if state.fused else pooling.ARG_DTYPE
         return _PoolBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, C)
                             dev.empty((b,) + self.output_shape, arg_dtype),                       # arg: (b, OH, OW, C)
-                            dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None)  # dx: (b, H, W, C)
+                            dev.empty((b,) + self.input_shape, FLOAT)                             # dx: (b, H, W, C)
+                            if state.need_dx and state.fused is None else None)
 
     def forward(self, state, x, training=False):
+        if state.fused is not None:             # the conv before wrote this layer's y and arg
+            return x
         b = x.shape[0]
         buf = state.buffers(b)
-        if state.fused:                                            # the conv before wrote y and arg
-            return buf.y
         x = view(x, (b,) + self.input_shape)                       # (b, H, W, C)
         state.ops.max_pool(x, buf.y, buf.arg, self.pool_size, self.strides, self.padding)
         return buf.y                                               # (b, OH, OW, C)
@@ -511,12 +523,10 @@ class MaxPooling2D(Layer):
     def backward(self, state, dy):
         if not state.need_dx:
             return None
+        if state.fused is not None:             # the conv before runs this layer's backward
+            return dy
         buf = state.buffers(dy.shape[0])
-        if state.fused:                                            # dz of the conv: ReLU mask fused
-            state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides,
-                                        self.padding, relu_y=buf.y)
-        else:
-            state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
+        state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
         return buf.dx                                              # (b, H, W, C)
 
 

@@ -37,7 +37,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import context, strategy as _strategy
+from mirrored import backends, context, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import data_adapters
@@ -416,7 +416,8 @@ class Sequential:
         check_compiled(self, "training")
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
-        return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
+        with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
+            return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split)
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
@@ -511,7 +512,8 @@ class Sequential:
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "evaluate")
         verbose = self._verbosity(verbose)
-        logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
+        with backends.blas_threads():
+            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -523,7 +525,8 @@ class Sequential:
         The model need not be compiled (as in Keras): predict has no loss and no update."""
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "predict")
-        return self._predict(x, batch_size, verbose)
+        with backends.blas_threads():
+            return self._predict(x, batch_size, verbose)
 
     def _predict(self, x, batch_size, verbose):
         verbose = self._verbosity(verbose)

@@ -3,7 +3,10 @@
 The same model is trained under several strategies (no strategy, MirroredStrategy
 on 1, 2, 4 devices), each from the same initial weights, with the course lab's
 rule for the global batch (``batch_per_replica × replicas``), and every epoch is
-timed by a Keras callback (``EpochTimer``). The rows say epoch time, ms/step,
+timed by a Keras callback (``EpochTimer``). The rows' epochs are interleaved (round
+after round, every row once per round: ``timing.interleaved_rounds``) and a row whose
+epochs spread more than 2x, or whose reference drifted, is flagged (``timing_flags``).
+The rows say epoch time, ms/step,
 samples/s and the scaling efficiency against one replica; ``format_table`` prints
 them and ``mirrored.lab.viz.plot_comparison`` / ``scaling_plot`` draw them.
 
@@ -21,6 +24,7 @@ import math
 import statistics
 import time
 
+from mirrored import timing
 from mirrored.keras.callbacks import Callback
 
 #: Fewer timed steps than this (over the timed epochs), or no epoch left after the
@@ -170,8 +174,8 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
     equal in every row when the start is the same), ``loss, accuracy`` (last
     training epoch), ``test_loss, test_accuracy``.
     """
-    rows, first_weights = [], None
-    for name, strategy in _entries(strategies):
+    runs, first_weights = [], None
+    for name, strategy in _entries(strategies):          # build every row first
         replicas = 1 if strategy is None else strategy.num_replicas_in_sync
         global_batch = batch_per_replica * replicas
         with (strategy.scope() if strategy is not None else contextlib.nullcontext()):
@@ -183,28 +187,50 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
             first_weights = model.get_weights()
         else:
             model.set_weights(first_weights)
-        devices = [d.short_name for d in model.step.devices]
         fit_args, test_args = _data_for(data, global_batch)
-        initial_loss = float("nan")
-        if test_args is not None:
-            initial_loss = _evaluate(model, test_args)[0]
+        initial_loss = _evaluate(model, test_args)[0] if test_args is not None else float("nan")
+        runs.append(dict(name=name, strategy=strategy, replicas=replicas, global_batch=global_batch,
+                         model=model, fit_args=fit_args, test_args=test_args,
+                         initial_loss=initial_loss, clock=EpochTimer()))
+
+    def run_epoch(k, epoch):                               # one epoch of row k
+        run = runs[k]
         if verbose:
+            devices = ", ".join(d.short_name for d in run["model"].step.devices)
             how = ""
-            if replicas > 1:                  # what a second replica adds: the split, the sum
-                ops = type(strategy.extended.cross_device_ops).__name__
-                how = f" split {replicas} × {batch_per_replica}, gradients summed by {ops}"
-            log(f"--- {name}: {replicas} replica(s) on {', '.join(devices)}, "
-                f"global batch {global_batch}{how} ---")
-        clock = EpochTimer()
-        model.fit(fit_args[0], fit_args[1], batch_size=fit_args[2], epochs=epochs,
-                  verbose=verbose, callbacks=[clock])
-        row = clock.row(name, replicas, global_batch, warmup_epochs)
+            if run["replicas"] > 1:          # what a second replica adds: the split, the sum
+                ops = type(run["strategy"].extended.cross_device_ops).__name__
+                how = f" split {run['replicas']} × {batch_per_replica}, gradients summed by {ops}"
+            log(f"--- {run['name']} (epoch {epoch + 1}/{epochs}): {run['replicas']} replica(s) on "
+                f"{devices}, global batch {run['global_batch']}{how} ---")
+        x, y, batch_size = run["fit_args"]
+        run["model"].fit(x, y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
+                         verbose=verbose, callbacks=[run["clock"]])
+
+    # Epochs interleaved: every row's epoch 1, then every row's epoch 2, ... (timing.py)
+    timing.interleaved_rounds(len(runs), epochs, run_epoch)
+    rows = []
+    for run in runs:
+        row = run["clock"].row(run["name"], run["replicas"], run["global_batch"], warmup_epochs)
         test_loss = test_acc = float("nan")
-        if test_args is not None:
-            test_loss, test_acc = _evaluate(model, test_args)
-        row.update(initial_loss=initial_loss, test_loss=test_loss, test_accuracy=test_acc)
+        if run["test_args"] is not None:
+            test_loss, test_acc = _evaluate(run["model"], run["test_args"])
+        row.update(initial_loss=run["initial_loss"], test_loss=test_loss, test_accuracy=test_acc)
         rows.append(row)
     add_efficiency(rows, baseline)
+    add_timing_flags(rows, warmup_epochs)
+    return rows
+
+
+def add_timing_flags(rows, warmup_epochs=1):
+    """Set each row's ``timing_flags`` (``timing.timing_flags``: its timed epochs spread
+    more than 2x, or the reference row, the efficiency's baseline, drifted)."""
+    timed = [r["epoch_times_s"][warmup_epochs:] or r["epoch_times_s"] for r in rows]
+    names = [r["name"] for r in rows]
+    base = rows[0].get("baseline") if rows else None
+    flags = timing.timing_flags(timed, names.index(base) if base in names else None)
+    for row, f in zip(rows, flags):
+        row["timing_flags"] = f
     return rows
 
 
@@ -243,6 +269,7 @@ def format_table(rows, title=None):
         return fmt.format(value)
     marked = {"epoch_time_s", "ms_per_step", "samples_per_s", "efficiency"}   # timing columns
     cells = [[cell(r, key, fmt) + ("*" if r.get("too_short") and key in marked else "")
+              + ("!" if r.get("timing_flags") and key == "ms_per_step" else "")
               for _, key, fmt in cols] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
     line = lambda items: "  ".join(s.ljust(w) if i == 0 else s.rjust(w)   # noqa: E731
@@ -253,6 +280,10 @@ def format_table(rows, title=None):
     if rows and rows[0].get("baseline"):
         out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); "
                    f"epoch s = median of {rows[0].get('epochs_timed', '?')} timed epoch(s) after warm-up")
+    for r in rows:
+        if r.get("timing_flags"):
+            out.append(f"! {r['name']}: {'; '.join(r['timing_flags'])}: the machine was busy, "
+                       f"compare with care (run again)")
     if any(r.get("too_short") for r in rows):
         out.append(f"* too short to compare: fewer than {MIN_TIMED_STEPS} timed steps, or none after "
                    f"the warm-up; time more epochs or more data")

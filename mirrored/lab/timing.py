@@ -338,3 +338,58 @@ def format_breakdown(breakdown):
     for r, medians in sorted(breakdown["per_replica"].items()):
         lines.append(f"{r:<8}" + "".join(f"{medians.get(p, float('nan')) * 1e3:>18.3f}" for p in phases))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Whole epochs of several configurations, interleaved (scaling.compare, benchmarks.training)
+# ---------------------------------------------------------------------------------------
+
+#: A row whose timed epochs spread more than this (slowest / fastest) is flagged: on a
+#: shared machine something else ran during some of its epochs, and its median may not
+#: compare with the other rows'.
+SPREAD_LIMIT = 2.0
+#: The reference row (no strategy) drifted when its slowest timed epoch took this much
+#: longer than its fastest: the machine's speed changed during the run, so every ratio
+#: to the reference is in doubt, and every row says so.
+DRIFT_LIMIT = 1.5
+#: The rows' order in each round: a fixed shuffle (the same on every run).
+ROUND_ORDER_SEED = 0
+
+
+def interleaved_rounds(n_rows, rounds, run_epoch, seed=ROUND_ORDER_SEED):
+    """Call ``run_epoch(k, r)`` for every row k in every round r: each round runs every
+    row once, in a fresh random order (a fixed shuffle of ``seed``).
+
+    Timing rows one after another lets a slow spell of a shared machine (another job
+    starting) land on one row and not the others; interleaved, it lands on one round of
+    every row, and the medians stay comparable. A fresh order each round stops what a
+    row leaves behind (spinning threads, a cold cache) from always landing on the same
+    next row. Used by ``scaling.compare`` (``python -m mirrored``, the labs' tables) and
+    ``benchmarks.training``."""
+    order = np.random.default_rng(seed)
+    for r in range(rounds):
+        for k in order.permutation(n_rows):
+            run_epoch(int(k), r)
+
+
+def epoch_spread(seconds):
+    """Slowest / fastest of some epoch times (1.0 for one epoch; nan for none)."""
+    seconds = [s for s in seconds if s > 0]
+    return max(seconds) / min(seconds) if seconds else float("nan")
+
+
+def timing_flags(timed_seconds, reference=None):
+    """One list of warnings per row, from each row's timed epoch seconds: the row's own
+    spread above ``SPREAD_LIMIT``, and on every row the reference row's (index
+    ``reference``) drift above ``DRIFT_LIMIT``. Empty lists: nothing to say."""
+    flags = []
+    drift = epoch_spread(timed_seconds[reference]) if reference is not None else float("nan")
+    for seconds in timed_seconds:
+        spread = epoch_spread(seconds)
+        row = []
+        if spread > SPREAD_LIMIT:
+            row.append(f"epoch times spread {spread:.1f}x (> {SPREAD_LIMIT:g}x)")
+        if drift > DRIFT_LIMIT:
+            row.append(f"the reference drifted {drift:.1f}x during the run (> {DRIFT_LIMIT:g}x)")
+        flags.append(row)
+    return flags

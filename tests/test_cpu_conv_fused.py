@@ -1,0 +1,194 @@
+"""The CPU conv family for any channel counts (kernels/cpu_loops.py, issue 25) against
+the NumPy references (kernels/conv2d.py, kernels/pooling.py, kernels/activations.py,
+imported, not copied): the fused forward conv + bias + ReLU + max-pool, the pool backward
+with the ReLU's mask, dW by BLAS on the column matrix and dX by BLAS then col2im.
+
+Bitwise where the order of sums is the reference's (the forward; dX: the same BLAS
+product, then each input pixel's taps in tap order; the fused pool backward without
+overlapping windows), to float32 rounding otherwise (db: another order of sums). The
+cases are the issue's: 1->32, 32->64 and 3->16 channels, strides 1 and 2, 'valid' and
+'same', on small awkward images (odd sizes, batch 1). Outputs start as NaN (poisoned).
+"""
+import os
+
+import numpy as np
+import pytest
+
+from kernels import activations, conv2d, cpu_loops, pooling
+
+RTOL = 2e-6            # float32 sums in another order (db)
+#: (x shape, kernel shape): the issue's channel pairs, small odd images.
+CHANNELS = [((2, 9, 7, 1), (3, 3, 1, 32)),
+            ((1, 7, 8, 32), (3, 3, 32, 64)),
+            ((3, 6, 5, 3), (3, 3, 3, 16))]
+GEOMETRY = [(1, "valid"), (1, "same"), (2, "valid"), (2, "same")]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def poisoned(shape, dtype=np.float32):
+    out = np.empty(shape, dtype)
+    out[...] = np.nan if np.dtype(dtype).kind == "f" else -7
+    return out
+
+
+def data(rng, x_shape, k_shape):
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    k = rng.standard_normal(k_shape, dtype=np.float32) / np.float32(np.sqrt(np.prod(k_shape[:3])))
+    bias = rng.standard_normal(k_shape[3], dtype=np.float32) * np.float32(0.3)
+    return x, k, bias
+
+
+@pytest.mark.parametrize("x_shape, k_shape", CHANNELS)
+@pytest.mark.parametrize("strides, padding", GEOMETRY)
+def test_conv_backward_dx_by_blas_and_col2im_is_the_reference_bitwise(rng, x_shape, k_shape, strides, padding):
+    x, k, _ = data(rng, x_shape, k_shape)
+    dy = rng.standard_normal(conv2d.conv2d_output_shape(x_shape, k_shape, strides, padding),
+                             dtype=np.float32)
+    want_dx, want_dw, want_db = conv2d.conv2d_backward_ref(x, k, dy, strides, padding)
+    dx, dw, db = poisoned(x_shape), poisoned(k_shape), poisoned(k_shape[3])
+    cpu_loops.conv2d_backward(x, k, dy, dx, dw, db, strides, padding)
+    np.testing.assert_array_equal(dx, want_dx)          # the same product, the same order of adds
+    np.testing.assert_array_equal(dw, want_dw)          # the reference's own matmul
+    np.testing.assert_allclose(db, want_db, rtol=RTOL, atol=RTOL * float(np.abs(dy).sum(axis=(0, 1, 2)).max()))
+
+
+@pytest.mark.parametrize("x_shape, k_shape", CHANNELS)
+@pytest.mark.parametrize("strides, padding", GEOMETRY)
+@pytest.mark.parametrize("pool", [(2, None, "valid"), (2, None, "same"), ((3, 2), (2, 1), "same")])
+def test_fused_conv_relu_pool_is_the_references_bitwise(rng, x_shape, k_shape, strides, padding, pool):
+    x, k, bias = data(rng, x_shape, k_shape)
+    pool_size, pool_strides, pool_padding = pool
+    y = conv2d.conv2d_ref(x, k, bias, strides, padding, relu=True)
+    if y.shape[1] < 2 or y.shape[2] < 2:
+        pytest.skip("the conv's output is smaller than the pool")
+    want, want_arg = pooling.max_pool_ref(y, pool_size, pool_strides, pool_padding)
+    out, arg = poisoned(want.shape), poisoned(want.shape, np.int32)
+    cpu_loops.conv2d_relu_pool(x, k, bias, out, arg, strides, padding, pool_size, pool_strides,
+                               pool_padding)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(arg, want_arg)
+    # Backward: pool then ReLU in one pass, from the pooled output alone.
+    dy = rng.standard_normal(want.shape, dtype=np.float32)
+    want_dz = activations.relu_backward_ref(
+        pooling.max_pool_backward_ref(dy, want_arg, y.shape, pool_size, pool_strides, pool_padding),
+        y, np.empty(y.shape, np.float32))
+    dz = poisoned(y.shape)
+    cpu_loops.max_pool_relu_backward(dy, arg, out, dz, pool_size, pool_strides, pool_padding)
+    overlap = pool_strides is not None
+    if overlap:                                        # an input's terms in another order
+        np.testing.assert_allclose(dz, want_dz, rtol=RTOL, atol=RTOL * float(np.abs(dy).max()))
+    else:
+        np.testing.assert_array_equal(dz, want_dz)
+    assert (dz[y <= 0] == 0).all()                     # the ReLU's mask
+
+
+def test_fused_paths_keep_nan_and_relu_zeros_as_the_references(rng):
+    x, k, bias = data(rng, (2, 6, 6, 3), (3, 3, 3, 4))
+    x[0, 1, 1, 0] = np.nan                             # poisons the windows that read it
+    bias[1] = -50.0                                    # channel 1: every output clipped to 0
+    y = conv2d.conv2d_ref(x, k, bias, 1, "valid", relu=True)
+    want, want_arg = pooling.max_pool_ref(y)
+    out, arg = poisoned(want.shape), poisoned(want.shape, np.int32)
+    cpu_loops.conv2d_relu_pool(x, k, bias, out, arg)
+    np.testing.assert_array_equal(out, want)           # NaN where the reference has NaN
+    np.testing.assert_array_equal(arg, want_arg)
+    clipped = out[..., 1][~np.isnan(out[..., 1])]
+    assert np.isnan(out).any() and clipped.size and (clipped == 0).all()
+    dz = poisoned(y.shape)
+    cpu_loops.max_pool_relu_backward(np.ones(want.shape, np.float32), arg, out, dz)
+    assert (dz[..., 1] == 0).all() and np.isfinite(dz).all()
+
+
+def test_fused_calls_refuse_wrong_buffers_before_writing(rng):
+    x, k, bias = data(rng, (1, 6, 6, 1), (3, 3, 1, 4))
+    out, arg = poisoned((1, 2, 2, 4)), poisoned((1, 2, 2, 4), np.int32)
+    with pytest.raises(ValueError, match=r"conv2d_relu_pool: out.*\(1, 2, 2, 4\)"):
+        cpu_loops.conv2d_relu_pool(x, k, bias, poisoned((1, 3, 3, 4)), arg)
+    with pytest.raises(ValueError, match="conv2d_relu_pool: arg must be int32"):
+        cpu_loops.conv2d_relu_pool(x, k, bias, out, poisoned((1, 2, 2, 4)))
+    assert np.isnan(out).all()
+    with pytest.raises(ValueError, match="max_pool_relu_backward: y"):
+        cpu_loops.max_pool_relu_backward(out, arg, poisoned((1, 2, 3, 4)), poisoned((1, 4, 4, 4)))
+
+
+def test_a_two_conv_model_trains_bitwise_alike_fused_or_not(devices, monkeypatch, rng):
+    """The tutorial's two-conv shape of model, small: Conv2D(relu) -> MaxPooling2D twice.
+    The layers run each pair as one op on the CPU (``Conv2D.fuse_next``); the same steps
+    with the fusion refused give the same weights, bit for bit (non-overlapping pools)."""
+    import mirrored as tf
+    from mirrored.keras import layers
+
+    def model():
+        m = tf.keras.Sequential([
+            tf.keras.layers.Conv2D(4, 3, activation="relu", input_shape=(12, 11, 1)),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Conv2D(6, 3, activation="relu", padding="same"),
+            tf.keras.layers.MaxPooling2D(),
+            tf.keras.layers.Flatten(), tf.keras.layers.Dense(5, activation="relu"),
+            tf.keras.layers.Dense(3)])
+        m.compile(optimizer=tf.keras.optimizers.Adam(0.01),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+
+    devices(cpus=1)
+    x = rng.standard_normal((7, 12, 11, 1)).astype(np.float32)
+    y = rng.integers(0, 3, 7)
+    with tf.device("CPU:0"):              # the CPU backend (a simulated GPU may be the default)
+        fused = model()
+        start = fused.get_weights()
+        fused.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    states = fused.step.programs[0].states
+    assert [s.fused is not None for s in states[:4]] == [True, True, True, True]
+    monkeypatch.setattr(layers.Conv2D, "fuse_next", lambda self, layer, ops: False)
+    with tf.device("CPU:0"):
+        plain = model()
+        plain.set_weights(start)
+        plain.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert all(s.fused is None for s in plain.step.programs[0].states)
+    for a, b in zip(fused.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert not all(np.array_equal(a, b) for a, b in zip(start, fused.get_weights()))
+
+
+def test_large_products_are_cut_in_blocks_whose_bits_do_not_depend_on_the_threads(monkeypatch, rng):
+    """``matmul_rows`` cuts a large product (forced here on small ones: threshold 0) in
+    ``PARTS`` row blocks run on 1, 2, 3 or 5 threads: the same bits every time (replicas
+    must not drift apart as the load changes the thread count), the single call's result
+    to float32 rounding; and the conv's forward, dW and dX through it match the references."""
+    monkeypatch.setattr(cpu_loops, "SPLIT_MIN_MADDS", 0)
+    a = rng.standard_normal((37, 29), dtype=np.float32)
+    b = rng.standard_normal((29, 17), dtype=np.float32)
+    x, k, bias = data(rng, (3, 9, 8, 5), (3, 3, 5, 7))
+    dy = rng.standard_normal(conv2d.conv2d_output_shape(x.shape, k.shape, 1, "same"), dtype=np.float32)
+    want_dx, want_dw, _ = conv2d.conv2d_backward_ref(x, k, dy, 1, "same")
+    want_y = conv2d.conv2d_ref(x, k, bias, 1, "same", relu=True)
+    seen = []
+    for threads in ("1", "2", "3", "5"):
+        monkeypatch.setenv(cpu_loops.THREADS_VAR, threads)
+        assert cpu_loops.product_threads() == int(threads)
+        out, at = poisoned((37, 17)), poisoned((29, 17))
+        cpu_loops.matmul_rows(a, b, out)
+        cpu_loops.matmul_rows(a.T, out, at)                        # a transposed view, as dW's
+        dx, dw, y = poisoned(x.shape), poisoned(k.shape), poisoned(dy.shape)
+        cpu_loops.conv2d_backward(x, k, dy, dx, dw, None, 1, "same")
+        cpu_loops.conv2d_forward(x, k, bias, y, 1, "same", True)
+        seen.append((out, at, dx, dw, y))
+    for got in seen[1:]:
+        for g, first in zip(got, seen[0]):
+            np.testing.assert_array_equal(g, first)
+    out, at, dx, dw, y = seen[0]
+    for g, want in ((out, a.astype(np.float64) @ b), (at, a.T.astype(np.float64) @ out), (dx, want_dx),
+                    (dw, want_dw), (y, want_y)):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_the_thread_count_refuses_a_bad_value(monkeypatch):
+    monkeypatch.setenv(cpu_loops.THREADS_VAR, "0")
+    with pytest.raises(ValueError, match="MIRRORED_CPU_THREADS='0': expected 'auto' or a whole number"):
+        cpu_loops.product_threads()
+    monkeypatch.setenv(cpu_loops.THREADS_VAR, "auto")
+    assert 1 <= cpu_loops.product_threads() <= len(os.sched_getaffinity(0))
