@@ -780,7 +780,7 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     fastest row's warm-up epoch), within [EPOCHS, MAX_EPOCHS]. Returns (rows, epochs).
     """
     import mirrored.devices as registry
-    from mirrored import timing         # (not at the top: the TF worker runs this file in TF's venv)
+    from mirrored.lab import timing     # (not at the top: the TF worker runs this file in TF's venv)
     all_devices = registry.logical_devices()
     rows = []
     for make in makers:
@@ -812,7 +812,7 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
     if epochs is None:                  # the fastest row gets ROW_SECONDS too
         fastest = min(r.warmup_seconds[-1] for r in rows)
         epochs = int(min(MAX_EPOCHS, max(EPOCHS, -(-ROW_SECONDS // fastest))))
-    # Each round in a fresh random order (mirrored.timing.interleaved_rounds, which
+    # Each round in a fresh random order (mirrored.lab.timing.interleaved_rounds, which
     # python -m mirrored uses too): what a row leaves behind (PyTorch's OpenMP threads
     # still spinning, a cold cache) must not always land on the same next row.
     timing.interleaved_rounds(len(rows), epochs,
@@ -823,7 +823,7 @@ def time_rows(makers, tf, epochs, warmup, timer, gpu, torch, skipped=None):
 
 def summarise(model, row_name, framework, strategy, replicas, global_batch, examples, seconds, peak,
               final_loss):
-    from mirrored import timing         # (not at the top: the TF worker runs this file in TF's venv)
+    from mirrored.lab import timing     # (not at the top: the TF worker runs this file in TF's venv)
     steps = -(-examples // global_batch)
     median = statistics.median(seconds)
     return {"model": model, "row": row_name, "framework": framework, "strategy": strategy,

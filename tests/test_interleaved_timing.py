@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import scaling, timing
+from mirrored.lab import scaling, timing
 
 
 def _tiny_model(din=5):

@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 
-from mirrored import timing
+from mirrored.lab import timing
 from mirrored.keras.callbacks import Callback
 
 #: Fewer timed steps than this (over the timed epochs), or no epoch left after the
