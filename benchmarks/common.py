@@ -183,13 +183,15 @@ def _gpu_api():
 
 
 def _takes_stream(fn):
-    """True if ``fn`` takes one positional argument (the stream to launch on)."""
+    """True if ``fn`` takes the stream to launch on: one positional argument, or one named
+    ``stream`` with a default (``lambda stream=None: launcher(..., stream=stream)`` serves
+    both a plain call, as a check or the simulator's host timer makes it, and ``time_gpu``)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-               for p in params)
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               and (p.default is p.empty or p.name == "stream") for p in params)
 
 
 def time_gpu(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=None):

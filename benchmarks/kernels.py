@@ -16,7 +16,9 @@ What is counted (the floors), per call:
                      B*C*4 grad + B*4 loss + B*4 correct written
     sgd (momentum)   5 * 4n bytes (read w, g, v; write w, v)
     adam             7 * 4n bytes (read w, g, m, v; write w, m, v)
-    conv2d, max_pool the course lab's layers at batch 512 (bench_conv_pool counts them)
+    conv2d, max_pool the course lab's layers at batch 64 and 512, v1 beside v3, the fused
+                     conv + ReLU + pool and the v2 backward kernels, and the tutorials'
+                     second conv (bench_conv_pool counts them); timed through CUDA graphs
     copy             2 * nbytes (read + write): the practical memory ceiling
 
 Peers: cuBLAS SGEMM through CuPy or PyTorch, whichever imports, with TF32 off (TF32
@@ -67,6 +69,21 @@ XENT_CLASSES = 10
 #: The course lab's Conv2D(32, 3, activation="relu") on (28, 28, 1) images, then
 #: MaxPooling2D(): batch 512 (the target says "batch >= 512"), 26 x 26 x 32 conv outputs.
 CONV_BATCH, CONV_HW, CONV_CIN, CONV_COUT, CONV_K = 512, 28, 1, 32, 3
+#: The batches the conv and pooling cases run at (``--batch``): the lab's 64 per replica, where
+#: a kernel is shorter than its host call, and 512, where the targets were set.
+CONV_BATCHES = (64, 512)
+#: The official tutorials' second conv, Conv2D(64, 3) on the first block's 13x13x32 output:
+#: (image side, in channels, out channels); tiny ones for --smoke (the same code paths).
+SECOND_CONV = (13, 32, 64)
+SMOKE_SECOND_CONV = (5, 4, 8)
+#: Issue 24's targets on an H100, microseconds per call: {case name prefix: {batch: us}}.
+CONV_US_TARGETS = {
+    "conv2d v3 forward+relu": {512: 25.0, 64: 5.0},
+    "conv2d v3 fused +relu+pool": {512: 25.0},
+    "max_pool 2x2 backward v2 +relu mask": {512: 30.0},
+    "conv2d backward v2 dW+db": {512: 40.0},
+    "conv2d second conv backward v2 dX+dW+db": {512: 35.0},
+}
 #: --smoke: batch 2 of 6 x 6 images (4 x 4 x 32 outputs), for the simulator.
 SMOKE_CONV_BATCH, SMOKE_CONV_HW = 2, 6
 #: Conv checks: |got - want| <= CONV_CHECK_REL * (the same sum over |terms|), far above
@@ -302,17 +319,20 @@ def _record(timer, copy_gbps, results, skipped, name, impl, moved, run, check):
                         vs_copy=gbps / copy_gbps, **t))
 
 
-def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped):
+def bench_conv_pool(batch, hw, timer, copy_gbps, results, skipped, second=None):
     """Each of ``conv_pool_cases(batch, hw)`` checked, then timed (``_record``)."""
-    for case in conv_pool_cases(batch, hw):
+    for case in conv_pool_cases(batch, hw, second):
         _record(timer, copy_gbps, results, skipped, *case)
 
 
-def conv_pool_cases(batch, hw):
+def conv_pool_cases(batch, hw, second=None):
     """The lab's Conv2D(32, 3, relu) and MaxPooling2D() at ``batch`` images of hw x hw,
     one ``Case`` at a time: conv2d v1 and v2 forward, its backward (dW + db alone, as for
     a first layer, and with dX), max_pool forward and backward, each with its check
-    against the float64 NumPy reference.
+    against the float64 NumPy reference; then the kernels compiled per shape
+    (``conv_v3_cases``) and the tutorials' second conv (``second_conv_cases``, of size
+    ``second``: default ``SECOND_CONV``). Every ``run`` takes ``stream=``, so ``time_gpu``
+    times it through a captured graph.
 
     Bytes are the floor, each array read or written once (float32; int32 arg-max):
         conv2d forward    read x (B*H*W*Cin) + kernel + bias; write out (B*OH*OW*Cout)
@@ -346,7 +366,7 @@ def conv_pool_cases(batch, hw):
     label = f"{CONV_K}x{CONV_K} {CONV_CIN}->{CONV_COUT}, {hw}x{hw}, batch {batch}"
     for version in ("v1", "v2"):
         yield Case(f"conv2d {version} forward+relu ({label})", f"kernels.conv2d {version}", moved,
-                   lambda v=version: conv2d(x, k, b, y, relu=True, version=v),
+                   lambda stream=None, v=version: conv2d(x, k, b, y, relu=True, stream=stream, version=v),
                    lambda: near(y.copy_to_host(), want, scale))
 
     dy_h = rng.standard_normal(shape, np.float32)                          # (B, 26, 26, 32)
@@ -363,11 +383,12 @@ def conv_pool_cases(batch, hw):
                        or near(db.copy_to_host(), want_db, scale_db))
     moved_w = f * (x_h.size + dy_h.size + k_h.size + CONV_COUT)
     yield Case(f"conv2d backward dW+db ({label})", "kernels.conv2d dw_partial + dw_finish",
-               moved_w, lambda: conv2d_backward(x, k, dy, None, dw, db, partial=partial),
+               moved_w, lambda stream=None: conv2d_backward(x, k, dy, None, dw, db, partial=partial,
+                                                            stream=stream),
                check_w)
     yield Case(f"conv2d backward dX+dW+db ({label})", "kernels.conv2d dx_v1 + dw",
                moved_w + f * (k_h.size + x_h.size),
-               lambda: conv2d_backward(x, k, dy, dx, dw, db, partial=partial),
+               lambda stream=None: conv2d_backward(x, k, dy, dx, dw, db, partial=partial, stream=stream),
                lambda: near(dx.copy_to_host(), want_dx, scale_dx) or check_w())
 
     # MaxPooling2D() on the conv's output (ReLU'd: many ties at 0, as in training).
@@ -380,7 +401,7 @@ def conv_pool_cases(batch, hw):
     n_out = int(np.prod(p_shape))
     yield Case(f"max_pool 2x2 forward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
                "kernels.pooling max_pool_v1", f * (y_h.size + 2 * n_out),
-               lambda: max_pool(py, pout, parg),
+               lambda stream=None: max_pool(py, pout, parg, stream=stream),
                lambda: (_check(pout.copy_to_host(), want_p, 0.0)
                         or _check(parg.copy_to_host(), want_arg, 0.0)))
     pdy_h = rng.standard_normal(p_shape, np.float32)
@@ -388,8 +409,107 @@ def conv_pool_cases(batch, hw):
     want_pdx = max_pool_backward_ref(pdy_h, want_arg, shape)
     yield Case(f"max_pool 2x2 backward ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
                "kernels.pooling max_pool_backward_v1", f * (2 * n_out + y_h.size),
-               lambda: max_pool_backward(pdy, parg, pdx),
+               lambda stream=None: max_pool_backward(pdy, parg, pdx, stream=stream, version="v1"),
                lambda: _check(pdx.copy_to_host(), want_pdx, 0.0))
+
+    yield from conv_v3_cases(batch, hw, x, k, b, x_h, k_h, b_h, want, scale, shape, dy, dy_h, dw, db,
+                             check_w, moved_w, label, near)
+    yield from second_conv_cases(batch, near, second)
+
+
+def conv_v3_cases(batch, hw, x, k, b, x_h, k_h, b_h, want, scale, shape, dy, dy_h, dw, db, check_w,
+                  moved_w, label, near):
+    """The lab layer's kernels compiled per shape (issue 24): v3 forward, the fused
+    conv + ReLU + 2x2 pool, dW + db v2, and pool backward v2 with the ReLU mask; each checked
+    against the float64 references, then timed like v1 (CUDA events around a graph).
+
+    Bytes: v3 as v1; fused: read x + kernel + bias, write the pooled out (float32) and arg
+    (int8), B*PH*PW*Cout each; pool backward v2: read dy + arg (int8) + y, write dx."""
+    from numba import cuda
+
+    from kernels import conv2d_grad, conv2d_v3
+    from kernels.pooling import max_pool_backward, max_pool_backward_ref, max_pool_ref, pool_geometry
+
+    f = 4
+    y3 = cuda.device_array(shape, np.float32)
+    yield Case(f"conv2d v3 forward+relu ({label})", "kernels.conv2d_v3", f * (x_h.size + k_h.size + b_h.size
+               + int(np.prod(shape))), lambda stream=None: conv2d_v3.conv2d_v3(x, k, b, y3, relu=True, stream=stream),
+               lambda: near(y3.copy_to_host(), want, scale))
+    p_shape = pool_geometry(shape)[0]                                      # (B, 13, 13, 32)
+    pooled = cuda.device_array(p_shape, np.float32)
+    arg8 = cuda.device_array(p_shape, conv2d_v3.FUSED_ARG_DTYPE)
+    want_pool, want_arg = max_pool_ref(want.astype(np.float32))
+    n_out = int(np.prod(p_shape))
+    yield Case(f"conv2d v3 fused +relu+pool ({label})", "kernels.conv2d_v3 conv2d_relu_pool",
+               f * (x_h.size + k_h.size + b_h.size + n_out) + n_out,
+               lambda stream=None: conv2d_v3.conv2d_relu_pool(x, k, b, pooled, arg8, stream=stream),
+               lambda: near(pooled.copy_to_host(), want_pool, max_pool_ref(scale.astype(np.float32))[0]))
+    partial = cuda.device_array(conv2d_grad.partial_shape(x_h.shape, k_h.shape), np.float32)
+    yield Case(f"conv2d backward v2 dW+db ({label})", "kernels.conv2d_grad dw_partial_v2 + dw_finish",
+               moved_w, lambda stream=None: conv2d_grad.conv2d_backward_v2(
+                   x, k, dy, None, dw, db, partial=partial, stream=stream), check_w)
+    # Pool backward v2 with the ReLU mask, on the fused forward's pooled output and int8 arg.
+    rng = np.random.default_rng(1)
+    pdy_h = rng.standard_normal(p_shape, np.float32)
+    pdy, pdx = cuda.to_device(pdy_h), cuda.device_array(shape, np.float32)
+    masked = pdy_h * (want_pool > 0)                                       # dz = 0 where y <= 0
+    want_pdx = max_pool_backward_ref(masked, want_arg, shape)
+    yield Case(f"max_pool 2x2 backward v2 +relu mask ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
+               "kernels.pooling max_pool_backward_v2", 2 * f * n_out + n_out + f * int(np.prod(shape)),
+               lambda stream=None: max_pool_backward(pdy, arg8, pdx, relu_y=pooled, stream=stream),
+               lambda: _check(pdx.copy_to_host(), want_pdx, 0.0))
+
+
+def second_conv_cases(batch, near, size=None):
+    """The tutorials' second conv (``SECOND_CONV``: 13x13x32 -> 64, 3x3) at ``batch``: forward
+    v1 against v3, and the backward with dX (the conv is not the first layer), v1 against v2.
+    Bytes as the lab layer's."""
+    from numba import cuda
+
+    from kernels import conv2d_grad, conv2d_v3
+    from kernels.conv2d import (conv2d, conv2d_backward, conv2d_backward_ref, conv2d_output_shape,
+                                conv2d_ref, dw_partial_shape, im2col_ref)
+
+    hw, cin, cout = size or SECOND_CONV
+    rng = np.random.default_rng(2)
+    x_h = rng.standard_normal((batch, hw, hw, cin), np.float32)
+    k_h = (rng.standard_normal((CONV_K, CONV_K, cin, cout)) / np.sqrt(9 * cin)).astype(np.float32)
+    b_h = rng.standard_normal(cout, np.float32)
+    shape = conv2d_output_shape(x_h.shape, k_h.shape)                     # (B, 11, 11, 64)
+    x, k, b = cuda.to_device(x_h), cuda.to_device(k_h), cuda.to_device(b_h)
+    x64, k64 = x_h.astype(np.float64), k_h.astype(np.float64)
+    want = conv2d_ref(x64, k64, b_h.astype(np.float64), relu=True)
+    scale = conv2d_ref(np.abs(x64), np.abs(k64), np.abs(b_h).astype(np.float64))
+    f = 4
+    label = f"{CONV_K}x{CONV_K} {cin}->{cout}, {hw}x{hw}, batch {batch}"
+    moved = f * (x_h.size + k_h.size + b_h.size + int(np.prod(shape)))
+    y1, y3 = cuda.device_array(shape, np.float32), cuda.device_array(shape, np.float32)
+    yield Case(f"conv2d second conv v1 forward+relu ({label})", "kernels.conv2d v1", moved,
+               lambda stream=None: conv2d(x, k, b, y1, relu=True, stream=stream, version="v1"),
+               lambda: near(y1.copy_to_host(), want, scale))
+    yield Case(f"conv2d second conv v3 forward+relu ({label})", "kernels.conv2d_v3", moved,
+               lambda stream=None: conv2d_v3.conv2d_v3(x, k, b, y3, relu=True, stream=stream),
+               lambda: near(y3.copy_to_host(), want, scale))
+    dy_h = rng.standard_normal(shape, np.float32)
+    dy = cuda.to_device(dy_h)
+    cols = im2col_ref(x64, (CONV_K, CONV_K))
+    dy64 = dy_h.astype(np.float64)
+    want_dx, want_dw, want_db = conv2d_backward_ref(x64, k64, dy64, cols=cols)
+    s_dx, s_dw, s_db = conv2d_backward_ref(np.abs(x64), np.abs(k64), np.abs(dy64), cols=np.abs(cols))
+    moved_b = f * (2 * x_h.size + dy_h.size + 2 * k_h.size + cout)
+    for version, partial_of, run in (
+            ("v1", dw_partial_shape, conv2d_backward),
+            ("v2", conv2d_grad.partial_shape, conv2d_grad.conv2d_backward_v2)):
+        dx, dw = cuda.device_array(x_h.shape, np.float32), cuda.device_array(k_h.shape, np.float32)
+        db = cuda.device_array(cout, np.float32)
+        partial = cuda.device_array(partial_of(x_h.shape, k_h.shape), np.float32)
+        yield Case(f"conv2d second conv backward {version} dX+dW+db ({label})", f"kernels {version}",
+                   moved_b,
+                   lambda stream=None, run=run, dx=dx, dw=dw, db=db, partial=partial: run(
+                       x, k, dy, dx, dw, db, partial=partial, stream=stream),
+                   lambda dx=dx, dw=dw, db=db: (near(dx.copy_to_host(), want_dx, s_dx)
+                                                or near(dw.copy_to_host(), want_dw, s_dw)
+                                                or near(db.copy_to_host(), want_db, s_db)))
 
 
 def targets(results):
@@ -415,6 +535,15 @@ def targets(results):
             out.append(dict(target=f"{prefix} / copy bandwidth, lab layer, batch {CONV_BATCH}",
                             measured=rows[0]["vs_copy"], threshold=TARGET_CONV_POOL_FRACTION,
                             met=rows[0]["vs_copy"] >= TARGET_CONV_POOL_FRACTION))
+    # Issue 24's kernels compiled per shape: microseconds per call through a graph.
+    for prefix, by_batch in CONV_US_TARGETS.items():
+        for batch, limit in by_batch.items():
+            rows = [r for r in results if r.get("name", "").startswith(prefix)
+                    and r["name"].endswith(f"batch {batch})")]
+            if rows:
+                us = rows[0]["median_s"] * 1e6
+                out.append(dict(target=f"{prefix}, batch {batch}, us per call", measured=us,
+                                threshold=limit, want="<=", met=us <= limit))
     return out
 
 
@@ -426,6 +555,9 @@ def main(argv=None):
                              "times mean nothing)")
     parser.add_argument("--out", help="write the JSON here instead of benchmarks/results/ "
                                       "(--smoke writes JSON only when --out is given)")
+    parser.add_argument("--batch", default=",".join(str(b) for b in CONV_BATCHES),
+                        help="comma-separated batches for the conv and pooling cases "
+                             f"(default {','.join(str(b) for b in CONV_BATCHES)}; --smoke: {SMOKE_CONV_BATCH})")
     parser.add_argument("--repeat", type=int, default=common.REPEAT,
                         help=f"timed samples per measurement (default {common.REPEAT})")
     args = parser.parse_args(argv)
@@ -439,7 +571,7 @@ def main(argv=None):
         def timer(fn):
             return common.time_host(fn, warmup=warmup, repeat=repeat, sync=cuda.synchronize)
         shapes, nbytes, peer = SMOKE_GEMM_SHAPES, SMOKE_MEM_BYTES, (None, None)
-        conv_batch, conv_hw = SMOKE_CONV_BATCH, SMOKE_CONV_HW
+        conv_batches, conv_hw, second = (SMOKE_CONV_BATCH,), SMOKE_CONV_HW, SMOKE_SECOND_CONV
         skipped = [dict(name="cuBLAS peer", reason="smoke run in the CUDA simulator")]
     else:
         if common.no_gpu("benchmarks.kernels", "On a machine with a CUDA GPU run "
@@ -451,7 +583,11 @@ def main(argv=None):
         def timer(fn):
             return common.time_gpu(fn, warmup=warmup, repeat=repeat)
         shapes, nbytes = GEMM_SHAPES, MEM_BYTES
-        conv_batch, conv_hw = CONV_BATCH, CONV_HW
+        try:
+            conv_batches = tuple(int(b) for b in args.batch.split(","))
+        except ValueError:
+            parser.error(f"--batch takes comma-separated integers, got {args.batch!r}")
+        conv_hw, second = CONV_HW, SECOND_CONV
         peer = cublas_peer()
         skipped = [] if peer[0] else [dict(name="cuBLAS peer", reason=peer[1])]
         if peer[0] is None:
@@ -462,7 +598,8 @@ def main(argv=None):
     results = []
     bench_gemm(shapes, timer, peer, results, skipped)
     copy_gbps = bench_memory(nbytes, timer, results, skipped)
-    bench_conv_pool(conv_batch, conv_hw, timer, copy_gbps, results, skipped)
+    for conv_batch in conv_batches:
+        bench_conv_pool(conv_batch, conv_hw, timer, copy_gbps, results, skipped, second)
 
     for r in results:
         r["median_us"] = r["median_s"] * 1e6
@@ -477,7 +614,7 @@ def main(argv=None):
         ("gbps", "GB/s", ".1f"), ("vs_copy", "/ copy", ".2f")])
     met = targets(results)
     for t in met:
-        print(f"target: {t['target']}: {t['measured']:.2f} (want >= {t['threshold']:.2f}) "
+        print(f"target: {t['target']}: {t['measured']:.2f} (want {t.get('want', '>=')} {t['threshold']:.2f}) "
               f"{'met' if t['met'] else 'NOT met'}")
     for s in skipped:
         print(f"skipped: {s['name']}: {s['reason']}")

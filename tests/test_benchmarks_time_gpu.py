@@ -144,3 +144,13 @@ def test_a_failing_call_during_capture_ends_the_capture(monkeypatch):
         common.time_gpu(fn, warmup=1, repeat=2, number=3)
     assert gpu.capturing is None and gpu.calls == ["begin", "end", "graph-"]
     assert calls == [False, True]
+
+
+def test_a_run_with_a_stream_keyword_is_timed_on_the_stream():
+    """``lambda stream=None: launcher(..., stream=stream)`` (benchmarks.kernels' conv and pooling
+    cases) can be called plainly, to check it, and is still handed the stream to be captured."""
+    from benchmarks import common
+    assert common._takes_stream(lambda stream=None: stream)
+    assert common._takes_stream(lambda s: s)
+    assert not common._takes_stream(lambda: None)
+    assert not common._takes_stream(lambda other=None: other)
