@@ -72,7 +72,8 @@ def report():
     lines.append("CUDA         " + {
         "real": "real GPU(s) (numba-cuda)",
         "simulator": "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run as Python threads",
-        "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy)"}[mode])
+        "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy; conv and "
+                "pooling as compiled Numba loops)"}[mode])
     lines += _cpu_lines()
     lines += ["", "physical devices:"]
     for phys in _dev.list_physical():

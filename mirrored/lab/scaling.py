@@ -57,6 +57,8 @@ class EpochTimer(Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1
+        if self._steps == 1:            # the first batch is a whole global batch (the last may not be)
+            self.first_batch = self.model.step.examples_seen()   # one device read per epoch
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
@@ -69,7 +71,8 @@ class EpochTimer(Callback):
 
         The first ``warmup_epochs`` are left out of the median (unless nothing else
         is left). ``replicas`` defaults to the model's; ``global_batch`` to the
-        largest examples-per-step seen.
+        examples of an epoch's first step (a whole global batch: 8,000 examples in 63 steps of
+        128 are not ceil(8000 / 63) = 127 per step, the last step has 64).
         """
         if not self.epochs:
             raise ValueError("EpochTimer.row: no epoch has been timed yet; pass the timer to fit().")
@@ -82,12 +85,12 @@ class EpochTimer(Callback):
         devices = self.model.step.devices
         logs = getattr(self, "last_logs", {})
         if global_batch is None and steps:
-            global_batch = int(math.ceil(examples / steps))
+            global_batch = int(getattr(self, "first_batch", 0)) or int(math.ceil(examples / steps))
         return {
             "name": name, "devices": [d.short_name for d in devices],
             "replicas": replicas or len(devices),
             "global_batch": global_batch,
-            "steps_per_epoch": int(steps), "epochs_timed": len(timed),
+            "steps_per_epoch": int(steps), "epochs_timed": len(self.epochs[warmup_epochs:]),
             "timed_steps": int(timed_steps),
             "too_short": warmup_only or timed_steps < MIN_TIMED_STEPS,
             "epoch_time_s": float(epoch_s), "epoch_times_s": [float(e[0]) for e in self.epochs],
@@ -278,8 +281,10 @@ def format_table(rows, title=None):
     out += [line([h for h, _, _ in cols]), line(["-" * w for w in widths])]
     out += [line(c) for c in cells]
     if rows and rows[0].get("baseline"):
-        out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); "
-                   f"epoch s = median of {rows[0].get('epochs_timed', '?')} timed epoch(s) after warm-up")
+        timed = rows[0].get("epochs_timed", "?")
+        what = (f"epoch s = median of {timed} timed epoch(s) after warm-up" if timed != 0 else
+                "epoch s = the warm-up epoch itself (no epoch was timed after it: run more epochs)")
+        out.append(f"efficiency = samples/s ÷ (replicas × samples/s of '{rows[0]['baseline']}'); {what}")
     for r in rows:
         if r.get("timing_flags"):
             out.append(f"! {r['name']}: {'; '.join(r['timing_flags'])}: the machine was busy, "
