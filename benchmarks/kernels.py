@@ -448,15 +448,18 @@ def conv_v3_cases(batch, hw, x, k, b, x_h, k_h, b_h, want, scale, shape, dy, dy_
     yield Case(f"conv2d backward v2 dW+db ({label})", "kernels.conv2d_grad dw_partial_v2 + dw_finish",
                moved_w, lambda stream=None: conv2d_grad.conv2d_backward_v2(
                    x, k, dy, None, dw, db, partial=partial, stream=stream), check_w)
-    # Pool backward v2 with the ReLU mask, on the fused forward's pooled output and int8 arg.
+    # Pool backward v2 with the ReLU mask, on the fused forward's kind of input (the pooled
+    # output and an int8 arg-max), made here from the reference: the case runs alone too (--only).
     rng = np.random.default_rng(1)
     pdy_h = rng.standard_normal(p_shape, np.float32)
     pdy, pdx = cuda.to_device(pdy_h), cuda.device_array(shape, np.float32)
+    ref_pooled = cuda.to_device(want_pool.astype(np.float32))
+    ref_arg8 = cuda.to_device(want_arg.astype(conv2d_v3.FUSED_ARG_DTYPE))
     masked = pdy_h * (want_pool > 0)                                       # dz = 0 where y <= 0
     want_pdx = max_pool_backward_ref(masked, want_arg, shape)
     yield Case(f"max_pool 2x2 backward v2 +relu mask ({p_shape[1]}x{p_shape[2]}x{p_shape[3]}, batch {batch})",
                "kernels.pooling max_pool_backward_v2", 2 * f * n_out + n_out + f * int(np.prod(shape)),
-               lambda stream=None: max_pool_backward(pdy, arg8, pdx, relu_y=pooled, stream=stream),
+               lambda stream=None: max_pool_backward(pdy, ref_arg8, pdx, relu_y=ref_pooled, stream=stream),
                lambda: _check(pdx.copy_to_host(), want_pdx, 0.0))
 
 

@@ -66,10 +66,11 @@ WARMUP = 2
 SMOKE_BATCH = kbench.SMOKE_CONV_BATCH
 
 
-def cases(batch, hw, nbytes):
-    """Every case in the order it is profiled: the lab's conv and pooling layers, then
-    the memory-bound kernels (a generator: each case's arrays are made when reached)."""
-    return itertools.chain(kbench.conv_pool_cases(batch, hw), kbench.memory_cases(nbytes))
+def cases(batch, hw, nbytes, second=None):
+    """Every case in the order it is profiled: the lab's conv and pooling layers (and the
+    tutorials' second conv, of size ``second``: kernels.py's default, or its smoke size),
+    then the memory-bound kernels (a generator: each case's arrays are made when reached)."""
+    return itertools.chain(kbench.conv_pool_cases(batch, hw, second), kbench.memory_cases(nbytes))
 
 
 @contextlib.contextmanager
@@ -160,7 +161,7 @@ def main(argv=None):
                          "`python -m benchmarks.profile --smoke`."):
             return 0
     if args.list:                      # names only: built at smoke sizes, in the simulator
-        for case in cases(SMOKE_BATCH, kbench.SMOKE_CONV_HW, kbench.SMOKE_MEM_BYTES):
+        for case in cases(SMOKE_BATCH, kbench.SMOKE_CONV_HW, kbench.SMOKE_MEM_BYTES, kbench.SMOKE_SECOND_CONV):
             print(case.name)
         print("(names at --smoke sizes; at full size the sizes in brackets differ)")
         return 0
@@ -172,7 +173,7 @@ def main(argv=None):
     print(f"each case: {WARMUP} warm-up calls (the first checked), then {args.launches} launches "
           f"inside cuProfilerStart/Stop" + ("" if with_times else "; no CUDA events (--no-times)"))
     rows, skipped, order = [], [], 0
-    for case in cases(batch, hw, nbytes):
+    for case in cases(batch, hw, nbytes, kbench.SMOKE_SECOND_CONV if args.smoke else None):
         if only is not None and not only.search(case.name):
             continue
         case.run()                                     # compiles; the check holds for this call

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Every case, in launch order (benchmarks/kernels.py's conv_pool_cases, then memory_cases).
 PREFIXES = ("conv2d v1 forward", "conv2d v2 forward", "conv2d backward dW+db",
             "conv2d backward dX+dW+db", "max_pool 2x2 forward", "max_pool 2x2 backward",
+            "conv2d v3 forward", "conv2d v3 fused +relu+pool", "conv2d backward v2 dW+db",
+            "max_pool 2x2 backward v2 +relu mask", "conv2d second conv v1 forward",
+            "conv2d second conv v3 forward", "conv2d second conv backward v1 dX+dW+db",
+            "conv2d second conv backward v2 dX+dW+db",
             "elementwise add", "softmax_xent (10 classes)", "softmax_xent v1", "sgd momentum", "adam")
 
 
@@ -53,7 +57,7 @@ def test_profile_only_and_no_times(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["name"].split(" (")[0] for r in rows] == ["max_pool 2x2 forward", "max_pool 2x2 backward",
-                                                        "adam"]
+                                                        "max_pool 2x2 backward v2 +relu mask", "adam"]
     assert not any("median_us" in r for r in rows)              # no events under ncu
     nothing = run("--only", "no such kernel")
     assert nothing.returncode == 2 and "no case matches" in nothing.stdout
@@ -66,7 +70,7 @@ def test_a_wrong_kernel_is_reported_and_never_profiled(monkeypatch, capsys):
 
     calls = {"good": 0, "bad": 0}
 
-    def fake_cases(batch, hw, nbytes):
+    def fake_cases(batch, hw, nbytes, second=None):
         def bump(name):
             calls[name] += 1
         yield kbench.Case("good kernel", "test", 8, lambda: bump("good"), lambda: None)
