@@ -27,3 +27,16 @@ def test_lab_06_beyond_one_machine(run_lab):
     # a quick run times two sizes only: under load the latency may explain both (no bandwidth)
     assert re.search(r"fitted link: latency α = [\d.]+ µs per step, bandwidth β = ([\d.]+ GB/s|too high to tell)", text)
     assert images >= 3, f"sharding, ring diagram, cost model: found {images} figures"
+
+
+@pytest.mark.notebook
+def test_lab_06_without_mpiexec_skips_the_worker_cells_with_a_reason(run_lab, monkeypatch, tmp_path):
+    """A plain ``pip install ".[labs]"`` has no mpiexec: the cells that start workers say so
+    in one line each and the rest of the lab (the sharding picture) still runs."""
+    monkeypatch.setenv("MIRRORED_MPIEXEC", str(tmp_path / "no-mpiexec-here"))
+    text, images = run_lab("06_beyond_one_machine.ipynb")
+    assert "MISSING: the cells that start workers are skipped" in text
+    assert "skipped: no mpiexec (see the first cell), so no workers to start" in text
+    assert "skipped: no mpiexec, so no workers' trace to draw" in text
+    assert "skipped: needs mpiexec and benchmarks/" in text
+    assert "Using MultiWorkerMirroredStrategy" not in text and images >= 1
