@@ -587,6 +587,23 @@ def dw_partial_shape(x_shape, kernel_shape, strides=1, padding="valid", with_bia
     return chunks, int(np.prod(kernel_shape)) + (cout if with_bias else 0)
 
 
+def check_backward_arrays(x, kernel, dy, dx, dw, db, partial, shape, part_shape):
+    """The array checks of both backward launchers (v1 here, v2 in conv2d_grad.py): dy of the
+    forward's output ``shape``, dx like x, dw like kernel, db (Cout,), ``partial`` (if given)
+    of ``part_shape``, all float32; every output clear of the inputs and of each other."""
+    check_array("conv2d_backward: dy", dy, np.float32, shape=shape)
+    if dx is not None:
+        check_array("conv2d_backward: dx", dx, np.float32, shape=x.shape)
+    check_array("conv2d_backward: dw", dw, np.float32, shape=kernel.shape)
+    if db is not None:
+        check_array("conv2d_backward: db", db, np.float32, shape=(shape[3],))
+    if partial is not None:
+        check_array("conv2d_backward: partial", partial, np.float32, shape=part_shape)
+    outs = [o for o in (dx, dw, db, partial) if o is not None]
+    for i, o in enumerate(outs):         # each output clear of the inputs and the others
+        check_no_alias("conv2d_backward", o, x, kernel, dy, *outs[i + 1:])
+
+
 def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", partial=None,
                     stream=None):
     """Conv2D backward on the GPU: dx (or None to skip it: a first layer), dw, db (or
@@ -602,20 +619,11 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", parti
     done = _backward_checked.get(arrays, settings) if partial is not None else None
     if done is None:
         shape, (sh, sw), (pt, _, pl, _) = _check_forward(x, kernel, strides, padding)
-        check_array("conv2d_backward: dy", dy, np.float32, shape=shape)
-        if dx is not None:
-            check_array("conv2d_backward: dx", dx, np.float32, shape=x.shape)
-        check_array("conv2d_backward: dw", dw, np.float32, shape=kernel.shape)
-        if db is not None:
-            check_array("conv2d_backward: db", db, np.float32, shape=(shape[3],))
         part_shape = dw_partial_shape(x.shape, kernel.shape, (sh, sw), padding, db is not None)
         if partial is None:                  # a scratch made per call: not remembered
             partial = cuda.device_array(part_shape, np.float32, stream=stream or 0)
             arrays = None
-        check_array("conv2d_backward: partial", partial, np.float32, shape=part_shape)
-        outs = [o for o in (dx, dw, db, partial) if o is not None]
-        for i, o in enumerate(outs):         # each output clear of the inputs and the others
-            check_no_alias("conv2d_backward", o, x, kernel, dy, *outs[i + 1:])
+        check_backward_arrays(x, kernel, dy, dx, dw, db, partial, shape, part_shape)
         done = (part_shape, sh, sw, pt, pl)
         if arrays is not None:
             _backward_checked.put(arrays, settings, done)

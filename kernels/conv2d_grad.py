@@ -39,10 +39,10 @@ ReLU mask, whose dz this consumes), mirrored/backends.py (CudaOps).
 import numpy as np
 from numba import cuda, float32
 
-from kernels.conv2d import (CheckMemo, check_size, conv2d_backward, conv2d_dw_finish,
-                            conv2d_output_shape, dw_partial_shape)
+from kernels.conv2d import (CheckMemo, check_backward_arrays, check_size, conv2d_backward,
+                            conv2d_dw_finish, conv2d_output_shape, dw_partial_shape)
 from kernels.conv2d_v3 import LANES, MAX_TAPS, geometry, is_padded, shape_label, u32
-from kernels.launch import SIMULATOR, check_array, check_no_alias, flat, grid_1d, grid_rows, launch
+from kernels.launch import SIMULATOR, check_array, flat, grid_1d, grid_rows, launch
 from kernels.registry import mat, register, sig, vec
 
 #: Warps per dW block, each over its own rows (8 x 32 = 256 threads; 2 in the simulator).
@@ -276,19 +276,8 @@ def conv2d_backward_v2(x, kernel, dy, dx, dw, db, strides=1, padding="valid", pa
                              f"registers; {tuple(kernel.shape)} has more: use version='v1'.")
         check_array("conv2d_backward: x", x, np.float32, ndim=4)
         check_array("conv2d_backward: kernel", kernel, np.float32, ndim=4)
-        check_array("conv2d_backward: dy", dy, np.float32, shape=shape)
-        if dx is not None:
-            check_array("conv2d_backward: dx", dx, np.float32, shape=x.shape)
-        check_array("conv2d_backward: dw", dw, np.float32, shape=kernel.shape)
-        if db is not None:
-            check_array("conv2d_backward: db", db, np.float32, shape=(shape[3],))
-        if partial is not None:
-            check_array("conv2d_backward: partial", partial, np.float32,
-                        shape=partial_shape(x.shape, kernel.shape, strides, padding,
-                                            db is not None))
-        outs = [o for o in (dx, dw, db, partial) if o is not None]
-        for i, o in enumerate(outs):         # each output clear of the inputs and the others
-            check_no_alias("conv2d_backward", o, x, kernel, dy, *outs[i + 1:])
+        check_backward_arrays(x, kernel, dy, dx, dw, db, partial, shape,
+                              partial_shape(x.shape, kernel.shape, strides, padding, db is not None))
         check_size("conv2d_backward", x, dy)
         geo = geometry(x.shape, kernel.shape, strides, padding)
         if partial is not None:              # a per-call scratch is new each call: not kept

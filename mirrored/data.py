@@ -744,12 +744,8 @@ class _TakeDataset(Dataset):
         return elements if self._count < 0 else itertools.islice(elements, self._count)
 
 
-class _PrefetchDataset(Dataset):
-    def __init__(self, input_dataset, buffer_size):
-        if buffer_size != AUTOTUNE and not (isinstance(buffer_size, int) and buffer_size >= 0):
-            raise ValueError(f"prefetch buffer_size must be >= 0 or AUTOTUNE (-1); "
-                             f"got {buffer_size!r}.")
-        self._input = input_dataset
+class _PassThroughDataset(Dataset):
+    """A dataset that yields its input's elements unchanged (prefetch, with_options)."""
 
     def _cardinality(self):
         return self._input._cardinality()
@@ -759,6 +755,14 @@ class _PrefetchDataset(Dataset):
 
     def _generate(self):
         return self._input._elements()
+
+
+class _PrefetchDataset(_PassThroughDataset):
+    def __init__(self, input_dataset, buffer_size):
+        if buffer_size != AUTOTUNE and not (isinstance(buffer_size, int) and buffer_size >= 0):
+            raise ValueError(f"prefetch buffer_size must be >= 0 or AUTOTUNE (-1); "
+                             f"got {buffer_size!r}.")
+        self._input = input_dataset
 
 
 class _GeneratorDataset(Dataset):
@@ -807,18 +811,9 @@ class _EnumerateDataset(Dataset):
         return ((np.int64(i), e) for i, e in enumerate(self._input._elements(), self._start))
 
 
-class _OptionsDataset(Dataset):
+class _OptionsDataset(_PassThroughDataset):
     def __init__(self, input_dataset, options):
         self._input, self._options = input_dataset, options
-
-    def _cardinality(self):
-        return self._input._cardinality()
-
-    def _index_plan(self):
-        return self._input._index_plan()
-
-    def _generate(self):
-        return self._input._elements()
 
     def options(self):
         return self._input.options().merge(self._options)
