@@ -12,7 +12,9 @@
 #      --no-resident --epochs 5: the dense and ConvNet rows, eager (run_eagerly=True) and
 #      graph (run_eagerly=False), x1, x2, x4 logical GPUs, PyTorch eager beside them); breakdown.log, .json (benchmarks.breakdown
 #      --device gpu: a ConvNet step, each layer's forward and backward, loss, all-reduce,
-#      optimizer)                                                                   5 files
+#      optimizer); course_lab.log, .json (benchmarks.course_lab: the course lab as written,
+#      12 epochs of the full MNIST from .gpudata/mnist, which a session copies from
+#      ../shared/data/mnist-full and carries; MNIST_FULL_DIR names another folder)  7 files
 #   2  kernels.log, .json (benchmarks.kernels: every case it has, conv and pooling v1 beside
 #      v3/fused where they exist, timed with CUDA events around captured graphs;
 #      KERNELS_ARGS adds flags); launch.log, .json (benchmarks.launch with the real driver:
@@ -30,7 +32,7 @@
 # the tool reported errors (--error-exitcode 3).
 #
 # The stages can also be named one by one (the plans are lists of them):
-#   versions graphs tests report kernels allreduce training multiworker profile breakdown
+#   versions graphs tests report kernels allreduce training course_lab multiworker profile breakdown
 #   launch sanitize
 #   graphs     tests/test_graphs.py alone                            graphs.log
 #   report     python -m kernels.report --hardware                   report.log
@@ -77,7 +79,7 @@ fi
 # Per-stage time limits (seconds); override with e.g. TESTS_S=300. A plan's limits add up
 # to at most PLAN_S (tests/test_gpu_session.py checks it).
 : "${PLAN_S:=530}" "${BUDGET_S:=100000}"
-: "${VERSIONS_S:=45}" "${TRAINING_S:=330}" "${BREAKDOWN_S:=150}"
+: "${VERSIONS_S:=45}" "${TRAINING_S:=310}" "${COURSE_LAB_S:=90}" "${BREAKDOWN_S:=85}"
 : "${KERNELS_S:=170}" "${LAUNCH_S:=60}" "${PROFILE_S:=180}" "${PROFILE_TIMES_S:=90}" "${EXPORT_S:=30}"
 : "${MEMCHECK_S:=120}" "${RACECHECK_S:=110}" "${SYNCCHECK_S:=90}" "${TESTS_S:=200}" "${XDIST:=12}"
 : "${ALLREDUCE_S:=200}" "${MULTIWORKER_S:=240}" "${GRAPHS_S:=120}" "${REPORT_S:=240}"
@@ -250,6 +252,9 @@ run_stage() {
       stage multiworker "$MULTIWORKER_S" "$PY" -m benchmarks.multiworker --out "$OUT/multiworker.json" ${MULTIWORKER_ARGS:-} ;;
     profile)
       profile ;;
+    course_lab)
+      stage course_lab "$COURSE_LAB_S" "$PY" -m benchmarks.course_lab \
+        --data-dir "${MNIST_FULL_DIR:-.gpudata/mnist}" --out "$OUT/course_lab.json" ;;
     breakdown)
       stage breakdown "$BREAKDOWN_S" "$PY" -m benchmarks.breakdown --device gpu \
         --out "$OUT/breakdown.json" ${BREAKDOWN_ARGS:-} ;;
@@ -270,7 +275,7 @@ for what in "$@"; do
       BUDGET_S=$((SECONDS + PLAN_S))
       echo "=== plan $what: at most ${PLAN_S}s"
       case "$what" in
-        1) stages="versions training breakdown" ;;
+        1) stages="versions training course_lab breakdown" ;;
         2) stages="kernels launch profile"; : "${PROFILE_ARGS=--only conv|pool}" ;;
         3) stages="sanitize tests" ;;
       esac

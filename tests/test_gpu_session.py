@@ -91,13 +91,15 @@ def test_the_three_commands_in_order_each_within_nine_minutes_and_eight_files(tm
     budget = int(plan.group(1))
 
     stdout, files, calls = command(tmp_path, "1")
-    assert files == ["breakdown.json", "breakdown.log", "training.json", "training.log", "versions.log"]
+    assert files == ["breakdown.json", "breakdown.log", "course_lab.json", "course_lab.log",
+                     "training.json", "training.log", "versions.log"]
     out = tmp_path / "out1"
     training = f"python -m benchmarks.training --out {out / 'training.json'} --models lab,convnet"
     assert [c for c in calls if c.startswith("python")] == [
         "python -", training + " --no-resident --epochs 5",
+        f"python -m benchmarks.course_lab --data-dir .gpudata/mnist --out {out / 'course_lab.json'}",
         f"python -m benchmarks.breakdown --device gpu --out {out / 'breakdown.json'}"]
-    assert set(limits(stdout)) == {"versions", "training", "breakdown"}
+    assert set(limits(stdout)) == {"versions", "training", "course_lab", "breakdown"}
     assert sum(limits(stdout).values()) <= budget, limits(stdout)
 
     stdout, files, calls = command(tmp_path, "2")

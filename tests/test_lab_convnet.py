@@ -18,73 +18,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-LAB_CELLS = [
-    '''\
-# Import TensorFlow and TensorFlow Datasets
-
-import mirrored.datasets as tfds
-import mirrored as tf
-tfds.disable_progress_bar()
-
-import os
-''',
-    '''\
-# Load the dataset we'll use for this lab
-datasets, info = tfds.load(name='mnist', with_info=True, as_supervised=True, data_dir='./data')
-
-mnist_train, mnist_test = datasets['train'], datasets['test']
-''',
-    '''\
-# Define the strategy to use and print the number of devices found
-strategy = tf.distribute.MirroredStrategy()
-print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
-''',
-    '''\
-# Get the number of examples in the train and test sets
-num_train_examples = info.splits['train'].num_examples
-num_test_examples = info.splits['test'].num_examples
-
-BUFFER_SIZE = 10000
-
-BATCH_SIZE_PER_REPLICA = 64
-# Use for Mirrored Strategy
-BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
-# Use for No Strategy
-# BATCH_SIZE = BATCH_SIZE_PER_REPLICA * 1
-''',
-    '''\
-# Function for normalizing the image
-def scale(image, label):
-    image = tf.cast(image, tf.float32)
-    image /= 255
-
-    return image, label
-''',
-    '''\
-# Set up the train and eval data set
-train_dataset = mnist_train.map(scale).cache().shuffle(BUFFER_SIZE).batch(BATCH_SIZE)
-eval_dataset = mnist_test.map(scale).batch(BATCH_SIZE)
-''',
-    '''\
-# Use for Mirrored Strategy -- comment out `with strategy.scope():` and deindent for no strategy
-with strategy.scope():
-    model = tf.keras.Sequential([
-      tf.keras.layers.Conv2D(32, 3, activation='relu', input_shape=(28, 28, 1)),
-      tf.keras.layers.MaxPooling2D(),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(64, activation='relu'),
-      tf.keras.layers.Dense(10)
-    ])
-''',
-    '''\
-model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                optimizer=tf.keras.optimizers.Adam(),
-                metrics=['accuracy'])
-''',
-    '''\
-model.fit(train_dataset, epochs=12)
-''',
-]
+from benchmarks.course_lab import LAB_CELLS  # noqa: E402  (one copy: the benchmark runs all 12 epochs)
 
 #: Seconds the lab's one epoch may take here (measured: see the README; ~2 cores, shared).
 LAB_TIMEOUT_S = 300

@@ -1,0 +1,161 @@
+"""The course lab "Mirrored Strategy: Basic" as written: 12 epochs of the full MNIST, timed.
+
+``LAB_CELLS`` are the lab's code cells exactly as the course gives them (seed 002), with
+only ``import tensorflow_datasets as tfds`` -> ``import mirrored.datasets as tfds`` and
+``import tensorflow as tf`` -> ``import mirrored as tf``. ``tests/test_lab_convnet.py`` runs
+them for one epoch and checks that the README shows them verbatim; this program runs them
+as a student would, all 12 epochs, in a fresh Python process, and records:
+
+    wall_s      the whole lab, from the first import to the end of fit (what a student waits)
+    fit_s       model.fit(train_dataset, epochs=12) alone
+    accuracy    model.evaluate(eval_dataset) after fit: a cell this program adds (the lab
+                prints only the training accuracy); its time is not in wall_s
+
+    python -m benchmarks.course_lab --data-dir ~/tensorflow_datasets/mnist --out lab.json
+
+``--data-dir`` is a folder holding the four MNIST ``.gz`` files (the lab's own
+``data_dir='./data'`` is kept: the program runs the lab in a scratch folder whose
+``data/mnist`` points there). Without the full set the lab falls back to the bundled
+8,000-image subset, and the JSON says so (``source``). ``--epochs`` changes the one
+number, for a quick try. Target (issue 30, H100, x1 graph): wall <= 10 s, accuracy >= 98.5 %.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LAB_CELLS = [
+    '''\
+# Import TensorFlow and TensorFlow Datasets
+
+import mirrored.datasets as tfds
+import mirrored as tf
+tfds.disable_progress_bar()
+
+import os
+''',
+    '''\
+# Load the dataset we'll use for this lab
+datasets, info = tfds.load(name='mnist', with_info=True, as_supervised=True, data_dir='./data')
+
+mnist_train, mnist_test = datasets['train'], datasets['test']
+''',
+    '''\
+# Define the strategy to use and print the number of devices found
+strategy = tf.distribute.MirroredStrategy()
+print('Number of devices: {}'.format(strategy.num_replicas_in_sync))
+''',
+    '''\
+# Get the number of examples in the train and test sets
+num_train_examples = info.splits['train'].num_examples
+num_test_examples = info.splits['test'].num_examples
+
+BUFFER_SIZE = 10000
+
+BATCH_SIZE_PER_REPLICA = 64
+# Use for Mirrored Strategy
+BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
+# Use for No Strategy
+# BATCH_SIZE = BATCH_SIZE_PER_REPLICA * 1
+''',
+    '''\
+# Function for normalizing the image
+def scale(image, label):
+    image = tf.cast(image, tf.float32)
+    image /= 255
+
+    return image, label
+''',
+    '''\
+# Set up the train and eval data set
+train_dataset = mnist_train.map(scale).cache().shuffle(BUFFER_SIZE).batch(BATCH_SIZE)
+eval_dataset = mnist_test.map(scale).batch(BATCH_SIZE)
+''',
+    '''\
+# Use for Mirrored Strategy -- comment out `with strategy.scope():` and deindent for no strategy
+with strategy.scope():
+    model = tf.keras.Sequential([
+      tf.keras.layers.Conv2D(32, 3, activation='relu', input_shape=(28, 28, 1)),
+      tf.keras.layers.MaxPooling2D(),
+      tf.keras.layers.Flatten(),
+      tf.keras.layers.Dense(64, activation='relu'),
+      tf.keras.layers.Dense(10)
+    ])
+''',
+    '''\
+model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                optimizer=tf.keras.optimizers.Adam(),
+                metrics=['accuracy'])
+''',
+    '''\
+model.fit(train_dataset, epochs=12)
+''',
+]
+
+#: What the program appends after the lab's cells (timing and the test accuracy); a line
+#: starting with RESULT carries them back as JSON.
+_MEASURE = """
+import json as _json, time as _time
+_fit_s = _time.perf_counter() - _fit_start
+_wall_s = _time.perf_counter() - _lab_start
+_loss, _accuracy = model.evaluate(eval_dataset, verbose=0)
+print("RESULT " + _json.dumps({"wall_s": _wall_s, "fit_s": _fit_s, "test_loss": float(_loss),
+      "test_accuracy": float(_accuracy), "replicas": strategy.num_replicas_in_sync,
+      "train_examples": num_train_examples, "source": info.source
+                                 if hasattr(info, "source") else None}))
+"""
+
+
+def lab_script(epochs=12):
+    """The lab's cells as one script, with the clock around them and the test accuracy after."""
+    cells = list(LAB_CELLS)
+    assert cells[-1].strip() == "model.fit(train_dataset, epochs=12)"
+    cells[-1] = cells[-1].replace("epochs=12", f"epochs={int(epochs)}")
+    head = "import time as _time\n_lab_start = _time.perf_counter()\n"
+    fit = "_fit_start = _time.perf_counter()\n" + cells[-1]
+    return head + "\n".join(cells[:-1]) + "\n" + fit + _MEASURE
+
+
+def run_lab(data_dir=None, epochs=12, timeout_s=900):
+    """Run the lab in a fresh process; return (the RESULT dict, the lab's stdout)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        if data_dir:
+            (scratch / "data").mkdir()
+            os.symlink(Path(data_dir).expanduser().resolve(), scratch / "data" / "mnist")
+        (scratch / "lab.py").write_text(lab_script(epochs))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        run = subprocess.run([sys.executable, "lab.py"], cwd=scratch, env=env,
+                             capture_output=True, text=True, timeout=timeout_s)
+    if run.returncode != 0:
+        raise RuntimeError(f"the lab failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]), run.stdout + run.stderr
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", help="folder with the four MNIST .gz files")
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--out", help="JSON file to write (default: nothing written)")
+    args = parser.parse_args(argv)
+    from benchmarks import common
+    result, log = run_lab(args.data_dir, args.epochs)
+    print(log)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        common.write_json("course_lab", {"epochs": args.epochs, "result": result,
+                                         "target": {"wall_s": 10.0, "test_accuracy": 0.985}},
+                          common.device_info(), out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
