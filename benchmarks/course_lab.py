@@ -107,8 +107,7 @@ _wall_s = _time.perf_counter() - _lab_start
 _loss, _accuracy = model.evaluate(eval_dataset, verbose=0)
 print("RESULT " + _json.dumps({"wall_s": _wall_s, "fit_s": _fit_s, "test_loss": float(_loss),
       "test_accuracy": float(_accuracy), "replicas": strategy.num_replicas_in_sync,
-      "train_examples": num_train_examples, "source": info.source
-                                 if hasattr(info, "source") else None}))
+      "train_examples": num_train_examples, "source": info.source}))
 """
 
 
@@ -122,18 +121,21 @@ def lab_script(epochs=12):
     return head + "\n".join(cells[:-1]) + "\n" + fit + _MEASURE
 
 
-def run_lab(data_dir=None, epochs=12, timeout_s=900):
-    """Run the lab in a fresh process; return (the RESULT dict, the lab's stdout)."""
+def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None):
+    """Run the lab in a fresh process (``env``: variables to set for it); return (the
+    RESULT dict, the lab's stdout then stderr)."""
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         if data_dir:
             (scratch / "data").mkdir()
             os.symlink(Path(data_dir).expanduser().resolve(), scratch / "data" / "mnist")
         (scratch / "lab.py").write_text(lab_script(epochs))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         run = subprocess.run([sys.executable, "lab.py"], cwd=scratch, env=env,
                              capture_output=True, text=True, timeout=timeout_s)
+    if run.returncode == 0 and "RESULT " not in run.stdout:
+        raise RuntimeError(f"the lab ran but printed no RESULT line:\n{run.stdout[-3000:]}")
     if run.returncode != 0:
         raise RuntimeError(f"the lab failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
     lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]

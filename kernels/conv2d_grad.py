@@ -302,13 +302,27 @@ def conv2d_backward_v2(x, kernel, dy, dx, dw, db, strides=1, padding="valid", pa
     return dx, dw, db
 
 
+_SCRATCH_SHAPES = {}     # (v2, shapes, settings) -> the partial-sum scratch's shape
+
+
+def _scratch_shape(v2, x_shape, kernel_shape, strides, padding, with_bias):
+    """``partial_shape`` (v2) or ``dw_partial_shape`` (v1), remembered per arguments: the
+    step asks every call, and working it out again costs tens of µs of Python."""
+    key = (v2, tuple(x_shape), tuple(kernel_shape), repr(strides), padding, with_bias)
+    shape = _SCRATCH_SHAPES.get(key)
+    if shape is None:
+        shape = (partial_shape if v2 else dw_partial_shape)(x_shape, kernel_shape, strides,
+                                                            padding, with_bias)
+        _SCRATCH_SHAPES[key] = shape
+    return shape
+
+
 def backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", scratch=None, stream=None):
     """The library's Conv2D backward on a GPU: v2 where it exists (``fits``), else v1.
     ``scratch(shape)``: returns the float32 partial-sum buffer of that shape (a device's
     scratch); None makes one per call."""
     v2 = fits(kernel.shape)
-    shape = (partial_shape if v2 else dw_partial_shape)(x.shape, kernel.shape, strides, padding,
-                                                        db is not None)
+    shape = _scratch_shape(v2, x.shape, kernel.shape, strides, padding, db is not None)
     partial = scratch(shape) if scratch is not None else None
     run = conv2d_backward_v2 if v2 else conv2d_backward
     return run(x, kernel, dy, dx, dw, db, strides, padding, partial, stream)

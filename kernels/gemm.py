@@ -393,13 +393,14 @@ def choose_version(m, n, sm_count=None):
 # --- launcher -------------------------------------------------------------------------
 
 def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, stream=None,
-         version=None):
+         version=None, sm_count=None):
     """out = alpha * op(a) @ op(b) + beta * out on the GPU; returns ``out``.
 
     a, b, out: float32, 2-D, C-contiguous device arrays; op(a) is (M, K), op(b) is
     (K, N), out is (M, N) and must not overlap a or b. ``version``: "v1", "v2", "v3"
-    or None for ``choose_version`` by the output's shape. Every check runs before the
-    launch.
+    or None for ``choose_version`` by the output's shape (``sm_count``: the GPU's
+    multiprocessors, if the caller knows them; else asked of the driver). Every check
+    runs before the launch.
     """
     if version is not None and version not in KERNELS:
         raise ValueError(f"gemm: unknown version {version!r}; expected one of {VERSIONS} "
@@ -419,7 +420,7 @@ def gemm(a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, stream=No
     check_no_alias("gemm", out, a, b)
     if m == 0 or n == 0:
         return out
-    version = choose_version(m, n) if version is None else version
+    version = choose_version(m, n, sm_count) if version is None else version
     kernel = KERNELS[version][(bool(trans_a), bool(trans_b))]
     launch(kernel, *_grid(version, m, n), stream, a, b, out,
            np.float32(alpha), np.float32(beta))

@@ -197,7 +197,8 @@ class CudaOps:
         return allreduce.ring_gather_step(own, peer, lo, hi, self.stream)
 
     def gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
-        return gemm.gemm(a, b, out, trans_a, trans_b, alpha, beta, self.stream, version=GEMM_VERSION)
+        return gemm.gemm(a, b, out, trans_a, trans_b, alpha, beta, self.stream, version=GEMM_VERSION,
+                         sm_count=None if GEMM_VERSION else self.device.multiprocessors)
 
     def bias_relu(self, x, bias, out):
         return activations.bias_relu(x, bias, out, self.stream)

@@ -195,7 +195,7 @@ def test_v2_has_one_block_per_tile_and_v3_one_row_per_warp(monkeypatch):
     v3.conv2d_v3(x, cuda.to_device(np.zeros((3, 3, 1, 40), np.float32)),
                  cuda.to_device(np.zeros(40, np.float32)), poisoned((3, 26, 26, 40)))
     (gx, gy), (lanes, warps) = seen[-1]
-    assert (lanes, gy) == (32, 2) and gx * warps == 3 * 26
+    assert (lanes, gy) == (32, 2) and gx == -(-3 * 26 // warps)     # ceil(78 rows / warps per block)
 
 
 def test_checks_run_once_per_arrays_and_keep_nothing_alive(rng, monkeypatch):

@@ -1,0 +1,102 @@
+"""Where the host's time goes in ``fit``: cProfile of whole epochs, on a GPU or the CPU.
+
+On a GPU a step's kernels take tens of microseconds; what a student's clock measures is
+the Python that prepares and launches them. ``benchmarks/breakdown.py`` times the step's
+parts; this program asks the profiler which *functions* hold the time, ours and numba-
+cuda's, so the next fix is aimed at what costs most. It trains the lab's model on the
+bundled subset as the lab does (``map(scale).cache().shuffle(10000).batch(64)``,
+``MirroredStrategy()``, Adam, ``fit``), one warm-up epoch, then per mode:
+
+    verbose=0 and verbose=1     ms/step of ``--epochs`` epochs, unprofiled
+    the profile                 the same epochs under cProfile (slower: it adds ~1 µs per
+                                Python call), sorted by own time and by cumulative time
+
+    python -m benchmarks.host_profile --model conv --modes graph,eager --out /tmp/prof
+
+Writes ``prof-<model>-<mode>.txt`` per mode into ``--out`` (default: print only).
+Session 7 (H100) found with it that three host-to-device uploads per step held most of a
+captured step's 0.6 ms (numba's ``copy_to_device`` slices both arrays to check them):
+``benchmarks/results/host-profile-*-before.txt`` and ``-after.txt``.
+
+Neighbours: benchmarks/breakdown.py (ms per step part), benchmarks/training.py (ms/step
+beside PyTorch), mirrored/devices.py (``CudaDevice.upload_into``).
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+BATCH = 64
+STEPS_PER_EPOCH = 125          # the bundled subset's 8,000 images in batches of 64
+
+
+def lab_dataset(tf, tfds, batch=BATCH):
+    """The lab's training pipeline over the bundled subset."""
+    train = tfds.load("mnist", split="train", as_supervised=True)
+
+    def scale(image, label):
+        image = tf.cast(image, tf.float32)
+        image /= 255
+        return image, label
+    return train.map(scale).cache().shuffle(10000).batch(batch)
+
+
+def profile_fit(model_kind, mode, epochs, rows=45):
+    """(summary line, profile text) of ``epochs`` epochs of fit in ``mode`` ("graph"/"eager")."""
+    import mirrored as tf
+    import mirrored.datasets as tfds
+    from mirrored.lab.workflow import make_model
+    strategy = tf.distribute.MirroredStrategy()
+    data = lab_dataset(tf, tfds)
+    with strategy.scope():
+        model = make_model(model_kind)
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam(), metrics=["accuracy"],
+                  run_eagerly=(mode == "eager"))
+    model.fit(data, epochs=1, verbose=0)                       # compiles, captures, warms up
+    times = {}
+    for verbose in (0, 1):
+        start = time.perf_counter()
+        model.fit(data, epochs=epochs, verbose=verbose)
+        times[verbose] = (time.perf_counter() - start) / (epochs * STEPS_PER_EPOCH) * 1e3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    model.fit(data, epochs=epochs, verbose=0)
+    profiler.disable()
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        text.write(f"\n=== sorted by {order}\n")
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(rows)
+    line = (f"{model_kind} {mode}: verbose=0 {times[0]:.3f} ms/step, "
+            f"verbose=1 {times[1]:.3f} ms/step")
+    return line, text.getvalue()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="conv", help="conv (the lab's ConvNet) or dense")
+    parser.add_argument("--modes", default="graph,eager",
+                        help="comma-separated: graph (run_eagerly=False), eager")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--out", help="folder for prof-<model>-<mode>.txt")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MIRRORED_OFFLINE", "1")
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in ("graph", "eager"):
+            parser.error(f"unknown mode {mode!r}: expected graph or eager")
+    for mode in modes:
+        line, text = profile_fit(args.model, mode, args.epochs)
+        print(line, flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"prof-{args.model}-{mode}.txt"), "w") as f:
+                f.write(line + "\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
