@@ -153,7 +153,12 @@ def build_ours(tf, spec, device="CPU:0", weights=None):
         model.set_weights(weights)
     model.compile(optimizer=tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON),
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"],
+                  # Eager launches: the parts are Python calls that each launch kernels. With
+                  # Keras's default (run_eagerly=False) a GPU replays the whole device part
+                  # as one captured CUDA graph, and every part but the input copy reads 0
+                  # (benchmarks/results/breakdown-*-2026-11-24-graph.json shows it).
+                  run_eagerly=True)
     return model
 
 

@@ -61,7 +61,9 @@ export NUMBA_ENABLE_CUDASIM=0 MIRRORED_OFFLINE=1 MPLBACKEND=Agg PYTHONUNBUFFERED
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/mirrored-numba-cache}"
 mkdir -p "$NUMBA_CACHE_DIR"
 # ptxas for kernels.report and the compile tests: a CUDA toolkit's, where no wheel brings one.
-[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
+# CUDA_BIN: the toolkit's bin folder (ptxas, ncu, compute-sanitizer), where the machine has one.
+CUDA_BIN="${CUDA_BIN:-/usr/local/cuda/bin}"
+[ -d "$CUDA_BIN" ] && export PATH="$PATH:$CUDA_BIN"
 PY="${PYTHON:-python3}"
 SITE="${SITE:-/tmp/site}"
 # Wheels carried to the machine in .whl/ (e.g. numpy<2.5, which numba-cuda 0.30 needs: numpy
@@ -117,7 +119,7 @@ stage() {  # stage NAME SECONDS CMD...: run with a limit, log to $OUT/NAME.log, 
 
 find_ncu() {  # the Nsight Compute CLI: on PATH, in the CUDA toolkit, or the newest standalone
   command -v ncu 2>/dev/null && return 0
-  [ -x /usr/local/cuda/bin/ncu ] && { echo /usr/local/cuda/bin/ncu; return 0; }
+  [ -x "$CUDA_BIN/ncu" ] && { echo "$CUDA_BIN/ncu"; return 0; }
   ls -d /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -n 1 | grep . && return 0
   return 1
 }
@@ -129,7 +131,7 @@ find_sanitizer() {  # compute-sanitizer: SANITIZER, the carried wheel's, PATH, t
     [ -f "$f" ] && { chmod +x "$f" 2>/dev/null; echo "$f"; return 0; }
   done
   command -v compute-sanitizer 2>/dev/null && return 0
-  [ -x /usr/local/cuda/bin/compute-sanitizer ] && { echo /usr/local/cuda/bin/compute-sanitizer; return 0; }
+  [ -x "$CUDA_BIN/compute-sanitizer" ] && { echo "$CUDA_BIN/compute-sanitizer"; return 0; }
   return 1
 }
 
@@ -143,7 +145,7 @@ profile() {  # ncu over benchmarks.profile's launches (cuProfilerStart/Stop rang
   local ncu rep="$OUT/profile.ncu-rep" sections=() section f
   if ! ncu=$(find_ncu); then
     : > "$OUT/profile.log"
-    profile_times "no ncu on PATH, in /usr/local/cuda/bin or /opt/nvidia/nsight-compute"
+    profile_times "no ncu on PATH, in $CUDA_BIN or /opt/nvidia/nsight-compute"
     return
   fi
   for section in $NCU_SECTIONS; do sections+=(--section "$section"); done
@@ -237,7 +239,11 @@ run_stage() {
     graphs)
       stage graphs "$GRAPHS_S" "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py ;;
     tests)
-      stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout "${TEST_TIMEOUT:-120}" -rfEs ;;
+      # The multi-worker tests' mpiexec: the machine's Open MPI refuses root unless told
+      # (the GPU machines run commands as root); mpich's ignores these. The compile tests
+      # build every kernel with ptxas in their fixture: minutes on 12 busy workers.
+      OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        stage tests "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -n "$XDIST" --timeout "${TEST_TIMEOUT:-300}" -rfEs ;;
     report)
       stage report "$REPORT_S" "$PY" -m kernels.report --hardware ;;
     kernels)

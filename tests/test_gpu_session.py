@@ -67,7 +67,8 @@ def command(tmp_path, what, refuse=False, sanitizer=True, **env_extra):
     log.unlink(missing_ok=True)
     env = dict(os.environ, OUT=str(out), FAKE_LOG=str(log), PYTHON=str(bin_dir / "python"),
                SITE=str(site), NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
-               PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", **env_extra)
+               PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+               CUDA_BIN=str(tmp_path / "no-toolkit"), **env_extra)   # not the machine's toolkit
     for name in ("FAKE_NCU_REFUSE", "SANITIZER", "PROFILE_ARGS", "TRAINING_ARGS", "PLAN_S"):
         if name not in env_extra:
             env.pop(name, None)

@@ -217,6 +217,7 @@ def test_checks_run_once_per_arrays_and_keep_nothing_alive(rng, monkeypatch):
     gone = weakref.ref(other)
     del other
     gc.collect()
-    assert gone() is None
+    holders = [type(r).__name__ for r in gc.get_referrers(gone())] if gone() is not None else []
+    assert gone() is None, f"the array is still held by: {holders}"
     with pytest.raises(ValueError, match="has shape"):     # a new, wrong buffer is checked
         v3.conv2d_v3(x, k, bias, poisoned((1, 3, 3, 2)))
