@@ -119,6 +119,14 @@ def cc_name(cc):
     return f"{cc[0]}.{cc[1]}"
 
 
+def toolkit_ccs():
+    """The compute capabilities this CUDA toolkit's compiler can target, as "M.m" strings
+    (NVRTC's list, which numba-cuda compiles with). CUDA 12 reaches back to sm_50; CUDA 13
+    starts at sm_75, so a P100 (6.0) needs numba-cuda[cu12]."""
+    from numba.cuda.cudadrv import nvrtc
+    return [cc_name(cc) for cc in nvrtc.get_supported_ccs()]
+
+
 def parse_cc(text):
     """``"9.0"`` (or ``"90"``, ``"sm_90"``) -> (9, 0); an unknown one raises ValueError
     naming the known ones."""

@@ -426,12 +426,7 @@ class CudaDevice(Device):
             host, copied = self._staging_slot(array.shape, array.dtype)
             copied.synchronize()          # its last copy has read it (normally long ago)
             np.copyto(host, array)
-            if cuda_mode() == "real":
-                from numba.cuda.cudadrv.driver import host_to_device
-                if host.nbytes:
-                    host_to_device(dst, host, host.nbytes, stream=self.stream)
-            else:                         # the simulator's arrays have no device pointers
-                dst.copy_to_device(host, stream=self.stream)
+            copy_host_to_device(dst, host, self.stream)
             copied.record(self.stream)
         return dst
 
@@ -470,6 +465,19 @@ class CudaDevice(Device):
         if self.memory_limit is not None:
             return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
         return free, total
+
+
+def copy_host_to_device(dst, host, stream):
+    """Queue a copy of the host array ``host`` into the device array ``dst`` on ``stream``:
+    both whole C-contiguous buffers of the same bytes (``CudaDevice.upload_into`` checks).
+    On a GPU it is one ``cuMemcpyHtoDAsync`` (numba's ``host_to_device``); the simulator's
+    arrays have no device pointers and take numba's ``copy_to_device``."""
+    if cuda_mode() != "real":
+        dst.copy_to_device(host, stream=stream)
+        return
+    from numba.cuda.cudadrv.driver import host_to_device
+    if host.nbytes:
+        host_to_device(dst, host, host.nbytes, stream=stream)
 
 
 def _memcpy_peer(dst_dev, dst, src_dev, src, nbytes):

@@ -359,18 +359,19 @@ def test_uploads_stage_through_reused_pinned_buffers(devices, monkeypatch, rng):
         """Marks the arrays that cuda.pinned_array made."""
 
     made, sources = [], []
-    real_pinned, real_copy = cuda.pinned_array, DeviceArray.copy_to_device
+    real_pinned, real_copy = cuda.pinned_array, registry.copy_host_to_device
 
     def pinned_array(shape, dtype=np.float64, **kw):
         made.append((tuple(shape), np.dtype(dtype)))
         return real_pinned(shape, dtype, **kw).view(Pinned)
 
-    def copy_to_device(self, ary, stream=0):
-        sources.append(ary)
-        return real_copy(self, ary, stream)
+    def copy_host_to_device(dst, host, stream):      # the one copy upload_into makes
+        assert type(dst) is DeviceArray and stream is gpu.stream
+        sources.append(host)
+        return real_copy(dst, host, stream)
 
     monkeypatch.setattr(cuda, "pinned_array", pinned_array)
-    monkeypatch.setattr(DeviceArray, "copy_to_device", copy_to_device)
+    monkeypatch.setattr(registry, "copy_host_to_device", copy_host_to_device)
     for step in range(4):
         x = rng.standard_normal((5, 3)).astype(np.float32)
         gpu.upload_into(dst, x)

@@ -69,7 +69,10 @@ def command(tmp_path, what, refuse=False, sanitizer=True, **env_extra):
                SITE=str(site), NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
                PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
                CUDA_BIN=str(tmp_path / "no-toolkit"), **env_extra)   # not the machine's toolkit
-    for name in ("FAKE_NCU_REFUSE", "SANITIZER", "PROFILE_ARGS", "TRAINING_ARGS", "PLAN_S"):
+    # the script's knobs from the caller's environment (e.g. TESTS_S=280 on a device run)
+    knobs = [n for n in env if n.endswith(("_S", "_ARGS"))] + [
+        "FAKE_NCU_REFUSE", "SANITIZER", "SANITIZE_TESTS", "XDIST", "TEST_TIMEOUT", "MNIST_FULL_DIR"]
+    for name in knobs:
         if name not in env_extra:
             env.pop(name, None)
     if refuse:

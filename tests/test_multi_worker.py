@@ -225,6 +225,10 @@ def test_ring_on_gpus_staged_and_handed_to_a_cuda_aware_mpi_agree_bitwise(tmp_pa
     and handed to MPI as device memory (a CUDA-aware MPI), give the same bits on every
     replica of every worker, within float32 rounding of the float64 sum. The wheel's MPI
     says it is not CUDA-aware; MIRRORED_CUDA_AWARE_MPI=1 overrides the answer."""
+    if aware and not SIMULATOR:
+        pytest.skip("on real GPUs MIRRORED_CUDA_AWARE_MPI=1 hands device pointers to this MPI, "
+                    "which is not CUDA-aware (Open MPI segfaulted in MPI_Isend on the H100 "
+                    "machine): the override's logic is checked in the simulator")
     monkeypatch.setenv("MIRRORED_CUDA_AWARE_MPI", aware)
     proc, _ = launch(2, "ring-gpus", tmp_path, "--gpus", "2")
     _ok(proc)
