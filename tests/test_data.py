@@ -346,3 +346,18 @@ def test_lab_pipeline_cached_epochs_are_fresh_permutations(rng):
         np.testing.assert_array_equal(x, images[y].astype(np.float32) / 255)
         orders.append(y)
     assert not np.array_equal(orders[1], orders[2]), "reshuffled each epoch"
+
+
+@pytest.mark.parametrize("n, buffer_size", [(0, 3), (1, 1), (5, 9), (37, 37), (100, 1), (300, 7), (9000, 4100)])
+def test_the_compiled_row_shuffle_gives_the_element_shuffles_order(rng, n, buffer_size):
+    """The index plan's shuffle (compiled loops) against the element one (Python), on the
+    same seed, with the rows handed over in awkward chunks: the same order, row for row."""
+    from mirrored import data
+    rows = rng.permutation(n + 5)[:n].astype(np.int64)
+    cuts = np.sort(rng.choice(np.arange(1, n), size=min(4, max(n - 1, 0)), replace=False)) if n > 1 else []
+    chunks = [c for c in np.split(rows, cuts)]
+    seed = int(rng.integers(1 << 30))
+    want = list(data._buffer_shuffle(rows.tolist(), buffer_size, np.random.default_rng(seed)))
+    got = list(data._buffer_shuffle_rows(iter(chunks), buffer_size, np.random.default_rng(seed)))
+    assert all(g.dtype == np.int64 for g in got)
+    assert (np.concatenate(got).tolist() if got else []) == want
