@@ -77,10 +77,45 @@ def test_fit_and_the_custom_loop_give_bitwise_equal_weights(devices, rng, kind, 
     for w0, a, b in zip(start, by_fit.get_weights(), by_loop.get_weights()):
         assert not np.array_equal(w0, a), "fit did not train"
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(by_fit.optimizer.keras_variables(by_fit.step.pack),
-                    by_loop.optimizer.keras_variables(by_loop.step.pack)):
+    slots_fit = by_fit.optimizer.keras_variables(by_fit.step.pack)
+    slots_loop = by_loop.optimizer.keras_variables(by_loop.step.pack)
+    assert len(slots_fit) == len(slots_loop) == 2 + len(by_fit.optimizer.slot_names) * len(start)
+    for a, b in zip(slots_fit, slots_loop):
         np.testing.assert_array_equal(a, b)                 # the slots (momentum; Adam's m, v) too
     for model in (by_fit, by_loop):                         # every replica's copy alike
         for v in model.trainable_variables:
             for c in strategy.experimental_local_results(v)[1:]:
                 np.testing.assert_array_equal(c.numpy(), strategy.experimental_local_results(v)[0].numpy())
+
+
+@pytest.mark.parametrize("where", ["all-reduce", "update"])
+def test_a_custom_loop_step_that_fails_leaves_no_trace(devices, rng, monkeypatch, where):
+    """As fit's: a failure in the all-reduce or the update of ``apply_gradients`` leaves the
+    weights, the step count and the optimizer's buffers as they were, and the next step
+    trains exactly like fit's first."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((9, 6)).astype(np.float32)            # 5 + 4 rows
+    y = rng.integers(0, 4, 9)
+    by_fit = make_model(strategy, 6, 5, 4, tf.keras.optimizers.Adam(0.01), 0.0)
+    by_loop = make_model(strategy, 6, 5, 4, tf.keras.optimizers.Adam(0.01), 0.0)
+    by_loop.set_weights(by_fit.get_weights())
+    start = by_loop.get_weights()
+    target = (strategy.extended.cross_device_ops, "all_reduce_flat") if where == "all-reduce" \
+        else (by_loop.optimizer, "update")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected failure in the {where}")
+    with monkeypatch.context() as patch:
+        patch.setattr(*target, broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            custom_loop(strategy, by_loop, by_loop.optimizer, x, y, 9)
+    assert int(by_loop.optimizer.iterations) == 0
+    assert all(len(cache) == 0 for cache in by_loop.optimizer.caches())   # Adam's scalars: dropped
+    for a, b in zip(start, by_loop.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    custom_loop(strategy, by_loop, by_loop.optimizer, x, y, 9)
+    by_fit.fit(x, y, batch_size=9, epochs=1, shuffle=False, verbose=0)
+    assert int(by_loop.optimizer.iterations) == 1
+    for a, b in zip(by_fit.get_weights(), by_loop.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -52,7 +52,10 @@ _PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it l
 
 def pack_of(variable):
     """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
-    return _PACK_OF.get(variable)
+    try:
+        return _PACK_OF.get(variable)
+    except TypeError:                           # not a variable at all (no weak reference to it)
+        return None
 
 
 class ParameterPack:
@@ -206,6 +209,11 @@ class ReplicaProgram:
 
     def zero_metrics(self):
         self.ops.fill(self.acc, 0.0)
+
+    def caches(self):
+        """The dicts of buffers made on first use (inputs, loss, every layer's): a step that
+        fails drops what it added (``keras/step.py``'s ``no_trace``)."""
+        return [self._inputs, self._loss_buffers] + [s._buffers for s in self.states]
 
     def loss_buffers(self, b):
         buf = self._loss_buffers.get(b)
