@@ -182,10 +182,10 @@ def to_tensor_on(value, dev):
     if isinstance(value, Variable):
         value = value.value()
     if isinstance(value, Tensor):
-        if value._device is dev:
+        if value.dev is dev:
             return value
         with dev.activate():
-            return Tensor(dev.copy_from(value._buf, value._device), dev)
+            return Tensor(dev.copy_from(value.buf, value.dev), dev)
     if isinstance(value, DistributedValues):
         raise TypeError(f"expected this replica's own value, got a {type(value).__name__}; "
                         f"pass PerReplica values as arguments of strategy.run instead.")

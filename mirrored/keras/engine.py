@@ -86,9 +86,9 @@ class ParameterPack:
                 for var, off, size, shape in zip(self.variables, self.offsets, self.sizes, self.shapes):
                     comp = components(var)[r]
                     view = flat[off:off + size]
-                    dev.copy_into(view, comp._tensor._buf)
-                    comp._tensor = Tensor(view.reshape(shape), dev)   # the variable now lives here
-                    pviews.append(comp._tensor._buf)
+                    dev.copy_into(view, comp.value().buf)
+                    comp.use_storage(Tensor(view.reshape(shape), dev))   # the variable now lives here
+                    pviews.append(comp.value().buf)
                     gviews.append(grad[off:off + size].reshape(shape))
             self.params.append(flat)
             self.grads.append(grad)
@@ -116,7 +116,7 @@ class ParameterPack:
             if len(comps) != len(self.devices):
                 return False
             for r, t in enumerate(comps):
-                if not isinstance(t, Tensor) or t._buf is not self.grad_views[r][k]:
+                if not isinstance(t, Tensor) or t.buf is not self.grad_views[r][k]:
                     return False
         return True
 

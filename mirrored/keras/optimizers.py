@@ -242,9 +242,9 @@ class Optimizer:
         self.begin_step(_devices_of(variables))
         for k, v in enumerate(variables):
             for r, c in enumerate(_copies(v)):
-                dev = c._tensor._device
+                dev = c.value().dev
                 with dev.activate():
-                    self._update(dev, c._tensor._buf, _on_device(reduced[k][r], dev), ("var", id(c)))
+                    self._update(dev, c.value().buf, _on_device(reduced[k][r], dev), ("var", id(c)))
         return self.iterations
 
     def get_config(self):
@@ -331,7 +331,7 @@ def _devices_of(variables):
     seen = {}
     for v in variables:
         for c in _copies(v):
-            seen.setdefault(c._tensor._device.name, c._tensor._device)
+            seen.setdefault(c.value().dev.name, c.value().dev)
     return list(seen.values())
 
 
@@ -339,7 +339,7 @@ def _on_device(g, dev):
     """The raw float32 buffer of gradient ``g`` on ``dev`` (copied there if need be)."""
     if not isinstance(g, (Tensor, Variable)):
         g = np.asarray(g, np.float32)
-    return to_tensor_on(g, dev)._buf
+    return to_tensor_on(g, dev).buf
 
 
 class SGD(Optimizer):
