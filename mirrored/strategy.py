@@ -92,6 +92,12 @@ class ReplicaContext:
         return self._strategy
 
     @property
+    def local_replica_id(self):
+        """This replica's index among this worker's devices, a Python int (which copy of a
+        MirroredVariable, which replica program it uses); not a TensorFlow name."""
+        return self._replica_id
+
+    @property
     def replica_id_in_sync_group(self):
         """This replica's index among ALL replicas (every worker's) as an int32 scalar
         Tensor on its device; on one machine, its index among the devices."""

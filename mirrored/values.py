@@ -278,7 +278,7 @@ class MirroredVariable(Variable, Mirrored):
         """The copy this thread should see: its replica's inside run, else the first."""
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
-            return self._values[replica_ctx._replica_id]
+            return self._values[replica_ctx.local_replica_id]
         return self._values[0]
 
     name = property(lambda self: self._values[0].name)

@@ -562,7 +562,7 @@ class Sequential:
         """
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
-            return self._call(inputs, training, replica_ctx._replica_id)
+            return self._call(inputs, training, replica_ctx.local_replica_id)
         with self._lock:
             return self._call(inputs, training, 0)
 
