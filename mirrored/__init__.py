@@ -5,17 +5,18 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step in six files (lines at this writing; 2,400 in all)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,872 in all)::
 
-    1. keras/models.py      484  Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
-    2. keras/step.py        253  Step.train: the whole step in four visible calls --
-                                   split -> forward_backward -> all_reduce -> update
-    3. keras/engine.py      307  ReplicaProgram: one replica's layers forward, the loss,
+    1. keras/models.py      646  Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
+    2. keras/step.py        310  Step.train: the whole step in four visible calls --
+                                   split -> forward_backward -> all_reduce -> update;
+                                 a custom loop's ``apply_gradients`` runs the same steps 3-4
+    3. keras/engine.py      348  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
-    4. keras/layers.py      629  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
+    4. keras/layers.py      718  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
                                  own forward and backward, through ``dev.ops``
-    5. ring.py              425  RingAllReduce: the ring that sums the packed gradients (step 3)
-    6. keras/optimizers.py  302  Adam/SGD ``update``: one launch per device (step 4)
+    5. ring.py              451  RingAllReduce: the ring that sums the packed gradients (step 3)
+    6. keras/optimizers.py  399  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/data_adapters.py (the global batch as host arrays), input_lib.py
    (``rebatch_bounds``: TensorFlow's rule for the split, step 1), backends.py (``dev.ops``:

@@ -63,7 +63,7 @@ def _device_of(component, what):
                         f"can be reduced across replicas.")
     if component.dtype.kind not in "fiu":
         raise TypeError(f"{what}: cannot reduce tensors of dtype {component.dtype}; only numbers add up.")
-    return component._device
+    return component.dev
 
 
 def check_distinct(devices, what, why="each replica needs its own device"):
@@ -114,6 +114,11 @@ class CrossDeviceOps:
     def _sum_in_place(self, buffers, devices):
         """Make every ``buffers[i]`` (flat, on ``devices[i]``) the elementwise sum of all."""
         raise NotImplementedError
+
+    def caches(self):
+        """The dicts of buffers this object makes on first use (none here): a training step
+        that fails drops what it added (``keras/step.py``'s ``no_trace``)."""
+        return []
 
     # -- public API (TensorFlow's)
     def reduce(self, reduce_op, per_replica_value, destinations=None, options=None):
@@ -199,7 +204,7 @@ class CrossDeviceOps:
                     off = 0
                     for k, size in zip(ks, sizes):
                         if size:
-                            dev.copy_into(flat[off:off + size], values[k][r]._buf)
+                            dev.copy_into(flat[off:off + size], values[k][r].buf)
                         off += size
                     fused.append(flat)
             if reduce_op == ReduceOp.MEAN and np.dtype(dtype).kind in "iu":
@@ -227,15 +232,15 @@ class CrossDeviceOps:
         return out
 
     def _to_destinations(self, components, destinations):
-        src_devices = [c._device for c in components]
+        src_devices = [c.dev for c in components]
         dst_devices = _destination_devices(destinations, src_devices)
         out = []
         for dst in dst_devices:
-            match = next((c for c in components if c._device is dst), None)
+            match = next((c for c in components if c.dev is dst), None)
             if match is None:
                 src = components[0]
                 with dst.activate():
-                    match = Tensor(dst.copy_from(src._buf, src._device), dst)
+                    match = Tensor(dst.copy_from(src.buf, src.dev), dst)
             out.append(match)
         return Mirrored(out)
 

@@ -210,6 +210,11 @@ class ResidentRows:
                                     for a, size in zip(host, self.row_sizes)])   # (n, row size) per leaf
         self._idx = {}                                      # (replica, b) -> (b,) int64 on its device
 
+    def caches(self):
+        """The row-number buffers, made on first use: a training step that fails drops
+        what it added (``keras/step.py``'s ``no_trace``)."""
+        return [self._idx]
+
     def gather(self, r, idx, targets):
         """Rows ``idx`` (host int64, (b,)) of each leaf k into its ``out`` on device r,
         for ``(k, out)`` in ``targets`` (out: (b, row size of k)). The b row numbers go

@@ -190,6 +190,10 @@ class RingAllReduce(CrossDeviceOps):
         self._scratch = {}     # (device name, size, dtype) -> staging buffer (staged path only)
         self._buffer_index = 0
 
+    def caches(self):
+        """The staging buffers, made on first use (``CrossDeviceOps.caches``)."""
+        return [self._scratch]
+
     # -- the schedule, as plain functions (the trace, the tests and the lab use them)
     @staticmethod
     def chunk_bounds(size, n):

@@ -92,6 +92,12 @@ class ReplicaContext:
         return self._strategy
 
     @property
+    def local_replica_id(self):
+        """This replica's index among this worker's devices, a Python int (which copy of a
+        MirroredVariable, which replica program it uses); not a TensorFlow name."""
+        return self._replica_id
+
+    @property
     def replica_id_in_sync_group(self):
         """This replica's index among ALL replicas (every worker's) as an int32 scalar
         Tensor on its device; on one machine, its index among the devices."""
@@ -182,10 +188,10 @@ def to_tensor_on(value, dev):
     if isinstance(value, Variable):
         value = value.value()
     if isinstance(value, Tensor):
-        if value._device is dev:
+        if value.dev is dev:
             return value
         with dev.activate():
-            return Tensor(dev.copy_from(value._buf, value._device), dev)
+            return Tensor(dev.copy_from(value.buf, value.dev), dev)
     if isinstance(value, DistributedValues):
         raise TypeError(f"expected this replica's own value, got a {type(value).__name__}; "
                         f"pass PerReplica values as arguments of strategy.run instead.")

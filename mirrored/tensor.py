@@ -81,6 +81,23 @@ class Tensor:
     def ndim(self):
         return len(self._buf.shape)
 
+    # -- what the library's own code reads (not TensorFlow's API)
+    @property
+    def buf(self):
+        """The raw array the kernels take: np.ndarray on a CPU device, a Numba device array
+        on a GPU."""
+        return self._buf
+
+    @property
+    def dev(self):
+        """The ``mirrored.devices.Device`` holding it (``device`` is its name, as TensorFlow's)."""
+        return self._device
+
+    @property
+    def node(self):
+        """How it was computed, for ``GradientTape`` (``keras/tape.py``), or None."""
+        return self._node
+
     def numpy(self):
         """A NumPy copy on the host (a NumPy scalar for shape ``()``, as TF)."""
         host = self._device.to_numpy(self._buf)

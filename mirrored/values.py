@@ -130,7 +130,7 @@ def _to_device_buffer(value, dtype, device):
         if dtype is not None and as_dtype(dtype) != value.dtype:
             raise ValueError(f"initial value has dtype {value.dtype}, the variable's is {as_dtype(dtype)}.")
         with device.activate():
-            return device.copy_from(value._buf, value._device)
+            return device.copy_from(value.buf, value.dev)
     return device.from_numpy(infer_host_array(value, dtype))
 
 
@@ -182,11 +182,21 @@ class Variable:
         """The live Tensor (shares memory with the variable)."""
         return self._tensor
 
+    def use_storage(self, tensor):
+        """Hold the value in ``tensor`` from now on (same shape, dtype and device; its
+        current contents become the value). ``keras/engine.py``'s ``ParameterPack`` puts
+        every weight of a model into a view of one flat buffer per device this way."""
+        t = self._tensor
+        if tensor.shape != t.shape or tensor.dtype != t.dtype or tensor.dev is not t.dev:
+            raise ValueError(f"variable {self.name} ({t.shape} {t.dtype} on {t.device}) cannot use "
+                             f"a tensor of {tensor.shape} {tensor.dtype} on {tensor.device} as its storage.")
+        self._tensor = tensor
+
     def read_value(self):
         """A copy of the current value, as a Tensor on the variable's device."""
         t = self._tensor
-        with t._device.activate():
-            return Tensor(t._device.copy_from(t._buf, t._device), t._device)
+        with t.dev.activate():
+            return Tensor(t.dev.copy_from(t.buf, t.dev), t.dev)
 
     def numpy(self):
         return self._tensor.numpy()
@@ -203,7 +213,7 @@ class Variable:
     # -- updates, in place on the variable's own buffer
     def _new_buffer(self, value):
         t = self._tensor
-        buf = _to_device_buffer(value, t.dtype, t._device)
+        buf = _to_device_buffer(value, t.dtype, t.dev)
         if tuple(buf.shape) != t.shape:
             raise ValueError(f"cannot assign a value of shape {tuple(buf.shape)} to variable "
                              f"{self.name} of shape {t.shape}.")
@@ -212,15 +222,15 @@ class Variable:
     def assign(self, value, use_locking=False, name=None, read_value=True):
         buf = self._new_buffer(value)
         t = self._tensor
-        with t._device.activate():
-            t._device.copy_into(t._buf, buf)
+        with t.dev.activate():
+            t.dev.copy_into(t.buf, buf)
         return self
 
     def _update(self, op, delta):
         buf = self._new_buffer(delta)
         t = self._tensor
-        with t._device.activate():
-            t._device.ops.binary(op, t._buf, buf, t._buf)   # elementwise: in place is safe
+        with t.dev.activate():
+            t.dev.ops.binary(op, t.buf, buf, t.buf)   # elementwise: in place is safe
         return self
 
     def assign_add(self, delta, use_locking=False, name=None, read_value=True):
@@ -268,7 +278,7 @@ class MirroredVariable(Variable, Mirrored):
         """The copy this thread should see: its replica's inside run, else the first."""
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
-            return self._values[replica_ctx._replica_id]
+            return self._values[replica_ctx.local_replica_id]
         return self._values[0]
 
     name = property(lambda self: self._values[0].name)

@@ -332,6 +332,10 @@ class ResidentLoader:
         self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
 
+    def caches(self):
+        """The buffers made on first use, here and in the resident rows (``Step.no_trace``)."""
+        return [self._scratch] + self.resident.caches()
+
     def load(self, p, idx):
         """Replica program ``p``'s rows ``idx`` (b,) into its input buffers: (x_dev, y_dev)."""
         x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)   # (b, in) float32, (b,) labels

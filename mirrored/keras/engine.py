@@ -52,7 +52,10 @@ _PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it l
 
 def pack_of(variable):
     """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
-    return _PACK_OF.get(variable)
+    try:
+        return _PACK_OF.get(variable)
+    except TypeError:                           # not a variable at all (no weak reference to it)
+        return None
 
 
 class ParameterPack:
@@ -83,9 +86,9 @@ class ParameterPack:
                 for var, off, size, shape in zip(self.variables, self.offsets, self.sizes, self.shapes):
                     comp = components(var)[r]
                     view = flat[off:off + size]
-                    dev.copy_into(view, comp._tensor._buf)
-                    comp._tensor = Tensor(view.reshape(shape), dev)   # the variable now lives here
-                    pviews.append(comp._tensor._buf)
+                    dev.copy_into(view, comp.value().buf)
+                    comp.use_storage(Tensor(view.reshape(shape), dev))   # the variable now lives here
+                    pviews.append(comp.value().buf)
                     gviews.append(grad[off:off + size].reshape(shape))
             self.params.append(flat)
             self.grads.append(grad)
@@ -113,7 +116,7 @@ class ParameterPack:
             if len(comps) != len(self.devices):
                 return False
             for r, t in enumerate(comps):
-                if not isinstance(t, Tensor) or t._buf is not self.grad_views[r][k]:
+                if not isinstance(t, Tensor) or t.buf is not self.grad_views[r][k]:
                     return False
         return True
 
@@ -206,6 +209,11 @@ class ReplicaProgram:
 
     def zero_metrics(self):
         self.ops.fill(self.acc, 0.0)
+
+    def caches(self):
+        """The dicts of buffers made on first use (inputs, loss, every layer's): a step that
+        fails drops what it added (``keras/step.py``'s ``no_trace``)."""
+        return [self._inputs, self._loss_buffers] + [s._buffers for s in self.states]
 
     def loss_buffers(self, b):
         buf = self._loss_buffers.get(b)

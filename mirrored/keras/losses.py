@@ -68,7 +68,7 @@ class SparseCategoricalCrossentropy:
     def __call__(self, y_true, y_pred, sample_weight=None):
         if sample_weight is not None:
             raise NotImplementedError("sample_weight is not implemented for this loss.")
-        if not isinstance(y_pred, Tensor) or y_pred._node is None:
+        if not isinstance(y_pred, Tensor) or y_pred.node is None:
             raise TypeError("SparseCategoricalCrossentropy here is computed from a mirrored.keras "
                             "model's output: call it as loss(labels, model(images, training=True)).")
         return loss_from_model_output(self, y_true, y_pred, kernel_mode)
@@ -90,7 +90,7 @@ class _TargetLoss:
     def __call__(self, y_true, y_pred, sample_weight=None):
         if sample_weight is not None:
             raise NotImplementedError(f"sample_weight is not implemented for {type(self).__name__}.")
-        if not isinstance(y_pred, Tensor) or y_pred._node is None:
+        if not isinstance(y_pred, Tensor) or y_pred.node is None:
             raise TypeError(f"{type(self).__name__} here is computed from a mirrored.keras model's "
                             f"output: call it as loss(targets, model(x, training=True)).")
         return loss_from_model_output(self, y_true, y_pred, kernel_mode)

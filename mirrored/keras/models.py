@@ -149,7 +149,7 @@ class Sequential:
         if not self.trainable_variables:
             raise ValueError("a Sequential model here needs at least one layer with weights (a Dense layer).")
         self._output_shape = shape
-        devices = [c._tensor._device for c in components(self.trainable_variables[0])]
+        devices = [c.value().dev for c in components(self.trainable_variables[0])]
         self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
         self.built = True
 
@@ -562,7 +562,7 @@ class Sequential:
         """
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
-            return self._call(inputs, training, replica_ctx._replica_id)
+            return self._call(inputs, training, replica_ctx.local_replica_id)
         with self._lock:
             return self._call(inputs, training, 0)
 
@@ -579,7 +579,7 @@ class Sequential:
                 if inputs.dtype != np.float32:
                     raise TypeError(f"the model takes float32 inputs, got {inputs.dtype}; "
                                     f"use mirrored.cast(x, mirrored.float32).")
-                buf = inputs._buf if inputs._device is dev else dev.copy_from(inputs._buf, inputs._device)
+                buf = inputs.buf if inputs.dev is dev else dev.copy_from(inputs.buf, inputs.dev)
                 x = buf.reshape(shape[0], features)
             else:
                 x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], features))

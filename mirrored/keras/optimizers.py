@@ -12,12 +12,13 @@ replayed (``mirrored/graphs.py``): each replay updates with the alpha that the
 host part of its step wrote.
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
-(``keras/step.py``) calls ``engine.all_reduce`` and then ``update``;
+(``keras/step.py``) calls ``begin_step``, the all-reduce and then ``update``;
 ``apply_gradients(zip(grads, variables))`` called inside ``strategy.run`` is a
-*merge point* where the replicas meet and the same two calls are made (when the
-gradients are a model's packed gradient buffers, as ``GradientTape`` returns
-them: one ring over one buffer, one launch per device), so every copy of every
-variable gets the same update and the copies stay bitwise equal.
+*merge point* where the replicas meet and, when the gradients are a model's packed
+gradient buffers (as ``GradientTape`` returns them), hands them to that same step
+(``Step.apply_gradients``): one ring over one buffer, one launch per device. So every
+copy of every variable gets the same update, the copies stay bitwise equal, and a
+custom loop's weights are fit's, bit for bit.
 
 Slots are created on first use on the devices of the variables they serve, so
 an optimizer created outside ``strategy.scope()`` (as the course lab does,
@@ -30,7 +31,7 @@ import numpy as np
 
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context
-from mirrored.keras.engine import all_reduce, pack_of
+from mirrored.keras.step import step_of
 from mirrored.strategy import to_tensor_on
 from mirrored.tensor import Tensor
 from mirrored.values import DistributedValues, Variable, components
@@ -44,6 +45,10 @@ class _Iterations:
 
     def numpy(self):
         return np.int64(self._opt._step)
+
+    def assign(self, value):
+        """Set the count (Keras's ``optimizer.iterations.assign(n)``; Adam's next step is n + 1)."""
+        self._opt._step = int(value)
 
     def __int__(self):
         return self._opt._step
@@ -179,6 +184,11 @@ class Optimizer:
                     buf = self._hyper[dev.name] = dev.empty(host.shape, host.dtype)
             dev.upload_into(buf, host)
 
+    def caches(self):
+        """The dicts of buffers made on first use (slots, hyper-parameter vectors): a step
+        that fails drops what it added (``Step.no_trace``)."""
+        return [self._slots, self._hyper]
+
     def update(self, pack, around=None):
         """Step 4 of a training step: one update launch per device, each copy of the
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
@@ -197,42 +207,44 @@ class Optimizer:
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        """Update the variables with their gradients. Inside ``strategy.run`` with several
+        replicas this is a merge point: every replica arrives with its own gradients, and
+        the last to arrive sums them and updates every copy, once (``_apply``)."""
         pairs = [(g, v) for g, v in grads_and_vars]
         for g, v in pairs:
             if g is None:
                 raise ValueError(f"no gradient for variable {v.name}: it did not take part in the loss.")
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is not None and strategy.num_replicas_in_sync > 1:
-            return replica_ctx.merge_call(self._distributed_apply, args=(pairs,))
-        self.begin_step(_devices_of(v for _, v in pairs))
-        for g, v in pairs:
-            for c in _copies(v):
-                dev = c._tensor._device
-                gbuf = _on_device(g, dev)
-                with dev.activate():
-                    self._update(dev, c._tensor._buf, gbuf, ("var", id(c)))
-        return self.iterations
+            return replica_ctx.merge_call(self._apply, args=(pairs,))
+        return self._apply(None, pairs)
 
-    def _distributed_apply(self, strategy, pairs):
-        """The merge point of ``apply_gradients``: all-reduce, then update every copy."""
+    def _apply(self, strategy, pairs):
+        """Sum the replicas' gradients and update every copy of every variable.
+
+        A model's packed gradients (``tape.gradient(loss, model.trainable_variables)``) go
+        through the model's training step, the code ``fit`` runs (``Step.apply_gradients``:
+        one ring over one buffer, one update launch per device). Other variables are summed
+        one by one (``strategy``: the replicas' gradients, PerReplica values) and updated
+        one launch per copy."""
         grads = [g for g, _ in pairs]
         variables = [v for _, v in pairs]
-        cross_ops = strategy.extended.cross_device_ops
-        pack = pack_of(variables[0]) if variables else None
-        if pack is not None and pack.matches(variables, grads):
-            self.begin_step(pack.devices)
-            all_reduce(pack, cross_ops)             # the same two calls as fit's step
-            self.update(pack)
+        step = step_of(variables, grads)
+        if step is not None:
+            step.apply_gradients(self)
             return self.iterations
-        comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * len(strategy.extended.devices)
-                 for g in grads]
-        reduced = cross_ops.all_reduce_components("SUM", comps)
+        if strategy is not None:
+            comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * len(strategy.extended.devices)
+                     for g in grads]
+            reduced = strategy.extended.cross_device_ops.all_reduce_components("SUM", comps)
+        else:
+            reduced = [[g] * len(_copies(v)) for g, v in pairs]
         self.begin_step(_devices_of(variables))
         for k, v in enumerate(variables):
             for r, c in enumerate(_copies(v)):
-                dev = c._tensor._device
+                dev = c.value().dev
                 with dev.activate():
-                    self._update(dev, c._tensor._buf, _on_device(reduced[k][r], dev), ("var", id(c)))
+                    self._update(dev, c.value().buf, _on_device(reduced[k][r], dev), ("var", id(c)))
         return self.iterations
 
     def get_config(self):
@@ -319,7 +331,7 @@ def _devices_of(variables):
     seen = {}
     for v in variables:
         for c in _copies(v):
-            seen.setdefault(c._tensor._device.name, c._tensor._device)
+            seen.setdefault(c.value().dev.name, c.value().dev)
     return list(seen.values())
 
 
@@ -327,7 +339,7 @@ def _on_device(g, dev):
     """The raw float32 buffer of gradient ``g`` on ``dev`` (copied there if need be)."""
     if not isinstance(g, (Tensor, Variable)):
         g = np.asarray(g, np.float32)
-    return to_tensor_on(g, dev)._buf
+    return to_tensor_on(g, dev).buf
 
 
 class SGD(Optimizer):

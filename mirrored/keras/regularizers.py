@@ -62,12 +62,12 @@ class L2(Regularizer):
             if pack is not None:
                 k = pack.index_of(var)
                 r = next(i for i, c in enumerate(components(pack.variables[k])) if c.value() is x)
-                out = self._value(x._device, x._buf)
-                return Tensor(out.reshape(()), x._device, penalty_node(self, pack, k, r))
+                out = self._value(x.dev, x.buf)
+                return Tensor(out.reshape(()), x.dev, penalty_node(self, pack, k, r))
         if not isinstance(x, Tensor):
             arr = np.asarray(x, np.float32)
             return constant(np.float32(self.l2 * np.sum(arr * arr)))
-        return Tensor(self._value(x._device, x._buf).reshape(()), x._device)
+        return Tensor(self._value(x.dev, x.buf).reshape(()), x.dev)
 
     def _value(self, dev, w):
         """A new (1,) float32 buffer on ``dev``: l2 * sum(w ** 2)."""

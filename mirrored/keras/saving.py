@@ -421,19 +421,19 @@ def register_model_class(cls):
 def model_config(model):
     """What Keras 3 writes to a .keras archive's config.json for a Sequential."""
     layers = [_ser("keras.layers", "InputLayer",
-                   {"batch_shape": [None] + list(model._input_shape), "dtype": "float32", "sparse": False,
+                   {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
                     "name": "input_layer"})]
     layers += [_ser("keras.layers", type(l).__name__, L.layer_config(l)) for l in model.layers]
     config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
                                           "layers": layers})
-    config["build_config"] = {"input_shape": [None] + list(model._input_shape)}
+    config["build_config"] = {"input_shape": list(model.input_shape)}
     if model.optimizer is not None:
         loss = model.loss
         config["compile_config"] = {
             "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
             "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
                 {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
-            "loss_weights": None, "metrics": list(model._metric_names), "weighted_metrics": None,
+            "loss_weights": None, "metrics": model.metrics_names[1:], "weighted_metrics": None,
             "run_eagerly": model.run_eagerly, "steps_per_execution": 1, "jit_compile": False}
     else:
         config["compile_config"] = None

@@ -21,20 +21,27 @@ trace (``Step.no_trace``: the step count and the memory as before it). Nothing h
 ``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
 wrap it from outside and launch exactly the same kernels.
 
-One host thread drives the replicas in turn (``copy_in`` says why); a custom loop's
-``strategy.run`` gives each replica its own thread instead, and meets the same
-``all_reduce`` and ``update`` in ``optimizer.apply_gradients``.
+A custom training loop runs this same step. ``model(x, training=True)`` and
+``tape.gradient`` run step 2 on the replica's own ``ReplicaProgram`` (its ``forward``,
+``loss`` and ``backward``, the very methods ``forward_backward`` calls), and
+``optimizer.apply_gradients`` calls ``Step.apply_gradients``: the optimizer's scalars, then
+``reduce_and_update`` (steps 3-4, the method ``device_part`` calls), inside ``no_trace``.
+So fit and the custom loop give bitwise-equal weights (``tests/test_one_step.py``).
+The one difference is who drives the replicas: here one host thread drives them in turn
+(``copy_in`` says why); ``strategy.run`` gives each replica its own thread, and they meet
+at ``apply_gradients``'s merge point, where the last to arrive runs steps 3-4 once.
 
 Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
 ``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
 """
 import contextlib
+import weakref
 
 import numpy as np
 
 from mirrored.input_lib import local_bounds, rebatch_bounds
 from mirrored.keras.data_adapters import ResidentBatch
-from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
+from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce, pack_of
 from mirrored.keras.losses import kernel_mode
 
 #: The phases of one training step, in the order they happen (``mirrored.lab.timing``
@@ -44,6 +51,18 @@ FORWARD_BACKWARD = "forward+backward"  # the layers, the loss, the gradients
 ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)
 OPTIMIZER = "optimizer"                # one update launch per device
 STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
+
+_STEPS = weakref.WeakKeyDictionary()      # ParameterPack -> weak reference to the Step that made it
+
+
+def step_of(variables, grads):
+    """The ``Step`` whose packed gradient buffers ``grads`` are, for exactly its trainable
+    ``variables`` (what ``tape.gradient(loss, model.trainable_variables)`` returns), or None
+    (other variables, or gradients computed some other way)."""
+    pack = pack_of(variables[0]) if variables else None
+    ref = _STEPS.get(pack) if pack is not None else None
+    step = ref() if ref is not None else None
+    return step if step is not None and pack.matches(variables, grads) else None
 
 
 class Step:
@@ -57,6 +76,7 @@ class Step:
     def __init__(self, model, devices, cross_device_ops):
         self.model = model
         self.pack = ParameterPack(model.trainable_variables, devices)
+        _STEPS[self.pack] = weakref.ref(self)                          # for step_of
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
         offset = model.distribute_strategy.extended.replica_offset      # 0 on one machine
@@ -91,11 +111,24 @@ class Step:
         """Steps 2-4: kernel launches only (what a CUDA graph can capture)."""
         for program, (x, y) in zip(self.programs, inputs):
             self.forward_backward(program, x, y, mode, scale)  # 2. forward, loss, backward per replica
+        self.reduce_and_update(self.model.optimizer)           # 3-4. below
+
+    def reduce_and_update(self, optimizer):
+        """Steps 3 and 4, for ``fit`` and for a custom loop's ``apply_gradients`` alike."""
         self.all_reduce()                                      # 3. SUM of the packed gradients
-        self.update()                                          # 4. the same update on every copy
+        self.update(optimizer)                                 # 4. the same update on every copy
+
+    def apply_gradients(self, optimizer):
+        """A custom training loop's ``optimizer.apply_gradients``, once every replica's
+        ``tape.gradient`` has written its packed gradient buffer (step 2): this step's
+        scalars, then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace
+        (the optimizer's step count and slots, the ring's scratch: as before)."""
+        with self.no_trace(optimizer):
+            optimizer.begin_step(self.devices)
+            self.reduce_and_update(optimizer)
 
     @contextlib.contextmanager
-    def no_trace(self):
+    def no_trace(self, optimizer=None):
         """A step that raises inside this block leaves no trace: the optimizer's step count
         goes back, and every buffer made during the block is dropped again (the replicas'
         input, layer and loss buffers, the optimizer's new slots, the devices' and the
@@ -106,18 +139,19 @@ class Step:
         the update is the step's last phase. What it cannot undo: the running loss and
         accuracy of the epoch (``fit`` and ``evaluate`` start them from zero again).
 
-        A model that was never compiled has no optimizer: ``predict`` and ``model(x)`` run
-        on it (as in Keras), and only the buffers are put back.
+        ``optimizer``: the one the step updates with (default: the model's). A model that
+        was never compiled has no optimizer: ``predict`` and ``model(x)`` run on it (as in
+        Keras), and only the buffers are put back.
         """
-        opt = self.model.optimizer
-        step_count = opt._step if opt is not None else None
-        caches = self._caches()
+        opt = optimizer if optimizer is not None else self.model.optimizer
+        step_count = int(opt.iterations) if opt is not None else None
+        caches = self._caches(opt)
         sizes = [len(c) for c in caches]                       # caches only grow: new keys come last
         try:
             yield
         except BaseException:
             if opt is not None:
-                opt._step = step_count
+                opt.iterations.assign(step_count)
             for cache, n in zip(caches, sizes):
                 for key in list(cache)[n:]:
                     del cache[key]
@@ -126,19 +160,16 @@ class Step:
                 program.last_b = 0
             raise
 
-    def _caches(self):
-        """Every dict of buffers made on first use that a step can add to."""
-        opt = self.model.optimizer
-        caches = [opt._slots, opt._hyper] if opt is not None else []
+    def _caches(self, opt):
+        """Every dict of buffers made on first use that a step can add to (each owner's
+        ``caches()``; a device's scratch is ``devices.py``'s)."""
+        caches = opt.caches() if opt is not None else []
         for program in self.programs:
-            caches += [program._inputs, program._loss_buffers] + [s._buffers for s in program.states]
+            caches += program.caches()
         caches += [dev._scratch for dev in self.devices]
-        ring_scratch = getattr(self.cross_device_ops, "_scratch", None)
-        if isinstance(ring_scratch, dict):
-            caches.append(ring_scratch)
-        loader = self.resident_loader
-        if loader is not None:
-            caches += [loader._scratch, loader.resident._idx]
+        caches += self.cross_device_ops.caches()
+        if self.resident_loader is not None:
+            caches += self.resident_loader.caches()
         return caches
 
     # -- the four steps ------------------------------------------------------------------
@@ -192,8 +223,8 @@ class Step:
     def all_reduce(self):
         all_reduce(self.pack, self.cross_device_ops)
 
-    def update(self):
-        self.model.optimizer.update(self.pack)
+    def update(self, optimizer):
+        optimizer.update(self.pack)
 
     def loss_mode(self):
         """Which fused loss kernel the model's output takes (``losses.kernel_mode``)."""

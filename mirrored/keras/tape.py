@@ -83,10 +83,10 @@ def penalty_node(regularizer, pack, k, r):
 
 def _labels_on(dev, y_true):
     if isinstance(y_true, Tensor):
-        if y_true._device is not dev:
+        if y_true.dev is not dev:
             raise ValueError(f"labels are on {y_true.device} but the predictions on {dev.name}: "
                              f"use the labels of the same replica (inside strategy.run).")
-        labels = y_true._buf
+        labels = y_true.buf
         if np.dtype(labels.dtype).kind not in "iu":
             with dev.activate():
                 out = dev.empty(labels.shape, np.int32)
@@ -102,7 +102,7 @@ def _labels_on(dev, y_true):
 def _targets_on(dev, y_true, b, cols):
     """Float targets of the output's shape (b, cols) on ``dev`` (MSE, BCE)."""
     if isinstance(y_true, Tensor):
-        if y_true._device is not dev:
+        if y_true.dev is not dev:
             raise ValueError(f"targets are on {y_true.device} but the predictions on {dev.name}: "
                              f"use the targets of the same replica (inside strategy.run).")
         y_true = y_true.numpy()
@@ -118,7 +118,7 @@ def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
     """Forward of one of our losses on a model output; keeps a node for the tape.
     ``kernel_mode``: ``losses.kernel_mode``, which fused loss kernel the loss takes (the loss
     passes it in: ``losses.py`` calls this module, not the other way round)."""
-    node = y_pred._node
+    node = y_pred.node
     if not isinstance(node, ModelOutput):
         raise TypeError("the loss must be computed on a model's output: loss(labels, model(x)).")
     program = node.program
@@ -149,12 +149,12 @@ def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
 
 def _scaled_sum(per_example, scale):
     """scale * sum(per_example) as a scalar Tensor that remembers how it was made."""
-    dev = per_example._device
+    dev = per_example.dev
     with dev.activate():
         total = dev.empty((1,), np.float32)
-        dev.ops.sum_all(per_example._buf, total)
+        dev.ops.sum_all(per_example.buf, total)
         dev.ops.binary_scalar("mul", total, scale, total)
-    node = per_example._node
+    node = per_example.node
     node = node.summed().scaled(scale) if node is not None else None
     return Tensor(total.reshape(()), dev, node)
 

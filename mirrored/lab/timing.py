@@ -243,11 +243,10 @@ class TimedStep(Step):
         with self.timer.collective(ALL_REDUCE, self.devices):
             super().all_reduce()
 
-    def update(self):
+    def update(self, optimizer):
         # Each replica's own launch, timed on its own clock (not the whole loop over the
         # devices on every replica's row): on CPU devices they run one after the other.
-        self.model.optimizer.update(self.pack,
-                                    around=lambda r, dev: self.timer.phase(OPTIMIZER, r, dev))
+        optimizer.update(self.pack, around=lambda r, dev: self.timer.phase(OPTIMIZER, r, dev))
 
 
 def timed_train_step(model, x, y, timer):
