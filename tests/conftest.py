@@ -39,6 +39,46 @@ def pytest_configure(config):
     # Added here, not in pytest.ini: naming a numba warning class there would make
     # pytest import numba before this file has chosen the simulator.
     config.addinivalue_line("filterwarnings", "ignore::numba.core.errors.NumbaPerformanceWarning")
+    if SIMULATOR:
+        _one_shared_array_per_block()
+
+
+def _one_shared_array_per_block():
+    """Make the simulator's ``cuda.shared.array`` hand every thread of a block the same array.
+
+    numba-cuda's simulator (0.30.4, ``FakeCUDAShared.array``) looks the block's array up in
+    a dict and, when it is missing, makes it and stores it, with no lock; each simulated
+    thread is a Python thread. When Python switches threads between the look-up and the
+    store (the tests that set the switch interval to 1 µs make that likely), two threads
+    of one block get separate arrays and a reduction silently loses a thread's part: two
+    identical models fitted one after the other in ONE thread then differed (loss 2.4086
+    vs 2.3594, 1 run in 6; session 7). Real GPUs have no such race. Here the look-up and
+    the store happen under one lock, keyed as the simulator keys them (the calling line).
+    """
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    original = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:      # dynamic shared memory; an error
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[-1])[0:2]
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
 
 
 #: Lines a test adds (``request.config.stash[SUMMARY_KEY]``) for the end of the run:

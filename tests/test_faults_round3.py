@@ -132,8 +132,9 @@ def test_two_threads_fitting_one_model_take_turns(strategy, rng, request):
     (the second thread's batch overwrote the first's mid-step). Serialised, the result is
     two fits one after the other, whichever came first: the same as a model fit twice,
     loss for loss."""
-    if not on_gpus(strategy):       # the simulator switches threads inside each kernel already
-        request.getfixturevalue("busy_switching")
+    # On simulated GPUs too (conftest makes the simulator's shared arrays thread-safe: with
+    # a 1 µs switch interval they were not, and this test once failed there for that reason)
+    request.getfixturevalue("busy_switching")
     x, y = labelled(rng, n=10, features=4)                             # 10: a last batch of 2
     model = small_model(strategy, features=4, optimizer="sgd")
     twin = small_model(strategy, features=4, optimizer="sgd")
