@@ -121,3 +121,97 @@ def test_central_storage_strategy_trains_as_the_guide_builds_it(two_cpus):
     w1, b1 = wd - 0.01 * 2 * xd.T @ err / 5, bd - 0.01 * 2 * err.sum(axis=0) / 5
     np.testing.assert_allclose(model.get_weights()[0], w1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(model.get_weights()[1], b1, rtol=1e-5, atol=1e-6)
+
+
+def _crc32c_bitwise(data):
+    """CRC-32C one bit at a time (independent of the library's table)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 * (crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def _read_events(path):
+    """Decode a TensorBoard event file: TFRecords (CRCs checked), then Event protobufs."""
+    import struct
+
+    def masked(data):
+        c = _crc32c_bitwise(data)
+        return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    def fields(buf):
+        i, out = 0, []
+        while i < len(buf):
+            key, shift = 0, 0
+            while True:
+                b = buf[i]; i += 1
+                key |= (b & 0x7F) << shift; shift += 7
+                if not b & 0x80:
+                    break
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                value, shift = 0, 0
+                while True:
+                    b = buf[i]; i += 1
+                    value |= (b & 0x7F) << shift; shift += 7
+                    if not b & 0x80:
+                        break
+            elif wire == 1:
+                value, i = buf[i:i + 8], i + 8
+            elif wire == 5:
+                value, i = buf[i:i + 4], i + 4
+            else:
+                n, shift = 0, 0
+                while True:
+                    b = buf[i]; i += 1
+                    n |= (b & 0x7F) << shift; shift += 7
+                    if not b & 0x80:
+                        break
+                value, i = buf[i:i + n], i + n
+            out.append((number, value))
+        return out
+
+    raw, events, i = open(path, "rb").read(), [], 0
+    while i < len(raw):
+        header = raw[i:i + 8]
+        (n,) = struct.unpack("<Q", header)
+        assert struct.unpack("<I", raw[i + 8:i + 12])[0] == masked(header)
+        data = raw[i + 12:i + 12 + n]
+        assert struct.unpack("<I", raw[i + 12 + n:i + 16 + n])[0] == masked(data)
+        i += 16 + n
+        ev = dict(fields(data))
+        out = {"step": ev.get(2, 0), "version": ev.get(3)}
+        if 5 in ev:
+            value = dict(fields(dict(fields(ev[5]))[1]))
+            out["tag"], out["value"] = value[1].decode(), struct.unpack("<f", value[2])[0]
+        events.append(out)
+    return events
+
+
+def test_tensorboard_callback_writes_the_epoch_scalars_tensorboard_reads(devices, tmp_path):
+    """The Keras tutorial's `TensorBoard(log_dir='./logs')` then `!ls ./logs`: a `train` and a
+    `validation` folder of event files whose epoch_loss / epoch_accuracy are fit's History."""
+    devices(cpus=1)
+    assert _crc32c_bitwise(b"123456789") == 0xE3069283            # the standard check value
+    rng = np.random.default_rng()
+    x = rng.standard_normal((31, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 31)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer="sgd", metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=8, epochs=3, validation_data=(x[:9], y[:9]), verbose=0,
+                        callbacks=[tf.keras.callbacks.TensorBoard(log_dir=str(tmp_path / "logs"))])
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["train", "validation"]
+    for split, prefix in (("train", ""), ("validation", "val_")):
+        (path,) = (tmp_path / "logs" / split).iterdir()
+        assert path.name.startswith("events.out.tfevents.") and path.name.endswith(".v2")
+        events = _read_events(path)
+        assert events[0]["version"] == b"brain.Event:2"
+        for name in ("loss", "accuracy"):
+            logged = [(e["step"], e["value"]) for e in events if e.get("tag") == f"epoch_{name}"]
+            assert logged == [(epoch, np.float32(v)) for epoch, v in enumerate(history.history[prefix + name])]
+    rates = [(e["step"], e["value"]) for e in _read_events(next((tmp_path / "logs" / "train").iterdir()))
+             if e.get("tag") == "epoch_learning_rate"]
+    assert rates == [(epoch, np.float32(0.01)) for epoch in range(3)]          # 'sgd': Keras's 0.01
