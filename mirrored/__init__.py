@@ -48,6 +48,8 @@ Map of the rest:
     lab/workflow.py  the command-line lab (``python -m mirrored``) and the lab's model
     lab/labs.py   the lab notebooks' first cell (``labs.setup``)
 """
+import functools
+
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored import checkpoint as train  # tf.train: Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.devices import device_scope as device
@@ -60,6 +62,8 @@ from mirrored.values import Variable, VariableAggregation, VariableSynchronizati
 from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, bool_, cast, constant,
                              convert_to_tensor, float16, float32, float64, identity, int8, int16, int32,
                              int64, ones, reduce_mean, reduce_sum, reshape, uint8, zeros)
+from mirrored import nest as _nest
+from mirrored.tensor import as_function_output
 from mirrored.tensor import print_ as print  # noqa: A001 (tf.print: to stderr, as TensorFlow's)
 from mirrored.tensor import range_ as range  # noqa: A001 (tf.range)
 
@@ -71,10 +75,16 @@ def function(fn=None, **_options):
     There is no graph compilation here: the decorated function runs eagerly,
     exactly as written, every time it is called (TensorFlow would trace it into
     a graph on the first call). Options such as ``jit_compile`` are ignored.
+    What it returns comes back as from TensorFlow's: Python numbers and NumPy
+    scalars become tensors (``tensor.as_function_output``), anything else as it is.
     """
     if fn is None:
-        return lambda f: f
-    return fn
+        return lambda f: function(f)
+
+    @functools.wraps(fn)
+    def run_eagerly(*args, **kwargs):
+        return _nest.map_structure(as_function_output, fn(*args, **kwargs))
+    return run_eagerly
 
 
 __version__ = "0.1.0"

@@ -418,7 +418,9 @@ class Strategy:
 
     # -- distributing inputs
     def experimental_distribute_values_from_function(self, value_fn):
-        """``value_fn(ValueContext)`` once per replica; results placed on each device."""
+        """``value_fn(ValueContext)`` once per replica; tensors and arrays placed on each
+        device. Python numbers stay as they are, as TensorFlow keeps them
+        (``experimental_local_results`` gives ``(2, 2)``); ops that take them convert them."""
         n = self.num_replicas_in_sync
         offset = self._extended._replica_offset
         comps = []
@@ -426,7 +428,7 @@ class Strategy:
             with _dev.device_scope(dev):
                 v = value_fn(ValueContext(offset + i, n))
                 comps.append(nest.map_structure(
-                    lambda x: to_tensor_on(x, dev) if isinstance(x, (Tensor, np.ndarray, np.generic, int, float))
+                    lambda x: to_tensor_on(x, dev) if isinstance(x, (Tensor, np.ndarray, np.generic))
                     else x, v))
         return nest.map_structure(lambda *c: PerReplica(c), *comps) if nest.is_nested(comps[0]) \
             else PerReplica(comps)
@@ -598,15 +600,22 @@ def _soft_place(devices, names):
     return [present[n] if n in present else stand_in[n] for n in names]
 
 
-class CentralStorageStrategy:
-    """``tf.distribute.experimental.CentralStorageStrategy``: not implemented, says what to use."""
+class CentralStorageStrategy(MirroredStrategy):
+    """``tf.distribute.experimental.CentralStorageStrategy``, run as a ``MirroredStrategy``.
+
+    TensorFlow keeps ONE copy of each variable on ``parameter_device`` (the CPU when there
+    are several GPUs) and mirrors the computation on ``compute_devices`` (every GPU, else
+    the CPU). Here every replica keeps its own copy (a MirroredVariable) and the gradients
+    are summed by the ring all-reduce: the same synchronous updates and the same numbers,
+    with more device memory for the copies. Said once, as a warning."""
 
     def __init__(self, compute_devices=None, parameter_device=None):
-        raise NotImplementedError(
-            "CentralStorageStrategy (variables kept on one device, usually the CPU, and computation "
-            "mirrored on the GPUs) is not implemented here. Use MirroredStrategy(compute_devices) "
-            "instead: the same synchronous data parallelism, with a copy of every variable on each "
-            "replica's device and the gradients summed by the ring all-reduce.")
+        if compute_devices is None:                       # TF's default: every GPU, else CPU:0
+            compute_devices = [d.name for d in choose_devices(None)]
+        super().__init__(compute_devices)
+        warnings.warn("CentralStorageStrategy runs as MirroredStrategy here: each replica keeps a "
+                      "copy of the variables (not one copy on the parameter device); the updates "
+                      "and the results are the same.", stacklevel=2)
 
 
 class OneDeviceStrategy(Strategy):

@@ -108,10 +108,10 @@ class Tensor:
         return host if dtype is None else host.astype(dtype)
 
     def __repr__(self):
-        return f"<tf.Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+        return tensor_repr(self)
 
     def __str__(self):
-        return f"tf.Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
+        return tensor_str(self)
 
     def __len__(self):
         if not self.shape:
@@ -181,9 +181,28 @@ class Tensor:
         return TensorShape(self.shape)
 
 
+def numpy_text(value, is_repr=False):
+    """How TensorFlow shows a tensor's value inside its repr/str: ``1.0`` for scalars (NumPy's
+    shortest float32 text, not Python's float64 one), ``array([0])`` (repr) or ``[0]`` (str)
+    otherwise; text that spans several lines starts on a new line, as TensorFlow's
+    ``numpy_text`` puts it."""
+    text = str(value) if np.ndim(value) == 0 else (repr(value) if is_repr else str(value))
+    return "\n" + text if "\n" in text else text
+
+
 def numpy_repr(value):
-    """How TensorFlow shows a tensor's value: ``1.0`` for scalars, ``array([0])`` otherwise."""
-    return str(value) if np.ndim(value) == 0 else repr(value)
+    """A tensor's (or variable's) value as its repr shows it."""
+    return numpy_text(value, is_repr=True)
+
+
+def tensor_repr(t):
+    """``<tf.Tensor: shape=(2,), dtype=float32, numpy=array([1., 2.], dtype=float32)>``."""
+    return f"<tf.Tensor: shape={t.shape}, dtype={t.dtype}, numpy={numpy_repr(t.numpy())}>"
+
+
+def tensor_str(t):
+    """``tf.Tensor([1. 2.], shape=(2,), dtype=float32)``: what ``print(tensor)`` shows."""
+    return f"tf.Tensor({numpy_text(t.numpy())}, shape={t.shape}, dtype={t.dtype})"
 
 
 class HostTensor(np.ndarray):
@@ -197,10 +216,10 @@ class HostTensor(np.ndarray):
     """
 
     def __repr__(self):
-        return f"<tf.Tensor: shape={self.shape}, dtype={self.dtype}, numpy={numpy_repr(self.numpy())}>"
+        return tensor_repr(self)
 
     def __str__(self):
-        return f"tf.Tensor({self.numpy()}, shape={self.shape}, dtype={self.dtype})"
+        return tensor_str(self)
 
     @classmethod
     def wrap(cls, value):
@@ -317,6 +336,15 @@ def infer_host_array(value, dtype):
     if dtype is not None:
         arr = arr.astype(as_dtype(dtype))
     return arr
+
+
+def as_function_output(value):
+    """What a ``tf.function`` hands back for ``value``: a Python number or NumPy scalar becomes
+    a tensor on the current device (int -> int32, float -> float32, as ``tf.constant``);
+    anything else (tensors, strategies' values, None, strings) stays as it is."""
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return constant(value)
+    return value
 
 
 def constant(value, dtype=None, shape=None, name=None, device=None):

@@ -41,8 +41,10 @@ class VariableSynchronization(enum.Enum):
     ON_READ = 3
 
 
-def _components_repr(kind, components):
-    body = ",\n".join(f"  {i}: {c!r}" for i, c in enumerate(components))
+def _components_repr(kind, components, show=repr):
+    """``PerReplica:{\n  0: ...,\n  1: ...\n}``, each component shown by ``show`` (repr for
+    repr, str for print, as TensorFlow's DistributedValues)."""
+    body = ",\n".join(f"  {i}: {show(c)}" for i, c in enumerate(components))
     return f"{kind}:{{\n{body}\n}}"
 
 
@@ -60,7 +62,7 @@ class DistributedValues:
         return _components_repr(type(self).__name__, self._values)
 
     def __str__(self):
-        return repr(self)
+        return _components_repr(type(self).__name__, self._values, str)
 
     def _misuse(self, *_):
         raise TypeError(

@@ -1,5 +1,6 @@
 """Keras callbacks: ``Callback``, ``History``, ``LambdaCallback``, ``ModelCheckpoint``,
-``LearningRateScheduler``, ``EarlyStopping``, ``ReduceLROnPlateau``, ``CSVLogger``.
+``LearningRateScheduler``, ``EarlyStopping``, ``ReduceLROnPlateau``, ``CSVLogger``,
+``TensorBoard`` (per-epoch scalars; the event files come from tfevents.py).
 
 ``fit`` calls, in order: ``on_train_begin``; per epoch ``on_epoch_begin``,
 per step ``on_train_batch_begin``/``on_train_batch_end``, then
@@ -31,6 +32,7 @@ from collections.abc import Iterable, MutableMapping
 import numpy as np
 
 from mirrored.keras.metrics import ACCURACY_NAMES
+from mirrored.keras.tfevents import EventFileWriter
 
 
 class Callback:
@@ -277,12 +279,36 @@ def _is_chief(model):
 
 
 class TensorBoard(Callback):
-    """Accepted so tutorial code runs; it writes nothing (there is no TensorBoard writer here)."""
+    """Per-epoch scalars for TensorBoard, as Keras 3's: ``epoch_loss``, ``epoch_accuracy``, ...
+    and ``epoch_learning_rate`` in ``<log_dir>/train``, the ``val_`` ones (without the prefix) in ``<log_dir>/validation``,
+    step = epoch (event files written by tfevents.py). Histograms, graphs, images, profiling
+    and per-batch logs (``update_freq``) are not written; those arguments are accepted."""
 
     def __init__(self, log_dir="logs", **kwargs):
         super().__init__()
-        warnings.warn("mirrored.keras.callbacks.TensorBoard writes no logs: TensorBoard is not "
-                      "supported here. Read the History that fit returns instead.", stacklevel=2)
+        self.log_dir = os.fspath(log_dir)
+        self._writers = {}
+
+    def _writer(self, split):
+        if split not in self._writers:
+            self._writers[split] = EventFileWriter(os.path.join(self.log_dir, split))
+        return self._writers[split]
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not _is_chief(self.model):           # MultiWorkerMirroredStrategy: the chief writes
+            return
+        logs = dict(logs or {})
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None and "learning_rate" not in logs:       # as Keras 3 adds it
+            logs["learning_rate"] = np.asarray(optimizer.learning_rate)
+        for key, value in logs.items():
+            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            self._writer(split).scalar(f"epoch_{name}", value, epoch)
+
+    def on_train_end(self, logs=None):
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
 
 
 def _less(a, b):
