@@ -69,11 +69,12 @@ SITE="${SITE:-/tmp/site}"
 # Wheels carried to the machine in .whl/ (e.g. numpy<2.5, which numba-cuda 0.30 needs: numpy
 # 2.5 removed np.row_stack, which numba-cuda's CUDA target imports on its first compile; the
 # sanitizer). Installed once per machine: later commands find the same set already there.
-if compgen -G ".whl/*.whl" > /dev/null; then
-  wheels="$(cd .whl && ls *.whl | sort | tr '\n' ' ')"
+WHEELS="${WHEELS:-.whl}"        # the carried wheels' folder
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  wheels="$(cd "$WHEELS" && ls *.whl | sort | tr '\n' ' ')"
   if [ "$(cat "$SITE/.carried" 2>/dev/null)" != "$wheels" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$SITE" .whl/*.whl || exit 1
+      --target "$SITE" "$WHEELS"/*.whl || exit 1
     echo "$wheels" > "$SITE/.carried"
   fi
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}

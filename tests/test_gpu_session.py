@@ -68,7 +68,8 @@ def command(tmp_path, what, refuse=False, sanitizer=True, **env_extra):
     env = dict(os.environ, OUT=str(out), FAKE_LOG=str(log), PYTHON=str(bin_dir / "python"),
                SITE=str(site), NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"),
                PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
-               CUDA_BIN=str(tmp_path / "no-toolkit"), **env_extra)   # not the machine's toolkit
+               CUDA_BIN=str(tmp_path / "no-toolkit"),    # not the machine's toolkit
+               WHEELS=str(tmp_path / "no-wheels"), **env_extra)   # nor a checkout's .whl/
     # the script's knobs from the caller's environment (e.g. TESTS_S=280 on a device run)
     knobs = [n for n in env if n.endswith(("_S", "_ARGS"))] + [
         "FAKE_NCU_REFUSE", "SANITIZER", "SANITIZE_TESTS", "XDIST", "TEST_TIMEOUT", "MNIST_FULL_DIR"]
@@ -160,7 +161,7 @@ def test_a_spent_budget_skips_stages_and_says_so(tmp_path):
 
 @pytest.mark.parametrize("args,message", [([], "usage"), (["nonsense"], "unknown stage nonsense")])
 def test_bad_arguments_are_refused(tmp_path, args, message):
-    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    env = dict(os.environ, OUT=str(tmp_path / "out"), WHEELS=str(tmp_path / "no-wheels"))
     proc = subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stdout
