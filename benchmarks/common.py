@@ -40,8 +40,12 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-#: Where recorded runs live: benchmarks/results/<name>-<device>-<date>.json.
+#: Where recorded runs live: benchmarks/results/<name>-<device>-<date>.json in a checkout.
+#: An installed copy (``pip install .``: site-packages has no results/) writes them into
+#: benchmark-results/ under the folder it runs from, where the student will look.
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+if not RESULTS_DIR.is_dir():
+    RESULTS_DIR = Path("benchmark-results")
 
 #: Untimed calls before timing: the first call compiles the kernel and warms caches.
 WARMUP = 3
@@ -391,7 +395,7 @@ def print_table(rows, columns, file=None):
 
 
 def results_path(name, info):
-    """benchmarks/results/<name>-<device>-<YYYY-MM-DD>.json"""
+    """benchmarks/results/<name>-<device>-<YYYY-MM-DD>.json (``RESULTS_DIR``)"""
     date = info.get("date_utc", _dt.datetime.now(_dt.timezone.utc).isoformat())[:10]
     return RESULTS_DIR / f"{name}-{device_slug(info)}-{date}.json"
 

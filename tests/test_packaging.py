@@ -51,7 +51,7 @@ def test_requirements_txt_installs_the_package_itself():
 def test_every_package_directory_is_listed():
     listed = set(_pyproject()["tool"]["setuptools"]["packages"])
     found = {str(p.parent.relative_to(ROOT)).replace("/", ".")
-             for top in ("mirrored", "kernels") for p in (ROOT / top).rglob("__init__.py")}
+             for top in ("mirrored", "kernels", "benchmarks") for p in (ROOT / top).rglob("__init__.py")}
     found.add("mirrored._data")          # data only, no __init__.py: shipped as a namespace package
     assert found == listed, f"packages on disk {sorted(found)}, in pyproject.toml {sorted(listed)}"
 

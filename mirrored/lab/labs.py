@@ -49,7 +49,8 @@ PARAMS = {"conv": (3 * 3 * 1 * 32 + 32) + (13 * 13 * 32 * 64 + 64) + (64 * 10 + 
 class Lab:
     """What ``setup`` found: ``quick`` (small settings), ``devices`` (names of the replica
     devices, in order), ``description`` (one line: which devices and why), ``root`` (the
-    repository checkout, where ``kernels/`` and ``benchmarks/`` live)."""
+    folder holding the packages ``mirrored``, ``kernels`` and ``benchmarks``: a checkout, or
+    site-packages after ``pip install .``)."""
     quick: bool
     devices: list
     description: str
