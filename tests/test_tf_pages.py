@@ -141,34 +141,28 @@ def _read_events(path):
         c = _crc32c_bitwise(data)
         return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
+    def varint(buf, i):
+        """(value, next index) of the base-128 integer starting at buf[i]."""
+        value, shift = 0, 0
+        while True:
+            b = buf[i]; i += 1
+            value |= (b & 0x7F) << shift; shift += 7
+            if not b & 0x80:
+                return value, i
+
     def fields(buf):
         i, out = 0, []
         while i < len(buf):
-            key, shift = 0, 0
-            while True:
-                b = buf[i]; i += 1
-                key |= (b & 0x7F) << shift; shift += 7
-                if not b & 0x80:
-                    break
+            key, i = varint(buf, i)
             number, wire = key >> 3, key & 7
             if wire == 0:
-                value, shift = 0, 0
-                while True:
-                    b = buf[i]; i += 1
-                    value |= (b & 0x7F) << shift; shift += 7
-                    if not b & 0x80:
-                        break
+                value, i = varint(buf, i)
             elif wire == 1:
                 value, i = buf[i:i + 8], i + 8
             elif wire == 5:
                 value, i = buf[i:i + 4], i + 4
-            else:
-                n, shift = 0, 0
-                while True:
-                    b = buf[i]; i += 1
-                    n |= (b & 0x7F) << shift; shift += 7
-                    if not b & 0x80:
-                        break
+            else:                                   # wire 2: a length, then that many bytes
+                n, i = varint(buf, i)
                 value, i = buf[i:i + n], i + n
             out.append((number, value))
         return out
