@@ -193,6 +193,15 @@ def assert_close(name, got, want, rtol, atol=0.0):
             f"{want[idx]!r}. (The rng seed is printed above.)")
 
 
+def poisoned_host(shape, dtype="float32"):
+    """A NumPy array full of NaN (or -7 for integers): the CPU loops' outputs start so, and an
+    element a loop forgets to write fails the comparison."""
+    import numpy as np
+    out = np.empty(shape, dtype)
+    out[...] = np.nan if np.dtype(dtype).kind == "f" else -7
+    return out
+
+
 def poisoned(shape, dtype="float32"):
     """A device array full of NaN (or the most negative integer): unwritten elements fail."""
     import numpy as np

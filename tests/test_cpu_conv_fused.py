@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import poisoned_host
 from kernels import activations, conv2d, cpu_loops, pooling
 
 RTOL = 2e-6            # float32 sums in another order (db)
@@ -22,17 +23,6 @@ CHANNELS = [((2, 9, 7, 1), (3, 3, 1, 32)),
             ((1, 7, 8, 32), (3, 3, 32, 64)),
             ((3, 6, 5, 3), (3, 3, 3, 16))]
 GEOMETRY = [(1, "valid"), (1, "same"), (2, "valid"), (2, "same")]
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng()
-
-
-def poisoned(shape, dtype=np.float32):
-    out = np.empty(shape, dtype)
-    out[...] = np.nan if np.dtype(dtype).kind == "f" else -7
-    return out
 
 
 def data(rng, x_shape, k_shape):
@@ -49,7 +39,7 @@ def test_conv_backward_dx_by_blas_and_col2im_is_the_reference_bitwise(rng, x_sha
     dy = rng.standard_normal(conv2d.conv2d_output_shape(x_shape, k_shape, strides, padding),
                              dtype=np.float32)
     want_dx, want_dw, want_db = conv2d.conv2d_backward_ref(x, k, dy, strides, padding)
-    dx, dw, db = poisoned(x_shape), poisoned(k_shape), poisoned(k_shape[3])
+    dx, dw, db = poisoned_host(x_shape), poisoned_host(k_shape), poisoned_host(k_shape[3])
     cpu_loops.conv2d_backward(x, k, dy, dx, dw, db, strides, padding)
     np.testing.assert_array_equal(dx, want_dx)          # the same product, the same order of adds
     np.testing.assert_array_equal(dw, want_dw)          # the reference's own matmul
@@ -66,7 +56,7 @@ def test_fused_conv_relu_pool_is_the_references_bitwise(rng, x_shape, k_shape, s
     if y.shape[1] < 2 or y.shape[2] < 2:
         pytest.skip("the conv's output is smaller than the pool")
     want, want_arg = pooling.max_pool_ref(y, pool_size, pool_strides, pool_padding)
-    out, arg = poisoned(want.shape), poisoned(want.shape, np.int32)
+    out, arg = poisoned_host(want.shape), poisoned_host(want.shape, np.int32)
     cpu_loops.conv2d_relu_pool(x, k, bias, out, arg, strides, padding, pool_size, pool_strides,
                                pool_padding)
     np.testing.assert_array_equal(out, want)
@@ -76,7 +66,7 @@ def test_fused_conv_relu_pool_is_the_references_bitwise(rng, x_shape, k_shape, s
     want_dz = activations.relu_backward_ref(
         pooling.max_pool_backward_ref(dy, want_arg, y.shape, pool_size, pool_strides, pool_padding),
         y, np.empty(y.shape, np.float32))
-    dz = poisoned(y.shape)
+    dz = poisoned_host(y.shape)
     cpu_loops.max_pool_relu_backward(dy, arg, out, dz, pool_size, pool_strides, pool_padding)
     overlap = pool_strides is not None
     if overlap:                                        # an input's terms in another order
@@ -92,27 +82,27 @@ def test_fused_paths_keep_nan_and_relu_zeros_as_the_references(rng):
     bias[1] = -50.0                                    # channel 1: every output clipped to 0
     y = conv2d.conv2d_ref(x, k, bias, 1, "valid", relu=True)
     want, want_arg = pooling.max_pool_ref(y)
-    out, arg = poisoned(want.shape), poisoned(want.shape, np.int32)
+    out, arg = poisoned_host(want.shape), poisoned_host(want.shape, np.int32)
     cpu_loops.conv2d_relu_pool(x, k, bias, out, arg)
     np.testing.assert_array_equal(out, want)           # NaN where the reference has NaN
     np.testing.assert_array_equal(arg, want_arg)
     clipped = out[..., 1][~np.isnan(out[..., 1])]
     assert np.isnan(out).any() and clipped.size and (clipped == 0).all()
-    dz = poisoned(y.shape)
+    dz = poisoned_host(y.shape)
     cpu_loops.max_pool_relu_backward(np.ones(want.shape, np.float32), arg, out, dz)
     assert (dz[..., 1] == 0).all() and np.isfinite(dz).all()
 
 
 def test_fused_calls_refuse_wrong_buffers_before_writing(rng):
     x, k, bias = data(rng, (1, 6, 6, 1), (3, 3, 1, 4))
-    out, arg = poisoned((1, 2, 2, 4)), poisoned((1, 2, 2, 4), np.int32)
+    out, arg = poisoned_host((1, 2, 2, 4)), poisoned_host((1, 2, 2, 4), np.int32)
     with pytest.raises(ValueError, match=r"conv2d_relu_pool: out.*\(1, 2, 2, 4\)"):
-        cpu_loops.conv2d_relu_pool(x, k, bias, poisoned((1, 3, 3, 4)), arg)
+        cpu_loops.conv2d_relu_pool(x, k, bias, poisoned_host((1, 3, 3, 4)), arg)
     with pytest.raises(ValueError, match="conv2d_relu_pool: arg must be int32"):
-        cpu_loops.conv2d_relu_pool(x, k, bias, out, poisoned((1, 2, 2, 4)))
+        cpu_loops.conv2d_relu_pool(x, k, bias, out, poisoned_host((1, 2, 2, 4)))
     assert np.isnan(out).all()
     with pytest.raises(ValueError, match="max_pool_relu_backward: y"):
-        cpu_loops.max_pool_relu_backward(out, arg, poisoned((1, 2, 3, 4)), poisoned((1, 4, 4, 4)))
+        cpu_loops.max_pool_relu_backward(out, arg, poisoned_host((1, 2, 3, 4)), poisoned_host((1, 4, 4, 4)))
 
 
 def test_a_two_conv_model_trains_bitwise_alike_fused_or_not(devices, monkeypatch, rng):
@@ -170,10 +160,10 @@ def test_large_products_are_cut_in_blocks_whose_bits_do_not_depend_on_the_thread
     for threads in ("1", "2", "3", "5"):
         monkeypatch.setenv(cpu_loops.THREADS_VAR, threads)
         assert cpu_loops.product_threads() == int(threads)
-        out, at = poisoned((37, 17)), poisoned((29, 17))
+        out, at = poisoned_host((37, 17)), poisoned_host((29, 17))
         cpu_loops.matmul_rows(a, b, out)
         cpu_loops.matmul_rows(a.T, out, at)                        # a transposed view, as dW's
-        dx, dw, y = poisoned(x.shape), poisoned(k.shape), poisoned(dy.shape)
+        dx, dw, y = poisoned_host(x.shape), poisoned_host(k.shape), poisoned_host(dy.shape)
         cpu_loops.conv2d_backward(x, k, dy, dx, dw, None, 1, "same")
         cpu_loops.conv2d_forward(x, k, bias, y, 1, "same", True)
         seen.append((out, at, dx, dw, y))
