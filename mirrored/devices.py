@@ -472,7 +472,8 @@ def copy_host_to_device(dst, host, stream):
     both whole C-contiguous buffers of the same bytes (``CudaDevice.upload_into`` checks).
     On a GPU it is one ``cuMemcpyHtoDAsync`` (numba's ``host_to_device``); the simulator's
     arrays have no device pointers and take numba's ``copy_to_device``."""
-    if cuda_mode() != "real":
+    from kernels.launch import SIMULATOR            # a CudaDevice is the simulator's or real
+    if SIMULATOR:
         dst.copy_to_device(host, stream=stream)
         return
     from numba.cuda.cudadrv.driver import host_to_device
