@@ -10,6 +10,14 @@ as a student would, all 12 epochs, in a fresh Python process, and records:
     fit_s       model.fit(train_dataset, epochs=12) alone
     accuracy    model.evaluate(eval_dataset) after fit: a cell this program adds (the lab
                 prints only the training accuracy); its time is not in wall_s
+    cells_s     each cell's seconds, named by its first line (where the wall time goes:
+                imports, loading the data, building the model, fit)
+    epochs_s    each epoch's seconds within fit (a callback the program passes to fit; the
+                cell's text is unchanged), so the first epoch's extra is epochs_s[0] minus
+                the median of the others
+    compile_s   seconds inside Numba's compilers during fit, CPU loops and CUDA kernels
+                apart (Python to machine code or PTX; and how many kernels compiled), part
+                of epochs_s[0]
 
     python -m benchmarks.course_lab --data-dir ~/tensorflow_datasets/mnist --out lab.json
 
@@ -107,18 +115,66 @@ _wall_s = _time.perf_counter() - _lab_start
 _loss, _accuracy = model.evaluate(eval_dataset, verbose=0)
 print("RESULT " + _json.dumps({"wall_s": _wall_s, "fit_s": _fit_s, "test_loss": float(_loss),
       "test_accuracy": float(_accuracy), "replicas": strategy.num_replicas_in_sync,
-      "train_examples": num_train_examples, "source": info.source}))
+      "train_examples": num_train_examples, "source": info.source, "cells_s": _cells_s,
+      "epochs_s": _epochs_s,
+      "compile_s": {"cpu_loops": _cpu_compile.duration if _cpu_compile.done else 0.0,
+                    "cuda_kernels": _cuda_compile["s"], "cuda_compiles": _cuda_compile["kernels"]}}))
 """
 
 
+#: Before fit: a clock for each epoch (a callback handed to the lab's own ``model.fit`` call)
+#: and one for Numba's compilers, so the first epoch's extra time can be told apart: the CPU
+#: loops' (the "numba:compile" event, outermost only) and the CUDA kernels' (numba-cuda 0.30
+#: sends no event for a kernel's compile, so the program times ``CUDADispatcher.compile``,
+#: outermost calls only: a kernel's device functions compile inside it).
+_CLOCKS = """
+import numba.core.event as _cpu_events
+import numba.cuda.dispatcher as _cuda_dispatcher
+from mirrored.keras.callbacks import LambdaCallback as _LambdaCallback
+_cpu_compile = _cpu_events.TimingListener()
+_cpu_events.register("numba:compile", _cpu_compile)
+_cuda_compile = {"s": 0.0, "depth": 0, "kernels": 0}
+def _timed_compile(compile):
+    def timed(self, *args, **kwargs):
+        _cuda_compile["depth"] += 1
+        start = _time.perf_counter()
+        try:
+            return compile(self, *args, **kwargs)
+        finally:
+            _cuda_compile["depth"] -= 1
+            if _cuda_compile["depth"] == 0:
+                _cuda_compile["s"] += _time.perf_counter() - start
+                _cuda_compile["kernels"] += 1
+    return timed
+_cuda_dispatcher.CUDADispatcher.compile = _timed_compile(_cuda_dispatcher.CUDADispatcher.compile)
+_epochs_s = []
+_epoch_clock = _LambdaCallback(
+    on_epoch_begin=lambda epoch, logs=None: _epochs_s.append(-_time.perf_counter()),
+    on_epoch_end=lambda epoch, logs=None: _epochs_s.__setitem__(-1, _epochs_s[-1] + _time.perf_counter()))
+_lab_fit = model.fit
+model.fit = lambda *args, **kwargs: _lab_fit(*args, callbacks=[_epoch_clock], **kwargs)
+"""
+
+
+def _cell_name(cell):
+    """A cell's first line, for the cells_s table."""
+    return cell.strip().splitlines()[0][:60]
+
+
 def lab_script(epochs=12):
-    """The lab's cells as one script, with the clock around them and the test accuracy after."""
+    """The lab's cells as one script, with clocks around them (each cell, each epoch, Numba's
+    compiler) and the test accuracy after. The cells' text is unchanged but for the one
+    number, ``epochs``; the clocks are lines between them."""
     cells = list(LAB_CELLS)
     assert cells[-1].strip() == "model.fit(train_dataset, epochs=12)"
     cells[-1] = cells[-1].replace("epochs=12", f"epochs={int(epochs)}")
-    head = "import time as _time\n_lab_start = _time.perf_counter()\n"
-    fit = "_fit_start = _time.perf_counter()\n" + cells[-1]
-    return head + "\n".join(cells[:-1]) + "\n" + fit + _MEASURE
+    parts = ["import time as _time\n_cells_s = {}\n_lab_start = _time.perf_counter()\n"]
+    for i, cell in enumerate(cells):
+        if i == len(cells) - 1:
+            parts.append(_CLOCKS + "_fit_start = _time.perf_counter()\n")
+        parts.append(f"_cell_start = _time.perf_counter()\n{cell}\n"
+                     f"_cells_s[{_cell_name(cell)!r}] = _time.perf_counter() - _cell_start\n")
+    return "\n".join(parts) + _MEASURE
 
 
 def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None):

@@ -51,3 +51,12 @@ def test_the_lab_runs_verbatim_for_one_epoch_on_the_bundled_subset():
     assert result["source"].startswith("bundled subset") and result["train_examples"] == 8000
     assert 0 < result["fit_s"] < result["wall_s"] < seconds
     assert 0.7 < result["test_accuracy"] <= 1.0 and result["replicas"] == 1
+    # where the wall time went: one clock per cell (named by its first line), per epoch, and
+    # for Numba's compilers (the CPU loops may come from the on-disk cache: 0 s is allowed)
+    assert list(result["cells_s"]) == [cell.strip().splitlines()[0][:60] for cell in LAB_CELLS[:-1]] \
+        + ["model.fit(train_dataset, epochs=1)"]
+    assert 0 < sum(result["cells_s"].values()) <= result["wall_s"]
+    assert len(result["epochs_s"]) == 1 and 0 < result["epochs_s"][0] <= result["fit_s"]
+    compile_s = result["compile_s"]
+    assert compile_s["cuda_compiles"] == 0 and compile_s["cuda_kernels"] == 0   # no GPU here
+    assert 0 <= compile_s["cpu_loops"] < result["epochs_s"][0]
