@@ -62,7 +62,7 @@ SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 
 #: numba-cuda's names this module reads, as (module, attribute path); ``missing_numba_names``
 #: checks them. Also read, on objects numba makes: a launch configuration's
-#: ``pre_launch_callbacks``, ``griddim`` and ``blockdim``; an overload's ``debug``,
+#: ``pre_launch_callbacks``, ``griddim``, ``blockdim`` and ``dispatcher.py_func``; an overload's ``debug``,
 #: ``cooperative``, ``extensions`` and ``_codelibrary``; a cufunc's ``handle``. A missing one of
 #: those turns the cache off at the first recording launch, with the same message.
 NUMBA_NAMES = (
@@ -83,7 +83,7 @@ SEEN_LIMIT = 65536
 
 _records = {}            # key -> Record, or _Uncached (numba's path for this key, and why)
 _seen = {}               # key -> True: launched once through numba
-_record_lock = threading.Lock()
+_numba_lock = threading.Lock()    # numba's path: one launch (and recording) at a time
 _state = {"enabled": None, "why_not": None}    # enabled None: not checked yet
 
 #: The driver call, resolved on first use (``cuda.bindings.driver.cuLaunchKernel``). Public so
@@ -195,17 +195,26 @@ def replay(key, args):
 
 def launch_and_record(key, configured, stream, args):
     """Numba's launch ``configured(*args)``; the second time a key is seen, also keep a record,
-    so that later launches of it are one driver call (see the module docstring)."""
+    so that later launches of it are one driver call (see the module docstring).
+
+    Numba's path runs one launch at a time (``_numba_lock``): a kernel loaded from the disk
+    cache (kernels/registry.py, ``keep_on_disk``) loads its machine code into the context at
+    its first launch, and numba-cuda 0.30.4 does that without a lock, so two replicas'
+    threads launching it at once both load it and the second fails ("key already in
+    dictionary: <CUlibrary ...>", seen on the H100 with two logical GPUs). Only the first
+    launches of a key take this path; the recorded launches after them do not lock."""
     if key is None or key in _records or not isinstance(configured, _LaunchConfiguration):
-        configured(*args)                         # cache off, numba's path for this key, or
-        return                                    # not numba's kernel (a test's stand-in)
+        with _numba_lock:                         # cache off, numba's path for this key, or
+            configured(*args)                     # not numba's kernel (a test's stand-in)
+        return
     if key not in _seen:
         if len(_seen) >= SEEN_LIMIT:
             _seen.clear()
         _seen[key] = True
-        configured(*args)
+        with _numba_lock:
+            configured(*args)
         return
-    with _record_lock:                            # one recording launch at a time
+    with _numba_lock:                             # one recording launch at a time
         launched = []                             # numba passes the overload it launches
         callback = lambda kernel, _config: launched.append(kernel)   # noqa: E731
         try:
@@ -219,7 +228,8 @@ def launch_and_record(key, configured, stream, args):
         finally:
             configured.pre_launch_callbacks.remove(callback)
         try:
-            record = make_record(launched[-1], configured.griddim, configured.blockdim, stream, args)
+            record = make_record(launched[-1], configured.griddim, configured.blockdim, stream,
+                                 args, name=configured.dispatcher.py_func.__name__)
         except AttributeError as err:             # a numba-cuda name we read has gone
             disable(_version_message(f"has no {err.name!r}, which this cache reads"))
             return
@@ -283,9 +293,10 @@ def is_scalar(value):
     return isinstance(value, (int, float, np.generic))
 
 
-def make_record(overload, griddim, blockdim, stream, args):
+def make_record(overload, griddim, blockdim, stream, args, name=None):
     """A ``Record`` for launching ``overload`` (the ``_Kernel`` numba launched) again with
-    ``args``' buffers, or an ``_Uncached`` saying why not."""
+    ``args``' buffers, or an ``_Uncached`` saying why not. ``name``: the kernel's, for
+    errors (an overload loaded from the disk cache has no ``py_func`` to read it from)."""
     from numba.cuda.cudadrv.driver import Stream, binding
     if not enabled():
         return _Uncached(_state["why_not"])
@@ -300,7 +311,7 @@ def make_record(overload, griddim, blockdim, stream, args):
         return _Uncached(str(err))
     pointers = (ctypes.c_void_p * max(len(words), 1))(*[ctypes.addressof(w) for w in words])
     record = Record()
-    record.name = getattr(overload.py_func, "__name__", "a kernel")
+    record.name = name or getattr(getattr(overload, "py_func", None), "__name__", "a kernel")
     cufunc = overload._codelibrary.get_cufunc()        # the handle numba launched, this device
     record.func = binding.CUfunction(int(cufunc.handle))
     record.dims = tuple(int(d) for d in (*griddim, *blockdim))

@@ -27,12 +27,26 @@ with its ``variant`` written out.
 launcher's own grid function (never a second copy of the number), so the report can
 compute the occupancy that launch gets.
 
+Kept on disk. ``register`` also turns on numba-cuda's disk cache for the kernel
+(``enable_caching()``, what ``@cuda.jit(cache=True)`` does): the first process that
+launches it compiles it (0.3-0.5 s a kernel on the H100 machine: the course lab's 15
+kernels took 4.9-7.4 s of its first epoch, ``benchmarks/RESULTS.md``) and writes the
+machine code beside the source (``__pycache__``, or ``NUMBA_CACHE_DIR``); later processes
+load it in milliseconds. Numba recompiles when the kernel's own file changes (its size
+and time stamp), when the closure values a factory baked in differ, and when numba-cuda's
+version does; it does not look at other files, so a kernel that calls a device function
+of another file (``device_functions_from_other_files``: today the v1/v2 convs and pools,
+through ``kernels/launch.py``'s index helpers) is not cached but compiled in each process
+(``tests/test_kernel_cache.py``). ``MIRRORED_KERNEL_CACHE=0`` in the environment keeps
+nothing on disk. The simulator compiles nothing, so caches nothing.
+
 Neighbours: every ``kernels/*.py`` calls ``register``; ``kernels/report.py`` compiles
 what is here; ``kernels/launch.py`` holds the launch helpers the blocks come from.
 """
 import gc
 import importlib
 import math
+import os
 import pkgutil
 from dataclasses import dataclass
 
@@ -128,7 +142,55 @@ def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
         raise ValueError(f"register: {spec.label} is registered twice; give each compile-time "
                          f"variant its own variant string.")
     _REGISTRY.append(spec)
+    keep_on_disk(kernel)
     return kernel
+
+
+#: ``MIRRORED_KERNEL_CACHE=0``: compile every kernel afresh in each process (read at each
+#: ``register``, so at import).
+CACHE_VAR = "MIRRORED_KERNEL_CACHE"
+
+
+def keep_on_disk(kernel):
+    """Turn on numba-cuda's disk cache for ``kernel`` where that is safe; returns True
+    where it is on. Off: ``MIRRORED_KERNEL_CACHE=0``; the simulator's kernels (no compiled
+    code to keep); a kernel that calls device functions of another file (numba would not
+    notice an edit there, ``device_functions_from_other_files``): compiled afresh in each
+    process instead."""
+    if os.environ.get(CACHE_VAR, "1") == "0":
+        return False
+    enable = getattr(kernel, "enable_caching", None)
+    if enable is None or device_functions_from_other_files(kernel):
+        return False
+    enable()
+    return True
+
+
+def device_functions_from_other_files(kernel):
+    """The CUDA device functions ``kernel`` calls, directly or through device functions of
+    its own file, that are defined in another file, as "name (file)". A disk-cached kernel
+    is recompiled when its own file changes, not theirs (see the module docstring), so
+    ``keep_on_disk`` caches only kernels for which this is empty. Reads the names each
+    function's code uses, in its module's globals and its closure."""
+    func = getattr(kernel, "py_func", None)
+    if func is None:
+        return []
+    here, found, seen, todo = func.__code__.co_filename, set(), set(), [func]
+    while todo:
+        func = todo.pop()
+        code = func.__code__
+        names = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+        names.update((n, func.__globals__[n]) for n in code.co_names if n in func.__globals__)
+        for name, value in names.items():
+            inner = getattr(value, "py_func", None)
+            if inner is None or inner in seen:
+                continue
+            seen.add(inner)
+            if inner.__code__.co_filename != here:
+                found.add(f"{name} ({os.path.basename(inner.__code__.co_filename)})")
+            else:
+                todo.append(inner)
+    return sorted(found)
 
 
 def import_all():
