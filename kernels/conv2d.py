@@ -115,8 +115,8 @@ def pair(what, name, value):
     """``value`` as a pair of positive ints: 3 -> (3, 3), (2, 1) -> (2, 1). Raises a
     ValueError naming ``what`` (the layer or launcher) and the argument otherwise."""
     items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    ok = len(items) == 2 and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                                 for v in items)
+    ok = (len(items) == 2 and isinstance(items[0], (int, np.integer)) and not isinstance(items[0], bool)
+          and isinstance(items[1], (int, np.integer)) and not isinstance(items[1], bool))
     if not ok or min(items) < 1:
         raise ValueError(f"{what}: {name} must be a positive integer or a pair of positive "
                          f"integers (height, width), got {value!r}.")

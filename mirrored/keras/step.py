@@ -84,6 +84,9 @@ class Step:
         self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset, replicas)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
+        # (batch size, shard) -> this worker's replicas' [(start, stop)]: the rule's answer
+        # depends on the batch size alone once the strategy is fixed, so it is asked once
+        self.bounds = {}
         self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set
 
     # -- the training step -------------------------------------------------------------
@@ -162,11 +165,12 @@ class Step:
 
     def _caches(self, opt):
         """Every dict of buffers made on first use that a step can add to (each owner's
-        ``caches()``; a device's scratch is ``devices.py``'s)."""
+        ``caches()``: a device's is its scratch buffers)."""
         caches = opt.caches() if opt is not None else []
         for program in self.programs:
             caches += program.caches()
-        caches += [dev._scratch for dev in self.devices]
+        for dev in self.devices:
+            caches += dev.caches()
         caches += self.cross_device_ops.caches()
         if self.resident_loader is not None:
             caches += self.resident_loader.caches()
@@ -191,9 +195,12 @@ class Step:
         return [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds], _upload, 1.0 / max(xb.shape[0], 1)
 
     def _bounds(self, batch_size, shard):
-        if shard:
-            return local_bounds(batch_size, self.model.distribute_strategy.extended)
-        return rebatch_bounds(batch_size, len(self.programs))
+        bounds = self.bounds.get((batch_size, shard))
+        if bounds is None:
+            bounds = (local_bounds(batch_size, self.model.distribute_strategy.extended) if shard
+                      else rebatch_bounds(batch_size, len(self.programs)))
+            self.bounds[(batch_size, shard)] = bounds
+        return bounds
 
     def copy_in(self, parts, load):
         """Replica r puts ``parts[r]`` on its device: (b, in) float32 and (b,) labels in
