@@ -87,6 +87,7 @@ class Step:
         # (batch size, shard) -> this worker's replicas' [(start, stop)]: the rule's answer
         # depends on the batch size alone once the strategy is fixed, so it is asked once
         self.bounds = {}
+        self.mode_of = None                # (loss object, its kernel mode): see loss_mode
         self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set
 
     # -- the training step -------------------------------------------------------------
@@ -234,8 +235,12 @@ class Step:
         optimizer.update(self.pack)
 
     def loss_mode(self):
-        """Which fused loss kernel the model's output takes (``losses.kernel_mode``)."""
-        return kernel_mode(self.model.loss, self.programs[0].softmax_output)
+        """Which fused loss kernel the model's output takes (``losses.kernel_mode``), worked
+        out once per loss object (``compile`` sets a new one, and asks at once)."""
+        loss = self.model.loss
+        if self.mode_of is None or self.mode_of[0] is not loss:
+            self.mode_of = (loss, kernel_mode(loss, self.programs[0].softmax_output))
+        return self.mode_of[1]
 
     # -- evaluate and predict: forward (and the loss) on the same programs -------------------
     # Each is a host part (the inputs onto the devices) and a device part (launches only),
