@@ -5,11 +5,11 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step in six files (lines at this writing; 2,427 in all)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,432 in all)::
 
     1. keras/models.py      355  Sequential.build and fit: Keras's loop; one ``_train_on(batch)``
                                  per batch (compile, evaluate, predict, saving: model_api.py)
-    2. keras/step.py        317  Step.train: the whole step in four visible calls --
+    2. keras/step.py        322  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  a custom loop's ``apply_gradients`` runs the same steps 3-4
     3. keras/engine.py      348  ReplicaProgram: one replica's layers forward, the loss,
