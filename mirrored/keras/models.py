@@ -304,7 +304,7 @@ class Sequential(ModelAPI):
                 cb.on_epoch_begin(epoch, None)
             if verbose:
                 print(f"Epoch {epoch + 1}/{epochs}")
-            bar = Progbar(steps, verbose)
+            bar = Progbar(steps, verbose) if verbose else None     # verbose=0 draws nothing
             if self.built:
                 self.step.zero_metrics()
             step = 0
