@@ -115,8 +115,8 @@ def pair(what, name, value):
     """``value`` as a pair of positive ints: 3 -> (3, 3), (2, 1) -> (2, 1). Raises a
     ValueError naming ``what`` (the layer or launcher) and the argument otherwise."""
     items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    ok = len(items) == 2 and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                                 for v in items)
+    ok = (len(items) == 2 and isinstance(items[0], (int, np.integer)) and not isinstance(items[0], bool)
+          and isinstance(items[1], (int, np.integer)) and not isinstance(items[1], bool))
     if not ok or min(items) < 1:
         raise ValueError(f"{what}: {name} must be a positive integer or a pair of positive "
                          f"integers (height, width), got {value!r}.")
@@ -137,14 +137,40 @@ def _axis(what, size, window, stride, padding, axis, name):
     return out, total // 2, total - total // 2           # the odd extra goes after
 
 
+#: The answers of ``window_geometry`` and ``conv2d_output_shape``, by the ``repr`` of the
+#: arguments they depend on. A training step asks the same few questions every time (each
+#: conv and pool layer, forward and backward, on every replica: 18 for the lab ConvNet on
+#: 2 replicas), and working an answer out again took ~15 Python calls. Only answers are
+#: kept (an argument an error refuses is refused again); the repr tells 1 from True and
+#: from 1.0. At most GEOMETRY_ENTRIES (cleared past that): a program has a few shapes.
+GEOMETRY_ENTRIES = 256
+_geometry = {}
+
+
+def _remember(key, answer):
+    if len(_geometry) >= GEOMETRY_ENTRIES:
+        _geometry.clear()
+    _geometry[key] = answer
+    return answer
+
+
 def window_geometry(what, in_hw, window, strides, padding, name="window"):
     """(out_h, out_w, (pad_top, pad_bottom, pad_left, pad_right)) of a sliding window
     over an (H, W) input, or a ValueError naming ``what`` that says what to change.
 
     ``window`` and ``strides``: an int or an (h, w) pair of positive ints; ``padding``:
     "valid" or "same" (any case, as Keras); ``name``: what the window is called in errors
-    ("kernel", "pool"). The shape rule of Conv2D and MaxPooling2D.
+    ("kernel", "pool"). The shape rule of Conv2D and MaxPooling2D. Worked out once per
+    arguments (``_geometry``).
     """
+    key = repr(("window", in_hw, window, strides, padding))
+    answer = _geometry.get(key)
+    if answer is None:
+        answer = _remember(key, _window_geometry(what, in_hw, window, strides, padding, name))
+    return answer
+
+
+def _window_geometry(what, in_hw, window, strides, padding, name):
     kh, kw = pair(what, f"the {name} size", window)
     sh, sw = pair(what, "strides", strides)
     if not isinstance(padding, str) or padding.lower() not in PADDINGS:
@@ -161,7 +187,16 @@ def window_geometry(what, in_hw, window, strides, padding, name="window"):
 
 def conv2d_output_shape(x_shape, kernel_shape, strides=1, padding="valid", what="conv2d"):
     """The NHWC output shape (B, OH, OW, Cout) for an NHWC input and an HWIO kernel;
-    raises a ValueError naming ``what`` for wrong ranks, channel counts or sizes."""
+    raises a ValueError naming ``what`` for wrong ranks, channel counts or sizes. Worked out
+    once per arguments (``_geometry``)."""
+    key = repr(("conv", x_shape, kernel_shape, strides, padding))
+    answer = _geometry.get(key)
+    if answer is None:
+        answer = _remember(key, _conv2d_output_shape(x_shape, kernel_shape, strides, padding, what))
+    return answer
+
+
+def _conv2d_output_shape(x_shape, kernel_shape, strides, padding, what):
     x_shape, kernel_shape = tuple(x_shape), tuple(kernel_shape)
     if len(x_shape) != 4:
         hint = (" (a batch of single-channel images: add the channel axis, e.g. "

@@ -5,23 +5,27 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step in six files (lines at this writing; 2,872 in all)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,432 in all)::
 
-    1. keras/models.py      646  Sequential.fit: Keras's loop; one ``_train_on(batch)`` per batch
-    2. keras/step.py        310  Step.train: the whole step in four visible calls --
+    1. keras/models.py      355  Sequential.build and fit: Keras's loop; one ``_train_on(batch)``
+                                 per batch (compile, evaluate, predict, saving: model_api.py)
+    2. keras/step.py        322  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  a custom loop's ``apply_gradients`` runs the same steps 3-4
     3. keras/engine.py      348  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
     4. keras/layers.py      718  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
                                  own forward and backward, through ``dev.ops``
-    5. ring.py              451  RingAllReduce: the ring that sums the packed gradients (step 3)
-    6. keras/optimizers.py  399  Adam/SGD ``update``: one launch per device (step 4)
+    5. ring.py              353  RingAllReduce: the ring that sums the packed gradients (step 3)
+    6. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/data_adapters.py (the global batch as host arrays), input_lib.py
-   (``rebatch_bounds``: TensorFlow's rule for the split, step 1), backends.py (``dev.ops``:
-   the op on a GPU, our kernels, or a CPU, NumPy); then kernels/: gemm.py, activations.py,
-   softmax_xent.py, reduction.py, allreduce.py, optimizers.py (each with its NumPy reference).
+   (``rebatch_bounds``: TensorFlow's rule for the split, step 1), cross_device_ops.py (the
+   ring's base class: checks, MEAN), devices.py (``dev.activate``, buffers), backends.py
+   (``dev.ops``: the op on a GPU, our kernels, or a CPU, NumPy); then kernels/: gemm.py,
+   activations.py, softmax_xent.py, reduction.py, allreduce.py, optimizers.py (each with
+   its NumPy reference). ``python -m benchmarks.trace_step`` counts the files one step
+   of the lab ConvNet calls into.
 
 Around the step, wrapping it from outside: graphs.py (CUDA-graph capture); and, apart
 from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,
@@ -36,12 +40,14 @@ Map of the rest:
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
     multi_worker.py  MultiWorkerMirroredStrategy: workers are MPI ranks (mpiexec -n N)
     cross_device_ops.py  CrossDeviceOps (packing, MEAN), ReductionToOneDevice, ReduceOp
+    ring_trace.py the ring's teaching trace (RingStep, RingTransfer; lab 03)
     collective_all_reduce.py  the ring across workers (MPI between processes)
     workers.py    MPI: rank and size, messages with deadlines, abort on failure
     values.py     PerReplica, Mirrored, Variable, MirroredVariable
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
-    keras/        also losses, metrics, callbacks, saving, GradientTape (tape.py), progbar
+    keras/        also model_api (compile, evaluate, predict, saving methods), losses, metrics,
+                  callbacks, saving, optimizer_state, GradientTape (tape.py), progbar
     nn.py         compute_average_loss, scale_regularization_loss
     random.py     set_seed
     checkpoint.py mirrored.train: Checkpoint, CheckpointManager, latest_checkpoint

@@ -183,6 +183,11 @@ class Device:
             buf = self._scratch[full_key] = self.empty(shape, dtype)
         return buf
 
+    def caches(self):
+        """The dicts of buffers this device made on first use (its ``scratch``): a step
+        that fails drops what it added (``keras/step.py``'s ``Step.no_trace``)."""
+        return [self._scratch]
+
     # -- the interface every backend implements
     def empty(self, shape, dtype):
         """An uninitialised array of ``shape``/``dtype`` on this device."""

@@ -2,87 +2,25 @@
 only to its neighbour (``RingAllReduce``, the default ``cross_device_ops`` of
 ``MirroredStrategy``; lab 03 steps through it).
 
-Read top to bottom: the plain records of the teaching trace (``RingTransfer``,
-``RingStep``), peer access between two cards, then ``RingAllReduce``: its schedule as
-plain functions (``chunk_bounds``, ``schedule``, ``bytes_moved``), the checks, and
-``_run_ring``, which launches the steps (``kernels/allreduce.py`` adds or copies one
-chunk) with one CUDA event between neighbours per step.
+Read top to bottom: peer access between two cards, then ``RingAllReduce``: its
+schedule as plain functions (``chunk_bounds``, ``schedule``, ``bytes_moved``), the
+checks, and ``_run_ring``, which launches the steps (``kernels/allreduce.py`` adds or
+copies one chunk) with one CUDA event between neighbours per step.
 
 Neighbours: ``cross_device_ops.py`` (``CrossDeviceOps``, the base class: packing,
-MEAN, destinations; it calls this ring's ``_sum_in_place``), ``collective_all_reduce.py``
-(the same ring across MPI workers), ``kernels/allreduce.py`` (the chunk kernels),
-``lab/viz.py`` (the ring's pictures).
+MEAN, destinations; it calls this ring's ``_sum_in_place``), ``ring_trace.py`` (the
+teaching trace, ``RingStep`` and ``RingTransfer``, also importable from here),
+``collective_all_reduce.py`` (the same ring across MPI workers), ``kernels/allreduce.py``
+(the chunk kernels), ``lab/viz.py`` (the ring's pictures); ``distribute.py`` defines
+``HierarchicalCopyAllReduce``, TensorFlow's name that runs as this ring.
 """
-import dataclasses
 import threading
-import warnings
 
 import numpy as np
 
 from mirrored import devices as _dev
 from mirrored.cross_device_ops import CrossDeviceOps, check_distinct
-
-
-# Plain data for the teaching trace (``RingAllReduce(trace=True)``): what moved in
-# each step and what every chunk holds afterwards. Frozen dataclasses so that a
-# notebook or ``mirrored.lab.viz`` can keep, compare and draw them.
-
-@dataclasses.dataclass(frozen=True)
-class RingTransfer:
-    """One chunk moving one hop along the ring in one step.
-
-    ``src`` sends chunk ``chunk`` (elements ``[lo, hi)`` of the flat buffer) to
-    ``dst = (src + 1) % N``; ``op`` is ``"add"`` (reduce-scatter: dst's chunk +=
-    src's chunk) or ``"copy"`` (all-gather: dst's chunk = src's chunk). Device
-    numbers are positions in the ring (replica ids), not CUDA device ids.
-    ``src_worker``/``dst_worker``: the worker holding each end (0 on one machine;
-    under ``MultiWorkerMirroredStrategy`` a transfer whose workers differ is an MPI
-    message between processes).
-    """
-
-    src: int
-    dst: int
-    chunk: int
-    lo: int
-    hi: int
-    op: str
-    src_worker: int = 0     # the worker (MPI rank) of each end: a transfer between
-    dst_worker: int = 0     # two workers is an MPI message (MultiWorkerMirroredStrategy)
-
-
-@dataclasses.dataclass(frozen=True)
-class RingStep:
-    """One step of the ring, for every device at once.
-
-    phase      "reduce-scatter" or "all-gather"
-    step       index within the phase, 0 .. N-2
-    transfers  one ``RingTransfer`` per device, ordered by sender (``transfers[i].src == i``)
-    holds      after the step: ``holds[d][c]`` is the frozenset of replica ids whose
-               contributions chunk ``c`` on device ``d`` now holds
-    buffer     which fused buffer (``batch_reduce`` fuses one per dtype), 0, 1, ...
-    dtype      that buffer's dtype name; ``size`` its number of elements
-    """
-
-    phase: str
-    step: int
-    transfers: tuple
-    holds: tuple
-    buffer: int = 0
-    dtype: str = "float32"
-    size: int = 0
-
-    def as_dict(self):
-        """JSON-friendly: dicts and lists, contribution sets as sorted lists. A transfer's
-        ``src_worker``/``dst_worker`` appear only in a ring that spans workers."""
-        across = any(t.src_worker or t.dst_worker for t in self.transfers)
-        transfers = [dataclasses.asdict(t) for t in self.transfers]
-        if not across:
-            for t in transfers:
-                del t["src_worker"], t["dst_worker"]
-        return {"phase": self.phase, "step": self.step, "buffer": self.buffer,
-                "dtype": self.dtype, "size": self.size,
-                "transfers": transfers,
-                "holds": [[sorted(c) for c in dev] for dev in self.holds]}
+from mirrored.ring_trace import RingStep, RingTransfer, initial_holds, trace_steps  # noqa: F401 (also found here)
 
 
 # Peer access is a property of a pair of CUDA contexts, so it is cached for the
@@ -210,10 +148,7 @@ class RingAllReduce(CrossDeviceOps):
             steps.append(("all-gather", g, [(i, (i + 1) % n, (i + 1 - g) % n) for i in range(n)]))
         return steps
 
-    @staticmethod
-    def initial_holds(n):
-        """Before the first step every device's chunks hold only its own contribution."""
-        return tuple(tuple(frozenset([d]) for _ in range(n)) for d in range(n))
+    initial_holds = staticmethod(initial_holds)     # the state before the first step (ring_trace.py)
 
     @staticmethod
     def bytes_moved(size, n, itemsize=4):
@@ -402,20 +337,8 @@ class RingAllReduce(CrossDeviceOps):
             recv.ops.ring_gather_step(own, peer, lo, hi)
 
     def _trace_steps(self, n, size, buffer_index, dtype):
-        """Replay the schedule symbolically: sets of replica ids instead of numbers."""
-        bounds = self.chunk_bounds(size, n)
-        holds = [list(row) for row in self.initial_holds(n)]
-        steps = []
-        for phase, step, sends in self.schedule(n):
-            before = [list(row) for row in holds]    # every device acts at once
-            op = "add" if phase == "reduce-scatter" else "copy"
-            transfers = []
-            for src, dst, c in sends:
-                transfers.append(RingTransfer(src, dst, c, bounds[c][0], bounds[c][1], op))
-                holds[dst][c] = before[dst][c] | before[src][c] if op == "add" else before[src][c]
-            steps.append(RingStep(phase, step, tuple(transfers), tuple(tuple(r) for r in holds),
-                                  buffer_index, dtype.name, size))
-        return steps
+        """The teaching trace of one reduction (``ring_trace.trace_steps``)."""
+        return trace_steps(self.schedule(n), self.chunk_bounds(size, n), buffer_index, dtype, size)
 
 
 def record_event(dev, event):
@@ -428,24 +351,3 @@ def wait_event(dev, event):
     """Make ``dev``'s stream wait, on the GPU, for ``event`` (None: a CPU, nothing to do)."""
     if event is not None:
         event.wait(dev.stream)
-
-
-_HIERARCHICAL_NOTED = []
-
-
-class HierarchicalCopyAllReduce(RingAllReduce):
-    """Accepted, and runs as our ring (``RingAllReduce``), with a note once.
-
-    TensorFlow's hierarchical copy is a reduction tree laid out for the NVLink topology
-    of one 8-GPU machine (the DGX-1); the guide names it as the alternative to NCCL. Its
-    result is the same sum; here the ring computes it. ``num_packs`` is accepted for
-    compatibility (gradients are already one packed buffer)."""
-
-    def __init__(self, num_packs=1):
-        super().__init__()
-        self.num_packs = num_packs
-        if not _HIERARCHICAL_NOTED:
-            _HIERARCHICAL_NOTED.append(True)
-            warnings.warn("HierarchicalCopyAllReduce runs as mirrored's ring all-reduce "
-                          "(RingAllReduce): the same sums; the hierarchical copy tree is "
-                          "specific to the DGX-1's NVLink layout.", stacklevel=2)

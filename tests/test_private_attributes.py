@@ -22,7 +22,6 @@ KNOWN = {
     ("kernels/launch_cache.py", "overload._codelibrary"),    # numba's dispatcher internals
     ("kernels/registry.py", "k._device"),                    # numba's kernel attribute
     ("mirrored/workers.py", "os._exit"),                     # the standard library's name
-    ("mirrored/keras/step.py", "dev._scratch"),              # no_trace drops a failed step's scratch
     ("mirrored/strategy.py", "MirroredVariable._build"),     # the strategy builds its variables
     ("mirrored/strategy.py", "comp._handle_name"),           # ... and names their copies
     ("mirrored/values.py", "strategy._create_variable"),     # ... when Variable() is called in scope

@@ -376,8 +376,8 @@ def test_learning_rate_is_a_variable_read_by_callbacks(devices, capsys):
 
 def test_hierarchical_copy_runs_as_the_ring_and_central_storage_as_mirrored(no_gpu, monkeypatch):
     no_gpu(cpus=2)
-    from mirrored import ring
-    monkeypatch.setattr(ring, "_HIERARCHICAL_NOTED", [])     # the note comes once per process
+    from mirrored import distribute
+    monkeypatch.setattr(distribute, "_HIERARCHICAL_NOTED", [])     # the note comes once per process
     with pytest.warns(UserWarning, match="RingAllReduce"):
         ops = tf.distribute.HierarchicalCopyAllReduce()
     assert isinstance(ops, tf.distribute.RingAllReduce)

@@ -56,6 +56,14 @@ class Callback:
     def on_test_end(self, logs=None): pass
 
 
+def batch_hooks(callbacks, name):
+    """The ``name`` hooks ("on_train_batch_begin" or "on_train_batch_end") of ``callbacks``
+    that do something: ``Callback``'s own no-op is left out, so a step that no callback
+    watches calls none (Keras's ``CallbackList`` skips them likewise). ``fit`` asks once."""
+    base = getattr(Callback, name)
+    hooks = [getattr(cb, name) for cb in callbacks]
+    return [hook for hook in hooks if getattr(hook, "__func__", hook) is not base]
+
 class LazyLogs(MutableMapping):
     """A logs dict filled by ``read()`` the first time anyone looks into it (``fit``'s batch
     logs: reading the metrics syncs the devices, so it happens only when asked)."""

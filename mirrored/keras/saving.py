@@ -46,8 +46,8 @@ killed save leaves any previous file intact. A save into a folder first removes 
 temporaries that a killed save (``kill -9``) left there: those of processes no longer alive.
 Loading a truncated, empty or foreign file names the file and says what is wrong.
 
-Neighbours: ``models.py`` (``Sequential.save``/``save_weights``/``load_weights``),
-``optimizers.py`` (``keras_variables``: the optimizer's state in Keras's order),
+Neighbours: ``model_api.py`` (``Sequential.save``/``save_weights``/``load_weights``),
+``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
 ``layers.py`` (the layers rebuilt from a config; ``layer_config``: each layer's config).
 """
 import contextlib

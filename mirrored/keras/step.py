@@ -84,6 +84,10 @@ class Step:
         self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset, replicas)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
+        # (batch size, shard) -> this worker's replicas' [(start, stop)]: the rule's answer
+        # depends on the batch size alone once the strategy is fixed, so it is asked once
+        self.bounds = {}
+        self.mode_of = None                # (loss object, its kernel mode): see loss_mode
         self.resident_loader = None        # data_adapters.ResidentLoader of the last resident data set
 
     # -- the training step -------------------------------------------------------------
@@ -162,11 +166,12 @@ class Step:
 
     def _caches(self, opt):
         """Every dict of buffers made on first use that a step can add to (each owner's
-        ``caches()``; a device's scratch is ``devices.py``'s)."""
+        ``caches()``: a device's is its scratch buffers)."""
         caches = opt.caches() if opt is not None else []
         for program in self.programs:
             caches += program.caches()
-        caches += [dev._scratch for dev in self.devices]
+        for dev in self.devices:
+            caches += dev.caches()
         caches += self.cross_device_ops.caches()
         if self.resident_loader is not None:
             caches += self.resident_loader.caches()
@@ -191,9 +196,12 @@ class Step:
         return [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds], _upload, 1.0 / max(xb.shape[0], 1)
 
     def _bounds(self, batch_size, shard):
-        if shard:
-            return local_bounds(batch_size, self.model.distribute_strategy.extended)
-        return rebatch_bounds(batch_size, len(self.programs))
+        bounds = self.bounds.get((batch_size, shard))
+        if bounds is None:
+            bounds = (local_bounds(batch_size, self.model.distribute_strategy.extended) if shard
+                      else rebatch_bounds(batch_size, len(self.programs)))
+            self.bounds[(batch_size, shard)] = bounds
+        return bounds
 
     def copy_in(self, parts, load):
         """Replica r puts ``parts[r]`` on its device: (b, in) float32 and (b,) labels in
@@ -227,8 +235,12 @@ class Step:
         optimizer.update(self.pack)
 
     def loss_mode(self):
-        """Which fused loss kernel the model's output takes (``losses.kernel_mode``)."""
-        return kernel_mode(self.model.loss, self.programs[0].softmax_output)
+        """Which fused loss kernel the model's output takes (``losses.kernel_mode``), worked
+        out once per loss object (``compile`` sets a new one, and asks at once)."""
+        loss = self.model.loss
+        if self.mode_of is None or self.mode_of[0] is not loss:
+            self.mode_of = (loss, kernel_mode(loss, self.programs[0].softmax_output))
+        return self.mode_of[1]
 
     # -- evaluate and predict: forward (and the loss) on the same programs -------------------
     # Each is a host part (the inputs onto the devices) and a device part (launches only),

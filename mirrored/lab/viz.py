@@ -36,7 +36,7 @@ Returning a bare ``Figure`` (not a pyplot one) means nothing piles up in pyplot'
 registry; Jupyter displays it once the inline backend is active (``%matplotlib
 inline``, the first line of every lab).
 
-Neighbours: ``ring.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
+Neighbours: ``ring.py`` and ``ring_trace.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
 ``initial_holds``, ``schedule``), ``input_lib.py`` (``rebatch_bounds``), the timing
 helpers that produce events and rows (``timing.py``, ``scaling.py``, ``perf_model.py``),
 ``kernels/gemm.py`` (the tile sizes ``gemm_mapping`` draws), and ``labs/`` (which call

@@ -1,0 +1,334 @@
+"""The rest of Keras's model API, what ``fit``'s step does not use: compile, evaluate,
+predict, calling the model, weights, saving, summary (``ModelAPI``, the base class of
+``models.Sequential``; every method here is a method of the model, as in Keras).
+
+``models.py`` keeps what one training step of ``fit`` runs: building the model, the
+epoch loop and ``_train_on``. This file holds the methods around it, so that a student
+following the step reads ``models.py`` alone. ``evaluate`` and ``predict`` run the same
+``step.Step`` (its evaluate and predict passes, on the same replica programs); calling
+the model (``model(x)``) runs one replica's forward, remembered for ``GradientTape``.
+
+Every public method that runs or changes the model holds the model's re-entrant lock
+(``serialised``; ``models.py``'s docstring says why).
+
+Neighbours: ``models.py`` (Sequential: build, fit), ``step.py`` (the passes),
+``saving.py`` (the files), ``data_adapters.py`` (what evaluate/predict accept),
+``tape.py`` (``ModelOutput``), ``progbar.py``.
+"""
+import functools
+import os
+import tempfile
+import warnings
+
+import numpy as np
+
+from mirrored import backends, context
+from mirrored.keras import data_adapters
+from mirrored.keras import losses as _losses
+from mirrored.keras import optimizers as _optimizers
+from mirrored.keras import saving
+from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
+from mirrored.keras.progbar import Progbar
+from mirrored.keras.step import check_compiled
+from mirrored.keras.tape import ModelOutput
+from mirrored.tensor import Tensor
+from mirrored.values import components
+
+
+def serialised(method):
+    """Run ``method`` holding the model's re-entrant lock (``models.py``'s docstring says why)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+class ModelAPI:
+    """Keras's model methods that are not ``fit``'s step (the module docstring); the base
+    class of ``models.Sequential``, whose ``__init__`` makes the state they use."""
+
+    # -- weights -------------------------------------------------------------------------
+    @property
+    def non_trainable_variables(self):
+        return []
+
+    @property
+    def losses(self):
+        """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
+        ``model.losses``), on this replica's copies inside ``strategy.run``."""
+        return [loss for layer in self.layers for loss in layer.losses]
+
+    def count_params(self):
+        return int(sum(np.prod(v.shape) for v in self.trainable_variables))
+
+    @serialised
+    def get_weights(self):
+        """NumPy copies in Keras's order: kernel (in, out), bias, layer by layer."""
+        return [v.numpy() for v in self.trainable_variables]
+
+    @serialised
+    def set_weights(self, weights):
+        variables = self.trainable_variables
+        weights = list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(f"set_weights: the model has {len(variables)} weight arrays, got {len(weights)}.")
+        arrays = []
+        for v, w in zip(variables, weights):
+            w = np.asarray(w, np.float32)
+            if w.shape != v.shape:
+                raise ValueError(f"set_weights: {v.name} has shape {v.shape}, got an array of shape {w.shape}.")
+            arrays.append(w)
+        for v, w in zip(variables, arrays):           # validated first: nothing half-set
+            for c in components(v):
+                c.assign(w)
+
+    @serialised
+    def save_weights(self, filepath, overwrite=True, save_format=None, options=None):
+        """Write the weights atomically to ``filepath``, a ``*.weights.h5`` file in Keras 3's
+        layout (``saving.py``), which Keras reads; a failed save leaves any previous file intact.
+        Under ``MultiWorkerMirroredStrategy`` only the chief keeps the file (``_save_on_chief``)."""
+        self._save_on_chief(saving.save_weights, filepath, overwrite)
+
+    def _save_on_chief(self, write, filepath, overwrite):
+        """``write(self, filepath, overwrite)`` on the chief; on any other worker into a
+        temporary ``workertemp_<task_id>`` directory, deleted at once, as Keras's callbacks do
+        on non-chief workers (so only the chief's file remains; one machine: the chief)."""
+        if self._strategy.extended.should_checkpoint:
+            return write(self, filepath, overwrite)
+        task = self._strategy.cluster_resolver.task_id
+        with tempfile.TemporaryDirectory(prefix=f"workertemp_{task}_") as tmp:
+            return write(self, os.path.join(tmp, os.path.basename(os.fspath(filepath))), True)
+
+    @serialised
+    def load_weights(self, filepath, skip_mismatch=False, by_name=False, options=None):
+        """Read a ``*.weights.h5`` file (ours or Keras 3's) or a ``*.keras`` model's weights,
+        checked against the model before anything changes."""
+        saving.load_weights(self, filepath)
+
+    @serialised
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
+        one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
+        self._save_on_chief(saving.save_model, filepath, overwrite)
+
+    def get_config(self):
+        """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
+        return saving.model_config(self)["config"]
+
+    # -- compile -------------------------------------------------------------------------
+    @serialised
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
+                weighted_metrics=None, run_eagerly=None, steps_per_execution=None, jit_compile=None,
+                cuda_graph=None, **kwargs):
+        """Keras's ``compile``: optimizer, loss, ``metrics=['accuracy']``, ``run_eagerly``.
+
+        ``run_eagerly=False`` (Keras's default; ``None`` means False, as in Keras): on a
+        GPU, ``fit``, ``evaluate`` and ``predict`` capture the device part of each pass
+        once per batch shape as a CUDA graph and replay it (``mirrored/graphs.py`` says
+        how and why), as Keras compiles its step into a graph. ``run_eagerly=True``: every
+        kernel is launched from Python, one by one (what labs 04 and 05 step through).
+        Where there is nothing to capture (CPU devices, the CUDA simulator) both run the
+        same launches eagerly, silently. The weights come out bitwise the same either way.
+
+        ``cuda_graph=`` (this library's old option) is deprecated: ``cuda_graph=True`` is
+        ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
+        DeprecationWarning; ``cuda_graph=True`` still warns once where nothing can be captured.
+        """
+        self._check_strategy()
+        run_eagerly = _eager_from(run_eagerly, cuda_graph)
+        if optimizer == "rmsprop":
+            raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
+                                      "pass optimizer='adam' or 'sgd'.")
+        self.optimizer = _optimizers.get(optimizer)
+        if loss is None:
+            raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
+        self.loss = _losses.get(loss)
+        self._metric_names = []
+        for m in metrics or []:
+            if isinstance(m, str) and m in ACCURACY_NAMES:
+                self._metric_names.append(m)
+            elif isinstance(m, SparseCategoricalAccuracy):
+                self._metric_names.append(m.name)
+            else:
+                raise NotImplementedError(f"metric {m!r} is not implemented; use metrics=['accuracy'].")
+        if len(self._metric_names) > 1:
+            raise NotImplementedError("one accuracy metric per model here.")
+        if self._metric_names and _losses.takes_targets(self.loss):
+            raise NotImplementedError(f"metrics={self._metric_names} with {type(self.loss).__name__}: the "
+                                      f"accuracy metric here counts class indices; compile without metrics "
+                                      f"(the loss is reported).")
+        if self.built:
+            self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
+        self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
+        self.run_eagerly = run_eagerly              # drops the graphs: they hold the old optimizer's buffers
+
+    @property
+    def run_eagerly(self):
+        """Keras's attribute: True launches every kernel from Python; False (the default)
+        replays fit's, evaluate's and predict's device parts as CUDA graphs on a GPU."""
+        return self._run_eagerly
+
+    @run_eagerly.setter
+    def run_eagerly(self, value):
+        if self._graphs is not None:
+            self._graphs.close()
+        self._run_eagerly, self._graphs, self._captured = bool(value), None, None
+
+    @property
+    def metrics_names(self):
+        return ["loss"] + self._metric_names
+
+    # -- evaluate / predict -----------------------------------------------------------
+    def _evaluate(self, data, batch_size, verbose, prefix=""):
+        if isinstance(data, (tuple, list)) and len(data) == 2 and not hasattr(data, "batch"):
+            x, y = data
+        else:
+            x, y = data, None
+        batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle=False)
+        bar = Progbar(steps, verbose)
+        if self.built:
+            self.step.zero_metrics()
+        step = 0
+        for batch in batches:
+            batch = data_adapters.prepare(self, batch)
+            if step == 0:
+                mode = self.step.loss_mode()            # the model is built by now
+            with self.step.no_trace():                  # out of memory: nothing stays charged
+                self._trainer().evaluate(batch, mode)
+            step += 1
+        if not step:
+            raise no_batches_error("test_function", x, None)
+        logs = self._logs(prefix)
+        if verbose:
+            bar.finish(step, logs)
+        return logs
+
+    @serialised
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
+        """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
+        check_compiled(self, "evaluating")
+        self._check_strategy()
+        data_adapters.check_batch_size(batch_size, "evaluate")
+        verbose = self._verbosity(verbose)
+        with backends.blas_threads():
+            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
+        if return_dict:
+            return logs
+        values = list(logs.values())
+        return values if len(values) > 1 else values[0]
+
+    @serialised
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
+        """The model's outputs (probabilities after a softmax layer) as one NumPy array.
+        The model need not be compiled (as in Keras): predict has no loss and no update."""
+        self._check_strategy()
+        data_adapters.check_batch_size(batch_size, "predict")
+        with backends.blas_threads():
+            return self._predict(x, batch_size, verbose)
+
+    def _predict(self, x, batch_size, verbose):
+        verbose = self._verbosity(verbose)
+        if isinstance(x, (np.ndarray, list)):              # whole arrays: checked once, up front
+            x = np.asarray(x)
+            self.accept_inputs(x.shape, x.dtype)
+        chunks, steps = data_adapters.predict_batches(x, batch_size)
+        outs = []
+        bar = Progbar(steps, verbose)
+        done = 0
+        for batch in chunks:
+            xb = batch[0] if isinstance(batch, (tuple, list)) else batch
+            xb = xb.numpy() if isinstance(xb, Tensor) else np.asarray(xb)
+            self.accept_inputs(xb.shape, xb.dtype)
+            xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
+            with self.step.no_trace():                  # out of memory: nothing stays charged
+                outs.extend(self._trainer().predict(xb))
+            done += 1
+        if verbose:
+            bar.finish(done, {})
+        if not outs:
+            return np.zeros((0,) + tuple(self._output_shape), np.float32)
+        return np.concatenate(outs, axis=0)
+
+    # -- calling the model ------------------------------------------------------------------
+    def __call__(self, inputs, training=False):
+        """Forward on this replica's device (inside strategy.run) or the first one.
+
+        Returns a Tensor: probabilities after a softmax layer, else the last
+        layer's output. Inside a GradientTape it remembers the call for
+        ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
+        calling one model take turns); inside, each replica runs on its own program.
+        """
+        strategy, replica_ctx = context.top()
+        if replica_ctx is not None and strategy is self._strategy:
+            return self._call(inputs, training, replica_ctx.local_replica_id)
+        with self._lock:
+            return self._call(inputs, training, 0)
+
+    def _call(self, inputs, training, r):
+        if not isinstance(inputs, Tensor):
+            inputs = np.asarray(inputs)
+        shape = inputs.shape
+        self.accept_inputs(shape, inputs.dtype, "inputs")
+        features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
+        p = self.step.programs[r]
+        dev = p.dev
+        with dev.activate():
+            if isinstance(inputs, Tensor):
+                if inputs.dtype != np.float32:
+                    raise TypeError(f"the model takes float32 inputs, got {inputs.dtype}; "
+                                    f"use mirrored.cast(x, mirrored.float32).")
+                buf = inputs.buf if inputs.dev is dev else dev.copy_from(inputs.buf, inputs.dev)
+                x = buf.reshape(shape[0], features)
+            else:
+                x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], features))
+            out = p.forward(x, training=training, probabilities=True)
+            result = dev.copy_from(out, dev)           # the program reuses `out` next call
+        return Tensor(result, dev, ModelOutput(self, p, x))
+
+    # -- summary ------------------------------------------------------------------------------------
+    def summary(self, print_fn=None):
+        """Keras's table of layers, output shapes and parameter counts."""
+        print_fn = print_fn or print
+        if not self.built:
+            raise ValueError("This model has not yet been built: give the first layer an "
+                             "input_shape or call fit() first.")
+        rule, thick = "_" * 65, "=" * 65
+        lines = [f'Model: "{self.name}"', rule,
+                 f" {'Layer (type)':<27} {'Output Shape':<25} {'Param #':<10}", thick]
+        shape = self._input_shape
+        for i, layer in enumerate(self.layers):
+            shape = layer.output_shape_for(shape)
+            params = int(sum(np.prod(w.shape) for w in layer.trainable_weights))
+            desc = f"{layer.name} ({type(layer).__name__})"
+            lines.append(f" {desc:<27} {str((None,) + tuple(shape)):<25} {params:<10}")
+            lines.append(" " * 65 if i < len(self.layers) - 1 else thick)
+        total = self.count_params()
+        lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
+        for line in lines:
+            print_fn(line)
+
+
+def _eager_from(run_eagerly, cuda_graph):
+    """``run_eagerly`` as a bool from compile's arguments (``cuda_graph=``: deprecated alias)."""
+    if cuda_graph is None:
+        return bool(run_eagerly)                    # None: False, as in Keras
+    warnings.warn(f"compile(cuda_graph={cuda_graph!r}) is deprecated: use Keras's run_eagerly "
+                  f"(cuda_graph=True is run_eagerly=False, the default: fit, evaluate and predict "
+                  f"replay CUDA graphs on a GPU; cuda_graph=False is run_eagerly=True).",
+                  DeprecationWarning, stacklevel=3)
+    if run_eagerly is not None and bool(run_eagerly) == bool(cuda_graph):
+        raise ValueError(f"compile(run_eagerly={run_eagerly!r}, cuda_graph={cuda_graph!r}) asks for "
+                         f"both eager launches and CUDA graphs; pass run_eagerly alone.")
+    return not cuda_graph
+
+
+
+def no_batches_error(function, x, epoch):
+    """Keras's error for data that yields no batch (an empty array or dataset), with why."""
+    where = f" in epoch {epoch + 1}" if epoch is not None else ""
+    what = (f"{len(x)} examples" if isinstance(x, (np.ndarray, list, tuple)) and not hasattr(x, "batch")
+            else f"the dataset {type(x).__name__}")
+    return ValueError(f"Unexpected result of `{function}` (Empty logs): the data ({what}) gave no "
+                      f"batch{where}. Check that it is not empty (a filter that drops everything, a "
+                      f"take(0), an exhausted iterator) and that x holds at least one example.")

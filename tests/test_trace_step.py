@@ -1,0 +1,81 @@
+"""benchmarks/trace_step.py: the counts it reports are the counts of the calls it saw.
+
+The program's counting is checked on made-up call sequences against a second, plainer
+count (``itertools.groupby`` for the jumps), and its spans on made-up nested events;
+then it traces the lab ConvNet on 2 logical CPUs, and every number it reports must agree
+with the others (sums, subsets, the scopes nested). No number is a target here: the
+program reports them (``python -m benchmarks.trace_step``).
+
+    python -m pytest -q tests/test_trace_step.py
+"""
+import itertools
+import json
+
+import pytest
+
+from benchmarks import trace_step
+
+FILES = ["mirrored/a.py", "mirrored/keras/b.py", "kernels/c.py", "kernels/d.py"]
+
+
+def random_calls(rng, n):
+    return [(FILES[i], f"f{j}") for i, j in zip(rng.integers(0, len(FILES), n), rng.integers(0, 5, n))]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 31, 200])
+def test_summarise_counts_calls_files_functions_and_jumps(rng, n):
+    calls = random_calls(rng, n)
+    for prefix in ("", "mirrored/", "kernels/"):
+        mine = [c for c in calls if c[0].startswith(prefix)]
+        got = trace_step.summarise(calls, prefix)
+        assert got["calls"] == len(mine)
+        assert got["functions"] == len(set(mine))
+        assert got["per_file"] == {f: sum(1 for c in mine if c[0] == f) for f in FILES
+                                   if any(c[0] == f for c in mine)}
+        assert got["files"] == len(got["per_file"])
+        assert got["jumps"] == max(len(list(itertools.groupby(f for f, _ in mine))) - 1, 0)
+
+
+def test_span_runs_from_the_start_call_to_the_end_return_on_the_start_thread():
+    A, B, C = ("m/s.py", "Step.train"), ("m/o.py", "Opt.update"), ("k/x.py", "f")
+    ev = [("call", *C, 1), ("return", *C, 1),
+          ("call", *A, 1), ("call", *C, 1), ("return", *C, 1),
+          ("call", *B, 2), ("return", *B, 2),                   # another thread's update: not the end
+          ("call", *B, 1), ("call", *B, 1), ("return", *B, 1),  # a nested update: not yet the end
+          ("call", *C, 1), ("return", *C, 1), ("return", *B, 1),
+          ("call", *C, 1), ("return", *A, 1)]
+    assert trace_step.span(ev, A, B) == [A, C, B, B, B, C]
+    assert trace_step.span(ev, A) == [A, C, B, B, B, C, C]
+    with pytest.raises(ValueError, match="never called"):
+        trace_step.span(ev, ("m/s.py", "nothing"))
+    with pytest.raises(ValueError, match="never returned"):
+        trace_step.span(ev[:-1], A)
+
+
+def test_the_lab_convnet_trace_is_consistent(devices, tmp_path):
+    devices(cpus=2)
+    out = tmp_path / "trace.json"
+    result = trace_step.main(["--replicas", "2", "--batch", "33", "--json", str(out)])
+    assert json.loads(out.read_text())["scopes"] == result
+    assert list(result) == ["fit", "batch", "step"]
+    for scope, counts in result.items():
+        for which, prefix in (("all", ""), ("mirrored", "mirrored/")):
+            c = counts[which]
+            assert sum(c["per_file"].values()) == c["calls"] > 0
+            assert c["files"] == len(c["per_file"])
+            assert all(f.startswith(prefix) and f.endswith(".py") for f in c["per_file"])
+            assert c["files"] <= c["functions"] <= c["calls"]
+            assert c["files"] - 1 <= c["jumps"] <= c["calls"] - 1
+        everything, mine = counts["all"], counts["mirrored"]
+        assert mine["per_file"] == {f: n for f, n in everything["per_file"].items()
+                                    if f.startswith("mirrored/")}
+        assert mine["jumps"] <= everything["jumps"]
+    for inner, outer in (("step", "batch"), ("batch", "fit")):      # the scopes nest
+        for f, n in result[inner]["all"]["per_file"].items():
+            assert n <= result[outer]["all"]["per_file"][f], (inner, outer, f)
+    step = result["step"]["all"]["per_file"]
+    for f in ("mirrored/keras/step.py", "mirrored/keras/engine.py", "mirrored/keras/optimizers.py",
+              "mirrored/ring.py"):                                    # 2 replicas: the ring runs
+        assert f in step, f
+    assert "mirrored/keras/callbacks.py" in result["fit"]["all"]["per_file"]
+    assert "mirrored/keras/callbacks.py" not in step
