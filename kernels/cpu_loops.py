@@ -152,19 +152,26 @@ def matmul_rows(a, b, out):
     if m < PARTS or m * a.shape[1] * b.shape[1] < SPLIT_MIN_MADDS:
         return np.matmul(a, b, out=out)
     bounds = [m * i // PARTS for i in range(PARTS + 1)]
-    blocks = list(zip(bounds[:-1], bounds[1:]))
-    n = min(product_threads(), PARTS)
+    run_parts([(np.matmul, (a[lo:hi], b, out[lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])])
+    return out
+
+
+def run_parts(parts, threads=None):
+    """Run ``parts``, a list of ``(function, args)`` each writing only its own outputs, on
+    ``threads`` threads (default ``product_threads()``): this one and a pool's, which
+    block (never spin) while they wait. Part i goes to thread i % threads, so which
+    thread runs a part never changes what it computes; the caller combines the parts'
+    results in a fixed order. Compiled loops called here must release the GIL
+    (``nogil=True``) and must not be Numba-parallel (``_LOCK``)."""
+    n = max(1, min(product_threads() if threads is None else threads, len(parts)))
     pool = _POOL.get(n - 1) if n > 1 else None
     if n > 1 and pool is None:
         pool = _POOL[n - 1] = ThreadPoolExecutor(n - 1, thread_name_prefix="mirrored-cpu")
-    mine = blocks[::n]                                  # this thread's blocks; the pool's the rest
-    theirs = [pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
-              for i, (lo, hi) in enumerate(blocks) if i % n] if pool else []
-    for lo, hi in mine:
-        np.matmul(a[lo:hi], b, out=out[lo:hi])
+    theirs = [pool.submit(fn, *args) for i, (fn, args) in enumerate(parts) if i % n] if pool else []
+    for fn, args in parts[::n]:                         # this thread's parts; the pool's the rest
+        fn(*args)
     for part in theirs:
         part.result()
-    return out
 
 
 def threads_note():
@@ -189,7 +196,7 @@ def _run(loop, *args):
 # --- Windows --------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
-def _taps_inside(o, stride, pad, taps, size):
+def taps_inside(o, stride, pad, taps, size):
     """The taps ``[lo, hi)`` of output position ``o``'s window that land inside the input:
     0 <= o*stride - pad + t < size (the rest is padding). The loops below walk
     ``range(lo, hi)``, the same taps in the same ascending order as skipping the outside ones."""
@@ -203,25 +210,45 @@ def _taps_inside(o, stride, pad, taps, size):
 def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
     """cols[r, t] = x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci], 0 in the padding, for
     r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop.
-    Each tap copies its Cin channels as one contiguous run (channels-last: x[n, ih, iw, :]
-    and cols[r, t:t + Cin] are both contiguous), with no test per element."""
+    A kernel row's taps (kw, ci) read x[n, ih, iw0:iw0 + KW, :], ONE contiguous run of
+    KW*Cin values in channels-last memory whatever the stride, landing in cols[r, kh*KW*Cin:]
+    contiguous too: one copy per kernel row (3 values for the lab's Cin = 1, 96 for
+    Cin = 32), through flat offsets (``_copy_run``). Zeros first where the window
+    leaves the image (padding), then the rows' runs inside it."""
     b, h, wd, cin = x.shape
+    run = kw_n * cin
+    k = kh_n * run
+    xf = x.reshape(-1)
+    cf = cols.reshape(-1)
     for n in prange(b):
         for oh in range(out_h):
+            kh_lo, kh_hi = taps_inside(oh, sh, pt, kh_n, h)
             for ow in range(out_w):
-                row = cols[(n * out_h + oh) * out_w + ow]
-                for kh in range(kh_n):
-                    ih = oh * sh - pt + kh
-                    for kw in range(kw_n):
-                        iw = ow * sw - pl + kw
-                        t = (kh * kw_n + kw) * cin
-                        if ih >= 0 and ih < h and iw >= 0 and iw < wd:
-                            src = x[n, ih, iw]
-                            for ci in range(cin):
-                                row[t + ci] = src[ci]
-                        else:
-                            for ci in range(cin):
-                                row[t + ci] = np.float32(0.0)
+                r = ((n * out_h + oh) * out_w + ow) * k
+                kw_lo, kw_hi = taps_inside(ow, sw, pl, kw_n, wd)
+                if kh_hi - kh_lo < kh_n or kw_hi - kw_lo < kw_n:
+                    cf[r:r + k] = np.float32(0.0)
+                for kh in range(kh_lo, kh_hi):
+                    src = ((n * h + oh * sh - pt + kh) * wd + ow * sw - pl + kw_lo) * cin
+                    _copy_run(cf, r + kh * run + kw_lo * cin, xf, src, (kw_hi - kw_lo) * cin)
+
+
+#: Runs (of a kernel row's taps) shorter than this are copied without SIMD lanes.
+SHORT_RUN = 8
+
+
+@njit(cache=True, inline="always")
+def _copy_run(dst, d0, src, s0, count):
+    """dst[d0:d0 + count] = src[s0:s0 + count] by unsigned offsets: a signed index makes
+    Numba test each for a negative one (Python's wrap-around), which keeps LLVM from
+    copying in SIMD lanes. Runs shorter than ``SHORT_RUN`` are copied one value at a time
+    (the vector loop's checks cost more than they save there)."""
+    if count < SHORT_RUN:
+        for j in range(count):
+            dst[d0 + j] = src[s0 + j]
+    else:
+        for j in range(count):
+            dst[np.uint64(d0 + j)] = src[np.uint64(s0 + j)]
 
 
 @njit(**_PAR)
@@ -296,7 +323,7 @@ def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False,
     float32 buffer to reuse (the CPU device keeps one), else one is made."""
     b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                         "conv2d_forward")
-    _check_out("conv2d_forward", out, shape)
+    check_out("conv2d_forward", out, shape)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
     matmul_rows(cols, kernel.reshape(-1, cout), out2)    # (B*OH*OW, Cout)
@@ -313,16 +340,16 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=
     ``cols`` (dW has used it), the col2im by ``_col2im`` (no temporaries)."""
     b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                         "conv2d_backward")
-    _check_out("conv2d_backward: dy", dy, shape)
-    _check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
+    check_out("conv2d_backward: dy", dy, shape)
+    check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
     dy2 = dy.reshape(b * out_h * out_w, cout)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     matmul_rows(cols.T, dy2, dw.reshape(-1, cout))       # (KH*KW*Cin, Cout)
     if db is not None:
         _run(_column_sums, dy2, db, max(out_h * out_w, 1))
     if dx is not None:
-        _check_out("conv2d_backward: dx", dx, tuple(x.shape))
-        (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
+        check_out("conv2d_backward: dx", dx, tuple(x.shape))
+        (sh, sw), (pt, pl) = strides_pads(x.shape, kernel.shape[:2], strides, padding)
         # dcols = dy @ W^T (BLAS) into the column buffer, free now that dW is made
         matmul_rows(dy2, kernel.reshape(-1, cout).T, cols)     # (B*OH*OW, KH*KW*Cin)
         _run(_col2im, cols, dx, out_h, out_w, kernel.shape[0], kernel.shape[1], sh, sw, pt, pl)
@@ -336,22 +363,22 @@ def cols_shape(x_shape, kernel_shape, strides=1, padding="valid"):
 
 
 def _columns(x, kernel_shape, out_h, out_w, strides, padding, cols):
-    (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel_shape[:2], strides, padding)
+    (sh, sw), (pt, pl) = strides_pads(x.shape, kernel_shape[:2], strides, padding)
     shape = (x.shape[0] * out_h * out_w, int(np.prod(kernel_shape[:3])))
     if cols is None:
         cols = np.empty(shape, np.float32)
-    _check_out("conv2d: cols", cols, shape)
+    check_out("conv2d: cols", cols, shape)
     _run(_im2col, x, cols, out_h, out_w, kernel_shape[0], kernel_shape[1], sh, sw, pt, pl)
     return cols
 
 
-def _strides_pads(x_shape, kernel_hw, strides, padding):
+def strides_pads(x_shape, kernel_hw, strides, padding):
     _, _, (pt, _, pl, _) = window_geometry("conv2d", x_shape[1:3], kernel_hw, strides, padding)
     sh, sw = (strides, strides) if isinstance(strides, (int, np.integer)) else tuple(strides)
     return (int(sh), int(sw)), (pt, pl)
 
 
-def _check_out(what, out, shape):
+def check_out(what, out, shape):
     if tuple(out.shape) != tuple(shape) or out.dtype != np.float32:
         raise ValueError(f"{what}: expected a float32 array of shape {tuple(shape)}, got "
                          f"{out.dtype} {tuple(out.shape)}.")
@@ -382,8 +409,8 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl, bias, relu):
                 o = out[n, oh, ow]
                 g = arg[n, oh, ow]
                 first = True
-                a_lo, a_hi = _taps_inside(oh, sh, pt, ph_n, h)
-                b_lo, b_hi = _taps_inside(ow, sw, pl, pw_n, wd)
+                a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
+                b_lo, b_hi = taps_inside(ow, sw, pl, pw_n, wd)
                 for a in range(a_lo, a_hi):
                     ih = oh * sh - pt + a
                     for bb in range(b_lo, b_hi):
@@ -426,8 +453,8 @@ def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl, y):
             for ow in range(out_w):
                 d = dy[n, oh, ow]
                 g = arg[n, oh, ow]
-                a_lo, a_hi = _taps_inside(oh, sh, pt, ph_n, h)
-                b_lo, b_hi = _taps_inside(ow, sw, pl, pw_n, wd)
+                a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
+                b_lo, b_hi = taps_inside(ow, sw, pl, pw_n, wd)
                 for a in range(a_lo, a_hi):
                     ih = oh * sh - pt + a
                     for bb in range(b_lo, b_hi):
@@ -447,7 +474,7 @@ def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
     """``max_pool_ref`` written into out (B, OH, OW, C) float32 and arg (B, OH, OW, C) int32."""
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(x.shape, pool_size, strides,
                                                               padding, "max_pool_forward")
-    _check_out("max_pool_forward: out", out, shape)
+    check_out("max_pool_forward: out", out, shape)
     if tuple(arg.shape) != shape or arg.dtype != np.int32:
         raise ValueError(f"max_pool_forward: arg must be int32 of shape {shape}, got "
                          f"{arg.dtype} {tuple(arg.shape)}.")
@@ -459,7 +486,7 @@ def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid"):
     """``max_pool_backward_ref`` written into dx (B, H, W, C) float32."""
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
                                                               padding, "max_pool_backward")
-    _check_out("max_pool_backward: dy", dy, shape)
+    check_out("max_pool_backward: dy", dy, shape)
     _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl, None)
     return dx
 
@@ -472,8 +499,8 @@ def max_pool_relu_backward(dy, arg, y, dx, pool_size=2, strides=None, padding="v
     do not overlap."""
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
                                                               padding, "max_pool_relu_backward")
-    _check_out("max_pool_relu_backward: dy", dy, shape)
-    _check_out("max_pool_relu_backward: y", y, shape)
+    check_out("max_pool_relu_backward: dy", dy, shape)
+    check_out("max_pool_relu_backward: y", y, shape)
     _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl, y)
     return dx
 
@@ -492,13 +519,13 @@ def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool
                                                              padding, "conv2d_relu_pool")
     shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
         conv_shape, pool_size, pool_strides, pool_padding, "conv2d_relu_pool")
-    _check_out("conv2d_relu_pool: out", out, shape)
+    check_out("conv2d_relu_pool: out", out, shape)
     if tuple(arg.shape) != shape or arg.dtype != np.int32:
         raise ValueError(f"conv2d_relu_pool: arg must be int32 of shape {shape}, got "
                          f"{arg.dtype} {tuple(arg.shape)}.")
     if z is None:
         z = np.empty(conv_shape, np.float32)
-    _check_out("conv2d_relu_pool: z", z, conv_shape)
+    check_out("conv2d_relu_pool: z", z, conv_shape)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     matmul_rows(cols, kernel.reshape(-1, cout), z.reshape(b * out_h * out_w, cout))
     bias = np.zeros(cout, np.float32) if bias is None else bias

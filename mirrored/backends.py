@@ -16,8 +16,8 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_loops, dropout, elementwise,
-                     gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
+from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv_pool, cpu_loops, dropout,
+                     elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
@@ -131,6 +131,19 @@ class CpuOps:
 
     def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
         return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
+
+    def conv2d_relu_pool_backward(self, x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
+                                  pool_size=2, pool_strides=None, pool_padding="valid"):
+        # conv2d_relu_pool's backward in one op: dw, db and dx (None: not computed) from the
+        # pooled gradient dy. Where it pays (kernels/cpu_conv_pool.py ``pays``: windows that
+        # do not overlap, kernel rows reading >= 16 contiguous inputs) only the arg-max terms
+        # are added and the conv's gradient is never written; else the general path writes
+        # it into ``dz`` (B, OH, OW, Cout) and runs conv2d_backward on it.
+        if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
+            return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
+                                          pool_size, pool_strides, pool_padding)
+        self.max_pool_relu_backward(dy, arg, y, dz, pool_size, pool_strides, pool_padding)
+        return self.conv2d_backward(x, kernel, dz, dx, dw, db, strides, padding)
 
     @staticmethod
     def fuses_conv_relu_pool(kernel_shape, strides, pool_size, pool_strides, pool_padding):
