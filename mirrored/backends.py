@@ -165,7 +165,7 @@ class CpuOps:
         return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
 
     def adam(self, w, g, m, v, hyper):
-        return optimizers.adam_ref(w, g, m, v, hyper)
+        return optimizers.adam_cpu(w, g, m, v, hyper)       # = adam_ref bitwise, one compiled pass
 
     # a batch from a data set kept on the device (kernels/gather.py)
     def gather_rows(self, src, idx, out):
