@@ -33,7 +33,7 @@ that the block's rows of dW^T stay in the L1 cache. It pays only where that run 
 Order of sums and equivalence (tests/test_cpu_fused_backward.py): the reference's terms
 without its zeros, added in a fixed order of (image block, channel block, window,
 channel, kernel row): equal to ``conv2d_backward_ref`` to float32 rounding. Images are
-cut in ``cpu_loops.PARTS`` fixed blocks; each block sums its own dW (float32), the
+cut in fixed blocks (``cpu_loops.image_blocks``); each block sums its own dW (float32), the
 blocks are added in float64 in block order, db likewise per image: the same bits with
 any thread count (``cpu_loops.run_parts`` runs the blocks on ``product_threads()``
 threads) and on every replica. No FMA: Numba does not contract a*b + c without fastmath.
@@ -47,7 +47,7 @@ from numba import njit
 
 from kernels import cpu_loops
 from kernels.conv2d import conv2d_output_shape
-from kernels.cpu_loops import PARTS, check_out, run_parts, strides_pads, taps_inside
+from kernels.cpu_loops import check_out, image_blocks, run_parts, strides_pads, taps_inside
 from kernels.pooling import pool_geometry
 
 #: The shortest contiguous run of input values per kernel row (KW * Cin) for which the
@@ -93,14 +93,6 @@ def pays(kernel_shape, pool_size, pool_strides):
     kernel row reading at least ``SMALL_RUN`` contiguous input values (KW * Cin)."""
     return (not windows_overlap(pool_size, pool_strides)
             and kernel_shape[1] * kernel_shape[2] >= SMALL_RUN)
-
-
-def image_blocks(b):
-    """The ``PARTS`` fixed blocks of images ``[(n0, n1), ...]`` (fewer for a small batch,
-    none empty): shapes alone decide them, never the thread count."""
-    parts = min(PARTS, b)
-    bounds = [b * i // parts for i in range(parts + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @njit(cache=True, inline="always")

@@ -162,8 +162,9 @@ def run_parts(parts, threads=None):
     block (never spin) while they wait. Part i goes to thread i % threads, so which
     thread runs a part never changes what it computes; the caller combines the parts'
     results in a fixed order. Compiled loops called here must release the GIL
-    (``nogil=True``) and must not be Numba-parallel (``_LOCK``)."""
-    n = max(1, min(product_threads() if threads is None else threads, len(parts)))
+    (``nogil=True``); with ``MIRRORED_CPU_PARALLEL=1`` (Numba's own threads inside the
+    loops, ``_LOCK``) the parts run one after another on this thread."""
+    n = 1 if PARALLEL else max(1, min(product_threads() if threads is None else threads, len(parts)))
     pool = _POOL.get(n - 1) if n > 1 else None
     if n > 1 and pool is None:
         pool = _POOL[n - 1] = ThreadPoolExecutor(n - 1, thread_name_prefix="mirrored-cpu")
@@ -189,6 +190,8 @@ def threads_note():
 
 
 def _run(loop, *args):
+    if not PARALLEL:                    # serial loops: any number of threads may call them
+        return loop(*args)
     with _LOCK:
         return loop(*args)
 
@@ -505,16 +508,39 @@ def max_pool_relu_backward(dy, arg, y, dx, pool_size=2, strides=None, padding="v
     return dx
 
 
+#: A Conv2D(relu) + MaxPooling2D pair is run in ``PARTS`` blocks of images on
+#: ``product_threads()`` threads past this many multiply-adds in its product (each block:
+#: im2col, its BLAS product, the pooling pass; a few hundred microseconds for the lab
+#: ConvNet's conv at 12.5 M, far above the ~50 us of handing a block to a thread).
+PIPELINE_MIN_MADDS = 2_000_000
+
+
+def image_blocks(b):
+    """The ``PARTS`` fixed blocks of a batch's images ``[(n0, n1), ...]`` (fewer for a
+    batch under PARTS, none empty): the shapes alone decide them, never the threads."""
+    parts = min(PARTS, b)
+    bounds = [b * i // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _pair_threads(madds):
+    return None if madds >= PIPELINE_MIN_MADDS else 1
+
+
 def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool_size=2,
                      pool_strides=None, pool_padding="valid", cols=None, z=None):
     """``max_pool_ref(conv2d_ref(x, kernel, bias, strides, padding, relu=True), pool_size,
     pool_strides, pool_padding)`` written into out (B, PH, PW, Cout) float32 and arg
-    (B, PH, PW, Cout) int32, bitwise: im2col and ONE matmul into ``z`` (B, OH, OW, Cout),
-    the conv before its bias, then one pass adding the bias, clipping at 0 and pooling
-    (``_max_pool_forward`` with a bias), so the activation is never written out and read
-    back. ``cols``, ``z``: buffers to reuse (the CPU device keeps them), else made.
-    The backward: ``max_pool_relu_backward`` (the ReLU's mask from ``out``), then
-    ``conv2d_backward``."""
+    (B, PH, PW, Cout) int32, bitwise: for each block of images (``image_blocks``), im2col
+    and ONE matmul into ``z`` (B, OH, OW, Cout), the conv before its bias, then one pass
+    adding the bias, clipping at 0 and pooling (``_max_pool_forward`` with a bias), so the
+    activation is never written out and read back. The blocks run on threads where cores
+    are free (``run_parts``). A block's rows of the product were the same bits as the
+    whole product's in every case tried (OpenBLAS SkylakeX; the forward's tests in
+    tests/test_cpu_conv_fused.py are bitwise), but BLAS does not promise it: the blocks
+    are fixed by the batch size, so the result never depends on the threads.
+    ``cols``, ``z``: buffers to reuse (the CPU device keeps them), else made. The
+    backward: ``conv2d_relu_pool_backward``."""
     b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides,
                                                              padding, "conv2d_relu_pool")
     shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
@@ -526,11 +552,97 @@ def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool
     if z is None:
         z = np.empty(conv_shape, np.float32)
     check_out("conv2d_relu_pool: z", z, conv_shape)
-    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
-    matmul_rows(cols, kernel.reshape(-1, cout), z.reshape(b * out_h * out_w, cout))
+    (sh, sw), (pt, pl) = strides_pads(x.shape, kernel.shape[:2], strides, padding)
+    k_rows = int(np.prod(kernel.shape[:3]))
+    if cols is None:
+        cols = np.empty((b * out_h * out_w, k_rows), np.float32)
+    check_out("conv2d: cols", cols, (b * out_h * out_w, k_rows))
+    w2 = kernel.reshape(-1, cout)
+    z2 = z.reshape(-1, cout)
     bias = np.zeros(cout, np.float32) if bias is None else bias
-    _run(_max_pool_forward, z, out, arg, ph, pw, psh, psw, ppt, ppl, bias, True)
+    per_image = out_h * out_w
+
+    def block(n0, n1):
+        r0, r1 = n0 * per_image, n1 * per_image
+        _run(_im2col, x[n0:n1], cols[r0:r1], out_h, out_w, kernel.shape[0], kernel.shape[1], sh, sw, pt, pl)
+        np.matmul(cols[r0:r1], w2, out=z2[r0:r1])
+        _run(_max_pool_forward, z[n0:n1], out[n0:n1], arg[n0:n1], ph, pw, psh, psw, ppt, ppl, bias, True)
+
+    run_parts([(block, blk) for blk in image_blocks(b)], _pair_threads(cols.size * cout))
     return out, arg
+
+
+@njit(**_JIT)
+def _image_sums(d, parts, rows_per_image, n0, n1):
+    """parts[n, c] = the float32 sum of image n's rows of d (B*rows, C), for n0..n1-1."""
+    for n in range(n0, n1):
+        p = parts[n]
+        p[:] = 0.0
+        for r in range(n * rows_per_image, (n + 1) * rows_per_image):
+            row = d[r]
+            for c in range(d.shape[1]):
+                p[c] += row[c]
+
+
+def conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides=1, padding="valid",
+                              pool_size=2, pool_strides=None, pool_padding="valid", cols=None):
+    """``conv2d_relu_pool``'s backward, the general path (any pool): into dw (KH, KW, Cin,
+    Cout), db (Cout,) or None and dx (B, H, W, Cin) or None (a first layer), from the
+    pooled gradient dy, the arg-max and the pooled output y (B, PH, PW, Cout); ``dz``
+    (B, OH, OW, Cout) receives the conv's gradient. For each block of images
+    (``image_blocks``), on threads where cores are free: the pool's backward with the
+    ReLU's mask into its rows of dz (``max_pool_relu_backward``'s loop), im2col, its part
+    of dW = cols^T @ dz (BLAS), each image's float32 sums of dz for db, and dx as
+    ``conv2d_backward`` (dcols = dz @ W^T by BLAS into the column buffer, then col2im).
+    dW's parts and db's per-image sums are added in float64 in order. So db is bitwise
+    ``conv2d_backward``'s (the same sums in the same order), dW and dx the reference's
+    products cut in blocks (float32 rounding: BLAS may round a block's rows otherwise
+    than the whole's; the blocks are fixed by the batch size). The arg-max walk of
+    kernels/cpu_conv_pool.py is the faster path where kernel rows are long."""
+    b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
+                                                             "conv2d_relu_pool_backward")
+    shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
+        conv_shape, pool_size, pool_strides, pool_padding, "conv2d_relu_pool_backward")
+    for what, a in (("dy", dy), ("y", y)):
+        check_out(f"conv2d_relu_pool_backward: {what}", a, shape)
+    check_out("conv2d_relu_pool_backward: dz", dz, conv_shape)
+    check_out("conv2d_relu_pool_backward: dw", dw, tuple(kernel.shape))
+    if db is not None:
+        check_out("conv2d_relu_pool_backward: db", db, (cout,))
+    if dx is not None:
+        check_out("conv2d_relu_pool_backward: dx", dx, tuple(x.shape))
+    (sh, sw), (pt, pl) = strides_pads(x.shape, kernel.shape[:2], strides, padding)
+    k_rows = int(np.prod(kernel.shape[:3]))
+    if cols is None:
+        cols = np.empty((b * out_h * out_w, k_rows), np.float32)
+    check_out("conv2d: cols", cols, (b * out_h * out_w, k_rows))
+    blocks = image_blocks(b)
+    parts = np.empty((len(blocks), k_rows, cout), np.float32)
+    sums = np.empty((b, cout), np.float32)
+    dz2, w2 = dz.reshape(-1, cout), kernel.reshape(-1, cout)
+    per_image = out_h * out_w
+    kh_n, kw_n = kernel.shape[:2]
+
+    def block(i, n0, n1):
+        r0, r1 = n0 * per_image, n1 * per_image
+        _run(_max_pool_backward, dy[n0:n1], arg[n0:n1], dz[n0:n1], ph, pw, psh, psw, ppt, ppl, y[n0:n1])
+        _run(_im2col, x[n0:n1], cols[r0:r1], out_h, out_w, kh_n, kw_n, sh, sw, pt, pl)
+        np.matmul(cols[r0:r1].T, dz2[r0:r1], out=parts[i])
+        if db is not None:
+            _image_sums(dz2, sums, max(per_image, 1), n0, n1)
+        if dx is not None:
+            np.matmul(dz2[r0:r1], w2.T, out=cols[r0:r1])
+            _run(_col2im, cols[r0:r1], dx[n0:n1], out_h, out_w, kh_n, kw_n, sh, sw, pt, pl)
+
+    madds = cols.size * cout * (1 if dx is None else 2)
+    run_parts([(block, (i, n0, n1)) for i, (n0, n1) in enumerate(blocks)], _pair_threads(madds))
+    total = parts[0].astype(np.float64)
+    for part in parts[1:]:
+        total += part
+    dw[...] = total.reshape(kernel.shape)
+    if db is not None:
+        db[...] = sums.astype(np.float64).sum(axis=0)
+    return dx, dw, db
 
 
 # --- ReLU backward -------------------------------------------------------------------------------

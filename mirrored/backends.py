@@ -137,13 +137,14 @@ class CpuOps:
         # conv2d_relu_pool's backward in one op: dw, db and dx (None: not computed) from the
         # pooled gradient dy. Where it pays (kernels/cpu_conv_pool.py ``pays``: windows that
         # do not overlap, kernel rows reading >= 16 contiguous inputs) only the arg-max terms
-        # are added and the conv's gradient is never written; else the general path writes
-        # it into ``dz`` (B, OH, OW, Cout) and runs conv2d_backward on it.
+        # are added and the conv's gradient is never written; else the general path
+        # (cpu_loops.conv2d_relu_pool_backward) writes it into ``dz`` (B, OH, OW, Cout).
         if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
             return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
                                           pool_size, pool_strides, pool_padding)
-        self.max_pool_relu_backward(dy, arg, y, dz, pool_size, pool_strides, pool_padding)
-        return self.conv2d_backward(x, kernel, dz, dx, dw, db, strides, padding)
+        return cpu_loops.conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
+                                                   pool_size, pool_strides, pool_padding,
+                                                   self._cols(x, kernel, strides, padding))
 
     @staticmethod
     def fuses_conv_relu_pool(kernel_shape, strides, pool_size, pool_strides, pool_padding):

@@ -100,9 +100,11 @@ def test_the_bits_do_not_depend_on_the_threads(monkeypatch, rng):
 
 
 def test_cpu_ops_choose_the_walk_where_it_pays_else_the_general_path(rng):
-    """CpuOps.conv2d_relu_pool_backward: the arg-max walk for long kernel rows (KW*Cin >= 16),
-    the general path (pool backward into dz, then conv2d_backward: bitwise the two calls)
-    for short rows and for overlapping windows."""
+    """CpuOps.conv2d_relu_pool_backward: the arg-max walk for long kernel rows (KW*Cin >= 16);
+    the general path (kernels/cpu_loops.py ``conv2d_relu_pool_backward``: the pool's
+    backward into dz, then dW, db, dX by blocks of images) for short rows and overlapping
+    windows, whose dz and db are bitwise the two-call path's (pool backward, then
+    conv2d_backward) and dW, dX that to float32 rounding (BLAS products cut in blocks)."""
     from mirrored.backends import CpuOps
 
     class Device:                                        # what CpuOps asks of its device
@@ -112,9 +114,9 @@ def test_cpu_ops_choose_the_walk_where_it_pays_else_the_general_path(rng):
     ops = CpuOps(Device())
     assert cpu_conv_pool.pays((3, 3, 32, 64), 2, None) and not cpu_conv_pool.pays((3, 3, 1, 32), 2, None)
     assert not cpu_conv_pool.pays((3, 3, 32, 64), 3, 2)                 # overlapping windows
-    for x_shape, k_shape, pool in (((2, 9, 7, 1), (3, 3, 1, 32), (2, None, "valid")),
+    for x_shape, k_shape, pool in (((5, 9, 7, 1), (3, 3, 1, 32), (2, None, "valid")),
                                    ((2, 9, 8, 6), (3, 3, 6, 8), (3, (2, 2), "same"))):
-        x, k, dy, arg, y, _, dz_ref = problem(rng, x_shape, k_shape, 1, "valid", pool)
+        x, k, dy, arg, y, (want_dx64, want_dw64, _), dz_ref = problem(rng, x_shape, k_shape, 1, "valid", pool)
         want_dz = poisoned_host(dz_ref.shape)
         cpu_loops.max_pool_relu_backward(dy, arg, y, want_dz, *pool)
         want = [poisoned_host(x_shape), poisoned_host(k_shape), poisoned_host(k_shape[3])]
@@ -122,8 +124,11 @@ def test_cpu_ops_choose_the_walk_where_it_pays_else_the_general_path(rng):
         dz, got = poisoned_host(dz_ref.shape), [poisoned_host(x_shape), poisoned_host(k_shape),
                                                 poisoned_host(k_shape[3])]
         ops.conv2d_relu_pool_backward(x, k, dy, arg, y, dz, *got, 1, "valid", *pool)
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(dz, want_dz)
+        np.testing.assert_array_equal(got[2], want[2])                  # db
+        for g, w, w64, what in ((got[0], want[0], want_dx64, "dX"), (got[1], want[1], want_dw64, "dW")):
+            assert_close(g, w, what)
+            assert_close(g, w64, what + " against the float64 oracle")
     x, k, dy, arg, y, (want_dx, want_dw, want_db), dz_ref = problem(rng, (2, 9, 8, 32), (3, 3, 32, 8), 1,
                                                                     "valid", (2, None, "valid"))
     dz = poisoned_host(dz_ref.shape)
