@@ -26,17 +26,28 @@ compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
                        first maximum in row-major window order, NaN taken first
     max_pool_backward  each output's dy added at its recorded arg-max
     conv2d_relu_pool   Conv2D(relu) then MaxPooling2D as one op (the layers fuse them on
-                       the CPU: keras/layers.py, ``Conv2D.fuse_next``): im2col + one
-                       matmul, then ONE pass adding the bias, clipping at 0 and pooling
-                       (the activation is never written out): bitwise the two references
+                       the CPU: keras/layers.py, ``Conv2D.fuse_next``): per block of
+                       images (``image_blocks``), im2col + one matmul, then ONE pass
+                       adding the bias, clipping at 0 and pooling (the activation is
+                       never written out): bitwise the two references in the tests
     max_pool_relu_backward  the pool's backward with the ReLU's mask (from the pooled
                        output: the ReLU's value at the arg-max), one pass instead of two
+    conv2d_relu_pool_backward  the pair's backward, general path (any pool): per block
+                       of images, the pool's backward with the ReLU's mask, im2col, the
+                       block's part of dW (BLAS), db's per-image sums, dx; the parts
+                       added in float64 in block order. Where the pool's windows do not
+                       overlap and the conv has enough input channels, kernels/
+                       cpu_conv_pool.py's walk adds only the arg-max terms instead.
     relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
                        reference's ``y > 0``)
 
 Measured with ``python -m benchmarks.breakdown --clock cpu`` (one thread, CPU time of
 this process, so that other jobs on the machine do not count): the step went from 21.3
-to 8.5 ms; the image layers (conv, pooling, their backward) from 17.9 to 5.0 ms.
+to 8.5 ms; the image layers (conv, pooling, their backward) from 17.9 to 5.0 ms. Then
+(issue 25, ``python -m benchmarks.breakdown``, wall clock, this 2-core machine shared
+with other work): im2col by flat runs (one copy per kernel row; 0.94 -> 0.40 ms for the
+lab's 43,264 x 9 matrix), the blocks of images on threads, and the arg-max backward
+(kernels/cpu_conv_pool.py): benchmarks/RESULTS.md, "CPU ConvNets, fused backward".
 
 Equivalence with the references (tests/test_kernels_cpu_loops.py checks each on awkward
 shapes: odd sizes, strides, "same", ties, NaN):
@@ -48,19 +59,22 @@ shapes: odd sizes, strides, "same", ties, NaN):
       terms are added in output-pixel order instead of window-position order
       (equal to float32 rounding);
     * the conv's db and dx: the same sums in another order (float32 rounding); dW is
-      the reference's own matmul.
+      the reference's own matmul (``conv2d_backward``), or its blocks' products added
+      in float64 (``conv2d_relu_pool_backward``: float32 rounding).
 
 Every loop's order of additions depends only on the shapes, never on the threads: the
-loops over images can run in parallel (``prange``, ``MIRRORED_CPU_PARALLEL=1``; serial by
-default, see ``PARALLEL``), each image writing only its own outputs, and partial sums
-are combined in a fixed order. So the result is the same on every run, with any thread
+blocks of images (``PARTS`` of them, fixed by the batch size) run on ``product_threads()``
+threads where cores are free (``run_parts``), or the loops over images on Numba's threads
+(``prange``, ``MIRRORED_CPU_PARALLEL=1``; see ``PARALLEL``), each image writing only its
+own outputs, and partial sums are combined in a fixed order. So the result is the same on every run, with any thread
 count, and on every replica (the replicas of a MirroredStrategy stay bitwise equal).
 
 Numba compiles each loop on its first call (seconds; ``cache=True`` keeps the machine
 code in ``__pycache__`` for the next process).
 
 Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
-the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls these).
+the CUDA kernels these loops mirror), kernels/cpu_conv_pool.py (the pair's backward by
+its arg-max terms), mirrored/backends.py (``CpuOps`` calls these).
 """
 import math
 import os
