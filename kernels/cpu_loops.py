@@ -170,6 +170,25 @@ def matmul_rows(a, b, out):
     return out
 
 
+def matmul_split(a, b, out):
+    """``np.matmul(a, b, out=out)`` for 2-D float32 arrays (``a`` and ``b`` may be
+    transposed views, as the dense layer's x^T and W^T), a large product
+    (``SPLIT_MIN_MADDS``) cut in ``PARTS`` blocks along the longer side of ``out``: rows
+    when M >= N (``matmul_rows``; the dense layer's dW, 5408 x 64), else columns (its
+    forward's 64 x 64 from K = 5408 and its dx, 64 x 5408), each a BLAS call writing its
+    own block, run on ``product_threads()`` threads. The blocks are fixed by the shapes:
+    the same bits with any thread count, equal to the single call to float32 rounding.
+    Measured on the lab ConvNet's dense layer (this 2-core machine, its other core free):
+    forward 0.50 -> 0.39 ms, dW 0.51 -> 0.34, dx 0.61 -> 0.39; on one thread the blocks
+    cost up to 0.13 ms more than the single calls."""
+    m, n = out.shape
+    if m >= n or m * a.shape[1] * n < SPLIT_MIN_MADDS or n < PARTS:
+        return matmul_rows(a, b, out)
+    bounds = [n * i // PARTS for i in range(PARTS + 1)]
+    run_parts([(np.matmul, (a, b[:, lo:hi], out[:, lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])])
+    return out
+
+
 def run_parts(parts, threads=None):
     """Run ``parts``, a list of ``(function, args)`` each writing only its own outputs, on
     ``threads`` threads (default ``product_threads()``): this one and a pool's, which
