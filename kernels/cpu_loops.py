@@ -618,7 +618,8 @@ def _image_sums(d, parts, rows_per_image, n0, n1):
 
 
 def conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides=1, padding="valid",
-                              pool_size=2, pool_strides=None, pool_padding="valid", cols=None):
+                              pool_size=2, pool_strides=None, pool_padding="valid", cols=None,
+                              cols_ready=False):
     """``conv2d_relu_pool``'s backward, the general path (any pool): into dw (KH, KW, Cin,
     Cout), db (Cout,) or None and dx (B, H, W, Cin) or None (a first layer), from the
     pooled gradient dy, the arg-max and the pooled output y (B, PH, PW, Cout); ``dz``
@@ -631,7 +632,9 @@ def conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides=1, 
     ``conv2d_backward``'s (the same sums in the same order), dW and dx the reference's
     products cut in blocks (float32 rounding: BLAS may round a block's rows otherwise
     than the whole's; the blocks are fixed by the batch size). The arg-max walk of
-    kernels/cpu_conv_pool.py is the faster path where kernel rows are long."""
+    kernels/cpu_conv_pool.py is the faster path where kernel rows are long.
+    ``cols_ready``: ``cols`` still holds the forward's im2col of this very ``x`` (the
+    caller knows: mirrored/backends.py's CpuOps), so it is not made again."""
     b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                              "conv2d_relu_pool_backward")
     shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
@@ -659,7 +662,8 @@ def conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides=1, 
     def block(i, n0, n1):
         r0, r1 = n0 * per_image, n1 * per_image
         _run(_max_pool_backward, dy[n0:n1], arg[n0:n1], dz[n0:n1], ph, pw, psh, psw, ppt, ppl, y[n0:n1])
-        _run(_im2col, x[n0:n1], cols[r0:r1], out_h, out_w, kh_n, kw_n, sh, sw, pt, pl)
+        if not cols_ready:
+            _run(_im2col, x[n0:n1], cols[r0:r1], out_h, out_w, kh_n, kw_n, sh, sw, pt, pl)
         np.matmul(cols[r0:r1].T, dz2[r0:r1], out=parts[i])
         if db is not None:
             _image_sums(dz2, sums, max(per_image, 1), n0, n1)

@@ -35,6 +35,9 @@ class CpuOps:
 
     def __init__(self, device):
         self.device = device
+        #: the pair buffers (``_pair_cols``) that hold their x's im2col since the last
+        #: conv2d_relu_pool forward; the backward then skips making it again
+        self._cols_hold = set()
 
     # elementwise (kernels/elementwise.py)
     def binary(self, op, x, y, out):
@@ -130,11 +133,23 @@ class CpuOps:
     # output. = max_pool_ref(conv2d_ref(..., relu=True)) bitwise, and its backward.
     def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
                          pool_strides=None, pool_padding="valid"):
-        cols = self._cols(x, kernel, strides, padding)
+        key, cols = self._pair_cols(x, kernel, strides, padding)
         z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
         z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
-        return cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
-                                          pool_strides, pool_padding, cols, z)
+        self._cols_hold.discard(key)
+        cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
+                                   pool_strides, pool_padding, cols, z)
+        self._cols_hold.add(key)
+        return out, arg
+
+    def _pair_cols(self, x, kernel, strides, padding):
+        # The pair's im2col matrix, one buffer per input buffer and geometry, so that its
+        # backward can take it as the forward left it (the backward takes the forward's x
+        # unchanged, as dW = cols^T dz needs anyway): the lab's 43,264 x 9 is not made twice.
+        key = ("conv2d_relu_pool cols", x.ctypes.data, x.shape, x.strides, tuple(kernel.shape[:3]),
+               str(strides), str(padding))
+        return key, self.device.scratch(key, cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding),
+                                        "float32")
 
     def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
         return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
@@ -149,9 +164,12 @@ class CpuOps:
         if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
             return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
                                           pool_size, pool_strides, pool_padding)
+        key, cols = self._pair_cols(x, kernel, strides, padding)
+        ready = key in self._cols_hold
+        if dx is not None:
+            self._cols_hold.discard(key)             # dx's product is written into it
         return cpu_loops.conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
-                                                   pool_size, pool_strides, pool_padding,
-                                                   self._cols(x, kernel, strides, padding))
+                                                   pool_size, pool_strides, pool_padding, cols, ready)
 
     @staticmethod
     def fuses_conv_relu_pool(kernel_shape, strides, pool_size, pool_strides, pool_padding):

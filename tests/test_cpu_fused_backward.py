@@ -190,3 +190,40 @@ def test_a_model_trains_alike_with_the_walk_or_the_general_path(devices, monkeyp
     for a, b in zip(fused.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert not all(np.array_equal(a, b) for a, b in zip(start, fused.get_weights()))
+
+
+def test_the_general_backward_takes_the_forwards_columns_only_while_they_hold_them(monkeypatch, rng):
+    """CpuOps keeps the pair's im2col matrix per input buffer: the backward after a forward
+    does not make it again; after a backward that wrote dx's product into it, the next
+    backward does. The gradients are the same bits either way."""
+    from mirrored.backends import CpuOps
+
+    class Device:                                        # a device's scratch: one buffer per key
+        def __init__(self):
+            self.kept = {}
+
+        def scratch(self, key, shape, dtype):
+            return self.kept.setdefault((key, tuple(shape), dtype), poisoned_host(shape, dtype))
+
+    made = []
+    im2col = cpu_loops._im2col
+    monkeypatch.setattr(cpu_loops, "_im2col", lambda *a: made.append(1) or im2col(*a))
+    ops = CpuOps(Device())
+    x, k, dy, arg, y, (want_dx, want_dw, want_db), dz_ref = problem(rng, (5, 9, 7, 3), (3, 3, 3, 4), 1,
+                                                                    "same", (2, None, "valid"))
+    bias = rng.standard_normal(4, dtype=np.float32)
+    out, out_arg = poisoned_host(y.shape), poisoned_host(y.shape, np.int32)
+    results = []
+    for forward_first in (True, False, True):
+        if forward_first:
+            ops.conv2d_relu_pool(x, k, bias, out, out_arg, 1, "same")
+        made.clear()
+        got = [poisoned_host(x.shape), poisoned_host(k.shape), poisoned_host(4)]
+        ops.conv2d_relu_pool_backward(x, k, dy, arg, y, poisoned_host(dz_ref.shape), *got, 1, "same")
+        assert bool(made) is not forward_first          # made again only when not held
+        results.append(got)
+    for got in results[1:]:
+        for g, first in zip(got, results[0]):
+            np.testing.assert_array_equal(g, first)
+    for g, w, what in zip(results[0], (want_dx, want_dw, want_db), ("dX", "dW", "db")):
+        assert_close(g, w, what)
