@@ -439,39 +439,37 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl, bias, relu):
     version without that step (Numba prunes the branch for a None argument)."""
     b, h, wd, ch = x.shape
     out_h, out_w = out.shape[1], out.shape[2]
+    xf, of, af = x.reshape(-1), out.reshape(-1), arg.reshape(-1)   # flat: see _copy_run
     for n in prange(b):
         for oh in range(out_h):
+            a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
             for ow in range(out_w):
-                o = out[n, oh, ow]
-                g = arg[n, oh, ow]
-                first = True
-                a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
+                o = ((n * out_h + oh) * out_w + ow) * ch
                 b_lo, b_hi = taps_inside(ow, sw, pl, pw_n, wd)
+                first = True
                 for a in range(a_lo, a_hi):
-                    ih = oh * sh - pt + a
                     for bb in range(b_lo, b_hi):
-                        iw = ow * sw - pl + bb
-                        xr = x[n, ih, iw]
-                        pos = a * pw_n + bb
+                        xo = ((n * h + oh * sh - pt + a) * wd + ow * sw - pl + bb) * ch
+                        pos = np.int32(a * pw_n + bb)
                         if first:
                             for c in range(ch):
-                                v = xr[c]
+                                v = xf[np.uint64(xo + c)]
                                 if bias is not None:
                                     v = v + bias[c]
                                     v = np.float32(0.0) if relu and v < 0.0 else v
-                                o[c] = v
-                                g[c] = pos
+                                of[np.uint64(o + c)] = v
+                                af[np.uint64(o + c)] = pos
                             first = False
                         else:
                             for c in range(ch):
-                                v = xr[c]
+                                v = xf[np.uint64(xo + c)]
                                 if bias is not None:
                                     v = v + bias[c]
                                     v = np.float32(0.0) if relu and v < 0.0 else v
-                                best = o[c]
-                                take = v > best or (v != v and best == best)   # v != v: isnan(v)
-                                o[c] = v if take else best
-                                g[c] = pos if take else g[c]
+                                best = of[np.uint64(o + c)]
+                                take = (v > best) | ((v != v) & (best == best))   # v != v: isnan(v)
+                                of[np.uint64(o + c)] = v if take else best
+                                af[np.uint64(o + c)] = pos if take else af[np.uint64(o + c)]
 
 
 @njit(**_PAR)
@@ -483,27 +481,27 @@ def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl, y):
     pooled value, so its mask is known here (``max_pool_relu_backward``)."""
     h, wd = dx.shape[1], dx.shape[2]
     out_h, out_w, ch = dy.shape[1], dy.shape[2], dy.shape[3]
+    df, gf, xf = dy.reshape(-1), arg.reshape(-1), dx.reshape(-1)     # flat: see _copy_run
+    yf = y.reshape(-1) if y is not None else None
     for n in prange(dy.shape[0]):           # image n's windows write only dx[n]
-        dx[n] = 0.0
+        xf[n * h * wd * ch:(n + 1) * h * wd * ch] = 0.0
         for oh in range(out_h):
+            a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
             for ow in range(out_w):
-                d = dy[n, oh, ow]
-                g = arg[n, oh, ow]
-                a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
+                o = ((n * out_h + oh) * out_w + ow) * ch
                 b_lo, b_hi = taps_inside(ow, sw, pl, pw_n, wd)
                 for a in range(a_lo, a_hi):
-                    ih = oh * sh - pt + a
                     for bb in range(b_lo, b_hi):
-                        iw = ow * sw - pl + bb
+                        r = ((n * h + oh * sh - pt + a) * wd + ow * sw - pl + bb) * ch
                         pos = a * pw_n + bb
-                        r = dx[n, ih, iw]
-                        if y is None:
+                        if yf is None:
                             for c in range(ch):
-                                r[c] += d[c] if g[c] == pos else np.float32(0.0)
+                                take = gf[np.uint64(o + c)] == pos
+                                xf[np.uint64(r + c)] += df[np.uint64(o + c)] if take else np.float32(0.0)
                         else:
-                            yr = y[n, oh, ow]
                             for c in range(ch):
-                                r[c] += d[c] if g[c] == pos and yr[c] > 0.0 else np.float32(0.0)
+                                take = (gf[np.uint64(o + c)] == pos) & (yf[np.uint64(o + c)] > 0.0)
+                                xf[np.uint64(r + c)] += df[np.uint64(o + c)] if take else np.float32(0.0)
 
 
 def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
