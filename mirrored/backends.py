@@ -35,9 +35,9 @@ class CpuOps:
 
     def __init__(self, device):
         self.device = device
-        #: the pair buffers (``_pair_cols``) that hold their x's im2col since the last
-        #: conv2d_relu_pool forward; the backward then skips making it again
-        self._cols_hold = set()
+        #: which input each im2col buffer (``_cols``, one per shape) holds the columns of,
+        #: as the last conv2d_relu_pool forward left it: {its shape: x and the geometry}
+        self._cols_hold = {}
 
     # elementwise (kernels/elementwise.py)
     def binary(self, op, x, y, out):
@@ -109,11 +109,13 @@ class CpuOps:
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         cols = self._cols(x, kernel, strides, padding)                # im2col's matrix, reused
+        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
         return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu, cols)  # = conv2d_ref
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # = conv2d_backward_ref; dx is None for a first layer (nothing needs it: not computed)
         cols = self._cols(x, kernel, strides, padding)
+        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
         return cpu_loops.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, cols)
 
     def _cols(self, x, kernel, strides, padding):
@@ -133,23 +135,26 @@ class CpuOps:
     # output. = max_pool_ref(conv2d_ref(..., relu=True)) bitwise, and its backward.
     def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
                          pool_strides=None, pool_padding="valid"):
-        key, cols = self._pair_cols(x, kernel, strides, padding)
+        cols = self._cols(x, kernel, strides, padding)
         z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
         z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
-        self._cols_hold.discard(key)
+        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
         cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
                                    pool_strides, pool_padding, cols, z)
-        self._cols_hold.add(key)
+        self._cols_hold[self._cols_key(x, kernel, strides, padding)] = self._input_token(x, kernel, strides, padding)
         return out, arg
 
-    def _pair_cols(self, x, kernel, strides, padding):
-        # The pair's im2col matrix, one buffer per input buffer and geometry, so that its
-        # backward can take it as the forward left it (the backward takes the forward's x
-        # unchanged, as dW = cols^T dz needs anyway): the lab's 43,264 x 9 is not made twice.
-        key = ("conv2d_relu_pool cols", x.ctypes.data, x.shape, x.strides, tuple(kernel.shape[:3]),
-               str(strides), str(padding))
-        return key, self.device.scratch(key, cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding),
-                                        "float32")
+    @staticmethod
+    def _cols_key(x, kernel, strides, padding):
+        return cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding)    # _cols's buffer
+
+    @staticmethod
+    def _input_token(x, kernel, strides, padding):
+        # The im2col buffer is the device's one per shape (``_cols``); the pair's backward
+        # takes it as its forward left it when no other conv of that shape has used it
+        # since (the backward takes the forward's x unchanged, as dW = cols^T dz needs
+        # anyway): the lab's 43,264 x 9 columns are not made twice.
+        return x.ctypes.data, x.shape, x.strides, tuple(kernel.shape[:3]), str(strides), str(padding)
 
     def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
         return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
@@ -164,10 +169,10 @@ class CpuOps:
         if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
             return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
                                           pool_size, pool_strides, pool_padding)
-        key, cols = self._pair_cols(x, kernel, strides, padding)
-        ready = key in self._cols_hold
+        cols, key = self._cols(x, kernel, strides, padding), self._cols_key(x, kernel, strides, padding)
+        ready = self._cols_hold.get(key) == self._input_token(x, kernel, strides, padding)
         if dx is not None:
-            self._cols_hold.discard(key)             # dx's product is written into it
+            self._cols_hold.pop(key, None)           # dx's product is written into it
         return cpu_loops.conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
                                                    pool_size, pool_strides, pool_padding, cols, ready)
 

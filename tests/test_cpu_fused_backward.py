@@ -193,9 +193,10 @@ def test_a_model_trains_alike_with_the_walk_or_the_general_path(devices, monkeyp
 
 
 def test_the_general_backward_takes_the_forwards_columns_only_while_they_hold_them(monkeypatch, rng):
-    """CpuOps keeps the pair's im2col matrix per input buffer: the backward after a forward
-    does not make it again; after a backward that wrote dx's product into it, the next
-    backward does. The gradients are the same bits either way."""
+    """CpuOps's im2col buffer (one per shape) remembers whose columns it holds: the pair's
+    backward right after its forward does not make them again; after a backward that
+    wrote dx's product into it, or another conv's use of it, the next backward does.
+    The gradients are the same bits either way."""
     from mirrored.backends import CpuOps
 
     class Device:                                        # a device's scratch: one buffer per key
@@ -213,14 +214,17 @@ def test_the_general_backward_takes_the_forwards_columns_only_while_they_hold_th
                                                                     "same", (2, None, "valid"))
     bias = rng.standard_normal(4, dtype=np.float32)
     out, out_arg = poisoned_host(y.shape), poisoned_host(y.shape, np.int32)
+    other = rng.standard_normal(x.shape, dtype=np.float32)
     results = []
-    for forward_first in (True, False, True):
+    for forward_first, between in ((True, False), (False, False), (True, False), (True, True)):
         if forward_first:
             ops.conv2d_relu_pool(x, k, bias, out, out_arg, 1, "same")
+        if between:                                     # another conv of that shape uses the buffer
+            ops.conv2d(other, k, bias, poisoned_host(dz_ref.shape), 1, "same", True)
         made.clear()
         got = [poisoned_host(x.shape), poisoned_host(k.shape), poisoned_host(4)]
         ops.conv2d_relu_pool_backward(x, k, dy, arg, y, poisoned_host(dz_ref.shape), *got, 1, "same")
-        assert bool(made) is not forward_first          # made again only when not held
+        assert bool(made) is not (forward_first and not between)   # made again only when not held
         results.append(got)
     for got in results[1:]:
         for g, first in zip(got, results[0]):
