@@ -211,7 +211,8 @@ def run_parts(parts, threads=None):
 def threads_note():
     """One line for ``python -m mirrored info``: how the loops over images run."""
     try:
-        split = (f"large conv products split over {product_threads()} thread(s) now "
+        split = (f"large conv and dense products and conv+pool image blocks split over "
+                 f"{product_threads()} thread(s) now "
                  f"({THREADS_VAR}: {os.environ.get(THREADS_VAR) or 'auto, the cores free of other work'})")
     except ValueError as err:
         split = f"invalid: {err}"
@@ -409,12 +410,14 @@ def _columns(x, kernel_shape, out_h, out_w, strides, padding, cols):
 
 
 def strides_pads(x_shape, kernel_hw, strides, padding):
+    """``((sh, sw), (pad_top, pad_left))`` of a conv over an NHWC input, as the loops take them."""
     _, _, (pt, _, pl, _) = window_geometry("conv2d", x_shape[1:3], kernel_hw, strides, padding)
     sh, sw = (strides, strides) if isinstance(strides, (int, np.integer)) else tuple(strides)
     return (int(sh), int(sw)), (pt, pl)
 
 
 def check_out(what, out, shape):
+    """A ValueError naming ``what`` unless ``out`` is float32 of ``shape`` (before anything is written)."""
     if tuple(out.shape) != tuple(shape) or out.dtype != np.float32:
         raise ValueError(f"{what}: expected a float32 array of shape {tuple(shape)}, got "
                          f"{out.dtype} {tuple(out.shape)}.")
