@@ -26,17 +26,28 @@ compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
                        first maximum in row-major window order, NaN taken first
     max_pool_backward  each output's dy added at its recorded arg-max
     conv2d_relu_pool   Conv2D(relu) then MaxPooling2D as one op (the layers fuse them on
-                       the CPU: keras/layers.py, ``Conv2D.fuse_next``): im2col + one
-                       matmul, then ONE pass adding the bias, clipping at 0 and pooling
-                       (the activation is never written out): bitwise the two references
+                       the CPU: keras/layers.py, ``Conv2D.fuse_next``): per block of
+                       images (``image_blocks``), im2col + one matmul, then ONE pass
+                       adding the bias, clipping at 0 and pooling (the activation is
+                       never written out): bitwise the two references in the tests
     max_pool_relu_backward  the pool's backward with the ReLU's mask (from the pooled
                        output: the ReLU's value at the arg-max), one pass instead of two
+    conv2d_relu_pool_backward  the pair's backward, general path (any pool): per block
+                       of images, the pool's backward with the ReLU's mask, im2col, the
+                       block's part of dW (BLAS), db's per-image sums, dx; the parts
+                       added in float64 in block order. Where the pool's windows do not
+                       overlap and the conv has enough input channels, kernels/
+                       cpu_conv_pool.py's walk adds only the arg-max terms instead.
     relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
                        reference's ``y > 0``)
 
 Measured with ``python -m benchmarks.breakdown --clock cpu`` (one thread, CPU time of
 this process, so that other jobs on the machine do not count): the step went from 21.3
-to 8.5 ms; the image layers (conv, pooling, their backward) from 17.9 to 5.0 ms.
+to 8.5 ms; the image layers (conv, pooling, their backward) from 17.9 to 5.0 ms. Then
+(issue 25, ``python -m benchmarks.breakdown``, wall clock, this 2-core machine shared
+with other work): im2col by flat runs (one copy per kernel row; 0.94 -> 0.40 ms for the
+lab's 43,264 x 9 matrix), the blocks of images on threads, and the arg-max backward
+(kernels/cpu_conv_pool.py): benchmarks/RESULTS.md, "CPU ConvNets, fused backward".
 
 Equivalence with the references (tests/test_kernels_cpu_loops.py checks each on awkward
 shapes: odd sizes, strides, "same", ties, NaN):
@@ -48,19 +59,22 @@ shapes: odd sizes, strides, "same", ties, NaN):
       terms are added in output-pixel order instead of window-position order
       (equal to float32 rounding);
     * the conv's db and dx: the same sums in another order (float32 rounding); dW is
-      the reference's own matmul.
+      the reference's own matmul (``conv2d_backward``), or its blocks' products added
+      in float64 (``conv2d_relu_pool_backward``: float32 rounding).
 
 Every loop's order of additions depends only on the shapes, never on the threads: the
-loops over images can run in parallel (``prange``, ``MIRRORED_CPU_PARALLEL=1``; serial by
-default, see ``PARALLEL``), each image writing only its own outputs, and partial sums
-are combined in a fixed order. So the result is the same on every run, with any thread
+blocks of images (``PARTS`` of them, fixed by the batch size) run on ``product_threads()``
+threads where cores are free (``run_parts``), or the loops over images on Numba's threads
+(``prange``, ``MIRRORED_CPU_PARALLEL=1``; see ``PARALLEL``), each image writing only its
+own outputs, and partial sums are combined in a fixed order. So the result is the same on every run, with any thread
 count, and on every replica (the replicas of a MirroredStrategy stay bitwise equal).
 
 Numba compiles each loop on its first call (seconds; ``cache=True`` keeps the machine
 code in ``__pycache__`` for the next process).
 
 Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
-the CUDA kernels these loops mirror), mirrored/backends.py (``CpuOps`` calls these).
+the CUDA kernels these loops mirror), kernels/cpu_conv_pool.py (the pair's backward by
+its arg-max terms), mirrored/backends.py (``CpuOps`` calls these).
 """
 import math
 import os
@@ -152,25 +166,53 @@ def matmul_rows(a, b, out):
     if m < PARTS or m * a.shape[1] * b.shape[1] < SPLIT_MIN_MADDS:
         return np.matmul(a, b, out=out)
     bounds = [m * i // PARTS for i in range(PARTS + 1)]
-    blocks = list(zip(bounds[:-1], bounds[1:]))
-    n = min(product_threads(), PARTS)
+    run_parts([(np.matmul, (a[lo:hi], b, out[lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])])
+    return out
+
+
+def matmul_split(a, b, out):
+    """``np.matmul(a, b, out=out)`` for 2-D float32 arrays (``a`` and ``b`` may be
+    transposed views, as the dense layer's x^T and W^T), a large product
+    (``SPLIT_MIN_MADDS``) cut in ``PARTS`` blocks along the longer side of ``out``: rows
+    when M >= N (``matmul_rows``; the dense layer's dW, 5408 x 64), else columns (its
+    forward's 64 x 64 from K = 5408 and its dx, 64 x 5408), each a BLAS call writing its
+    own block, run on ``product_threads()`` threads. The blocks are fixed by the shapes:
+    the same bits with any thread count, equal to the single call to float32 rounding.
+    Measured on the lab ConvNet's dense layer (this 2-core machine, its other core free):
+    forward 0.50 -> 0.39 ms, dW 0.51 -> 0.34, dx 0.61 -> 0.39; on one thread the blocks
+    cost up to 0.13 ms more than the single calls."""
+    m, n = out.shape
+    if m >= n or m * a.shape[1] * n < SPLIT_MIN_MADDS or n < PARTS:
+        return matmul_rows(a, b, out)
+    bounds = [n * i // PARTS for i in range(PARTS + 1)]
+    run_parts([(np.matmul, (a, b[:, lo:hi], out[:, lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])])
+    return out
+
+
+def run_parts(parts, threads=None):
+    """Run ``parts``, a list of ``(function, args)`` each writing only its own outputs, on
+    ``threads`` threads (default ``product_threads()``): this one and a pool's, which
+    block (never spin) while they wait. Part i goes to thread i % threads, so which
+    thread runs a part never changes what it computes; the caller combines the parts'
+    results in a fixed order. Compiled loops called here must release the GIL
+    (``nogil=True``); with ``MIRRORED_CPU_PARALLEL=1`` (Numba's own threads inside the
+    loops, ``_LOCK``) the parts run one after another on this thread."""
+    n = 1 if PARALLEL else max(1, min(product_threads() if threads is None else threads, len(parts)))
     pool = _POOL.get(n - 1) if n > 1 else None
     if n > 1 and pool is None:
         pool = _POOL[n - 1] = ThreadPoolExecutor(n - 1, thread_name_prefix="mirrored-cpu")
-    mine = blocks[::n]                                  # this thread's blocks; the pool's the rest
-    theirs = [pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
-              for i, (lo, hi) in enumerate(blocks) if i % n] if pool else []
-    for lo, hi in mine:
-        np.matmul(a[lo:hi], b, out=out[lo:hi])
+    theirs = [pool.submit(fn, *args) for i, (fn, args) in enumerate(parts) if i % n] if pool else []
+    for fn, args in parts[::n]:                         # this thread's parts; the pool's the rest
+        fn(*args)
     for part in theirs:
         part.result()
-    return out
 
 
 def threads_note():
     """One line for ``python -m mirrored info``: how the loops over images run."""
     try:
-        split = (f"large conv products split over {product_threads()} thread(s) now "
+        split = (f"large conv and dense products and conv+pool image blocks split over "
+                 f"{product_threads()} thread(s) now "
                  f"({THREADS_VAR}: {os.environ.get(THREADS_VAR) or 'auto, the cores free of other work'})")
     except ValueError as err:
         split = f"invalid: {err}"
@@ -182,6 +224,8 @@ def threads_note():
 
 
 def _run(loop, *args):
+    if not PARALLEL:                    # serial loops: any number of threads may call them
+        return loop(*args)
     with _LOCK:
         return loop(*args)
 
@@ -189,7 +233,7 @@ def _run(loop, *args):
 # --- Windows --------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
-def _taps_inside(o, stride, pad, taps, size):
+def taps_inside(o, stride, pad, taps, size):
     """The taps ``[lo, hi)`` of output position ``o``'s window that land inside the input:
     0 <= o*stride - pad + t < size (the rest is padding). The loops below walk
     ``range(lo, hi)``, the same taps in the same ascending order as skipping the outside ones."""
@@ -203,25 +247,45 @@ def _taps_inside(o, stride, pad, taps, size):
 def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
     """cols[r, t] = x[n, oh*sh - pt + kh, ow*sw - pl + kw, ci], 0 in the padding, for
     r = (n*OH + oh)*OW + ow and t = (kh*KW + kw)*Cin + ci: ``im2col_ref`` in one loop.
-    Each tap copies its Cin channels as one contiguous run (channels-last: x[n, ih, iw, :]
-    and cols[r, t:t + Cin] are both contiguous), with no test per element."""
+    A kernel row's taps (kw, ci) read x[n, ih, iw0:iw0 + KW, :], ONE contiguous run of
+    KW*Cin values in channels-last memory whatever the stride, landing in cols[r, kh*KW*Cin:]
+    contiguous too: one copy per kernel row (3 values for the lab's Cin = 1, 96 for
+    Cin = 32), through flat offsets (``_copy_run``). Zeros first where the window
+    leaves the image (padding), then the rows' runs inside it."""
     b, h, wd, cin = x.shape
+    run = kw_n * cin
+    k = kh_n * run
+    xf = x.reshape(-1)
+    cf = cols.reshape(-1)
     for n in prange(b):
         for oh in range(out_h):
+            kh_lo, kh_hi = taps_inside(oh, sh, pt, kh_n, h)
             for ow in range(out_w):
-                row = cols[(n * out_h + oh) * out_w + ow]
-                for kh in range(kh_n):
-                    ih = oh * sh - pt + kh
-                    for kw in range(kw_n):
-                        iw = ow * sw - pl + kw
-                        t = (kh * kw_n + kw) * cin
-                        if ih >= 0 and ih < h and iw >= 0 and iw < wd:
-                            src = x[n, ih, iw]
-                            for ci in range(cin):
-                                row[t + ci] = src[ci]
-                        else:
-                            for ci in range(cin):
-                                row[t + ci] = np.float32(0.0)
+                r = ((n * out_h + oh) * out_w + ow) * k
+                kw_lo, kw_hi = taps_inside(ow, sw, pl, kw_n, wd)
+                if kh_hi - kh_lo < kh_n or kw_hi - kw_lo < kw_n:
+                    cf[r:r + k] = np.float32(0.0)
+                for kh in range(kh_lo, kh_hi):
+                    src = ((n * h + oh * sh - pt + kh) * wd + ow * sw - pl + kw_lo) * cin
+                    _copy_run(cf, r + kh * run + kw_lo * cin, xf, src, (kw_hi - kw_lo) * cin)
+
+
+#: Runs (of a kernel row's taps) shorter than this are copied without SIMD lanes.
+SHORT_RUN = 8
+
+
+@njit(cache=True, inline="always")
+def _copy_run(dst, d0, src, s0, count):
+    """dst[d0:d0 + count] = src[s0:s0 + count] by unsigned offsets: a signed index makes
+    Numba test each for a negative one (Python's wrap-around), which keeps LLVM from
+    copying in SIMD lanes. Runs shorter than ``SHORT_RUN`` are copied one value at a time
+    (the vector loop's checks cost more than they save there)."""
+    if count < SHORT_RUN:
+        for j in range(count):
+            dst[d0 + j] = src[s0 + j]
+    else:
+        for j in range(count):
+            dst[np.uint64(d0 + j)] = src[np.uint64(s0 + j)]
 
 
 @njit(**_PAR)
@@ -296,7 +360,7 @@ def conv2d_forward(x, kernel, bias, out, strides=1, padding="valid", relu=False,
     float32 buffer to reuse (the CPU device keeps one), else one is made."""
     b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                         "conv2d_forward")
-    _check_out("conv2d_forward", out, shape)
+    check_out("conv2d_forward", out, shape)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     out2 = out.reshape(b * out_h * out_w, cout)          # a view: out is C-contiguous
     matmul_rows(cols, kernel.reshape(-1, cout), out2)    # (B*OH*OW, Cout)
@@ -313,16 +377,16 @@ def conv2d_backward(x, kernel, dy, dx, dw, db, strides=1, padding="valid", cols=
     ``cols`` (dW has used it), the col2im by ``_col2im`` (no temporaries)."""
     b, out_h, out_w, cout = shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
                                                         "conv2d_backward")
-    _check_out("conv2d_backward: dy", dy, shape)
-    _check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
+    check_out("conv2d_backward: dy", dy, shape)
+    check_out("conv2d_backward: dw", dw, tuple(kernel.shape))
     dy2 = dy.reshape(b * out_h * out_w, cout)
     cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
     matmul_rows(cols.T, dy2, dw.reshape(-1, cout))       # (KH*KW*Cin, Cout)
     if db is not None:
         _run(_column_sums, dy2, db, max(out_h * out_w, 1))
     if dx is not None:
-        _check_out("conv2d_backward: dx", dx, tuple(x.shape))
-        (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel.shape[:2], strides, padding)
+        check_out("conv2d_backward: dx", dx, tuple(x.shape))
+        (sh, sw), (pt, pl) = strides_pads(x.shape, kernel.shape[:2], strides, padding)
         # dcols = dy @ W^T (BLAS) into the column buffer, free now that dW is made
         matmul_rows(dy2, kernel.reshape(-1, cout).T, cols)     # (B*OH*OW, KH*KW*Cin)
         _run(_col2im, cols, dx, out_h, out_w, kernel.shape[0], kernel.shape[1], sh, sw, pt, pl)
@@ -336,22 +400,24 @@ def cols_shape(x_shape, kernel_shape, strides=1, padding="valid"):
 
 
 def _columns(x, kernel_shape, out_h, out_w, strides, padding, cols):
-    (sh, sw), (pt, pl) = _strides_pads(x.shape, kernel_shape[:2], strides, padding)
+    (sh, sw), (pt, pl) = strides_pads(x.shape, kernel_shape[:2], strides, padding)
     shape = (x.shape[0] * out_h * out_w, int(np.prod(kernel_shape[:3])))
     if cols is None:
         cols = np.empty(shape, np.float32)
-    _check_out("conv2d: cols", cols, shape)
+    check_out("conv2d: cols", cols, shape)
     _run(_im2col, x, cols, out_h, out_w, kernel_shape[0], kernel_shape[1], sh, sw, pt, pl)
     return cols
 
 
-def _strides_pads(x_shape, kernel_hw, strides, padding):
+def strides_pads(x_shape, kernel_hw, strides, padding):
+    """``((sh, sw), (pad_top, pad_left))`` of a conv over an NHWC input, as the loops take them."""
     _, _, (pt, _, pl, _) = window_geometry("conv2d", x_shape[1:3], kernel_hw, strides, padding)
     sh, sw = (strides, strides) if isinstance(strides, (int, np.integer)) else tuple(strides)
     return (int(sh), int(sw)), (pt, pl)
 
 
-def _check_out(what, out, shape):
+def check_out(what, out, shape):
+    """A ValueError naming ``what`` unless ``out`` is float32 of ``shape`` (before anything is written)."""
     if tuple(out.shape) != tuple(shape) or out.dtype != np.float32:
         raise ValueError(f"{what}: expected a float32 array of shape {tuple(shape)}, got "
                          f"{out.dtype} {tuple(out.shape)}.")
@@ -376,39 +442,37 @@ def _max_pool_forward(x, out, arg, ph_n, pw_n, sh, sw, pt, pl, bias, relu):
     version without that step (Numba prunes the branch for a None argument)."""
     b, h, wd, ch = x.shape
     out_h, out_w = out.shape[1], out.shape[2]
+    xf, of, af = x.reshape(-1), out.reshape(-1), arg.reshape(-1)   # flat: see _copy_run
     for n in prange(b):
         for oh in range(out_h):
+            a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
             for ow in range(out_w):
-                o = out[n, oh, ow]
-                g = arg[n, oh, ow]
+                o = ((n * out_h + oh) * out_w + ow) * ch
+                b_lo, b_hi = taps_inside(ow, sw, pl, pw_n, wd)
                 first = True
-                a_lo, a_hi = _taps_inside(oh, sh, pt, ph_n, h)
-                b_lo, b_hi = _taps_inside(ow, sw, pl, pw_n, wd)
                 for a in range(a_lo, a_hi):
-                    ih = oh * sh - pt + a
                     for bb in range(b_lo, b_hi):
-                        iw = ow * sw - pl + bb
-                        xr = x[n, ih, iw]
-                        pos = a * pw_n + bb
+                        xo = ((n * h + oh * sh - pt + a) * wd + ow * sw - pl + bb) * ch
+                        pos = np.int32(a * pw_n + bb)
                         if first:
                             for c in range(ch):
-                                v = xr[c]
+                                v = xf[np.uint64(xo + c)]
                                 if bias is not None:
                                     v = v + bias[c]
                                     v = np.float32(0.0) if relu and v < 0.0 else v
-                                o[c] = v
-                                g[c] = pos
+                                of[np.uint64(o + c)] = v
+                                af[np.uint64(o + c)] = pos
                             first = False
                         else:
                             for c in range(ch):
-                                v = xr[c]
+                                v = xf[np.uint64(xo + c)]
                                 if bias is not None:
                                     v = v + bias[c]
                                     v = np.float32(0.0) if relu and v < 0.0 else v
-                                best = o[c]
-                                take = v > best or (v != v and best == best)   # v != v: isnan(v)
-                                o[c] = v if take else best
-                                g[c] = pos if take else g[c]
+                                best = of[np.uint64(o + c)]
+                                take = (v > best) | ((v != v) & (best == best))   # v != v: isnan(v)
+                                of[np.uint64(o + c)] = v if take else best
+                                af[np.uint64(o + c)] = pos if take else af[np.uint64(o + c)]
 
 
 @njit(**_PAR)
@@ -420,34 +484,34 @@ def _max_pool_backward(dy, arg, dx, ph_n, pw_n, sh, sw, pt, pl, y):
     pooled value, so its mask is known here (``max_pool_relu_backward``)."""
     h, wd = dx.shape[1], dx.shape[2]
     out_h, out_w, ch = dy.shape[1], dy.shape[2], dy.shape[3]
+    df, gf, xf = dy.reshape(-1), arg.reshape(-1), dx.reshape(-1)     # flat: see _copy_run
+    yf = y.reshape(-1) if y is not None else None
     for n in prange(dy.shape[0]):           # image n's windows write only dx[n]
-        dx[n] = 0.0
+        xf[n * h * wd * ch:(n + 1) * h * wd * ch] = 0.0
         for oh in range(out_h):
+            a_lo, a_hi = taps_inside(oh, sh, pt, ph_n, h)
             for ow in range(out_w):
-                d = dy[n, oh, ow]
-                g = arg[n, oh, ow]
-                a_lo, a_hi = _taps_inside(oh, sh, pt, ph_n, h)
-                b_lo, b_hi = _taps_inside(ow, sw, pl, pw_n, wd)
+                o = ((n * out_h + oh) * out_w + ow) * ch
+                b_lo, b_hi = taps_inside(ow, sw, pl, pw_n, wd)
                 for a in range(a_lo, a_hi):
-                    ih = oh * sh - pt + a
                     for bb in range(b_lo, b_hi):
-                        iw = ow * sw - pl + bb
+                        r = ((n * h + oh * sh - pt + a) * wd + ow * sw - pl + bb) * ch
                         pos = a * pw_n + bb
-                        r = dx[n, ih, iw]
-                        if y is None:
+                        if yf is None:
                             for c in range(ch):
-                                r[c] += d[c] if g[c] == pos else np.float32(0.0)
+                                take = gf[np.uint64(o + c)] == pos
+                                xf[np.uint64(r + c)] += df[np.uint64(o + c)] if take else np.float32(0.0)
                         else:
-                            yr = y[n, oh, ow]
                             for c in range(ch):
-                                r[c] += d[c] if g[c] == pos and yr[c] > 0.0 else np.float32(0.0)
+                                take = (gf[np.uint64(o + c)] == pos) & (yf[np.uint64(o + c)] > 0.0)
+                                xf[np.uint64(r + c)] += df[np.uint64(o + c)] if take else np.float32(0.0)
 
 
 def max_pool_forward(x, out, arg, pool_size=2, strides=None, padding="valid"):
     """``max_pool_ref`` written into out (B, OH, OW, C) float32 and arg (B, OH, OW, C) int32."""
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(x.shape, pool_size, strides,
                                                               padding, "max_pool_forward")
-    _check_out("max_pool_forward: out", out, shape)
+    check_out("max_pool_forward: out", out, shape)
     if tuple(arg.shape) != shape or arg.dtype != np.int32:
         raise ValueError(f"max_pool_forward: arg must be int32 of shape {shape}, got "
                          f"{arg.dtype} {tuple(arg.shape)}.")
@@ -459,7 +523,7 @@ def max_pool_backward(dy, arg, dx, pool_size=2, strides=None, padding="valid"):
     """``max_pool_backward_ref`` written into dx (B, H, W, C) float32."""
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
                                                               padding, "max_pool_backward")
-    _check_out("max_pool_backward: dy", dy, shape)
+    check_out("max_pool_backward: dy", dy, shape)
     _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl, None)
     return dx
 
@@ -472,38 +536,151 @@ def max_pool_relu_backward(dy, arg, y, dx, pool_size=2, strides=None, padding="v
     do not overlap."""
     shape, (ph, pw), (sh, sw), (pt, _, pl, _) = pool_geometry(dx.shape, pool_size, strides,
                                                               padding, "max_pool_relu_backward")
-    _check_out("max_pool_relu_backward: dy", dy, shape)
-    _check_out("max_pool_relu_backward: y", y, shape)
+    check_out("max_pool_relu_backward: dy", dy, shape)
+    check_out("max_pool_relu_backward: y", y, shape)
     _run(_max_pool_backward, dy, arg, dx, ph, pw, sh, sw, pt, pl, y)
     return dx
+
+
+#: A Conv2D(relu) + MaxPooling2D pair is run in ``PARTS`` blocks of images on
+#: ``product_threads()`` threads past this many multiply-adds in its product (each block:
+#: im2col, its BLAS product, the pooling pass; a few hundred microseconds for the lab
+#: ConvNet's conv at 12.5 M, far above the ~50 us of handing a block to a thread).
+PIPELINE_MIN_MADDS = 2_000_000
+
+
+def image_blocks(b):
+    """The ``PARTS`` fixed blocks of a batch's images ``[(n0, n1), ...]`` (fewer for a
+    batch under PARTS, none empty): the shapes alone decide them, never the threads."""
+    parts = min(PARTS, b)
+    bounds = [b * i // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _pair_threads(madds):
+    return None if madds >= PIPELINE_MIN_MADDS else 1
 
 
 def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool_size=2,
                      pool_strides=None, pool_padding="valid", cols=None, z=None):
     """``max_pool_ref(conv2d_ref(x, kernel, bias, strides, padding, relu=True), pool_size,
     pool_strides, pool_padding)`` written into out (B, PH, PW, Cout) float32 and arg
-    (B, PH, PW, Cout) int32, bitwise: im2col and ONE matmul into ``z`` (B, OH, OW, Cout),
-    the conv before its bias, then one pass adding the bias, clipping at 0 and pooling
-    (``_max_pool_forward`` with a bias), so the activation is never written out and read
-    back. ``cols``, ``z``: buffers to reuse (the CPU device keeps them), else made.
-    The backward: ``max_pool_relu_backward`` (the ReLU's mask from ``out``), then
-    ``conv2d_backward``."""
+    (B, PH, PW, Cout) int32, bitwise: for each block of images (``image_blocks``), im2col
+    and ONE matmul into ``z`` (B, OH, OW, Cout), the conv before its bias, then one pass
+    adding the bias, clipping at 0 and pooling (``_max_pool_forward`` with a bias), so the
+    activation is never written out and read back. The blocks run on threads where cores
+    are free (``run_parts``). A block's rows of the product were the same bits as the
+    whole product's in every case tried (OpenBLAS SkylakeX; the forward's tests in
+    tests/test_cpu_conv_fused.py are bitwise), but BLAS does not promise it: the blocks
+    are fixed by the batch size, so the result never depends on the threads.
+    ``cols``, ``z``: buffers to reuse (the CPU device keeps them), else made. The
+    backward: ``conv2d_relu_pool_backward``."""
     b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides,
                                                              padding, "conv2d_relu_pool")
     shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
         conv_shape, pool_size, pool_strides, pool_padding, "conv2d_relu_pool")
-    _check_out("conv2d_relu_pool: out", out, shape)
+    check_out("conv2d_relu_pool: out", out, shape)
     if tuple(arg.shape) != shape or arg.dtype != np.int32:
         raise ValueError(f"conv2d_relu_pool: arg must be int32 of shape {shape}, got "
                          f"{arg.dtype} {tuple(arg.shape)}.")
     if z is None:
         z = np.empty(conv_shape, np.float32)
-    _check_out("conv2d_relu_pool: z", z, conv_shape)
-    cols = _columns(x, kernel.shape, out_h, out_w, strides, padding, cols)
-    matmul_rows(cols, kernel.reshape(-1, cout), z.reshape(b * out_h * out_w, cout))
+    check_out("conv2d_relu_pool: z", z, conv_shape)
+    (sh, sw), (pt, pl) = strides_pads(x.shape, kernel.shape[:2], strides, padding)
+    k_rows = int(np.prod(kernel.shape[:3]))
+    if cols is None:
+        cols = np.empty((b * out_h * out_w, k_rows), np.float32)
+    check_out("conv2d: cols", cols, (b * out_h * out_w, k_rows))
+    w2 = kernel.reshape(-1, cout)
+    z2 = z.reshape(-1, cout)
     bias = np.zeros(cout, np.float32) if bias is None else bias
-    _run(_max_pool_forward, z, out, arg, ph, pw, psh, psw, ppt, ppl, bias, True)
+    per_image = out_h * out_w
+
+    def block(n0, n1):
+        r0, r1 = n0 * per_image, n1 * per_image
+        _run(_im2col, x[n0:n1], cols[r0:r1], out_h, out_w, kernel.shape[0], kernel.shape[1], sh, sw, pt, pl)
+        np.matmul(cols[r0:r1], w2, out=z2[r0:r1])
+        _run(_max_pool_forward, z[n0:n1], out[n0:n1], arg[n0:n1], ph, pw, psh, psw, ppt, ppl, bias, True)
+
+    run_parts([(block, blk) for blk in image_blocks(b)], _pair_threads(cols.size * cout))
     return out, arg
+
+
+@njit(**_JIT)
+def _image_sums(d, parts, rows_per_image, n0, n1):
+    """parts[n, c] = the float32 sum of image n's rows of d (B*rows, C), for n0..n1-1."""
+    for n in range(n0, n1):
+        p = parts[n]
+        p[:] = 0.0
+        for r in range(n * rows_per_image, (n + 1) * rows_per_image):
+            row = d[r]
+            for c in range(d.shape[1]):
+                p[c] += row[c]
+
+
+def conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides=1, padding="valid",
+                              pool_size=2, pool_strides=None, pool_padding="valid", cols=None,
+                              cols_ready=False):
+    """``conv2d_relu_pool``'s backward, the general path (any pool): into dw (KH, KW, Cin,
+    Cout), db (Cout,) or None and dx (B, H, W, Cin) or None (a first layer), from the
+    pooled gradient dy, the arg-max and the pooled output y (B, PH, PW, Cout); ``dz``
+    (B, OH, OW, Cout) receives the conv's gradient. For each block of images
+    (``image_blocks``), on threads where cores are free: the pool's backward with the
+    ReLU's mask into its rows of dz (``max_pool_relu_backward``'s loop), im2col, its part
+    of dW = cols^T @ dz (BLAS), each image's float32 sums of dz for db, and dx as
+    ``conv2d_backward`` (dcols = dz @ W^T by BLAS into the column buffer, then col2im).
+    dW's parts and db's per-image sums are added in float64 in order. So db is bitwise
+    ``conv2d_backward``'s (the same sums in the same order), dW and dx the reference's
+    products cut in blocks (float32 rounding: BLAS may round a block's rows otherwise
+    than the whole's; the blocks are fixed by the batch size). The arg-max walk of
+    kernels/cpu_conv_pool.py is the faster path where kernel rows are long.
+    ``cols_ready``: ``cols`` still holds the forward's im2col of this very ``x`` (the
+    caller knows: mirrored/backends.py's CpuOps), so it is not made again."""
+    b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides, padding,
+                                                             "conv2d_relu_pool_backward")
+    shape, (ph, pw), (psh, psw), (ppt, _, ppl, _) = pool_geometry(
+        conv_shape, pool_size, pool_strides, pool_padding, "conv2d_relu_pool_backward")
+    for what, a in (("dy", dy), ("y", y)):
+        check_out(f"conv2d_relu_pool_backward: {what}", a, shape)
+    check_out("conv2d_relu_pool_backward: dz", dz, conv_shape)
+    check_out("conv2d_relu_pool_backward: dw", dw, tuple(kernel.shape))
+    if db is not None:
+        check_out("conv2d_relu_pool_backward: db", db, (cout,))
+    if dx is not None:
+        check_out("conv2d_relu_pool_backward: dx", dx, tuple(x.shape))
+    (sh, sw), (pt, pl) = strides_pads(x.shape, kernel.shape[:2], strides, padding)
+    k_rows = int(np.prod(kernel.shape[:3]))
+    if cols is None:
+        cols = np.empty((b * out_h * out_w, k_rows), np.float32)
+    check_out("conv2d: cols", cols, (b * out_h * out_w, k_rows))
+    blocks = image_blocks(b)
+    parts = np.empty((len(blocks), k_rows, cout), np.float32)
+    sums = np.empty((b, cout), np.float32)
+    dz2, w2 = dz.reshape(-1, cout), kernel.reshape(-1, cout)
+    per_image = out_h * out_w
+    kh_n, kw_n = kernel.shape[:2]
+
+    def block(i, n0, n1):
+        r0, r1 = n0 * per_image, n1 * per_image
+        _run(_max_pool_backward, dy[n0:n1], arg[n0:n1], dz[n0:n1], ph, pw, psh, psw, ppt, ppl, y[n0:n1])
+        if not cols_ready:
+            _run(_im2col, x[n0:n1], cols[r0:r1], out_h, out_w, kh_n, kw_n, sh, sw, pt, pl)
+        np.matmul(cols[r0:r1].T, dz2[r0:r1], out=parts[i])
+        if db is not None:
+            _image_sums(dz2, sums, max(per_image, 1), n0, n1)
+        if dx is not None:
+            np.matmul(dz2[r0:r1], w2.T, out=cols[r0:r1])
+            _run(_col2im, cols[r0:r1], dx[n0:n1], out_h, out_w, kh_n, kw_n, sh, sw, pt, pl)
+
+    madds = cols.size * cout * (1 if dx is None else 2)
+    run_parts([(block, (i, n0, n1)) for i, (n0, n1) in enumerate(blocks)], _pair_threads(madds))
+    total = parts[0].astype(np.float64)
+    for part in parts[1:]:
+        total += part
+    dw[...] = total.reshape(kernel.shape)
+    if db is not None:
+        db[...] = sums.astype(np.float64).sum(axis=0)
+    return dx, dw, db
 
 
 # --- ReLU backward -------------------------------------------------------------------------------

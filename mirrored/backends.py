@@ -16,8 +16,10 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
-from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_loops, dropout, elementwise,
-                     gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
+import numpy as np
+
+from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv_pool, cpu_loops, dropout,
+                     elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
@@ -33,6 +35,9 @@ class CpuOps:
 
     def __init__(self, device):
         self.device = device
+        #: which input each im2col buffer (``_cols``, one per shape) holds the columns of,
+        #: as the last conv2d_relu_pool forward left it: {its shape: x and the geometry}
+        self._cols_hold = {}
 
     # elementwise (kernels/elementwise.py)
     def binary(self, op, x, y, out):
@@ -72,6 +77,11 @@ class CpuOps:
 
     # the dense layer stack (kernels/gemm.py, activations.py, softmax_xent.py)
     def gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+        if (beta == 0.0 and alpha == 1.0 and out is not None and out.ndim == 2 and out.flags.c_contiguous
+                and a.dtype == b.dtype == out.dtype == np.float32):
+            # = gemm_ref to float32 rounding: a large product (the lab's dense layer) in
+            # fixed blocks on the free cores (kernels/cpu_loops.py matmul_split)
+            return cpu_loops.matmul_split(a.T if trans_a else a, b.T if trans_b else b, out)
         return gemm.gemm_ref(a, b, out, trans_a, trans_b, alpha, beta)
 
     def bias_relu(self, x, bias, out):
@@ -99,11 +109,13 @@ class CpuOps:
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         cols = self._cols(x, kernel, strides, padding)                # im2col's matrix, reused
+        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
         return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu, cols)  # = conv2d_ref
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # = conv2d_backward_ref; dx is None for a first layer (nothing needs it: not computed)
         cols = self._cols(x, kernel, strides, padding)
+        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
         return cpu_loops.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, cols)
 
     def _cols(self, x, kernel, strides, padding):
@@ -126,11 +138,43 @@ class CpuOps:
         cols = self._cols(x, kernel, strides, padding)
         z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
         z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
-        return cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
-                                          pool_strides, pool_padding, cols, z)
+        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
+        cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
+                                   pool_strides, pool_padding, cols, z)
+        self._cols_hold[self._cols_key(x, kernel, strides, padding)] = self._input_token(x, kernel, strides, padding)
+        return out, arg
+
+    @staticmethod
+    def _cols_key(x, kernel, strides, padding):
+        return cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding)    # _cols's buffer
+
+    @staticmethod
+    def _input_token(x, kernel, strides, padding):
+        # The im2col buffer is the device's one per shape (``_cols``); the pair's backward
+        # takes it as its forward left it when no other conv of that shape has used it
+        # since (the backward takes the forward's x unchanged, as dW = cols^T dz needs
+        # anyway): the lab's 43,264 x 9 columns are not made twice.
+        return x.ctypes.data, x.shape, x.strides, tuple(kernel.shape[:3]), str(strides), str(padding)
 
     def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
         return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
+
+    def conv2d_relu_pool_backward(self, x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
+                                  pool_size=2, pool_strides=None, pool_padding="valid"):
+        # conv2d_relu_pool's backward in one op: dw, db and dx (None: not computed) from the
+        # pooled gradient dy. Where it pays (kernels/cpu_conv_pool.py ``pays``: windows that
+        # do not overlap, kernel rows reading >= 16 contiguous inputs) only the arg-max terms
+        # are added and the conv's gradient is never written; else the general path
+        # (cpu_loops.conv2d_relu_pool_backward) writes it into ``dz`` (B, OH, OW, Cout).
+        if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
+            return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
+                                          pool_size, pool_strides, pool_padding)
+        cols, key = self._cols(x, kernel, strides, padding), self._cols_key(x, kernel, strides, padding)
+        ready = self._cols_hold.get(key) == self._input_token(x, kernel, strides, padding)
+        if dx is not None:
+            self._cols_hold.pop(key, None)           # dx's product is written into it
+        return cpu_loops.conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
+                                                   pool_size, pool_strides, pool_padding, cols, ready)
 
     @staticmethod
     def fuses_conv_relu_pool(kernel_shape, strides, pool_size, pool_strides, pool_padding):
@@ -152,7 +196,7 @@ class CpuOps:
         return optimizers.sgd_ref(w, g, velocity, hyper, nesterov)
 
     def adam(self, w, g, m, v, hyper):
-        return optimizers.adam_ref(w, g, m, v, hyper)
+        return optimizers.adam_cpu(w, g, m, v, hyper)       # = adam_ref bitwise, one compiled pass
 
     # a batch from a data set kept on the device (kernels/gather.py)
     def gather_rows(self, src, idx, out):

@@ -357,7 +357,9 @@ class Conv2D(Layer):
     Fused with a following MaxPooling2D where the device's ops fuse the pair (``fuse_next``,
     the loop in keras/engine.py's ``ReplicaProgram``): the forward is one ``ops.conv2d_relu_pool`` into the pool's buffers
     (the conv output is never written), the pool's backward writes dz = d loss / d conv
-    output with the ReLU mask applied, and this backward skips relu_backward.
+    output with the ReLU mask applied, and this backward skips relu_backward. On the CPU the
+    pair's backward is one ``ops.conv2d_relu_pool_backward`` (kernels/cpu_conv_pool.py: only
+    the arg-max terms, dz never written, where that pays).
     """
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None,
@@ -452,6 +454,13 @@ class Conv2D(Layer):
         buf = state.buffers(dy.shape[0])
         dkernel = state.grads[0]                                    # (KH, KW, Cin, Cout)
         dbias = state.grads[1] if self.use_bias else None           # (Cout,)
+        dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
+        both = getattr(state.ops, "conv2d_relu_pool_backward", None)  # the CPU: the pair's backward, one op
+        if state.fused is not None and both is not None:
+            pool, pbuf = state.fused.layer, state.fused.buffers(dy.shape[0])
+            both(buf.x, state.weights[0], dy, pbuf.arg, pbuf.y, buf.y, dx, dkernel, dbias, self.strides,
+                 self.padding, pool.pool_size, pool.strides, pool.padding)
+            return dx
         if state.fused is not None:                                 # dy: the pool's output gradient
             pool, pbuf = state.fused.layer, state.fused.buffers(dy.shape[0])
             state.ops.max_pool_relu_backward(dy, pbuf.arg, pbuf.y, buf.y, pool.pool_size,
@@ -459,7 +468,6 @@ class Conv2D(Layer):
             dy = buf.y
         elif self.activation == "relu":
             state.ops.relu_backward(dy, buf.y, dy)                  # dz = dy * (y > 0), in place
-        dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
         state.ops.conv2d_backward(buf.x, state.weights[0], dy, dx, dkernel, dbias,
                                   self.strides, self.padding)
         return dx
