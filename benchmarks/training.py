@@ -920,8 +920,14 @@ def issue25_targets(results):
     targets = []
 
     def fastest(model, rows):
+        """The fastest of ``rows``; None unless each peer framework named there has a row
+        (a "faster of PyTorch and TensorFlow" without TensorFlow's rows is not that target)."""
         found = [r for r in (find(results, model, fw, st) for fw, st in rows) if r]
-        return min(found, key=lambda r: r["ms_per_step"]) if found else None
+        frameworks = {fw for fw, _ in rows}
+        if not found or any(not any(find(results, model, fw, st) for f, st in rows if f == fw)
+                            for fw in frameworks):
+            return None
+        return min(found, key=lambda r: r["ms_per_step"])
 
     def target(what, a, b, threshold):
         if a and b:

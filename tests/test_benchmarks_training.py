@@ -14,6 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 OURS = {("no strategy", 1), ("OneDeviceStrategy", 1), ("MirroredStrategy", 1), ("MirroredStrategy", 2),
@@ -81,3 +84,25 @@ def test_smoke_without_out_writes_nothing(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nothing written" in proc.stdout
     assert (set(results.iterdir()) if results.exists() else set()) == before
+
+
+def test_issue25_peer_target_needs_both_peers_rows():
+    """"The faster of PyTorch and TensorFlow" is only reported when both were measured: a run
+    without TensorFlow (e.g. --busy-core alone) once printed the lab target as met against
+    PyTorch alone."""
+    from benchmarks import training
+    rng = np.random.default_rng()
+    ours, torch_ms, tf_ms = rng.uniform(3, 6), rng.uniform(6, 12), rng.uniform(4, 7)
+
+    def row(model, framework, strategy, ms):
+        return {"model": model, "framework": framework, "strategy": strategy, "replicas": 1,
+                "ms_per_step": ms, "row": f"{framework} {strategy}"}
+
+    without_tf = [row("convnet", "ours", "MirroredStrategy", ours),
+                  row("convnet", "torch", "eager", torch_ms)]
+    names = [t["target"] for t in training.issue25_targets(without_tf)]
+    assert not any("faster of PyTorch eager and TensorFlow" in n for n in names), names
+    with_tf = without_tf + [row("convnet", "tf", "no strategy", tf_ms)]
+    (peer,) = [t for t in training.issue25_targets(with_tf) if "faster of" in t["target"]]
+    assert peer["measured"] == pytest.approx(ours / min(torch_ms, tf_ms))
+    assert peer["met"] == (ours / min(torch_ms, tf_ms) <= training.TARGET_CONVNET_VS_PEERS)
