@@ -83,7 +83,7 @@ SEEN_LIMIT = 65536
 
 _records = {}            # key -> Record, or _Uncached (numba's path for this key, and why)
 _seen = {}               # key -> True: launched once through numba
-_numba_lock = threading.Lock()    # numba's path: one launch (and recording) at a time
+_numba_lock = threading.RLock()   # numba's path: one launch (and recording) at a time
 _state = {"enabled": None, "why_not": None}    # enabled None: not checked yet
 
 #: The driver call, resolved on first use (``cuda.bindings.driver.cuLaunchKernel``). Public so
@@ -202,7 +202,9 @@ def launch_and_record(key, configured, stream, args):
     its first launch, and numba-cuda 0.30.4 does that without a lock, so two replicas'
     threads launching it at once both load it and the second fails ("key already in
     dictionary: <CUlibrary ...>", seen on the H100 with two logical GPUs). Only the first
-    launches of a key take this path; the recorded launches after them do not lock."""
+    launches of a key take this path; the recorded launches after them do not lock. The
+    lock is re-entrant, so a launch that numba's path makes on the same thread cannot wait
+    on itself."""
     if key is None or key in _records or not isinstance(configured, _LaunchConfiguration):
         with _numba_lock:                         # cache off, numba's path for this key, or
             configured(*args)                     # not numba's kernel (a test's stand-in)

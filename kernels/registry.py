@@ -30,7 +30,7 @@ compute the occupancy that launch gets.
 Kept on disk. ``register`` also turns on numba-cuda's disk cache for the kernel
 (``enable_caching()``, what ``@cuda.jit(cache=True)`` does): the first process that
 launches it compiles it (0.3-0.5 s a kernel on the H100 machine: the course lab's 15
-kernels took 4.9-7.4 s of its first epoch, ``benchmarks/RESULTS.md``) and writes the
+kernels took 3.5-7.4 s of its first epoch, ``benchmarks/RESULTS.md``) and writes the
 machine code beside the source (``__pycache__``, or ``NUMBA_CACHE_DIR``); later processes
 load it in milliseconds. Numba recompiles when the kernel's own file changes (its size
 and time stamp), when the closure values a factory baked in differ, and when numba-cuda's

@@ -103,9 +103,12 @@ def test_a_slow_host_old_method_reports_host_time_graph_reports_kernel_time(monk
     new = common.time_gpu(lambda s: gpu.launch(s), repeat=5)
     assert old["method"] == "back-to-back launches" and new["method"] == "graph"
     # The old method times the host (one launch per call), the new one the kernel; the graph's
-    # own launch is spread over its calls.
+    # own launch (the GPU waits for it once a sample) is spread over its calls: for a 1 µs
+    # kernel that is ~3 % of the answer, so it is part of what is expected.
     assert old["median_s"] * 1e6 == pytest.approx(host_us, rel=0.02)
-    assert new["median_s"] * 1e6 == pytest.approx(kernel_us, rel=0.02)
+    spread = GRAPH_LAUNCH_US / new["calls_per_sample"]
+    assert new["median_s"] * 1e6 == pytest.approx(kernel_us + spread, rel=0.005)
+    assert spread < 0.05 * kernel_us
     assert new["calls_per_sample"] > 1
     assert gpu.calls.count("begin") == gpu.calls.count("end") == gpu.calls.count("graph-") == 2
 

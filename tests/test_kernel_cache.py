@@ -137,29 +137,33 @@ def test_two_threads_launching_kernels_loaded_from_the_cache_at_once(tmp_path):
     launch; numba-cuda does that without a lock, and two replicas' threads once both did it
     ("key already in dictionary: <CUlibrary ...>", 2 logical GPUs on the H100). Launches on
     numba's path are serialised (kernels/launch_cache.py): every kernel here, in two threads
-    that start together, on their own streams, from a warm cache."""
+    that start together, on their own streams, from a warm cache. As in the library, the
+    main thread starts CUDA and makes the streams and buffers; the threads only launch.
+    Nothing waits without a limit: a stuck thread is reported, not waited on."""
     code = """
-        import json, threading
+        import json, os, sys, threading
         import numpy as np
         from numba import cuda
         from kernels import elementwise
         ops = sorted(elementwise.BINARY_KERNELS)
-        barrier, errors, results = threading.Barrier(2), [], {}
+        streams = [cuda.stream() for _ in range(2)]
+        xs = [cuda.to_device(np.arange(1, 257, dtype=np.float32) * (r + 1)) for r in range(2)]
+        outs = {(r, op): cuda.device_array(256, np.float32) for r in range(2) for op in ops}
+        cuda.synchronize()
+        barrier, errors, results = threading.Barrier(2, timeout=60), [], {}
         def replica(r):
-            stream = cuda.stream()
-            x = cuda.to_device(np.arange(1, 257, dtype=np.float32) * (r + 1), stream=stream)
-            barrier.wait()
             try:
+                barrier.wait()
                 for op in ops:
-                    out = cuda.device_array(256, np.float32, stream=stream)
-                    elementwise.binary(op, x, x, out, stream)
-                    results[(r, op)] = out.copy_to_host(stream=stream)   # asynchronous
-                stream.synchronize()
+                    elementwise.binary(op, xs[r], xs[r], outs[(r, op)], streams[r])
+                streams[r].synchronize()
             except Exception as err:
                 errors.append(repr(err))
-        threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+        threads = [threading.Thread(target=replica, args=(r,), daemon=True) for r in range(2)]
         [t.start() for t in threads]
-        [t.join() for t in threads]
+        [t.join(timeout=120) for t in threads]
+        errors += [f"replica {r} still running after 120 s" for r, t in enumerate(threads) if t.is_alive()]
+        results = {key: out.copy_to_host() for key, out in outs.items()} if not errors else {}
         stats = [elementwise.BINARY_KERNELS[op].stats for op in ops]
         hits = sum(sum(s.cache_hits.values()) for s in stats)
         misses = sum(sum(s.cache_misses.values()) for s in stats)
@@ -168,9 +172,11 @@ def test_two_threads_launching_kernels_loaded_from_the_cache_at_once(tmp_path):
                 "div": lambda a: a / a, "rsub": lambda a: a - a, "rdiv": lambda a: a / a}
         wrong = [f"{op} on replica {r}" for r in range(2) for op in ops
                  if (r, op) in results and not np.array_equal(results[(r, op)], want[op](x[r]))]
-        print(json.dumps([errors, hits, misses, len(ops), wrong]))
+        print(json.dumps([errors, hits, misses, len(ops), wrong]), flush=True)
+        os._exit(0)      # a stuck thread (reported above) must not hold the exit
     """
-    _child(code, NUMBA_CACHE_DIR=str(tmp_path))                  # fills the cache
+    errors, _, _, _, wrong = _child(code, NUMBA_CACHE_DIR=str(tmp_path))   # fills the cache
+    assert errors == [] and wrong == []
     errors, hits, misses, n_ops, wrong = _child(code, NUMBA_CACHE_DIR=str(tmp_path))
     assert errors == [] and wrong == []
     assert misses == 0 and hits >= n_ops    # every kernel loaded from the cache, none compiled
