@@ -166,6 +166,22 @@ def keep_on_disk(kernel):
     return True
 
 
+def disk_cache_note():
+    """One line for ``python -m mirrored info``: whether compiled kernels are kept on disk,
+    where, and for how many of the registered kernels."""
+    if os.environ.get(CACHE_VAR, "1") == "0":
+        return f"off ({CACHE_VAR}=0): every process compiles the kernels it launches"
+    specs = registered()
+    paths = [getattr(getattr(s.kernel, "stats", None), "cache_path", None) for s in specs]
+    kept = [p for p in paths if p]
+    if not kept:
+        return "nothing to keep: the CUDA simulator compiles nothing"
+    folders = sorted(set(kept))
+    where = folders[0] if len(folders) == 1 else f"{folders[0]} and {len(folders) - 1} more"
+    return (f"on for {len(kept)} of {len(specs)} kernels (the rest call device functions of "
+            f"another file), in {where}; {CACHE_VAR}=0 turns it off")
+
+
 def device_functions_from_other_files(kernel):
     """The CUDA device functions ``kernel`` calls, directly or through device functions of
     its own file, that are defined in another file, as "name (file)". A disk-cached kernel

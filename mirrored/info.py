@@ -1,7 +1,7 @@
 """``python -m mirrored info``: what this machine offers, in one report.
 
 Versions of numba and numba-cuda, whether CUDA is real or Numba's simulator,
-the CPU backend's BLAS and its thread policy (mirrored/backends.py, ``blas_policy``),
+whether compiled kernels are kept on disk (kernels/registry.py), the CPU backend's BLAS and its thread policy (mirrored/backends.py, ``blas_policy``),
 every physical and logical device with its memory, and which physical GPUs can
 read each other's memory directly (the peer-access matrix the ring all-reduce
 uses). Call ``report()`` for the text, e.g. from a notebook.
@@ -10,7 +10,7 @@ import platform
 import sys
 from importlib import metadata
 
-from kernels import cpu_loops
+from kernels import cpu_loops, registry
 from mirrored import backends, devices as _dev
 
 
@@ -74,6 +74,7 @@ def report():
         "simulator": "Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1): kernels run as Python threads",
         "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy; conv and "
                 "pooling as compiled Numba loops)"}[mode])
+    lines.append(f"kernel cache {registry.disk_cache_note()}")
     lines += _cpu_lines()
     lines += ["", "physical devices:"]
     for phys in _dev.list_physical():

@@ -180,3 +180,25 @@ def test_two_threads_launching_kernels_loaded_from_the_cache_at_once(tmp_path):
     errors, hits, misses, n_ops, wrong = _child(code, NUMBA_CACHE_DIR=str(tmp_path))
     assert errors == [] and wrong == []
     assert misses == 0 and hits >= n_ops    # every kernel loaded from the cache, none compiled
+
+
+def test_info_says_whether_kernels_are_kept_and_where(tmp_path):
+    """``python -m mirrored info``'s "kernel cache" line: on, for how many kernels and where
+    (``NUMBA_CACHE_DIR`` here); off with the variable; nothing to keep in the simulator."""
+    rows = _child(_EVERY_KERNEL)
+    cached = sum(1 for _, on, _ in rows if on)
+    line = _child("""
+        import json
+        from kernels import registry
+        print(json.dumps(registry.disk_cache_note()))
+    """, NUMBA_CACHE_DIR=str(tmp_path))
+    assert line.startswith(f"on for {cached} of {len(rows)} kernels") and str(tmp_path) in line, line
+    off = _child("""
+        import json
+        from kernels import registry
+        print(json.dumps(registry.disk_cache_note()))
+    """, MIRRORED_KERNEL_CACHE="0")
+    assert off.startswith("off (MIRRORED_KERNEL_CACHE=0)"), off
+    from mirrored import info          # this process: the simulator where there is no GPU
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        assert "kernel cache nothing to keep: the CUDA simulator compiles nothing" in info.report()
