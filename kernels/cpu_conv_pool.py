@@ -47,7 +47,7 @@ from numba import njit
 
 from kernels import cpu_loops
 from kernels.conv2d import conv2d_output_shape
-from kernels.cpu_loops import check_out, image_blocks, run_parts, strides_pads, taps_inside
+from kernels.cpu_loops import add_in_order, check_out, image_blocks, run_parts, strides_pads, taps_inside
 from kernels.pooling import pool_geometry
 
 #: The shortest contiguous run of input values per kernel row (KW * Cin) for which the
@@ -239,10 +239,7 @@ def backward(x, kernel, dy, arg, y, dx, dw, db, strides=1, padding="valid", pool
         tasks.append((_run_block, (calls,)))
     madds = b * shape[1] * shape[2] * kernel.size * (1 if dx is None else 2)
     run_parts(tasks, None if madds >= cpu_loops.SPLIT_MIN_MADDS else 1)
-    total = parts[0].astype(np.float64)                  # the blocks in block order, float64
-    for part in parts[1:]:
-        total += part
-    dw[...] = total.reshape(cout, -1).T.reshape(kernel.shape)
+    dw[...] = add_in_order(parts).reshape(cout, -1).T.reshape(kernel.shape)   # blocks in order, float64
     if db is not None:
         db[...] = db_parts.astype(np.float64).sum(axis=0)
     return dx, dw, db

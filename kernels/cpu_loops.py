@@ -339,11 +339,7 @@ def _column_sums(d, out, rows_per_part):
     n_parts = (d.shape[0] + rows_per_part - 1) // rows_per_part
     parts = np.zeros((n_parts, d.shape[1]), np.float32)
     for p in prange(n_parts):
-        part = parts[p]
-        for r in range(p * rows_per_part, min((p + 1) * rows_per_part, d.shape[0])):
-            row = d[r]
-            for c in range(d.shape[1]):
-                part[c] += row[c]
+        _image_sums(d, parts, rows_per_part, p, p + 1)
     for c in range(d.shape[1]):
         total = 0.0
         for p in range(n_parts):
@@ -549,6 +545,15 @@ def max_pool_relu_backward(dy, arg, y, dx, pool_size=2, strides=None, padding="v
 PIPELINE_MIN_MADDS = 2_000_000
 
 
+def add_in_order(parts):
+    """The float64 sum of ``parts`` (each block's float32 result, e.g. its share of dW),
+    added in block order: the same bits whatever thread computed which block."""
+    total = parts[0].astype(np.float64)
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 def image_blocks(b):
     """The ``PARTS`` fixed blocks of a batch's images ``[(n0, n1), ...]`` (fewer for a
     batch under PARTS, none empty): the shapes alone decide them, never the threads."""
@@ -608,11 +613,12 @@ def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool
 
 @njit(**_JIT)
 def _image_sums(d, parts, rows_per_image, n0, n1):
-    """parts[n, c] = the float32 sum of image n's rows of d (B*rows, C), for n0..n1-1."""
+    """parts[n, c] = the float32 sum of image n's rows of d (B*rows, C), for n0..n1-1
+    (the last image's rows may stop short at d's end)."""
     for n in range(n0, n1):
         p = parts[n]
         p[:] = 0.0
-        for r in range(n * rows_per_image, (n + 1) * rows_per_image):
+        for r in range(n * rows_per_image, min((n + 1) * rows_per_image, d.shape[0])):
             row = d[r]
             for c in range(d.shape[1]):
                 p[c] += row[c]
@@ -674,10 +680,7 @@ def conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides=1, 
 
     madds = cols.size * cout * (1 if dx is None else 2)
     run_parts([(block, (i, n0, n1)) for i, (n0, n1) in enumerate(blocks)], _pair_threads(madds))
-    total = parts[0].astype(np.float64)
-    for part in parts[1:]:
-        total += part
-    dw[...] = total.reshape(kernel.shape)
+    dw[...] = add_in_order(parts).reshape(kernel.shape)
     if db is not None:
         db[...] = sums.astype(np.float64).sum(axis=0)
     return dx, dw, db

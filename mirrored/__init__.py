@@ -5,7 +5,7 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step in six files (lines at this writing; 2,440 in all)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,439 in all)::
 
     1. keras/models.py      355  Sequential.build and fit: Keras's loop; one ``_train_on(batch)``
                                  per batch (compile, evaluate, predict, saving: model_api.py)
@@ -14,7 +14,7 @@ Reading order: one ``fit`` step in six files (lines at this writing; 2,440 in al
                                  a custom loop's ``apply_gradients`` runs the same steps 3-4
     3. keras/engine.py      348  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
-    4. keras/layers.py      726  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
+    4. keras/layers.py      725  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
                                  own forward and backward, through ``dev.ops``
     5. ring.py              353  RingAllReduce: the ring that sums the packed gradients (step 3)
     6. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)

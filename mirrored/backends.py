@@ -36,7 +36,7 @@ class CpuOps:
     def __init__(self, device):
         self.device = device
         #: which input each im2col buffer (``_cols``, one per shape) holds the columns of,
-        #: as the last conv2d_relu_pool forward left it: {its shape: x and the geometry}
+        #: as the last conv2d_relu_pool forward left it: {the buffer's shape: x and the geometry}
         self._cols_hold = {}
 
     # elementwise (kernels/elementwise.py)
@@ -109,13 +109,13 @@ class CpuOps:
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         cols = self._cols(x, kernel, strides, padding)                # im2col's matrix, reused
-        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
+        self._cols_hold.pop(cols.shape, None)
         return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu, cols)  # = conv2d_ref
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # = conv2d_backward_ref; dx is None for a first layer (nothing needs it: not computed)
         cols = self._cols(x, kernel, strides, padding)
-        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
+        self._cols_hold.pop(cols.shape, None)
         return cpu_loops.conv2d_backward(x, kernel, dy, dx, dw, db, strides, padding, cols)
 
     def _cols(self, x, kernel, strides, padding):
@@ -138,15 +138,11 @@ class CpuOps:
         cols = self._cols(x, kernel, strides, padding)
         z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
         z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
-        self._cols_hold.pop(self._cols_key(x, kernel, strides, padding), None)
+        self._cols_hold.pop(cols.shape, None)
         cpu_loops.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, pool_size,
                                    pool_strides, pool_padding, cols, z)
-        self._cols_hold[self._cols_key(x, kernel, strides, padding)] = self._input_token(x, kernel, strides, padding)
+        self._cols_hold[cols.shape] = self._input_token(x, kernel, strides, padding)
         return out, arg
-
-    @staticmethod
-    def _cols_key(x, kernel, strides, padding):
-        return cpu_loops.cols_shape(x.shape, kernel.shape, strides, padding)    # _cols's buffer
 
     @staticmethod
     def _input_token(x, kernel, strides, padding):
@@ -169,10 +165,10 @@ class CpuOps:
         if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
             return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
                                           pool_size, pool_strides, pool_padding)
-        cols, key = self._cols(x, kernel, strides, padding), self._cols_key(x, kernel, strides, padding)
-        ready = self._cols_hold.get(key) == self._input_token(x, kernel, strides, padding)
+        cols = self._cols(x, kernel, strides, padding)
+        ready = self._cols_hold.get(cols.shape) == self._input_token(x, kernel, strides, padding)
         if dx is not None:
-            self._cols_hold.pop(key, None)           # dx's product is written into it
+            self._cols_hold.pop(cols.shape, None)    # dx's product is written into it
         return cpu_loops.conv2d_relu_pool_backward(x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
                                                    pool_size, pool_strides, pool_padding, cols, ready)
 

@@ -21,7 +21,6 @@ from mirrored.multi_worker import (ClusterSpec, CommunicationImplementation, Com
                                    MPIClusterResolver, MultiWorkerMirroredStrategy)
 
 
-
 _HIERARCHICAL_NOTED = []
 
 

@@ -64,6 +64,7 @@ def batch_hooks(callbacks, name):
     hooks = [getattr(cb, name) for cb in callbacks]
     return [hook for hook in hooks if getattr(hook, "__func__", hook) is not base]
 
+
 class LazyLogs(MutableMapping):
     """A logs dict filled by ``read()`` the first time anyone looks into it (``fit``'s batch
     logs: reading the metrics syncs the devices, so it happens only when asked)."""

@@ -455,14 +455,13 @@ class Conv2D(Layer):
         dkernel = state.grads[0]                                    # (KH, KW, Cin, Cout)
         dbias = state.grads[1] if self.use_bias else None           # (Cout,)
         dx = buf.dx if state.need_dx else None                      # (b, H, W, Cin) or None
-        both = getattr(state.ops, "conv2d_relu_pool_backward", None)  # the CPU: the pair's backward, one op
-        if state.fused is not None and both is not None:
-            pool, pbuf = state.fused.layer, state.fused.buffers(dy.shape[0])
-            both(buf.x, state.weights[0], dy, pbuf.arg, pbuf.y, buf.y, dx, dkernel, dbias, self.strides,
-                 self.padding, pool.pool_size, pool.strides, pool.padding)
-            return dx
         if state.fused is not None:                                 # dy: the pool's output gradient
             pool, pbuf = state.fused.layer, state.fused.buffers(dy.shape[0])
+            both = getattr(state.ops, "conv2d_relu_pool_backward", None)  # the CPU: the pair's backward, one op
+            if both is not None:
+                both(buf.x, state.weights[0], dy, pbuf.arg, pbuf.y, buf.y, dx, dkernel, dbias, self.strides,
+                     self.padding, pool.pool_size, pool.strides, pool.padding)
+                return dx
             state.ops.max_pool_relu_backward(dy, pbuf.arg, pbuf.y, buf.y, pool.pool_size,
                                              pool.strides, pool.padding)   # dz: (b, OH, OW, Cout)
             dy = buf.y
