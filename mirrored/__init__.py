@@ -5,21 +5,22 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step in six files (lines at this writing; 2,439 in all)::
+Reading order: one ``fit`` step in six files (lines at this writing; 2,079 in all)::
 
     1. keras/models.py      355  Sequential.build and fit: Keras's loop; one ``_train_on(batch)``
                                  per batch (compile, evaluate, predict, saving: model_api.py)
     2. keras/step.py        322  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  a custom loop's ``apply_gradients`` runs the same steps 3-4
-    3. keras/engine.py      348  ReplicaProgram: one replica's layers forward, the loss,
+    3. keras/engine.py      347  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
-    4. keras/layers.py      725  Dense, Flatten, Conv2D, MaxPooling2D, Dropout: each layer's
-                                 own forward and backward, through ``dev.ops``
-    5. ring.py              353  RingAllReduce: the ring that sums the packed gradients (step 3)
+    4. keras/layers.py      414  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
+                                 forward and backward, through ``dev.ops``
+    5. ring.py              305  RingAllReduce: the ring that sums the packed gradients (step 3)
     6. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)
 
-   Beside them: keras/data_adapters.py (the global batch as host arrays), input_lib.py
+   Beside them: keras/base_layer.py (``Layer``: the protocol's defaults), keras/data_adapters.py
+   (the global batch as host arrays), input_lib.py
    (``rebatch_bounds``: TensorFlow's rule for the split, step 1), cross_device_ops.py (the
    ring's base class: checks, MEAN), devices.py (``dev.activate``, buffers), backends.py
    (``dev.ops``: the op on a GPU, our kernels, or a CPU, NumPy); then kernels/: gemm.py,

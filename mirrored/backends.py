@@ -282,6 +282,13 @@ class CudaOps:
         # v2, one thread per window, with the conv's ReLU mask read from the pooled output y
         return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream, relu_y=y)
 
+    def conv2d_relu_pool_backward(self, x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
+                                  pool_size=2, pool_strides=None, pool_padding="valid"):
+        # conv2d_relu_pool's backward as two launches: the pool's backward with the ReLU mask
+        # writes dz (B, OH, OW, Cout), the conv's backward reads it
+        self.max_pool_relu_backward(dy, arg, y, dz, pool_size, pool_strides, pool_padding)
+        return self.conv2d_backward(x, kernel, dz, dx, dw, db, strides, padding)
+
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # dW/db's pass-1 partial sums: a scratch buffer of the device, as sum_all's.
         scratch = lambda shape: self.device.scratch("conv2d dW partials", shape, "float32")  # noqa: E731

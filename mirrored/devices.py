@@ -499,6 +499,36 @@ def _memcpy_peer(dst_dev, dst, src_dev, src, nbytes):
                                  nbytes, dst_dev.stream.handle)
 
 
+# Peer access is a property of a pair of CUDA contexts, so it is cached for the
+# whole process: (reading GPU id, GPU id whose memory it reads) -> enabled?
+_peer_access = {}
+_peer_lock = threading.Lock()
+
+#: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: someone in this process enabled it first.
+_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def enable_peer_access(reader_gpu, owner_gpu):
+    """Let kernels on GPU ``reader_gpu`` read memory of GPU ``owner_gpu``; False if impossible
+    (the ring, ``ring.py``, then stages each chunk through a copy)."""
+    key = (reader_gpu, owner_gpu)
+    with _peer_lock:
+        if key not in _peer_access:
+            cuda = numba_cuda()
+            ok = False
+            with cuda.gpus[reader_gpu]:
+                ctx = cuda.current_context()
+                if ctx.can_access_peer(owner_gpu):
+                    try:
+                        ctx.enable_peer_access(cuda.gpus[owner_gpu].get_primary_context().handle)
+                        ok = True
+                    except cuda.cudadrv.driver.CudaAPIError as err:
+                        # Already on is fine; any other failure: stage through copies.
+                        ok = getattr(err, "code", None) == _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            _peer_access[key] = ok
+        return _peer_access[key]
+
+
 def wait_for(src, dst):
     """Make work queued on ``dst`` from now on wait for work queued on ``src``.
 

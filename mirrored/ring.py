@@ -2,54 +2,23 @@
 only to its neighbour (``RingAllReduce``, the default ``cross_device_ops`` of
 ``MirroredStrategy``; lab 03 steps through it).
 
-Read top to bottom: peer access between two cards, then ``RingAllReduce``: its
-schedule as plain functions (``chunk_bounds``, ``schedule``, ``bytes_moved``), the
-checks, and ``_run_ring``, which launches the steps (``kernels/allreduce.py`` adds or
+Read top to bottom: ``RingAllReduce``, its schedule as plain functions (``chunk_bounds``,
+``schedule``, ``bytes_moved``), the checks, and ``_run_ring``, which launches the steps (``kernels/allreduce.py`` adds or
 copies one chunk) with one CUDA event between neighbours per step.
 
 Neighbours: ``cross_device_ops.py`` (``CrossDeviceOps``, the base class: packing,
 MEAN, destinations; it calls this ring's ``_sum_in_place``), ``ring_trace.py`` (the
 teaching trace, ``RingStep`` and ``RingTransfer``, also importable from here),
 ``collective_all_reduce.py`` (the same ring across MPI workers), ``kernels/allreduce.py``
-(the chunk kernels), ``lab/viz.py`` (the ring's pictures); ``distribute.py`` defines
+(the chunk kernels), ``devices.py`` (``enable_peer_access`` between two cards), ``lab/viz.py``
+(the ring's pictures); ``distribute.py`` defines
 ``HierarchicalCopyAllReduce``, TensorFlow's name that runs as this ring.
 """
-import threading
-
 import numpy as np
 
 from mirrored import devices as _dev
 from mirrored.cross_device_ops import CrossDeviceOps, check_distinct
-from mirrored.ring_trace import RingStep, RingTransfer, initial_holds, trace_steps  # noqa: F401 (also found here)
-
-
-# Peer access is a property of a pair of CUDA contexts, so it is cached for the
-# whole process: (reading GPU id, GPU id whose memory it reads) -> enabled?
-_peer_access = {}
-_peer_lock = threading.Lock()
-
-#: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: someone in this process enabled it first.
-_CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
-
-
-def _enable_peer_access(reader_gpu, owner_gpu):
-    """Let kernels on GPU ``reader_gpu`` read memory of GPU ``owner_gpu``; False if impossible."""
-    key = (reader_gpu, owner_gpu)
-    with _peer_lock:
-        if key not in _peer_access:
-            cuda = _dev.numba_cuda()
-            ok = False
-            with cuda.gpus[reader_gpu]:
-                ctx = cuda.current_context()
-                if ctx.can_access_peer(owner_gpu):
-                    try:
-                        ctx.enable_peer_access(cuda.gpus[owner_gpu].get_primary_context().handle)
-                        ok = True
-                    except cuda.cudadrv.driver.CudaAPIError as err:
-                        # Already on is fine; any other failure: stage through copies.
-                        ok = getattr(err, "code", None) == _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-            _peer_access[key] = ok
-        return _peer_access[key]
+from mirrored.ring_trace import RingStep, RingTransfer, bytes_moved, initial_holds, trace_steps  # noqa: F401 (also found here)
 
 
 class RingAllReduce(CrossDeviceOps):
@@ -152,25 +121,8 @@ class RingAllReduce(CrossDeviceOps):
 
     @staticmethod
     def bytes_moved(size, n, itemsize=4):
-        """Bytes each device sends and receives to all-reduce ``size`` elements over ``n`` devices.
-
-        Returns ``{"ring": [{"sent": .., "received": ..} per device],
-        "reduce_to_one": [...]}``. Ring: each device sends and receives about
-        2(N-1)/N of the buffer (exactly, from the chunk sizes). Reduce to one
-        (device 0, as ``ReductionToOneDevice``): device 0 receives N-1 buffers and
-        sends N-1 sums back; every other device sends 1 and receives 1.
-        """
-        bounds = RingAllReduce.chunk_bounds(size, n)
-        ring = [{"sent": 0, "received": 0} for _ in range(n)]
-        for _, _, sends in RingAllReduce.schedule(n):
-            for src, dst, c in sends:
-                nbytes = (bounds[c][1] - bounds[c][0]) * itemsize
-                ring[src]["sent"] += nbytes
-                ring[dst]["received"] += nbytes
-        whole = size * itemsize
-        to_one = [{"sent": (n - 1) * whole, "received": (n - 1) * whole}]
-        to_one += [{"sent": whole, "received": whole} for _ in range(n - 1)]
-        return {"ring": ring, "reduce_to_one": to_one if n > 1 else [{"sent": 0, "received": 0}]}
+        """Bytes each device sends and receives, ring against reduce-to-one (``ring_trace.bytes_moved``)."""
+        return bytes_moved(RingAllReduce.schedule(n), RingAllReduce.chunk_bounds(size, n), size, itemsize)
 
     # -- CrossDeviceOps
     def all_reduce_components(self, reduce_op, values):
@@ -229,7 +181,7 @@ class RingAllReduce(CrossDeviceOps):
             return "staged"                          # forced (tests the staged path on one card)
         if sender.gpu_id == receiver.gpu_id:
             return "direct"                          # logical GPUs of one card: one context
-        return "peer" if _enable_peer_access(receiver.gpu_id, sender.gpu_id) else "staged"
+        return "peer" if _dev.enable_peer_access(receiver.gpu_id, sender.gpu_id) else "staged"
 
     def _step_events(self, dev, count):
         """``count`` reusable events on ``dev`` (None on a CPU device, which needs none).

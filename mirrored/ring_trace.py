@@ -91,3 +91,26 @@ def trace_steps(schedule, bounds, buffer_index, dtype, size):
         steps.append(RingStep(phase, step, tuple(transfers), tuple(tuple(r) for r in holds),
                               buffer_index, dtype.name, size))
     return steps
+
+
+def bytes_moved(schedule, bounds, size, itemsize=4):
+    """Bytes each device sends and receives to all-reduce ``size`` elements, given the ring's
+    ``schedule`` and ``chunk_bounds`` (``RingAllReduce.bytes_moved`` passes them).
+
+    Returns ``{"ring": [{"sent": .., "received": ..} per device],
+    "reduce_to_one": [...]}``. Ring: each device sends and receives about
+    2(N-1)/N of the buffer (exactly, from the chunk sizes). Reduce to one
+    (device 0, as ``ReductionToOneDevice``): device 0 receives N-1 buffers and
+    sends N-1 sums back; every other device sends 1 and receives 1.
+    """
+    n = len(bounds)
+    ring = [{"sent": 0, "received": 0} for _ in range(n)]
+    for _, _, sends in schedule:
+        for src, dst, c in sends:
+            nbytes = (bounds[c][1] - bounds[c][0]) * itemsize
+            ring[src]["sent"] += nbytes
+            ring[dst]["received"] += nbytes
+    whole = size * itemsize
+    to_one = [{"sent": (n - 1) * whole, "received": (n - 1) * whole}]
+    to_one += [{"sent": whole, "received": whole} for _ in range(n - 1)]
+    return {"ring": ring, "reduce_to_one": to_one if n > 1 else [{"sent": 0, "received": 0}]}

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import ring
 from mirrored import devices as registry
 
 
@@ -36,7 +35,7 @@ def test_fit_over_two_cards_without_peer_access_stages_every_hop_and_matches_one
     monkeypatch.setattr(gpu1, "gpu_id", 1)                    # now "card 1"
     monkeypatch.setattr(gpu1, "activate", gpu0.activate)      # the simulator's one card
     asked, copies = [], []
-    monkeypatch.setattr(ring, "_enable_peer_access",
+    monkeypatch.setattr(registry, "enable_peer_access",
                         lambda reader, owner: asked.append((reader, owner)) or False)
 
     def memcpy_peer(dst_dev, dst, src_dev, src, nbytes):

@@ -11,8 +11,9 @@
 Files: models.py (Sequential: build and fit), model_api.py (its compile, evaluate,
 predict, weights, saving, summary), step.py (one training step: split,
 forward/backward, all-reduce, update), engine.py (packed weights; a replica's
-program of layers), layers.py (Input, Flatten, Dense, Conv2D, MaxPooling2D,
-Dropout: each with its forward and backward), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
+program of layers), layers.py (Flatten, Dense, Conv2D, MaxPooling2D: each with its
+forward and backward; dropout.py: Dropout; base_layer.py: Layer, Input; initializers.py),
+data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
 losses.py, regularizers.py (L2), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.

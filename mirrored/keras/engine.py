@@ -155,10 +155,9 @@ class LayerState:
         self.fused = None        # the neighbour's state when two layers run as one op (Conv2D's fuse_next)
 
     def buffers(self, b):
-        buf = self._buffers.get(b)
-        if buf is None:
-            buf = self._buffers[b] = self.layer.make_buffers(self, b)
-        return buf
+        if b not in self._buffers:                  # None too: a layer that keeps nothing
+            self._buffers[b] = self.layer.make_buffers(self, b)
+        return self._buffers[b]
 
 
 class _LossBuffers:
@@ -196,6 +195,8 @@ class ReplicaProgram:
             fuse = getattr(state.layer, "fuse_next", None)
             if fuse is not None and following.fused is None and fuse(following.layer, self.ops):
                 state.fused, following.fused = following, state
+        #: [(state, regularizer, index of the weight)]: every penalty (keras/regularizers.py)
+        self.penalties = [(state, reg, i) for state in self.states for reg, i in state.layer.regularized]
         self.classes = self.layers[-1].output_shape[-1]
         self.softmax_output = getattr(self.layers[-1], "activation", None) == "softmax"
         self._loss_buffers = {}
@@ -297,19 +298,17 @@ class ReplicaProgram:
 
     def _accumulate_penalties(self, b):
         """The loss metric += b x model.losses (Keras reports the data loss plus the penalties)."""
-        for state in self.states:
-            for reg, i in state.layer.regularized:
-                value = self.dev.scratch("penalty value", (1,), FLOAT)
-                reg.value_into(self.dev, state.weights[i], value)
-                self.ops.binary_scalar("mul", value, float(b), value)
-                self.ops.binary("add", self.acc[0:1], value, self.acc[0:1])
+        for state, reg, i in self.penalties:
+            value = self.dev.scratch("penalty value", (1,), FLOAT)
+            reg.value_into(self.dev, state.weights[i], value)
+            self.ops.binary_scalar("mul", value, float(b), value)
+            self.ops.binary("add", self.acc[0:1], value, self.acc[0:1])
 
     def add_penalty_gradients(self):
         """fit's regularization: each regularized weight's penalty gradient x 1/N into this
         replica's packed gradient, so the all-reduce SUM adds it once (keras/regularizers.py)."""
-        for state in self.states:
-            for reg, i in state.layer.regularized:
-                reg.add_gradient(self.dev, state.weights[i], state.grads[i], self.penalty_factor)
+        for state, reg, i in self.penalties:
+            reg.add_gradient(self.dev, state.weights[i], state.grads[i], self.penalty_factor)
 
     def backward(self):
         """The layers in reverse, from the loss's gradient; every weight's gradient lands

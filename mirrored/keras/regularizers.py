@@ -104,6 +104,14 @@ l2 = L2                     # Keras keeps the lowercase alias: regularizers.l2(1
 L2Regularizer = L2
 
 
+def serialize(regularizer):
+    """Keras's config of ``regularizer`` (None stays None), as a layer's ``get_config`` writes it."""
+    if regularizer is None:
+        return None
+    return {"module": "keras.regularizers", "class_name": type(regularizer).__name__,
+            "config": regularizer.get_config(), "registered_name": None}
+
+
 def get(identifier):
     """A regularizer from ``None``, a Regularizer, ``'l2'``, or Keras's config dict."""
     if identifier is None or isinstance(identifier, Regularizer):

@@ -48,7 +48,7 @@ Loading a truncated, empty or foreign file names the file and says what is wrong
 
 Neighbours: ``model_api.py`` (``Sequential.save``/``save_weights``/``load_weights``),
 ``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
-``layers.py`` (the layers rebuilt from a config; ``layer_config``: each layer's config).
+``layers.py`` (the layers rebuilt from a config; ``get_config``: each layer's config; ``initializers.py``: the initialisers' names).
 """
 import contextlib
 import datetime
@@ -63,6 +63,7 @@ import zipfile
 
 import numpy as np
 
+from mirrored.keras import initializers
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -423,7 +424,7 @@ def model_config(model):
     layers = [_ser("keras.layers", "InputLayer",
                    {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
                     "name": "input_layer"})]
-    layers += [_ser("keras.layers", type(l).__name__, L.layer_config(l)) for l in model.layers]
+    layers += [_ser("keras.layers", type(l).__name__, l.get_config()) for l in model.layers]
     config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
                                           "layers": layers})
     config["build_config"] = {"input_shape": list(model.input_shape)}
@@ -449,7 +450,7 @@ def _kwargs_for(cls, config, what):
         spec = kwargs.get(key)
         if isinstance(spec, dict) or spec is None:
             name = L.snake_case(spec["class_name"]) if isinstance(spec, dict) else None
-            if name in L.INITIALIZERS:
+            if name in initializers.INITIALIZERS:
                 kwargs[key] = name
             else:
                 kwargs.pop(key, None)    # unknown initializer: the default (the file has the weights)

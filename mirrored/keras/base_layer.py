@@ -1,0 +1,150 @@
+"""The base of every layer (``Layer``: its name, shapes and the protocol the step calls),
+``Input``, and the Keras layers this library does not have (each raises, saying so).
+
+The protocol itself (``make_buffers``, ``forward``, ``backward``) and the layers that
+follow it are in ``layers.py``, the file to read; this one holds what every layer
+shares and a student rarely needs to open. Neighbours: ``layers.py`` (Flatten, Dense,
+Conv2D, MaxPooling2D), ``dropout.py`` (Dropout), ``engine.py`` (``LayerState``: what a
+layer holds on one replica), ``saving.py`` (``get_config``: a layer's arguments in Keras's
+format).
+"""
+import re
+
+
+class Layer:
+    """Base layer: a name, an optional input shape, maybe weights, and the protocol.
+
+    ``input_shape`` / ``output_shape``: the shape of ONE example (no batch axis),
+    known once the layer is built. A layer without weights or buffers only
+    overrides ``forward`` and ``backward`` (and ``output_shape_for``).
+    """
+
+    _counts = {}
+
+    def __init__(self, input_shape=None, name=None, **kwargs):
+        if "batch_input_shape" in kwargs and input_shape is None:
+            input_shape = tuple(kwargs.pop("batch_input_shape"))[1:]
+        unknown = set(kwargs) - {"dtype", "trainable"}
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(unknown)}.")
+        base = snake_case(type(self).__name__)
+        n = Layer._counts.get(base, 0)
+        Layer._counts[base] = n + 1
+        self.name = name or (base if n == 0 else f"{base}_{n}")
+        self.input_shape_arg = tuple(input_shape) if input_shape is not None else None
+        self.input_shape = self.output_shape = None
+        self.built = False
+
+    @property
+    def weights(self):
+        return []
+
+    trainable_weights = weights
+
+    # -- weight penalties (keras/regularizers.py): Dense and Conv2D take kernel_regularizer=
+    kernel_regularizer = None
+
+    @property
+    def regularized(self):
+        """[(regularizer, index of the weight in ``weights``)] for this layer's penalties."""
+        if self.kernel_regularizer is None or not self.built:
+            return []
+        return [(self.kernel_regularizer, 0)]
+
+    @property
+    def losses(self):
+        """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``)."""
+        return [reg(self.weights[i]) for reg, i in self.regularized]
+
+    def output_shape_for(self, input_shape):
+        return input_shape
+
+    def base_config(self):
+        """The keys of Keras's config that every layer has; ``get_config`` adds the layer's own."""
+        return {"name": self.name, "trainable": True, "dtype": "float32"}
+
+    def get_config(self):
+        """Keras's config of this layer: its constructor's arguments under Keras's keys
+        (``keras/saving.py`` writes it into a .keras archive and rebuilds the layer from it)."""
+        raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no config: saving a "
+                                  f"whole model needs the library's layers ({', '.join(SUPPORTED)}); "
+                                  f"save_weights works for any layer.")
+
+    def build(self, input_shape):
+        """Create the weights for examples of ``input_shape`` (under the model's strategy)."""
+        self.input_shape = tuple(input_shape)
+        self.output_shape = tuple(self.output_shape_for(self.input_shape))
+        self.built = True
+
+    # -- state besides the weights (keras/saving.py keeps it in .keras archives)
+    def training_state(self):
+        """What training advances besides the weights and a resumed run needs, as
+        ``{name: integer scalar or array}`` (Dropout: its seed and mask counters); None:
+        nothing. ``model.save`` writes it, ``load_model`` gives it back."""
+        return None
+
+    def set_training_state(self, state, what):
+        """Restore what ``training_state`` returned; ``what`` names the file in errors."""
+        raise ValueError(f"{what}: the file holds training state {sorted(state)} for layer "
+                         f"{self.name!r} ({type(self).__name__}), which keeps none: the file was not "
+                         f"written by model.save for this architecture. Read its weights alone with "
+                         f"model.load_weights.")
+
+    # -- the protocol (see the module docstring)
+    def make_buffers(self, state, b):
+        """What this layer keeps on ``state.dev`` for batches of ``b``: made once, reused."""
+        return None
+
+    def forward(self, state, x, training=False):
+        """x: (b,) + input_shape on ``state.dev`` -> y: (b,) + output_shape (launches only)."""
+        raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no forward: a layer "
+                                  f"defines forward(state, x, training) and backward(state, dy), see "
+                                  f"the protocol in mirrored/keras/layers.py.")
+
+    def backward(self, state, dy):
+        """dy: d loss / d y -> the weights' gradients into ``state.grads``; returns d loss / d x,
+        or None when ``state.need_dx`` is False."""
+        raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no backward: a layer "
+                                  f"defines forward(state, x, training) and backward(state, dy), see "
+                                  f"the protocol in mirrored/keras/layers.py.")
+
+
+
+def snake_case(name):
+    """Keras's layer names: Dense -> dense, Conv2D -> conv2d, MaxPooling2D -> max_pooling2d."""
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower().lstrip("_")
+
+
+class InputLayer(Layer):
+    """Declares the shape of one example (``layers.Input(shape=(28, 28, 1))``)."""
+
+    def __init__(self, shape=None, name=None, **kwargs):
+        if shape is None:
+            raise ValueError("Input needs a shape, e.g. layers.Input(shape=(28, 28, 1)).")
+        super().__init__(input_shape=tuple(shape), name=name, **kwargs)
+
+
+def Input(shape=None, batch_size=None, name=None, dtype=None, **kwargs):  # noqa: N802 (Keras's name)
+    """``tf.keras.layers.Input``/``tf.keras.Input``: the shape of one example."""
+    return InputLayer(shape=shape, name=name)
+
+
+def unsupported(name):
+    class Unsupported(Layer):
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError(
+                f"layers.{name} is not implemented: mirrored has the layers of the course lab "
+                f"and its usual next steps: {', '.join(SUPPORTED)} (Input too).")
+    Unsupported.__name__ = name
+    return Unsupported
+
+
+SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout")
+Conv1D = unsupported("Conv1D")
+AveragePooling2D = unsupported("AveragePooling2D")
+BatchNormalization = unsupported("BatchNormalization")
+Embedding = unsupported("Embedding")
+LSTM = unsupported("LSTM")
+StringLookup = unsupported("StringLookup")      # the distributed-input tutorial's one preprocessing cell
+
