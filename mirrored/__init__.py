@@ -5,28 +5,29 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one ``fit`` step in six files (lines at this writing; 2,079 in all)::
+Reading order: one training step in five files (lines at this writing; 1,659 in all)::
 
-    1. keras/models.py      355  Sequential.build and fit: Keras's loop; one ``_train_on(batch)``
-                                 per batch (compile, evaluate, predict, saving: model_api.py)
-    2. keras/step.py        322  Step.train: the whole step in four visible calls --
+    1. keras/step.py        285  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
-                                 a custom loop's ``apply_gradients`` runs the same steps 3-4
-    3. keras/engine.py      347  ReplicaProgram: one replica's layers forward, the loss,
+                                 ``fit`` (keras/models.py) calls it once per batch, and a
+                                 custom loop's ``apply_gradients`` runs its steps 3-4
+    2. keras/engine.py      347  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
-    4. keras/layers.py      414  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
+    3. keras/layers.py      386  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
-    5. ring.py              305  RingAllReduce: the ring that sums the packed gradients (step 3)
-    6. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)
+    4. ring.py              305  RingAllReduce: the ring that sums the packed gradients (step 3)
+    5. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)
 
-   Beside them: keras/base_layer.py (``Layer``: the protocol's defaults), keras/data_adapters.py
-   (the global batch as host arrays), input_lib.py
-   (``rebatch_bounds``: TensorFlow's rule for the split, step 1), cross_device_ops.py (the
-   ring's base class: checks, MEAN), devices.py (``dev.activate``, buffers), backends.py
-   (``dev.ops``: the op on a GPU, our kernels, or a CPU, NumPy); then kernels/: gemm.py,
-   activations.py, softmax_xent.py, reduction.py, allreduce.py, optimizers.py (each with
-   its NumPy reference). ``python -m benchmarks.trace_step`` counts the files one step
-   of the lab ConvNet calls into.
+   Beside them: keras/models.py (Sequential: build, and fit's loop around the step),
+   keras/inference.py (evaluate's and predict's passes), keras/base_layer.py (``Layer``:
+   the protocol's defaults), keras/data_adapters.py (the global batch as host arrays),
+   input_lib.py (``rebatch_bounds``: TensorFlow's rule for the split, step 1),
+   cross_device_ops.py (the ring's base class: checks, MEAN), devices.py
+   (``dev.activate``, buffers), backends.py (``dev.ops``: the op on a GPU, our kernels,
+   or a CPU, NumPy); then kernels/: gemm.py, activations.py, softmax_xent.py,
+   reduction.py, allreduce.py, optimizers.py (each with its NumPy reference).
+   ``python -m benchmarks.trace_step`` counts the files one step of the lab ConvNet
+   calls into.
 
 Around the step, wrapping it from outside: graphs.py (CUDA-graph capture); and, apart
 from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,

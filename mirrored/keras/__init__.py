@@ -10,7 +10,7 @@
 
 Files: models.py (Sequential: build and fit), model_api.py (its compile, evaluate,
 predict, weights, saving, summary), step.py (one training step: split,
-forward/backward, all-reduce, update), engine.py (packed weights; a replica's
+forward/backward, all-reduce, update; inference.py: evaluate's and predict's passes), engine.py (packed weights; a replica's
 program of layers), layers.py (Flatten, Dense, Conv2D, MaxPooling2D: each with its
 forward and backward; dropout.py: Dropout; base_layer.py: Layer, Input; initializers.py),
 data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's

@@ -1,5 +1,6 @@
 """The base of every layer (``Layer``: its name, shapes and the protocol the step calls),
-``Input``, and the Keras layers this library does not have (each raises, saying so).
+``Input``, the checks of the arguments Conv2D and MaxPooling2D share, and the Keras layers
+this library does not have (each raises, saying so).
 
 The protocol itself (``make_buffers``, ``forward``, ``backward``) and the layers that
 follow it are in ``layers.py``, the file to read; this one holds what every layer
@@ -9,6 +10,8 @@ layer holds on one replica), ``saving.py`` (``get_config``: a layer's arguments 
 format).
 """
 import re
+
+from kernels.conv2d import PADDINGS
 
 
 class Layer:
@@ -130,7 +133,37 @@ def Input(shape=None, batch_size=None, name=None, dtype=None, **kwargs):  # noqa
     return InputLayer(shape=shape, name=name)
 
 
+# --- images: the arguments Conv2D and MaxPooling2D share (NHWC, Keras's layouts) ------------------
+def image_shape(layer, input_shape):
+    """Check that one example is an image (H, W, C), as Keras's Conv2D/MaxPooling2D take it."""
+    input_shape = tuple(input_shape)
+    if len(input_shape) == 3:
+        return input_shape
+    hint = (f" A {input_shape[0]}x{input_shape[1]} image needs its channel axis: "
+            f"input_shape={input_shape + (1,)} and images of that shape (x[..., None] adds it; "
+            f"tfds's MNIST images are already (28, 28, 1))." if len(input_shape) == 2 else
+            " Put it before any Flatten.")
+    raise ValueError(f"{type(layer).__name__} {layer.name!r} takes images of shape (height, width, "
+                     f"channels), got examples of shape {input_shape}.{hint}")
+
+
+def channels_last(layer, data_format):
+    """Refuse any ``data_format`` but NHWC (Keras's default, the only layout here)."""
+    if data_format not in (None, "channels_last"):
+        raise NotImplementedError(
+            f"{type(layer).__name__}: data_format={data_format!r} is not supported; only "
+            f"'channels_last' (NHWC: images (height, width, channels), Keras's default) is.")
+
+
+def padding_arg(layer, padding):
+    """``padding`` as 'valid' or 'same' (any case), else a ValueError."""
+    if not isinstance(padding, str) or padding.lower() not in PADDINGS:
+        raise ValueError(f"{type(layer).__name__}: padding must be 'valid' or 'same', got {padding!r}.")
+    return padding.lower()
+
+
 def unsupported(name):
+    """A stand-in for Keras's layer ``name``: constructing it raises, saying what there is."""
     class Unsupported(Layer):
         def __init__(self, *args, **kwargs):
             raise NotImplementedError(

@@ -35,7 +35,7 @@ from kernels.launch import view   # a reshape made once per buffer (numba-cuda t
 from mirrored.keras import initializers, regularizers
 from mirrored.keras.base_layer import (  # noqa: F401 (tf.keras.layers' names, defined there)
     SUPPORTED, AveragePooling2D, BatchNormalization, Conv1D, Embedding, Input, InputLayer, Layer, LSTM,
-    StringLookup, snake_case)
+    StringLookup, channels_last, image_shape, padding_arg, snake_case)
 from mirrored.keras.dropout import Dropout  # noqa: F401 (tf.keras.layers.Dropout, defined there)
 from mirrored.values import Variable
 
@@ -163,35 +163,7 @@ class _DenseBuffers:
         self.x = None                # the last forward's input (b, in), not owned
 
 
-
-# --- images: Conv2D and MaxPooling2D (NHWC, Keras's layouts) -----------------------------------
-
-def _image_shape(layer, input_shape):
-    """Check that one example is an image (H, W, C), as Keras's Conv2D/MaxPooling2D take it."""
-    input_shape = tuple(input_shape)
-    if len(input_shape) == 3:
-        return input_shape
-    hint = (f" A {input_shape[0]}x{input_shape[1]} image needs its channel axis: "
-            f"input_shape={input_shape + (1,)} and images of that shape (x[..., None] adds it; "
-            f"tfds's MNIST images are already (28, 28, 1))." if len(input_shape) == 2 else
-            " Put it before any Flatten.")
-    raise ValueError(f"{type(layer).__name__} {layer.name!r} takes images of shape (height, width, "
-                     f"channels), got examples of shape {input_shape}.{hint}")
-
-
-def _channels_last(layer, data_format):
-    if data_format not in (None, "channels_last"):
-        raise NotImplementedError(
-            f"{type(layer).__name__}: data_format={data_format!r} is not supported; only "
-            f"'channels_last' (NHWC: images (height, width, channels), Keras's default) is.")
-
-
-def _padding(layer, padding):
-    if not isinstance(padding, str) or padding.lower() not in conv2d_kernels.PADDINGS:
-        raise ValueError(f"{type(layer).__name__}: padding must be 'valid' or 'same', got {padding!r}.")
-    return padding.lower()
-
-
+# --- images: Conv2D and MaxPooling2D (NHWC, Keras's layouts; their arguments' checks: base_layer.py) ---
 class Conv2D(Layer):
     """2-D convolution (cross-correlation) as Keras's: NHWC in and out, kernel (KH, KW, Cin, Cout)
     (HWIO), bias (Cout,); ``activation`` None or 'relu' (fused into the forward kernel).
@@ -229,8 +201,8 @@ class Conv2D(Layer):
         self.filters = int(filters)
         self.kernel_size = conv2d_kernels.pair(what, "kernel_size", kernel_size)   # (KH, KW)
         self.strides = conv2d_kernels.pair(what, "strides", strides)               # (sh, sw)
-        self.padding = _padding(self, padding)
-        _channels_last(self, data_format)
+        self.padding = padding_arg(self, padding)
+        channels_last(self, data_format)
         if conv2d_kernels.pair(what, "dilation_rate", dilation_rate) != (1, 1) or groups != 1:
             raise NotImplementedError(f"{what}: dilation_rate={dilation_rate!r}, groups={groups!r} "
                                       f"are not supported; only dilation_rate=1 and groups=1 are.")
@@ -244,7 +216,7 @@ class Conv2D(Layer):
         self.kernel = self.bias = None
 
     def output_shape_for(self, input_shape):
-        h, w, cin = _image_shape(self, input_shape)
+        h, w, cin = image_shape(self, input_shape)
         _, oh, ow, cout = conv2d_kernels.conv2d_output_shape(
             (1, h, w, cin), self.kernel_size + (cin, self.filters), self.strides, self.padding,
             what=f"Conv2D {self.name!r} (input images {(h, w, cin)})")
@@ -358,11 +330,11 @@ class MaxPooling2D(Layer):
         what = f"MaxPooling2D {self.name!r}"
         self.pool_size = conv2d_kernels.pair(what, "pool_size", pool_size)                   # (PH, PW)
         self.strides = self.pool_size if strides is None else conv2d_kernels.pair(what, "strides", strides)
-        self.padding = _padding(self, padding)
-        _channels_last(self, data_format)
+        self.padding = padding_arg(self, padding)
+        channels_last(self, data_format)
 
     def output_shape_for(self, input_shape):
-        image = _image_shape(self, input_shape)
+        image = image_shape(self, input_shape)
         (_, oh, ow, c), _, _, _ = pooling.pool_geometry(
             (1,) + image, self.pool_size, self.strides, self.padding,
             what=f"MaxPooling2D {self.name!r} (input images {image})")

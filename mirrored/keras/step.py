@@ -42,6 +42,7 @@ import numpy as np
 from mirrored.input_lib import local_bounds, rebatch_bounds
 from mirrored.keras.data_adapters import ResidentBatch
 from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce, pack_of
+from mirrored.keras.inference import InferencePasses
 from mirrored.keras.losses import kernel_mode
 
 #: The phases of one training step, in the order they happen (``mirrored.lab.timing``
@@ -65,8 +66,9 @@ def step_of(variables, grads):
     return step if step is not None and pack.matches(variables, grads) else None
 
 
-class Step:
-    """A built model's training step, and the evaluate/predict passes that share its programs.
+class Step(InferencePasses):
+    """A built model's training step (evaluate's and predict's passes over the same programs
+    are its base class's, ``inference.py``).
 
     Holds the packed parameters (``pack``), one ``ReplicaProgram`` per replica
     (``programs``) and the strategy's cross-device ops. Reads the model's
@@ -241,45 +243,6 @@ class Step:
         if self.mode_of is None or self.mode_of[0] is not loss:
             self.mode_of = (loss, kernel_mode(loss, self.programs[0].softmax_output))
         return self.mode_of[1]
-
-    # -- evaluate and predict: forward (and the loss) on the same programs -------------------
-    # Each is a host part (the inputs onto the devices) and a device part (launches only),
-    # as the training step is, so that ``mirrored.graphs.CapturedStep`` can capture the latter.
-    def evaluate(self, batch, mode):
-        """Loss and accuracy of one global batch, added to the metrics on the devices."""
-        self.evaluate_part(self.inputs(batch), mode)
-
-    def inputs(self, batch, shard=True):
-        """Each replica's share of ``batch`` in its device's input buffers: [(x, y)]."""
-        parts, load, _ = self.split(batch, shard)
-        return self.copy_in(parts, load)
-
-    def evaluate_part(self, inputs, mode):
-        """Forward and the loss (no gradient) on every replica: launches only."""
-        for program, (x, y) in zip(self.programs, inputs):
-            with program.dev.activate():
-                program.forward(x)
-                program.loss(y, mode, 1.0, with_grad=False)
-
-    def predict(self, xb):
-        """xb: (B, in) float32 -> each replica's outputs on the host, in replica order."""
-        return self.read_outputs(self.predict_part(self.predict_inputs(xb)))
-
-    def predict_inputs(self, xb):
-        labels = np.zeros(xb.shape[0], np.int32)                       # unused: predict has no loss
-        return self.inputs((xb, labels), shard=False)
-
-    def predict_part(self, inputs):
-        """Forward on every replica: launches only; returns each replica's output buffer."""
-        outs = []
-        for program, (x, _) in zip(self.programs, inputs):
-            with program.dev.activate():
-                outs.append(program.forward(x, probabilities=True))
-        return outs
-
-    def read_outputs(self, outs):
-        """Each replica's output buffer, read to the host (waits for its device)."""
-        return [program.dev.to_numpy(out) for program, out in zip(self.programs, outs)]
 
     # -- metrics, kept on the devices ------------------------------------------------------------
     def zero_metrics(self):

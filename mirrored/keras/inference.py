@@ -1,0 +1,51 @@
+"""evaluate's and predict's passes: forward (and the loss) on the training step's programs.
+
+Each pass is a host part (the inputs onto the devices, split as the training step splits
+a batch) and a device part (launches only), as the training step is, so that
+``mirrored.graphs.CapturedStep`` can capture the latter. ``InferencePasses`` is the base
+class of ``step.Step``, whose ``programs``, ``split`` and ``copy_in`` it uses.
+
+Neighbours: ``step.py`` (the training step), ``engine.py`` (``ReplicaProgram.forward``
+and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these).
+"""
+import numpy as np
+
+
+class InferencePasses:
+    """Forward-only passes over ``self.programs`` (one per replica): evaluate, predict."""
+
+    def evaluate(self, batch, mode):
+        """Loss and accuracy of one global batch, added to the metrics on the devices."""
+        self.evaluate_part(self.inputs(batch), mode)
+
+    def inputs(self, batch, shard=True):
+        """Each replica's share of ``batch`` in its device's input buffers: [(x, y)]."""
+        parts, load, _ = self.split(batch, shard)
+        return self.copy_in(parts, load)
+
+    def evaluate_part(self, inputs, mode):
+        """Forward and the loss (no gradient) on every replica: launches only."""
+        for program, (x, y) in zip(self.programs, inputs):
+            with program.dev.activate():
+                program.forward(x)
+                program.loss(y, mode, 1.0, with_grad=False)
+
+    def predict(self, xb):
+        """xb: (B, in) float32 -> each replica's outputs on the host, in replica order."""
+        return self.read_outputs(self.predict_part(self.predict_inputs(xb)))
+
+    def predict_inputs(self, xb):
+        labels = np.zeros(xb.shape[0], np.int32)                       # unused: predict has no loss
+        return self.inputs((xb, labels), shard=False)
+
+    def predict_part(self, inputs):
+        """Forward on every replica: launches only; returns each replica's output buffer."""
+        outs = []
+        for program, (x, _) in zip(self.programs, inputs):
+            with program.dev.activate():
+                outs.append(program.forward(x, probabilities=True))
+        return outs
+
+    def read_outputs(self, outs):
+        """Each replica's output buffer, read to the host (waits for its device)."""
+        return [program.dev.to_numpy(out) for program, out in zip(self.programs, outs)]
