@@ -3,6 +3,7 @@ against the measured copy bandwidth.
 
     python -m benchmarks.kernels                          # on a CUDA GPU
     python -m benchmarks.kernels --smoke --out k.json     # tiny sizes, CUDA simulator
+    python -m benchmarks.kernels --gemm "square 1024"     # some GEMMs only (lab 04's cell)
 
 On a GPU it prints a table and writes benchmarks/results/kernels-<gpu>-<date>.json.
 Without one it says so and exits 0, writing nothing. ``--smoke`` runs tiny sizes in
@@ -563,6 +564,9 @@ def main(argv=None):
                              f"(default {','.join(str(b) for b in CONV_BATCHES)}; --smoke: {SMOKE_CONV_BATCH})")
     parser.add_argument("--repeat", type=int, default=common.REPEAT,
                         help=f"timed samples per measurement (default {common.REPEAT})")
+    parser.add_argument("--gemm", metavar="NAMES",
+                        help="only the GEMMs whose names start with one of these (comma-separated, "
+                             "e.g. 'dense1 forward,square 1024'), nothing else (lab 04's timing cell)")
     args = parser.parse_args(argv)
 
     common.choose_cuda(smoke=args.smoke)  # before anything imports numba.cuda
@@ -596,13 +600,21 @@ def main(argv=None):
         if peer[0] is None:
             peer = (None, None)
 
+    if args.gemm:
+        prefixes = [p.strip() for p in args.gemm.split(",") if p.strip()]
+        shapes = [s for s in shapes if s[0].startswith(tuple(prefixes))]
+        if not shapes:
+            parser.error(f"--gemm {args.gemm!r} names no GEMM of this run; they are: "
+                         f"{', '.join(s[0] for s in (SMOKE_GEMM_SHAPES if args.smoke else GEMM_SHAPES))}")
+
     info = common.device_info()
     print(f"device: {info['device']}" + ("  (simulator: times mean nothing)" if args.smoke else ""))
     results = []
     bench_gemm(shapes, timer, peer, results, skipped)
-    copy_gbps = bench_memory(nbytes, timer, results, skipped)
-    for conv_batch in conv_batches:
-        bench_conv_pool(conv_batch, conv_hw, timer, copy_gbps, results, skipped, second)
+    if not args.gemm:
+        copy_gbps = bench_memory(nbytes, timer, results, skipped)
+        for conv_batch in conv_batches:
+            bench_conv_pool(conv_batch, conv_hw, timer, copy_gbps, results, skipped, second)
 
     for r in results:
         r["median_us"] = r["median_s"] * 1e6
@@ -611,10 +623,11 @@ def main(argv=None):
         ("name", "GEMM", ""), ("shape", "MxNxK", ""), ("trans", "op", ""), ("impl", "impl", ""),
         ("median_us", "median µs", ".1f"), ("gflops", "GFLOP/s", ".1f"),
         ("vs_peer", "/ cuBLAS", ".2f")])
-    print()
-    common.print_table([r for r in results if r["kind"] == "memory"], [
-        ("name", "memory-bound", ""), ("bytes", "bytes moved", ","), ("median_us", "median µs", ".1f"),
-        ("gbps", "GB/s", ".1f"), ("vs_copy", "/ copy", ".2f")])
+    if not args.gemm:
+        print()
+        common.print_table([r for r in results if r["kind"] == "memory"], [
+            ("name", "memory-bound", ""), ("bytes", "bytes moved", ","), ("median_us", "median µs", ".1f"),
+            ("gbps", "GB/s", ".1f"), ("vs_copy", "/ copy", ".2f")])
     met = targets(results)
     for t in met:
         print(f"target: {t['target']}: {t['measured']:.2f} (want {t.get('want', '>=')} {t['threshold']:.2f}) "
@@ -626,9 +639,12 @@ def main(argv=None):
         "method": {"timer": "perf_counter (simulator)" if args.smoke else "CUDA events",
                    "statistic": "median seconds per call", "repeat": repeat,
                    "warmup": warmup, "smoke": args.smoke,
-                   "memory_bytes_per_array": nbytes},
+                   "memory_bytes_per_array": nbytes, "gemm_only": args.gemm},
         "results": results, "targets": met, "skipped": skipped,
     }
+    if args.gemm and not args.out:      # a part of the benchmark: never beside the full runs
+        print("\n(--gemm: a partial run, no --out given, nothing written)")
+        return 0
     return common.save_results("kernels", payload, info, args.smoke, args.out)
 
 

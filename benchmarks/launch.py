@@ -33,7 +33,6 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -53,8 +52,6 @@ REPEAT = 15
 GPU_NUMBER = 200
 #: --smoke: enough calls to go through numba twice and the cache after, not to time.
 SMOKE_NUMBER, SMOKE_REPEAT = 20, 2
-#: Where ``run_in_child`` gives up (each launcher compiles its kernels once, ~1 s each here).
-CHILD_TIMEOUT_S = 900
 
 
 # --- the stubbed driver ----------------------------------------------------------------------
@@ -317,23 +314,6 @@ def run(names=None, number=NUMBER, repeat=REPEAT):
     return {"driver": driver, "numba_cuda": launch_cache.numba_cuda_version(),
             "machine": f"{os.cpu_count()} CPU cores", "number": number, "repeat": repeat,
             "launchers": rows}
-
-
-def run_in_child(names=None, number=NUMBER, repeat=REPEAT):
-    """``run`` in a child process with real numba-cuda (a notebook or a test may be using the
-    simulator, and the two cannot share a process). Returns the JSON document."""
-    cmd = [sys.executable, "-m", "benchmarks.launch", "--json", "--number", str(number),
-           "--repeat", str(repeat)]
-    if names:
-        cmd += ["--launchers", ",".join(names)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root,
-                         timeout=CHILD_TIMEOUT_S)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
-    return json.loads(out.stdout)
 
 
 def main(argv=None):

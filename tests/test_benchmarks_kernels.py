@@ -41,3 +41,22 @@ def test_kernels_benchmark_smoke_writes_valid_json(tmp_path):
     assert not [s for s in doc["skipped"] if "wrong result" in s["reason"]], doc["skipped"]
     # Simulator numbers must never land in benchmarks/results/.
     assert not list((ROOT / "benchmarks" / "results").glob("kernels-numba-cuda-simulator-*"))
+
+
+def test_kernels_benchmark_gemm_runs_the_named_gemms_only(tmp_path):
+    """``--gemm`` (lab 04's timing cell): the GEMMs named and nothing else; a name that
+    matches none is refused with the names there are."""
+    out = tmp_path / "gemm.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--smoke", "--gemm", "smoke",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["method"]["gemm_only"] == "smoke"
+    assert {r["kind"] for r in doc["results"]} == {"gemm"}, {r["kind"] for r in doc["results"]}
+    assert {r["impl"] for r in doc["results"]} >= {"gemm v1", "gemm v2", "gemm v3"}
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--smoke", "--gemm", "no such gemm"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "smoke transposed" in bad.stderr, bad.stdout + bad.stderr
+

@@ -135,3 +135,19 @@ def test_no_lab_reads_a_checkout_file_outside_the_packages(notebook):
                      if s[:1].isalnum() and "\n" not in s and len(s) < 200
                      and (ROOT / s).exists() and Path(s) not in shipped | shipped_dirs)
     assert not outside, f"{notebook.name} names checkout paths an install lacks: {outside}"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_no_lab_imports_a_benchmarks_module(notebook):
+    """Teaching apart from measurement (issue 29): a lab RUNS a benchmark program in a child
+    (``python -m benchmarks.kernels``), as a student would from a shell, and never imports
+    one, so no measuring code sits in the lesson's own process."""
+    imported = set()
+    for source in code_cells(notebook):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module)
+    bench = sorted(m for m in imported if m == "benchmarks" or m.startswith("benchmarks."))
+    assert not bench, f"{notebook.name} imports {bench}: run the program instead (python -m ...)"
