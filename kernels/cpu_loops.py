@@ -301,8 +301,8 @@ def _col2im(dcols, dx, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
         for kh in range(kh_n):
             for kw in range(kw_n):
                 t = (kh * kw_n + kw) * cin
-                oh_lo, oh_hi = _outputs_touching(kh, sh, pt, out_h, h)
-                ow_lo, ow_hi = _outputs_touching(kw, sw, pl, out_w, wd)
+                oh_lo, oh_hi = outputs_touching(kh, sh, pt, out_h, h)
+                ow_lo, ow_hi = outputs_touching(kw, sw, pl, out_w, wd)
                 for oh in range(oh_lo, oh_hi):
                     ih = oh * sh - pt + kh
                     for ow in range(ow_lo, ow_hi):
@@ -313,7 +313,7 @@ def _col2im(dcols, dx, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
 
 
 @njit(cache=True, inline="always")
-def _outputs_touching(tap, stride, pad, n_out, size):
+def outputs_touching(tap, stride, pad, n_out, size):
     """The outputs ``[lo, hi)`` whose tap ``tap`` lands inside the input:
     0 <= o*stride - pad + tap < size."""
     lo = max(0, -(-(pad - tap) // stride))         # ceil((pad - tap) / stride), at least 0
