@@ -178,35 +178,52 @@ def _conv(typingctx, dst, d0, x, x0, x_step, x_row, w, w0, w_row, cout, pixels, 
     return types.void(dst, d0, x, x0, x_step, x_row, w, w0, w_row, cout, pixels, rows, cols, bias, b0), codegen
 
 
-@intrinsic
-def _dot_add(typingctx, dst, d0, x, x0, x_col, src, s0, s_col, count):
-    """dst[d0:d0 + CHUNK] += sum over j < count of x[x0 + j*x_col] * src[s0 + j*s_col : ... + CHUNK],
-    in ``PIXELS`` sums, sum r taking the j = r mod PIXELS (independent chains, which the
-    CPU overlaps), added at the end in order ((s0 + s1) + s2) + s3."""
-    def codegen(context, builder, sig, args):
-        dst, d0, x, x0, x_col, src, s0, s_col, count = args
-        xs, ss = _data(context, builder, sig.args[2], x), _data(context, builder, sig.args[5], src)
-        i64 = ir.IntType(64)
-        accs = [cgutils.alloca_once(builder, _F32) for _ in range(PIXELS)]   # registers (mem2reg)
-        for acc in accs:
-            builder.store(_ZERO, acc)
+#: The backward's ``_dot_add_row`` adds this many taps of a kernel row at once (Keras's
+#: usual 3x3 kernels; other widths take one tap at a time): each gradient vector loaded
+#: serves the three, and their sums are independent chains the CPU overlaps.
+ROW_TAPS = 3
 
-        def term(acc, j):
-            _add_product(builder, acc, xs, builder.add(x0, builder.mul(j, x_col)),
-                         _vector(builder, ss, builder.add(s0, builder.mul(j, s_col))))
 
-        whole = builder.mul(builder.sdiv(count, ir.Constant(i64, PIXELS)), ir.Constant(i64, PIXELS))
-        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), whole, ir.Constant(i64, PIXELS)) as (j, _):
-            for r, acc in enumerate(accs):
-                term(acc, builder.add(j, ir.Constant(i64, r)))
-        with cgutils.for_range_slice(builder, whole, count, _ONE) as (j, _):
-            term(accs[0], j)
-        total = builder.load(accs[0])
-        for acc in accs[1:]:
-            total = builder.fadd(total, builder.load(acc))
-        pd = _at(context, builder, sig.args[0], dst, d0)
-        builder.store(builder.fadd(builder.load(pd, align=4), total), pd, align=4)
-    return types.void(dst, d0, x, x0, x_col, src, s0, s_col, count), codegen
+def _dot_add_intrinsic(taps):
+    """The intrinsic ``(dst, d0, d_tap, x, x0, x_col, src, s0, s_col, count)``: for t < ``taps``,
+        dst[d0 + t*d_tap : ... + CHUNK] += sum over j < count of
+            x[x0 + t + j*x_col] * src[s0 + j*s_col : ... + CHUNK]
+    (with one input channel a kernel row's taps are consecutive in x, and in dW), each
+    sum in two halves, the even j and the odd j (independent chains), added at the end."""
+    def typer(typingctx, dst, d0, d_tap, x, x0, x_col, src, s0, s_col, count):
+        def codegen(context, builder, sig, args):
+            dst, d0, d_tap, x, x0, x_col, src, s0, s_col, count = args
+            xs, ss = _data(context, builder, sig.args[3], x), _data(context, builder, sig.args[6], src)
+            i64 = ir.IntType(64)
+            accs = [[cgutils.alloca_once(builder, _F32) for _ in range(2)] for _ in range(taps)]
+            for pair in accs:
+                for acc in pair:
+                    builder.store(_ZERO, acc)
+
+            def terms(j, half):
+                g = _vector(builder, ss, builder.add(s0, builder.mul(j, s_col)))
+                xj = builder.add(x0, builder.mul(j, x_col))
+                for t in range(taps):
+                    _add_product(builder, accs[t][half], xs, builder.add(xj, ir.Constant(i64, t)), g)
+
+            two = ir.Constant(i64, 2)
+            whole = builder.mul(builder.sdiv(count, two), two)
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), whole, two) as (j, _):
+                terms(j, 0)
+                terms(builder.add(j, _ONE), 1)
+            with cgutils.for_range_slice(builder, whole, count, _ONE) as (j, _):
+                terms(j, 0)
+            for t in range(taps):
+                pd = _at(context, builder, sig.args[0], dst, builder.add(d0, builder.mul(d_tap, ir.Constant(i64, t))))
+                total = builder.fadd(builder.load(accs[t][0]), builder.load(accs[t][1]))
+                builder.store(builder.fadd(builder.load(pd, align=4), total), pd, align=4)
+        return types.void(dst, d0, d_tap, x, x0, x_col, src, s0, s_col, count), codegen
+    typer.__name__ = f"_dot_add_{taps}"
+    return intrinsic(typer)
+
+
+_dot_add = _dot_add_intrinsic(1)
+_dot_add_row = _dot_add_intrinsic(ROW_TAPS)
 
 
 @intrinsic
@@ -373,6 +390,8 @@ def _backward(x, dy, arg, y, dw, db, geo, n0, n1):
     out_h, out_w, q_h, q_w, sh, sw, pt, pl = geo[6], geo[7], geo[8], geo[9], geo[10], geo[11], geo[12], geo[13]
     ph_n, pw_n, psh, psw, ppt, ppl = geo[14], geo[15], geo[16], geo[17], geo[18], geo[19]
     rows = np.empty(ph_n * out_w * cout, np.float32)
+    row_lo = outputs_touching(0, sw, pl, out_w, wd)[0]               # [row_lo, row_hi): all kw inside
+    row_hi = max(row_lo, outputs_touching(kw_n - 1, sw, pl, out_w, wd)[1])
     dw[:] = 0.0
     db[n0 * cout:n1 * cout] = 0.0
     for n in range(n0, n1):
@@ -388,12 +407,21 @@ def _backward(x, dy, arg, y, dw, db, geo, n0, n1):
                 oh = qh * psh - ppt + a
                 kh_lo, kh_hi = taps_inside(oh, sh, pt, kh_n, h)
                 for kh in range(kh_lo, kh_hi):
-                    for kw in range(kw_n):
-                        ow_lo, ow_hi = outputs_touching(kw, sw, pl, out_w, wd)
-                        x0 = (n * h + oh * sh - pt + kh) * wd + ow_lo * sw - pl + kw
+                    x_row = (n * h + oh * sh - pt + kh) * wd - pl
+                    lo, hi = 0, 0                # [lo, hi): the pixels done by the whole row at once
+                    if kw_n == ROW_TAPS:
+                        lo, hi = row_lo, row_hi
                         for c0 in range(0, cout, CHUNK):
-                            _dot_add(dw, (kh * kw_n + kw) * cout + c0, x, x0, sw,
-                                     rows, (a * out_w + ow_lo) * cout + c0, cout, ow_hi - ow_lo)
+                            if lo < hi:
+                                _dot_add_row(dw, kh * kw_n * cout + c0, cout, x, x_row + lo * sw, sw,
+                                             rows, (a * out_w + lo) * cout + c0, cout, hi - lo)
+                    for kw in range(kw_n):       # each tap over the pixels not done above
+                        ow_lo, ow_hi = outputs_touching(kw, sw, pl, out_w, wd)
+                        for p0, p1 in ((ow_lo, min(ow_hi, lo)), (max(ow_lo, hi), ow_hi)):
+                            for c0 in range(0, cout, CHUNK):
+                                if p0 < p1:
+                                    _dot_add(dw, (kh * kw_n + kw) * cout + c0, 0, x, x_row + p0 * sw + kw, sw,
+                                             rows, (a * out_w + p0) * cout + c0, cout, p1 - p0)
 
 
 def backward(x, kernel, dy, arg, y, dw, db, strides=1, padding="valid", pool_size=2, pool_strides=None,

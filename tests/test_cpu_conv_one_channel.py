@@ -4,7 +4,7 @@ against float64 oracles built from the NumPy references (kernels/conv2d.py, pool
 activations.py): the pooled output to float32 rounding and the arg-max wherever the window
 has no near-tie (exact ties, e.g. all-zero windows after the ReLU: the references' first
 position); dW and db to float32 rounding. Awkward shapes (batch 1 and 3, odd 27x29 and
-9x7 images, strides 1 and 2, 'valid' and 'same', pools 2, 'same' 2, (2, 3) and the
+9x7 images, kernels 3x3, 2x3 and 3x2, 32 and 64 channels, strides 1 and 2, 'valid' and 'same', pools 2, 'same' 2, (2, 3) and the
 overlapping 3-stride-2), ties, all-negative outputs; outputs start as NaN (poisoned); the
 bits do not depend on the thread count; bad buffers are refused before anything is written.
 
@@ -20,7 +20,8 @@ from kernels import activations, conv2d, cpu_conv1, cpu_loops, pooling
 RTOL = 2e-5
 IMAGES = [((1, 9, 7, 1), (3, 3, 1, 32)),
           ((3, 27, 29, 1), (3, 3, 1, 32)),
-          ((2, 11, 10, 1), (2, 3, 1, 64))]
+          ((2, 11, 10, 1), (2, 3, 1, 64)),
+          ((2, 10, 11, 1), (3, 2, 1, 32))]
 GEOMETRY = [(1, "valid"), (1, "same"), (2, "valid"), (2, "same")]
 POOLS = [(2, None, "valid"), (2, None, "same"), ((2, 3), None, "valid"), (3, 2, "same")]
 
