@@ -1,60 +1,71 @@
-"""Conv2D(relu) + MaxPooling2D for few input channels on the CPU: SIMD across output channels.
+"""Conv2D(relu) + MaxPooling2D with ONE input channel on the CPU: SIMD across output channels.
 
-Why. The lab ConvNet's first conv reads ONE input channel (28x28x1 -> 26x26x32). Its
-column matrix (kernels/cpu_loops.py ``conv2d_relu_pool``) is 43,264 x 9: a BLAS product
-with K = 9 spends more time making and reading the columns than multiplying, and the
-general backward (``cpu_loops.conv2d_relu_pool_backward``) writes the conv's whole
-gradient dz (64x26x26x32 floats, 5.5 MB) only for dW = cols^T @ dz to read it back.
-Here each input value is a scalar broadcast against a row of the kernel: in channels-last
-memory the Cout = 32 output channels of a pixel are contiguous, and so are the kernel's
-32 weights of one tap, so the innermost loop of both ways is one SIMD loop over output
-channels (no fastmath needed: the vector runs across channels, never across a sum):
+Why. The lab ConvNet's first conv reads one input channel (28x28x1 -> 26x26x32). Through
+im2col (kernels/cpu_loops.py ``conv2d_relu_pool``) its column matrix is 43,264 x 9: the
+BLAS product with K = 9 costs less than making the columns and pooling the 5.5 MB
+pre-pool tensor it writes, and the general backward (``cpu_loops.conv2d_relu_pool_backward``)
+writes the conv's whole gradient dz (64x26x26x32 floats, 5.5 MB again) only for
+dW = cols^T @ dz to read it back. Here an input value is a scalar broadcast against a
+vector of kernel weights: channels-last, a pixel's Cout outputs are contiguous and so
+are one tap's Cout weights, so every inner step is one vector operation across output
+channels (``CHUNK`` = 32 of them), and no large intermediate is written:
 
-    forward    for each image and pooled row, the conv rows under that row's windows into
-               a small scratch (PH x OW x Cout floats: 2 x 26 x 32 for the lab, L1-resident):
-                   acc[ow, :] = 0;  for each tap (kh, kw, ci) inside x:
-                       acc[ow, :] += x[n, ih, iw, ci] * W[kh, kw, ci, :]
-                   acc[ow, :] = relu(acc[ow, :] + bias)
-               then the max-pool with arg-max straight from the scratch, the same
-               comparisons in the same order as ``pooling.max_pool_ref`` (first maximum in
-               row-major window order, NaN taken first), writing only the pooled output
-               and arg (the encoding a*PW + b every backward reads). The pre-pool tensor
-               is never written.
-    backward   dW, db with no dz, no im2col, no BLAS: for each pooled pixel p and each
-               position pos of its window (a conv pixel), the vector select
-                   m[:] = dy[p, :] where arg[p, :] == pos and y[p, :] > 0, else 0
-               (y: the pooled output, i.e. the ReLU's value at the arg-max: its mask), then
-               for each tap (kh, kw, ci) of that pixel inside x:
-                   dW[kh, kw, ci, :] += x[n, ih, iw, ci] * m[:]
-               (x is a scalar: the pixel's position does not depend on the channel).
-               db[:] += dy[p, :] where y[p, :] > 0. No dX: the first layer's is never
-               needed; ``pays`` sends convs that need one to the other paths.
+    forward    per image and pooled row, the conv rows under that row's windows into a
+               scratch of PH x OW x Cout floats (2 x 26 x 32 for the lab: 6.5 KB, in L1):
+                   v = sum over the taps (kh, kw) inside x of x[n, ih, iw] * W[kh, kw, 0, :]
+                   rows[a, ow, :] = relu(v + bias)            (``_conv``, 4 pixels at once)
+               then each pooled pixel's max and arg-max over its window straight from the
+               scratch (``_pool``): the comparisons of ``pooling.max_pool_ref`` in its
+               order (first maximum in row-major window order, NaN taken first), the
+               arg encoding a*PW + b that every backward reads.
+    backward   dW and db, no dX (a first layer's is never needed; ``pays`` sends convs
+               that want one to the other paths). Per image and pooled row: the pooled
+               gradient sent back through the pool and the ReLU into the same kind of
+               scratch (``_unpool``: for each window position pos, where arg == pos and
+               the pooled output y > 0 (y is the ReLU's value at the arg-max: its mask),
+               dy, else 0; db += dy where y > 0); then for each of those conv rows and
+               kernel row kh inside x (``_dot_add_row``: a 3-wide kernel row's three taps
+               at once; ``_dot_add``: one tap):
+                   dW[kh, kw, 0, :] += sum over ow of x[n, ih, ow*sw - pl + kw] * rows[a, ow, :]
 
-Work. 12.5 M multiply-adds each way for the lab (64 x 26 x 26 x 9 x 32), the same as the
-BLAS product; the select costs 4 vector compares per pooled pixel. A pixel that is in no
-window (an odd conv row or column the pool drops) is not computed forward (its value is
-never read) and gets no term backward.
+The vector steps are written in LLVM IR (``numba.extending.intrinsic``): plain Numba
+loops over 32 channels did not become vector code (``CHUNK``'s comment says why and what
+they cost). Each sum stays in registers until it is stored, in several independent
+chains (4 pixels forward, even/odd pixels backward), so that the CPU overlaps them.
+
+Work and time. 12.5 M multiply-adds each way for the lab (64 x 26 x 26 x 9 x 32), the
+BLAS product's count; a pixel in no window (an odd row or column the pool drops) is not
+computed forward and gets zero backward. Timed alone (lab shapes, batch 64, median of
+200 calls, this 2-core machine, no GPU, load 0.5-0.6 from other work; the old path: the
+im2col + BLAS forward, the general backward from the forward's own columns):
+
+    threads   forward old -> here      backward old -> here
+    1         1.43 -> 0.56-0.66 ms     1.26-1.30 -> 0.63-0.67 ms
+    2         0.81 -> 0.39-0.42 ms     1.12-1.19 -> 0.46 ms
 
 Thread -> data. Images are cut in fixed blocks (``cpu_loops.image_blocks``); a block is
-one call of the loop, run on one of ``product_threads()`` threads (``cpu_loops.run_parts``)
-and writing only its own images' pooled outputs (forward) or its own partial dW and db
-(backward).
+one call of ``_forward`` or ``_backward`` on one of ``product_threads()`` threads
+(``cpu_loops.run_parts``), writing only its own images' pooled outputs (forward) or its
+own dW part and its images' db rows (backward). Inside a call: image, pooled row, then
+pixels; CHUNK output channels per vector.
 
-Order of sums. Forward: each conv value is the sum of its taps in ascending (kh, kw, ci)
-order, padding taps skipped, then + bias: the reference's (im2col @ W, then + bias) terms
-in an order of our own, so equal to float32 rounding, not bitwise (BLAS's order, with
-FMA, is its own). Backward: a block's dW terms in (image, pooled row, pooled column,
-window position, tap) order into float32, each image's db in pooled-pixel order into
-float32; the blocks' dW and the images' db are added in float64 in order
-(``cpu_loops.add_in_order``). The order depends on the shapes only: the same bits with
-any thread count, on every replica. No FMA: Numba does not contract a*b + c without
-fastmath.
+Order of sums. Forward: each conv value is its taps in ascending (kh, kw) order, padding
+taps skipped, by fused multiply-adds where the CPU has them (``llvm.fmuladd``, as
+OpenBLAS's kernels), then + bias: on this machine the same bits as the im2col + BLAS
+path in the lab-shaped case timed (random inputs, batch 64), but not promised
+(tests/test_cpu_conv_one_channel.py checks float32 rounding against a float64 oracle). Backward: a block's dW in float32, in
+(image, pooled row, window row, kernel row, pixel) order, each dot in two halves (even
+and odd pixels) added at its end; each image's db in pooled-pixel order in float32; the
+blocks' dW and the images' db then added in float64 in order (``cpu_loops.add_in_order``).
+The order depends on the shapes only: the same bits with any thread count and on every
+replica of a MirroredStrategy (a CPU without FMA rounds the products apart: other bits,
+still the same on every replica).
 
-Neighbours: kernels/cpu_loops.py (the general forward and backward, the blocks and
-threads), kernels/cpu_conv_pool.py (the backward by arg-max terms for long kernel rows,
-and ``conv_pool_geometry``), kernels/conv2d.py and kernels/pooling.py (the references),
-mirrored/backends.py (``CpuOps`` calls ``forward`` and ``backward`` where ``pays``),
-tests/test_cpu_conv_one_channel.py.
+Neighbours: kernels/cpu_loops.py (the general forward and backward for any conv, the
+blocks and threads), kernels/cpu_conv_pool.py (the backward by arg-max terms for long
+kernel rows, and ``conv_pool_geometry``), kernels/conv2d.py and kernels/pooling.py (the
+references), mirrored/backends.py (``CpuOps`` calls ``forward`` and ``backward`` where
+``pays``), tests/test_cpu_conv_one_channel.py.
 """
 import numpy as np
 from llvmlite import ir
@@ -66,15 +77,16 @@ from kernels import cpu_loops
 from kernels.cpu_conv_pool import conv_pool_geometry
 from kernels.cpu_loops import add_in_order, check_out, image_blocks, outputs_touching, run_parts, taps_inside
 
-#: The output channels are handled CHUNK at a time, one vector each (one AVX-512 register
-#: of float32; LLVM splits it into two AVX2 or four SSE registers on other CPUs). Cout
-#: must be a multiple of it (``pays``). Why vectors written out in LLVM IR (below) and
-#: not plain Numba loops over the channels: a loop over a run-time Cout = 32 was compiled
-#: for 64 values per turn (4 vectors unrolled) and ran the lab's 32 in its scalar
-#: remainder; a loop of a constant 16 was unrolled into scalar code (the compiler cannot
-#: tell that the arrays do not overlap); and a sum kept in memory between calls cost
-#: loop overhead per tap. Measured here, one thread, the lab's forward (batch 64): 2.6,
-#: 6.0 and 3.6 ms; with ``_dot`` below: see the module's docstring.
+#: The output channels are handled CHUNK at a time, one vector each (two AVX-512
+#: registers of float32; LLVM splits it for AVX2 or SSE on other CPUs). Cout must be a
+#: multiple of it (``pays``: the lab's and TF's tutorial's first convs have 32). Why
+#: vectors written out in LLVM IR and not Numba loops over the channels, measured here
+#: on the lab's forward (batch 64, one thread): a loop over a run-time Cout = 32 was
+#: compiled for 64 values per turn and ran the lab's 32 in its scalar remainder (2.6 ms);
+#: a loop of a constant 16 was unrolled into scalar code, the compiler unable to tell
+#: that the arrays do not overlap (6.0 ms); vector steps of 16 with the sum kept in
+#: memory between them (3.6 ms); sums in registers, one pixel at a time (0.69 ms: each
+#: pixel's 9 taps wait on each other); 4 pixels at a time (0.57 ms).
 CHUNK = 32
 _JIT = dict(cache=True, nogil=True)
 
@@ -88,8 +100,9 @@ def pays(kernel_shape, dx_needed):
 
 # --- vectors of CHUNK float32, written in LLVM IR ----------------------------------------------
 # Each helper reads and writes CHUNK consecutive elements of flat 1-D C-contiguous arrays
-# from the given offsets, unchecked: the loops below keep every offset in bounds. Products
-# and sums are rounded separately (no FMA), as Numba's own arithmetic.
+# from the given offsets, unchecked: the loops below keep every offset in bounds (the
+# tests run every geometry against the references). Products are added by fused
+# multiply-adds where the CPU has them (``_add_product``).
 
 _F32 = ir.VectorType(ir.FloatType(), CHUNK)
 _I32 = ir.VectorType(ir.IntType(32), CHUNK)
@@ -289,11 +302,9 @@ def _unpool(typingctx, dst, d0, d_row, d_col, dy, arg, y, p, a_lo, a_hi, b_lo, b
 def _forward(x, w, bias, out, arg, geo, n0, n1):
     """Images n0..n1-1 (flat arrays; ``geo``: ``conv_pool_geometry``'s vector): for each
     pooled row qh, the conv rows its windows cover into ``rows`` (window row a at
-    a*OW*Cout), each pixel's CHUNK channels one ``_dot`` over its taps inside x then
-    ``_bias_relu``; then each pooled pixel's max and arg-max over its window in
-    row-major order. The pooled value starts at -inf: every value after the ReLU is
-    >= 0 or NaN, so the window's first position is always taken, as the references take
-    their first."""
+    a*OW*Cout) by ``_conv``: the pixels whose kernel rows are all inside x in one call
+    ([ow_a, ow_b), ``PIXELS`` at a time), each edge pixel with its taps inside in a call
+    of its own; then each pooled pixel's max and arg-max over its window (``_pool``)."""
     h, wd, kh_n, kw_n, cout = geo[0], geo[1], geo[3], geo[4], geo[5]
     out_h, out_w, q_h, q_w, sh, sw, pt, pl = geo[6], geo[7], geo[8], geo[9], geo[10], geo[11], geo[12], geo[13]
     ph_n, pw_n, psh, psw, ppt, ppl = geo[14], geo[15], geo[16], geo[17], geo[18], geo[19]
@@ -349,7 +360,9 @@ def _check(x, kernel, out_or_dy, arg, y, what, strides, padding, pool_size, pool
 
 
 def _threads(shape, kernel):
-    """Split over threads (None: ``product_threads()``) past ``PIPELINE_MIN_MADDS``."""
+    """The blocks' threads for ``run_parts``: ``product_threads()`` (None) past
+    ``cpu_loops.PIPELINE_MIN_MADDS`` multiply-adds (about 4 conv pixels per pooled one:
+    the lab's 12.5 M), else this thread alone."""
     madds = shape[0] * shape[1] * shape[2] * int(np.prod(kernel.shape)) * 4
     return None if madds >= cpu_loops.PIPELINE_MIN_MADDS else 1
 
@@ -358,10 +371,10 @@ def forward(x, kernel, bias, out, arg, strides=1, padding="valid", pool_size=2, 
             pool_padding="valid"):
     """``max_pool_ref(conv2d_ref(x, kernel, bias, strides, padding, relu=True), pool_size,
     pool_strides, pool_padding)`` into out (B, QH, QW, Cout) float32 and arg (B, QH, QW,
-    Cout) int32, x (B, H, W, 1) float32: the module's forward, equal to
-    the references to float32 rounding (the arg-max: the same window position wherever
-    the pooled values are not within rounding of a tie). ValueError for wrong shapes or
-    types, before anything is written."""
+    Cout) int32, x (B, H, W, 1) float32, Cout a multiple of ``CHUNK``: the module's
+    forward, equal to the references to float32 rounding (the arg-max: the same window
+    position wherever the window's values are not within rounding of a tie, and on exact
+    ties). ValueError for wrong shapes, types or layouts, before anything is written."""
     what = "conv2d_relu_pool"
     shape, geo = _check(x, kernel, ("out", out), arg, None, what, strides, padding, pool_size,
                         pool_strides, pool_padding)
@@ -382,10 +395,13 @@ def forward(x, kernel, bias, out, arg, strides=1, padding="valid", pool_size=2, 
 def _backward(x, dy, arg, y, dw, db, geo, n0, n1):
     """Images n0..n1-1's terms into dw (KH*KW*Cout, this block's float32 part) and db
     (B*Cout: one float32 row per image), both zeroed here (flat arrays). For each pooled
-    row: the gradient reaching its conv rows (``_add_selected``, per window position)
-    into ``rows`` (zeroed; pixels in no window stay 0), then for each of those rows and
-    each tap (kh, kw) inside x, dW[kh, kw, :] += the ``_dot`` of the row's x values under
-    that tap with the row's gradient."""
+    row: the gradient reaching its conv rows into ``rows`` (zeroed first: pixels in no
+    window stay 0) and db's terms (``_unpool``, per pooled pixel); then for each of those
+    conv rows and each kernel row kh inside x, dW[kh, kw, :] += the dot of the row's x
+    values under tap (kh, kw) with the row's gradient: a 3-wide kernel row's three taps
+    in one ``_dot_add_row`` over the pixels [row_lo, row_hi) whose whole kernel row is
+    inside x, each tap's other pixels (the padding's edges) and other kernel widths by
+    ``_dot_add``."""
     h, wd, kh_n, kw_n, cout = geo[0], geo[1], geo[3], geo[4], geo[5]
     out_h, out_w, q_h, q_w, sh, sw, pt, pl = geo[6], geo[7], geo[8], geo[9], geo[10], geo[11], geo[12], geo[13]
     ph_n, pw_n, psh, psw, ppt, ppl = geo[14], geo[15], geo[16], geo[17], geo[18], geo[19]

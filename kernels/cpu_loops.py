@@ -37,7 +37,8 @@ compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
                        block's part of dW (BLAS), db's per-image sums, dx; the parts
                        added in float64 in block order. Where the pool's windows do not
                        overlap and the conv has enough input channels, kernels/
-                       cpu_conv_pool.py's walk adds only the arg-max terms instead.
+                       cpu_conv_pool.py's walk adds only the arg-max terms instead; with
+                       one input channel and no dX, kernels/cpu_conv1.py does both ways.
     relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
                        reference's ``y > 0``)
 
@@ -74,7 +75,8 @@ code in ``__pycache__`` for the next process).
 
 Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
 the CUDA kernels these loops mirror), kernels/cpu_conv_pool.py (the pair's backward by
-its arg-max terms), mirrored/backends.py (``CpuOps`` calls these).
+its arg-max terms), kernels/cpu_conv1.py (the pair for one input channel: the lab's first
+conv), mirrored/backends.py (``CpuOps`` calls these).
 """
 import math
 import os
