@@ -28,7 +28,8 @@ found once per window (``_window_runs``), the channels in blocks (``CHANNEL_BLOC
 that the block's rows of dW^T stay in the L1 cache. It pays only where that run is long
 (``pays``: KW*Cin >= ``SMALL_RUN``): for the lab ConvNet's first conv (Cin = 1, runs of
 3 values) the general path, whose dW is a BLAS product, is faster (timed alone, one
-thread: 3.7 vs 1.8 ms), and mirrored/backends.py's ``CpuOps.conv2d_relu_pool_backward`` uses it there.
+thread: 3.7 vs 1.8 ms), and kernels/cpu_conv1.py (SIMD across output channels) faster
+still; mirrored/backends.py's ``CpuOps.conv2d_relu_pool_backward`` chooses.
 
 Order of sums and equivalence (tests/test_cpu_fused_backward.py): the reference's terms
 without its zeros, added in a fixed order of (image block, channel block, window,

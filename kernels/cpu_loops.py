@@ -37,7 +37,8 @@ compiled by Numba for the CPU (``numba.njit``: no GPU, no simulator involved):
                        block's part of dW (BLAS), db's per-image sums, dx; the parts
                        added in float64 in block order. Where the pool's windows do not
                        overlap and the conv has enough input channels, kernels/
-                       cpu_conv_pool.py's walk adds only the arg-max terms instead.
+                       cpu_conv_pool.py's walk adds only the arg-max terms instead; with
+                       one input channel and no dX, kernels/cpu_conv1.py does both ways.
     relu_backward      dz = dy where y > 0 else 0, one pass (NaN in y gives 0, as the
                        reference's ``y > 0``)
 
@@ -74,7 +75,8 @@ code in ``__pycache__`` for the next process).
 
 Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
 the CUDA kernels these loops mirror), kernels/cpu_conv_pool.py (the pair's backward by
-its arg-max terms), mirrored/backends.py (``CpuOps`` calls these).
+its arg-max terms), kernels/cpu_conv1.py (the pair for one input channel: the lab's first
+conv), mirrored/backends.py (``CpuOps`` calls these).
 """
 import math
 import os
@@ -170,19 +172,38 @@ def matmul_rows(a, b, out):
     return out
 
 
+#: A product whose inner dimension K is at least this many times its output's longer
+#: side is cut along K (``matmul_split``): the dense layer's forward (64 x 5408 x 64) cut
+#: in rows read all of W (1.4 MB) once per block; cut along K each block reads its own
+#: quarter of x and W, and the 64 x 64 partial products are added afterwards.
+K_SPLIT_RATIO = 8
+
+
 def matmul_split(a, b, out):
     """``np.matmul(a, b, out=out)`` for 2-D float32 arrays (``a`` and ``b`` may be
     transposed views, as the dense layer's x^T and W^T), a large product
-    (``SPLIT_MIN_MADDS``) cut in ``PARTS`` blocks along the longer side of ``out``: rows
-    when M >= N (``matmul_rows``; the dense layer's dW, 5408 x 64), else columns (its
-    forward's 64 x 64 from K = 5408 and its dx, 64 x 5408), each a BLAS call writing its
+    (``SPLIT_MIN_MADDS``) cut in ``PARTS`` blocks: along K when K is ``K_SPLIT_RATIO``
+    times the output's longer side or more (the dense layer's forward, 64 x 64 from
+    K = 5408: each block's partial product, the blocks then added in float64 in order),
+    else along the longer side of ``out``: rows when M >= N (``matmul_rows``; the dense
+    layer's dW, 5408 x 64), else columns (its dx, 64 x 5408), each a BLAS call writing its
     own block, run on ``product_threads()`` threads. The blocks are fixed by the shapes:
     the same bits with any thread count, equal to the single call to float32 rounding.
     Measured on the lab ConvNet's dense layer (this 2-core machine, its other core free):
     forward 0.50 -> 0.39 ms, dW 0.51 -> 0.34, dx 0.61 -> 0.39; on one thread the blocks
-    cost up to 0.13 ms more than the single calls."""
+    cost up to 0.13 ms more than the single calls. The forward cut along K instead of in
+    rows (median of 300, load 0.4-0.7): 0.44 -> 0.35 ms on two threads, 0.63 -> 0.51 on
+    one (the single call: 0.48)."""
     m, n = out.shape
-    if m >= n or m * a.shape[1] * n < SPLIT_MIN_MADDS or n < PARTS:
+    k = a.shape[1]
+    if m * k * n >= SPLIT_MIN_MADDS and k >= K_SPLIT_RATIO * max(m, n):
+        bounds = [k * i // PARTS for i in range(PARTS + 1)]
+        parts = np.empty((PARTS, m, n), np.float32)        # each block of K's product
+        run_parts([(np.matmul, (a[:, lo:hi], b[lo:hi], parts[i]))
+                   for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
+        out[...] = add_in_order(parts)                     # in block order, float64
+        return out
+    if m >= n or m * k * n < SPLIT_MIN_MADDS or n < PARTS:
         return matmul_rows(a, b, out)
     bounds = [n * i // PARTS for i in range(PARTS + 1)]
     run_parts([(np.matmul, (a, b[:, lo:hi], out[:, lo:hi])) for lo, hi in zip(bounds[:-1], bounds[1:])])
@@ -301,8 +322,8 @@ def _col2im(dcols, dx, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
         for kh in range(kh_n):
             for kw in range(kw_n):
                 t = (kh * kw_n + kw) * cin
-                oh_lo, oh_hi = _outputs_touching(kh, sh, pt, out_h, h)
-                ow_lo, ow_hi = _outputs_touching(kw, sw, pl, out_w, wd)
+                oh_lo, oh_hi = outputs_touching(kh, sh, pt, out_h, h)
+                ow_lo, ow_hi = outputs_touching(kw, sw, pl, out_w, wd)
                 for oh in range(oh_lo, oh_hi):
                     ih = oh * sh - pt + kh
                     for ow in range(ow_lo, ow_hi):
@@ -313,7 +334,7 @@ def _col2im(dcols, dx, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
 
 
 @njit(cache=True, inline="always")
-def _outputs_touching(tap, stride, pad, n_out, size):
+def outputs_touching(tap, stride, pad, n_out, size):
     """The outputs ``[lo, hi)`` whose tap ``tap`` lands inside the input:
     0 <= o*stride - pad + tap < size."""
     lo = max(0, -(-(pad - tap) // stride))         # ceil((pad - tap) / stride), at least 0

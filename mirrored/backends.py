@@ -18,7 +18,7 @@ When a kernel file gains a new op, it gets one method here in each class.
 """
 import numpy as np
 
-from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv_pool, cpu_loops, dropout,
+from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
                      elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 
@@ -135,6 +135,10 @@ class CpuOps:
     # output. = max_pool_ref(conv2d_ref(..., relu=True)) bitwise, and its backward.
     def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
                          pool_strides=None, pool_padding="valid"):
+        if cpu_conv1.pays(kernel.shape, dx_needed=False):
+            # one input channel (the lab's first conv): SIMD across output channels, no im2col
+            return cpu_conv1.forward(x, kernel, bias, out, arg, strides, padding, pool_size,
+                                     pool_strides, pool_padding)
         cols = self._cols(x, kernel, strides, padding)
         z_shape = conv2d.conv2d_output_shape(x.shape, kernel.shape, strides, padding, "conv2d_relu_pool")
         z = self.device.scratch("conv2d before pooling", z_shape, "float32")   # (B, OH, OW, Cout)
@@ -161,7 +165,11 @@ class CpuOps:
         # pooled gradient dy. Where it pays (kernels/cpu_conv_pool.py ``pays``: windows that
         # do not overlap, kernel rows reading >= 16 contiguous inputs) only the arg-max terms
         # are added and the conv's gradient is never written; else the general path
-        # (cpu_loops.conv2d_relu_pool_backward) writes it into ``dz`` (B, OH, OW, Cout).
+        # (cpu_loops.conv2d_relu_pool_backward) writes it into ``dz`` (B, OH, OW, Cout). A first
+        # layer with one input channel: kernels/cpu_conv1.py (dW, db; dz not written either).
+        if cpu_conv1.pays(kernel.shape, dx_needed=dx is not None):
+            return cpu_conv1.backward(x, kernel, dy, arg, y, dw, db, strides, padding, pool_size,
+                                      pool_strides, pool_padding)
         if cpu_conv_pool.pays(kernel.shape, pool_size, pool_strides):
             return cpu_conv_pool.backward(x, kernel, dy, arg, y, dx, dw, db, strides, padding,
                                           pool_size, pool_strides, pool_padding)
