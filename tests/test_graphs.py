@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 
+from kernels import dropout as dropout_kernels
 import mirrored as tf
 from mirrored import graphs
 from mirrored.keras import layers as layers_mod
@@ -145,7 +146,7 @@ def test_a_dropout_key_from_the_host_would_freeze_the_mask(devices, rng, stand_i
         steps = self.__dict__.setdefault("host_steps", {})     # this layer's own count
         step = steps.get(state.replica_id, 0)
         steps[state.replica_id] = step + 1
-        self._key = layers_mod.dropout_kernels.dropout_key(self._seed, step, state.global_replica_id)
+        self._key = dropout_kernels.dropout_key(self._seed, step, state.global_replica_id)
         y = state.buffers(x.shape[0])
         state.ops.dropout(x, y, self.rate, self._key)
         return y
