@@ -601,11 +601,12 @@ def main(argv=None):
             peer = (None, None)
 
     if args.gemm:
-        prefixes = [p.strip() for p in args.gemm.split(",") if p.strip()]
-        shapes = [s for s in shapes if s[0].startswith(tuple(prefixes))]
-        if not shapes:
+        prefixes = tuple(p.strip() for p in args.gemm.split(",") if p.strip())
+        named = [s for s in shapes if s[0].startswith(prefixes)]
+        if not named:
             parser.error(f"--gemm {args.gemm!r} names no GEMM of this run; they are: "
-                         f"{', '.join(s[0] for s in (SMOKE_GEMM_SHAPES if args.smoke else GEMM_SHAPES))}")
+                         f"{', '.join(s[0] for s in shapes)}")
+        shapes = named
 
     info = common.device_info()
     print(f"device: {info['device']}" + ("  (simulator: times mean nothing)" if args.smoke else ""))

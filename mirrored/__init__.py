@@ -5,7 +5,7 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,659 in all)::
+Reading order: one training step in five files (lines at this writing; 1,664 in all)::
 
     1. keras/step.py        285  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
@@ -13,9 +13,9 @@ Reading order: one training step in five files (lines at this writing; 1,659 in 
                                  custom loop's ``apply_gradients`` runs its steps 3-4
     2. keras/engine.py      347  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
-    3. keras/layers.py      386  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
+    3. keras/layers.py      390  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
-    4. ring.py              305  RingAllReduce: the ring that sums the packed gradients (step 3)
+    4. ring.py              306  RingAllReduce: the ring that sums the packed gradients (step 3)
     5. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/models.py (Sequential: build, and fit's loop around the step),

@@ -156,9 +156,6 @@ class CpuOps:
         # anyway): the lab's 43,264 x 9 columns are not made twice.
         return x.ctypes.data, x.shape, x.strides, tuple(kernel.shape[:3]), str(strides), str(padding)
 
-    def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
-        return cpu_loops.max_pool_relu_backward(dy, arg, y, dx, pool_size, strides, padding)
-
     def conv2d_relu_pool_backward(self, x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
                                   pool_size=2, pool_strides=None, pool_padding="valid"):
         # conv2d_relu_pool's backward in one op: dw, db and dx (None: not computed) from the
@@ -286,15 +283,12 @@ class CudaOps:
         # the pool is 2x2, stride 2, 'valid' (fuses_conv_relu_pool said so)
         return conv2d_v3.conv2d_relu_pool(x, kernel, bias, out, arg, strides, padding, self.stream)
 
-    def max_pool_relu_backward(self, dy, arg, y, dx, pool_size=2, strides=None, padding="valid"):
-        # v2, one thread per window, with the conv's ReLU mask read from the pooled output y
-        return pooling.max_pool_backward(dy, arg, dx, pool_size, strides, padding, self.stream, relu_y=y)
-
     def conv2d_relu_pool_backward(self, x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
                                   pool_size=2, pool_strides=None, pool_padding="valid"):
-        # conv2d_relu_pool's backward as two launches: the pool's backward with the ReLU mask
-        # writes dz (B, OH, OW, Cout), the conv's backward reads it
-        self.max_pool_relu_backward(dy, arg, y, dz, pool_size, pool_strides, pool_padding)
+        # conv2d_relu_pool's backward as two launches: the pool's backward (v2, one thread per
+        # window) with the ReLU's mask read from the pooled output y writes dz (B, OH, OW,
+        # Cout), then the conv's backward reads it
+        pooling.max_pool_backward(dy, arg, dz, pool_size, pool_strides, pool_padding, self.stream, relu_y=y)
         return self.conv2d_backward(x, kernel, dz, dx, dw, db, strides, padding)
 
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):

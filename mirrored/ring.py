@@ -3,16 +3,17 @@ only to its neighbour (``RingAllReduce``, the default ``cross_device_ops`` of
 ``MirroredStrategy``; lab 03 steps through it).
 
 Read top to bottom: ``RingAllReduce``, its schedule as plain functions (``chunk_bounds``,
-``schedule``, ``bytes_moved``), the checks, and ``_run_ring``, which launches the steps (``kernels/allreduce.py`` adds or
-copies one chunk) with one CUDA event between neighbours per step.
+``schedule``, ``bytes_moved``), the checks, and ``_run_ring``, which launches the steps
+(``kernels/allreduce.py`` adds or copies one chunk) with one CUDA event between neighbours
+per step.
 
 Neighbours: ``cross_device_ops.py`` (``CrossDeviceOps``, the base class: packing,
 MEAN, destinations; it calls this ring's ``_sum_in_place``), ``ring_trace.py`` (the
 teaching trace, ``RingStep`` and ``RingTransfer``, also importable from here),
 ``collective_all_reduce.py`` (the same ring across MPI workers), ``kernels/allreduce.py``
-(the chunk kernels), ``devices.py`` (``enable_peer_access`` between two cards), ``lab/viz.py``
-(the ring's pictures); ``distribute.py`` defines
-``HierarchicalCopyAllReduce``, TensorFlow's name that runs as this ring.
+(the chunk kernels), ``devices.py`` (``enable_peer_access`` between two cards),
+``lab/viz.py`` (the ring's pictures); ``distribute.py`` defines ``HierarchicalCopyAllReduce``,
+TensorFlow's name that runs as this ring.
 """
 import numpy as np
 

@@ -105,9 +105,7 @@ class Dense(Layer):
 
     def get_config(self):
         return dict(self.base_config(), units=self.units, activation=self.activation or "linear", use_bias=True,
-                    kernel_initializer=initializers.config(self.kernel_initializer),
-                    bias_initializer=initializers.config(self.bias_initializer),
-                    kernel_regularizer=regularizers.serialize(self.kernel_regularizer))
+                    **_weights_config(self))
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -151,6 +149,14 @@ class Dense(Layer):
             return None
         state.ops.gemm(dy, kernel, buf.dx, trans_b=True)   # dx = dz kernel^T: (b, in)
         return buf.dx
+
+
+def _weights_config(layer):
+    """The config keys Dense and Conv2D share, last in Keras's order: the kernel's and the
+    bias's initialisers, the kernel's regularizer."""
+    return dict(kernel_initializer=initializers.config(layer.kernel_initializer),
+                bias_initializer=initializers.config(layer.bias_initializer),
+                kernel_regularizer=regularizers.serialize(layer.kernel_regularizer))
 
 
 class _DenseBuffers:
@@ -226,9 +232,7 @@ class Conv2D(Layer):
         return dict(self.base_config(), filters=self.filters, kernel_size=list(self.kernel_size),
                     strides=list(self.strides), padding=self.padding, data_format="channels_last",
                     dilation_rate=[1, 1], groups=1, activation=self.activation or "linear",
-                    use_bias=self.use_bias, kernel_initializer=initializers.config(self.kernel_initializer),
-                    bias_initializer=initializers.config(self.bias_initializer),
-                    kernel_regularizer=regularizers.serialize(self.kernel_regularizer))
+                    use_bias=self.use_bias, **_weights_config(self))
 
     def build(self, input_shape):
         super().build(input_shape)
