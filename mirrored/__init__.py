@@ -5,18 +5,18 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,664 in all)::
+Reading order: one training step in five files (lines at this writing; 1,483 in all)::
 
-    1. keras/step.py        285  Step.train: the whole step in four visible calls --
+    1. keras/step.py        284  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  ``fit`` (keras/models.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4
     2. keras/engine.py      347  ReplicaProgram: one replica's layers forward, the loss,
                                  backward (step 2); ParameterPack; all_reduce (step 3)
-    3. keras/layers.py      390  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
+    3. keras/layers.py      364  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
-    4. ring.py              306  RingAllReduce: the ring that sums the packed gradients (step 3)
-    5. keras/optimizers.py  336  Adam/SGD ``update``: one launch per device (step 4)
+    4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
+    5. keras/optimizers.py  198  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/models.py (Sequential: build, and fit's loop around the step),
    keras/inference.py (evaluate's and predict's passes), keras/base_layer.py (``Layer``:
@@ -49,7 +49,9 @@ Map of the rest:
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
     keras/        also model_api (compile, evaluate, predict, saving methods), losses, metrics,
-                  callbacks, saving, optimizer_state, GradientTape (tape.py), progbar
+                  callbacks, saving, optimizer_state (iterations, learning_rate, what Keras
+                  saves), variable_updates (apply_gradients for variables outside a model),
+                  GradientTape (tape.py), progbar
     nn.py         compute_average_loss, scale_regularization_loss
     random.py     set_seed
     checkpoint.py mirrored.train: Checkpoint, CheckpointManager, latest_checkpoint

@@ -171,7 +171,7 @@ class CollectiveAllReduce(RingAllReduce):
         links = [None] + [self._link(devices[l - 1], devices[l]) for l in range(1, local)]
         done = [self._step_events(dev, total + 1) for dev in devices]
         first = devices[0]
-        scratch = self._scratch_for(first, size, dtype)  # the first replica's incoming chunks
+        scratch = first.scratch("chunks from the previous worker", (size,), dtype)
         on_host = first.device_type == "CPU"             # (a ring is all CPU or all GPU)
         direct = not on_host and (workers.cuda_aware if self._cuda_aware is None else self._cuda_aware)
         staged = not on_host and not direct

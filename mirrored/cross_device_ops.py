@@ -115,11 +115,6 @@ class CrossDeviceOps:
         """Make every ``buffers[i]`` (flat, on ``devices[i]``) the elementwise sum of all."""
         raise NotImplementedError
 
-    def caches(self):
-        """The dicts of buffers this object makes on first use (none here): a training step
-        that fails drops what it added (``keras/step.py``'s ``no_trace``)."""
-        return []
-
     # -- public API (TensorFlow's)
     def reduce(self, reduce_op, per_replica_value, destinations=None, options=None):
         """Reduce one value across replicas; the result on every destination device."""

@@ -21,6 +21,9 @@ from mirrored import devices as _dev
 from mirrored.cross_device_ops import CrossDeviceOps, check_distinct
 from mirrored.ring_trace import RingStep, RingTransfer, bytes_moved, initial_holds, trace_steps  # noqa: F401 (also found here)
 
+#: The key of a device's staging buffer for chunks read from a peer (``Device.scratch``).
+STAGING = "ring staging"
+
 
 class RingAllReduce(CrossDeviceOps):
     """Ring all-reduce: reduce-scatter, then all-gather, each device talking only to its neighbour.
@@ -95,12 +98,7 @@ class RingAllReduce(CrossDeviceOps):
         self.peer_access = bool(peer_access)
         self.trace = [] if trace else None
         self._events = {}      # device name -> [CUDA events, one per step], reused call after call
-        self._scratch = {}     # (device name, size, dtype) -> staging buffer (staged path only)
         self._buffer_index = 0
-
-    def caches(self):
-        """The staging buffers, made on first use (``CrossDeviceOps.caches``)."""
-        return [self._scratch]
 
     # -- the schedule, as plain functions (the trace, the tests and the lab use them)
     @staticmethod
@@ -202,22 +200,6 @@ class RingAllReduce(CrossDeviceOps):
                     events.append(cuda.event(timing=False) if _dev.cuda_mode() == "real" else cuda.event())
         return events[:count]
 
-    def _scratch_for(self, dev, size, dtype):
-        """The staging buffer of ``dev`` for reductions of ``size`` elements of ``dtype``.
-
-        One per (device, size, dtype), kept for the life of this object and never
-        replaced: a CUDA graph captured over an all-reduce keeps writing into the
-        scratch it was captured with, so an all-reduce of another size in between
-        (a scalar ``strategy.reduce`` during ``fit``) must get its own buffer, not
-        free and replace that one.
-        """
-        key = (dev.name, int(size), np.dtype(dtype))
-        buf = self._scratch.get(key)
-        if buf is None:
-            with dev.activate():
-                buf = self._scratch[key] = dev.empty((size,), dtype)
-        return buf
-
     # -- the ring itself
     def _run_ring(self, buffers, devices, links):
         """Issue the 2(N-1) steps on every device's stream, ordered only by events.
@@ -277,8 +259,10 @@ class RingAllReduce(CrossDeviceOps):
         if link == "staged":
             if phase == "reduce-scatter":
                 # Copy the peer's chunk into our scratch at the same offsets, on our
-                # stream, then add from there: the kernel only reads local memory.
-                scratch = self._scratch_for(recv, own.shape[0], dtype)
+                # stream, then add from there: the kernel only reads local memory. One
+                # scratch per (size, dtype), never replaced (a CUDA graph captured over
+                # this ring keeps writing into the one it was captured with).
+                scratch = recv.scratch(STAGING, (own.shape[0],), dtype)
                 recv.copy_peer_into(scratch[lo:hi], peer[lo:hi], send)
                 recv.ops.ring_reduce_step(own, scratch, lo, hi)
             else:

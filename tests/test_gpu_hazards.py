@@ -179,7 +179,7 @@ def test_ring_scratch_is_kept_per_size_and_dtype(devices, rng):
     # reduce of size B in between (a scalar strategy.reduce during fit) used to free it
     # and put B's in its place.
     import mirrored as tf
-    from mirrored.ring import RingAllReduce
+    from mirrored.ring import STAGING, RingAllReduce
     from mirrored.values import PerReplica
     devs = [d for d in devices(cpus=1, gpus=2) if d.device_type == "GPU"]
     ring = RingAllReduce(peer_access=False)                 # the staged path has scratch
@@ -193,13 +193,19 @@ def test_ring_scratch_is_kept_per_size_and_dtype(devices, rng):
         got = ring.reduce("SUM", PerReplica(comps)).values[0].numpy()
         np.testing.assert_allclose(got, sum(x.astype(np.float64) for x in xs), rtol=1e-5, atol=1e-5)
 
+    def staging():
+        return {(dev.name, key): buf for dev in devs for key, buf in dev.caches()[0].items()
+                if key[0] == STAGING}
+
     reduce(11, np.float32)
-    first = dict(ring._scratch)
+    first = staging()
+    assert any(key[1][1] == (11,) for key in first), "the staged path made no staging buffer"
     reduce(1, np.float32)
     reduce(11, np.float64)
     reduce(11, np.float32)
+    now = staging()
     for key, buf in first.items():
-        assert ring._scratch[key] is buf, f"the scratch {key} was replaced by a reduce of another size"
+        assert now[key] is buf, f"the scratch {key} was replaced by a reduce of another size"
 
 
 # --- 4. a cross-device copy orders both ways ----------------------------------------------

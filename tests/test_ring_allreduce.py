@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import mirrored as tf
 from kernels import allreduce
 from mirrored.cross_device_ops import ReductionToOneDevice
-from mirrored.ring import RingAllReduce, RingStep, RingTransfer
+from mirrored.ring import STAGING, RingAllReduce, RingStep, RingTransfer
 from mirrored.values import PerReplica
 
 #: float32 unit roundoff scale: a float32 sum of N terms is within
@@ -263,13 +263,18 @@ def test_ring_on_logical_gpus(n, dtype, devices, rng):
 def test_staged_path_gives_the_same_bits(devices, rng):
     """peer_access=False copies each chunk into a scratch buffer first: same order, same bits."""
     devs = gpu_devices(devices, 3)
-    xs = make_inputs(rng, 3, 11, np.float32)
-    staged = RingAllReduce(peer_access=False)
-    got = check_ring(devs, xs, ring=staged, what="staged")
-    assert staged._scratch, "the staged path was not taken"
+    size = 37                                                # no other test stages this size
+
+    def staged_buffers():
+        return [key for dev in devs for key in dev.caches()[0] if key[:2] == (STAGING, (size,))]
+
+    xs = make_inputs(rng, 3, size, np.float32)
     direct = RingAllReduce()
-    assert_bitwise_equal([got, results(direct.reduce("SUM", per_replica(xs, devs)))[0]], "staged vs direct")
-    assert not direct._scratch                               # logical GPUs read each other directly
+    by_direct = results(direct.reduce("SUM", per_replica(xs, devs)))[0]
+    assert not staged_buffers(), "logical GPUs read each other directly: nothing to stage"
+    got = check_ring(devs, xs, ring=RingAllReduce(peer_access=False), what="staged")
+    assert staged_buffers(), "the staged path was not taken"
+    assert_bitwise_equal([got, by_direct], "staged vs direct")
 
 
 @pytest.mark.multigpu

@@ -28,6 +28,8 @@ name, shapes, the protocol's defaults; ``Input``; the Keras layers not written h
 ``dropout.py`` (Dropout), ``initializers.py`` (Glorot-uniform kernels, zero biases, as
 Keras), ``models.py`` (Sequential builds the layers), ``kernels/`` (what ``state.ops`` launches).
 """
+from types import SimpleNamespace
+
 import numpy as np
 
 from kernels import conv2d as conv2d_kernels, pooling   # shape rules (the math runs in state.ops)
@@ -122,8 +124,9 @@ class Dense(Layer):
 
     def make_buffers(self, state, b):
         dev = state.dev
-        return _DenseBuffers(dev.empty((b, self.units), FLOAT),                                # y: (b, units)
-                             dev.empty((b, self.input_dim), FLOAT) if state.need_dx else None)  # dx: (b, in)
+        return SimpleNamespace(y=dev.empty((b, self.units), FLOAT),                                # (b, units)
+                               dx=dev.empty((b, self.input_dim), FLOAT) if state.need_dx else None,  # (b, in)
+                               x=None)                  # the last forward's input (b, in), not owned
 
     def forward(self, state, x, training=False):
         kernel, bias = state.weights                       # (in, units), (units,)
@@ -157,16 +160,6 @@ def _weights_config(layer):
     return dict(kernel_initializer=initializers.config(layer.kernel_initializer),
                 bias_initializer=initializers.config(layer.bias_initializer),
                 kernel_regularizer=regularizers.serialize(layer.kernel_regularizer))
-
-
-class _DenseBuffers:
-    """A Dense layer's buffers for one batch size on one device."""
-
-    __slots__ = ("y", "dx", "x")
-
-    def __init__(self, y, dx):
-        self.y, self.dx = y, dx      # output (b, units); input gradient (b, in) or None
-        self.x = None                # the last forward's input (b, in), not owned
 
 
 # --- images: Conv2D and MaxPooling2D (NHWC, Keras's layouts; their arguments' checks: base_layer.py) ---
@@ -255,10 +248,11 @@ class Conv2D(Layer):
         if not self.use_bias:                         # the kernel adds a bias: give it zeros
             zero_bias = dev.empty((self.filters,), FLOAT)
             state.ops.fill(zero_bias, 0.0)
-        y = dev.empty((b,) + self.output_shape, FLOAT)   # fused: not the conv's output, its dz (backward)
-        return _ConvBuffers(y,                                                                     # y: (b, OH, OW, Cout)
-                            dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None,  # dx: (b, H, W, Cin)
-                            zero_bias)
+        return SimpleNamespace(
+            y=dev.empty((b,) + self.output_shape, FLOAT),   # (b, OH, OW, Cout); fused: the pair's dz (backward)
+            dx=dev.empty((b,) + self.input_shape, FLOAT) if state.need_dx else None,   # (b, H, W, Cin)
+            zero_bias=zero_bias,                            # (Cout,) zeros when use_bias=False, else None
+            x=None)                                         # the last forward's input (b, H, W, Cin), not owned
 
     def fuse_next(self, layer, ops):
         """True when this layer and ``layer`` (the next) run as one op on ``ops``'s device: a
@@ -306,17 +300,6 @@ class Conv2D(Layer):
         return dx
 
 
-class _ConvBuffers:
-    """A Conv2D layer's buffers for one batch size on one device."""
-
-    __slots__ = ("y", "dx", "zero_bias", "x")
-
-    def __init__(self, y, dx, zero_bias):
-        self.y, self.dx = y, dx          # output (b, OH, OW, Cout); input gradient (b, H, W, Cin) or None
-        self.zero_bias = zero_bias       # (Cout,) zeros when use_bias=False, else None
-        self.x = None                    # the last forward's input (b, H, W, Cin), not owned
-
-
 class MaxPooling2D(Layer):
     """Max over ``pool_size`` windows, ``strides`` apart (default: the pool size), per channel.
 
@@ -351,10 +334,10 @@ class MaxPooling2D(Layer):
     def make_buffers(self, state, b):
         dev = state.dev
         arg_dtype = getattr(state.ops, "FUSED_ARG_DTYPE", pooling.ARG_DTYPE) if state.fused else pooling.ARG_DTYPE
-        return _PoolBuffers(dev.empty((b,) + self.output_shape, FLOAT),                            # y: (b, OH, OW, C)
-                            dev.empty((b,) + self.output_shape, arg_dtype),                       # arg: (b, OH, OW, C)
-                            dev.empty((b,) + self.input_shape, FLOAT)                             # dx: (b, H, W, C)
-                            if state.need_dx and state.fused is None else None)
+        return SimpleNamespace(y=dev.empty((b,) + self.output_shape, FLOAT),                      # (b, OH, OW, C)
+                               arg=dev.empty((b,) + self.output_shape, arg_dtype),                 # (b, OH, OW, C)
+                               dx=dev.empty((b,) + self.input_shape, FLOAT)                        # (b, H, W, C)
+                               if state.need_dx and state.fused is None else None)
 
     def forward(self, state, x, training=False):
         if state.fused is not None:             # the conv before wrote this layer's y and arg
@@ -373,15 +356,6 @@ class MaxPooling2D(Layer):
         buf = state.buffers(dy.shape[0])
         state.ops.max_pool_backward(dy, buf.arg, buf.dx, self.pool_size, self.strides, self.padding)
         return buf.dx                                              # (b, H, W, C)
-
-
-class _PoolBuffers:
-    """A MaxPooling2D layer's buffers for one batch size on one device."""
-
-    __slots__ = ("y", "arg", "dx")
-
-    def __init__(self, y, arg, dx):
-        self.y, self.arg, self.dx = y, arg, dx
 
 
 #: What a model's first layer must be given as is (no reshaping of other shapes with

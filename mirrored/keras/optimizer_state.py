@@ -1,7 +1,9 @@
-"""What Keras saves of an optimizer: its ``variables`` in Keras 3's order (iteration,
-learning rate, the slots of each weight), as ``model.save``, ``save_weights`` and
+"""What Keras shows and saves of an optimizer: ``iterations`` and ``learning_rate``, which
+read like Keras 3's variables, and ``variables`` in Keras 3's order (iteration, learning
+rate, the slots of each weight), as ``model.save``, ``save_weights`` and
 ``tf.train.Checkpoint`` write and read them (``OptimizerState``, the base class of
-``optimizers.Optimizer``). The update itself (``optimizers.py``) needs none of this.
+``optimizers.Optimizer``). The update itself (``optimizers.py``) needs none of this: it
+reads the plain numbers behind the two views, ``step_count`` and ``rate``.
 
 Neighbours: ``optimizers.py`` (SGD, Adam: the update), ``saving.py`` and
 ``mirrored/checkpoint.py`` (the files).
@@ -9,9 +11,115 @@ Neighbours: ``optimizers.py`` (SGD, Adam: the update), ``saving.py`` and
 import numpy as np
 
 
+class Iterations:
+    """``optimizer.iterations``: how many updates have been applied (reads like a tensor);
+    a view of the optimizer's ``step_count``."""
+
+    def __init__(self, optimizer):
+        self._opt = optimizer
+
+    def numpy(self):
+        return np.int64(self._opt.step_count)
+
+    def assign(self, value):
+        """Set the count (Keras's ``optimizer.iterations.assign(n)``; Adam's next step is n + 1)."""
+        self._opt.step_count = int(value)
+
+    def __int__(self):
+        return self._opt.step_count
+
+    __index__ = __int__
+
+    def __repr__(self):
+        return f"<iterations: {self._opt.step_count}>"
+
+
+class LearningRate:
+    """``optimizer.learning_rate``: a scalar variable, as Keras 3's (not a Python float);
+    a view of the optimizer's ``rate``.
+
+    ``.numpy()`` (float32), ``.assign(x)``, ``float(lr)``, arithmetic and comparisons with
+    numbers; ``optimizer.learning_rate = x`` assigns it too. The optimizer reads the rate
+    at each step's start (``begin_step``), so a callback that changes it between batches or
+    epochs takes effect at the next step, on every replica alike."""
+
+    def __init__(self, optimizer):
+        self._opt = optimizer
+
+    def assign(self, value, read_value=True):
+        value = float(value)
+        if not np.isfinite(value):
+            raise ValueError(f"learning_rate must be a finite number, got {value!r}.")
+        self._opt.rate = value
+        return self if read_value else None
+
+    def numpy(self):
+        return np.float32(self._opt.rate)
+
+    value = read_value = numpy
+    shape = property(lambda self: ())
+    dtype = property(lambda self: np.dtype(np.float32))
+
+    def __float__(self):
+        return self._opt.rate
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.numpy(), dtype)
+
+    def __format__(self, spec):
+        return format(self.numpy(), spec) if spec else str(self.numpy())
+
+    def __repr__(self):
+        return f"<tf.Variable 'learning_rate:0' shape=() dtype=float32, numpy={str(self.numpy())}>"
+
+    def __add__(self, o): return float(self) + o
+    def __radd__(self, o): return o + float(self)
+    def __sub__(self, o): return float(self) - o
+    def __rsub__(self, o): return o - float(self)
+    def __mul__(self, o): return float(self) * o
+    def __rmul__(self, o): return o * float(self)
+    def __truediv__(self, o): return float(self) / o
+    def __rtruediv__(self, o): return o / float(self)
+    def __lt__(self, o): return float(self) < float(o)
+    def __le__(self, o): return float(self) <= float(o)
+    def __gt__(self, o): return float(self) > float(o)
+    def __ge__(self, o): return float(self) >= float(o)
+    def __eq__(self, o):
+        try:
+            return float(self) == float(o)
+        except (TypeError, ValueError):
+            return NotImplemented
+    __hash__ = None
+
+
 class OptimizerState:
-    """An optimizer's state in Keras's terms (the module docstring). Uses the optimizer's
-    step count, slots and ``_slot_buffers`` (``optimizers.Optimizer``)."""
+    """An optimizer's state in Keras's terms (the module docstring): the step count and the
+    rate, and the views Keras users see of them. Uses the optimizer's slots and
+    ``_slot_buffers`` (``optimizers.Optimizer``)."""
+
+    def __init__(self, learning_rate):
+        if callable(learning_rate):
+            raise NotImplementedError("learning-rate schedules are not implemented; pass a float "
+                                      "and change optimizer.learning_rate between epochs if needed.")
+        self.step_count = 0                         # updates applied (``iterations``)
+        self.rate = 0.0                             # the learning rate, a Python float
+        self._learning_rate = LearningRate(self)
+        self._learning_rate.assign(learning_rate)   # checked: a finite number
+
+    @property
+    def learning_rate(self):
+        """The rate as a variable (``LearningRate``); assigning a number sets it."""
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._learning_rate.assign(value)
+
+    lr = learning_rate
+
+    @property
+    def iterations(self):
+        return Iterations(self)
 
     def _pack_slots(self, pack, r):
         return self._slots.get(("pack", id(pack), r))
@@ -28,7 +136,7 @@ class OptimizerState:
         """Keras 3's ``optimizer.variables`` as NumPy, in its order: iteration (int64),
         learning_rate (float32), then for each trainable variable its slots (Adam: m, v;
         SGD with momentum: the velocity), read from the first replica (all replicas agree)."""
-        out = [np.int64(self._step), self.learning_rate.numpy()]
+        out = [np.int64(self.step_count), self.learning_rate.numpy()]
         slots = self._pack_slots(pack, 0)
         if slots is None:
             return out
@@ -75,7 +183,7 @@ class OptimizerState:
                         for buf, flat in zip(self._slot_buffers(("pack", id(pack), r), dev, pack.params[r]),
                                              flats):
                             dev.upload_into(buf, flat)
-            self._step = step
+            self.step_count = step
             if lr != self.learning_rate.numpy():     # Keras keeps it as float32: the same float32
                 self.learning_rate = float(lr)          # keeps this exact float (the same updates)
         return apply

@@ -24,134 +24,33 @@ Slots are created on first use on the devices of the variables they serve, so
 an optimizer created outside ``strategy.scope()`` (as the course lab does,
 ``optimizer=tf.keras.optimizers.Adam()`` inside ``compile``) works.
 
-Neighbours: ``optimizer_state.py`` (what Keras saves of an optimizer: its ``variables``),
+Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what Keras saves),
 ``step.py``, ``kernels/optimizers.py``.
 """
 import contextlib
 import threading
 
-import numpy as np
-
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.step import step_of
-from mirrored.strategy import to_tensor_on
-from mirrored.tensor import Tensor
-from mirrored.values import DistributedValues, Variable, components
-
-
-class _Iterations:
-    """``optimizer.iterations``: how many updates have been applied (reads like a tensor)."""
-
-    def __init__(self, optimizer):
-        self._opt = optimizer
-
-    def numpy(self):
-        return np.int64(self._opt._step)
-
-    def assign(self, value):
-        """Set the count (Keras's ``optimizer.iterations.assign(n)``; Adam's next step is n + 1)."""
-        self._opt._step = int(value)
-
-    def __int__(self):
-        return self._opt._step
-
-    __index__ = __int__
-
-    def __repr__(self):
-        return f"<iterations: {self._opt._step}>"
-
-
-class LearningRate:
-    """``optimizer.learning_rate``: a scalar variable, as Keras 3's (not a Python float).
-
-    ``.numpy()`` (float32), ``.assign(x)``, ``float(lr)``, arithmetic and comparisons with
-    numbers; ``optimizer.learning_rate = x`` assigns it too. The optimizer reads its value
-    at each step's start (``begin_step``), so a callback that changes it between batches or
-    epochs takes effect at the next step, on every replica alike."""
-
-    def __init__(self, value):
-        self._value = 0.0
-        self.assign(value)
-
-    def assign(self, value, read_value=True):
-        value = float(value)
-        if not np.isfinite(value):
-            raise ValueError(f"learning_rate must be a finite number, got {value!r}.")
-        self._value = value
-        return self if read_value else None
-
-    def numpy(self):
-        return np.float32(self._value)
-
-    value = read_value = numpy
-    shape = property(lambda self: ())
-    dtype = property(lambda self: np.dtype(np.float32))
-
-    def __float__(self):
-        return self._value
-
-    def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.numpy(), dtype)
-
-    def __format__(self, spec):
-        return format(self.numpy(), spec) if spec else str(self.numpy())
-
-    def __repr__(self):
-        return f"<tf.Variable 'learning_rate:0' shape=() dtype=float32, numpy={str(self.numpy())}>"
-
-    def __add__(self, o): return self._value + o
-    def __radd__(self, o): return o + self._value
-    def __sub__(self, o): return self._value - o
-    def __rsub__(self, o): return o - self._value
-    def __mul__(self, o): return self._value * o
-    def __rmul__(self, o): return o * self._value
-    def __truediv__(self, o): return self._value / o
-    def __rtruediv__(self, o): return o / self._value
-    def __lt__(self, o): return self._value < float(o)
-    def __le__(self, o): return self._value <= float(o)
-    def __gt__(self, o): return self._value > float(o)
-    def __ge__(self, o): return self._value >= float(o)
-    def __eq__(self, o):
-        try:
-            return self._value == float(o)
-        except (TypeError, ValueError):
-            return NotImplemented
-    __hash__ = None
+from mirrored.keras.variable_updates import apply_to_variables
 
 
 class Optimizer(OptimizerState):
-    """Base: learning rate, step counter, slot buffers per (buffer, device); the state Keras
-    saves is its base class's (``optimizer_state.py``)."""
+    """Base: slot buffers per (buffer, device), the per-step hyper-parameter vectors, the
+    update. The step count and the rate (``step_count``, ``rate``), their Keras views
+    (``iterations``, ``learning_rate``) and what Keras saves are its base class's
+    (``optimizer_state.py``)."""
 
     slot_names = ()
 
     def __init__(self, learning_rate, name, **kwargs):
-        if callable(learning_rate):
-            raise NotImplementedError("learning-rate schedules are not implemented; pass a float "
-                                      "and change optimizer.learning_rate between epochs if needed.")
-        self._learning_rate = LearningRate(learning_rate)
+        super().__init__(learning_rate)              # step_count, rate and their Keras views
         self.name = name
-        self._step = 0
         self._slots = {}
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
-
-    @property
-    def learning_rate(self):
-        """The rate as a variable (``LearningRate``); assigning a number sets it."""
-        return self._learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, value):
-        self._learning_rate.assign(value)
-
-    lr = learning_rate
-
-    @property
-    def iterations(self):
-        return _Iterations(self)
 
     def _slot_buffers(self, key, dev, like):
         """Zero-initialised slot buffers shaped like ``like`` on ``dev`` (created once)."""
@@ -172,7 +71,7 @@ class Optimizer(OptimizerState):
         """This step's hyper-parameter vector, (k,) float32 (``kernels.optimizers``)."""
         raise NotImplementedError
 
-    def _update(self, dev, w, g, key):
+    def update_buffer(self, dev, w, g, key):
         """One kernel launch: update ``w`` with gradient ``g`` (both on ``dev``), reading
         the hyper-parameter vector ``self._hyper[dev.name]``."""
         raise NotImplementedError
@@ -180,7 +79,7 @@ class Optimizer(OptimizerState):
     def begin_step(self, devices):
         """The host part of a step: count it, and copy its hyper-parameter vector into
         every device's buffer (queued on the device's stream, before the update)."""
-        self._step += 1
+        self.step_count += 1
         host = self._scalars()                       # (k,) float32
         for dev in devices:
             buf = self._hyper.get(dev.name)
@@ -208,7 +107,7 @@ class Optimizer(OptimizerState):
                 self._slot_buffers(("pack", id(pack), r), dev, pack.params[r])
         for r, dev in enumerate(pack.devices):
             with dev.activate(), (around(r, dev) if around else contextlib.nullcontext()):
-                self._update(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
+                self.update_buffer(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -230,53 +129,16 @@ class Optimizer(OptimizerState):
         A model's packed gradients (``tape.gradient(loss, model.trainable_variables)``) go
         through the model's training step, the code ``fit`` runs (``Step.apply_gradients``:
         one ring over one buffer, one update launch per device). Other variables are summed
-        one by one (``strategy``: the replicas' gradients, PerReplica values) and updated
-        one launch per copy."""
-        grads = [g for g, _ in pairs]
-        variables = [v for _, v in pairs]
-        step = step_of(variables, grads)
+        one by one and updated one launch per copy (``variable_updates.py``)."""
+        step = step_of([v for _, v in pairs], [g for g, _ in pairs])
         if step is not None:
             step.apply_gradients(self)
-            return self.iterations
-        if strategy is not None:
-            comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * len(strategy.extended.devices)
-                     for g in grads]
-            reduced = strategy.extended.cross_device_ops.all_reduce_components("SUM", comps)
         else:
-            reduced = [[g] * len(_copies(v)) for g, v in pairs]
-        self.begin_step(_devices_of(variables))
-        for k, v in enumerate(variables):
-            for r, c in enumerate(_copies(v)):
-                dev = c.value().dev
-                with dev.activate():
-                    self._update(dev, c.value().buf, _on_device(reduced[k][r], dev), ("var", id(c)))
+            apply_to_variables(self, strategy, pairs)
         return self.iterations
 
     def get_config(self):
-        return {"name": self.name, "learning_rate": float(self.learning_rate)}
-
-
-def _copies(variable):
-    try:
-        return components(variable)
-    except TypeError as err:
-        raise TypeError(f"apply_gradients expects (gradient, variable) pairs: {err}") from None
-
-
-def _devices_of(variables):
-    """The devices holding copies of ``variables``, each once, in first-seen order."""
-    seen = {}
-    for v in variables:
-        for c in _copies(v):
-            seen.setdefault(c.value().dev.name, c.value().dev)
-    return list(seen.values())
-
-
-def _on_device(g, dev):
-    """The raw float32 buffer of gradient ``g`` on ``dev`` (copied there if need be)."""
-    if not isinstance(g, (Tensor, Variable)):
-        g = np.asarray(g, np.float32)
-    return to_tensor_on(g, dev).buf
+        return {"name": self.name, "learning_rate": self.rate}
 
 
 class SGD(Optimizer):
@@ -291,12 +153,12 @@ class SGD(Optimizer):
         self.slot_names = ("momentum",) if self.momentum else ()
 
     def _scalars(self):
-        return sgd_scalars(float(self.learning_rate), self.momentum)
+        return sgd_scalars(self.rate, self.momentum)
 
     def get_config(self):
         return dict(super().get_config(), momentum=self.momentum, nesterov=self.nesterov)
 
-    def _update(self, dev, w, g, key):
+    def update_buffer(self, dev, w, g, key):
         velocity = self._slot_buffers(key, dev, w)[0] if self.momentum else None
         dev.ops.sgd(w, g, velocity, self._hyper[dev.name], self.nesterov)
 
@@ -314,13 +176,13 @@ class Adam(Optimizer):
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
     def _scalars(self):
-        return adam_scalars(float(self.learning_rate), self._step, self.beta_1, self.beta_2, self.epsilon)
+        return adam_scalars(self.rate, self.step_count, self.beta_1, self.beta_2, self.epsilon)
 
     def get_config(self):
         return dict(super().get_config(), beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon,
                     amsgrad=False)
 
-    def _update(self, dev, w, g, key):
+    def update_buffer(self, dev, w, g, key):
         m, v = self._slot_buffers(key, dev, w)
         dev.ops.adam(w, g, m, v, self._hyper[dev.name])
 

@@ -128,7 +128,7 @@ class Step(InferencePasses):
         """A custom training loop's ``optimizer.apply_gradients``, once every replica's
         ``tape.gradient`` has written its packed gradient buffer (step 2): this step's
         scalars, then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace
-        (the optimizer's step count and slots, the ring's scratch: as before)."""
+        (the optimizer's step count and slots, the devices' scratch: as before)."""
         with self.no_trace(optimizer):
             optimizer.begin_step(self.devices)
             self.reduce_and_update(optimizer)
@@ -137,8 +137,8 @@ class Step(InferencePasses):
     def no_trace(self, optimizer=None):
         """A step that raises inside this block leaves no trace: the optimizer's step count
         goes back, and every buffer made during the block is dropped again (the replicas'
-        input, layer and loss buffers, the optimizer's new slots, the devices' and the
-        ring's scratch), so each device's memory accounting is what it was before.
+        input, layer and loss buffers, the optimizer's new slots, the devices' scratch,
+        the ring's staging buffers among them), so each device's memory accounting is what it was before.
 
         The weights and the optimizer's slots cannot have changed by then: every buffer
         is made before the first update launch (``host_part``, ``Optimizer.update``), and
@@ -150,14 +150,14 @@ class Step(InferencePasses):
         Keras), and only the buffers are put back.
         """
         opt = optimizer if optimizer is not None else self.model.optimizer
-        step_count = int(opt.iterations) if opt is not None else None
+        step_count = opt.step_count if opt is not None else None
         caches = self._caches(opt)
         sizes = [len(c) for c in caches]                       # caches only grow: new keys come last
         try:
             yield
         except BaseException:
             if opt is not None:
-                opt.iterations.assign(step_count)
+                opt.step_count = step_count
             for cache, n in zip(caches, sizes):
                 for key in list(cache)[n:]:
                     del cache[key]
@@ -168,13 +168,12 @@ class Step(InferencePasses):
 
     def _caches(self, opt):
         """Every dict of buffers made on first use that a step can add to (each owner's
-        ``caches()``: a device's is its scratch buffers)."""
+        ``caches()``: a device's is its scratch buffers, the ring's staging among them)."""
         caches = opt.caches() if opt is not None else []
         for program in self.programs:
             caches += program.caches()
         for dev in self.devices:
             caches += dev.caches()
-        caches += self.cross_device_ops.caches()
         if self.resident_loader is not None:
             caches += self.resident_loader.caches()
         return caches
