@@ -14,6 +14,8 @@ import mirrored
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mirrored"
+#: A student reads one step in an evening: at most this many lines in all (issue 29).
+MOST_LINES = 1500
 ENTRY = re.compile(r"^\s+(\d)\. (\S+\.py)\s+([\d,]+)\s", re.M)
 
 
@@ -34,6 +36,8 @@ def test_the_stated_line_counts_are_the_files():
     wrong = {f: (stated, real[f]) for f, stated in files if stated != real[f]}
     assert not wrong, f"stated vs real line counts: {wrong}; update mirrored/__init__.py"
     assert total == sum(real.values()), (total, sum(real.values()))
+    assert total <= MOST_LINES, (f"the reading order is {total} lines, over {MOST_LINES} (issue 29): "
+                                 f"move what the step does not need out of its files, or shorten them")
 
 
 def test_the_readme_names_the_same_files_in_order():
