@@ -110,3 +110,28 @@ def test_a_pair_that_is_not_a_variable_is_refused(devices, rng):
     with pytest.raises(TypeError, match=r"\(gradient, variable\) pairs"):
         optimizer.apply_gradients([(g, np.zeros(3, np.float32))])
     assert int(optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("bad", [(5,), (10,), (5, 2)], ids=["broadcasts", "same-size", "transposed"])
+@pytest.mark.parametrize("where", ["no strategy", "2 replicas"])
+def test_a_gradient_of_another_shape_is_refused_before_anything_changes(devices, rng, bad, where):
+    # (5,) for a (2, 5) variable would broadcast in NumPy; (10,) and (5, 2) have its size and
+    # would pass a flat kernel: all three updated the variable silently wrong before.
+    devices(cpus=2)
+    start = random_start(rng)
+    strategy = (tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]) if where == "2 replicas"
+                else tf.distribute.get_strategy())
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in start]
+        optimizer = tf.keras.optimizers.Adam(LR)
+    grads = [rng.standard_normal(SHAPES[0]).astype(np.float32), rng.standard_normal(bad).astype(np.float32)]
+
+    def apply():
+        optimizer.apply_gradients(zip([tf.constant(g) for g in grads], variables))
+
+    with pytest.raises(ValueError, match=rf"has shape \({bad[0]},.*the variable \(2, 5\)"):
+        strategy.run(apply) if where == "2 replicas" else apply()
+    for v, w in zip(variables, start):
+        for copy in getattr(v, "values", (v,)):
+            np.testing.assert_array_equal(copy.numpy(), w, err_msg="a refused update changed a variable")
+    assert int(optimizer.iterations) == 0

@@ -24,6 +24,8 @@ def apply_to_variables(optimizer, strategy, pairs):
     every copy of every variable with its summed gradient."""
     grads = [g for g, _ in pairs]
     variables = [v for _, v in pairs]
+    for g, v in pairs:                  # every pair checked before anything is summed or counted
+        check_shape(g, v)
     if strategy is not None:
         comps = [list(g.values) if isinstance(g, DistributedValues) else [g] * len(strategy.extended.devices)
                  for g in grads]
@@ -36,6 +38,19 @@ def apply_to_variables(optimizer, strategy, pairs):
             dev = c.value().dev
             with dev.activate():
                 optimizer.update_buffer(dev, c.value().buf, on_device(reduced[k][r], dev), ("var", id(c)))
+
+
+def check_shape(gradient, variable):
+    """Refuse a gradient (or a replica's part of one) whose shape is not its variable's, as
+    TensorFlow's ``assign_sub`` does: the update kernels work on flat buffers, and NumPy
+    would broadcast, so a (5,) gradient for a (2, 5) kernel would update it silently wrong."""
+    want = tuple(copies(variable)[0].shape)
+    for part in gradient.values if isinstance(gradient, DistributedValues) else (gradient,):
+        got = tuple(part.shape) if hasattr(part, "shape") else np.shape(part)
+        if got != want:
+            raise ValueError(f"apply_gradients: the gradient for variable {variable.name!r} has shape "
+                             f"{got}, the variable {want}. Pass each variable's gradient with the "
+                             f"variable's own shape (as tape.gradient returns it).")
 
 
 def copies(variable):
