@@ -135,3 +135,23 @@ def test_a_gradient_of_another_shape_is_refused_before_anything_changes(devices,
         for copy in getattr(v, "values", (v,)):
             np.testing.assert_array_equal(copy.numpy(), w, err_msg="a refused update changed a variable")
     assert int(optimizer.iterations) == 0
+
+
+def test_none_gradients_are_left_out_as_keras_does(devices, rng):
+    # Keras: a variable with no gradient is skipped with a warning; all None is an error;
+    # an empty list is a no-op that does not count a step.
+    devices(cpus=1)
+    start = random_start(rng)
+    variables = [tf.Variable(w) for w in start]
+    optimizer = tf.keras.optimizers.SGD(LR)
+    g = rng.standard_normal(SHAPES[0]).astype(np.float32)
+    with pytest.warns(UserWarning, match="Gradients do not exist for variables"):
+        optimizer.apply_gradients([(tf.constant(g), variables[0]), (None, variables[1])])
+    np.testing.assert_allclose(variables[0].numpy(), start[0].astype(np.float64) - LR * g, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(variables[1].numpy(), start[1])
+    assert int(optimizer.iterations) == 1
+    with pytest.raises(ValueError, match="No gradients provided for any variable"):
+        optimizer.apply_gradients([(None, v) for v in variables])
+    optimizer.apply_gradients([])
+    assert int(optimizer.iterations) == 1
+    np.testing.assert_array_equal(variables[1].numpy(), start[1])

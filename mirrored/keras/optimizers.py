@@ -29,6 +29,7 @@ Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what K
 """
 import contextlib
 import threading
+import warnings
 
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context
@@ -113,11 +114,21 @@ class Optimizer(OptimizerState):
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
         """Update the variables with their gradients. Inside ``strategy.run`` with several
         replicas this is a merge point: every replica arrives with its own gradients, and
-        the last to arrive sums them and updates every copy, once (``_apply``)."""
-        pairs = [(g, v) for g, v in grads_and_vars]
-        for g, v in pairs:
-            if g is None:
-                raise ValueError(f"no gradient for variable {v.name}: it did not take part in the loss.")
+        the last to arrive sums them and updates every copy, once (``_apply``).
+
+        As Keras: a variable whose gradient is None (it took no part in the loss) is left
+        out with a warning; None for every variable is an error; no pairs at all, nothing
+        to do (the step is not counted)."""
+        given = [(g, v) for g, v in grads_and_vars]
+        pairs = [(g, v) for g, v in given if g is not None]
+        if len(pairs) < len(given):
+            names = [getattr(v, "name", repr(v)) for g, v in given if g is None]
+            if not pairs:
+                raise ValueError(f"No gradients provided for any variable: {names}.")
+            warnings.warn(f"Gradients do not exist for variables {names} when minimizing the loss: "
+                          f"they are not updated.", stacklevel=2)
+        if not pairs:
+            return self.iterations
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is not None and strategy.num_replicas_in_sync > 1:
             return replica_ctx.merge_call(self._apply, args=(pairs,))
