@@ -498,7 +498,8 @@ def compile_from_config(model, compile_config):
         cls = {"Adam": _optimizers.Adam, "SGD": _optimizers.SGD}.get(opt["class_name"])
         if cls is None:
             raise NotImplementedError(f"optimizer {opt['class_name']!r} is not implemented; Adam and SGD are.")
-        opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]))
+        unused = {k: v for k, v in opt["config"].items() if k in _optimizers.NOT_IMPLEMENTED}
+        opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]), **unused)   # refused unless defaults
     loss = compile_config["loss"]
     if isinstance(loss, dict):
         cls = {"SparseCategoricalCrossentropy": _losses.SparseCategoricalCrossentropy,
