@@ -14,7 +14,7 @@ import pytest
 
 import mirrored as tf
 from mirrored.keras import saving
-from mirrored.keras.optimizers import NOT_IMPLEMENTED
+from mirrored.keras.optimizer_state import NOT_IMPLEMENTED
 
 #: What Keras 3 writes for each optimizer (TensorFlow 2.21's get_config, defaults).
 KERAS_DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None,

@@ -2,13 +2,37 @@
 read like Keras 3's variables, and ``variables`` in Keras 3's order (iteration, learning
 rate, the slots of each weight), as ``model.save``, ``save_weights`` and
 ``tf.train.Checkpoint`` write and read them (``OptimizerState``, the base class of
-``optimizers.Optimizer``). The update itself (``optimizers.py``) needs none of this: it
-reads the plain numbers behind the two views, ``step_count`` and ``rate``.
+``optimizers.Optimizer``), and the arguments Keras takes (``check_keras_arguments``).
+The update itself (``optimizers.py``) needs none of this: it reads the plain numbers
+behind the two views, ``step_count`` and ``rate``.
 
 Neighbours: ``optimizers.py`` (SGD, Adam: the update), ``saving.py`` and
 ``mirrored/checkpoint.py`` (the files).
 """
+import warnings
+
 import numpy as np
+
+#: Keras's optimizer arguments that are not implemented here, each with its default, the
+#: value that means "not used" (a Keras config carries them all, so the default is accepted).
+NOT_IMPLEMENTED = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
+                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
+
+
+def check_keras_arguments(what, kwargs):
+    """Keras's rule for the arguments an optimizer does not name: ``decay`` is ignored with a
+    warning, an unknown one is a ValueError; and here, one of ``NOT_IMPLEMENTED`` set to
+    anything but its default is refused (ignoring ``clipnorm=1.0`` would train unclipped)."""
+    if kwargs.pop("decay", None) is not None:
+        warnings.warn("Argument `decay` is no longer supported and will be ignored.", stacklevel=5)
+    unknown = {k: v for k, v in kwargs.items() if k not in NOT_IMPLEMENTED}
+    if unknown:
+        raise ValueError(f"Argument(s) not recognized: {unknown}")
+    for key, value in kwargs.items():
+        if value != NOT_IMPLEMENTED[key]:
+            raise NotImplementedError(f"{what}({key}={value!r}) is not implemented here; leave {key} at "
+                                      f"its default ({NOT_IMPLEMENTED[key]!r}).")
 
 
 class Iterations:
@@ -97,7 +121,8 @@ class OptimizerState:
     rate, and the views Keras users see of them. Uses the optimizer's slots and
     ``_slot_buffers`` (``optimizers.Optimizer``)."""
 
-    def __init__(self, learning_rate):
+    def __init__(self, learning_rate, **kwargs):
+        check_keras_arguments(type(self).__name__, kwargs)
         if callable(learning_rate):
             raise NotImplementedError("learning-rate schedules are not implemented; pass a float "
                                       "and change optimizer.learning_rate between epochs if needed.")

@@ -38,28 +38,6 @@ from mirrored.keras.step import step_of
 from mirrored.keras.variable_updates import apply_to_variables
 
 
-#: Keras's optimizer arguments that are not implemented here, each with its default, the
-#: value that means "not used" (a Keras config carries them all, so the default is accepted).
-NOT_IMPLEMENTED = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
-                   "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
-                   "loss_scale_factor": None, "gradient_accumulation_steps": None}
-
-
-def check_keras_arguments(what, kwargs):
-    """Keras's rule for the arguments an optimizer does not name: ``decay`` is ignored with a
-    warning, an unknown one is a ValueError; and here, one of ``NOT_IMPLEMENTED`` set to
-    anything but its default is refused (ignoring ``clipnorm=1.0`` would train unclipped)."""
-    if kwargs.pop("decay", None) is not None:
-        warnings.warn("Argument `decay` is no longer supported and will be ignored.", stacklevel=4)
-    unknown = {k: v for k, v in kwargs.items() if k not in NOT_IMPLEMENTED}
-    if unknown:
-        raise ValueError(f"Argument(s) not recognized: {unknown}")
-    for key, value in kwargs.items():
-        if value != NOT_IMPLEMENTED[key]:
-            raise NotImplementedError(f"{what}({key}={value!r}) is not implemented here; leave {key} at "
-                                      f"its default ({NOT_IMPLEMENTED[key]!r}).")
-
-
 class Optimizer(OptimizerState):
     """Base: slot buffers per (buffer, device), the per-step hyper-parameter vectors, the
     update. The step count and the rate (``step_count``, ``rate``), their Keras views
@@ -69,8 +47,7 @@ class Optimizer(OptimizerState):
     slot_names = ()
 
     def __init__(self, learning_rate, name, **kwargs):
-        check_keras_arguments(type(self).__name__, kwargs)
-        super().__init__(learning_rate)              # step_count, rate and their Keras views
+        super().__init__(learning_rate, **kwargs)    # step_count, rate, their Keras views; kwargs checked
         self.name = name
         self._slots = {}
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector

@@ -67,6 +67,7 @@ from mirrored.keras import initializers
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
+from mirrored.keras.optimizer_state import NOT_IMPLEMENTED
 
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
@@ -498,7 +499,7 @@ def compile_from_config(model, compile_config):
         cls = {"Adam": _optimizers.Adam, "SGD": _optimizers.SGD}.get(opt["class_name"])
         if cls is None:
             raise NotImplementedError(f"optimizer {opt['class_name']!r} is not implemented; Adam and SGD are.")
-        unused = {k: v for k, v in opt["config"].items() if k in _optimizers.NOT_IMPLEMENTED}
+        unused = {k: v for k, v in opt["config"].items() if k in NOT_IMPLEMENTED}
         opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]), **unused)   # refused unless defaults
     loss = compile_config["loss"]
     if isinstance(loss, dict):
