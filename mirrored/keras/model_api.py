@@ -44,6 +44,34 @@ def serialised(method):
     return locked
 
 
+#: Keras's arguments of fit, evaluate and predict that would change what is computed and
+#: are not implemented here, each with its default (accepted: it means "not used").
+NOT_IMPLEMENTED = {
+    "fit": {"class_weight": None, "sample_weight": None, "validation_steps": None,
+            "validation_batch_size": None, "validation_freq": 1},
+    "evaluate": {"sample_weight": None, "steps": None, "callbacks": None},
+    "predict": {"callbacks": None},
+}
+
+
+def check_keras_arguments(method, kwargs):
+    """Refuse what ``method`` (fit, evaluate, predict) would otherwise ignore: an argument
+    Keras does not have (Keras 3's errors: TypeError, for evaluate ValueError), or one of
+    ``NOT_IMPLEMENTED`` set to anything but its default: ``fit(class_weight=...)`` trained
+    with every class weighted alike before, without a word."""
+    known = NOT_IMPLEMENTED[method]
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown and method == "evaluate":
+        raise ValueError(f"Arguments not recognized: { {k: kwargs[k] for k in unknown} }")
+    if unknown:
+        raise TypeError(f"{method}() got an unexpected keyword argument {unknown[0]!r}")
+    for key, value in kwargs.items():
+        empty = value is None or (isinstance(value, (list, tuple, dict)) and not value)
+        if not (empty and known[key] is None) and not (type(value) is int and value == known[key]):
+            raise NotImplementedError(f"{method}({key}=...) is not implemented here; leave {key} at its "
+                                      f"default ({known[key]!r}).")
+
+
 class ModelAPI:
     """Keras's model methods that are not ``fit``'s step (the module docstring); the base
     class of ``models.Sequential``, whose ``__init__`` makes the state they use."""
@@ -131,10 +159,18 @@ class ModelAPI:
         Where there is nothing to capture (CPU devices, the CUDA simulator) both run the
         same launches eagerly, silently. The weights come out bitwise the same either way.
 
+        ``steps_per_execution`` and ``jit_compile`` are accepted and change nothing (they tune
+        Keras's speed, not its results); ``loss_weights`` and ``weighted_metrics`` are refused.
+
         ``cuda_graph=`` (this library's old option) is deprecated: ``cuda_graph=True`` is
         ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
         DeprecationWarning; ``cuda_graph=True`` still warns once where nothing can be captured.
         """
+        if kwargs:
+            raise TypeError(f"compile() got an unexpected keyword argument {sorted(kwargs)[0]!r}")
+        if loss_weights is not None or weighted_metrics:
+            raise NotImplementedError("compile(loss_weights=..., weighted_metrics=...) is not implemented here "
+                                      "(one output, no sample weights); leave them out.")
         self._check_strategy()
         run_eagerly = _eager_from(run_eagerly, cuda_graph)
         if optimizer == "rmsprop":
@@ -208,6 +244,7 @@ class ModelAPI:
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         check_compiled(self, "evaluating")
+        check_keras_arguments("evaluate", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "evaluate")
         verbose = self._verbosity(verbose)
@@ -222,6 +259,7 @@ class ModelAPI:
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
         """The model's outputs (probabilities after a softmax layer) as one NumPy array.
         The model need not be compiled (as in Keras): predict has no loss and no update."""
+        check_keras_arguments("predict", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "predict")
         with backends.blas_threads():

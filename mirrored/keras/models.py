@@ -44,7 +44,7 @@ from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import data_adapters
 from mirrored.keras import saving
 from mirrored.keras.layers import IMAGE_LAYERS, InputLayer, Layer
-from mirrored.keras.model_api import ModelAPI, no_batches_error, serialised
+from mirrored.keras.model_api import ModelAPI, check_keras_arguments, no_batches_error, serialised
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import Step, check_compiled
 from mirrored.values import components
@@ -270,9 +270,12 @@ class Sequential(ModelAPI):
         ``x``: arrays (with ``y``), a batched ``mirrored.data.Dataset``, or
         ``strategy.experimental_distribute_dataset(ds, options)`` (TensorFlow accepts
         it too); with ``InputOptions(experimental_place_dataset_on_device=True)`` the
-        data set stays on the devices (``input_lib``'s docstring).
+        data set stays on the devices (``input_lib``'s docstring). Keras's ``class_weight``,
+        ``sample_weight`` and ``validation_steps``/``_batch_size``/``_freq`` are refused unless
+        left at their defaults (``model_api.NOT_IMPLEMENTED``), as is an argument Keras lacks.
         """
         check_compiled(self, "training")
+        check_keras_arguments("fit", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
         with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)

@@ -1,0 +1,95 @@
+"""fit, evaluate, predict and compile take their arguments by Keras 3's rule: nothing a user
+passes is silently ignored.
+
+They used to swallow any keyword: ``fit(class_weight={0: 10})`` and ``fit(sample_weight=w)``
+trained as if every example weighed the same, ``compile(loss_weights=[2.0])`` reported an
+unscaled loss, and a misspelt argument vanished. Now an argument Keras does not have is
+Keras 3's error (TypeError; ``evaluate``: ValueError "Arguments not recognized"), and
+Keras's arguments that are not implemented here are accepted at their defaults (what a
+saved Keras config or a careful caller passes) and refused by name otherwise, before the
+model or its optimizer change.
+
+    python -m pytest -q tests/test_model_arguments.py
+"""
+import numpy as np
+import pytest
+
+import mirrored as tf
+from mirrored.keras.model_api import NOT_IMPLEMENTED
+
+#: A value for each argument that asks for something not implemented.
+ASKING = {"class_weight": {0: 10.0, 1: 1.0}, "sample_weight": "ones", "validation_steps": 2,
+          "validation_batch_size": 4, "validation_freq": 2, "steps": 1,
+          "callbacks": [tf.keras.callbacks.History()]}
+
+
+@pytest.fixture
+def model_and_data(devices, rng):
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    x = rng.standard_normal((12, 4)).astype(np.float32)
+    y = rng.standard_normal((12, 3)).astype(np.float32)
+    return model, x, y
+
+
+def call(model, method, x, y, **kwargs):
+    if method == "predict":
+        return model.predict(x, verbose=0, **kwargs)
+    return getattr(model, method)(x, y, verbose=0, **kwargs)
+
+
+def unchanged(model, before):
+    return all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+
+
+def test_every_argument_has_a_refusing_value():
+    assert {k for table in NOT_IMPLEMENTED.values() for k in table} == set(ASKING)
+
+
+@pytest.mark.parametrize("method,key", [(m, k) for m, table in NOT_IMPLEMENTED.items() for k in table])
+def test_an_argument_asking_for_what_is_not_implemented_is_refused_by_name(model_and_data, method, key):
+    model, x, y = model_and_data
+    value = np.ones(len(x), np.float32) if ASKING[key] == "ones" else ASKING[key]
+    before = model.get_weights()
+    with pytest.raises(NotImplementedError, match=rf"{method}\({key}=\.\.\.\) is not implemented here"):
+        call(model, method, x, y, **{key: value})
+    assert unchanged(model, before) and int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("method", sorted(NOT_IMPLEMENTED))
+def test_keras_defaults_are_accepted(model_and_data, method):
+    model, x, y = model_and_data
+    call(model, method, x, y, **NOT_IMPLEMENTED[method])
+    if method == "fit":
+        assert int(model.optimizer.iterations) == 1         # 12 examples, Keras's batch of 32
+
+
+@pytest.mark.parametrize("method,error", [("fit", TypeError), ("predict", TypeError),
+                                          ("evaluate", ValueError)])
+def test_an_argument_keras_does_not_have_is_keras_s_error(model_and_data, method, error):
+    model, x, y = model_and_data
+    before = model.get_weights()
+    with pytest.raises(error, match="unexpected keyword argument 'epoch'|Arguments not recognized"):
+        call(model, method, x, y, epoch=3)                   # epochs, misspelt
+    assert unchanged(model, before) and int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"loss_weights": [2.0]}, NotImplementedError), ({"weighted_metrics": ["accuracy"]}, NotImplementedError),
+    ({"experimental_steps_per_execution": 4}, TypeError)])
+def test_compile_refuses_what_it_would_ignore(model_and_data, kwargs, error):
+    model, _, _ = model_and_data
+    optimizer = model.optimizer
+    with pytest.raises(error):
+        model.compile(optimizer="adam", loss="mse", **kwargs)
+    assert model.optimizer is optimizer, "a refused compile changed the model"
+
+
+def test_compile_accepts_the_speed_options(model_and_data):
+    model, x, y = model_and_data
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4, jit_compile=True)
+    model.fit(x, y, verbose=0)
+    assert int(model.optimizer.iterations) == 1
