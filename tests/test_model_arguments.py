@@ -93,3 +93,37 @@ def test_compile_accepts_the_speed_options(model_and_data):
     model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=4, jit_compile=True)
     model.fit(x, y, verbose=0)
     assert int(model.optimizer.iterations) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"trainable": False}, {"dtype": "float64"}, {"dtype": "mixed_float16"}])
+@pytest.mark.parametrize("layer", ["Dense", "Conv2D"])
+def test_a_layer_refuses_a_frozen_or_other_dtype_form(layer, kwargs):
+    # trainable=False and dtype= were accepted and dropped: the "frozen" layer trained, and
+    # the float64 one computed in float32.
+    args = (3,) if layer == "Dense" else (4, 3)
+    with pytest.raises(NotImplementedError, match="trainable=False|computes in float32"):
+        getattr(tf.keras.layers, layer)(*args, **kwargs)
+
+
+def test_freezing_a_built_layer_is_refused_and_float32_names_are_accepted(devices):
+    devices(cpus=1)
+    layer = tf.keras.layers.Dense(3, dtype=tf.float32, trainable=True)
+    tf.keras.layers.Dense(3, dtype=np.float32)
+    tf.keras.layers.Dense(3, dtype="float32")
+    model = tf.keras.Sequential([layer])
+    model.build((None, 4))
+    with pytest.raises(NotImplementedError, match="a frozen layer"):
+        layer.trainable = False
+    layer.trainable = True
+    assert layer.trainable is True and len(model.trainable_variables) == 2
+
+
+def test_a_saved_keras_model_with_a_frozen_layer_is_refused_when_loaded(devices):
+    from mirrored.keras import saving
+    devices(cpus=1)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,)), tf.keras.layers.Dense(2)])
+    config = saving.model_config(model)
+    saving.model_from_config(config)                             # as saved: every layer trains
+    config["config"]["layers"][-1]["config"]["trainable"] = False  # as Keras writes a frozen layer
+    with pytest.raises(NotImplementedError, match="trainable=False"):
+        saving.model_from_config(config)

@@ -11,7 +11,17 @@ format).
 """
 import re
 
+import numpy as np
+
 from kernels.conv2d import PADDINGS
+
+
+def _is_float32(dtype):
+    """True for the ways of naming float32 (``"float32"``, ``np.float32``, ``tf.float32``)."""
+    try:
+        return np.dtype(dtype) == np.float32
+    except TypeError:                      # a Keras policy name ("mixed_float16") or object
+        return False
 
 
 class Layer:
@@ -27,9 +37,13 @@ class Layer:
     def __init__(self, input_shape=None, name=None, **kwargs):
         if "batch_input_shape" in kwargs and input_shape is None:
             input_shape = tuple(kwargs.pop("batch_input_shape"))[1:]
-        unknown = set(kwargs) - {"dtype", "trainable"}
-        if unknown:
-            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(unknown)}.")
+        self.trainable = kwargs.pop("trainable", True)            # refused unless True (below)
+        dtype = kwargs.pop("dtype", None)
+        if dtype is not None and not _is_float32(dtype):
+            raise NotImplementedError(f"{type(self).__name__}(dtype={dtype!r}): every layer computes in "
+                                      f"float32 here; leave dtype out (or 'float32').")
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(kwargs)}.")
         base = snake_case(type(self).__name__)
         n = Layer._counts.get(base, 0)
         Layer._counts[base] = n + 1
@@ -37,6 +51,19 @@ class Layer:
         self.input_shape_arg = tuple(input_shape) if input_shape is not None else None
         self.input_shape = self.output_shape = None
         self.built = False
+
+    @property
+    def trainable(self):
+        """Always True: every layer's weights train here."""
+        return True
+
+    @trainable.setter
+    def trainable(self, value):
+        if value is not True:
+            raise NotImplementedError(
+                f"{type(self).__name__}: trainable={value!r} (a frozen layer) is not implemented here: "
+                f"every layer's weights are packed into the one buffer the optimizer updates. Train "
+                f"every layer, or freeze it in TensorFlow.")
 
     @property
     def weights(self):

@@ -447,6 +447,9 @@ def _kwargs_for(cls, config, what):
     ``trainable``, ``dtype`` or regularizers left at None, have no counterpart here)."""
     params = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in config.items() if k in params and k != "self"}
+    if config.get("trainable") is False:
+        raise NotImplementedError(f"{what} {config.get('name', '')!r}: trainable=False (a frozen layer) is "
+                                  f"not implemented here; every layer's weights train.")
     for key in ("kernel_initializer", "bias_initializer"):
         spec = kwargs.get(key)
         if isinstance(spec, dict) or spec is None:
