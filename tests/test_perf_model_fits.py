@@ -76,8 +76,11 @@ def test_fit_link_keeps_the_small_sizes_where_a_plain_least_squares_fit_loses_th
     small = [i for i, r in enumerate(rows) if r["bytes"] == 1 << 10]
     old_small = max(abs(old_model[i] / t[i] - 1) for i in small)
     new_small = max(abs(fit["relative_errors"][i]) for i in small)
-    assert old_small > 0.5, f"the plain fit was expected to miss 1 KB by > 50 %, missed by {old_small:.0%}"
-    assert new_small < 0.5 * old_small, (new_small, old_small)
+    # Over 20,000 draws of the 2 % noise: the plain fit misses 1 KB by 38-98 % (usually 97 %;
+    # by under 50 % when its latency comes out near zero, 0.5 % of draws, which failed a
+    # "> 50 %" bound once in CI), the new fit by at most 20 %.
+    assert old_small > 0.3, f"the plain fit was expected to miss 1 KB by > 30 %, missed by {old_small:.0%}"
+    assert new_small < 0.25, f"fit_link missed 1 KB by {new_small:.0%} (the plain fit: {old_small:.0%})"
 
 
 def test_fit_link_never_returns_a_negative_parameter(rng):
