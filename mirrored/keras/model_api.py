@@ -244,7 +244,8 @@ class ModelAPI:
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
         """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
         check_compiled(self, "evaluating")
-        check_keras_arguments("evaluate", kwargs)
+        if kwargs:                                   # Keras's arguments not implemented here
+            check_keras_arguments("evaluate", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "evaluate")
         verbose = self._verbosity(verbose)
@@ -259,7 +260,8 @@ class ModelAPI:
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
         """The model's outputs (probabilities after a softmax layer) as one NumPy array.
         The model need not be compiled (as in Keras): predict has no loss and no update."""
-        check_keras_arguments("predict", kwargs)
+        if kwargs:                                   # Keras's arguments not implemented here
+            check_keras_arguments("predict", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "predict")
         with backends.blas_threads():

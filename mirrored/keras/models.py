@@ -275,7 +275,8 @@ class Sequential(ModelAPI):
         left at their defaults (``model_api.NOT_IMPLEMENTED``), as is an argument Keras lacks.
         """
         check_compiled(self, "training")
-        check_keras_arguments("fit", kwargs)
+        if kwargs:                                   # Keras's arguments not implemented here
+            check_keras_arguments("fit", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
         with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
