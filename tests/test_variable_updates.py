@@ -155,3 +155,38 @@ def test_none_gradients_are_left_out_as_keras_does(devices, rng):
     optimizer.apply_gradients([])
     assert int(optimizer.iterations) == 1
     np.testing.assert_array_equal(variables[1].numpy(), start[1])
+
+
+def test_a_step_that_fails_making_slots_changes_no_copy(devices, rng, monkeypatch):
+    # Out of memory for the second copy's Adam slots: every copy's slots are made before the
+    # first update, so no copy was updated and the step is not counted (the copies would
+    # otherwise differ: the first updated, the second not).
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    start = random_start(rng)
+    with strategy.scope():
+        variables = [tf.Variable(w) for w in start]
+        optimizer = tf.keras.optimizers.Adam(LR)
+    made = []
+    real = type(optimizer)._slot_buffers
+
+    def slots_until_the_second(self, key, dev, like):
+        if len(made) == 1 and key not in made:
+            raise tf.errors.ResourceExhaustedError("OOM making slots (the test's)")
+        if key not in made:
+            made.append(key)
+        return real(self, key, dev, like)
+
+    monkeypatch.setattr(type(optimizer), "_slot_buffers", slots_until_the_second)
+    grads = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        strategy.run(lambda: optimizer.apply_gradients(zip([tf.constant(g) for g in grads], variables)))
+    for v, w in zip(variables, start):
+        for copy in v.values:
+            np.testing.assert_array_equal(copy.numpy(), w, err_msg="a copy was updated by a failed step")
+    assert int(optimizer.iterations) == 0
+    monkeypatch.undo()
+    strategy.run(lambda: optimizer.apply_gradients(zip([tf.constant(g) for g in grads], variables)))
+    assert int(optimizer.iterations) == 1
+    for v in variables:
+        np.testing.assert_array_equal(v.values[0].numpy(), v.values[1].numpy())

@@ -98,17 +98,20 @@ class Optimizer(OptimizerState):
         """Step 4 of a training step: one update launch per device, each copy of the
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
         ``around(r, dev)``: a context manager entered around replica r's launch
-        (``mirrored.lab.timing.TimedStep`` times each replica's update with it).
+        (``mirrored.lab.timing.TimedStep`` times each replica's update with it)."""
+        self.update_buffers([(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
+                             for r, dev in enumerate(pack.devices)], around)
 
-        The slots of every device are made (on the first step) before the first launch:
-        running out of memory for device 1's slots after device 0 was updated would leave
-        the copies of the weights different."""
-        for r, dev in enumerate(pack.devices):
+    def update_buffers(self, launches, around=None):
+        """One ``update_buffer`` per ``(dev, w, g, key)``. Every launch's slots are made (the
+        first time) before the first launch: running out of memory for device 1's slots
+        after device 0 was updated would leave the copies of the weights different."""
+        for dev, w, _, key in launches:
             with dev.activate():
-                self._slot_buffers(("pack", id(pack), r), dev, pack.params[r])
-        for r, dev in enumerate(pack.devices):
-            with dev.activate(), (around(r, dev) if around else contextlib.nullcontext()):
-                self.update_buffer(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
+                self._slot_buffers(key, dev, w)
+        for i, (dev, w, g, key) in enumerate(launches):
+            with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
+                self.update_buffer(dev, w, g, key)
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):

@@ -32,12 +32,19 @@ def apply_to_variables(optimizer, strategy, pairs):
         reduced = strategy.extended.cross_device_ops.all_reduce_components("SUM", comps)
     else:
         reduced = [[g] * len(copies(v)) for g, v in pairs]
-    optimizer.begin_step(devices_of(variables))
+    launches = []                       # (device, weights, gradient there, slot key) per copy
     for k, v in enumerate(variables):
         for r, c in enumerate(copies(v)):
             dev = c.value().dev
             with dev.activate():
-                optimizer.update_buffer(dev, c.value().buf, on_device(reduced[k][r], dev), ("var", id(c)))
+                launches.append((dev, c.value().buf, on_device(reduced[k][r], dev), ("var", id(c))))
+    count = optimizer.step_count
+    try:
+        optimizer.begin_step(devices_of(variables))
+        optimizer.update_buffers(launches)  # every copy's slots made before the first update
+    except BaseException:
+        optimizer.step_count = count        # a step that failed is not counted
+        raise
 
 
 def check_shape(gradient, variable):
