@@ -127,3 +127,15 @@ def test_a_saved_keras_model_with_a_frozen_layer_is_refused_when_loaded(devices)
     config["config"]["layers"][-1]["config"]["trainable"] = False  # as Keras writes a frozen layer
     with pytest.raises(NotImplementedError, match="trainable=False"):
         saving.model_from_config(config)
+
+
+def test_save_takes_keras_3_s_arguments(model_and_data, tmp_path):
+    model, _, _ = model_and_data
+    path = str(tmp_path / "m.keras")
+    model.save(path, include_optimizer=False)                 # not used by a .keras file, as Keras
+    with pytest.warns(UserWarning, match="save_format"):
+        model.save(path, save_format="keras")
+    for kwargs, error in (({"zipped": False}, NotImplementedError), ({"signatures": {}}, ValueError)):
+        with pytest.raises(error):
+            model.save(str(tmp_path / "other.keras"), **kwargs)
+        assert not (tmp_path / "other.keras").exists(), "a refused save wrote a file"

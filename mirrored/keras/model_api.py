@@ -137,7 +137,19 @@ class ModelAPI:
     @serialised
     def save(self, filepath, overwrite=True, **kwargs):
         """Keras 3's ``model.save("m.keras")``: architecture, weights and optimizer state in
-        one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it."""
+        one zip archive, written atomically; ``mirrored.keras.models.load_model`` reads it.
+        Keras 3's other arguments as it takes them: ``include_optimizer`` does not apply to a
+        ``.keras`` file, ``save_format`` is deprecated (a warning), ``zipped=False`` (a folder)
+        is not implemented, anything else is refused."""
+        kwargs.pop("include_optimizer", None)
+        if kwargs.pop("save_format", None):
+            warnings.warn("The `save_format` argument is deprecated in Keras 3; the format follows "
+                          "the file name (.keras).", stacklevel=3)
+        if kwargs.pop("zipped", None) is False:
+            raise NotImplementedError("save(zipped=False) (an unzipped folder) is not implemented; "
+                                      "a .keras file is always one zip archive here.")
+        if kwargs:
+            raise ValueError(f"The following argument(s) are not supported: {list(kwargs)}")
         self._save_on_chief(saving.save_model, filepath, overwrite)
 
     def get_config(self):
