@@ -139,3 +139,16 @@ def test_save_takes_keras_3_s_arguments(model_and_data, tmp_path):
         with pytest.raises(error):
             model.save(str(tmp_path / "other.keras"), **kwargs)
         assert not (tmp_path / "other.keras").exists(), "a refused save wrote a file"
+
+
+def test_input_takes_keras_3_s_arguments(devices, rng):
+    devices(cpus=1)
+    model = tf.keras.Sequential([tf.keras.Input(batch_shape=(None, 4)), tf.keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    assert model.predict(x, verbose=0).shape == (5, 2)      # batch_shape's example shape is (4,)
+    tf.keras.Input(shape=(4,), batch_size=32, dtype="float64")
+    for kwargs, error in (({"sparse": True}, NotImplementedError), ({"optional": True}, NotImplementedError),
+                          ({"batch_shape": (None, 4)}, ValueError), ({"shpe": (4,)}, TypeError)):
+        with pytest.raises(error):
+            tf.keras.Input(shape=(4,), **kwargs)

@@ -155,8 +155,18 @@ class InputLayer(Layer):
         super().__init__(input_shape=tuple(shape), name=name, **kwargs)
 
 
-def Input(shape=None, batch_size=None, name=None, dtype=None, **kwargs):  # noqa: N802 (Keras's name)
-    """``tf.keras.layers.Input``/``tf.keras.Input``: the shape of one example."""
+def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None, name=None,  # noqa: N802
+          tensor=None, optional=False):
+    """``tf.keras.layers.Input``/``tf.keras.Input`` (Keras 3's arguments): the shape of one
+    example, or ``batch_shape`` with the batch axis first. ``batch_size`` and ``dtype`` are
+    accepted (batches may have any size; inputs become float32, as Keras's layers cast them);
+    sparse, symbolic-tensor and optional inputs are refused."""
+    if sparse or tensor is not None or optional:
+        raise NotImplementedError("Input(sparse=, tensor=, optional=) is not implemented; dense inputs only.")
+    if batch_shape is not None:
+        if shape is not None:
+            raise ValueError("Input: give shape or batch_shape, not both.")
+        shape = tuple(batch_shape)[1:]
     return InputLayer(shape=shape, name=name)
 
 
