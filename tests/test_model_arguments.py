@@ -152,3 +152,11 @@ def test_input_takes_keras_3_s_arguments(devices, rng):
                           ({"batch_shape": (None, 4)}, ValueError), ({"shpe": (4,)}, TypeError)):
         with pytest.raises(error):
             tf.keras.Input(shape=(4,), **kwargs)
+
+
+def test_tensorboard_takes_keras_s_arguments_and_refuses_others(tmp_path):
+    tf.keras.callbacks.TensorBoard(log_dir=str(tmp_path), histogram_freq=1, write_graph=True, write_images=False,
+                                   write_steps_per_second=False, update_freq="epoch", profile_batch=0,
+                                   embeddings_freq=0, embeddings_metadata=None)
+    with pytest.raises(TypeError):
+        tf.keras.callbacks.TensorBoard(log_dir=str(tmp_path), histogram_frequency=1)   # misspelt

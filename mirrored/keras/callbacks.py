@@ -291,9 +291,12 @@ class TensorBoard(Callback):
     """Per-epoch scalars for TensorBoard, as Keras 3's: ``epoch_loss``, ``epoch_accuracy``, ...
     and ``epoch_learning_rate`` in ``<log_dir>/train``, the ``val_`` ones (without the prefix) in ``<log_dir>/validation``,
     step = epoch (event files written by tfevents.py). Histograms, graphs, images, profiling
-    and per-batch logs (``update_freq``) are not written; those arguments are accepted."""
+    and per-batch logs (``update_freq``) are not written; those arguments are accepted (they
+    change what is logged, not what is trained), and a keyword Keras's lacks is a TypeError."""
 
-    def __init__(self, log_dir="logs", **kwargs):
+    def __init__(self, log_dir="logs", histogram_freq=0, write_graph=True, write_images=False,
+                 write_steps_per_second=False, update_freq="epoch", profile_batch=0, embeddings_freq=0,
+                 embeddings_metadata=None):
         super().__init__()
         self.log_dir = os.fspath(log_dir)
         self._writers = {}
