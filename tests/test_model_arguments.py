@@ -160,3 +160,14 @@ def test_tensorboard_takes_keras_s_arguments_and_refuses_others(tmp_path):
                                    embeddings_freq=0, embeddings_metadata=None)
     with pytest.raises(TypeError):
         tf.keras.callbacks.TensorBoard(log_dir=str(tmp_path), histogram_frequency=1)   # misspelt
+
+
+def test_validation_data_may_be_keras_s_three_tuple(model_and_data):
+    # Keras takes (x, y) or (x, y, sample_weight); (x, y, None) failed with "needs y".
+    model, x, y = model_and_data
+    history = model.fit(x, y, verbose=0, validation_data=(x, y, None))
+    assert "val_loss" in history.history and int(model.optimizer.iterations) == 1
+    before = model.get_weights()
+    with pytest.raises(NotImplementedError, match="sample weights"):
+        model.fit(x, y, verbose=0, validation_data=(x, y, np.ones(len(x), np.float32)))
+    assert unchanged(model, before) and int(model.optimizer.iterations) == 1

@@ -287,6 +287,11 @@ class Sequential(ModelAPI):
              initial_epoch, steps_per_epoch, validation_split):
         if validation_split and validation_data is None:   # Keras: validation_data wins
             (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
+        if isinstance(validation_data, tuple) and len(validation_data) == 3:   # Keras: (x, y, sample weights)
+            if validation_data[2] is not None:
+                raise NotImplementedError("fit(validation_data=(x, y, sample_weight)): sample weights are not "
+                                          "implemented here; pass (x, y).")
+            validation_data = validation_data[:2]
         verbose = self._verbosity(verbose)
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
