@@ -171,3 +171,26 @@ def test_validation_data_may_be_keras_s_three_tuple(model_and_data):
     with pytest.raises(NotImplementedError, match="sample weights"):
         model.fit(x, y, verbose=0, validation_data=(x, y, np.ones(len(x), np.float32)))
     assert unchanged(model, before) and int(model.optimizer.iterations) == 1
+
+
+def test_a_model_made_with_add_is_built_once_its_input_shape_is_known(devices, rng, capsys):
+    # Keras 3 builds a Sequential as soon as its input shape is given; summary() after add()
+    # raised "not yet built: give the first layer an input_shape", which it had.
+    devices(cpus=1)
+    model = tf.keras.Sequential()
+    model.add(tf.keras.layers.Dense(8, activation="relu", input_shape=(4,)))
+    model.add(tf.keras.layers.Dense(3))
+    model.summary()
+    assert "Total params: 67" in capsys.readouterr().out            # 4*8+8 + 8*3+3
+    assert model.built and len(model.get_weights()) == 4 and model.count_params() == 67
+    with pytest.raises(RuntimeError, match="already built"):
+        model.add(tf.keras.layers.Dense(2))                          # said plainly, not half-added
+    unknown = tf.keras.Sequential()
+    unknown.add(tf.keras.layers.Dense(3))
+    assert unknown.trainable_variables == [] and not unknown.built   # no shape yet: nothing to build
+    with pytest.raises(ValueError, match="not yet been built"):
+        unknown.summary()
+    unknown.compile(optimizer="sgd", loss="mse")
+    unknown.fit(rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((6, 3)).astype(np.float32),
+                verbose=0)
+    assert unknown.built and unknown.count_params() == 18

@@ -58,6 +58,7 @@ class Sequential(ModelAPI):
     def __init__(self, layers=None, name=None):
         self._lock = threading.RLock()          # one caller at a time (module docstring)
         self._build_lock = threading.Lock()     # build exactly once, whoever calls first
+        self._building = False                  # inside _build (its weights are being made)
         self.name = name or "sequential"
         self._strategy = _strategy.get_strategy()
         self.layers = []
@@ -115,7 +116,11 @@ class Sequential(ModelAPI):
             return
         with self._build_lock:
             if not self.built:
-                self._build(input_shape)
+                self._building = True
+                try:
+                    self._build(input_shape)
+                finally:
+                    self._building = False
 
     def _build(self, input_shape):
         if input_shape is not None:
@@ -208,6 +213,13 @@ class Sequential(ModelAPI):
     # -- weights -------------------------------------------------------------------------
     @property
     def trainable_variables(self):
+        """The layers' weights in Keras's order. A model whose input shape is known (the
+        first layer's ``input_shape``, or ``layers.Input``) but not yet built is built here,
+        on first use: Keras 3 builds it as soon as the shape is given, so ``summary()``,
+        ``get_weights()`` or a custom loop's ``model.trainable_variables`` after ``add``
+        find the weights there."""
+        if not self.built and not self._building and self._input_shape is not None:
+            self.build()
         return [w for layer in self.layers for w in layer.trainable_weights]
 
     weights = trainable_weights = variables = trainable_variables
