@@ -194,3 +194,11 @@ def test_a_model_made_with_add_is_built_once_its_input_shape_is_known(devices, r
     unknown.fit(rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((6, 3)).astype(np.float32),
                 verbose=0)
     assert unknown.built and unknown.count_params() == 18
+
+
+def test_freezing_a_whole_model_is_refused(model_and_data):
+    model, _, _ = model_and_data
+    with pytest.raises(NotImplementedError, match="a frozen model"):
+        model.trainable = False
+    model.trainable = True
+    assert model.trainable is True

@@ -78,6 +78,18 @@ class ModelAPI:
 
     # -- weights -------------------------------------------------------------------------
     @property
+    def trainable(self):
+        """Always True: every layer's weights train here (``model.trainable = False``, Keras's
+        way to freeze a whole model, is refused rather than ignored)."""
+        return True
+
+    @trainable.setter
+    def trainable(self, value):
+        if value is not True:
+            raise NotImplementedError(f"model.trainable = {value!r} (a frozen model) is not implemented here: "
+                                      f"every layer's weights are packed into the buffer the optimizer updates.")
+
+    @property
     def non_trainable_variables(self):
         return []
 
