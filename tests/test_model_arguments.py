@@ -202,3 +202,23 @@ def test_freezing_a_whole_model_is_refused(model_and_data):
         model.trainable = False
     model.trainable = True
     assert model.trainable is True
+
+
+def test_predict_steps_get_layer_and_predict_on_batch(model_and_data, rng):
+    # predict(steps=) was accepted and ignored: a data set that repeats never ended.
+    model, x, _ = model_and_data
+    want = model.predict(x, verbose=0)
+    close = dict(rtol=1e-5, atol=1e-6)                      # another batch size: maybe other BLAS blocks
+    np.testing.assert_allclose(model.predict(x, batch_size=4, steps=2, verbose=0), want[:8], **close)
+    forever = tf.data.Dataset.from_tensor_slices(x).batch(5).repeat()     # 12 rows: 5, 5, 2, 5, ...
+    np.testing.assert_allclose(model.predict(forever, steps=4, verbose=0), np.concatenate([want, want[:5]]), **close)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="steps must be a positive whole number"):
+            model.predict(x, steps=bad, verbose=0)
+    np.testing.assert_allclose(model.predict_on_batch(x[:5]), want[:5], **close)
+    layer = model.layers[0]
+    assert model.get_layer(layer.name) is layer and model.get_layer(index=-1) is model.layers[-1]
+    with pytest.raises(ValueError, match="No such layer: nope"):
+        model.get_layer("nope")
+    with pytest.raises(ValueError, match="out of range"):
+        model.get_layer(index=len(model.layers))

@@ -283,24 +283,49 @@ class ModelAPI:
     @serialised
     def predict(self, x, batch_size=None, verbose="auto", steps=None, **kwargs):
         """The model's outputs (probabilities after a softmax layer) as one NumPy array.
-        The model need not be compiled (as in Keras): predict has no loss and no update."""
+        The model need not be compiled (as in Keras): predict has no loss and no update.
+        ``steps``: at most this many batches (Keras's; needed for a data set that repeats)."""
         if kwargs:                                   # Keras's arguments not implemented here
             check_keras_arguments("predict", kwargs)
+        if steps is not None and (not isinstance(steps, (int, np.integer)) or isinstance(steps, bool)
+                                  or steps < 1):
+            raise ValueError(f"predict: steps must be a positive whole number of batches or None, got {steps!r}.")
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "predict")
         with backends.blas_threads():
-            return self._predict(x, batch_size, verbose)
+            return self._predict(x, batch_size, verbose, steps)
 
-    def _predict(self, x, batch_size, verbose):
+    def predict_on_batch(self, x):
+        """Keras's ``predict_on_batch``: the outputs for ``x``, taken as one batch."""
+        return self.predict(x, batch_size=max(len(x), 1), verbose=0)
+
+    def get_layer(self, name=None, index=None):
+        """Keras's ``get_layer``: the layer called ``name``, or at ``index``."""
+        if index is not None:
+            if name is not None:
+                raise ValueError("get_layer: give name or index, not both.")
+            if not -len(self.layers) <= index < len(self.layers):
+                raise ValueError(f"get_layer: index {index} is out of range; the model has {len(self.layers)} layers.")
+            return self.layers[index]
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise ValueError(f"No such layer: {name}. Existing layers are: {[l.name for l in self.layers]}.")
+
+    def _predict(self, x, batch_size, verbose, most=None):
         verbose = self._verbosity(verbose)
         if isinstance(x, (np.ndarray, list)):              # whole arrays: checked once, up front
             x = np.asarray(x)
             self.accept_inputs(x.shape, x.dtype)
         chunks, steps = data_adapters.predict_batches(x, batch_size)
+        if most is not None:
+            steps = most if steps is None else min(steps, most)
         outs = []
         bar = Progbar(steps, verbose)
         done = 0
         for batch in chunks:
+            if most is not None and done >= most:
+                break
             xb = batch[0] if isinstance(batch, (tuple, list)) else batch
             xb = xb.numpy() if isinstance(xb, Tensor) else np.asarray(xb)
             self.accept_inputs(xb.shape, xb.dtype)
