@@ -379,7 +379,7 @@ class ModelAPI:
     def summary(self, print_fn=None):
         """Keras's table of layers, output shapes and parameter counts."""
         print_fn = print_fn or print
-        self.trainable_variables                    # builds it if its input shape is known
+        self.build_if_shape_known()
         if not self.built:
             raise ValueError("This model has not yet been built: give the first layer an "
                              "input_shape or call fit() first.")

@@ -218,9 +218,14 @@ class Sequential(ModelAPI):
         on first use: Keras 3 builds it as soon as the shape is given, so ``summary()``,
         ``get_weights()`` or a custom loop's ``model.trainable_variables`` after ``add``
         find the weights there."""
+        self.build_if_shape_known()
+        return [w for layer in self.layers for w in layer.trainable_weights]
+
+    def build_if_shape_known(self):
+        """Build the model now if its input shape is known and it is not built (nor being
+        built: ``_build`` reads the weights too)."""
         if not self.built and not self._building and self._input_shape is not None:
             self.build()
-        return [w for layer in self.layers for w in layer.trainable_weights]
 
     weights = trainable_weights = variables = trainable_variables
 

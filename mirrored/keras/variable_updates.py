@@ -40,7 +40,7 @@ def apply_to_variables(optimizer, strategy, pairs):
                 launches.append((dev, c.value().buf, on_device(reduced[k][r], dev), ("var", id(c))))
     count = optimizer.step_count
     try:
-        optimizer.begin_step(devices_of(variables))
+        optimizer.begin_step(list({dev.name: dev for dev, *_ in launches}.values()))   # each device once
         optimizer.update_buffers(launches)  # every copy's slots made before the first update
     except BaseException:
         optimizer.step_count = count        # a step that failed is not counted
@@ -66,15 +66,6 @@ def copies(variable):
         return components(variable)
     except TypeError as err:
         raise TypeError(f"apply_gradients expects (gradient, variable) pairs: {err}") from None
-
-
-def devices_of(variables):
-    """The devices holding copies of ``variables``, each once, in first-seen order."""
-    seen = {}
-    for v in variables:
-        for c in copies(v):
-            seen.setdefault(c.value().dev.name, c.value().dev)
-    return list(seen.values())
 
 
 def on_device(g, dev):
