@@ -67,7 +67,7 @@ class _Merge(Layer):
         """The per-example shapes as a list of tuples, after checking there is a list of
         them, as many as the layer takes."""
         what = f"{type(self).__name__} {self.name!r}"
-        if (not isinstance(input_shapes, (list, tuple)) or not input_shapes
+        if (not isinstance(input_shapes, (list, tuple))
                 or not all(isinstance(s, (list, tuple)) for s in input_shapes)):
             raise ValueError(f"{what} is a merge layer: call it on a LIST of tensors, e.g. "
                              f"layers.{type(self).__name__}()([x1, x2]); got the input shape(s) "
