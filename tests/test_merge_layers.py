@@ -27,6 +27,7 @@ import pytest
 import mirrored as tf
 from conftest import assert_close
 from mirrored.keras import merging
+from tests.test_conv_layers import central_differences
 
 layers = tf.keras.layers
 
@@ -67,20 +68,7 @@ def in_order_f32(layer, xs):
 
 def fd_grads(layer, xs, dy):
     """d/dx_i of L = sum(oracle(xs) * dy), by central differences, every element."""
-    xs = [x.astype(np.float64) for x in xs]
-    grads = []
-    for x in xs:
-        g = np.empty_like(x)
-        for k in np.ndindex(x.shape):
-            keep = x[k]
-            x[k] = keep + EPS
-            up = np.sum(oracle(layer, xs) * dy)
-            x[k] = keep - EPS
-            down = np.sum(oracle(layer, xs) * dy)
-            x[k] = keep
-            g[k] = (up - down) / (2 * EPS)
-        grads.append(g)
-    return grads
+    return central_differences(lambda xs: np.sum(oracle(layer, xs) * dy), xs, EPS)
 
 
 # --- a layer on one device, as the engine drives it -------------------------------------------
