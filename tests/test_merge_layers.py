@@ -335,3 +335,18 @@ def test_functional_forms_make_the_layer_and_call_it(monkeypatch):
         assert type(layer) is cls and layer.name == f"f_{cls.__name__}" and got is inputs
     layer, _ = layers.concatenate(inputs, axis=1)
     assert layer.axis == 1
+
+
+def test_keras_3_configs_rebuild_through_saving():
+    """What a Keras 3 .keras file holds for these layers (dtype as a DTypePolicy) becomes the
+    constructor's arguments through saving.py's config reader, name and axis kept."""
+    from mirrored.keras import saving
+    policy = {"module": "keras", "class_name": "DTypePolicy", "config": {"name": "float32"},
+              "registered_name": None}
+    for name, extra in (("Add", {}), ("Subtract", {}), ("Multiply", {}), ("Average", {}),
+                        ("Concatenate", {"axis": 1})):
+        config = dict({"name": f"k_{name.lower()}", "trainable": True, "dtype": policy}, **extra)
+        cls = getattr(layers, name)
+        layer = cls(**saving._kwargs_for(cls, config, name))
+        assert layer.get_config() == dict({"name": f"k_{name.lower()}", "trainable": True,
+                                           "dtype": "float32"}, **extra)
