@@ -35,6 +35,14 @@ from mirrored.keras.callbacks import Callback
 MIN_TIMED_STEPS = 50
 
 
+class StopAfterOneEpoch(Callback):
+    """A Keras callback that ends ``fit`` after the epoch it starts in (``stop_training``,
+    as EarlyStopping does): ``compare`` interleaves the rows' epochs one at a time."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = True
+
+
 class EpochTimer(Callback):
     """A Keras callback: wall time, steps and examples of every epoch.
 
@@ -207,8 +215,10 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
             log(f"--- {run['name']} (epoch {epoch + 1}/{epochs}): {run['replicas']} replica(s) on "
                 f"{devices}, global batch {run['global_batch']}{how} ---")
         x, y, batch_size = run["fit_args"]
-        run["model"].fit(x, y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
-                         verbose=verbose, callbacks=[run["clock"]])
+        # Keras's way to run epoch k of E and no more: fit(epochs=E, initial_epoch=k) stopped
+        # at the epoch's end, so its progress line reads "Epoch k+1/E" as the header does
+        run["model"].fit(x, y, batch_size=batch_size, epochs=epochs, initial_epoch=epoch,
+                         verbose=verbose, callbacks=[run["clock"], StopAfterOneEpoch()])
 
     # Epochs interleaved: every row's epoch 1, then every row's epoch 2, ... (timing.py)
     timing.interleaved_rounds(len(runs), epochs, run_epoch)
