@@ -18,7 +18,7 @@ When a kernel file gains a new op, it gets one method here in each class.
 """
 import numpy as np
 
-from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
+from kernels import (activations, allreduce, categorical_xent, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
                      elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 
@@ -28,6 +28,18 @@ from kernels.launch import SIMULATOR
 #: v3 (256 threads per block whatever the matrix size) is the slowest there; the
 #: library uses v1 (one thread per output) and the kernel tests cover every version.
 GEMM_VERSION = "v1" if SIMULATOR else None      # None: gemm.choose_version by shape
+
+
+def one_label_type(what, labels):
+    """Every backend's loss ops take class labels of ONE dtype, ``softmax_xent.LABEL_DTYPE``
+    (int64): whatever the data set holds was converted where the batch was staged
+    (``keras/data_adapters.py``, ``keras/tape.py``). Checked here, the same on the CPU, the
+    simulator and a real GPU, so a path that forgets the conversion fails on every backend
+    alike, not only on a GPU (uint8 labels once failed on an H100 and nowhere else)."""
+    if np.dtype(labels.dtype) != softmax_xent.LABEL_DTYPE:
+        raise TypeError(f"{what}: labels reached the loss op as {np.dtype(labels.dtype)}, expected "
+                        f"{softmax_xent.LABEL_DTYPE} (converted where the batch is staged: "
+                        f"keras/data_adapters.py class_indices). This is a bug in mirrored.")
 
 
 class CpuOps:
@@ -97,13 +109,20 @@ class CpuOps:
         return activations.softmax_ref(x, out)
 
     def softmax_xent(self, logits, labels, loss, grad, correct, scale=1.0):
+        one_label_type("softmax_xent", labels)
         return softmax_xent.softmax_xent_ref(logits, labels, loss, grad, correct, scale)
 
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
+        one_label_type("prob_xent", labels)
         return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
 
     def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
         return regression_losses.regression_loss_ref(kind, pred, target, loss, grad, scale)
+
+    # one-hot labels (kernels/categorical_xent.py): targets (b, classes) float32
+    def categorical_xent(self, logits, targets, loss, grad, correct, scale=1.0, label_smoothing=0.0):
+        return categorical_xent.categorical_xent_ref(logits, targets, loss, grad, correct, scale,
+                                                     label_smoothing)
 
     # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
@@ -258,9 +277,11 @@ class CudaOps:
         return activations.softmax(x, out, self.stream)
 
     def softmax_xent(self, logits, labels, loss, grad, correct, scale=1.0):
+        one_label_type("softmax_xent", labels)
         return softmax_xent.softmax_xent(logits, labels, loss, grad, correct, scale, self.stream)
 
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
+        one_label_type("prob_xent", labels)
         return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
 
     #: Conv2D(relu) then MaxPooling2D as one op each way (layers.Conv2D.fuse_next) where the
@@ -274,6 +295,10 @@ class CudaOps:
 
     def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
         return regression_losses.regression_loss(kind, pred, target, loss, grad, scale, self.stream)
+
+    def categorical_xent(self, logits, targets, loss, grad, correct, scale=1.0, label_smoothing=0.0):
+        return categorical_xent.categorical_xent(logits, targets, loss, grad, correct, scale,
+                                                 label_smoothing, self.stream)
 
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         return conv2d_v3.forward(x, kernel, bias, out, strides, padding, relu, self.stream)  # v3 (v1 past its size)

@@ -28,7 +28,7 @@ import numbers
 import numpy as np
 
 from kernels.launch import ceil_div
-from kernels.softmax_xent import check_labels
+from kernels.softmax_xent import LABEL_DTYPE, check_labels
 from mirrored import nest
 from mirrored import random as _random
 from mirrored.input_lib import DistributedDataset
@@ -165,12 +165,17 @@ def targets(model, y, examples):
 
 
 def class_indices(y, model):
-    """Labels ``y`` (B,) as integer class indices (int64 unless already integers).
+    """Labels ``y`` (B,) as class indices of ``LABEL_DTYPE`` (int64), the one label type
+    the loss kernels are given on every backend: uint8 (``keras.datasets``), int16, uint32...
+    are converted here, once per batch (no copy when they are int64 already).
 
     Float labels are accepted when every one is a whole number (3.0), as Keras casts
     them; 0.5 or NaN would be truncated to a class silently, so they are refused."""
     if y.dtype.kind in "iu":
-        return y
+        if y.dtype == np.uint64 and y.size and y.max() > np.iinfo(LABEL_DTYPE).max:
+            raise ValueError(f"labels of dtype {y.dtype} up to {y.max()}: class indices must be "
+                             f"below the number of classes; check the label encoding.")
+        return y.astype(LABEL_DTYPE, copy=False)
     if y.dtype.kind not in "bf":
         raise TypeError(f"labels of dtype {y.dtype}: the loss {type(model.loss).__name__} expects "
                         f"integer class indices; convert them with y.astype(np.int64).")
@@ -181,7 +186,7 @@ def class_indices(y, model):
                          f"{bad[:5].tolist()}: {y[bad[:5]].tolist()}): the loss {type(model.loss).__name__} "
                          f"expects class indices, one integer per example. Round or fix the labels; "
                          f"for soft or one-hot targets use a categorical loss.")
-    return y.astype(np.int64)
+    return y.astype(LABEL_DTYPE)
 
 
 def check_batch_size(batch_size, what):
@@ -302,7 +307,7 @@ class ResidentLoader:
 
     Per step and replica: the row numbers go up (b int64), then one gather for x
     and one for y on the device; a cast follows only when the stored dtype is not
-    what the model takes (uint8 images: float32; float labels: int64).
+    what the model takes (uint8 images: float32; labels of any other dtype: int64).
     """
 
     def __init__(self, model, resident):
@@ -328,8 +333,7 @@ class ResidentLoader:
                           resident.rows_count)
         labels = nest.flatten(resident.rows.columns)[self.ky].reshape(-1)   # every label, once
         check_labels(class_indices(labels, model), model.step.programs[0].classes)
-        y_dtype = np.dtype(resident.dtypes[self.ky])
-        self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
+        self.y_dtype = LABEL_DTYPE        # stored labels of another dtype are cast on the device
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
 
     def caches(self):

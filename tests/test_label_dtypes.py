@@ -1,0 +1,113 @@
+"""Labels of any integer dtype train the same on CPU devices and on (simulated) GPUs.
+
+``keras.datasets`` returns uint8 labels; TensorFlow accepts any integer labels on every
+device. Here they are converted once per batch, where the batch is staged, to the one label
+type every loss kernel takes (``kernels.softmax_xent.LABEL_DTYPE``). On an H200, uint8 labels
+once failed every step ("labels must be int32 or int64") while the CPU trained: the
+simulator runs a kernel on any type it is given, so the GPU-only failure went unseen.
+
+So the simulator runs these with ``kernels.launch.check_signatures()``: every launch must
+match a signature its kernel is registered (and compile-checked) for, the condition a real
+GPU enforces. Claims: the weights after training with uint8, int16, uint32 (and float
+whole-number) labels are BITWISE those of int64 labels (the same kernels on the same
+numbers in the same order); a float label that is not a whole number is refused; and the
+custom loop (``keras/tape.py``) converts what its data set holds the same way.
+"""
+import numpy as np
+import pytest
+
+import mirrored as tf
+from kernels.launch import check_signatures
+
+DTYPES = [np.uint8, np.int16, np.uint32, np.int32, np.float32]
+
+
+def _model(strategy, features, classes, seed_weights=None):
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(5, activation="relu", input_shape=(features,)),
+                                     tf.keras.layers.Dense(classes, activation="softmax")])
+        model.compile(loss="sparse_categorical_crossentropy", optimizer=tf.keras.optimizers.Adam(0.05),
+                      metrics=["accuracy"])
+    if seed_weights is not None:
+        model.set_weights(seed_weights)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["GPU", "CPU"])
+def test_every_integer_dtype_trains_bitwise_as_int64(devices, rng, kind):
+    devices(cpus=2 if kind == "CPU" else 1, gpus=2 if kind == "GPU" else 0)
+    strategy = tf.distribute.MirroredStrategy([f"{kind}:0", f"{kind}:1"])
+    features, classes, n = 3, 4, 11                          # batches of 5, 5, 1 over 2 replicas
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = rng.integers(0, classes, n)
+    start = _model(strategy, features, classes).get_weights()
+    results = {}
+    for dtype in [np.int64] + DTYPES:
+        model = _model(strategy, features, classes, start)
+        with check_signatures():
+            history = model.fit(x, y.astype(dtype), batch_size=5, epochs=2, shuffle=False, verbose=0)
+        results[np.dtype(dtype).name] = (model.get_weights(), history.history)
+    want_weights, want_history = results.pop("int64")
+    assert not np.array_equal(want_weights[0], start[0]), "did not train"
+    for name, (weights, history) in results.items():
+        for w, v in zip(weights, want_weights):
+            np.testing.assert_array_equal(w, v, err_msg=f"{name} labels on {kind}")
+        assert history == want_history, name
+
+
+def test_a_dataset_of_uint8_labels_trains_on_simulated_gpus(devices, rng):
+    devices(cpus=1, gpus=2)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+    x = rng.standard_normal((7, 3)).astype(np.float32)
+    y = rng.integers(0, 4, 7)
+    start = _model(strategy, 3, 4).get_weights()
+    got = {}
+    for dtype in (np.int64, np.uint8):
+        model = _model(strategy, 3, 4, start)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y.astype(dtype))).batch(4)
+        with check_signatures():
+            model.fit(dataset, epochs=1, verbose=0)
+            got[dtype] = model.evaluate(dataset, verbose=0)
+        got[dtype] = (got[dtype], model.get_weights())
+    assert got[np.uint8][0] == got[np.int64][0]
+    for a, b in zip(got[np.uint8][1], got[np.int64][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_float_labels_that_are_not_whole_numbers_are_refused(devices, rng):
+    devices(cpus=1)
+    model = _model(tf.distribute.MirroredStrategy(["CPU:0"]), 3, 4)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match="not whole numbers"):
+        model.fit(x, np.array([0.0, 1.5, 2.0, 3.0], np.float32), verbose=0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16])
+def test_the_custom_loop_converts_labels_as_fit_does(devices, rng, dtype):
+    """strategy.run + GradientTape with labels as the data set holds them (uint8 on the device:
+    cast there; int16, which no cast kernel takes: via the host): the same weights as int64."""
+    devices(cpus=1, gpus=2)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+    x = rng.standard_normal((6, 3)).astype(np.float32)
+    y = rng.integers(0, 4, 6)
+    start = _model(strategy, 3, 4).get_weights()
+    weights = {}
+    for labels in (y.astype(np.int64), y.astype(dtype)):
+        model = _model(strategy, 3, 4, start)
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(reduction="none")
+
+        def step(inputs):
+            images, targets = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_object(targets, model(images, training=True)),
+                                                  global_batch_size=6)
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, labels)).batch(6))
+        with check_signatures():
+            for batch in dist:
+                strategy.run(step, args=(batch,))
+        weights[labels.dtype.name] = model.get_weights()
+    for a, b in zip(weights[np.dtype(dtype).name], weights["int64"]):
+        np.testing.assert_array_equal(a, b)
