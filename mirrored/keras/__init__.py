@@ -19,7 +19,7 @@ losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.d
 mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.
 """
-from mirrored.keras import (callbacks, layers, losses, metrics, optimizers, regularizers, saving,
+from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, regularizers, saving,
                             utils)
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Sequential
