@@ -216,5 +216,4 @@ AveragePooling2D = unsupported("AveragePooling2D")
 BatchNormalization = unsupported("BatchNormalization")
 Embedding = unsupported("Embedding")
 LSTM = unsupported("LSTM")
-StringLookup = unsupported("StringLookup")      # the distributed-input tutorial's one preprocessing cell
 
