@@ -42,6 +42,18 @@ def one_label_type(what, labels):
                         f"keras/data_adapters.py class_indices). This is a bug in mirrored.")
 
 
+def target_loss(ops, mode, pred, targets, loss, grad, correct, scale=1.0):
+    """A loss against float targets (b, classes), as ``keras/losses.py``'s ``kernel_mode``
+    names it: ("categorical", label_smoothing) runs ``categorical_xent``, which also fills
+    ``correct`` (argmax of the output == argmax of the target row); a regression kind ("mse",
+    "bce_logits", "bce_probs") runs ``regression_loss``, and ``correct`` is zeroed (no
+    accuracy for those). ``grad`` None: no gradient."""
+    if isinstance(mode, tuple):
+        return ops.categorical_xent(pred, targets, loss, grad, correct, scale, mode[1])
+    ops.regression_loss(mode, pred, targets, loss, grad, scale)
+    return ops.fill(correct, 0.0)
+
+
 class CpuOps:
     """Ops on ``np.ndarray`` buffers of a ``CpuDevice``: the NumPy references."""
 
@@ -123,6 +135,9 @@ class CpuOps:
     def categorical_xent(self, logits, targets, loss, grad, correct, scale=1.0, label_smoothing=0.0):
         return categorical_xent.categorical_xent_ref(logits, targets, loss, grad, correct, scale,
                                                      label_smoothing)
+
+    def target_loss(self, mode, pred, targets, loss, grad, correct, scale=1.0):
+        return target_loss(self, mode, pred, targets, loss, grad, correct, scale)
 
     # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
@@ -299,6 +314,9 @@ class CudaOps:
     def categorical_xent(self, logits, targets, loss, grad, correct, scale=1.0, label_smoothing=0.0):
         return categorical_xent.categorical_xent(logits, targets, loss, grad, correct, scale,
                                                  label_smoothing, self.stream)
+
+    def target_loss(self, mode, pred, targets, loss, grad, correct, scale=1.0):
+        return target_loss(self, mode, pred, targets, loss, grad, correct, scale)
 
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         return conv2d_v3.forward(x, kernel, bias, out, strides, padding, relu, self.stream)  # v3 (v1 past its size)

@@ -14,6 +14,7 @@ import re
 import numpy as np
 
 from kernels.conv2d import PADDINGS
+from mirrored.keras.preprocessing import IntegerLookup, StringLookup  # noqa: F401 (keras.layers' host-side lookups)
 
 
 def _is_float32(dtype):

@@ -27,15 +27,13 @@ spreads them instead (the same token always gets the same index, but not TF's in
 tokens. ``output_mode='one_hot'``: one row of ``vocabulary_size()`` per value (float32); the
 mask token has no column there and gives a row of zeros, as Keras drops it.
 
-Neighbours: ``mirrored/data.py`` (``Dataset.map``, where these run), ``layers.py`` (exports them
-as ``keras.layers.StringLookup`` / ``IntegerLookup``), ``utils.py`` (``to_categorical``).
+Neighbours: ``mirrored/data.py`` (``Dataset.map``, where these run), ``base_layer.py`` and
+``layers.py`` (export them as ``keras.layers.StringLookup`` / ``IntegerLookup``), ``utils.py`` (``to_categorical``).
 """
 import collections
 import zlib
 
 import numpy as np
-
-from mirrored.keras.base_layer import snake_case
 
 OUTPUT_MODES = ("int", "one_hot")
 
@@ -62,7 +60,7 @@ class _IndexLookup:
         self.max_tokens, self.num_oov_indices, self.invert = max_tokens, num_oov_indices, bool(invert)
         self.mask_token = None if mask_token is None else self._token(mask_token)
         self.oov_token = self._token(oov_token)
-        self.output_mode, self.name = output_mode, name or snake_case(type(self).__name__)
+        self.output_mode, self.name = output_mode, name or self.NAME
         self._vocabulary = []
         self._index = {}
         if vocabulary is not None:
@@ -190,6 +188,7 @@ class StringLookup(_IndexLookup):
         return zlib.crc32(token.encode("utf-8")) % self.num_oov_indices if self.num_oov_indices > 1 else 0
 
     TOKEN_DTYPE = str           # invert's output: NumPy strings
+    NAME = "string_lookup"
 
 
 class IntegerLookup(_IndexLookup):
@@ -212,4 +211,5 @@ class IntegerLookup(_IndexLookup):
         return token % self.num_oov_indices if self.num_oov_indices > 1 else 0   # Keras's floormod
 
     TOKEN_DTYPE = np.int64
+    NAME = "integer_lookup"
 

@@ -145,10 +145,8 @@ def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
         if b and mode in ("logits", "probs"):
             op = dev.ops.prob_xent if mode == "probs" else dev.ops.softmax_xent
             op(program.logits, labels, per_example, None, correct, 1.0)
-        elif b and isinstance(mode, tuple):      # ("categorical", label_smoothing)
-            dev.ops.categorical_xent(program.logits, labels, per_example, None, correct, 1.0, mode[1])
-        elif b:
-            dev.ops.regression_loss(mode, program.logits, labels, per_example, None, 1.0)
+        elif b:                                  # float targets: one-hot, MSE, BCE
+            dev.ops.target_loss(mode, program.logits, labels, per_example, None, correct, 1.0)
         loss_node = _Loss(node, labels, mode)
         vec = Tensor(per_example, dev, loss_node)
         if loss_obj.reduction == "none":
