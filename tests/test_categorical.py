@@ -129,3 +129,15 @@ def test_categorical_accuracy_metric_counts_argmax_hits():
     assert float(metric.result().numpy()) == pytest.approx(0.75)
     with pytest.raises(ValueError, match="same shape"):
         metric.update_state(np.array([0, 1]), np.zeros((2, 3)))
+
+
+def test_labels_of_the_other_kind_say_which_loss_fits(devices):
+    devices(cpus=1)
+    x = np.zeros((4, 2), np.float32)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(3, activation="softmax", input_shape=(2,))])
+    model.compile(loss="categorical_crossentropy", optimizer="sgd", metrics=["accuracy"])
+    with pytest.raises(ValueError, match="to_categorical"):
+        model.fit(x, np.array([0, 1, 2, 1]), verbose=0)
+    model.compile(loss="sparse_categorical_crossentropy", optimizer="sgd", metrics=["accuracy"])
+    with pytest.raises(ValueError, match="loss='categorical_crossentropy'"):
+        model.fit(x, np.eye(3)[[0, 1, 2, 1]], verbose=0)

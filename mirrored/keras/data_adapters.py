@@ -32,7 +32,7 @@ from kernels.softmax_xent import LABEL_DTYPE, check_labels
 from mirrored import nest
 from mirrored import random as _random
 from mirrored.input_lib import DistributedDataset
-from mirrored.keras.losses import takes_targets
+from mirrored.keras.losses import counts_accuracy, takes_targets
 from mirrored.tensor import Tensor
 
 
@@ -153,14 +153,17 @@ def host_batch(model, batch):
 
 
 def targets(model, y, examples):
-    """Float targets for MSE and BCE: (B, outputs) float32, C-contiguous; (B,) is read as
-    (B, 1), as Keras does for a one-output model."""
+    """Float targets for MSE, BCE and one-hot labels: (B, outputs) float32, C-contiguous; (B,)
+    is read as (B, 1), as Keras does for a one-output model."""
     outputs = model.step.programs[0].classes
     y = np.asarray(y)
     if y.shape[:1] != (examples,) or int(np.prod(y.shape[1:], dtype=np.int64)) != outputs:
+        hint = (" These look like class indices: one-hot them with keras.utils.to_categorical(y, "
+                f"{outputs}), or use loss='sparse_categorical_crossentropy'."
+                if y.shape[1:] in ((), (1,)) and outputs > 1 and counts_accuracy(model.loss) else "")
         raise ValueError(f"targets of shape {y.shape} for {examples} examples: the loss "
                          f"{type(model.loss).__name__} compares each example's {outputs} outputs with as "
-                         f"many targets: give shape ({examples}, {outputs}).")
+                         f"many targets: give shape ({examples}, {outputs}).{hint}")
     return np.ascontiguousarray(y.reshape(examples, outputs), np.float32)
 
 
@@ -213,8 +216,8 @@ def check_label_shape(model, shape, examples):
         raise ValueError(
             f"labels of shape {shape}: the loss {loss} expects class indices, one integer in "
             f"[0, {classes}) per example (shape ({shape[0]},) or ({shape[0]}, 1)){looks}. Pass "
-            f"y.argmax(axis=-1), or map the dataset to (image, argmax of the label). "
-            f"(CategoricalCrossentropy, Keras's loss for one-hot labels, is not implemented here.)")
+            f"y.argmax(axis=-1), or map the dataset to (image, argmax of the label); or compile with "
+            f"loss='categorical_crossentropy', Keras's loss for one-hot labels.")
     if shape[0] != examples:
         raise ValueError(f"a batch has {examples} examples but {shape[0]} labels.")
 
