@@ -101,3 +101,32 @@ def test_the_custom_loop_converts_labels_as_fit_does(devices, rng):
     for name in ("uint8", "int16"):
         for a, b in zip(weights[name], weights["int64"]):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} labels in the custom loop")
+
+
+def test_the_simulator_refuses_a_launch_the_compiler_never_saw():
+    """With check_signatures on, a launch with a type no signature of its kernel names (an
+    int16 cast: CAST_DTYPES has no int16) fails in the simulator, as a GPU-only failure would
+    otherwise hide; without it the simulator runs it."""
+    from conftest import SIMULATOR
+    if not SIMULATOR:
+        pytest.skip("check_signatures checks simulated launches (a real GPU compiles any type)")
+    from numba import cuda
+    from kernels import elementwise
+    x = cuda.to_device(np.arange(5, dtype=np.int16))
+    out = cuda.to_device(np.zeros(5, np.int64))
+    with check_signatures(), pytest.raises(TypeError, match=r"cast_kernel .*int16\[1d\]"):
+        elementwise.cast(x, out)
+    elementwise.cast(x, out)
+    np.testing.assert_array_equal(out.copy_to_host(), np.arange(5))
+
+
+@pytest.mark.parametrize("kind", ["CPU", "GPU"])
+def test_loss_ops_take_one_label_type_on_every_backend(devices, kind):
+    """A path that forgot the conversion fails alike on the CPU, the simulator and a GPU."""
+    found = devices(cpus=1, gpus=1 if kind == "GPU" else 0)
+    dev = [d for d in found if kind in d.name][0]
+    with dev.activate():
+        logits, loss, correct = dev.empty((3, 4), np.float32), dev.empty((3,), np.float32), dev.empty((3,), np.float32)
+        labels = dev.from_numpy(np.zeros(3, np.uint8))
+        with pytest.raises(TypeError, match="labels reached the loss op as uint8, expected int64"):
+            dev.ops.softmax_xent(logits, labels, loss, None, correct)
