@@ -39,11 +39,14 @@ def test_to_categorical_is_keras_3s():
         tf.keras.utils.to_categorical([0.5])
 
 
-def _oracle_step(w1, b1, w2, b2, x, y, smoothing, lr):
+def _oracle_step(w1, b1, w2, b2, x, y, smoothing, lr, mistake=None):
     """One SGD step of Dense(relu) -> Dense(softmax) with Keras's categorical cross-entropy
-    (mean over the batch), float64; returns the new weights and the batch's mean loss."""
+    (mean over the batch), float64; returns the new weights and the batch's mean loss.
+    ``mistake``: a deliberate error, to show the bound catches it."""
     c = y.shape[1]
     ys = y * (1 - smoothing) + smoothing / c
+    if mistake == "smoothing over C - 1":             # a common misreading of label smoothing
+        ys = y * (1 - smoothing) + (1 - y) * smoothing / (c - 1)
     h_pre = x @ w1 + b1
     h = np.maximum(h_pre, 0)
     z = h @ w2 + b2
@@ -51,6 +54,8 @@ def _oracle_step(w1, b1, w2, b2, x, y, smoothing, lr):
     log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))
     loss = -(ys * log_softmax).sum(1).mean()
     dz = (np.exp(log_softmax) * ys.sum(1, keepdims=True) - ys) / len(x)
+    if mistake == "summed, not averaged":
+        dz *= len(x)
     dw2, db2 = h.T @ dz, dz.sum(0)
     dh = (dz @ w2.T) * (h_pre > 0)
     dw1, db1 = x.T @ dh, dh.sum(0)
@@ -85,6 +90,25 @@ def test_fit_trains_to_the_float64_oracle(devices, rng, from_logits, smoothing):
     got_loss, got_acc = model.evaluate(x, y, batch_size=batch, verbose=0)
     assert abs(got_loss - want_loss) <= TOL * max(1.0, abs(want_loss))
     assert got_acc == pytest.approx(want_acc, abs=1e-12)
+
+
+@pytest.mark.parametrize("mistake", ["smoothing over C - 1", "summed, not averaged"])
+def test_a_wrong_oracle_misses_the_bound(devices, rng, mistake):
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((10, 6)).astype(np.float32)
+    y = tf.keras.utils.to_categorical(rng.integers(0, 4, 10), 4)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(5, activation="relu", input_shape=(6,)),
+                                     tf.keras.layers.Dense(4, activation="softmax")])
+        model.compile(loss=tf.keras.losses.CategoricalCrossentropy(label_smoothing=0.2),
+                      optimizer=tf.keras.optimizers.SGD(0.5))
+    weights = [w.astype(np.float64) for w in model.get_weights()]
+    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    for i in range(0, 10, 5):
+        weights, _ = _oracle_step(*weights, x[i:i + 5].astype(np.float64), y[i:i + 5], 0.2, 0.5, mistake)
+    misses = [np.abs(got - want).max() > TOL * np.abs(want).max() for got, want in zip(model.get_weights(), weights)]
+    assert any(misses), f"an oracle with '{mistake}' was within the bound"
 
 
 def test_keras_io_convnet_recipe_runs(devices, rng):
