@@ -35,7 +35,7 @@ def one_label_type(what, labels):
     (int64): whatever the data set holds was converted where the batch was staged
     (``keras/data_adapters.py``, ``keras/tape.py``). Checked here, the same on the CPU, the
     simulator and a real GPU, so a path that forgets the conversion fails on every backend
-    alike, not only on a GPU (uint8 labels once failed on an H100 and nowhere else)."""
+    alike, not only on a GPU (uint8 labels once failed on an H200 and nowhere else)."""
     if np.dtype(labels.dtype) != softmax_xent.LABEL_DTYPE:
         raise TypeError(f"{what}: labels reached the loss op as {np.dtype(labels.dtype)}, expected "
                         f"{softmax_xent.LABEL_DTYPE} (converted where the batch is staged: "

@@ -96,16 +96,16 @@ ACCURACY_NAMES = ("accuracy", "acc", SPARSE_ACCURACY, CATEGORICAL_ACCURACY)
 
 def accuracy_name(metric, categorical):
     """The log name of ``compile``'s accuracy ``metric`` (a name or a metric object), counted on
-    the devices by the loss kernel. ``categorical``: the loss takes one-hot labels (B, C).
-    A metric of the other kind than the labels (sparse accuracy on one-hot labels) is refused
-    with what to use."""
+    the devices by the loss kernel. ``categorical``: the loss takes one-hot labels (B, C), or
+    None for a loss that counts no accuracy (compile refuses it then). A metric of the other
+    kind than the labels (sparse accuracy on one-hot labels) is refused with what to use."""
     kinds = {SparseCategoricalAccuracy: SPARSE_ACCURACY, CategoricalAccuracy: CATEGORICAL_ACCURACY}
     name, kind = (metric, metric) if isinstance(metric, str) else (getattr(metric, "name", None),
                                                                    kinds.get(type(metric)))
     if not (isinstance(metric, str) and metric in ACCURACY_NAMES or kind is not None):
         raise NotImplementedError(f"metric {metric!r} is not implemented; use metrics=['accuracy'].")
     wanted = CATEGORICAL_ACCURACY if categorical else SPARSE_ACCURACY
-    if kind in (SPARSE_ACCURACY, CATEGORICAL_ACCURACY) and kind != wanted:
+    if categorical is not None and kind in (SPARSE_ACCURACY, CATEGORICAL_ACCURACY) and kind != wanted:
         labels = "one-hot labels (CategoricalCrossentropy)" if categorical else "class-index labels"
         raise ValueError(f"metric {metric!r} does not fit {labels}: use metrics=['accuracy'] (Keras "
                          f"picks the kind from the labels) or {wanted!r}.")

@@ -204,7 +204,8 @@ class ModelAPI:
         if loss is None:
             raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
         self.loss = _losses.get(loss)
-        categorical = isinstance(self.loss, _losses.CategoricalCrossentropy)
+        categorical = (isinstance(self.loss, _losses.CategoricalCrossentropy)
+                       if _losses.counts_accuracy(self.loss) else None)
         self._metric_names = [accuracy_name(m, categorical) for m in metrics or []]
         if len(self._metric_names) > 1:
             raise NotImplementedError("one accuracy metric per model here.")
