@@ -141,7 +141,7 @@ def test_batch_size_option(tmp_path):
 
 
 def test_unknown_dataset_lists_what_exists(tmp_path):
-    with pytest.raises(ValueError, match=r"'cifar10'.*\['mnist'\]"):
+    with pytest.raises(ValueError, match=r"'cifar10'.*\['mnist', 'fashion_mnist'\]"):
         datasets.load("cifar10", data_dir=tmp_path)
 
 
