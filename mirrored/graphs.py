@@ -174,8 +174,9 @@ class CapturedStep:
     def train(self, batch):
         inputs, scale = self.step.host_part(batch)
         mode = self.step.loss_mode()
-        self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
-                        inputs, mode, scale)
+        with self.step.model.optimizer.one_update():   # a replay updates every copy: Ctrl-C after it
+            self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
+                            inputs, mode, scale)
 
     def evaluate(self, batch, mode):
         inputs = self.step.inputs(batch)

@@ -32,7 +32,7 @@ import threading
 import warnings
 
 from kernels.optimizers import adam_scalars, sgd_scalars
-from mirrored import context
+from mirrored import context, signals
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.step import step_of
 from mirrored.keras.variable_updates import apply_to_variables
@@ -52,6 +52,7 @@ class Optimizer(OptimizerState):
         self._slots = {}
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
+        self.updates_done = 0            # completed updates of every copy (``one_update``)
 
     def _slot_buffers(self, key, dev, like):
         """Zero-initialised slot buffers shaped like ``like`` on ``dev`` (created once)."""
@@ -103,15 +104,32 @@ class Optimizer(OptimizerState):
                              for r, dev in enumerate(pack.devices)], around)
 
     def update_buffers(self, launches, around=None):
-        """One ``update_buffer`` per ``(dev, w, g, key)``. Every launch's slots are made (the
-        first time) before the first launch: running out of memory for device 1's slots
-        after device 0 was updated would leave the copies of the weights different."""
+        """One ``update_buffer`` per ``(dev, w, g, key)``, all of them or none. Every launch's
+        slots are made (the first time) before the first launch: running out of memory for
+        device 1's slots after device 0 was updated would leave the copies of the weights
+        different. A Ctrl-C is held back until the last launch (``one_update``) for the
+        same reason."""
         for dev, w, _, key in launches:
             with dev.activate():
                 self._slot_buffers(key, dev, w)
-        for i, (dev, w, g, key) in enumerate(launches):
-            with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
-                self.update_buffer(dev, w, g, key)
+        with self.one_update():
+            for i, (dev, w, g, key) in enumerate(launches):
+                with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
+                    self.update_buffer(dev, w, g, key)
+
+    @contextlib.contextmanager
+    def one_update(self):
+        """Around the launches that update every copy once (``update_buffers``; a CUDA graph's
+        replay of a whole step, ``graphs.py``): SIGINT is deferred to the block's end
+        (``mirrored/signals.py``), and ``updates_done`` counts the block once it completed.
+
+        So a ``KeyboardInterrupt`` comes before the first copy is updated or after the last,
+        and whoever undoes a step that raised (``Step.no_trace``, ``apply_to_variables``)
+        tells which by ``updates_done``: changed means the update is done on every copy,
+        and the step stays counted."""
+        with signals.deferred_interrupt():
+            yield
+            self.updates_done += 1
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):

@@ -1,0 +1,323 @@
+"""Bad input and faults, round four (issue 42), the runtime items: Ctrl-C mid-step, batch
+logs a callback keeps, ``steps_per_epoch`` beyond the data, ``TerminateOnNaN``, an
+optimizer reused across models, Open MPI's ``mpiexec`` as root. Each test failed before
+its fix.
+
+Ctrl-C. A SIGINT is sent to this (the main) thread at random moments of ``fit`` and of a
+custom loop on 2 replicas, and also at every device operation of a few steps in turn
+(``signal.raise_signal`` from inside the k-th op, for each k). After each interrupt the
+copies of the weights must be bitwise equal, and equal to the weights of an
+uninterrupted run after ``optimizer.iterations`` steps (a step is counted exactly when
+its update was applied); training then goes on from there and must land on the
+uninterrupted run's weights again (the optimizer's slots were consistent too). Equality
+is bitwise: fit and the custom loop make the same launches in the same order
+(``tests/test_one_step.py``), and the reference runs them in this process on the same shapes.
+
+These tests run in the main thread (signals are delivered there only), under
+``hang_guard``: a SIGALRM that fails a test that hangs, instead of stalling the suite.
+"""
+import contextlib
+import queue
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mirrored as tf
+from mirrored import mirrored_run
+from mirrored.values import components
+
+FEATURES, HIDDEN, CLASSES = 12, 8, 10
+BATCH, BATCHES = 8, 4                    # an epoch: 4 global batches of 8
+EPOCHS = 6                               # a trial's fit: at most 24 steps
+TRIALS = 50                              # random interrupts per loop (the issue's count)
+HANG_S = 60                              # a test that takes longer has hung
+
+
+@contextlib.contextmanager
+def hang_guard(seconds=HANG_S):
+    """Fail with TimeoutError if the block runs longer than ``seconds`` (SIGALRM: it
+    interrupts a wait on a lock in the main thread, where a hang would sit)."""
+    def fire(signum, frame):
+        raise TimeoutError(f"hung: still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def build(strategy, init=None):
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(HIDDEN, activation="relu", input_shape=(FEATURES,)),
+                                     tf.keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if init is not None:
+        model.set_weights(init)
+    return model
+
+
+@pytest.fixture
+def two_cpus(devices):
+    devices(cpus=2)
+    return tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+@pytest.fixture
+def data(rng):
+    x = rng.standard_normal((BATCH * BATCHES, FEATURES)).astype(np.float32)
+    return x, rng.integers(0, CLASSES, len(x))
+
+
+def reference(strategy, data, steps):
+    """The weights of an uninterrupted fit after 0, 1, ..., ``steps`` steps (same start)."""
+    model = build(strategy)
+    after = [[w.copy() for w in model.get_weights()]]
+    keep = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: after.append([w.copy() for w in model.get_weights()]))
+    model.fit(*data, batch_size=BATCH, epochs=-(-steps // BATCHES), shuffle=False, verbose=0, callbacks=[keep])
+    for a, b in zip(after, after[1:]):      # each step moves the weights: iterations off by one shows
+        assert any(not np.array_equal(u, v) for u, v in zip(a, b))
+    return after
+
+
+def from_step(data, step):
+    """The data rolled so that its first batch is the one the reference takes at ``step``."""
+    shift = (step % BATCHES) * BATCH
+    return tuple(np.roll(a, -shift, axis=0) for a in data)
+
+
+def assert_consistent(model, ref, what):
+    """Replicas bitwise equal, and the weights those of ``iterations`` uninterrupted steps."""
+    for v in model.trainable_variables:
+        first, *others = [c.numpy() for c in components(v)]
+        for other in others:
+            assert np.array_equal(first, other), f"{what}: the replicas' copies of {v.name} differ"
+    it = int(model.optimizer.iterations)
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), ref[it])), \
+        f"{what}: iterations is {it}, but the weights are not those of {it} steps"
+    return it
+
+
+def go_on_with_fit(model, data, ref, what):
+    """Train one more epoch from where the interrupt left off: the uninterrupted weights."""
+    it = int(model.optimizer.iterations)
+    model.fit(*from_step(data, it), batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == it + BATCHES
+    assert_consistent(model, ref, what + ", then one more epoch")
+
+
+def interrupted(run, delay):
+    """Run ``run()`` with a SIGINT sent to this (the main) thread after ``delay`` seconds;
+    True if a KeyboardInterrupt stopped it. A signal that comes after ``run`` returned is
+    caught here too (the sleep lets its handler run inside the try)."""
+    timer = threading.Timer(delay, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
+    try:
+        timer.start()
+        run()
+        timer.cancel()
+        timer.join()
+        time.sleep(0.001)
+    except KeyboardInterrupt:
+        timer.join()
+        return True
+    return False
+
+
+# --- 1. Ctrl-C in fit ------------------------------------------------------------------------
+
+def test_sigint_at_random_moments_of_fit_never_leaves_the_replicas_different(two_cpus, data):
+    ref = reference(two_cpus, data, EPOCHS * BATCHES + BATCHES)
+    init = ref[0]
+    started = time.perf_counter()
+    build(two_cpus, init).fit(*data, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    span = time.perf_counter() - started            # how long an uninterrupted trial takes
+    hits = 0
+    with hang_guard():
+        for trial in range(TRIALS):
+            model = build(two_cpus, init)
+            hits += interrupted(lambda: model.fit(*data, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                                                  verbose=0), random.uniform(0, span))
+            what = f"trial {trial}, after {int(model.optimizer.iterations)} steps"
+            assert_consistent(model, ref, what)
+            go_on_with_fit(model, data, ref, what)
+    assert hits >= TRIALS // 2, f"only {hits} of {TRIALS} interrupts landed inside fit"
+
+
+OP_SITES = ("binary", "binary_scalar", "sum_axis", "fill", "ring_reduce_step", "ring_gather_step", "gemm",
+            "bias_relu", "bias_add", "relu_backward", "softmax_xent", "sgd")
+MAX_OPS = 200                            # a 2-step fit of the test's model makes about 74
+
+
+@contextlib.contextmanager
+def sigint_at_op(monkeypatch, k):
+    """SIGINT raised inside the k-th CPU device op from now (after the op did its work),
+    counting every op of ``OP_SITES`` on every device. Yields the counter."""
+    from mirrored.backends import CpuOps
+    count = [0]
+    for name in OP_SITES:
+        original = getattr(CpuOps, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            count[0] += 1
+            if count[0] == k + 1:
+                signal.raise_signal(signal.SIGINT)
+            return out
+        monkeypatch.setattr(CpuOps, name, counted)
+    yield count
+    monkeypatch.undo()
+
+
+def test_sigint_inside_every_device_op_of_fit_leaves_the_replicas_equal(two_cpus, data, monkeypatch):
+    """Deterministic: the signal lands inside op k for every k of a 2-step fit, among them
+    between device 0's update and device 1's (the ``sgd`` op): the case of the issue. The
+    ops of a fit vary a little (buffers a failed step dropped are made again, and filled),
+    so k goes on until a fit ends before its k-th op."""
+    ref = reference(two_cpus, data, 2 + BATCHES)
+    counted = []
+    with hang_guard():
+        for k in range(MAX_OPS):
+            model = build(two_cpus, ref[0])
+            try:
+                with sigint_at_op(monkeypatch, k):
+                    model.fit(*data, batch_size=BATCH, epochs=1, steps_per_epoch=2, shuffle=False, verbose=0)
+            except KeyboardInterrupt:
+                pass
+            else:
+                break                                      # k is past the last op
+            what = f"SIGINT in op {k}"
+            counted.append(assert_consistent(model, ref, what))
+            go_on_with_fit(model, data, ref, what)
+    assert 50 < len(counted) < MAX_OPS - 1, f"{len(counted)} ops in 2 steps"
+    assert int(model.optimizer.iterations) == 2
+    assert counted == sorted(counted) and set(counted) == {0, 1, 2}, f"steps counted: {counted}"
+
+
+# --- 1. Ctrl-C in a custom loop ------------------------------------------------------------------
+
+def custom_loop(strategy, model, data, epochs):
+    """The tutorial's loop: strategy.run(train_step) over the distributed batches."""
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)),
+                                              global_batch_size=BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(BATCH)
+    for _ in range(epochs):
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(train_step, args=(batch,))
+
+
+def go_on_with_loop(strategy, model, data, ref, what):
+    it = int(model.optimizer.iterations)
+    custom_loop(strategy, model, from_step(data, it), 1)
+    assert int(model.optimizer.iterations) == it + BATCHES
+    assert_consistent(model, ref, what + ", then one more epoch of the custom loop")
+
+
+@pytest.fixture
+def short_merge_wait(monkeypatch):
+    """A replica left waiting at a merge point fails in 5 s instead of 600."""
+    monkeypatch.setattr(mirrored_run, "MERGE_TIMEOUT_S", 5.0)
+
+
+def test_sigint_at_random_moments_of_a_custom_loop_never_leaves_the_replicas_different(
+        two_cpus, data, short_merge_wait):
+    ref = reference(two_cpus, data, EPOCHS * BATCHES + BATCHES)
+    started = time.perf_counter()
+    custom_loop(two_cpus, build(two_cpus, ref[0]), data, EPOCHS)
+    span = time.perf_counter() - started
+    hits = 0
+    with hang_guard():
+        for trial in range(TRIALS):
+            model = build(two_cpus, ref[0])
+            hits += interrupted(lambda: custom_loop(two_cpus, model, data, EPOCHS), random.uniform(0, span))
+            what = f"trial {trial}, after {int(model.optimizer.iterations)} steps"
+            assert_consistent(model, ref, what)
+            go_on_with_loop(two_cpus, model, data, ref, what)
+    assert hits >= TRIALS // 2, f"only {hits} of {TRIALS} interrupts landed inside the loop"
+
+
+class SignallingQueue(queue.SimpleQueue):
+    """A replica thread's job queue that raises SIGINT in the caller right after the
+    ``at``-th job handed out (over every queue): between two replicas' hand-offs."""
+    handed, at = [0], [-1]
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        if item is not None:
+            self.handed[0] += 1
+            if self.handed[0] == self.at[0] + 1:
+                signal.raise_signal(signal.SIGINT)
+
+
+def test_sigint_between_the_replicas_hand_offs_leaves_no_replica_behind(devices, data, monkeypatch,
+                                                                        short_merge_wait):
+    """The hang of the issue: replica 0 got its job and waited at the merge point for
+    replica 1, which never got one; the next run's replica 1 then waited at another."""
+    monkeypatch.setattr(mirrored_run, "queue", type("queue", (), {"SimpleQueue": SignallingQueue}))
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    ref = reference(strategy, data, 3 + BATCHES)
+    with hang_guard():
+        for replica in range(2):
+            model = build(strategy, ref[0])
+            SignallingQueue.handed[0], SignallingQueue.at[0] = 0, 2 + replica    # step 2's hand-offs
+            with pytest.raises(KeyboardInterrupt):
+                custom_loop(strategy, model, data, 1)
+            SignallingQueue.at[0] = -1
+            what = f"SIGINT after replica {replica}'s job of step 2 was handed out"
+            assert_consistent(model, ref, what)
+            go_on_with_loop(strategy, model, data, ref, what)
+
+
+@pytest.mark.parametrize("where", ["before the tape", "before apply_gradients", "after apply_gradients"])
+def test_sigint_while_the_replicas_run_stops_them_all_at_the_same_point(two_cpus, data, where,
+                                                                       short_merge_wait):
+    """The main thread waits for the replicas when the signal comes (sent by replica 1
+    from inside its step): every replica ends the step the same way, and the next run works."""
+    ref = reference(two_cpus, data, 3 + BATCHES)
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    main = threading.main_thread().ident
+    model = build(two_cpus, ref[0])
+    calls = [0]
+
+    def train_step(inputs):
+        images, labels = inputs
+        ctx = tf.distribute.get_replica_context()
+        poke = int(ctx.replica_id_in_sync_group.numpy()) == 1 and calls[0] == 2
+        if poke and where == "before the tape":
+            signal.pthread_kill(main, signal.SIGINT)
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)),
+                                              global_batch_size=BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if poke and where == "before apply_gradients":
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.05)                       # the main thread breaks the merge point first
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if poke and where == "after apply_gradients":
+            signal.pthread_kill(main, signal.SIGINT)
+
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(BATCH)
+    with hang_guard(), pytest.raises(KeyboardInterrupt):
+        for batch in two_cpus.experimental_distribute_dataset(dataset):
+            two_cpus.run(train_step, args=(batch,))
+            calls[0] += 1
+    it = assert_consistent(model, ref, f"SIGINT {where}")
+    # after: the step is done; before: done or not (as the threads were scheduled), never half
+    assert it == 3 if where == "after apply_gradients" else it in (2, 3)
+    with hang_guard():
+        go_on_with_loop(two_cpus, model, data, ref, f"SIGINT {where}")
