@@ -321,3 +321,115 @@ def test_sigint_while_the_replicas_run_stops_them_all_at_the_same_point(two_cpus
     assert it == 3 if where == "after apply_gradients" else it in (2, 3)
     with hang_guard():
         go_on_with_loop(two_cpus, model, data, ref, f"SIGINT {where}")
+
+
+# --- 2. batch logs a callback keeps -----------------------------------------------------------------
+
+def batch_losses(weights_before, data, classes=CLASSES):
+    """float64 oracle: the running mean loss after each batch, each batch's loss computed
+    with the weights it was trained from (softmax cross-entropy on logits)."""
+    x, y = data
+    total, running = 0.0, []
+    for b, weights in enumerate(weights_before):
+        xb, yb = (a[b * BATCH:(b + 1) * BATCH] for a in data)
+        k1, b1, k2, b2 = (np.asarray(w, np.float64) for w in weights)
+        logits = np.maximum(xb @ k1 + b1, 0.0) @ k2 + b2                      # (BATCH, classes)
+        logits -= logits.max(axis=1, keepdims=True)
+        loss = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(len(yb)), yb]
+        total += loss.sum()
+        running.append(total / ((b + 1) * BATCH))
+    return running
+
+
+def test_batch_logs_a_callback_keeps_hold_their_own_batchs_values(two_cpus, data):
+    model = build(two_cpus)
+    kept, before = [], []
+    watch = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: before.append([w.copy() for w in model.get_weights()]),
+        on_train_batch_end=lambda batch, logs: kept.append(logs))           # kept, not looked at
+    model.fit(*data, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[watch])
+    losses = [logs["loss"] for logs in kept]                              # looked at after fit
+    assert len(set(losses)) == BATCHES, f"the kept logs repeat values: {losses}"
+    np.testing.assert_allclose(losses, batch_losses(before, data), rtol=1e-5,
+                               err_msg="each kept batch's logs must hold that batch's running loss")
+
+
+def test_batch_logs_printed_by_the_bar_are_the_batchs_own(two_cpus, data, capsys):
+    """Our own hooks alone (ModelCheckpoint's batch hook) keep the logs lazy: the bar still
+    shows every batch's running loss (verbose=1 draws each batch when not a terminal)."""
+    model = build(two_cpus)
+    before = []
+    model.fit(*data, batch_size=BATCH, epochs=1, shuffle=False, verbose=1, callbacks=[
+        tf.keras.callbacks.LambdaCallback(
+            on_train_batch_begin=lambda batch, logs: before.append([w.copy() for w in model.get_weights()]))])
+    want = batch_losses(before, data)
+    shown = [float(v) for v in __import__("re").findall(r"loss: ([0-9.]+)", capsys.readouterr().out)]
+    assert shown, "the progress bar printed no loss"
+    assert any(abs(s - want[-1]) <= 1e-4 * max(1.0, abs(want[-1])) for s in shown)
+
+
+# --- 3. steps_per_epoch beyond the data -----------------------------------------------------------------
+
+def test_steps_per_epoch_beyond_the_data_warns_as_keras(two_cpus, data):
+    model = build(two_cpus)
+    with pytest.warns(UserWarning) as caught:
+        history = model.fit(*data, batch_size=BATCH, epochs=2, steps_per_epoch=BATCHES + 3, verbose=0)
+    texts = [str(w.message) for w in caught if "ran out of data" in str(w.message)]
+    assert texts == [
+        "Your input ran out of data; interrupting training. Make sure that your dataset or generator can "
+        "generate at least `steps_per_epoch * epochs` batches. You may need to use the `.repeat()` function "
+        "when building your dataset."] * 2, texts                               # once per short epoch
+    assert all(w.filename == __file__ for w in caught if "ran out" in str(w.message)), "points at the caller"
+    assert len(history.history["loss"]) == 2                                  # Keras 3: the next epoch runs
+    assert int(model.optimizer.iterations) == 2 * BATCHES                     # the batches there were
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(BATCH)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model.fit(dataset, epochs=1, steps_per_epoch=BATCHES + 1, verbose=0)
+
+
+def test_steps_per_epoch_the_data_holds_does_not_warn(two_cpus, data):
+    import warnings
+    model = build(two_cpus)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.fit(*data, batch_size=BATCH, epochs=2, steps_per_epoch=BATCHES, verbose=0)
+        model.fit(tf.data.Dataset.from_tensor_slices(data).batch(BATCH).repeat(), epochs=2,
+                  steps_per_epoch=BATCHES + 3, verbose=0)
+    assert int(model.optimizer.iterations) == 2 * BATCHES + 2 * (BATCHES + 3)
+
+
+# --- 4. TerminateOnNaN -----------------------------------------------------------------------------
+
+def test_terminate_on_nan_stops_at_the_first_batch_with_an_invalid_loss(two_cpus, data, capsys):
+    x, y = (a.copy() for a in data)
+    x[2 * BATCH + 3, 5] = np.nan                                   # batch 2's loss is NaN
+    model = build(two_cpus)
+    seen = []
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[
+        tf.keras.callbacks.TerminateOnNaN(),
+        tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))])
+    assert "Batch 2: Invalid loss, terminating training" in capsys.readouterr().out
+    assert seen == [0, 1, 2], seen                                # no batch after it
+    assert int(model.optimizer.iterations) == 3
+    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")     # overflow in the diverging matmuls: the point
+def test_terminate_on_nan_stops_a_diverging_model_on_an_infinite_or_nan_loss(two_cpus, data, capsys):
+    model = build(two_cpus)
+    model.compile(optimizer=tf.keras.optimizers.SGD(1e12),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(*data, batch_size=BATCH, epochs=50, shuffle=False, verbose=0,
+              callbacks=[tf.keras.callbacks.TerminateOnNaN()])
+    out = capsys.readouterr().out
+    assert "Invalid loss, terminating training" in out
+    batch = int(__import__("re").search(r"Batch (\d+): Invalid loss", out).group(1))
+    assert int(model.optimizer.iterations) < 50 * BATCHES                         # it stopped
+    assert int(model.optimizer.iterations) % BATCHES == (batch + 1) % BATCHES     # right after that batch
+
+
+def test_terminate_on_nan_lets_a_finite_run_finish(two_cpus, data, capsys):
+    model = build(two_cpus)
+    model.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[tf.keras.callbacks.TerminateOnNaN()])
+    assert int(model.optimizer.iterations) == 2 * BATCHES
+    assert "Invalid loss" not in capsys.readouterr().out
