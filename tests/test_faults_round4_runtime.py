@@ -433,3 +433,62 @@ def test_terminate_on_nan_lets_a_finite_run_finish(two_cpus, data, capsys):
     model.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[tf.keras.callbacks.TerminateOnNaN()])
     assert int(model.optimizer.iterations) == 2 * BATCHES
     assert "Invalid loss" not in capsys.readouterr().out
+
+
+# --- 11. an optimizer reused across models ------------------------------------------------------------
+
+WIDE = 64                                # a model whose Adam slots are ~12 KB per replica
+
+
+def wide_model(strategy, optimizer):
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(WIDE, activation="relu", input_shape=(FEATURES,)),
+                                     tf.keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_an_optimizer_reused_across_models_releases_each_models_slots_with_it(devices, data):
+    import gc
+    import weakref
+    from mirrored.keras.engine import pack_of
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    optimizer = tf.keras.optimizers.Adam(0.01)
+    second = wide_model(strategy, optimizer)
+    second.fit(*data, batch_size=BATCH, verbose=0)
+    gc.collect()
+    in_use = [dev.bytes_in_use for dev in strategy.extended.devices]
+    first = wide_model(strategy, optimizer)
+    first.fit(*data, batch_size=BATCH, verbose=0)
+    pack = weakref.ref(pack_of(first.trainable_variables[0]))
+    slots = [weakref.ref(s) for key, bufs in optimizer._slots.items() if key[1] == id(pack()) for s in bufs]
+    assert len(slots) == 2 * 2                                   # Adam's m and v on each replica
+    assert [dev.bytes_in_use for dev in strategy.extended.devices] > in_use
+    del first
+    gc.collect()
+    assert pack() is None, "the first model's parameters outlived it"
+    assert all(s() is None for s in slots), "the first model's optimizer slots outlived it"
+    assert [dev.bytes_in_use for dev in strategy.extended.devices] == in_use
+    before = second.get_weights()
+    second.fit(*data, batch_size=BATCH, verbose=0)               # the second model trains on
+    assert all(not np.array_equal(a, b) for a, b in zip(before, second.get_weights()))
+    assert int(optimizer.iterations) == 3 * BATCHES
+
+
+def test_one_optimizer_trains_model_after_model_within_a_memory_limit(devices, data):
+    """Each model's parameters and slots come back to the device when it goes: 12 models in
+    turn fit in a memory_limit that holds about 3 (it ran out at the 4th before)."""
+    import gc
+    from mirrored import devices as registry
+    registry._reset()                            # the devices fixture resets it again after the test
+    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                               [tf.config.LogicalDeviceConfiguration(memory_limit=0.1)] * 2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    optimizer = tf.keras.optimizers.Adam(0.01)
+    for _ in range(12):
+        model = wide_model(strategy, optimizer)
+        model.fit(*data, batch_size=BATCH, verbose=0)
+        del model
+        gc.collect()
+    assert max(dev.peak_bytes_in_use for dev in strategy.extended.devices) < 0.1 * 2**20

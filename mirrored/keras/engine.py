@@ -47,15 +47,18 @@ from mirrored.values import DistributedValues, components
 
 FLOAT = np.dtype(np.float32)
 
-_PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
+# variable -> weak reference to the ParameterPack it lives in (weak both ways: a pack holds
+# its variables, so a strong value here kept every model's pack, and its memory, for ever)
+_PACK_OF = weakref.WeakKeyDictionary()
 
 
 def pack_of(variable):
     """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
     try:
-        return _PACK_OF.get(variable)
+        ref = _PACK_OF.get(variable)
     except TypeError:                           # not a variable at all (no weak reference to it)
         return None
+    return ref() if ref is not None else None
 
 
 class ParameterPack:
@@ -74,7 +77,7 @@ class ParameterPack:
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
         self.total = int(sum(self.sizes))
         for var in self.variables:
-            _PACK_OF[var] = self                 # lets apply_gradients find the packed path
+            _PACK_OF[var] = weakref.ref(self)    # lets apply_gradients find the packed path
         self.params, self.grads = [], []        # flat (total,) float32 per device
         self.param_views, self.grad_views = [], []   # [device][k] shaped views
         for r, dev in enumerate(self.devices):

@@ -205,7 +205,8 @@ class OptimizerState:
             if flats is not None:                  # the slots first: the one part that may fail
                 for r, dev in enumerate(pack.devices):
                     with dev.activate():
-                        for buf, flat in zip(self._slot_buffers(("pack", id(pack), r), dev, pack.params[r]),
+                        for buf, flat in zip(self._slot_buffers(self.slot_key("pack", pack, r), dev,
+                                                                pack.params[r]),
                                              flats):
                             dev.upload_into(buf, flat)
             self.step_count = step

@@ -22,7 +22,8 @@ custom loop's weights are fit's, bit for bit.
 
 Slots are created on first use on the devices of the variables they serve, so
 an optimizer created outside ``strategy.scope()`` (as the course lab does,
-``optimizer=tf.keras.optimizers.Adam()`` inside ``compile``) works.
+``optimizer=tf.keras.optimizers.Adam()`` inside ``compile``) works. They are released with
+the model (or variable) they serve (``slot_key``), so one optimizer may train many models.
 
 Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what Keras saves),
 ``step.py``, ``kernels/optimizers.py``.
@@ -30,6 +31,7 @@ Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what K
 import contextlib
 import threading
 import warnings
+import weakref
 
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context, signals
@@ -49,10 +51,23 @@ class Optimizer(OptimizerState):
     def __init__(self, learning_rate, name, **kwargs):
         super().__init__(learning_rate, **kwargs)    # step_count, rate, their Keras views; kwargs checked
         self.name = name
-        self._slots = {}
+        self._slots = {}                 # slot_key(...) -> [buffer per slot name]
+        self._owners = {}                # id(owner) -> the finalizer that drops its slots
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
         self.updates_done = 0            # completed updates of every copy (``one_update``)
+
+    def slot_key(self, kind, owner, *rest):
+        """The key of ``owner``'s slots: ``(kind, id(owner), *rest)``, for a model's
+        ``ParameterPack`` ("pack", with the replica's index) or one copy of a variable
+        ("var"). The slots live as long as their owner: when it is collected (``del model``),
+        a finalizer drops them, so an optimizer reused across models does not keep every
+        earlier model's slots (and their device memory) for ever, and a later owner that
+        gets the same ``id`` cannot find a dead one's slots."""
+        oid = id(owner)
+        if oid not in self._owners:
+            self._owners[oid] = weakref.finalize(owner, _drop_slots, self._slots, self._owners, oid)
+        return (kind, oid) + rest
 
     def _slot_buffers(self, key, dev, like):
         """Zero-initialised slot buffers shaped like ``like`` on ``dev`` (created once)."""
@@ -100,7 +115,7 @@ class Optimizer(OptimizerState):
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
         ``around(r, dev)``: a context manager entered around replica r's launch
         (``mirrored.lab.timing.TimedStep`` times each replica's update with it)."""
-        self.update_buffers([(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
+        self.update_buffers([(dev, pack.params[r], pack.grads[r], self.slot_key("pack", pack, r))
                              for r, dev in enumerate(pack.devices)], around)
 
     def update_buffers(self, launches, around=None):
@@ -217,6 +232,15 @@ class Adam(Optimizer):
     def update_buffer(self, dev, w, g, key):
         m, v = self._slot_buffers(key, dev, w)
         dev.ops.adam(w, g, m, v, self._hyper[dev.name])
+
+
+def _drop_slots(slots, owners, oid):
+    """``slot_key``'s finalizer: forget the slots of the owner whose id was ``oid`` (their
+    buffers are freed, and refunded to their device, when nothing else holds them). A module
+    function holding the two dicts, not the optimizer: the finalizer must not keep it alive."""
+    for key in [k for k in list(slots) if k[1] == oid]:
+        slots.pop(key, None)
+    owners.pop(oid, None)
 
 
 def get(identifier):

@@ -37,7 +37,7 @@ def apply_to_variables(optimizer, strategy, pairs):
         for r, c in enumerate(copies(v)):
             dev = c.value().dev
             with dev.activate():
-                launches.append((dev, c.value().buf, on_device(reduced[k][r], dev), ("var", id(c))))
+                launches.append((dev, c.value().buf, on_device(reduced[k][r], dev), optimizer.slot_key("var", c)))
     count, updates = optimizer.step_count, optimizer.updates_done
     try:
         optimizer.begin_step(list({dev.name: dev for dev, *_ in launches}.values()))   # each device once
