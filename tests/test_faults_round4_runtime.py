@@ -492,3 +492,112 @@ def test_one_optimizer_trains_model_after_model_within_a_memory_limit(devices, d
         del model
         gc.collect()
     assert max(dev.peak_bytes_in_use for dev in strategy.extended.devices) < 0.1 * 2**20
+
+
+# --- 12. Open MPI's mpiexec, as root ---------------------------------------------------------------
+
+from mirrored import launcher  # noqa: E402  (with the tests of its item)
+
+VERSIONS = {
+    "openmpi5": ("mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/", "Open MPI"),
+    "openmpi4": ("mpiexec (OpenRTE) 4.1.2\n\nReport bugs to http://www.open-mpi.org/community/help/", "Open MPI"),
+    "mpich": ("HYDRA build details:\n    Version:                                 4.2.0\n"
+              "    Release Date:                            Fri Feb  9 12:29:21 CST 2024", "MPICH"),
+    "other": ("some launcher 1.0", "unknown"),
+}
+
+#: A fake mpiexec: ``--version`` prints its MPI's line; a launch behaves as that MPI does where
+#: it matters here. Open MPI refuses root (``FAKE_ROOT=1`` stands for uid 0) unless told, and
+#: more than one process (one slot) unless told; then every launcher runs the program n times.
+FAKE_MPIEXEC = r'''#!{python}
+import os, subprocess, sys
+KIND, VERSION = {kind!r}, {version!r}
+args = sys.argv[1:]
+if args == ["--version"]:
+    print(VERSION)
+    sys.exit(0)
+n = int(args[args.index("-n") + 1])
+rest = args[args.index("-n") + 2:]
+options = [a for a in rest[:2] if a.startswith("--")]
+program = rest[len(options):]
+if KIND.startswith("openmpi"):
+    root = os.geteuid() == 0 or os.environ.get("FAKE_ROOT") == "1"
+    allowed = "--allow-run-as-root" in options or (os.environ.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and
+                                                    os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1")
+    if root and not allowed:
+        print("mpiexec has detected an attempt to run as root.", file=sys.stderr)
+        sys.exit(1)
+    if n > 1 and "--oversubscribe" not in options:
+        print("There are not enough slots available in the system", file=sys.stderr)
+        sys.exit(1)
+elif options:
+    print(f"unknown option {{options}}", file=sys.stderr)
+    sys.exit(1)
+codes = [subprocess.run(program, env=dict(os.environ, FAKE_RANK=str(r))).returncode for r in range(n)]
+sys.exit(max(codes))
+'''
+
+
+def fake_mpiexec(tmp_path, kind):
+    import sys
+    path = tmp_path / kind / "mpiexec"
+    path.parent.mkdir()
+    version, _ = VERSIONS[kind]
+    path.write_text(FAKE_MPIEXEC.format(python=sys.executable, kind=kind, version=version))
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", sorted(VERSIONS))
+def test_the_launcher_tells_which_mpi_an_mpiexec_is(tmp_path, kind):
+    assert launcher.mpi_flavour(fake_mpiexec(tmp_path, kind)) == VERSIONS[kind][1]
+    assert launcher.mpi_flavour(str(tmp_path / "no-such-mpiexec")) == "unknown"
+
+
+@pytest.mark.parametrize("root", [True, False])
+@pytest.mark.parametrize("kind", sorted(VERSIONS))
+def test_the_launch_command_passes_what_each_mpi_needs(tmp_path, monkeypatch, kind, root):
+    import sys
+    monkeypatch.setattr(launcher.os, "geteuid", lambda: 0 if root else 1000)
+    mpiexec = fake_mpiexec(tmp_path, kind)
+    base = {"KEEP": "me"}
+    cmd, env = launcher.mpiexec_command(3, [sys.executable, "-c", "pass"], mpiexec, base)
+    assert cmd[:3] == [mpiexec, "-n", "3"] and cmd[-2:] == ["-c", "pass"]
+    assert env["KEEP"] == "me" and base == {"KEEP": "me"}          # a copy, the caller's left alone
+    openmpi = kind.startswith("openmpi")
+    assert ("--oversubscribe" in cmd) == openmpi
+    assert ("--allow-run-as-root" in cmd) == (openmpi and root)
+    for key, value in launcher.OPEN_MPI_AS_ROOT.items():
+        assert (env.get(key) == value) == (openmpi and root)
+
+
+@pytest.mark.parametrize("kind", ["openmpi5", "openmpi4", "mpich"])
+def test_workers_start_under_each_mpiexec_as_root(tmp_path, monkeypatch, kind):
+    """End to end with the fake: as root, 2 workers start under Open MPI only through the
+    launcher's command (the plain ``mpiexec -n 2`` is refused, as the issue saw)."""
+    import subprocess
+    import sys
+    monkeypatch.setattr(launcher.os, "geteuid", lambda: 0)
+    mpiexec = fake_mpiexec(tmp_path, kind)
+    program = [sys.executable, "-c", "import os; print('worker', os.environ['FAKE_RANK'])"]
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OMPI_")}
+    env["FAKE_ROOT"] = "1"
+    plain = subprocess.run([mpiexec, "-n", "2", *program], capture_output=True, text=True, env=env, timeout=60)
+    assert (plain.returncode != 0) == kind.startswith("openmpi"), plain.stderr
+    cmd, env = launcher.mpiexec_command(2, program, mpiexec, env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["worker 0", "worker 1"]
+
+
+def test_every_mpiexec_command_is_built_by_the_launcher():
+    """One function builds them all: no other file writes ``mpiexec ..., "-n"`` itself."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"mpiexec\w*\)?\s*,\s*\\?[\"']-n\\?[\"']", re.IGNORECASE)   # notebooks escape quotes
+    files = [p for d in ("mirrored", "tests", "benchmarks", "labs") for p in (root / d).rglob("*")
+             if p.suffix in (".py", ".ipynb") and p.name != "launcher.py" and p != pathlib.Path(__file__)]
+    assert len(files) > 50
+    builders = [str(p.relative_to(root)) for p in files if pattern.search(p.read_text(errors="replace"))]
+    assert builders == [], f"these build an mpiexec command themselves: {builders} (use mirrored.launcher)"
