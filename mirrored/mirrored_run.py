@@ -15,7 +15,7 @@ the caller the first real error with the replica id added.
 
 A Ctrl-C is handled the same way. Only the main thread sees it (Python delivers
 signals there), while it hands the job out or waits for the replicas: the hand-out is
-all or nothing (``signals.deferred_interrupt``), and the wait breaks the merge point and
+all or nothing (``devices.every_device_or_none``), and the wait breaks the merge point and
 lets every replica finish before the ``KeyboardInterrupt`` goes on (``hand_out``),
 so the next ``run`` finds every replica thread idle.
 
@@ -29,15 +29,14 @@ The worker threads hold no reference to their strategy (only to their job queue)
 so a strategy that goes out of use is freed, and a finalizer then ends its threads.
 
 Neighbours: ``strategy.py`` (``Strategy.run``, ``ReplicaContext``), ``context.py``
-(which strategy/replica this thread is in), ``values.py`` (``select_replica``),
-``signals.py`` (Ctrl-C held back).
+(which strategy/replica this thread is in), ``values.py`` (``select_replica``).
 """
 import os
 import queue
 import threading
 import weakref
 
-from mirrored import context, signals
+from mirrored import context
 from mirrored import devices as _dev
 from mirrored.errors import DeadlineExceededError
 from mirrored.values import select_replica
@@ -222,7 +221,7 @@ def hand_out(job, queues, done, merge_point):
     (``done``), whatever a Ctrl-C does meanwhile.
 
     Python raises ``KeyboardInterrupt`` in this thread, the main one; the replica threads
-    never see it. The hand-out is all or nothing (``signals.deferred_interrupt``): replica 0
+    never see it. The hand-out is all or nothing (``devices.every_device_or_none``): replica 0
     with a job and replica 1 without would wait at the merge point for ever. A Ctrl-C
     while the replicas run breaks the merge point, so that every replica stops at its
     next merge call (``Aborted``) or returns, and once they all have, the
@@ -233,7 +232,7 @@ def hand_out(job, queues, done, merge_point):
     second Ctrl-C leaves without waiting (a replica stuck in its own code)."""
     handed_out = False
     try:
-        with signals.deferred_interrupt():
+        with _dev.every_device_or_none():
             for q in queues:
                 q.put(job)
             handed_out = True

@@ -32,7 +32,8 @@ from mirrored.values import components
 
 FEATURES, HIDDEN, CLASSES = 12, 8, 10
 BATCH, BATCHES = 8, 4                    # an epoch: 4 global batches of 8
-EPOCHS = 6                               # a trial's fit: at most 24 steps
+EPOCHS = 6                               # the interrupt comes within this many epochs' time ...
+LONG = 3 * EPOCHS                        # ... of a trial this long (a timer late under load still lands)
 TRIALS = 50                              # random interrupts per loop (the issue's count)
 HANG_S = 60                              # a test that takes longer has hung
 
@@ -133,21 +134,21 @@ def interrupted(run, delay):
 # --- 1. Ctrl-C in fit ------------------------------------------------------------------------
 
 def test_sigint_at_random_moments_of_fit_never_leaves_the_replicas_different(two_cpus, data):
-    ref = reference(two_cpus, data, EPOCHS * BATCHES + BATCHES)
+    ref = reference(two_cpus, data, LONG * BATCHES + BATCHES)
     init = ref[0]
     started = time.perf_counter()
     build(two_cpus, init).fit(*data, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    span = time.perf_counter() - started            # how long an uninterrupted trial takes
+    span = time.perf_counter() - started            # how long EPOCHS take
     hits = 0
     with hang_guard():
         for trial in range(TRIALS):
             model = build(two_cpus, init)
-            hits += interrupted(lambda: model.fit(*data, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+            hits += interrupted(lambda: model.fit(*data, batch_size=BATCH, epochs=LONG, shuffle=False,
                                                   verbose=0), random.uniform(0, span))
             what = f"trial {trial}, after {int(model.optimizer.iterations)} steps"
             assert_consistent(model, ref, what)
             go_on_with_fit(model, data, ref, what)
-    assert hits >= TRIALS // 2, f"only {hits} of {TRIALS} interrupts landed inside fit"
+    assert hits >= TRIALS * 4 // 5, f"only {hits} of {TRIALS} interrupts landed inside fit"
 
 
 OP_SITES = ("binary", "binary_scalar", "sum_axis", "fill", "ring_reduce_step", "ring_gather_step", "gemm",
@@ -235,19 +236,19 @@ def short_merge_wait(monkeypatch):
 
 def test_sigint_at_random_moments_of_a_custom_loop_never_leaves_the_replicas_different(
         two_cpus, data, short_merge_wait):
-    ref = reference(two_cpus, data, EPOCHS * BATCHES + BATCHES)
+    ref = reference(two_cpus, data, LONG * BATCHES + BATCHES)
     started = time.perf_counter()
     custom_loop(two_cpus, build(two_cpus, ref[0]), data, EPOCHS)
-    span = time.perf_counter() - started
+    span = time.perf_counter() - started            # how long EPOCHS take
     hits = 0
     with hang_guard():
         for trial in range(TRIALS):
             model = build(two_cpus, ref[0])
-            hits += interrupted(lambda: custom_loop(two_cpus, model, data, EPOCHS), random.uniform(0, span))
+            hits += interrupted(lambda: custom_loop(two_cpus, model, data, LONG), random.uniform(0, span))
             what = f"trial {trial}, after {int(model.optimizer.iterations)} steps"
             assert_consistent(model, ref, what)
             go_on_with_loop(two_cpus, model, data, ref, what)
-    assert hits >= TRIALS // 2, f"only {hits} of {TRIALS} interrupts landed inside the loop"
+    assert hits >= TRIALS * 4 // 5, f"only {hits} of {TRIALS} interrupts landed inside the loop"
 
 
 class SignallingQueue(queue.SimpleQueue):
@@ -477,7 +478,7 @@ def test_an_optimizer_reused_across_models_releases_each_models_slots_with_it(de
 
 
 def test_one_optimizer_trains_model_after_model_within_a_memory_limit(devices, data):
-    """Each model's parameters and slots come back to the device when it goes: 12 models in
+    """Each model's parameters and slots come back to the device when it goes: 6 models in
     turn fit in a memory_limit that holds about 3 (it ran out at the 4th before)."""
     import gc
     from mirrored import devices as registry
@@ -486,7 +487,7 @@ def test_one_optimizer_trains_model_after_model_within_a_memory_limit(devices, d
                                                [tf.config.LogicalDeviceConfiguration(memory_limit=0.1)] * 2)
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     optimizer = tf.keras.optimizers.Adam(0.01)
-    for _ in range(12):
+    for _ in range(6):
         model = wide_model(strategy, optimizer)
         model.fit(*data, batch_size=BATCH, verbose=0)
         del model

@@ -47,18 +47,15 @@ from mirrored.values import DistributedValues, components
 
 FLOAT = np.dtype(np.float32)
 
-# variable -> weak reference to the ParameterPack it lives in (weak both ways: a pack holds
-# its variables, so a strong value here kept every model's pack, and its memory, for ever)
-_PACK_OF = weakref.WeakKeyDictionary()
+_PACK_OF = weakref.WeakKeyDictionary()      # variable -> weakref to its pack (a pack holds its variables)
 
 
 def pack_of(variable):
     """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
     try:
-        ref = _PACK_OF.get(variable)
-    except TypeError:                           # not a variable at all (no weak reference to it)
+        return _PACK_OF[variable]()
+    except (KeyError, TypeError):               # in no pack; not a variable at all (no weak reference to it)
         return None
-    return ref() if ref is not None else None
 
 
 class ParameterPack:

@@ -1,29 +1,24 @@
 """Keras optimizers: ``SGD`` and ``Adam``, with Keras's defaults and formulas.
 
-The math is in ``kernels/optimizers.py`` (one kernel launch per parameter
-buffer); this file holds the hyper-parameters, the step counter and the slot
-buffers (velocity; Adam's m and v), one set per device.
+The math is in ``kernels/optimizers.py`` (one kernel launch per parameter buffer); this
+file holds the hyper-parameters, the step counter and the slot buffers (velocity; Adam's
+m and v), one set per device, made on first use where the variables live (so an optimizer
+made outside ``strategy.scope()``, as the course lab's, works) and dropped with their
+model (``release_slots_with``).
 
-A step has a host part and a device part. ``begin_step`` counts the step and
-copies its hyper-parameter vector (Adam's alpha changes every step) into a small
-buffer on every device; ``update`` only launches kernels, which read that
-buffer. The device part can therefore be captured once as a CUDA graph and
-replayed (``mirrored/graphs.py``): each replay updates with the alpha that the
-host part of its step wrote.
+A step has a host part and a device part. ``begin_step`` counts the step and copies its
+hyper-parameter vector (Adam's alpha changes every step) into a small buffer on every
+device; ``update`` only launches kernels, which read that buffer, so the device part can be
+captured once as a CUDA graph and replayed (``mirrored/graphs.py``). The launches update
+every copy or none: a Ctrl-C waits for the last one (``update_buffers``).
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
 (``keras/step.py``) calls ``begin_step``, the all-reduce and then ``update``;
-``apply_gradients(zip(grads, variables))`` called inside ``strategy.run`` is a
-*merge point* where the replicas meet and, when the gradients are a model's packed
-gradient buffers (as ``GradientTape`` returns them), hands them to that same step
-(``Step.apply_gradients``): one ring over one buffer, one launch per device. So every
-copy of every variable gets the same update, the copies stay bitwise equal, and a
-custom loop's weights are fit's, bit for bit.
-
-Slots are created on first use on the devices of the variables they serve, so
-an optimizer created outside ``strategy.scope()`` (as the course lab does,
-``optimizer=tf.keras.optimizers.Adam()`` inside ``compile``) works. They are released with
-the model (or variable) they serve (``slot_key``), so one optimizer may train many models.
+``apply_gradients(zip(grads, variables))`` inside ``strategy.run`` is a *merge point*
+where the replicas meet and, when the gradients are a model's packed gradient buffers (as
+``GradientTape`` returns them), hands them to that same step (``Step.apply_gradients``):
+one ring over one buffer, one launch per device. So every copy gets the same update, the
+copies stay bitwise equal, and a custom loop's weights are fit's, bit for bit.
 
 Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what Keras saves),
 ``step.py``, ``kernels/optimizers.py``.
@@ -31,10 +26,10 @@ Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what K
 import contextlib
 import threading
 import warnings
-import weakref
 
 from kernels.optimizers import adam_scalars, sgd_scalars
-from mirrored import context, signals
+from mirrored import context
+from mirrored.devices import every_device_or_none
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.step import step_of
 from mirrored.keras.variable_updates import apply_to_variables
@@ -51,23 +46,9 @@ class Optimizer(OptimizerState):
     def __init__(self, learning_rate, name, **kwargs):
         super().__init__(learning_rate, **kwargs)    # step_count, rate, their Keras views; kwargs checked
         self.name = name
-        self._slots = {}                 # slot_key(...) -> [buffer per slot name]
-        self._owners = {}                # id(owner) -> the finalizer that drops its slots
+        self._slots = {}                 # ("pack", id(pack), r) or ("var", id(copy)) -> [buffer per slot]
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
-        self.updates_done = 0            # completed updates of every copy (``one_update``)
-
-    def slot_key(self, kind, owner, *rest):
-        """The key of ``owner``'s slots: ``(kind, id(owner), *rest)``, for a model's
-        ``ParameterPack`` ("pack", with the replica's index) or one copy of a variable
-        ("var"). The slots live as long as their owner: when it is collected (``del model``),
-        a finalizer drops them, so an optimizer reused across models does not keep every
-        earlier model's slots (and their device memory) for ever, and a later owner that
-        gets the same ``id`` cannot find a dead one's slots."""
-        oid = id(owner)
-        if oid not in self._owners:
-            self._owners[oid] = weakref.finalize(owner, _drop_slots, self._slots, self._owners, oid)
-        return (kind, oid) + rest
 
     def _slot_buffers(self, key, dev, like):
         """Zero-initialised slot buffers shaped like ``like`` on ``dev`` (created once)."""
@@ -115,36 +96,23 @@ class Optimizer(OptimizerState):
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
         ``around(r, dev)``: a context manager entered around replica r's launch
         (``mirrored.lab.timing.TimedStep`` times each replica's update with it)."""
-        self.update_buffers([(dev, pack.params[r], pack.grads[r], self.slot_key("pack", pack, r))
+        if ("pack", id(pack), 0) not in self._slots:            # the first step: slots made, and
+            self.release_slots_with(pack)                       # freed with the model
+        self.update_buffers([(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
                              for r, dev in enumerate(pack.devices)], around)
 
     def update_buffers(self, launches, around=None):
-        """One ``update_buffer`` per ``(dev, w, g, key)``, all of them or none. Every launch's
-        slots are made (the first time) before the first launch: running out of memory for
-        device 1's slots after device 0 was updated would leave the copies of the weights
-        different. A Ctrl-C is held back until the last launch (``one_update``) for the
-        same reason."""
+        """One ``update_buffer`` per ``(dev, w, g, key)``, all or none: every slot is made before
+        the first launch, and a Ctrl-C waits for the last (``devices.every_device_or_none``).
+        Device 0 updated and device 1 not would leave the copies of the weights different."""
         for dev, w, _, key in launches:
             with dev.activate():
                 self._slot_buffers(key, dev, w)
-        with self.one_update():
+        with every_device_or_none():
             for i, (dev, w, g, key) in enumerate(launches):
                 with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
                     self.update_buffer(dev, w, g, key)
-
-    @contextlib.contextmanager
-    def one_update(self):
-        """Around the launches that update every copy once (``update_buffers``; a CUDA graph's
-        replay of a whole step, ``graphs.py``): SIGINT is deferred to the block's end
-        (``mirrored/signals.py``), and ``updates_done`` counts the block once it completed.
-
-        So a ``KeyboardInterrupt`` comes before the first copy is updated or after the last,
-        and whoever undoes a step that raised (``Step.no_trace``, ``apply_to_variables``)
-        tells which by ``updates_done``: changed means the update is done on every copy,
-        and the step stays counted."""
-        with signals.deferred_interrupt():
-            yield
-            self.updates_done += 1
+            self.updates_done += 1          # done on every copy: a Ctrl-C now leaves it counted (no_trace)
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -232,15 +200,6 @@ class Adam(Optimizer):
     def update_buffer(self, dev, w, g, key):
         m, v = self._slot_buffers(key, dev, w)
         dev.ops.adam(w, g, m, v, self._hyper[dev.name])
-
-
-def _drop_slots(slots, owners, oid):
-    """``slot_key``'s finalizer: forget the slots of the owner whose id was ``oid`` (their
-    buffers are freed, and refunded to their device, when nothing else holds them). A module
-    function holding the two dicts, not the optimizer: the finalizer must not keep it alive."""
-    for key in [k for k in list(slots) if k[1] == oid]:
-        slots.pop(key, None)
-    owners.pop(oid, None)
 
 
 def get(identifier):
