@@ -226,8 +226,7 @@ def hand_out(job, queues, done, merge_point):
     while the replicas run breaks the merge point, so that every replica stops at its
     next merge call (``Aborted``) or returns, and once they all have, the
     ``KeyboardInterrupt`` goes on. Leaving at once instead would leave the replicas
-    running: the next ``run`` would queue its jobs behind them, and find the weights
-    half-updated. A merge already under way (an ``apply_gradients``) finishes first, on
+    running: the caller would read weights they are still changing. A merge already under way (an ``apply_gradients``) finishes first, on
     every copy: ``abort`` waits for the merge point's lock, which the merge holds. A
     second Ctrl-C leaves without waiting (a replica stuck in its own code)."""
     handed_out = False

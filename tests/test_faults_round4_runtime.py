@@ -17,17 +17,25 @@ These tests run in the main thread (signals are delivered there only), under
 ``hang_guard``: a SIGALRM that fails a test that hangs, instead of stalling the suite.
 """
 import contextlib
+import gc
+import os
+import pathlib
 import queue
 import random
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+import warnings
+import weakref
 
 import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import mirrored_run
+from mirrored import launcher, mirrored_run
 from mirrored.values import components
 
 FEATURES, HIDDEN, CLASSES = 12, 8, 10
@@ -201,6 +209,41 @@ def test_sigint_inside_every_device_op_of_fit_leaves_the_replicas_equal(two_cpus
     assert counted == sorted(counted) and set(counted) == {0, 1, 2}, f"steps counted: {counted}"
 
 
+def test_sigint_between_two_simulated_gpus_updates_waits_for_the_second(devices, rng, monkeypatch):
+    """The CUDA path (simulated GPUs): a SIGINT raised inside device 0's update launch is
+    delivered after device 1's: the copies stay equal and the step counts."""
+    from mirrored.backends import CudaOps
+    devices(cpus=1, gpus=2)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+    x = rng.standard_normal((8, 5)).astype(np.float32)
+    y = rng.integers(0, 3, len(x))
+
+    def tiny():
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(5,))])
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    plain, hit = tiny(), tiny()
+    hit.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    original, calls = CudaOps.sgd, []
+
+    def sgd(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        calls.append(self)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)            # between device 0's update and device 1's
+    monkeypatch.setattr(CudaOps, "sgd", sgd)
+    with hang_guard(), pytest.raises(KeyboardInterrupt):
+        hit.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert len(calls) == 2 and int(hit.optimizer.iterations) == 1
+    hit.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for v, w in zip(hit.trainable_variables, plain.get_weights()):
+        for c in components(v):
+            assert np.array_equal(c.numpy(), w), f"{v.name}: a copy differs from 2 uninterrupted steps"
+
+
 # --- 1. Ctrl-C in a custom loop ------------------------------------------------------------------
 
 def custom_loop(strategy, model, data, epochs):
@@ -364,9 +407,25 @@ def test_batch_logs_printed_by_the_bar_are_the_batchs_own(two_cpus, data, capsys
         tf.keras.callbacks.LambdaCallback(
             on_train_batch_begin=lambda batch, logs: before.append([w.copy() for w in model.get_weights()]))])
     want = batch_losses(before, data)
-    shown = [float(v) for v in __import__("re").findall(r"loss: ([0-9.]+)", capsys.readouterr().out)]
+    shown = [float(v) for v in re.findall(r"loss: ([0-9.]+)", capsys.readouterr().out)]
     assert shown, "the progress bar printed no loss"
     assert any(abs(s - want[-1]) <= 1e-4 * max(1.0, abs(want[-1])) for s in shown)
+
+
+def test_the_librarys_own_batch_hooks_keep_the_logs_lazy(two_cpus, data, monkeypatch):
+    """The lab's EpochTimer times epochs: its batch hook must not add a device read (a sync)
+    per step; a user's hook gets one read per step, however many there are."""
+    from mirrored.lab.scaling import EpochTimer
+    model = build(two_cpus)
+    reads = []
+    real = model.step.logs
+    monkeypatch.setattr(model.step, "logs", lambda *a: reads.append(a) or real(*a))
+    model.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[EpochTimer()])
+    assert len(reads) == 2                                        # the epochs' logs only
+    reads.clear()
+    mine = tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    model.fit(*data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[EpochTimer(), mine, mine])
+    assert len(reads) == 2 + 2 * BATCHES
 
 
 # --- 3. steps_per_epoch beyond the data -----------------------------------------------------------------
@@ -389,7 +448,6 @@ def test_steps_per_epoch_beyond_the_data_warns_as_keras(two_cpus, data):
 
 
 def test_steps_per_epoch_the_data_holds_does_not_warn(two_cpus, data):
-    import warnings
     model = build(two_cpus)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -424,7 +482,7 @@ def test_terminate_on_nan_stops_a_diverging_model_on_an_infinite_or_nan_loss(two
               callbacks=[tf.keras.callbacks.TerminateOnNaN()])
     out = capsys.readouterr().out
     assert "Invalid loss, terminating training" in out
-    batch = int(__import__("re").search(r"Batch (\d+): Invalid loss", out).group(1))
+    batch = int(re.search(r"Batch (\d+): Invalid loss", out).group(1))
     assert int(model.optimizer.iterations) < 50 * BATCHES                         # it stopped
     assert int(model.optimizer.iterations) % BATCHES == (batch + 1) % BATCHES     # right after that batch
 
@@ -450,8 +508,6 @@ def wide_model(strategy, optimizer):
 
 
 def test_an_optimizer_reused_across_models_releases_each_models_slots_with_it(devices, data):
-    import gc
-    import weakref
     from mirrored.keras.engine import pack_of
     devices(cpus=2)
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
@@ -480,7 +536,6 @@ def test_an_optimizer_reused_across_models_releases_each_models_slots_with_it(de
 def test_one_optimizer_trains_model_after_model_within_a_memory_limit(devices, data):
     """Each model's parameters and slots come back to the device when it goes: 6 models in
     turn fit in a memory_limit that holds about 3 (it ran out at the 4th before)."""
-    import gc
     from mirrored import devices as registry
     registry._reset()                            # the devices fixture resets it again after the test
     tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
@@ -497,7 +552,6 @@ def test_one_optimizer_trains_model_after_model_within_a_memory_limit(devices, d
 
 # --- 12. Open MPI's mpiexec, as root ---------------------------------------------------------------
 
-from mirrored import launcher  # noqa: E402  (with the tests of its item)
 
 VERSIONS = {
     "openmpi5": ("mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/", "Open MPI"),
@@ -540,7 +594,6 @@ sys.exit(max(codes))
 
 
 def fake_mpiexec(tmp_path, kind):
-    import sys
     path = tmp_path / kind / "mpiexec"
     path.parent.mkdir()
     version, _ = VERSIONS[kind]
@@ -558,7 +611,6 @@ def test_the_launcher_tells_which_mpi_an_mpiexec_is(tmp_path, kind):
 @pytest.mark.parametrize("root", [True, False])
 @pytest.mark.parametrize("kind", sorted(VERSIONS))
 def test_the_launch_command_passes_what_each_mpi_needs(tmp_path, monkeypatch, kind, root):
-    import sys
     monkeypatch.setattr(launcher.os, "geteuid", lambda: 0 if root else 1000)
     mpiexec = fake_mpiexec(tmp_path, kind)
     base = {"KEEP": "me"}
@@ -576,12 +628,10 @@ def test_the_launch_command_passes_what_each_mpi_needs(tmp_path, monkeypatch, ki
 def test_workers_start_under_each_mpiexec_as_root(tmp_path, monkeypatch, kind):
     """End to end with the fake: as root, 2 workers start under Open MPI only through the
     launcher's command (the plain ``mpiexec -n 2`` is refused, as the issue saw)."""
-    import subprocess
-    import sys
     monkeypatch.setattr(launcher.os, "geteuid", lambda: 0)
     mpiexec = fake_mpiexec(tmp_path, kind)
     program = [sys.executable, "-c", "import os; print('worker', os.environ['FAKE_RANK'])"]
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OMPI_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
     env["FAKE_ROOT"] = "1"
     plain = subprocess.run([mpiexec, "-n", "2", *program], capture_output=True, text=True, env=env, timeout=60)
     assert (plain.returncode != 0) == kind.startswith("openmpi"), plain.stderr
@@ -593,8 +643,6 @@ def test_workers_start_under_each_mpiexec_as_root(tmp_path, monkeypatch, kind):
 
 def test_every_mpiexec_command_is_built_by_the_launcher():
     """One function builds them all: no other file writes ``mpiexec ..., "-n"`` itself."""
-    import pathlib
-    import re
     root = pathlib.Path(__file__).resolve().parents[1]
     pattern = re.compile(r"mpiexec\w*\)?\s*,\s*\\?[\"']-n\\?[\"']", re.IGNORECASE)   # notebooks escape quotes
     files = [p for d in ("mirrored", "tests", "benchmarks", "labs") for p in (root / d).rglob("*")

@@ -70,13 +70,16 @@ def batch_logs(hooks, read):
     """``fit``'s logs for one batch's ``on_train_batch_end`` ``hooks`` (and the progress bar):
     the dict ``read()`` returns (the running metrics, read from the devices: a sync).
 
-    Read now, once, if any hook is a user's (defined outside this module): a user's
+    Read now, once, if any hook is a user's (defined outside this library): a user's
     callback may keep the dict, and must find this batch's values in it later, not the
     values of whatever batch was last when it looked (``LazyLogs`` read late showed the
     last batch's loss in every kept dict). Else read only when looked at (``LazyLogs``):
-    our own hooks (``ModelCheckpoint``, ``TerminateOnNaN``) use the logs at once and keep
+    the library's hooks (``ModelCheckpoint``, ``TerminateOnNaN``, the lab's ``EpochTimer``,
+    which must not add a sync per step to what it times) use the logs at once and keep
     nothing, and the progress bar reads them only when it redraws."""
-    if any(getattr(hook, "__func__", hook).__module__ != __name__ for hook in hooks):
+    def users(hook):
+        return not (getattr(getattr(hook, "__func__", hook), "__module__", None) or "").startswith("mirrored.")
+    if any(users(hook) for hook in hooks):
         return dict(read())
     return LazyLogs(read)
 
