@@ -45,6 +45,7 @@ Map of the rest:
     ring_trace.py the ring's teaching trace (RingStep, RingTransfer; lab 03)
     collective_all_reduce.py  the ring across workers (MPI between processes)
     workers.py    MPI: rank and size, messages with deadlines, abort on failure
+    launcher.py   starting workers: which mpiexec, which MPI, the command (Open MPI as root)
     values.py     PerReplica, Mirrored, Variable, MirroredVariable
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/

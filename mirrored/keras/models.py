@@ -371,6 +371,7 @@ class Sequential(ModelAPI):
         self.history = history
         return history
 
+
 #: Keras 3's warning (trainers/epoch_iterator.py) when steps_per_epoch is more than the data has.
 RAN_OUT_OF_DATA = ("Your input ran out of data; interrupting training. Make sure that your dataset or "
                    "generator can generate at least `steps_per_epoch * epochs` batches. You may need to "
