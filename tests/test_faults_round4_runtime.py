@@ -650,3 +650,22 @@ def test_every_mpiexec_command_is_built_by_the_launcher():
     assert len(files) > 50
     builders = [str(p.relative_to(root)) for p in files if pattern.search(p.read_text(errors="replace"))]
     assert builders == [], f"these build an mpiexec command themselves: {builders} (use mirrored.launcher)"
+
+
+def test_terminate_on_nan_stops_every_worker_when_one_sees_an_invalid_loss(capsys):
+    """MultiWorkerMirroredStrategy: batch logs are each worker's own, so the callback sums
+    the verdict across workers (every worker runs it): a worker whose loss is finite stops
+    too when another's is NaN, else it would wait for that worker in the next all-reduce."""
+    import types
+    asked = []
+
+    def sum_across_workers(values, what):
+        asked.append((list(values), what))
+        return np.asarray(values, np.float64) + 1.0          # the other worker saw an invalid loss
+    ext = types.SimpleNamespace(num_workers=2, should_checkpoint=False, sum_across_workers=sum_across_workers)
+    model = types.SimpleNamespace(distribute_strategy=types.SimpleNamespace(extended=ext), stop_training=False)
+    callback = tf.keras.callbacks.TerminateOnNaN()
+    callback.set_model(model)
+    callback.on_train_batch_end(4, {"loss": 0.25})
+    assert model.stop_training and asked == [([0.0], "TerminateOnNaN's check of the loss")]
+    assert capsys.readouterr().out == ""                       # not the chief: it stops in silence
