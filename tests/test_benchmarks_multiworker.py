@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiworker import _mpiexec
 from conftest import run_smoke
+from mirrored.launcher import find_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
+@pytest.mark.skipif(find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
                     reason="needs mpiexec and mpi4py (python -m pip install mpi4py mpich)")
 def test_smoke_run_writes_valid_json(tmp_path):
     out = tmp_path / "multiworker.json"

@@ -47,14 +47,14 @@ from mirrored.values import DistributedValues, components
 
 FLOAT = np.dtype(np.float32)
 
-_PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
+_PACK_OF = weakref.WeakKeyDictionary()      # variable -> weakref to its pack (a pack holds its variables)
 
 
 def pack_of(variable):
     """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
     try:
-        return _PACK_OF.get(variable)
-    except TypeError:                           # not a variable at all (no weak reference to it)
+        return _PACK_OF[variable]()
+    except (KeyError, TypeError):               # in no pack; not a variable at all (no weak reference to it)
         return None
 
 
@@ -74,7 +74,7 @@ class ParameterPack:
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
         self.total = int(sum(self.sizes))
         for var in self.variables:
-            _PACK_OF[var] = self                 # lets apply_gradients find the packed path
+            _PACK_OF[var] = weakref.ref(self)    # lets apply_gradients find the packed path
         self.params, self.grads = [], []        # flat (total,) float32 per device
         self.param_views, self.grad_views = [], []   # [device][k] shaped views
         for r, dev in enumerate(self.devices):
