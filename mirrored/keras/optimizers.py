@@ -32,7 +32,7 @@ import threading
 import warnings
 
 from kernels.optimizers import adam_scalars, sgd_scalars
-from mirrored import context
+from mirrored import context, recording
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.step import step_of
 from mirrored.keras.variable_updates import apply_to_variables
@@ -63,7 +63,8 @@ class Optimizer(OptimizerState):
                     slots = []
                     for _ in self.slot_names:
                         s = dev.empty(like.shape, like.dtype)
-                        dev.ops.fill(s, 0.0)
+                        with recording.initialization():      # a @function's replay never re-zeroes
+                            dev.ops.fill(s, 0.0)
                         slots.append(s)
                     self._slots[key] = slots
         return slots
@@ -77,9 +78,12 @@ class Optimizer(OptimizerState):
         the hyper-parameter vector ``self._hyper[dev.name]``."""
         raise NotImplementedError
 
+    @recording.host_work(undo_with=lambda self, devices: _count_restorer(self))
     def begin_step(self, devices):
         """The host part of a step: count it, and copy its hyper-parameter vector into
-        every device's buffer (queued on the device's stream, before the update)."""
+        every device's buffer (queued on the device's stream, before the update).
+        A ``@function``'s replay calls it again every step (a host callback: the count
+        and Adam's alpha are this step's, ``mirrored/traced_function.py``)."""
         self.step_count += 1
         host = self._scalars()                       # (k,) float32
         for dev in devices:
@@ -153,6 +157,12 @@ class Optimizer(OptimizerState):
 
     def get_config(self):
         return {"name": self.name, "learning_rate": self.rate}
+
+
+def _count_restorer(optimizer):
+    """What puts ``optimizer``'s step count back if a replayed step fails after counting."""
+    count = optimizer.step_count
+    return lambda: setattr(optimizer, "step_count", count)
 
 
 class SGD(Optimizer):
