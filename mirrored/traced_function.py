@@ -51,7 +51,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import graphs, nest, recording
+from mirrored import context, graphs, nest, recording
 from mirrored.tensor import Tensor, as_function_output
 from mirrored.values import DistributedValues, Variable
 
@@ -96,9 +96,10 @@ class Function:
         return self._tracing_count
 
     def __call__(self, *args, **kwargs):
-        if self._eager is not None or recording.active() is not None:
-            # eagerly: after a fallback, or inside another function's trace (its
-            # launches then belong to that trace, as TensorFlow inlines a nested call)
+        if self._eager is not None or recording.active() is not None or context.top()[1] is not None:
+            # eagerly: after a fallback; inside another function's trace (its launches
+            # then belong to that trace, as TensorFlow inlines a nested call); or inside
+            # strategy.run's replica function (a part of the caller's step, traced with it)
             return self._call_python(args, kwargs)
         self._check_signature(args)
         key, why_not = signature(args, kwargs)
@@ -256,7 +257,23 @@ class Trace:
             self.segments = segments(reorder(self.entries))
 
     def outputs(self):
-        return nest.map_structure(fresh, self.result)
+        return nest.map_structure(self._fresh, self.result)
+
+    def _fresh(self, leaf):
+        """``fresh(leaf)`` for what the record writes; a tensor it never touches (one the
+        function captured and returns as it is) comes back as itself."""
+        written = self.__dict__.get("_written")
+        if written is None:
+            buffers = [b for e in self.entries for b in e.buffers()] + [buf for _, buf in self.slots.slots]
+            written = self._written = {}
+            for t in (t for leaf in nest.flatten(self.result) for t in _tensors(leaf)):
+                written[id(t)] = _overlaps([t.buf], [_Buffers(buffers)])
+        if isinstance(leaf, Tensor) and not written.get(id(leaf), True):
+            return leaf
+        if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
+            if not any(written.get(id(t), True) for t in _tensors(leaf)):
+                return leaf
+        return fresh(leaf)
 
     def replay(self, args, kwargs):
         """Run the record on a new call's tensors; returns fresh outputs."""
@@ -276,6 +293,16 @@ class Trace:
                 restore()
             raise
         return self.outputs()
+
+
+class _Buffers:
+    """A list of buffers where ``_overlaps`` expects entries."""
+
+    def __init__(self, buffers):
+        self._buffers = buffers
+
+    def buffers(self):
+        return self._buffers
 
 
 def _run_entries(entries, undo):
