@@ -284,3 +284,36 @@ def test_recording_catches_launches_made_by_code_holding_ops_from_before(devices
     out[...] = 0
     rec.entries[0].run()
     np.testing.assert_array_equal(out, [0, 2, 4, 6])
+
+
+@pytest.mark.parametrize("kind,replicas", [("CPU", 2), ("GPU", 1)])
+def test_the_replay_captured_as_graphs_trains_as_eagerly(devices, rng, monkeypatch, kind, replicas):
+    """Where graphs can be captured (here: ``test_graphs``'s stand-in, which records the
+    launches a capture sees and replays them), a replay runs its one run of launches through
+    ``graphs.StepGraphs``: eagerly the first time, captured the second, replayed after. The
+    weights match the eager loop's bitwise."""
+    from test_graphs import RecordedGraph
+
+    from mirrored import graphs
+    monkeypatch.setattr(graphs, "why_not_capturable", lambda devices, ops=None: None)
+    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    RecordedGraph.captures = 0
+    devices(cpus=replicas if kind == "CPU" else 1, gpus=replicas if kind == "GPU" else 0)
+    strategy = tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(replicas)])
+    features, rows, batch = (4, 12, 4) if kind == "GPU" else (6, 40, 8)
+    models = [make_model(strategy, features, 5, 3, tf.keras.optimizers.Adam(0.01), 0.0) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    x = rng.standard_normal((rows, features)).astype(np.float32)
+    y = rng.integers(0, 3, rows)
+    batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)))
+    eager, replayed = (lambda b: strategy.run(_twin_step(models[0]), args=(b,))), \
+        tf.function(lambda b: strategy.run(_twin_step(models[1]), args=(b,)))
+    for b in batches:
+        eager(b)
+        replayed(b)
+    trace, = traced_function_traces(replayed)
+    assert trace.graphs is not None and RecordedGraph.captures == 1
+    assert trace.graphs.counts == {"eager": 1, "captured": 1, "replayed": len(batches) - 2}
+    assert sum(isinstance(p, list) for p in trace.segments) == 1       # one graph per step
+    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
+        np.testing.assert_array_equal(a, b)
