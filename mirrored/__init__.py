@@ -5,7 +5,7 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,497 in all)::
+Reading order: one training step in five files (lines at this writing; 1,499 in all)::
 
     1. keras/step.py        284  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
@@ -16,7 +16,7 @@ Reading order: one training step in five files (lines at this writing; 1,497 in 
     3. keras/layers.py      364  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
-    5. keras/optimizers.py  212  Adam/SGD ``update``: one launch per device (step 4)
+    5. keras/optimizers.py  214  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/models.py (Sequential: build, and fit's loop around the step),
    keras/inference.py (evaluate's and predict's passes), keras/base_layer.py (``Layer``:

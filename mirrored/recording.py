@@ -42,6 +42,7 @@ Neighbours: ``traced_function.py`` (the tracer and the replay), ``devices.py`` a
 ``backends.py`` (the boundary), ``graphs.py`` (a replay's launches as a CUDA graph).
 """
 import functools
+import inspect
 import os
 import sys
 import sysconfig
@@ -228,7 +229,7 @@ def unrecordable(reason):
         rec.refuse(reason)
 
 
-def host_work(fn=None, *, undo_with=None):
+def host_work(fn=None, *, restores=None):
     """Decorator: ``fn`` is host work that a replay must do again, every call.
 
     Outside a trace ``fn`` just runs. Inside one it runs now and is recorded as a
@@ -236,11 +237,12 @@ def host_work(fn=None, *, undo_with=None):
     each replay calls it again: the optimizer's ``begin_step`` (the step count, Adam's
     alpha for this step), ``tf.print`` (reads the value this replay computed), a metric's
     ``update_state``. Its return value is used by the trace only: work whose result
-    steers the device work cannot be a callback. ``undo_with(*args, **kwargs)``, called
-    before each replay's call, returns a function that puts the host state back if the
-    replay fails later (``Optimizer.begin_step``: the step count)."""
+    steers the device work cannot be a callback. ``restores``: the name of an attribute
+    of ``fn``'s first argument that a replay puts back if it fails after this call
+    (``Optimizer.begin_step``: ``"step_count"``, so a failed step is not counted)."""
     if fn is None:
-        return lambda f: host_work(f, undo_with=undo_with)
+        return lambda f: host_work(f, restores=restores)
+    undo_with = None if restores is None else functools.partial(_restorer, restores)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -276,6 +278,12 @@ class initialization:
     def __exit__(self, *exc):
         _local.depth -= 1
         return False
+
+
+def _restorer(name, owner, *args, **kwargs):
+    """A function that sets ``owner.<name>`` back to its value now."""
+    value = getattr(owner, name)
+    return lambda: setattr(owner, name, value)
 
 
 # --- catching the device calls ---------------------------------------------------------
@@ -439,7 +447,7 @@ def user_line():
     """``(filename, line number, source text)`` of the innermost frame of the calling
     thread that is the user's (not this library's, not Python's or an installed
     package's), or None."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith(_LIBRARY) and not name.startswith(_PYTHON) and not name.startswith("<frozen"):

@@ -78,12 +78,10 @@ class Optimizer(OptimizerState):
         the hyper-parameter vector ``self._hyper[dev.name]``."""
         raise NotImplementedError
 
-    @recording.host_work(undo_with=lambda self, devices: _count_restorer(self))
+    @recording.host_work(restores="step_count")     # a @function's replay calls it every step
     def begin_step(self, devices):
         """The host part of a step: count it, and copy its hyper-parameter vector into
-        every device's buffer (queued on the device's stream, before the update).
-        A ``@function``'s replay calls it again every step (a host callback: the count
-        and Adam's alpha are this step's, ``mirrored/traced_function.py``)."""
+        every device's buffer (queued on the device's stream, before the update)."""
         self.step_count += 1
         host = self._scalars()                       # (k,) float32
         for dev in devices:
@@ -157,12 +155,6 @@ class Optimizer(OptimizerState):
 
     def get_config(self):
         return {"name": self.name, "learning_rate": self.rate}
-
-
-def _count_restorer(optimizer):
-    """What puts ``optimizer``'s step count back if a replayed step fails after counting."""
-    count = optimizer.step_count
-    return lambda: setattr(optimizer, "step_count", count)
 
 
 class SGD(Optimizer):
