@@ -52,7 +52,7 @@ import warnings
 import numpy as np
 
 from mirrored import context, graphs, nest, recording
-from mirrored.tensor import Tensor, as_function_output
+from mirrored.tensor import Tensor, TensorSpec, as_function_output
 from mirrored.values import DistributedValues, Variable
 
 
@@ -146,7 +146,7 @@ class Function:
         specs = nest.flatten(list(self.input_signature))
         given = nest.flatten(list(args))
         if len(specs) != len(given) or not all(
-                spec.is_compatible_with(np.empty(g.shape, g.dtype)) for spec, g in zip(specs, given)
+                spec.is_compatible_with(TensorSpec(g.shape, g.dtype)) for spec, g in zip(specs, given)
                 if isinstance(g, Tensor)):
             raise ValueError(f"{self.__name__} was called with {[_describe(g) for g in given]}, "
                              f"which does not match its input_signature {list(self.input_signature)}.")
@@ -356,7 +356,9 @@ def reorder(entries):
       the end when no launch after it touches what it read.
 
     Order among the moved calls is kept. "Touches" is judged by address ranges, so it
-    is conservative (a launch that only reads a buffer still holds a write back)."""
+    is conservative (a launch that only reads a buffer still holds a write back); host
+    state two moved calls share is not tracked (a ``tf.print`` of the step count placed
+    before ``apply_gradients`` would show the count after it)."""
     front, middle, back = [], [], []
     for entry in entries:
         moves_front = (isinstance(entry, recording.Upload) or

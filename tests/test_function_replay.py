@@ -317,3 +317,24 @@ def test_the_replay_captured_as_graphs_trains_as_eagerly(devices, rng, monkeypat
     assert sum(isinstance(p, list) for p in trace.segments) == 1       # one graph per step
     for a, b in zip(models[0].get_weights(), models[1].get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_metric_result_read_inside_runs_eagerly_and_stays_live(devices, rng):
+    strategy, model, batches, train_step = _setup(devices, rng, replicas=1)
+    accuracy = tf.keras.metrics.SparseCategoricalAccuracy()
+
+    @tf.function
+    def step(batch):
+        images, labels = batch
+        accuracy.update_state(labels, model(images, training=False))
+        return accuracy.result()                   # a host value: frozen if it were traced
+
+    with pytest.warns(traced_function.EagerFallbackWarning, match="result"):
+        results = [float(step(b)) for b in batches]
+    expected = []
+    hits = seen = 0
+    for images, labels in batches:
+        predictions = np.argmax(model(images, training=False).numpy(), axis=1)
+        hits, seen = hits + int((predictions == labels.numpy()).sum()), seen + len(predictions)
+        expected.append(float(np.float32(hits / seen)))
+    assert results == expected

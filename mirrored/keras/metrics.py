@@ -34,7 +34,10 @@ class Metric:
     reset_states = reset_state
 
     def result(self):
-        """The current value as a host scalar (has ``.numpy()``)."""
+        """The current value as a host scalar (has ``.numpy()``). Inside a ``@function``'s
+        trace it would be frozen: that function then runs eagerly (with a warning)."""
+        recording.unrecordable("it reads a metric's result(), a host value a trace would freeze "
+                               "(read it outside the function)")
         from mirrored.tensor import HostTensor
         return HostTensor.wrap(np.float32(self._total / self._count if self._count else 0.0))
 
