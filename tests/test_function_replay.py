@@ -23,7 +23,7 @@ from mirrored.mirrored_run import ReplicaWorkers
                                                ("GPU", 2, "adam")])
 def test_replayed_eager_and_fit_give_bitwise_equal_weights(devices, rng, kind, replicas, opt, monkeypatch):
     devices(cpus=replicas if kind == "CPU" else 1, gpus=replicas if kind == "GPU" else 0)
-    features, hidden, classes, batch, steps = (5, 4, 3, 7, 3) if kind == "GPU" else (13, 9, 5, 33, 5)
+    features, hidden, classes, batch, steps = (5, 4, 3, 4, 3) if kind == "GPU" else (13, 9, 5, 33, 5)
     strategy = tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(replicas)])
     l2 = float(rng.uniform(0.001, 0.01)) if opt == "adam" else 0.0
     x = rng.standard_normal((steps * batch - 3, features)).astype(np.float32)   # a short last batch
@@ -300,7 +300,7 @@ def test_the_replay_captured_as_graphs_trains_as_eagerly(devices, rng, monkeypat
     RecordedGraph.captures = 0
     devices(cpus=replicas if kind == "CPU" else 1, gpus=replicas if kind == "GPU" else 0)
     strategy = tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(replicas)])
-    features, rows, batch = (4, 12, 4) if kind == "GPU" else (6, 40, 8)
+    features, rows, batch = (4, 9, 3) if kind == "GPU" else (6, 40, 8)
     models = [make_model(strategy, features, 5, 3, tf.keras.optimizers.Adam(0.01), 0.0) for _ in range(2)]
     models[1].set_weights(models[0].get_weights())
     x = rng.standard_normal((rows, features)).astype(np.float32)
