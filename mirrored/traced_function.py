@@ -51,7 +51,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import context, graphs, nest, recording
+from mirrored import backends, context, graphs, nest, recording
 from mirrored.tensor import Tensor, TensorSpec, as_function_output
 from mirrored.values import DistributedValues, Variable
 
@@ -96,6 +96,12 @@ class Function:
         return self._tracing_count
 
     def __call__(self, *args, **kwargs):
+        # The BLAS at the thread count fit uses (backends.blas_policy: one thread, by
+        # default): OpenBLAS's spinning threads made this step 10x slower on a busy machine.
+        with backends.blas_threads():
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         if self._eager is not None or recording.active() is not None or context.top()[1] is not None:
             # eagerly: after a fallback; inside another function's trace (its launches
             # then belong to that trace, as TensorFlow inlines a nested call); or inside
