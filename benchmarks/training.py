@@ -5,6 +5,7 @@
     python -m benchmarks.training --smoke --out /tmp/training.json   # tiny; the test suite runs this
     python -m benchmarks.training --models convnet                  # the lab's ConvNet only
     python -m benchmarks.training --modes graph --no-resident       # GPU: the CUDA-graph rows only
+    python -m benchmarks.training --models convnet --rows custom   # fit beside the custom loop
 
 (where the time of one ConvNet step goes, layer by layer: python -m benchmarks.breakdown)
 
@@ -1049,6 +1050,8 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
             makers, base = [], []
         elif args.rows == "x1":
             makers = list(base)
+        elif args.rows == "custom":
+            makers, base = [makers[2]], [makers[2]]
         elif no_resident:
             pass
         elif hasattr(tf.distribute, "InputOptions"):
@@ -1103,9 +1106,10 @@ def main(argv=None):
                         help="auto: GPU:0 when a real GPU is usable, else the CPU")
     parser.add_argument("--models", default="lab,wide,convnet,two-conv",
                         help="comma-separated: lab, wide, convnet, two-conv")
-    parser.add_argument("--rows", choices=("all", "x1"), default="all",
-                        help="our rows: all (no strategy, OneDevice, Mirrored x1/x2/x4, resident), or "
-                             "x1 (no strategy and Mirrored x1 only: the peer comparison, faster)")
+    parser.add_argument("--rows", choices=("all", "x1", "custom"), default="all",
+                        help="our rows: all (no strategy, OneDevice, Mirrored x1/x2/x4, resident), "
+                             "x1 (no strategy and Mirrored x1 only: the peer comparison, faster), or "
+                             "custom (Mirrored x1 by fit and by the custom loop, eager and @function)")
     parser.add_argument("--busy-core", action="store_true",
                         help="also time our no-strategy and Mirrored x1 rows and PyTorch with "
                              f"`python -c \"{BUSY_LOOP}\"` running pinned to one core (paused "
