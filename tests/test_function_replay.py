@@ -338,3 +338,39 @@ def test_a_metric_result_read_inside_runs_eagerly_and_stays_live(devices, rng):
         hits, seen = hits + int((predictions == labels.numpy()).sum()), seen + len(predictions)
         expected.append(float(np.float32(hits / seen)))
     assert results == expected
+
+
+def test_a_model_built_inside_the_trace_is_built_once(devices, rng):
+    """A Sequential without an input shape is built by its first call, here inside the trace:
+    the packed copy of its initial weights (and its zeroed buffers) must not be made again
+    at every replay, or every step would start from the initial weights."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((40, 6)).astype(np.float32)
+    y = rng.integers(0, 3, 40)
+    batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8)))
+    built = []
+    for _ in range(2):
+        with strategy.scope():
+            built.append((tf.keras.Sequential([tf.keras.layers.Dense(5, activation="relu"), tf.keras.layers.Dense(3)]),
+                          tf.keras.optimizers.SGD(0.1)))
+    (traced, opt), (twin, twin_opt) = built
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def stepper(model, optimizer):
+        def step_fn(inputs):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_object(inputs[1], model(inputs[0], training=True)),
+                                                  global_batch_size=8)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return lambda b: strategy.run(step_fn, args=(b,))
+    step = tf.function(stepper(traced, opt))
+    step(batches[0])                                   # builds the model inside the trace
+    twin(batches[0][0].values[0])
+    twin.set_weights(traced.get_weights())             # SGD: no state but the weights
+    eager = stepper(twin, twin_opt)
+    for b in batches[1:]:
+        step(b)
+        eager(b)
+    for a, b in zip(traced.get_weights(), twin.get_weights()):
+        np.testing.assert_array_equal(a, b)
