@@ -185,6 +185,8 @@ def _leaf_key(leaf):
         return type(leaf).__name__, tuple(_leaf_key(c) for c in leaf.values)
     if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes, np.generic)):
         return "value", type(leaf).__name__, leaf
+    if isinstance(leaf, np.ndarray):                   # a 0-d array (a host scalar): its value
+        return "value", leaf.dtype.str, leaf.item()
     return "object", id(leaf)
 
 

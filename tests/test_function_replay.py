@@ -374,3 +374,24 @@ def test_a_model_built_inside_the_trace_is_built_once(devices, rng):
         eager(b)
     for a, b in zip(traced.get_weights(), twin.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_numpy_arguments_run_eagerly_and_python_values_key_the_trace(devices, rng):
+    devices(cpus=1)
+    calls = []
+
+    @tf.function
+    def scaled(x, factor):
+        calls.append(factor)                       # Python: once per trace
+        return x * factor
+
+    x = tf.constant(rng.standard_normal(5).astype(np.float32))
+    got = [scaled(x, 2.0), scaled(x, 2.0), scaled(x, 3.0), scaled(x * 1.0, 3.0)]
+    assert calls == [2.0, 3.0] and scaled.experimental_get_tracing_count() == 2
+    for out, f in zip(got, (2.0, 2.0, 3.0, 3.0)):
+        np.testing.assert_array_equal(out.numpy(), x.numpy() * np.float32(f))
+    host = rng.standard_normal(4).astype(np.float32)
+    with pytest.warns(traced_function.EagerFallbackWarning, match="NumPy array"):
+        first = scaled(host, 2.0)
+    np.testing.assert_array_equal(np.asarray(first), host * 2)
+    np.testing.assert_array_equal(np.asarray(scaled(host + 1, 2.0)), (host + 1) * 2)   # not frozen
