@@ -24,7 +24,9 @@ a ``host_work`` function    ``HostCall``: the function and its arguments, called
 ==========================  =========================================================
 
 Allocations (``empty``, ``scratch``) are not entries: the buffers a trace made are kept
-by the entries that use them, and a replay writes into the same ones.
+by the entries that use them, and a replay writes into the same ones. State made on first
+use (a model's packed weights, an optimizer's zeroed slots, Dropout's counter, a variable's
+initial value) is made under ``initialization()``: done once, never replayed.
 
 A call made *inside* a recorded call (an op asking its device for a scratch buffer,
 ``copy_from`` reading its source, a host callback's own uploads and reads) belongs
