@@ -282,6 +282,16 @@ class initialization:
         return False
 
 
+_HOST_METHODS = []                # (class, method name, restores): see host_method
+
+
+def host_method(cls, name, restores=None):
+    """``host_work`` for a method on a hot path: ``cls.<name>`` is wrapped only while a
+    recording is open (``_instrument``), so ``fit``'s every step calls the plain method
+    and never passes through this file (``Optimizer.begin_step``)."""
+    _HOST_METHODS.append((cls, name, restores))
+
+
 def _restorer(name, owner, *args, **kwargs):
     """A function that sets ``owner.<name>`` back to its value now."""
     value = getattr(owner, name)
@@ -321,6 +331,8 @@ def _instrument():
             _patch(cls, name, _read)
         _patch(cls, "from_numpy", _from_numpy)
         _patch(cls, "copy_from", _copy_from)
+    for cls, name, restores in _HOST_METHODS:
+        _patch(cls, name, lambda _, original, r=restores: host_work(original, restores=r))
     for module, name in STREAM_ORDERING:       # the ring's events, if the ring is loaded
         if module in sys.modules:
             _patch(sys.modules[module], name, _ordering)

@@ -4,12 +4,10 @@ The math is in ``kernels/optimizers.py`` (one kernel launch per parameter
 buffer); this file holds the hyper-parameters, the step counter and the slot
 buffers (velocity; Adam's m and v), one set per device.
 
-A step has a host part and a device part. ``begin_step`` counts the step and
-copies its hyper-parameter vector (Adam's alpha changes every step) into a small
-buffer on every device; ``update`` only launches kernels, which read that
-buffer. The device part can therefore be captured once as a CUDA graph and
-replayed (``mirrored/graphs.py``): each replay updates with the alpha that the
-host part of its step wrote.
+A step has a host part and a device part. ``begin_step`` counts the step and copies its
+hyper-parameter vector (Adam's alpha changes every step) into a small buffer on every
+device; ``update`` only launches kernels, which read it. A CUDA graph of the device part
+(``mirrored/graphs.py``) or a ``@function``'s replay so updates with the alpha just written.
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
 (``keras/step.py``) calls ``begin_step``, the all-reduce and then ``update``;
@@ -78,7 +76,6 @@ class Optimizer(OptimizerState):
         the hyper-parameter vector ``self._hyper[dev.name]``."""
         raise NotImplementedError
 
-    @recording.host_work(restores="step_count")     # a @function's replay calls it every step
     def begin_step(self, devices):
         """The host part of a step: count it, and copy its hyper-parameter vector into
         every device's buffer (queued on the device's stream, before the update)."""
@@ -155,6 +152,9 @@ class Optimizer(OptimizerState):
 
     def get_config(self):
         return {"name": self.name, "learning_rate": self.rate}
+
+
+recording.host_method(Optimizer, "begin_step", restores="step_count")   # a @function's replay calls it
 
 
 class SGD(Optimizer):
