@@ -5,6 +5,7 @@
     python -m benchmarks.training --smoke --out /tmp/training.json   # tiny; the test suite runs this
     python -m benchmarks.training --models convnet                  # the lab's ConvNet only
     python -m benchmarks.training --modes graph --no-resident       # GPU: the CUDA-graph rows only
+    python -m benchmarks.training --models convnet --rows custom   # fit beside the custom loop
 
 (where the time of one ConvNet step goes, layer by layer: python -m benchmarks.breakdown)
 
@@ -29,6 +30,9 @@ samples/s compares replica counts fairly. Rows, each with the same initial weigh
               MirroredStrategy 1, 2 and 4 compiled with run_eagerly=False, Keras's default
               ("graph": the device part of each step replayed as one CUDA graph), copied,
               and 1 and 2 resident. ``--modes eager,graph`` picks which of the two kinds run.
+              With the eager rows, MirroredStrategy x1 trained by the tutorial's custom
+              loop (strategy.run, GradientTape, apply_gradients, strategy.reduce) instead
+              of fit: eagerly, and under @tf.function (traced, then replayed)
     torch     PyTorch eager, the same layers, weights, batches (the same mirrored.data
               pipeline and shuffle seed) and Adam (epsilon 1e-7 as Keras), CPU or CUDA
     tf        TensorFlow/Keras without a strategy, and MirroredStrategy on 1 and 2
@@ -278,6 +282,50 @@ class OursRow:
 
     def final_loss(self):
         return float(self.model.history.history["loss"][-1])
+
+
+class CustomLoopRow(OursRow):
+    """The same model trained by the MirroredStrategy tutorial's custom loop instead of
+    ``fit``: ``strategy.run`` of a step with a ``GradientTape`` and ``apply_gradients``,
+    the losses summed by ``strategy.reduce``; eagerly, or under ``@tf.function`` (traced
+    once per batch shape, then replayed: mirrored/traced_function.py). Issue 41."""
+
+    def __init__(self, tf, kind, n, spec, x, y, weights, compiled):
+        super().__init__(tf, kind, "mirrored", n, False, spec, x, y, weights)
+        how = "custom loop @function" if compiled else "custom loop eager"
+        self.name = f"ours MirroredStrategy x{n} {how}"
+        self.strategy_label = f"MirroredStrategy {how}"
+        self.dist = self.strategy.experimental_distribute_dataset(self.ds)
+        model, strategy = self.model, self.strategy
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+        def train_step(inputs, global_batch):
+            images, labels = inputs
+            with tf.GradientTape() as tape:
+                predictions = model(images, training=True)
+                loss = tf.nn.compute_average_loss(loss_object(labels, predictions),
+                                                  global_batch_size=global_batch)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+            return loss
+
+        def distributed_step(batch, global_batch):
+            losses = strategy.run(train_step, args=(batch, global_batch))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+        self.step_fn = tf.function(distributed_step) if compiled else distributed_step
+        self.last_loss = float("nan")
+
+    def epoch(self):
+        total, batches = 0.0, 0
+        for batch in self.dist:
+            rows = sum(int(v.shape[0]) for v in self.strategy.experimental_local_results(batch[1]))
+            total += self.step_fn(batch, rows)          # on the device: no host read per step
+            batches += 1
+        self.last_loss = float(total) / max(batches, 1)
+
+    def final_loss(self):
+        return self.last_loss
 
 
 class Counter:
@@ -1002,12 +1050,16 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
             makers, base = [], []
         elif args.rows == "x1":
             makers = list(base)
+        elif args.rows == "custom":
+            makers, base = [makers[2]], [makers[2]]
         elif no_resident:
             pass
         elif hasattr(tf.distribute, "InputOptions"):
             makers += [lambda n=n: OursRow(tf, kind, "mirrored", n, True, m, x, y, w) for n in RESIDENT_COUNTS]
         elif model_name == next(iter(models)):
             skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
+        if "eager" in modes and hasattr(tf, "GradientTape"):     # the custom loop beside fit (issue 41)
+            makers += [lambda c=c: CustomLoopRow(tf, kind, 1, m, x, y, w, compiled=c) for c in (False, True)]
         if gpu and "graph" in modes and hasattr(tf, "graphs"):
             for r in (False,) if no_resident else (False, True):
                 for n in RESIDENT_GRAPH_COUNTS if r else GRAPH_COUNTS:
@@ -1054,9 +1106,10 @@ def main(argv=None):
                         help="auto: GPU:0 when a real GPU is usable, else the CPU")
     parser.add_argument("--models", default="lab,wide,convnet,two-conv",
                         help="comma-separated: lab, wide, convnet, two-conv")
-    parser.add_argument("--rows", choices=("all", "x1"), default="all",
-                        help="our rows: all (no strategy, OneDevice, Mirrored x1/x2/x4, resident), or "
-                             "x1 (no strategy and Mirrored x1 only: the peer comparison, faster)")
+    parser.add_argument("--rows", choices=("all", "x1", "custom"), default="all",
+                        help="our rows: all (no strategy, OneDevice, Mirrored x1/x2/x4, resident), "
+                             "x1 (no strategy and Mirrored x1 only: the peer comparison, faster), or "
+                             "custom (Mirrored x1 by fit and by the custom loop, eager and @function)")
     parser.add_argument("--busy-core", action="store_true",
                         help="also time our no-strategy and Mirrored x1 rows and PyTorch with "
                              f"`python -c \"{BUSY_LOOP}\"` running pinned to one core (paused "

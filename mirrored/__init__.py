@@ -29,7 +29,9 @@ Reading order: one training step in five files (lines at this writing; 1,500 in 
    ``python -m benchmarks.trace_step`` counts the files one step of the lab ConvNet
    calls into.
 
-Around the step, wrapping it from outside: graphs.py (CUDA-graph capture); and, apart
+Around the step, wrapping it from outside: graphs.py (CUDA-graph capture), traced_function.py
+(``@function``: a custom loop's step traced once, then replayed; recording.py, what it
+records at the device boundary); and, apart
 from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,
 TimedStep), lab/scaling.py (compare strategies), lab/perf_model.py (N GPUs predicted),
 lab/viz.py (drawings).
@@ -59,8 +61,6 @@ Map of the rest:
     lab/workflow.py  the command-line lab (``python -m mirrored``) and the lab's model
     lab/labs.py   the lab notebooks' first cell (``labs.setup``)
 """
-import functools
-
 from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
 from mirrored import checkpoint as train  # tf.train: Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.devices import device_scope as device
@@ -73,29 +73,10 @@ from mirrored.values import Variable, VariableAggregation, VariableSynchronizati
 from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, bool_, cast, constant,
                              convert_to_tensor, float16, float32, float64, identity, int8, int16, int32,
                              int64, ones, reduce_mean, reduce_sum, reshape, uint8, zeros)
-from mirrored import nest as _nest
-from mirrored.tensor import as_function_output
+from mirrored.traced_function import function  # @tf.function: trace once per signature, then replay
 from mirrored.tensor import print_ as print  # noqa: A001 (tf.print: to stderr, as TensorFlow's)
 from mirrored.tensor import range_ as range  # noqa: A001 (tf.range)
 
-
-
-def function(fn=None, **_options):
-    """``@mirrored.function`` is accepted for compatibility with ``@tf.function``.
-
-    There is no graph compilation here: the decorated function runs eagerly,
-    exactly as written, every time it is called (TensorFlow would trace it into
-    a graph on the first call). Options such as ``jit_compile`` are ignored.
-    What it returns comes back as from TensorFlow's: Python numbers and NumPy
-    scalars become tensors (``tensor.as_function_output``), anything else as it is.
-    """
-    if fn is None:
-        return lambda f: function(f)
-
-    @functools.wraps(fn)
-    def run_eagerly(*args, **kwargs):
-        return _nest.map_structure(as_function_output, fn(*args, **kwargs))
-    return run_eagerly
 
 
 __version__ = "0.1.0"

@@ -47,7 +47,7 @@ import numpy as np
 
 from kernels.launch import ceil_div
 from mirrored import data as _data
-from mirrored import nest
+from mirrored import nest, recording
 from mirrored.errors import OutOfRangeError
 from mirrored.tensor import Tensor, TensorSpec, constant
 from mirrored.values import PerReplica
@@ -77,6 +77,11 @@ class Optional:
         return f"<Optional has_value={self._has}>"
 
 
+#: Why a ``@function`` that takes a batch from an iterator inside runs eagerly (``traced_function.py``).
+NEXT_IN_TRACE = ("it takes the next batch from a distributed iterator inside the function, which a "
+                 "trace would freeze to this batch (call next() outside and pass the batch in)")
+
+
 class DistributedIterator:
     """``iter(dist_dataset)``: TensorFlow's distributed iterator, a real iterator object.
 
@@ -92,9 +97,11 @@ class DistributedIterator:
         return self
 
     def __next__(self):
+        recording.unrecordable(NEXT_IN_TRACE)
         return next(self._batches)
 
     def get_next(self):
+        recording.unrecordable(NEXT_IN_TRACE)
         try:
             return next(self._batches)
         except StopIteration:
@@ -102,6 +109,7 @@ class DistributedIterator:
                                   "more batches (use get_next_as_optional() to test first).") from None
 
     def get_next_as_optional(self):
+        recording.unrecordable(NEXT_IN_TRACE)
         try:
             return Optional(next(self._batches), True, self._spec)
         except StopIteration:

@@ -37,8 +37,9 @@ import warnings
 
 import numpy as np
 
-from mirrored import context, nest
+from mirrored import context, nest, recording
 from mirrored import devices as _dev
+from mirrored.traced_function import reduce_in_trace
 from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice
 from mirrored.mirrored_run import ReplicaWorkers
 from mirrored.tensor import HostTensor, Tensor, constant
@@ -407,6 +408,11 @@ class Strategy:
                 raise ValueError(f"A non-DistributedValues value {value!r:.60} cannot be reduced "
                                  f"with the given reduce op SUM over {n} replicas; return it from "
                                  f"strategy.run so that each replica contributes its own.")
+        if recording.active() is not None:     # inside @function's trace: stays on the device
+            return reduce_in_trace(self, reduce_op, value, axis,
+                                   lambda: reduce_on_host(reduce_op, host_components(value, "reduce"), axis)
+                                   if isinstance(value, DistributedValues) or axis is not None
+                                   else host_components(value, "reduce")[0])
             if axis is None:
                 return HostTensor.wrap(host_components(value, "reduce")[0])
         return HostTensor.wrap(reduce_on_host(reduce_op, host_components(value, "reduce"), axis))

@@ -29,6 +29,7 @@ import sys
 import numpy as np
 
 from mirrored import devices as _dev
+from mirrored import recording
 from mirrored.errors import InvalidArgumentError
 
 # dtype names, as ``tf.float32`` etc. They are NumPy dtypes: anything that
@@ -196,13 +197,31 @@ def numpy_repr(value):
 
 
 def tensor_repr(t):
-    """``<tf.Tensor: shape=(2,), dtype=float32, numpy=array([1., 2.], dtype=float32)>``."""
+    """``<tf.Tensor: shape=(2,), dtype=float32, numpy=array([1., 2.], dtype=float32)>``;
+    while a ``@function`` traces, the symbolic form (``symbolic_text``)."""
+    if _tracing(t):
+        return symbolic_text(t)
     return f"<tf.Tensor: shape={t.shape}, dtype={t.dtype}, numpy={numpy_repr(t.numpy())}>"
 
 
 def tensor_str(t):
     """``tf.Tensor([1. 2.], shape=(2,), dtype=float32)``: what ``print(tensor)`` shows."""
+    if _tracing(t):
+        return symbolic_text(t)
     return f"tf.Tensor({numpy_text(t.numpy())}, shape={t.shape}, dtype={t.dtype})"
+
+
+def _tracing(t):
+    """A device tensor shown while a ``@function`` traces (not inside host work such as
+    ``tf.print``): its value is a different one at every replay, so Python's ``print``
+    shows what TensorFlow's shows there, the symbolic tensor."""
+    return isinstance(t, Tensor) and recording.active() is not None and not recording.in_host_code()
+
+
+def symbolic_text(t):
+    """``Tensor("traced", shape=(32,), dtype=float32)``: a tensor inside a trace (as
+    TensorFlow prints a graph tensor: no value)."""
+    return f'Tensor("traced", shape={t.shape}, dtype={t.dtype})'
 
 
 class HostTensor(np.ndarray):
@@ -508,12 +527,14 @@ def range_(start, limit=None, delta=1, dtype=None, name=None):
     return constant(values, dtype=dtype)
 
 
+@recording.host_work
 def print_(*inputs, output_stream=None, summarize=3, sep=" ", end="\n", name=None):
     """``tf.print``: tensors shown by value (``[0 1 2 ... 7 8 9]``: ``summarize`` items from
     each end of each axis), tuples, lists and dicts of them element by element, per-replica
     values replica by replica, anything else as ``str``; to standard error by default, as
-    TensorFlow's. (In TensorFlow it is the way to print from inside a ``tf.function``;
-    here every function runs eagerly, so it prints when called.)"""
+    TensorFlow's. As in TensorFlow it prints at every call of a ``@function``, replays
+    included (a host callback of the trace, reading the value that call computed;
+    ``traced_function.py``), where Python's ``print`` runs while tracing only."""
     stream = sys.stderr if output_stream is None else output_stream
     print(*(_print_form(v, summarize) for v in inputs), sep=sep, end=end, file=stream)
 

@@ -21,7 +21,7 @@ them), ``context.py`` (which replica is running), ``tensor.py`` (components).
 import enum
 
 
-from mirrored import context, nest
+from mirrored import context, nest, recording
 from mirrored import devices as _dev
 from mirrored.tensor import Tensor, infer_host_array, as_dtype, numpy_repr
 
@@ -164,7 +164,8 @@ class Variable:
         if callable(initial_value):
             initial_value = initial_value()
         dev = _dev.get_device(device) if device is not None else _dev.current_device()
-        self._tensor = Tensor(_to_device_buffer(initial_value, dtype, dev), dev)
+        with recording.initialization():         # made once: a @function's replay never redoes it
+            self._tensor = Tensor(_to_device_buffer(initial_value, dtype, dev), dev)
         self._name = name or "Variable"
         self._handle_name = f"{self._name}:0"
         self._trainable = trainable

@@ -22,7 +22,8 @@ from conftest import run_smoke
 ROOT = Path(__file__).resolve().parents[1]
 
 OURS = {("no strategy", 1), ("OneDeviceStrategy", 1), ("MirroredStrategy", 1), ("MirroredStrategy", 2),
-        ("MirroredStrategy", 4), ("MirroredStrategy resident", 1), ("MirroredStrategy resident", 2)}
+        ("MirroredStrategy", 4), ("MirroredStrategy resident", 1), ("MirroredStrategy resident", 2),
+        ("MirroredStrategy custom loop eager", 1), ("MirroredStrategy custom loop @function", 1)}
 
 
 def _positive(value):

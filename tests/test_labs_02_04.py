@@ -24,6 +24,13 @@ def test_lab_runs_top_to_bottom(name, run_lab):
         assert "Number of devices: 2" in text
         assert "Epoch 2, Loss:" in text
         assert "copies bitwise equal: False" not in text
+        # @tf.function: Python's print once per trace (one batch shape in quick mode), the
+        # eager and compiled loops timed side by side
+        assert text.count("tracing distributed_train_step for images") == 1, text
+        assert 'Tensor("traced", shape=(' in text
+        assert re.search(r"^ +eager: +[\d.]+ ms/step", text, re.M) and \
+            re.search(r"^ *@tf.function: +[\d.]+ ms/step", text, re.M), text
+        assert "traces of distributed_train_step: 1" in text
     elif name.startswith("03"):
         assert "6 steps = 2 (N - 1)" in text
         assert "equal to NumPy's sum on every device: True" in text

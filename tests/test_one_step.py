@@ -33,11 +33,13 @@ def make_model(strategy, features, hidden, classes, optimizer, l2):
     return model
 
 
-def custom_loop(strategy, model, optimizer, x, y, global_batch):
+def custom_loop(strategy, model, optimizer, x, y, global_batch, compiled=False):
     """The MirroredStrategy tutorial's training loop, one epoch over (x, y) in order.
 
     The loss of each batch is divided by that batch's size, as ``fit`` does (the tutorial
-    divides by ``GLOBAL_BATCH_SIZE``, which is wrong for a short last batch)."""
+    divides by ``GLOBAL_BATCH_SIZE``, which is wrong for a short last batch).
+    ``compiled``: the distributed step under ``@tf.function`` (traced, then replayed:
+    tests/test_function_replay.py). Returns the step function and its losses."""
     loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     def train_step(inputs, batch_size):
@@ -51,9 +53,15 @@ def custom_loop(strategy, model, optimizer, x, y, global_batch):
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
 
+    def distributed_step(batch, batch_size):
+        return strategy.reduce("SUM", strategy.run(train_step, args=(batch, batch_size)), axis=None)
+
+    step = tf.function(distributed_step) if compiled else distributed_step
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+    losses = []
     for start, batch in zip(range(0, len(x), global_batch), strategy.experimental_distribute_dataset(dataset)):
-        strategy.run(train_step, args=(batch, len(x[start:start + global_batch])))
+        losses.append(step(batch, len(x[start:start + global_batch])))
+    return step, losses
 
 
 @pytest.mark.parametrize("kind,replicas", [("CPU", 2), ("GPU", 2), ("CPU", 1)])

@@ -11,6 +11,7 @@ import numpy as np
 from kernels import dropout as dropout_kernels           # the mask's key and the rate's check
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
+from mirrored import recording
 from mirrored.keras.base_layer import Layer
 
 FLOAT = np.dtype(np.float32)
@@ -105,7 +106,8 @@ class Dropout(Layer):
         r = state.replica_id
         if r not in self._counters:
             host = dropout_kernels.counter_init(self._seed, self._start.pop(r, 0))   # (3,) uint64
-            self._counters[r] = (state.dev, state.dev.from_numpy(host))
+            with recording.initialization():            # a @function's replay never resets it
+                self._counters[r] = (state.dev, state.dev.from_numpy(host))
         return self._counters[r][1]
 
     def make_buffers(self, state, b):

@@ -4,12 +4,15 @@
 ``model.fit`` keeps its loss and accuracy on the devices (``engine.py``); these
 objects are for the custom loop of the MirroredStrategy tutorial, where each
 replica calls ``update_state`` and the host calls ``result()``. They accumulate
-on the host under a lock, so replica threads can update them concurrently.
+on the host under a lock, so replica threads can update them concurrently. Inside a
+``@function`` their ``update_state`` is host work that every replay does again
+(``recording.host_work``): it reads the values that replay computed.
 """
 import threading
 
 import numpy as np
 
+from mirrored import recording
 from mirrored.tensor import Tensor
 
 
@@ -32,7 +35,10 @@ class Metric:
     reset_states = reset_state
 
     def result(self):
-        """The current value as a host scalar (has ``.numpy()``)."""
+        """The current value as a host scalar (has ``.numpy()``). Inside a ``@function``'s
+        trace it would be frozen: that function then runs eagerly (with a warning)."""
+        recording.unrecordable("it reads a metric's result(), a host value a trace would freeze "
+                               "(read it outside the function)")
         from mirrored.tensor import HostTensor
         return HostTensor.wrap(np.float32(self._total / self._count if self._count else 0.0))
 
@@ -44,6 +50,7 @@ class Metric:
 class Mean(Metric):
     """The running mean of the values given to ``update_state``."""
 
+    @recording.host_work
     def update_state(self, values, sample_weight=None):
         v = _host(values).astype(np.float64)
         with self._lock:
@@ -57,6 +64,7 @@ class SparseCategoricalAccuracy(Metric):
     def __init__(self, name="sparse_categorical_accuracy", dtype=None):
         super().__init__(name, dtype)
 
+    @recording.host_work
     def update_state(self, y_true, y_pred, sample_weight=None):
         labels = _host(y_true).reshape(-1)
         preds = _host(y_pred)

@@ -38,7 +38,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import backends, strategy as _strategy
+from mirrored import backends, recording, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import data_adapters
@@ -144,7 +144,8 @@ class Sequential(ModelAPI):
             raise ValueError("a Sequential model here needs at least one layer with weights (a Dense layer).")
         self._output_shape = shape
         devices = [c.value().dev for c in components(self.trainable_variables[0])]
-        self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
+        with recording.initialization():     # built inside a @function's trace: never replayed
+            self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
         self.built = True
 
     def accept_inputs(self, shape, dtype, what="x"):

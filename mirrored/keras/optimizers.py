@@ -1,16 +1,15 @@
 """Keras optimizers: ``SGD`` and ``Adam``, with Keras's defaults and formulas.
 
-The math is in ``kernels/optimizers.py`` (one kernel launch per parameter buffer); this
-file holds the hyper-parameters, the step counter and the slot buffers (velocity; Adam's
-m and v), one set per device, made on first use where the variables live (so an optimizer
-made outside ``strategy.scope()``, as the course lab's, works) and dropped with their
-model (``release_slots_with``).
+The math is in ``kernels/optimizers.py`` (one launch per parameter buffer); here: the
+hyper-parameters, the step counter and the slot buffers (velocity; Adam's m and v), one set
+per device, made on first use where the variables live (an optimizer made outside
+``strategy.scope()``, as the course lab's, works), dropped with their model.
 
 A step has a host part and a device part. ``begin_step`` counts the step and copies its
 hyper-parameter vector (Adam's alpha changes every step) into a small buffer on every
-device; ``update`` only launches kernels, which read that buffer, so the device part can be
-captured once as a CUDA graph and replayed (``mirrored/graphs.py``). The launches update
-every copy or none: a Ctrl-C waits for the last one (``update_buffers``).
+device; ``update`` only launches kernels, which read that buffer, so a CUDA graph of the
+device part (``mirrored/graphs.py``) or a ``@function``'s replay updates with the alpha just
+written. The launches update every copy or none: a Ctrl-C waits for the last one.
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
 (``keras/step.py``) calls ``begin_step``, the all-reduce and then ``update``;
@@ -28,7 +27,7 @@ import threading
 import warnings
 
 from kernels.optimizers import adam_scalars, sgd_scalars
-from mirrored import context
+from mirrored import context, recording
 from mirrored.devices import every_device_or_none
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.step import step_of
@@ -59,9 +58,9 @@ class Optimizer(OptimizerState):
                 if slots is None:
                     slots = []
                     for _ in self.slot_names:
-                        s = dev.empty(like.shape, like.dtype)
-                        dev.ops.fill(s, 0.0)
-                        slots.append(s)
+                        slots.append(dev.empty(like.shape, like.dtype))
+                        with recording.initialization():      # a @function's replay never re-zeroes
+                            dev.ops.fill(slots[-1], 0.0)
                     self._slots[key] = slots
         return slots
 
@@ -102,9 +101,8 @@ class Optimizer(OptimizerState):
                              for r, dev in enumerate(pack.devices)], around)
 
     def update_buffers(self, launches, around=None):
-        """One ``update_buffer`` per ``(dev, w, g, key)``, all or none: every slot is made before
-        the first launch, and a Ctrl-C waits for the last (``devices.every_device_or_none``).
-        Device 0 updated and device 1 not would leave the copies of the weights different."""
+        """One ``update_buffer`` per ``(dev, w, g, key)``, all or none (copies must not differ):
+        slots made before the first launch, a Ctrl-C waits for the last (``every_device_or_none``)."""
         for dev, w, _, key in launches:
             with dev.activate():
                 self._slot_buffers(key, dev, w)
@@ -120,9 +118,8 @@ class Optimizer(OptimizerState):
         replicas this is a merge point: every replica arrives with its own gradients, and
         the last to arrive sums them and updates every copy, once (``_apply``).
 
-        As Keras: a variable whose gradient is None (it took no part in the loss) is left
-        out with a warning; None for every variable is an error; no pairs at all, nothing
-        to do (the step is not counted)."""
+        As Keras: a variable whose gradient is None is left out with a warning; None for
+        every variable is an error; no pairs at all: nothing done, the step not counted."""
         given = [(g, v) for g, v in grads_and_vars]
         pairs = [(g, v) for g, v in given if g is not None]
         if len(pairs) < len(given):
@@ -154,6 +151,9 @@ class Optimizer(OptimizerState):
 
     def get_config(self):
         return {"name": self.name, "learning_rate": self.rate}
+
+
+recording.host_method(Optimizer, "begin_step", restores="step_count")   # a @function's replay calls it
 
 
 class SGD(Optimizer):

@@ -1,0 +1,459 @@
+"""``@mirrored.function``: trace once per input signature, then replay (TensorFlow's ``tf.function``).
+
+What TensorFlow does, and what this file does in its place:
+
+1. **Key.** Each call is keyed by its *input signature*: the nesting of the arguments,
+   each tensor's shape, dtype and device (a ``PerReplica`` batch: each replica's), and
+   Python values by value (other objects by identity). A new key (the short last
+   batch of an epoch) traces again (``experimental_get_tracing_count``).
+2. **Trace.** The first call for a key runs the Python once, eagerly, inside a
+   ``recording.Recording``: every device call the library makes on the way (each
+   ``dev.ops.<op>`` launch, copy and upload: ``recording.py``) is written down, with
+   the very buffers it used. The tensors of the arguments are first copied into
+   *input slots*, buffers this trace owns, so the record reads those. Python side
+   effects (``print``, appending to a list) happen here only, as in TensorFlow;
+   ``print(tensor)`` shows a symbolic tensor, its value being a different one each call.
+3. **Replay.** Later calls with the same key copy the new arguments' tensors into
+   the input slots, then run the record: the launches in order, on the same buffers,
+   with the host work recorded as callbacks run again (the optimizer's step count and
+   Adam's alpha, ``tf.print``, host metrics). No Python of the user's function, no
+   ``strategy.run`` replica threads, no tape. On CPU devices this is the launch list;
+   on one GPU card the launches between two host callbacks are captured once as a
+   CUDA graph and replayed as one (``graphs.StepGraphs``, ``ReplayGraphs`` below).
+4. **Outputs.** What the function returns is copied into fresh buffers on its device
+   (a replay rewrites the record's own): ``total_loss += step(batch)`` adds on the
+   device, with no host read per step, and ``float(total_loss)`` reads it.
+
+What cannot be recorded is run eagerly, with one warning naming the user's line and
+why (``EagerFallbackWarning``): a host read of a device value while tracing (``float``
+of a loss, an ``if`` on a tensor: Python control flow would be frozen on one value),
+``next()`` on a data set's iterator inside the function (the batch would be frozen),
+NumPy arrays as arguments (pass tensors: a distributed data set's batches). The call
+that found out has already run eagerly, completely, so nothing runs twice.
+
+``strategy.reduce`` inside a trace stays on the device (``reduce_in_trace``): the
+replicas' values are copied to the first replica's device and added there in the order
+the host adds them, so the sum is the same float32 sum.
+
+A trace that raises leaves nothing: no record is kept for its key, and the library's
+own ``no_trace`` (``keras/step.py``) has put the step count and buffers back, as eagerly.
+
+``reduce_retracing`` and ``jit_compile`` are accepted; a record has fixed shapes, so
+every new shape traces (reduce_retracing cannot merge them), and every replay is
+already a fixed launch list (or graph).
+
+Neighbours: ``recording.py`` (what is recorded, how), ``graphs.py`` (CUDA graphs),
+``strategy.py`` (``reduce`` calls ``reduce_in_trace``), ``keras/optimizers.py``
+(``begin_step``, a host callback), ``tensor.py`` (``tf.print``, a host callback).
+"""
+import functools
+import warnings
+
+import numpy as np
+
+from mirrored import backends, context, graphs, nest, recording
+from mirrored.tensor import Tensor, TensorSpec, as_function_output
+from mirrored.values import DistributedValues, Variable
+
+
+class EagerFallbackWarning(UserWarning):
+    """A ``@function`` runs eagerly from now on: something in it cannot be replayed."""
+
+
+def function(func=None, input_signature=None, autograph=True, jit_compile=None,
+             reduce_retracing=False, experimental_implements=None, experimental_autograph_options=None,
+             experimental_attributes=None, experimental_relax_shapes=None, experimental_compile=None,
+             experimental_follow_type_hints=None):
+    """``@mirrored.function`` (TensorFlow's ``@tf.function``): see the module docstring.
+    ``input_signature`` (a list of ``TensorSpec``), when given, is checked against
+    every call's tensors."""
+    if func is None:
+        return lambda f: Function(f, input_signature, reduce_retracing, jit_compile)
+    return Function(func, input_signature, reduce_retracing, jit_compile)
+
+
+class Function:
+    """A traced function: one ``Trace`` per input signature."""
+
+    def __init__(self, func, input_signature=None, reduce_retracing=False, jit_compile=None):
+        if not callable(func):
+            raise TypeError(f"mirrored.function wraps a Python function, got {func!r}.")
+        functools.update_wrapper(self, func)
+        self.python_function = func
+        self.input_signature = input_signature
+        self.reduce_retracing = reduce_retracing
+        self.jit_compile = jit_compile
+        self._traces = {}              # signature key -> Trace
+        self._tracing_count = 0
+        self._eager = None             # why it runs eagerly from now on (after the one warning)
+
+    def __get__(self, instance, owner):
+        """A method decorated with ``@function``: the instance is an argument (keyed by identity)."""
+        return self if instance is None else functools.partial(self.__call__, instance)
+
+    def experimental_get_tracing_count(self):
+        """How many times the Python function has been traced (TensorFlow's name)."""
+        return self._tracing_count
+
+    def __call__(self, *args, **kwargs):
+        # The BLAS at the thread count fit uses (backends.blas_policy: one thread, by
+        # default): OpenBLAS's spinning threads made this step 10x slower on a busy machine.
+        with backends.blas_threads():
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
+        if self._eager is not None or recording.active() is not None or context.top()[1] is not None:
+            # eagerly: after a fallback; inside another function's trace (its launches
+            # then belong to that trace, as TensorFlow inlines a nested call); or inside
+            # strategy.run's replica function (a part of the caller's step, traced with it)
+            return self._call_python(args, kwargs)
+        self._check_signature(args)
+        key, why_not = signature(args, kwargs)
+        if why_not is not None:
+            self._fall_back(why_not, recording.user_line())
+            return self._call_python(args, kwargs)
+        trace = self._traces.get(key)
+        if trace is None:
+            return self._trace(key, args, kwargs)
+        return trace.replay(args, kwargs)
+
+    def _call_python(self, args, kwargs):
+        return nest.map_structure(as_function_output, self.python_function(*args, **kwargs))
+
+    def _trace(self, key, args, kwargs):
+        slots = InputSlots(args, kwargs)
+        self._tracing_count += 1
+        with recording.Recording() as rec:
+            result = self._call_python(slots.args, slots.kwargs)    # raises: no trace kept
+        if rec.refused is not None:
+            self._fall_back(*rec.refused)
+            return result                     # this call ran eagerly, completely
+        trace = Trace(slots, rec.entries, result)
+        self._traces[key] = trace
+        return trace.outputs()
+
+    def _fall_back(self, reason, where):
+        self._eager = reason
+        self._traces.clear()
+        name = getattr(self.python_function, "__qualname__", repr(self.python_function))
+        filename, line, text = where if where is not None else ("<unknown>", 0, "")
+        warnings.warn_explicit(
+            f"@function {name} runs eagerly from now on, every call: {reason}"
+            f"{f' (line: {text})' if text else ''}. A trace would freeze what that line "
+            f"decided or read into every later call. To have it traced and replayed, keep "
+            f"the values on the devices inside the function (return tensors, read them "
+            f"outside; mirrored.print prints a value every call) and pass tensors as "
+            f"arguments (a distributed data set's batches).",
+            EagerFallbackWarning, filename, line)
+
+    def _check_signature(self, args):
+        if self.input_signature is None:
+            return
+        specs = nest.flatten(list(self.input_signature))
+        given = nest.flatten(list(args))
+        if len(specs) != len(given) or not all(
+                spec.is_compatible_with(TensorSpec(g.shape, g.dtype)) for spec, g in zip(specs, given)
+                if isinstance(g, Tensor)):
+            raise ValueError(f"{self.__name__} was called with {[_describe(g) for g in given]}, "
+                             f"which does not match its input_signature {list(self.input_signature)}.")
+
+    def __repr__(self):
+        return f"<mirrored.function {getattr(self, '__qualname__', '?')}: {len(self._traces)} trace(s)>"
+
+
+# --- signatures and input slots --------------------------------------------------------------
+
+def signature(args, kwargs):
+    """``(key, None)``: the hashable input signature of a call; or ``(None, why)`` where
+    an argument cannot be traced."""
+    leaves = nest.flatten((list(args), kwargs))
+    keys = []
+    for leaf in leaves:
+        if isinstance(leaf, np.ndarray) and leaf.ndim:
+            return None, (f"an argument is a NumPy array {leaf.dtype}{list(leaf.shape)}, which a trace "
+                          f"would freeze (pass tensors: mirrored.constant(x), a data set's batches)")
+        keys.append(_leaf_key(leaf))
+    return (nest.structure_of((list(args), kwargs)), tuple(keys)), None
+
+
+def _leaf_key(leaf):
+    if isinstance(leaf, Tensor):
+        return "tensor", leaf.shape, leaf.dtype.str, leaf.device
+    if isinstance(leaf, Variable):
+        return "object", id(leaf)
+    if isinstance(leaf, DistributedValues):
+        return type(leaf).__name__, tuple(_leaf_key(c) for c in leaf.values)
+    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes, np.generic)):
+        return "value", type(leaf).__name__, leaf
+    if isinstance(leaf, np.ndarray):                   # a 0-d array (a host scalar): its value
+        return "value", leaf.dtype.str, leaf.item()
+    return "object", id(leaf)
+
+
+def _describe(value):
+    return f"Tensor{list(value.shape)} {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+
+
+class InputSlots:
+    """The trace's own copies of a call's tensors (``args``, ``kwargs``: the call's
+    structure with each tensor, or replica component, replaced by its copy), and
+    ``refill``: a later call's tensors copied into them."""
+
+    def __init__(self, args, kwargs):
+        self.slots = []                        # (device, buffer) per tensor, flattening order
+        self.pins = nest.flatten((list(args), kwargs))   # objects keyed by identity stay alive
+        slotted = nest.map_structure(self._slot, (list(args), kwargs))
+        self.args, self.kwargs = tuple(slotted[0]), slotted[1]
+
+    def _slot(self, leaf):
+        if isinstance(leaf, Tensor):
+            dev = leaf.dev
+            with dev.activate():
+                buf = dev.empty(leaf.shape, leaf.dtype)
+                if leaf.buf.size:
+                    dev.copy_into(buf, leaf.buf)
+            self.slots.append((dev, buf))
+            return Tensor(buf, dev)
+        if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
+            return type(leaf)([self._slot(c) for c in leaf.values])
+        return leaf
+
+    def refill(self, args, kwargs):
+        tensors = [t for leaf in nest.flatten((list(args), kwargs)) for t in _tensors(leaf)]
+        for (dev, buf), t in zip(self.slots, tensors):
+            if buf.size and t.buf is not buf:
+                dev.copy_into(buf, t.buf)
+
+
+def _tensors(leaf):
+    if isinstance(leaf, Tensor):
+        return [leaf]
+    if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
+        return [t for c in leaf.values for t in _tensors(c)]
+    return []
+
+
+def fresh(leaf):
+    """An output leaf with every tensor copied into a new buffer of its device (the
+    record's own buffers are rewritten by the next replay)."""
+    if isinstance(leaf, Tensor):
+        dev = leaf.dev
+        with dev.activate():
+            out = dev.empty(leaf.shape, leaf.dtype)
+            if leaf.buf.size:
+                dev.copy_into(out, leaf.buf)
+        return Tensor(out, dev)
+    if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
+        return type(leaf)([fresh(c) for c in leaf.values])
+    return leaf
+
+
+# --- one trace: its record and how it is replayed ------------------------------------------
+
+class Trace:
+    """One input signature's record: the input slots, the entries, the outputs."""
+
+    def __init__(self, slots, entries, result):
+        self.slots = slots
+        self.entries = list(entries)
+        self.result = result
+        self.devices = _devices_of(self.entries)
+        self.graphs = ReplayGraphs.for_devices(self.devices)
+        if self.graphs is None:
+            self.segments = [self.entries]         # CPU (or no graphs): the list, in order
+        else:
+            self.segments = segments(reorder(self.entries))
+
+    def outputs(self):
+        return nest.map_structure(self._fresh, self.result)
+
+    def _fresh(self, leaf):
+        """``fresh(leaf)`` for what the record writes; a tensor it never touches (one the
+        function captured and returns as it is) comes back as itself."""
+        written = self.__dict__.get("_written")
+        if written is None:
+            buffers = [b for e in self.entries for b in e.buffers()] + [buf for _, buf in self.slots.slots]
+            written = self._written = {}
+            for t in (t for leaf in nest.flatten(self.result) for t in _tensors(leaf)):
+                written[id(t)] = _overlaps([t.buf], [_Buffers(buffers)])
+        if isinstance(leaf, Tensor) and not written.get(id(leaf), True):
+            return leaf
+        if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
+            if not any(written.get(id(t), True) for t in _tensors(leaf)):
+                return leaf
+        return fresh(leaf)
+
+    def replay(self, args, kwargs):
+        """Run the record on a new call's tensors; returns fresh outputs."""
+        self.slots.refill(args, kwargs)
+        undo = []
+        try:
+            for i, part in enumerate(self.segments):
+                if isinstance(part, list):
+                    if self.graphs is not None:
+                        self.graphs.run(("replay", id(self), i), _run_launches, part)
+                    else:
+                        _run_entries(part, undo)
+                else:
+                    _run_entries([part], undo)
+        except BaseException:
+            for restore in reversed(undo):     # the host state as before this call
+                restore()
+            raise
+        return self.outputs()
+
+
+class _Buffers:
+    """A list of buffers where ``_overlaps`` expects entries."""
+
+    def __init__(self, buffers):
+        self._buffers = buffers
+
+    def buffers(self):
+        return self._buffers
+
+
+def _run_entries(entries, undo):
+    for entry in entries:
+        restore = entry.run()
+        if restore is not None:
+            undo.append(restore)
+
+
+def _run_launches(entries):
+    for entry in entries:
+        entry.run()
+
+
+def _devices_of(entries):
+    found = {}
+    for entry in entries:
+        dev = entry.device() if hasattr(entry, "device") else None
+        if hasattr(dev, "ops"):
+            found.setdefault(dev.name, dev)
+    return list(found.values())
+
+
+def segments(entries):
+    """The entries cut at each host callback: ``[launches...], HostCall, [launches...]``;
+    each list of launches can be captured as one CUDA graph. Uploads go with the host
+    calls (a copy from the host through a staging buffer is not captured)."""
+    out, run = [], []
+    for entry in entries:
+        if isinstance(entry, (recording.HostCall, recording.Upload)) or (
+                isinstance(entry, recording.PeerCopy) and entry.src.device_type != entry.dev.device_type):
+            if run:
+                out.append(run)
+                run = []
+            out.append(entry)
+        else:
+            run.append(entry)
+    if run:
+        out.append(run)
+    return out
+
+
+def reorder(entries):
+    """The entries with host work moved out of the launches where that changes nothing,
+    so that the launches of a step form one run (one CUDA graph):
+
+    * a host call that only writes device buffers (``begin_step``'s scalars), and an
+      upload of a traced constant, go to the front when no launch before them touches
+      what they write;
+    * a host call that only reads (``tf.print``, a metric's ``update_state``) goes to
+      the end when no launch after it touches what it read.
+
+    Order among the moved calls is kept. "Touches" is judged by address ranges, so it
+    is conservative (a launch that only reads a buffer still holds a write back); host
+    state two moved calls share is not tracked (a ``tf.print`` of the step count placed
+    before ``apply_gradients`` would show the count after it)."""
+    front, middle, back = [], [], []
+    for entry in entries:
+        moves_front = (isinstance(entry, recording.Upload) or
+                       (isinstance(entry, recording.HostCall) and not entry.reads))
+        if moves_front and not _overlaps(entry.buffers(), middle):
+            front.append(entry)
+        else:
+            middle.append(entry)
+    kept = []
+    for entry in reversed(middle):
+        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes
+        if moves_back and not _overlaps(entry.buffers(), kept):
+            back.append(entry)
+        else:
+            kept.append(entry)
+    return front + kept[::-1] + back[::-1]
+
+
+def _overlaps(buffers, entries):
+    spans = [_span(b) for b in buffers]
+    for entry in entries:
+        for other in entry.buffers():
+            lo, hi = _span(other)
+            if any(lo < b_hi and b_lo < hi for b_lo, b_hi in spans):
+                return True
+    return False
+
+
+def _span(buf):
+    """The address range ``[lo, hi)`` a buffer's bytes occupy."""
+    buf = getattr(buf, "_ary", buf)                   # the simulator's array inside
+    if isinstance(buf, np.ndarray):
+        lo, hi = np.byte_bounds(buf) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(buf)
+        return lo, max(hi, lo + 1)
+    cai = buf.__cuda_array_interface__
+    nbytes = int(np.prod(cai["shape"], dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
+    return cai["data"][0], cai["data"][0] + max(nbytes, 1)
+
+
+class ReplayGraphs(graphs.StepGraphs):
+    """``graphs.StepGraphs`` for a replay's runs of launches: each run (a key) is
+    captured the second time it runs and replayed as one CUDA graph after."""
+
+    @classmethod
+    def for_devices(cls, devices):
+        """The graphs of a replay over ``devices``, or None where nothing can be captured
+        (CPU devices, the simulator, several physical GPUs: the launch list is replayed)."""
+        if not devices or graphs.why_not_capturable(devices[:1]) is not None:
+            return None
+        if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
+            return None
+        made = cls(devices[:1])
+        made.devices = list(devices)           # every replica's stream joins the capture
+        return made
+
+
+# --- strategy.reduce inside a trace ----------------------------------------------------------
+
+def reduce_in_trace(strategy, reduce_op, value, axis, on_host):
+    """``strategy.reduce`` while a trace records: the result stays on the first replica's
+    device. Float values across replicas (``axis=None``): copied there and added in
+    replica order, as ``strategy.reduce_on_host`` adds them (the same float32 sums),
+    MEAN then divided by the count. Anything else: ``on_host()`` (the host's reduction)
+    run as a host callback at every replay, its result uploaded into one buffer."""
+    dev = strategy.extended.devices[0]
+    comps = list(value.values) if isinstance(value, DistributedValues) else [value]
+    if axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
+                            and c.dtype == comps[0].dtype for c in comps):
+        with dev.activate():
+            total = dev.empty(comps[0].shape, comps[0].dtype)
+            first = comps[0].buf if comps[0].dev is dev else dev.copy_from(comps[0].buf, comps[0].dev)
+            dev.copy_into(total, first)
+            for c in comps[1:]:
+                other = c.buf if c.dev is dev else dev.copy_from(c.buf, c.dev)
+                dev.ops.binary("add", total, other, total)
+            if reduce_op == "MEAN":
+                dev.ops.binary_scalar("div", total, len(comps), total)
+        return Tensor(total, dev)
+    made = {}
+    recording.host_work(_reduce_into)(dev, made, on_host)
+    return Tensor(made["buf"], dev)
+
+
+def _reduce_into(dev, made, on_host):
+    """``on_host()``'s array uploaded into one buffer of ``dev`` (made the first time)."""
+    host = np.ascontiguousarray(on_host())
+    if "buf" not in made:
+        with dev.activate():
+            made["buf"] = dev.empty(host.shape, host.dtype)
+    dev.upload_into(made["buf"], host.astype(made["buf"].dtype, copy=False))
