@@ -51,6 +51,12 @@ ATTRIBUTE_MAX_BYTES = 1 << 16         # 64 KiB
 FLOAT_KINDS, NUMBER_KINDS = "f", "fiu"
 
 
+class Refused(ValueError):
+    """A file refused by one of our checks: it points outside itself, or does not hold what
+    the model takes. (``saving.py`` lets these through as they are; any other failure while
+    h5py reads a file, whatever its type, is damage and is named as such.)"""
+
+
 def _hint():
     return ("A weights file holds its own arrays and nothing else; Keras 3 refuses such a file too. "
             "Load it only if you trust where it came from, by re-saving it from the model that wrote it "
@@ -61,10 +67,18 @@ def _hint():
 def refuse_links(h5file, filepath):
     """Walk every link of the open HDF5 file ``h5file`` without following any; raise
     ``ValueError`` naming the first soft link, external link, dataset with external storage or
-    virtual dataset (and where it points). Reads no data. ``filepath`` names the file."""
+    virtual dataset (and where it points). Reads no data. ``filepath`` names the file.
+    ``visit`` returns the refusal (or an error) rather than raising it: h5py's visit stops
+    at the first value that is not None and returns it."""
     import h5py
 
     def visit(name, link):
+        try:
+            return refusal_of(name, link)
+        except Exception as err:      # a damaged object header: raised after the walk
+            return err
+
+    def refusal_of(name, link):
         kind = type(link).__name__
         if isinstance(link, h5py.SoftLink):
             where = f" -> '{link.path}'"
@@ -82,9 +96,12 @@ def refuse_links(h5file, filepath):
                 kind, where = "virtual Dataset", " (assembled from other datasets, maybe other files)"
             else:
                 return None
-        raise ValueError(f"Not allowed: H5 file with {kind}: {filepath} has one at '/{name}'{where}. "
-                         + _hint())
-    h5file.visititems_links(visit)
+        return f"Not allowed: H5 file with {kind}: {filepath} has one at '/{name}'{where}. " + _hint()
+    refusal = h5file.visititems_links(visit)      # stops at the first non-None return
+    if isinstance(refusal, Exception):            # (an exception raised inside h5py's visit
+        raise refusal                             # comes out as a SystemError)
+    if refusal is not None:
+        raise Refused(refusal)
 
 
 def check_dataset(obj, shape, kinds, filepath, what):
@@ -94,15 +111,15 @@ def check_dataset(obj, shape, kinds, filepath, what):
     import h5py
     if not isinstance(obj, h5py.Dataset):
         found = "nothing" if obj is None else f"a {type(obj).__name__}"
-        raise ValueError(f"{filepath}: {what} should be a dataset of shape {tuple(shape)}, the file has "
+        raise Refused(f"{filepath}: {what} should be a dataset of shape {tuple(shape)}, the file has "
                          f"{found} there: it is not a Keras weights file of this model.")
     if obj.shape != tuple(shape):
         declared = math.prod(obj.shape or ()) * obj.dtype.itemsize
-        raise ValueError(f"{filepath}: {what} has shape {tuple(shape)} in this model, the file declares "
+        raise Refused(f"{filepath}: {what} has shape {tuple(shape)} in this model, the file declares "
                          f"{obj.shape} ({declared:,} bytes): nothing was read. Build the same model as "
                          f"the one saved.")
     if obj.dtype.kind not in kinds or obj.dtype.fields is not None:
-        raise ValueError(f"{filepath}: {what} has dtype {obj.dtype} in the file; a Keras weights file "
+        raise Refused(f"{filepath}: {what} has dtype {obj.dtype} in the file; a Keras weights file "
                          f"holds {'floats' if kinds == FLOAT_KINDS else 'numbers'} there.")
     return obj
 
@@ -117,7 +134,7 @@ def read_attribute(attrs, name, filepath, path):
     info = attrs.get_id(name)
     declared = math.prod(info.shape or ()) * info.dtype.itemsize
     if declared > ATTRIBUTE_MAX_BYTES:
-        raise ValueError(f"Not allowed: H5 attribute '{name}' of '/{path}' in {filepath} declares "
+        raise Refused(f"Not allowed: H5 attribute '{name}' of '/{path}' in {filepath} declares "
                          f"{declared:,} bytes (a layer's training state is a few bytes).")
     return np.asarray(attrs[name])
 
@@ -132,7 +149,7 @@ def read_member(zf, name, filepath, what="archive"):
     ``what``: the kind of file, for the message."""
     info = zf.getinfo(name)
     if info.file_size > ZIP_BOMB_FLOOR_BYTES and info.file_size > ZIP_MAX_EXPANSION * info.compress_size:
-        raise ValueError(f"Not allowed: ZIP member '{name}' of {filepath} declares {info.file_size:,} bytes "
+        raise Refused(f"Not allowed: ZIP member '{name}' of {filepath} declares {info.file_size:,} bytes "
                          f"but only {info.compress_size:,} are stored; refusing to load a potential "
                          f"decompression bomb.")
     try:

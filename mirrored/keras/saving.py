@@ -242,7 +242,8 @@ def _write_h5(model, target, training_state=False):
 
 def _not_weights(filepath, err):
     size = os.path.getsize(filepath) if isinstance(filepath, str) and os.path.exists(filepath) else None
-    what = "it is empty (0 bytes)" if size == 0 else f"it is truncated or not an HDF5 file ({err})"
+    what = ("it is empty (0 bytes)" if size == 0 else
+            f"it is truncated, damaged or not an HDF5 file ({type(err).__name__}: {err})")
     return ValueError(f"{filepath} is not a Keras weights file: {what}. Write one with "
                       f"model.save_weights('name.weights.h5') (or model.save('name.keras')).")
 
@@ -263,7 +264,7 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
             base = "layers" if "layers" in f else (
                 "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
             if base is None or not isinstance(f[base], h5py.Group):
-                raise ValueError(f"{filepath} has no 'layers' group: it is an HDF5 file but not a Keras 3 "
+                raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a Keras 3 "
                                  f"weights file (top-level groups: {sorted(f.keys())}).")
             groups = {key: group.get("vars") if isinstance(group, h5py.Group) else None
                       for key, group in f[base].items()}
@@ -279,7 +280,9 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
                 if names:
                     states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
                         group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
-    except (OSError, KeyError, RuntimeError) as err:
+    except (file_safety.Refused, MemoryError):
+        raise
+    except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
         raise _not_weights(filepath, err) from err
     return arrays, values, states
 
@@ -294,18 +297,18 @@ def _check_layers(model, groups, filepath):
         want = layer.trainable_weights
         group = groups.get(key)
         if group is not None and not isinstance(group, h5py.Group):
-            raise ValueError(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a group: "
+            raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a group: "
                              f"it is not a Keras 3 weights file.")
         have = len(group) if group is not None else 0
         if have != len(want):
-            raise ValueError(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
+            raise file_safety.Refused(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
                              f"{len(want)} weight arrays in this model, the file has {have} for it "
                              f"(the file's layers: {sorted(groups)}). Build the same model as the one saved.")
         datasets += [file_safety.check_dataset(group.get(str(i)), v.shape, file_safety.FLOAT_KINDS, filepath,
                                                f"{v.name} (layer {key!r})") for i, v in enumerate(want)]
     extra = sorted(k for k, g in groups.items() if k not in keys and g is not None and len(g))
     if extra:
-        raise ValueError(f"{filepath} holds weights for layers this model does not have: {extra} "
+        raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
                          f"(the model's layers: {keys}).")
     return datasets
 
