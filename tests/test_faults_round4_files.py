@@ -1,5 +1,7 @@
 """Bad input and faults, round four (issue 42, items 5-10): weights files and checkpoints.
-Each test here failed before its fix.
+Each test here failed before its fix (before it, the save under a file-size limit died of
+SIGSEGV, and a .keras file holding a virtual dataset did too), except the one over every
+damaged file type, which keeps what already held for most of them.
 
 * A save under a file-size limit (a full disk acts alike) fails with an ``OSError`` that
   names the file, the process lives on, and the earlier file stays (item 5).

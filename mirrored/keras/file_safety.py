@@ -58,9 +58,8 @@ class Refused(ValueError):
 
 
 def _hint():
-    return ("A weights file holds its own arrays and nothing else; Keras 3 refuses such a file too. "
-            "Load it only if you trust where it came from, by re-saving it from the model that wrote it "
-            "(model.save_weights / model.save).")
+    return ("A weights file must hold its own arrays and nothing else (Keras 3 refuses such files too): "
+            "save the weights again, with model.save_weights or model.save, from the model that has them.")
 
 
 # -- HDF5: links, external storage, virtual datasets ------------------------------------------
