@@ -264,8 +264,8 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
             base = "layers" if "layers" in f else (
                 "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
             if base is None or not isinstance(f[base], h5py.Group):
-                raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a Keras 3 "
-                                 f"weights file (top-level groups: {sorted(f.keys())}).")
+                raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
+                                          f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
             groups = {key: group.get("vars") if isinstance(group, h5py.Group) else None
                       for key, group in f[base].items()}
             weights = _check_layers(model, groups, filepath)
@@ -276,8 +276,8 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
             values = None if opt is None else [file_safety.read_dataset(d) for d in opt]
             states = {}
             for key, group in (groups.items() if training_state else ()):
-                names = [n for n in (group.attrs.keys() if group is not None else ()) if n.startswith(STATE_PREFIX)]
-                if names:
+                names = [n for n in (group.attrs if group is not None else ()) if n.startswith(STATE_PREFIX)]
+                if names:                             # the names only, so far: read_attribute checks sizes
                     states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
                         group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
     except (file_safety.Refused, MemoryError):
@@ -297,19 +297,20 @@ def _check_layers(model, groups, filepath):
         want = layer.trainable_weights
         group = groups.get(key)
         if group is not None and not isinstance(group, h5py.Group):
-            raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a group: "
-                             f"it is not a Keras 3 weights file.")
+            raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a "
+                                      f"group: it is not a Keras 3 weights file.")
         have = len(group) if group is not None else 0
         if have != len(want):
             raise file_safety.Refused(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
-                             f"{len(want)} weight arrays in this model, the file has {have} for it "
-                             f"(the file's layers: {sorted(groups)}). Build the same model as the one saved.")
+                                      f"{len(want)} weight arrays in this model, the file has {have} for it "
+                                      f"(the file's layers: {sorted(groups)}). Build the same model as the "
+                                      f"one saved.")
         datasets += [file_safety.check_dataset(group.get(str(i)), v.shape, file_safety.FLOAT_KINDS, filepath,
                                                f"{v.name} (layer {key!r})") for i, v in enumerate(want)]
     extra = sorted(k for k, g in groups.items() if k not in keys and g is not None and len(g))
     if extra:
         raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
-                         f"(the model's layers: {keys}).")
+                                  f"(the model's layers: {keys}).")
     return datasets
 
 
