@@ -393,9 +393,12 @@ def load_weights(model, filepath):
 def _archive(filepath):
     try:
         zf = zipfile.ZipFile(filepath, "r")
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
+    except MemoryError:
+        raise
+    except Exception as err:      # BadZipFile, EOFError, OSError; NotImplementedError for a flipped version byte
         size = os.path.getsize(filepath)
-        what = "it is empty (0 bytes)" if size == 0 else f"it is truncated or not a zip archive ({err})"
+        what = ("it is empty (0 bytes)" if size == 0 else
+                f"it is truncated, damaged or not a zip archive ({type(err).__name__}: {err})")
         raise ValueError(f"{filepath} is not a Keras model file: {what}. Write one with "
                          f"model.save('name.keras').") from err
     with zf:
