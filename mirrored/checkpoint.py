@@ -23,22 +23,30 @@ resumes exactly where it stopped. In the same directory the text file ``checkpoi
 names the latest checkpoint and the ones kept (TensorFlow's format of that file), which
 ``latest_checkpoint(dir)`` reads. Every file is written to a temporary name and renamed
 into place (``os.replace``): a crash never leaves a half-written checkpoint or a state
-file that names a missing one. Under ``MultiWorkerMirroredStrategy`` only the chief writes.
+file that names a missing one; files get ``0666 & ~umask``, as ``open()`` gives. Under
+``MultiWorkerMirroredStrategy`` only the chief writes. A damaged checkpoint (cut short, a
+bit flipped, emptied) raises ``mirrored.errors.DataLossError`` naming the file, as
+TensorFlow does, and restores nothing.
 
 Differences from TensorFlow: objects are matched by their keyword (not by TensorFlow's
 object graph), and a model that is not built yet is built on restore from the shape the
 file records (TensorFlow defers the restore until the variables exist; the result is the same).
-Neighbours: ``keras/saving.py`` (``model.save``'s ``.keras`` files), ``keras/optimizers.py``.
+Neighbours: ``keras/saving.py`` (``model.save``'s ``.keras`` files), ``keras/file_safety.py``
+(reading archive members; damage named), ``keras/optimizers.py``.
 """
 import io
+import math
 import os
 import re
 import tempfile
+import zipfile
 
 import numpy as np
 
+from mirrored.keras.file_safety import damaged, read_member, write_error
 from mirrored.keras.models import Sequential
 from mirrored.keras.optimizers import Optimizer
+from mirrored.keras.saving import NEW_FILE_MODE, current_umask
 from mirrored.values import Variable
 
 STATE_FILE = "checkpoint"        # TensorFlow's name for the directory's list of checkpoints
@@ -46,20 +54,70 @@ _SUFFIX = ".npz"
 
 
 def _write_atomically(path, data):
-    """``data`` (bytes) to ``path`` via a temporary file in the same folder, fsync, rename."""
+    """``data`` (bytes) to ``path`` via a temporary file in the same folder, fsync, rename.
+    The file gets ``0666 & ~umask``, as ``open()`` and the Keras files give theirs (mkstemp
+    makes it 0600: another user's serving job could not read the checkpoints). A failed
+    write (a full disk, a file-size limit) raises an ``OSError`` naming ``path``; the file
+    there before is intact."""
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}-{os.getpid()}-")
+    tmp = None
     try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}-{os.getpid()}-")
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), NEW_FILE_MODE & ~current_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as err:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(err, OSError):
+            raise write_error(err, path) from err
         raise
+
+
+def _read_arrays(file):
+    """{name: array} of the checkpoint ``file`` (an ``.npz``: a zip archive of ``.npy``
+    members), as ``np.load`` gives them, but every failure named: a cut-short, emptied or
+    bit-flipped file raises ``DataLossError`` naming it (``file_safety.read_member`` reads
+    each member, CRC checked), and each ``.npy`` header must declare exactly the bytes its
+    member holds before the array is made (a flipped bit in a shape cannot make us allocate
+    gigabytes; ``np.load`` allocates what the header says first)."""
+    try:
+        zf = zipfile.ZipFile(file)
+    except MemoryError:
+        raise
+    except Exception as err:        # BadZipFile, EOFError, a header that does not parse...
+        what = ("it is empty (0 bytes)" if os.path.getsize(file) == 0 else
+                f"it is not a complete zip archive ({type(err).__name__}: {err})")
+        raise damaged(file, what, "checkpoint") from err
+    with zf:
+        return {name[:-len(".npy")]: _npy(read_member(zf, name, file, "checkpoint"), file, name)
+                for name in zf.namelist()}
+
+
+def _npy(data, file, name):
+    """The array in ``data``, the bytes of member ``name`` (``np.lib.format``'s ``.npy``)."""
+    stream = io.BytesIO(data)
+    try:
+        if not name.endswith(".npy"):
+            raise ValueError("a checkpoint's members are .npy arrays")
+        version = np.lib.format.read_magic(stream)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, _, dtype = read_header(stream)
+        declared, held = math.prod(shape) * dtype.itemsize, len(data) - stream.tell()
+        if dtype.hasobject or declared != held:
+            raise ValueError(f"its header declares {shape} {dtype} ({declared:,} bytes), it holds {held:,}")
+        stream.seek(0)                                # read_array reads the header again
+        return np.lib.format.read_array(stream, allow_pickle=False)
+    except MemoryError:
+        raise
+    except Exception as err:
+        raise damaged(file, f"its member '{name}' is not an array ({type(err).__name__}: {err})",
+                      "checkpoint") from err
 
 
 def _read_state(directory):
@@ -217,8 +275,10 @@ class Checkpoint:
         if not os.path.exists(file):
             raise FileNotFoundError(f"no checkpoint at {save_path!r} (looked for {file}); pass a path "
                                     f"that save() returned, or mirrored.train.latest_checkpoint(dir).")
-        with np.load(file, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
+        arrays = _read_arrays(file)                   # DataLossError if damaged, naming the file
+        if "save_counter" not in arrays:              # written first into every checkpoint
+            raise damaged(file, f"it lacks save_counter, which every checkpoint holds (it has "
+                          f"{sorted(arrays)[:8]})", "checkpoint")
         plan, missing = [], []
         for key, obj in self._objects.items():
             if isinstance(obj, Sequential):
@@ -229,7 +289,7 @@ class Checkpoint:
                 if not obj.built:
                     obj.build((None,) + tuple(int(d) for d in arrays[shape_key]))
                 weights = _numbered(arrays, f"model:{key}/")
-                _check_weights(key, obj, weights)
+                _check_weights(key, obj, weights, file)
                 plan.append((obj.set_weights, weights))
             elif isinstance(obj, Variable):
                 value = arrays.get(f"variable:{key}")
@@ -247,10 +307,10 @@ class Checkpoint:
                     missing.append(key)
                     continue
                 model = self._model_for(key)
-                plan.append((_optimizer_setter(obj, model, values, arrays.get(f"optimizer:{key}/1")), None))
+                plan.append((_optimizer_setter(obj, model, values, arrays.get(f"optimizer:{key}/1"), file), None))
         for apply, value in plan:                     # everything checked: now change the objects
             apply() if value is None else apply(value)
-        self.save_counter.value = int(arrays.get("save_counter", 0))
+        self.save_counter.value = int(arrays["save_counter"])
         return CheckpointLoadStatus(missing)
 
 
@@ -262,19 +322,25 @@ def _numbered(arrays, prefix):
     return out
 
 
-def _check_weights(key, model, weights):
+def _check_weights(key, model, weights, file):
     shapes = [tuple(v.shape) for v in model.trainable_variables]
     got = [w.shape for w in weights]
     if got != shapes:
-        raise ValueError(f"checkpoint: model {key!r} has weights of shapes {shapes}, the file "
+        raise ValueError(f"checkpoint {file}: model {key!r} has weights of shapes {shapes}, the file "
                          f"{got}: it was saved from another architecture.")
 
 
-def _optimizer_setter(opt, model, values, lr):
+def _optimizer_setter(opt, model, values, lr, file):
     """A function that restores ``opt``'s state: checked now (``Optimizer.keras_variables_setter``
     refuses a wrong count or shape before anything changes), applied later."""
     if values:
-        return opt.keras_variables_setter(model.step.pack, values)
+        try:
+            if len(values) < 2:
+                raise ValueError(f"optimizer {opt.name}: {len(values)} variable, expected the iteration "
+                                 f"and the learning rate at least")
+            return opt.keras_variables_setter(model.step.pack, values)
+        except ValueError as err:
+            raise ValueError(f"checkpoint {file}: {err}") from err
 
     def set_rate():                                   # only the rate was saved
         opt.learning_rate = float(lr)

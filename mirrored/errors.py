@@ -24,3 +24,15 @@ class DeadlineExceededError(RuntimeError):
 class OutOfRangeError(IndexError):
     """An iterator has no more elements (TensorFlow's ``tf.errors.OutOfRangeError``):
     ``get_next()`` of a distributed dataset's iterator past its end."""
+
+
+class DataLossError(ValueError):
+    """A file we read is damaged: cut short, a bit flipped, emptied (TensorFlow's
+    ``tf.errors.DataLossError``, which its checkpoint reader raises for a corrupted file).
+
+    Raised for a damaged ``tf.train.Checkpoint`` file (``checkpoint.py``), ``.keras``
+    archive or archive member (``keras/file_safety.py``); the message names the file (and
+    the member), says what is wrong and what to do. Nothing loaded from the file is kept:
+    the model is as it was. A ``ValueError``, as the other errors of a file we cannot use
+    (a foreign file, another model's weights), so ``except ValueError`` catches them all.
+    """

@@ -45,8 +45,13 @@ Every file is written to a hidden temporary file beside the target (``.weights-<
 killed save leaves any previous file intact. A save into a folder first removes the
 temporaries that a killed save (``kill -9``) left there: those of processes no longer alive.
 Loading a truncated, empty or foreign file names the file and says what is wrong.
+Before any array is read, ``file_safety.py`` checks that nothing in the file points outside
+it (links, external storage, virtual datasets: refused, as Keras 3 refuses them) and that
+every dataset has its variable's shape and dtype (a file cannot make us allocate what the
+model does not hold); a damaged archive member raises ``mirrored.errors.DataLossError``.
 
 Neighbours: ``model_api.py`` (``Sequential.save``/``save_weights``/``load_weights``),
+``file_safety.py`` (what a file we load may not make us do),
 ``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
 ``layers.py`` (the layers rebuilt from a config; ``get_config``: each layer's config; ``initializers.py``: the initialisers' names).
 """
@@ -63,7 +68,7 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras import initializers
+from mirrored.keras import file_safety, initializers
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -137,21 +142,27 @@ def _atomic_write(filepath, suffix, write):
     The file gets the mode an ordinary ``open(filepath, "w")`` would give it, 0666 less
     the umask (0644 under the usual umask 022), as h5py and Keras give theirs: mkstemp
     makes its file 0600, which kept checkpoints from the user's other processes (a
-    serving job). The mode is set on the temporary file, before the rename."""
+    serving job). The mode is set on the temporary file, before the rename. A write that
+    fails (a full disk, a file-size limit) raises an ``OSError`` naming ``filepath``
+    (``file_safety.write_error``); the temporary is removed and the old file stays."""
     folder = os.path.dirname(os.path.abspath(filepath))
-    os.makedirs(folder, exist_ok=True)
-    clean_stale_temporaries(folder)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIXES[suffix]}{os.getpid()}-", suffix=".tmp", dir=folder)
-    os.close(fd)
+    tmp = None
     try:
+        os.makedirs(folder, exist_ok=True)
+        clean_stale_temporaries(folder)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIXES[suffix]}{os.getpid()}-", suffix=".tmp", dir=folder)
+        os.close(fd)
         os.chmod(tmp, NEW_FILE_MODE & ~current_umask())
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, filepath)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except BaseException as err:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise file_safety.write_error(err, filepath) from err
         raise
 
 
@@ -200,7 +211,18 @@ def layer_keys(layers):
 def _write_h5(model, target, training_state=False):
     """Write ``model``'s weights (and its optimizer's state, when compiled) in Keras's layout
     to ``target`` (a path or a binary file object); ``training_state``: the layers' too, as
-    attributes Keras ignores (a .keras archive; the docstring says why there)."""
+    attributes Keras ignores (a .keras archive; the docstring says why there).
+
+    A path gets the file built in memory first and written in one ``write``, as ``save``
+    does: h5py writing straight to a file that cannot grow (a full disk, a file-size limit)
+    failed inside its close and, with h5py 3.16 and HDF5 2.0, could take the process down
+    (SIGSEGV; issue 42). Plain bytes fail with an ordinary ``OSError``."""
+    if isinstance(target, (str, os.PathLike)):
+        buffer = io.BytesIO()
+        _write_h5(model, buffer, training_state)
+        with open(target, "wb") as f:
+            f.write(buffer.getbuffer())
+        return
     h5py = _h5py()
     with h5py.File(target, "w") as f:
         f.create_group("vars").attrs["name"] = model.name
@@ -220,81 +242,108 @@ def _write_h5(model, target, training_state=False):
 
 def _not_weights(filepath, err):
     size = os.path.getsize(filepath) if isinstance(filepath, str) and os.path.exists(filepath) else None
-    what = "it is empty (0 bytes)" if size == 0 else f"it is truncated or not an HDF5 file ({err})"
+    what = ("it is empty (0 bytes)" if size == 0 else
+            f"it is truncated, damaged or not an HDF5 file ({type(err).__name__}: {err})")
     return ValueError(f"{filepath} is not a Keras weights file: {what}. Write one with "
                       f"model.save_weights('name.weights.h5') (or model.save('name.keras')).")
 
 
-def _read_h5(source, filepath):
-    """Everything in a Keras 3 weights file: ({layer path: [arrays]}, [optimizer arrays] or
-    None, {layer path: training state}). ``source``: a path or a file object; ``filepath``
-    names it in errors."""
+def _read_h5(source, filepath, model, force=False, training_state=False):
+    """Read a Keras 3 weights file for ``model``, checking everything before reading any
+    data (``file_safety.py`` says why): no link leads outside the file, then every dataset
+    the model will take has the shape and dtype of its variable, then the arrays are read.
+    ``source``: a path or a file object; ``filepath`` names it in errors; ``force``: as
+    ``_check_optimizer``; ``training_state``: read the layers' too (a .keras archive).
+
+    Returns (the weights in ``model.set_weights``'s order, the optimizer's values or None,
+    {layer key: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
     try:
         with h5py.File(source, "r") as f:
+            file_safety.refuse_links(f, filepath)
             base = "layers" if "layers" in f else (
                 "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
-            if base is None:
-                raise ValueError(f"{filepath} has no 'layers' group: it is an HDF5 file but not a Keras 3 "
-                                 f"weights file (top-level groups: {sorted(f.keys())}).")
-            layers, states = {}, {}
-            for key, group in f[base].items():
-                vars_ = group.get("vars") if isinstance(group, h5py.Group) else None
-                layers[key] = [np.asarray(vars_[str(i)]) for i in range(len(vars_))] if vars_ is not None else []
-                state = {k[len(STATE_PREFIX):]: np.asarray(v) for k, v in
-                         (vars_.attrs.items() if vars_ is not None else ()) if k.startswith(STATE_PREFIX)}
-                if state:
-                    states[key] = state
-            opt = f.get("optimizer/vars")
-            optimizer = [np.asarray(opt[str(i)]) for i in range(len(opt))] if opt is not None else None
-    except (OSError, KeyError, RuntimeError) as err:
+            if base is None or not isinstance(f[base], h5py.Group):
+                raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
+                                          f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
+            groups = {key: group.get("vars") if isinstance(group, h5py.Group) else None
+                      for key, group in f[base].items()}
+            weights = _check_layers(model, groups, filepath)
+            opt = f.get("optimizer")
+            opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
+                                   filepath, force)
+            arrays = [file_safety.read_dataset(d) for d in weights]
+            values = None if opt is None else [file_safety.read_dataset(d) for d in opt]
+            states = {}
+            for key, group in (groups.items() if training_state else ()):
+                names = [n for n in (group.attrs if group is not None else ()) if n.startswith(STATE_PREFIX)]
+                if names:                             # the names only, so far: read_attribute checks sizes
+                    states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
+                        group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
+    except (file_safety.Refused, MemoryError):
+        raise
+    except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
         raise _not_weights(filepath, err) from err
-    return layers, optimizer, states
+    return arrays, values, states
 
 
-def _apply(model, stored, filepath, restore_optimizer=False):
-    """Put the arrays read by ``_read_h5`` into ``model`` (every check first, then the writes)."""
+def _check_layers(model, groups, filepath):
+    """The datasets ``model.set_weights`` takes, in its order, from ``groups`` ({layer key:
+    the file's ``vars`` group or None}), each checked against its variable; no data read."""
+    h5py = _h5py()
     keys = layer_keys(model.layers)
-    arrays = []
+    datasets = []
     for key, layer in zip(keys, model.layers):
         want = layer.trainable_weights
-        got = stored.get(key, [])
-        if len(got) != len(want):
-            raise ValueError(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
-                             f"{len(want)} weight arrays in this model, the file has {len(got)} for it "
-                             f"(the file's layers: {sorted(stored)}). Build the same model as the one saved.")
-        for v, a in zip(want, got):
-            if tuple(a.shape) != tuple(v.shape):
-                raise ValueError(f"{filepath}: {v.name} (layer {key!r}) has shape {tuple(v.shape)} in this "
-                                 f"model, {tuple(a.shape)} in the file.")
-            arrays.append(a)
-    extra = sorted(k for k in set(stored) - set(keys) if stored[k])
+        group = groups.get(key)
+        if group is not None and not isinstance(group, h5py.Group):
+            raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a "
+                                      f"group: it is not a Keras 3 weights file.")
+        have = len(group) if group is not None else 0
+        if have != len(want):
+            raise file_safety.Refused(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
+                                      f"{len(want)} weight arrays in this model, the file has {have} for it "
+                                      f"(the file's layers: {sorted(groups)}). Build the same model as the "
+                                      f"one saved.")
+        datasets += [file_safety.check_dataset(group.get(str(i)), v.shape, file_safety.FLOAT_KINDS, filepath,
+                                               f"{v.name} (layer {key!r})") for i, v in enumerate(want)]
+    extra = sorted(k for k, g in groups.items() if k not in keys and g is not None and len(g))
     if extra:
-        raise ValueError(f"{filepath} holds weights for layers this model does not have: {extra} "
-                         f"(the model's layers: {keys}).")
-    return arrays
+        raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
+                                  f"(the model's layers: {keys}).")
+    return datasets
 
 
-def _restore_optimizer(model, values, filepath, force):
-    """Keras's ``Optimizer.load_own_variables``: restore when the counts agree, else warn and
-    skip. ``force`` (load_model): build the optimizer's slots first, as Keras's
-    ``compile_from_config`` builds the optimizer before the weights are read.
-
-    Checks only, changing nothing: returns the function that restores (a no-op when there
-    is nothing to restore), so that the caller sets the weights only once every check of
-    the file has passed."""
+def _check_optimizer(model, group, filepath, force):
+    """The optimizer's datasets to restore, checked (no data read), as Keras's
+    ``Optimizer.load_own_variables`` decides: when the counts agree; else it warns and
+    skips (returns None). ``force`` (load_model): count the slots as built, as Keras's
+    ``compile_from_config`` builds the optimizer before the weights are read."""
     opt = model.optimizer
-    if opt is None or values is None or not model.built:
-        return lambda: None
+    if opt is None or group is None or not model.built:
+        return None
     pack = model.step.pack
     have = opt.keras_variable_count(pack, built=True if force else None)
-    if len(values) != have:
+    if len(group) != have:
         warnings.warn(f"Skipping variable loading for optimizer '{opt.name}', because it has {have} "
-                      f"variables whereas the saved optimizer has {len(values)} variables (in {filepath})."
+                      f"variables whereas the saved optimizer has {len(group)} variables (in {filepath})."
                       + (" This is likely because the optimizer has not been called/built yet."
-                         if have == 2 else ""), stacklevel=3 if force else 5)
+                         if have == 2 else ""), stacklevel=4 if force else 6)
+        return None
+    slots = [(f"optimizer slot {name} of {v.name}", shape)
+             for v, shape in zip(pack.variables, pack.shapes) for name in opt.slot_names]
+    wanted = [("optimizer iteration", ()), ("optimizer learning_rate", ())] + slots[:have - 2]
+    return [file_safety.check_dataset(group.get(str(i)), shape,
+                                      file_safety.NUMBER_KINDS if i < 2 else file_safety.FLOAT_KINDS,
+                                      filepath, what) for i, (what, shape) in enumerate(wanted)]
+
+
+def _restore_optimizer(model, values):
+    """The function that restores the optimizer's ``values`` (checked by ``_check_optimizer``;
+    a no-op when there are none), built now so that it checks before anything changes."""
+    if values is None:
         return lambda: None
-    return opt.keras_variables_setter(pack, values)
+    return model.optimizer.keras_variables_setter(model.step.pack, values)
 
 
 # -- save_weights / load_weights ----------------------------------------------------------------
@@ -323,18 +372,18 @@ def load_weights(model, filepath):
     if not os.path.exists(filepath):
         raise FileNotFoundError(f"no weights file at {filepath}; save one with "
                                 f"model.save_weights('name.weights.h5').")
-    # a .keras archive's training state is not read: Keras's load_weights leaves it alone too
     if filepath.endswith(MODEL_SUFFIX):
         with _archive(filepath) as zf:
-            stored, opt, _ = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
+            source = io.BytesIO(file_safety.read_member(zf, ARCHIVE_WEIGHTS, filepath))
     else:
         _check_suffix(filepath, WEIGHTS_SUFFIX, "load_weights")
-        stored, opt, _ = _read_h5(filepath, filepath)
-    if not model.built:
+        source = filepath
+    if not model.built:      # the file is checked against the model's shapes: it needs them
         raise ValueError("You are loading weights into a model that has not yet been built: give the "
                          "first layer an input_shape, or call fit() or build() first.")
-    arrays = _apply(model, stored, filepath)
-    restore = _restore_optimizer(model, opt, filepath, force=False)   # checked before anything changes
+    # a .keras archive's training state is not read: Keras's load_weights leaves it alone too
+    arrays, values, _ = _read_h5(source, filepath, model)
+    restore = _restore_optimizer(model, values)       # checked before anything changes
     model.set_weights(arrays)
     restore()
 
@@ -344,9 +393,12 @@ def load_weights(model, filepath):
 def _archive(filepath):
     try:
         zf = zipfile.ZipFile(filepath, "r")
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
+    except MemoryError:
+        raise
+    except Exception as err:      # BadZipFile, EOFError, OSError; NotImplementedError for a flipped version byte
         size = os.path.getsize(filepath)
-        what = "it is empty (0 bytes)" if size == 0 else f"it is truncated or not a zip archive ({err})"
+        what = ("it is empty (0 bytes)" if size == 0 else
+                f"it is truncated, damaged or not a zip archive ({type(err).__name__}: {err})")
         raise ValueError(f"{filepath} is not a Keras model file: {what}. Write one with "
                          f"model.save('name.keras').") from err
     with zf:
@@ -354,10 +406,7 @@ def _archive(filepath):
         if missing:
             raise ValueError(f"{filepath} is a zip archive but not a Keras model file: it lacks "
                              f"{sorted(missing)}.")
-        try:
-            yield zf
-        except (zipfile.BadZipFile, EOFError, OSError) as err:   # a member cut short
-            raise ValueError(f"{filepath} is truncated or damaged ({err}).") from err
+        yield zf      # its members are read with file_safety.read_member: damage is named there
 
 
 def save_model(model, filepath, overwrite=True):
@@ -385,16 +434,18 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     if not os.path.exists(filepath):
         raise FileNotFoundError(f"no model file at {filepath}; save one with model.save('name.keras').")
     with _archive(filepath) as zf:
-        try:
-            config = json.loads(zf.read("config.json"))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
-        stored, opt, states = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
+        config = file_safety.read_member(zf, "config.json", filepath)
+        weights = file_safety.read_member(zf, ARCHIVE_WEIGHTS, filepath)
+    try:
+        config = json.loads(config)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
     model = model_from_config(config)
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
-    arrays = _apply(model, stored, filepath)
-    restore = _restore_optimizer(model, opt, filepath, force=True)
+    # the weights are checked against the model the config built, before any is read
+    arrays, values, states = _read_h5(io.BytesIO(weights), filepath, model, force=True, training_state=True)
+    restore = _restore_optimizer(model, values)
     model.set_weights(arrays)
     restore()
     for key, layer in zip(layer_keys(model.layers), model.layers):   # a model of our own: an error
