@@ -161,3 +161,23 @@ def test_every_benchmark_smoke_is_run_within_the_limit_by_a_test():
     tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
     unrun = {name for name in with_smoke if not re.search(rf'run_smoke\("{name}"', tests)}
     assert not unrun, f"no test runs these benchmarks' --smoke through run_smoke: {sorted(unrun)}"
+
+
+def test_every_test_the_reliability_page_names_exists():
+    """RELIABILITY.md (linked from the README) names, for each guarantee, the tests that prove
+    it: each named file must exist and each named ``::test`` must be defined in it (a renamed
+    test would otherwise leave a guarantee with no proof)."""
+    page = (ROOT / "RELIABILITY.md").read_text()
+    assert "RELIABILITY.md" in README
+    current, named = None, 0
+    for m in re.finditer(r"(tests/test_\w+\.py)|::(test_\w+)", page):
+        if m.group(1):
+            current = m.group(1)
+            assert (ROOT / current).exists(), f"RELIABILITY.md names {current}, which does not exist"
+            continue
+        assert current is not None, m.group(0)
+        source = (ROOT / current).read_text()
+        assert re.search(rf"^def {m.group(2)}\b", source, re.M), \
+            f"RELIABILITY.md names {current}::{m.group(2)}, which {current} does not define"
+        named += 1
+    assert named >= 20, named
