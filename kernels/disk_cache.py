@@ -18,6 +18,15 @@ the source file's time stamp and size) and one data file ``....<n>.nbc`` per com
 signature (the PTX and the cubin, pickled). The source's path picks the folder, not the
 key: an editable and a plain install keep separate files, and neither reads the other's.
 
+Loading without the compiler. numba-cuda's ``Cache.load_overload`` first calls
+``target_context.refresh()``: it imports and installs every typing and lowering registry of
+numba-cuda (fp16, cffi, pycparser ...), which only compiling needs (numba's compiler calls
+``refresh()`` itself before it compiles). Measured here (no GPU, the driver stubbed, a warm
+cache, a busy 2-core machine), that made the process's first loaded kernel take 2.4-3.4 s and
+the next 0.01-0.02 s; the lab's first launch, a ``fill`` while the model is built, paid it.
+``GuardedCache`` loads without it: a warm process now imports numba-cuda's compiler only when
+a kernel must compile.
+
 What numba does with a damaged file: an index or data file that is truncated or garbage
 raises out of the launch (``pickle`` errors; numba-cuda 0.30.4 guards only against a data
 file that has gone). ``GuardedCache`` catches that, warns with the kernel, the folder and what
@@ -57,6 +66,7 @@ def _guarded():
     if _guarded_class:
         return _guarded_class[0]
     from numba.cuda.dispatcher import CUDACache
+    from numba.cuda.utils import numba_target_override
 
     class GuardedCache(CUDACache):
         """numba-cuda's ``CUDACache``; a file it cannot read or write is reported and
@@ -64,7 +74,8 @@ def _guarded():
 
         def load_overload(self, sig, target_context):
             try:
-                return super().load_overload(sig, target_context)
+                with numba_target_override():      # as CUDACache.load_overload, but ...
+                    return self._load_overload(sig, target_context)   # ... no refresh()
             except Exception as err:       # noqa: BLE001 - any damage means: compile again
                 _warn(self._py_func, self.cache_path, "could not be read", err,
                       "compiling it again and rewriting its entry")
