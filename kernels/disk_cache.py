@@ -37,6 +37,14 @@ launched). A stale entry
 (the source edited, numba-cuda upgraded) numba itself recompiles, silently: its key or stamp
 no longer matches.
 
+Compiling ahead of time (for ``fit``, where it builds its step): what a first process can
+gain by compiling the kernels it will launch before the first launch, in threads. Measured
+(``benchmarks/compile_gil.py``, no GPU): libnvvm releases the GIL, but numba-cuda holds its
+``global_compiler_lock`` over a whole compile (typing, lowering, NVVM, link) and its front end
+is Python, so two kernels never compile at once in one process (1.21 s one after the other,
+1.18 s in two threads). A thread can overlap compiling with other host work; two compiles
+would need two processes. A second process compiles nothing: this cache.
+
 Neighbours: ``kernels/registry.py`` (``keep_on_disk``: which kernels are kept, calls
 ``keep``), ``mirrored/info.py`` (``python -m mirrored info`` prints ``note()``),
 ``tests/test_kernel_disk_cache.py`` (a second process compiles none of the lab's kernels;

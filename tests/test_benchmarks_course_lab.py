@@ -3,6 +3,7 @@
 The smoke run (one epoch, 512 images, the dense model) is the non-PyTorch path end to end;
 the PyTorch rows are GPU rows, skipped here with their reason. ``cold_and_warm`` is checked
 with a stand-in for the lab: the two runs share one kernel cache folder, empty before cold.
+Also the smoke run of benchmarks/compile_gil.py (can a first run compile side by side?).
 """
 import json
 import os
@@ -60,3 +61,17 @@ def test_smoke_edits_apply_once_and_keep_the_lab_text_otherwise():
     assert "Conv2D(32, 3" in full and "Conv2D" not in smoke
     assert "mnist_train.take(512).map(scale)" in smoke and "take(" not in full
     assert "model.fit(train_dataset, epochs=2)" in full and "model.fit(train_dataset, epochs=2)" in smoke
+
+
+def test_compile_gil_smoke_measures_both_ways():
+    """benchmarks/compile_gil.py (the GIL and numba's compiler lock, issue 40) runs, with the
+    real compiler and no GPU, and reports every figure."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_gil", "--smoke"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=SMOKE_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    for name in ("compile_ptx", "nvvm"):
+        assert doc[name]["sequential_s"] > 0 and doc[name]["two_threads_s"] > 0
+        assert doc[name]["python_loop_speed_ratio"]["median"] > 0
