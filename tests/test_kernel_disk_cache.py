@@ -222,6 +222,15 @@ def test_a_second_process_compiles_none_of_the_lab_steps_kernels(lab_calls, firs
     assert all(hits == 1 and misses == 0 for hits, misses, _ in second["launched"].values())
     assert {k: v[2] for k, v in second["launched"].items()} == {k: v[2] for k, v in launched.items()}
     assert first["warnings"] == second["warnings"] == []
+    # python -m mirrored info's line counts them: one data file per compiled kernel
+    line = _run("""
+        import json
+        from kernels import registry
+        print(json.dumps(registry.disk_cache_note()))
+    """, NUMBA_CACHE_DIR=str(cache))
+    held = len(list(Path(cache).rglob("*.nbc")))
+    assert held >= len(launched) and f"it holds {held} compiled kernel(s)" in line, line
+    assert str(cache) in line
 
 
 def test_a_plain_install_keeps_its_own_files_and_finds_them_again(lab_calls, tmp_path):
