@@ -27,9 +27,9 @@ with its ``variant`` written out.
 launcher's own grid function (never a second copy of the number), so the report can
 compute the occupancy that launch gets.
 
-Kept on disk. ``register`` also turns on numba-cuda's disk cache for the kernel
-(``enable_caching()``, what ``@cuda.jit(cache=True)`` does): the first process that
-launches it compiles it (0.3-0.5 s a kernel on the H100 machine: the course lab's 15
+Kept on disk. ``register`` also turns on numba-cuda's disk cache for the kernel (what
+``@cuda.jit(cache=True)`` does, guarded, set up at first use: ``disk_cache.keep``): the
+first process that launches it compiles it (0.3-0.5 s a kernel on the H100 machine: the course lab's 15
 kernels took 3.5-7.4 s of its first epoch, ``benchmarks/RESULTS.md``) and writes the
 machine code beside the source (``__pycache__``, or ``NUMBA_CACHE_DIR``); later processes
 load it in milliseconds. Numba recompiles when the kernel's own file changes (its size
@@ -123,6 +123,7 @@ class KernelSpec:
 
 
 _REGISTRY = []
+_LABELS = set()          # the labels in _REGISTRY (a look-up per register, not a scan)
 
 
 def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
@@ -143,10 +144,11 @@ def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
     spec = KernelSpec(name, variant, kernel, tuple(signatures), block,
                       getattr(getattr(kernel, "py_func", None), "__module__", "?"),
                       int(outputs_per_pass))
-    if any(s.label == spec.label for s in _REGISTRY):
+    if spec.label in _LABELS:
         raise ValueError(f"register: {spec.label} is registered twice; give each compile-time "
                          f"variant its own variant string.")
     _REGISTRY.append(spec)
+    _LABELS.add(spec.label)
     keep_on_disk(kernel)
     return kernel
 
