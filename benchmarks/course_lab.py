@@ -242,6 +242,24 @@ def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab):
     return runs, "\n".join(logs)
 
 
+def lab_training_images(data_dir=None, smoke=False):
+    """The lab's training images as it scales them, and their labels: (N, 28, 28, 1) float32
+    in [0, 1], (N,) int64; the full set from ``data_dir`` as the lab reads it, else (offline)
+    the bundled subset; ``smoke``: the first 512."""
+    from mirrored import datasets
+    datasets.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as scratch:              # <data_dir>/mnist, as the lab's
+        kwargs = {}
+        if data_dir:
+            os.symlink(Path(data_dir).expanduser().resolve(), Path(scratch) / "mnist")
+            kwargs = {"data_dir": scratch}
+        train = datasets.load("mnist", split="train", as_supervised=True, **kwargs)
+        x, y = (np.stack(a) for a in zip(*train))               # (N, 28, 28, 1) uint8, (N,)
+    if smoke:
+        x, y = x[:512], y[:512]
+    return x.astype(np.float32) / 255, y.astype(np.int64)      # the lab's scale()
+
+
 def torch_rows(data_dir, epochs, smoke=False):
     """PyTorch eager and CUDA-graph rows on the lab's training images (see the module
     docstring): ([{row, epochs_s, ms_per_step, ...}], None) or ([], why they were skipped)."""
@@ -252,14 +270,7 @@ def torch_rows(data_dir, epochs, smoke=False):
     if not torch.cuda.is_available():
         return [], "PyTorch has no CUDA here: the PyTorch rows are GPU rows"
     import mirrored as tf
-    from mirrored import datasets
-    datasets.disable_progress_bar()
-    kwargs = {"data_dir": str(Path(data_dir).expanduser())} if data_dir else {}
-    train = datasets.load("mnist", split="train", as_supervised=True, **kwargs)
-    x, y = (np.stack(a) for a in zip(*train))                   # (N, 28, 28, 1) uint8, (N,)
-    if smoke:
-        x, y = x[:512], y[:512]
-    x = x.astype(np.float32) / 255                             # the lab's scale()
+    x, y = lab_training_images(data_dir, smoke)
     spec = training.MODELS["convnet"]
     weights = training.initial_weights(spec)
     rows = []

@@ -75,3 +75,21 @@ def test_compile_gil_smoke_measures_both_ways():
     for name in ("compile_ptx", "nvvm"):
         assert doc[name]["sequential_s"] > 0 and doc[name]["two_threads_s"] > 0
         assert doc[name]["python_loop_speed_ratio"]["median"] > 0
+
+
+def test_the_pytorch_rows_train_on_the_labs_images_as_it_scales_them(tmp_path):
+    """What torch_rows hands PyTorch (GPU only, so read here without it): the lab's training
+    split, scaled as the lab's scale() does; the bundled subset offline, its first 512 for
+    --smoke; a --data-dir is read as the lab reads it (<dir>/mnist)."""
+    import numpy as np
+    import mirrored as tf
+    from mirrored import datasets
+    x, y = course_lab.lab_training_images(None, smoke=True)
+    assert x.shape == (512, 28, 28, 1) and x.dtype == np.float32 and y.dtype == np.int64
+    assert 0.0 <= x.min() and x.max() <= 1.0 and x.max() > 0.5
+    first = next(iter(datasets.load("mnist", split="train", as_supervised=True)))
+    assert np.array_equal(x[0], tf.cast(first[0], tf.float32) / 255) and y[0] == first[1]
+    empty = tmp_path / "no-mnist-here"
+    empty.mkdir()
+    x2, y2 = course_lab.lab_training_images(str(empty), smoke=True)   # offline: the subset
+    assert np.array_equal(x2, x) and np.array_equal(y2, y)
