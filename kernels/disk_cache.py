@@ -22,10 +22,12 @@ Loading without the compiler. numba-cuda's ``Cache.load_overload`` first calls
 ``target_context.refresh()``: it imports and installs every typing and lowering registry of
 numba-cuda (fp16, cffi, pycparser ...), which only compiling needs (numba's compiler calls
 ``refresh()`` itself before it compiles). Measured here (no GPU, the driver stubbed, a warm
-cache, a busy 2-core machine), that made the process's first loaded kernel take 2.4-3.4 s and
-the next 0.01-0.02 s; the lab's first launch, a ``fill`` while the model is built, paid it.
-``GuardedCache`` loads without it: a warm process now imports numba-cuda's compiler only when
-a kernel must compile.
+cache, a busy 2-core machine, 5 interleaved pairs, medians), a process's first kernel launch
+took 2.20 s (1.52-3.25) through numba's load, 0.042 s (0.037-0.076) through this one; the
+next kernel 0.01-0.02 s either way. The lab pays it at its first launch, a ``fill`` while the
+model is built. ``GuardedCache`` loads without it: a warm process imports numba-cuda's
+compiler only when a kernel must compile. (That the kernels so loaded run right is checked
+on a GPU: ``tests/test_kernel_cache.py``'s ``gpu`` tests.)
 
 What numba does with a damaged file: an index or data file that is truncated or garbage
 raises out of the launch (``pickle`` errors; numba-cuda 0.30.4 guards only against a data
@@ -33,9 +35,8 @@ file that has gone). ``GuardedCache`` catches that, warns with the kernel, the f
 to do (``KernelCacheWarning``) and compiles the kernel again, as if nothing were kept; saving
 it then rewrites the damaged data file, or, where the index itself cannot be read, starts the
 index afresh (numba's ``flush``: the other signatures it listed are compiled again when next
-launched). A stale entry
-(the source edited, numba-cuda upgraded) numba itself recompiles, silently: its key or stamp
-no longer matches.
+launched). A stale entry (the source edited, numba-cuda upgraded) numba itself recompiles,
+silently: its key or stamp no longer matches.
 
 Compiling ahead of time (for ``fit``, where it builds its step): what a first process can
 gain by compiling the kernels it will launch before the first launch, in threads. Measured
