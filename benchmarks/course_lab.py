@@ -20,6 +20,21 @@ as a student would, all 12 epochs, in a fresh Python process, and records:
                 of epochs_s[0]
 
     python -m benchmarks.course_lab --data-dir ~/tensorflow_datasets/mnist --out lab.json
+    python -m benchmarks.course_lab --smoke              # a small, quick run: does it all work?
+
+Cold and warm (issue 40): the lab runs twice in a row, each a fresh process, with one fresh
+``NUMBA_CACHE_DIR``: "cold" finds the kernel cache empty and compiles, "warm" loads what cold
+wrote, as a student's second run does. Both are reported (``runs``).
+
+PyTorch beside it (GPU only, where torch imports): the same ConvNet, initial weights, batch
+and Adam as ``benchmarks.training``'s rows, trained for the same epochs on the same training
+images in this process after the lab's runs: "eager" (``training.TorchRow``) and "cuda graph"
+(``training.TorchGraphRow``: data on the device, Adam ``capturable=True``, the whole step
+captured as one CUDA graph), each after one untimed warm-up epoch.
+
+``--smoke``: one epoch of the first 512 training and 256 test images, the lab's dense model in
+place of its ConvNet (no CPU loops to compile): for the test suite, well within a minute; it
+writes only where ``--out`` points. A measured run writes only with ``--out``.
 
 ``--data-dir`` is a folder holding the four MNIST ``.gz`` files (the lab's own
 ``data_dir='./data'`` is kept: the program runs the lab in a scratch folder whose
@@ -30,11 +45,14 @@ number, for a quick try. Target (issue 30, H100, x1 graph): wall <= 10 s, accura
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -161,13 +179,27 @@ def _cell_name(cell):
     return cell.strip().splitlines()[0][:60]
 
 
-def lab_script(epochs=12):
+#: --smoke: (the lab's text, what replaces it) — fewer images and the dense model.
+SMOKE_EDITS = (
+    ("mnist_train.map(scale)", "mnist_train.take(512).map(scale)"),
+    ("mnist_test.map(scale)", "mnist_test.take(256).map(scale)"),
+    ("tf.keras.layers.Conv2D(32, 3, activation='relu', input_shape=(28, 28, 1)),\n"
+     "      tf.keras.layers.MaxPooling2D(),\n      tf.keras.layers.Flatten(),",
+     "tf.keras.layers.Flatten(input_shape=(28, 28, 1)),"),
+)
+
+
+def lab_script(epochs=12, smoke=False):
     """The lab's cells as one script, with clocks around them (each cell, each epoch, Numba's
     compiler) and the test accuracy after. The cells' text is unchanged but for the one
-    number, ``epochs``; the clocks are lines between them."""
+    number, ``epochs`` (and, ``smoke``, ``SMOKE_EDITS``); the clocks are lines between them."""
     cells = list(LAB_CELLS)
     assert cells[-1].strip() == "model.fit(train_dataset, epochs=12)"
     cells[-1] = cells[-1].replace("epochs=12", f"epochs={int(epochs)}")
+    for old, new in SMOKE_EDITS if smoke else ():
+        hits = [i for i, c in enumerate(cells) if old in c]
+        assert len(hits) == 1, f"--smoke edit not found once in the lab's cells: {old!r}"
+        cells[hits[0]] = cells[hits[0]].replace(old, new)
     parts = ["import time as _time\n_cells_s = {}\n_lab_start = _time.perf_counter()\n"]
     for i, cell in enumerate(cells):
         if i == len(cells) - 1:
@@ -177,7 +209,7 @@ def lab_script(epochs=12):
     return "\n".join(parts) + _MEASURE
 
 
-def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None):
+def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None, smoke=False):
     """Run the lab in a fresh process (``env``: variables to set for it); return (the
     RESULT dict, the lab's stdout then stderr)."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -185,7 +217,7 @@ def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None):
         if data_dir:
             (scratch / "data").mkdir()
             os.symlink(Path(data_dir).expanduser().resolve(), scratch / "data" / "mnist")
-        (scratch / "lab.py").write_text(lab_script(epochs))
+        (scratch / "lab.py").write_text(lab_script(epochs, smoke))
         env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         run = subprocess.run([sys.executable, "lab.py"], cwd=scratch, env=env,
@@ -198,21 +230,92 @@ def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None):
     return json.loads(lines[-1][len("RESULT "):]), run.stdout + run.stderr
 
 
+def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab):
+    """The lab twice, with one fresh ``NUMBA_CACHE_DIR``: {"cold": RESULT, "warm": RESULT},
+    and the two logs."""
+    runs, logs = {}, []
+    with tempfile.TemporaryDirectory() as cache:
+        for name in ("cold", "warm"):
+            result, log = run(data_dir, epochs, env={"NUMBA_CACHE_DIR": cache}, smoke=smoke)
+            runs[name] = result
+            logs.append(f"--- {name} run ---\n{log}")
+    return runs, "\n".join(logs)
+
+
+def lab_training_images(data_dir=None, smoke=False):
+    """The lab's training images as it scales them, and their labels: (N, 28, 28, 1) float32
+    in [0, 1], (N,) int64; the full set from ``data_dir`` as the lab reads it, else (offline)
+    the bundled subset; ``smoke``: the first 512."""
+    from mirrored import datasets
+    datasets.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as scratch:              # <data_dir>/mnist, as the lab's
+        kwargs = {}
+        if data_dir:
+            os.symlink(Path(data_dir).expanduser().resolve(), Path(scratch) / "mnist")
+            kwargs = {"data_dir": scratch}
+        train = datasets.load("mnist", split="train", as_supervised=True, **kwargs)
+        x, y = (np.stack(a) for a in zip(*train))               # (N, 28, 28, 1) uint8, (N,)
+    if smoke:
+        x, y = x[:512], y[:512]
+    return x.astype(np.float32) / 255, y.astype(np.int64)      # the lab's scale()
+
+
+def torch_rows(data_dir, epochs, smoke=False):
+    """PyTorch eager and CUDA-graph rows on the lab's training images (see the module
+    docstring): ([{row, epochs_s, ms_per_step, ...}], None) or ([], why they were skipped)."""
+    from benchmarks import training
+    torch, why = training.torch_status()
+    if torch is None:
+        return [], why
+    if not torch.cuda.is_available():
+        return [], "PyTorch has no CUDA here: the PyTorch rows are GPU rows"
+    import mirrored as tf
+    x, y = lab_training_images(data_dir, smoke)
+    spec = training.MODELS["convnet"]
+    weights = training.initial_weights(spec)
+    rows = []
+    for make in (training.TorchRow, training.TorchGraphRow):
+        row = make(torch, tf, True, spec, x, y, weights)
+        timer = training.epoch_timer(True)
+        timer(row.epoch)                                       # warm-up, untimed
+        seconds = [timer(row.epoch) for _ in range(epochs)]
+        steps = -(-len(x) // row.global_batch)
+        rows.append({"row": row.name, "strategy": row.strategy_label, "epochs_s": seconds,
+                     "total_s": sum(seconds), "steps_per_epoch": steps,
+                     "ms_per_step": statistics.median(seconds) / steps * 1e3,
+                     "final_loss": row.final_loss()})
+    return rows, None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", help="folder with the four MNIST .gz files")
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=None, help="default 12 (1 with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="small and quick (see the docstring)")
+    parser.add_argument("--no-peers", action="store_true", help="no PyTorch rows")
     parser.add_argument("--out", help="JSON file to write (default: nothing written)")
     args = parser.parse_args(argv)
     from benchmarks import common
-    result, log = run_lab(args.data_dir, args.epochs)
+    epochs = args.epochs or (1 if args.smoke else 12)
+    runs, log = cold_and_warm(args.data_dir, epochs, args.smoke)
     print(log)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        common.write_json("course_lab", {"epochs": args.epochs, "result": result,
-                                         "target": {"wall_s": 10.0, "test_accuracy": 0.985}},
-                          common.device_info(), out=args.out)
-    return 0
+    print(json.dumps(runs, indent=1))
+    peers, skipped = [], []
+    if args.no_peers:
+        skipped.append({"name": "PyTorch rows", "reason": "--no-peers"})
+    else:
+        peers, why = torch_rows(args.data_dir, epochs, args.smoke)
+        if why:
+            skipped.append({"name": "PyTorch rows", "reason": why})
+    for row in peers:
+        print(f"{row['row']}: {row['ms_per_step']:.3f} ms/step, {row['total_s']:.2f} s "
+              f"for {epochs} epoch(s)")
+    for s in skipped:
+        print(f"skipped: {s['name']}: {s['reason']}")
+    payload = {"epochs": epochs, "mode": "smoke" if args.smoke else "full",
+               "result": runs["warm"], "runs": runs, "peers": peers, "skipped": skipped,
+               "target": {"wall_s_warm": 4.0, "wall_s_cold": 7.0, "test_accuracy": 0.985}}
+    return common.save_results("course_lab", payload, common.device_info(), args.smoke, args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ samples/s compares replica counts fairly. Rows, each with the same initial weigh
               loop (strategy.run, GradientTape, apply_gradients, strategy.reduce) instead
               of fit: eagerly, and under @tf.function (traced, then replayed)
     torch     PyTorch eager, the same layers, weights, batches (the same mirrored.data
-              pipeline and shuffle seed) and Adam (epsilon 1e-7 as Keras), CPU or CUDA
+              pipeline and shuffle seed) and Adam (epsilon 1e-7 as Keras), CPU or CUDA;
+              on a GPU also "cuda graph": the data set on the device, Adam capturable=True,
+              the whole step captured as one CUDA graph and replayed (``TorchGraphRow``)
     tf        TensorFlow/Keras without a strategy, and MirroredStrategy on 1 and 2
               devices, run in a child process (``--tf-python``: an interpreter that has
               TensorFlow, e.g. a separate venv); same weights, data and batch sizes,
@@ -426,6 +428,77 @@ class TorchRow:
 
     def final_loss(self):
         return float(self.last_loss.detach()) if self.last_loss is not None else None
+
+
+class TorchGraphRow(TorchRow):
+    """PyTorch as its own users make a small model fast on a GPU (issue 40): the data set kept
+    on the device and shuffled there (``torch.randperm``, its own seeded generator), Adam with
+    ``capturable=True``, and the whole step (forward, loss, backward, Adam) captured as one CUDA
+    graph per batch size (the epoch's last batch may be smaller) and replayed; each step only
+    gathers its batch into the graph's input buffers, on the device. PyTorch's "whole-network
+    capture" (torch.cuda.graphs' documentation): the warm-up it asks for runs on a side stream
+    before capture, and the weights and Adam's state are then put back, so the row starts from
+    the same weights as every other row. GPU only."""
+
+    def __init__(self, torch, tf, gpu, spec, x, y, weights):
+        if not gpu:
+            raise ValueError("TorchGraphRow captures a CUDA graph: it needs a GPU")
+        super().__init__(torch, tf, gpu, spec, x, y, weights)
+        self.name = f"PyTorch {torch.__version__} CUDA graph (CUDA)"
+        self.strategy_label = "cuda graph"
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=LEARNING_RATE, eps=ADAM_EPSILON,
+                                    capturable=True)
+        xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))     # (N, 28, 28, 1)
+        xt = xt.permute(0, 3, 1, 2) if self.conv else xt.reshape(len(x), -1)
+        self.x_dev = xt.contiguous().to(self.device)                # (N, 1, 28, 28) or (N, 784)
+        self.y_dev = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(self.device)    # (N,)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(SHUFFLE_SEED)
+        n, b = len(x), self.global_batch
+        start = {k: v.clone() for k, v in self.net.state_dict().items()}
+        self.graphs = {size: self._capture(size) for size in sorted({b, n % b} - {0})}
+        self.net.load_state_dict(start)                  # copies in place: the graphs' tensors
+        for state in self.opt.state.values():            # Adam's moments and step, from zero
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+    def _step(self, xb, yb):
+        loss = self.loss_fn(self.net(xb), yb)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def _capture(self, size):
+        """(graph, its input x, its labels, its loss) for batches of ``size``."""
+        torch = self.torch
+        xb = self.x_dev[:size].clone()
+        yb = self.y_dev[:size].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                    # warm-up, as PyTorch asks
+            for _ in range(3):
+                self.opt.zero_grad(set_to_none=True)
+                self._step(xb, yb)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.opt.zero_grad(set_to_none=True)             # grads from the graph's own pool
+        with torch.cuda.graph(graph):
+            loss = self._step(xb, yb)
+        return graph, xb, yb, loss
+
+    def epoch(self):
+        torch = self.torch
+        n, b = len(self.y_dev), self.global_batch
+        order = torch.randperm(n, device=self.device, generator=self.generator)
+        loss = None
+        for start in range(0, n, b):
+            rows = order[start:start + b]
+            graph, xb, yb, loss = self.graphs[len(rows)]
+            torch.index_select(self.x_dev, 0, rows, out=xb)      # the batch, gathered in place
+            torch.index_select(self.y_dev, 0, rows, out=yb)
+            graph.replay()
+        self.last_loss = loss
 
 
 def torch_net(torch, spec, weights):
@@ -931,6 +1004,9 @@ def ratios_and_targets(results, models, gpu):
                 find(results, model, "ours", "MirroredStrategy graph", n),
                 find(results, model, "ours", "MirroredStrategy", n))
         graph_vs_torch = add("ours MirroredStrategy x1 graph / PyTorch eager (ms/step)", graph1, torch_row)
+        torch_graph = find(results, model, "torch", "cuda graph")
+        add("ours MirroredStrategy x1 graph / PyTorch CUDA graph (ms/step)", graph1, torch_graph)
+        add("PyTorch CUDA graph / PyTorch eager (ms/step)", torch_graph, torch_row)
         if gpu:
             for what, value, threshold in (
                     (f"ours MirroredStrategy on 1 GPU / PyTorch eager, {model} model (ms/step)",
@@ -1072,6 +1148,11 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
         if torch is not None:
             makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
             base.append(makers[-1])
+        if torch is not None and gpu:           # PyTorch at its fastest: a CUDA graph (issue 40)
+            make = lambda: TorchGraphRow(torch, tf, gpu, m, x, y, w)  # noqa: E731
+            make.optional = True
+            make.label = f"{model_name} PyTorch CUDA graph"
+            makers.append(make)
         if busy is not None:                    # no strategy, Mirrored x1, PyTorch: busy twins
             makers += busy_makers(base, busy)
         print(f"\n{model_name}: {m['what']}, {m['per_replica']} per replica: warm-up {warmup}, "

@@ -27,9 +27,9 @@ with its ``variant`` written out.
 launcher's own grid function (never a second copy of the number), so the report can
 compute the occupancy that launch gets.
 
-Kept on disk. ``register`` also turns on numba-cuda's disk cache for the kernel
-(``enable_caching()``, what ``@cuda.jit(cache=True)`` does): the first process that
-launches it compiles it (0.3-0.5 s a kernel on the H100 machine: the course lab's 15
+Kept on disk. ``register`` also turns on numba-cuda's disk cache for the kernel (what
+``@cuda.jit(cache=True)`` does, guarded, set up at first use: ``disk_cache.keep``): the
+first process that launches it compiles it (0.3-0.5 s a kernel on the H100 machine: the course lab's 15
 kernels took 3.5-7.4 s of its first epoch, ``benchmarks/RESULTS.md``) and writes the
 machine code beside the source (``__pycache__``, or ``NUMBA_CACHE_DIR``); later processes
 load it in milliseconds. Numba recompiles when the kernel's own file changes (its size
@@ -38,7 +38,10 @@ version does; it does not look at other files, so a kernel that calls a device f
 of another file (``device_functions_from_other_files``: today the v1/v2 convs and pools,
 through ``kernels/launch.py``'s index helpers) is not cached but compiled in each process
 (``tests/test_kernel_cache.py``). ``MIRRORED_KERNEL_CACHE=0`` in the environment keeps
-nothing on disk. The simulator compiles nothing, so caches nothing.
+nothing on disk. The simulator compiles nothing, so caches nothing. Where the files go, what a
+damaged one does (compiled again, with a warning) and what ``python -m mirrored info`` counts:
+``kernels/disk_cache.py``; that a second process compiles none of the lab step's kernels:
+``tests/test_kernel_disk_cache.py``.
 
 Neighbours: every ``kernels/*.py`` calls ``register``; ``kernels/report.py`` compiles
 what is here; ``kernels/launch.py`` holds the launch helpers the blocks come from.
@@ -53,6 +56,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kernels import disk_cache
+
 #: The dtypes that Tensor arithmetic, fills, reductions and the ring all-reduce are
 #: compiled for: the numeric dtypes ``mirrored`` creates (float32 by default, float64 and
 #: the integer label and counter dtypes). A launch with another dtype compiles on the
@@ -60,7 +65,7 @@ import numpy as np
 TENSOR_DTYPES = ("float32", "float64", "int32", "int64")
 
 #: Modules of this package that hold no kernels (skipped when importing them all).
-_NOT_KERNEL_MODULES = ("registry", "report", "launch", "launch_cache")
+_NOT_KERNEL_MODULES = ("registry", "report", "launch", "launch_cache", "disk_cache")
 
 
 def vec(dtype):
@@ -121,6 +126,7 @@ class KernelSpec:
 
 
 _REGISTRY = []
+_LABELS = set()          # the labels in _REGISTRY (a look-up per register, not a scan)
 
 
 def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
@@ -141,48 +147,39 @@ def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
     spec = KernelSpec(name, variant, kernel, tuple(signatures), block,
                       getattr(getattr(kernel, "py_func", None), "__module__", "?"),
                       int(outputs_per_pass))
-    if any(s.label == spec.label for s in _REGISTRY):
+    if spec.label in _LABELS:
         raise ValueError(f"register: {spec.label} is registered twice; give each compile-time "
                          f"variant its own variant string.")
     _REGISTRY.append(spec)
+    _LABELS.add(spec.label)
     keep_on_disk(kernel)
     return kernel
 
 
 #: ``MIRRORED_KERNEL_CACHE=0``: compile every kernel afresh in each process (read at each
-#: ``register``, so at import).
-CACHE_VAR = "MIRRORED_KERNEL_CACHE"
+#: ``register``, so at import). The disk cache itself: ``kernels/disk_cache.py``.
+CACHE_VAR = disk_cache.CACHE_VAR
 
 
 def keep_on_disk(kernel):
-    """Turn on numba-cuda's disk cache for ``kernel`` where that is safe; returns True
-    where it is on. Off: ``MIRRORED_KERNEL_CACHE=0``; the simulator's kernels (no compiled
-    code to keep); a kernel that calls device functions of another file (numba would not
-    notice an edit there, ``device_functions_from_other_files``): compiled afresh in each
-    process instead."""
-    if os.environ.get(CACHE_VAR, "1") == "0":
+    """Turn on numba-cuda's disk cache for ``kernel`` where that is safe (guarded against
+    damaged files: ``kernels/disk_cache.py``); returns True where it is on. Off:
+    ``MIRRORED_KERNEL_CACHE=0``; the simulator's kernels (no compiled code to keep); a kernel
+    that calls device functions of another file (numba would not notice an edit there,
+    ``device_functions_from_other_files``): compiled afresh in each process instead."""
+    if not disk_cache.wanted() or getattr(kernel, "enable_caching", None) is None:
         return False
-    enable = getattr(kernel, "enable_caching", None)
-    if enable is None or device_functions_from_other_files(kernel):
+    if device_functions_from_other_files(kernel):
         return False
-    enable()
-    return True
+    return disk_cache.keep(kernel)
 
 
 def disk_cache_note():
     """One line for ``python -m mirrored info``: whether compiled kernels are kept on disk,
-    where, and for how many of the registered kernels."""
-    if os.environ.get(CACHE_VAR, "1") == "0":
-        return f"off ({CACHE_VAR}=0): every process compiles the kernels it launches"
+    where, for how many of the registered kernels, and how many compiled ones it holds."""
     specs = registered()
-    paths = [getattr(getattr(s.kernel, "stats", None), "cache_path", None) for s in specs]
-    kept = [p for p in paths if p]
-    if not kept:
-        return "nothing to keep: the CUDA simulator compiles nothing"
-    folders = sorted(set(kept))
-    where = folders[0] if len(folders) == 1 else f"{folders[0]} and {len(folders) - 1} more"
-    return (f"on for {len(kept)} of {len(specs)} kernels (the rest call device functions of "
-            f"another file), in {where}; {CACHE_VAR}=0 turns it off")
+    kept = [s.kernel for s in specs if getattr(getattr(s.kernel, "stats", None), "cache_path", None)]
+    return disk_cache.note(specs, kept)
 
 
 def device_functions_from_other_files(kernel):

@@ -1,0 +1,95 @@
+"""benchmarks/course_lab.py: a cold and a warm run of the lab, PyTorch beside it (issue 40).
+
+The smoke run (one epoch, 512 images, the dense model) is the non-PyTorch path end to end;
+the PyTorch rows are GPU rows, skipped here with their reason. ``cold_and_warm`` is checked
+with a stand-in for the lab: the two runs share one kernel cache folder, empty before cold.
+Also the smoke run of benchmarks/compile_gil.py (can a first run compile side by side?).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import course_lab  # noqa: E402
+
+#: The smoke run must end within a minute on a free core; a shared 2-core runner gets slack.
+SMOKE_S = 180
+
+
+def test_smoke_run_reports_a_cold_and_a_warm_run(tmp_path):
+    out = tmp_path / "lab.json"
+    env = dict(os.environ, MIRRORED_OFFLINE="1", NUMBA_ENABLE_CUDASIM="0",   # a GPU, else the CPU
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.course_lab", "--smoke", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=SMOKE_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "smoke" and doc["epochs"] == 1
+    assert set(doc["runs"]) == {"cold", "warm"} and doc["result"] == doc["runs"]["warm"]
+    for name, run in doc["runs"].items():
+        assert run["wall_s"] > run["fit_s"] > 0, (name, run)
+        assert len(run["epochs_s"]) == 1 and 0.0 <= run["test_accuracy"] <= 1.0
+        assert run["train_examples"] > 512 and run["replicas"] >= 1   # the lab's count, unedited
+    skipped = {s["name"]: s["reason"] for s in doc["skipped"]}
+    assert doc["peers"] or "PyTorch rows" in skipped                 # there, or says why not
+    for row in doc["peers"]:
+        assert row["ms_per_step"] > 0 and row["strategy"] in ("eager", "cuda graph")
+
+
+def test_cold_and_warm_share_one_fresh_kernel_cache():
+    seen = []
+
+    def fake_lab(data_dir, epochs, env, smoke):
+        folder = Path(env["NUMBA_CACHE_DIR"])
+        seen.append((folder, sorted(p.name for p in folder.iterdir())))
+        (folder / f"kernel-{len(seen)}.nbc").write_bytes(b"x")       # what a run would keep
+        return {"wall_s": float(len(seen))}, f"log {len(seen)}"
+
+    runs, log = course_lab.cold_and_warm("data", 3, smoke=True, run=fake_lab)
+    assert runs == {"cold": {"wall_s": 1.0}, "warm": {"wall_s": 2.0}}
+    assert seen[0][0] == seen[1][0]                      # one folder for both
+    assert seen[0][1] == [] and seen[1][1] == ["kernel-1.nbc"]   # empty for cold, cold's for warm
+    assert not seen[0][0].exists()                       # and gone afterwards
+    assert "cold run" in log and "warm run" in log
+
+
+def test_smoke_edits_apply_once_and_keep_the_lab_text_otherwise():
+    full, smoke = course_lab.lab_script(2), course_lab.lab_script(2, smoke=True)
+    assert "Conv2D(32, 3" in full and "Conv2D" not in smoke
+    assert "mnist_train.take(512).map(scale)" in smoke and "take(" not in full
+    assert "model.fit(train_dataset, epochs=2)" in full and "model.fit(train_dataset, epochs=2)" in smoke
+
+
+def test_compile_gil_smoke_measures_both_ways():
+    """benchmarks/compile_gil.py (the GIL and numba's compiler lock, issue 40) runs, with the
+    real compiler and no GPU, and reports every figure."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_gil", "--smoke"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=SMOKE_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    for name in ("compile_ptx", "nvvm"):
+        assert doc[name]["sequential_s"] > 0 and doc[name]["two_threads_s"] > 0
+        assert doc[name]["python_loop_speed_ratio"]["median"] > 0
+
+
+def test_the_pytorch_rows_train_on_the_labs_images_as_it_scales_them(tmp_path):
+    """What torch_rows hands PyTorch (GPU only, so read here without it): the lab's training
+    split, scaled as the lab's scale() does; the bundled subset offline, its first 512 for
+    --smoke; a --data-dir is read as the lab reads it (<dir>/mnist)."""
+    import numpy as np
+    import mirrored as tf
+    from mirrored import datasets
+    x, y = course_lab.lab_training_images(None, smoke=True)
+    assert x.shape == (512, 28, 28, 1) and x.dtype == np.float32 and y.dtype == np.int64
+    assert 0.0 <= x.min() and x.max() <= 1.0 and x.max() > 0.5
+    first = next(iter(datasets.load("mnist", split="train", as_supervised=True)))
+    assert np.array_equal(x[0], tf.cast(first[0], tf.float32) / 255) and y[0] == first[1]
+    empty = tmp_path / "no-mnist-here"
+    empty.mkdir()
+    x2, y2 = course_lab.lab_training_images(str(empty), smoke=True)   # offline: the subset
+    assert np.array_equal(x2, x) and np.array_equal(y2, y)
