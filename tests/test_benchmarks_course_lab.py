@@ -7,24 +7,21 @@ Also the smoke run of benchmarks/compile_gil.py (can a first run compile side by
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import course_lab  # noqa: E402
+from conftest import run_smoke  # noqa: E402
 
-#: The smoke run must end within a minute on a free core; a shared 2-core runner gets slack.
-SMOKE_S = 180
 
 
 def test_smoke_run_reports_a_cold_and_a_warm_run(tmp_path):
     out = tmp_path / "lab.json"
     env = dict(os.environ, MIRRORED_OFFLINE="1", NUMBA_ENABLE_CUDASIM="0",   # a GPU, else the CPU
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.course_lab", "--smoke", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=SMOKE_S)
+    proc = run_smoke("course_lab", "--out", str(out), env=env)      # held to the smoke limit
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["mode"] == "smoke" and doc["epochs"] == 1
@@ -68,8 +65,7 @@ def test_compile_gil_smoke_measures_both_ways():
     real compiler and no GPU, and reports every figure."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.compile_gil", "--smoke"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=SMOKE_S)
+    proc = run_smoke("compile_gil", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     for name in ("compile_ptx", "nvvm"):
