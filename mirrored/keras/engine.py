@@ -38,6 +38,7 @@ training step that drives these programs), ``optimizers.py`` (updates the packed
 buffers), ``mirrored/ring.py`` (the ring).
 """
 import weakref
+from collections import namedtuple
 
 import numpy as np
 
@@ -46,6 +47,18 @@ from mirrored.tensor import Tensor
 from mirrored.values import DistributedValues, components
 
 FLOAT = np.dtype(np.float32)
+
+#: One call of a layer in the model's program: ``inputs``, the numbers of the tensors it
+#: reads (0: the model's input; i + 1: node i's output); ``multi``: called on a list.
+Node = namedtuple("Node", "layer inputs multi")
+
+
+def unique_layers(nodes):
+    """The nodes' layers, each once, in the order they first run (Keras's ``model.layers``)."""
+    seen = {}
+    for node in nodes:
+        seen.setdefault(id(node.layer), node.layer)
+    return list(seen.values())
 
 _PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
 
@@ -132,25 +145,28 @@ def all_reduce(pack, cross_device_ops):
 
 
 class LayerState:
-    """What one layer holds on one replica's device (``layers.py`` says how it is used).
+    """What one layer node holds on one replica's device (``layers.py`` says how it is used).
 
     ``weights`` / ``grads``: the layer's variables on this device as views into the
-    packed parameter and gradient buffers (Keras's order: kernel, bias).
-    ``need_dx``: whether an earlier layer has weights, so ``backward`` must return
-    the gradient with respect to the layer's input. ``buffers(b)``: the layer's
-    own buffers for batches of ``b`` (``layer.make_buffers``), made on first use.
-    ``fused``: the neighbour's LayerState when this layer and its neighbour run as one
-    op on this device (``Conv2D.fuse_next``), else None.
+    packed parameter and gradient buffers (Keras's order: kernel, bias). A layer called
+    twice (shared) has one state per node; all but its last node write their gradients
+    into scratch buffers of their own, which the program then adds into the packed ones
+    (``accumulate``: those packed views, else None). ``need_dx``: whether a node before
+    has weights, so ``backward`` must return the gradient with respect to the input (a
+    tuple, one per input, for a layer called on a list). ``buffers(b)``: the node's own
+    buffers for batches of ``b`` (``layer.make_buffers``), made on first use. ``fused``: the
+    neighbour's state when this node and the next run as one op (``Conv2D.fuse_next``).
     """
 
     __slots__ = ("layer", "dev", "ops", "replica_id", "global_replica_id", "weights", "grads",
-                 "need_dx", "_buffers", "fused")
+                 "need_dx", "_buffers", "fused", "accumulate")
 
-    def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None):
+    def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None,
+                 accumulate=None):
         self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
         # among every worker's replicas (MultiWorkerMirroredStrategy); the local id on one machine
         self.global_replica_id = replica_id if global_replica_id is None else global_replica_id
-        self.weights, self.grads, self.need_dx = weights, grads, need_dx
+        self.weights, self.grads, self.need_dx, self.accumulate = weights, grads, need_dx, accumulate
         self._buffers = {}
         self.fused = None        # the neighbour's state when two layers run as one op (Conv2D's fuse_next)
 
@@ -173,33 +189,54 @@ class _LossBuffers:
 
 
 class ReplicaProgram:
-    """The model's layers on one device: forward, loss, backward (see the module docstring)."""
+    """The model's layer nodes on one device: forward, loss, backward (the module docstring).
 
-    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
-        self.layers = list(layers)
+    ``nodes``: ``Node``s in topological order; tensor 0 is the model's input, tensor i + 1
+    node i's output, the last node's output the model's (``keras/functional.py`` sorts them).
+    """
+
+    def __init__(self, nodes, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
+        self.nodes = list(nodes)
+        self.layers = unique_layers(self.nodes)
         self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
         self.pack = pack
         self.r = replica_id
         self.dev = pack.devices[replica_id]
         self.ops = self.dev.ops
         self.in_dim = in_dim                      # features per example: inputs are (b, in_dim)
-        self.states, k, earlier_weights = [], 0, False
-        for layer in self.layers:
-            n = len(layer.trainable_weights)
+        #: edges[t]: how many inputs of nodes tensor t feeds (fan-out when > 1)
+        self.edges = [sum(node.inputs.count(t) for node in self.nodes) for t in range(len(self.nodes) + 1)]
+        last = {id(node.layer): i for i, node in enumerate(self.nodes)}   # a shared layer's last node
+        upstream = [False]                        # upstream[t]: a node before tensor t has weights
+        self.states = []
+        for i, node in enumerate(self.nodes):
+            layer, n = node.layer, len(node.layer.trainable_weights)
+            k = pack.index_of(layer.trainable_weights[0]) if n else 0
+            packed = pack.grad_views[replica_id][k:k + n]
+            need_dx = tuple(upstream[t] for t in node.inputs)
+            own = last[id(layer)] == i            # the last node writes the packed gradients
+            with self.dev.activate():
+                grads = packed if own else [self.dev.empty(g.shape, FLOAT) for g in packed]
             self.states.append(LayerState(layer, self.dev, replica_id, pack.param_views[replica_id][k:k + n],
-                                          pack.grad_views[replica_id][k:k + n], need_dx=earlier_weights,
-                                          global_replica_id=replica_offset + replica_id))
-            earlier_weights = earlier_weights or n > 0
-            k += n
-        for state, following in zip(self.states, self.states[1:]):   # layers that run as one op
-            fuse = getattr(state.layer, "fuse_next", None)
-            if fuse is not None and following.fused is None and fuse(following.layer, self.ops):
+                                          grads, need_dx if node.multi else need_dx[0],
+                                          replica_offset + replica_id, None if own else packed))
+            upstream.append(n > 0 or any(need_dx))
+        self.upstream = upstream
+        for i, (node, state) in enumerate(zip(self.nodes, self.states)):   # layers that run as one op
+            fuse = getattr(node.layer, "fuse_next", None)
+            users = [j for j, other in enumerate(self.nodes) if i + 1 in other.inputs]
+            if fuse is None or self.edges[i + 1] != 1 or i + 1 == len(self.nodes):
+                continue                          # its output feeds exactly one node, not the loss
+            following = self.states[users[0]]
+            if following.fused is None and state.fused is None and fuse(following.layer, self.ops):
                 state.fused, following.fused = following, state
-        #: [(state, regularizer, index of the weight)]: every penalty (keras/regularizers.py)
-        self.penalties = [(state, reg, i) for state in self.states for reg, i in state.layer.regularized]
-        self.classes = self.layers[-1].output_shape[-1]
-        self.softmax_output = getattr(self.layers[-1], "activation", None) == "softmax"
+        #: [(state, regularizer, index of the weight)]: every penalty, once per layer (keras/regularizers.py)
+        self.penalties = [(state, reg, i) for state in self.states if state.accumulate is None
+                          for reg, i in state.layer.regularized]
+        self.classes = self.nodes[-1].layer.output_shape[-1]
+        self.softmax_output = getattr(self.nodes[-1].layer, "activation", None) == "softmax"
         self._loss_buffers = {}
+        self._grad_sums = {}                       # (tensor, b) -> the engine's buffer for its gradient
         self._inputs = {}                          # (b, label dtype) -> (x (b, in), y (b,)) upload buffers
         self.x = self.logits = None                # the last forward's input (b, in) and output
         self.last_b = 0
@@ -212,9 +249,9 @@ class ReplicaProgram:
         self.ops.fill(self.acc, 0.0)
 
     def caches(self):
-        """The dicts of buffers made on first use (inputs, loss, every layer's): a step that
-        fails drops what it added (``keras/step.py``'s ``no_trace``)."""
-        return [self._inputs, self._loss_buffers] + [s._buffers for s in self.states]
+        """The dicts of buffers made on first use (inputs, loss, gradient sums, every node's): a
+        step that fails drops what it added (``keras/step.py``'s ``no_trace``)."""
+        return [self._inputs, self._loss_buffers, self._grad_sums] + [s._buffers for s in self.states]
 
     def loss_buffers(self, b):
         buf = self._loss_buffers.get(b)
@@ -222,13 +259,24 @@ class ReplicaProgram:
             buf = self._loss_buffers[b] = _LossBuffers(self.dev, b, self.classes)
         return buf
 
+    def grad_sum(self, t, b, use="sum"):
+        """The engine's own buffer for d loss / d tensor ``t``, batches of ``b``: (b,) + its shape."""
+        buf = self._grad_sums.get((t, b, use))
+        if buf is None:
+            shape = (b,) + tuple(self.nodes[t - 1].layer.output_shape)
+            buf = self._grad_sums[(t, b, use)] = self.dev.empty(shape, FLOAT)
+        return buf
+
     def reserve(self, b):
-        """Make (once) every layer's and the loss's buffers for batches of ``b``, so that
-        a step that runs out of memory does so before anything is computed."""
+        """Make (once) every node's, the loss's and the gradient sums' buffers for batches of
+        ``b``, so that a step that runs out of memory does so before anything is computed."""
         for state in self.states:
             state.buffers(b)
         if b:
             self.loss_buffers(b)
+            for t in range(1, len(self.edges)):
+                if self.edges[t] > 1 and self.upstream[t]:
+                    self.grad_sum(t, b)
 
     # -- inputs
     def upload(self, x, y):
@@ -259,14 +307,16 @@ class ReplicaProgram:
 
     # -- the program
     def forward(self, x, training=False, probabilities=False):
-        """x: (b, in_dim) float32 on this device, through every layer in order.
+        """x: (b, in_dim) float32 on this device, through every node in topological order.
 
-        Returns the last layer's output buffer (logits before a final softmax);
+        Returns the last node's output buffer (logits before a final softmax);
         ``probabilities=True`` applies that softmax (for ``predict``)."""
         self.x, self.last_b = x, x.shape[0]
-        for state in self.states:
-            x = state.layer.forward(state, x, training)
-        self.logits = x                                          # (b, classes)
+        values = [x]                                             # values[t]: tensor t, (b,) + its shape
+        for state, node in zip(self.states, self.nodes):
+            xs = [values[t] for t in node.inputs] if node.multi else values[node.inputs[0]]
+            values.append(state.layer.forward(state, xs, training))
+        self.logits = x = values[-1]                             # (b, classes)
         if probabilities and self.softmax_output and self.last_b:
             probs = self.loss_buffers(self.last_b).probs
             self.ops.softmax(x, probs)
@@ -311,17 +361,42 @@ class ReplicaProgram:
             reg.add_gradient(self.dev, state.weights[i], state.grads[i], self.penalty_factor)
 
     def backward(self):
-        """The layers in reverse, from the loss's gradient; every weight's gradient lands
-        in this replica's packed gradient buffer (an empty slice: all zeros)."""
+        """The nodes in reverse, from the loss's gradient; every weight's gradient lands
+        in this replica's packed gradient buffer (an empty slice: all zeros).
+
+        A tensor that feeds several nodes gets the sum of their gradients, added in the
+        order the nodes run backward, into a buffer of the engine's (``grad_sum``): a fixed
+        order, so the sum has the same bits every step and on every replica."""
         b = self.last_b
         if not b:
             self.ops.fill(self.pack.grads[self.r], 0.0)
             return
-        dy = self.loss_buffers(b).dlogits                        # (b, classes)
-        for state in reversed(self.states):
-            dy = state.layer.backward(state, dy)
-            if dy is None:                                       # no earlier layer has weights
-                return
+        grads = [None] * len(self.edges)                         # grads[t]: d loss / d tensor t
+        arrived = [0] * len(self.edges)
+        grads[-1] = self.loss_buffers(b).dlogits                 # (b, classes)
+        for i in reversed(range(len(self.nodes))):
+            state, node = self.states[i], self.nodes[i]
+            if not self.upstream[i + 1]:                         # no weights here nor before
+                continue
+            dxs = state.layer.backward(state, grads[i + 1])
+            for packed, own in zip(state.accumulate or (), state.grads):   # a shared layer's node
+                self.ops.binary("add", packed, own, packed)
+            for j, (t, dx) in enumerate(zip(node.inputs, dxs if node.multi else [dxs])):
+                if dx is None:
+                    continue
+                if node.multi and any(dx is other for other in dxs[:j]):   # one buffer, two inputs:
+                    copy = self.grad_sum(t, b, "copy")                     # each its own (in place!)
+                    self.dev.copy_into(copy, dx)
+                    dx = copy
+                arrived[t] += 1
+                if self.edges[t] == 1:
+                    grads[t] = dx                                # its only consumer's: pass it on
+                elif arrived[t] == 1:
+                    grads[t] = dx                                # the first of several: kept
+                else:                                            # sum = first + second + ...
+                    total = self.grad_sum(t, b)
+                    self.ops.binary("add", view(grads[t], total.shape), view(dx, total.shape), total)
+                    grads[t] = total
 
     def forward_backward(self, x, y, mode, scale):
         """Step 2 on this replica: forward (training), loss scaled by ``scale``, backward."""

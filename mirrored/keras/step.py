@@ -83,7 +83,7 @@ class Step(InferencePasses):
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
         offset = model.distribute_strategy.extended.replica_offset      # 0 on one machine
         replicas = model.distribute_strategy.num_replicas_in_sync
-        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset, replicas)
+        self.programs = [ReplicaProgram(model.nodes, self.pack, r, self.in_dim, offset, replicas)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
         # (batch size, shard) -> this worker's replicas' [(start, stop)]: the rule's answer
