@@ -23,7 +23,7 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context
-from mirrored.keras import data_adapters
+from mirrored.keras import data_adapters, functional
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
@@ -165,8 +165,19 @@ class ModelAPI:
         self._save_on_chief(saving.save_model, filepath, overwrite)
 
     def get_config(self):
-        """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
+        """Keras's config of this model (what ``model.save`` writes to config.json): a
+        Sequential's layers, a functional model's layers and calls; a subclassed model
+        defines its own (Keras 3's rule), else ``model.save`` refuses it."""
         return saving.model_config(self)["config"]
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """The model a ``get_config`` describes: Keras's Sequential and Functional configs, or
+        ``cls(**config)`` for a subclassed model (the arguments of its ``__init__``)."""
+        if isinstance(config, dict) and "layers" in config:
+            kind = "Functional" if "input_layers" in config else "Sequential"
+            return saving.model_from_config({"class_name": kind, "config": config}, custom_objects)
+        return cls(**config)
 
     # -- compile -------------------------------------------------------------------------
     @serialised
@@ -348,11 +359,25 @@ class ModelAPI:
         ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
         calling one model take turns); inside, each replica runs on its own program.
         """
+        if functional.is_symbolic(inputs):           # inside another model's definition
+            return self.call_symbolic(inputs)
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
             return self._call(inputs, training, replica_ctx.local_replica_id)
         with self._lock:
             return self._call(inputs, training, 0)
+
+    def call_symbolic(self, inputs):
+        """A Sequential called on a symbolic tensor (a block of a functional or subclassed model):
+        its layers called in turn, each recording its node. Other models are refused by name."""
+        if type(self).__name__ != "Sequential":
+            raise NotImplementedError(f"{functional.user_line()}: the model {self.name!r} called on a symbolic "
+                                      f"tensor: a functional or subclassed model used as a layer is not "
+                                      f"implemented here (a Sequential is); call its layers instead.")
+        x = inputs
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
     def _call(self, inputs, training, r):
         if not isinstance(inputs, Tensor):

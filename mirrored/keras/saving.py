@@ -63,7 +63,7 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras import initializers
+from mirrored.keras import functional_config, initializers
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -390,7 +390,7 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
         except json.JSONDecodeError as err:
             raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
         stored, opt, states = _read_h5(io.BytesIO(zf.read(ARCHIVE_WEIGHTS)), filepath)
-    model = model_from_config(config)
+    model = model_from_config(config, custom_objects)
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
     arrays = _apply(model, stored, filepath)
@@ -420,15 +420,26 @@ def register_model_class(cls):
     return cls
 
 
+def _layer_entry(layer):
+    return _ser("keras.layers", type(layer).__name__, layer.get_config())
+
+
 def model_config(model):
-    """What Keras 3 writes to a .keras archive's config.json for a Sequential."""
-    layers = [_ser("keras.layers", "InputLayer",
-                   {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
-                    "name": "input_layer"})]
-    layers += [_ser("keras.layers", type(l).__name__, l.get_config()) for l in model.layers]
-    config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
-                                          "layers": layers})
-    config["build_config"] = {"input_shape": list(model.input_shape)}
+    """What Keras 3 writes to a .keras archive's config.json: a Sequential's, a functional
+    model's (``functional_config.py``), or a subclassed model's own ``get_config``."""
+    kind = type(model).__name__
+    if MODEL_CLASSES.get(kind) is not type(model):                    # a subclassed model
+        config = subclassed_config(model)
+    elif kind == "Functional":
+        config = functional_config.functional_config(model, _layer_entry)
+    else:
+        layers = [_ser("keras.layers", "InputLayer",
+                       {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
+                        "name": "input_layer"})]
+        layers += [_layer_entry(l) for l in model.layers]
+        config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
+                                              "layers": layers})
+        config["build_config"] = {"input_shape": list(model.input_shape)}
     if model.optimizer is not None:
         loss = model.loss
         config["compile_config"] = {
@@ -467,28 +478,68 @@ def _kwargs_for(cls, config, what):
     return kwargs
 
 
-def model_from_config(config):
-    """A Sequential from Keras's config (the layers this library has)."""
-    Sequential = MODEL_CLASSES.get(config.get("class_name"))
+def _input_from_config(spec):
+    cfg = spec["config"]
+    shape = cfg.get("batch_shape") or cfg.get("batch_input_shape")
+    return L.Input(shape=tuple(shape[1:]), name=cfg.get("name"))
+
+
+def _layer_from_config(spec):
+    """A new layer from its entry in a model's config (the layers this library has)."""
+    name, cfg = spec["class_name"], dict(spec["config"])
+    cls = getattr(L, name, None) if name in L.SUPPORTED else None
+    if cls is None:
+        raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
+                                  f"{', '.join(L.SUPPORTED)}.")
+    kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
+    if cfg.get("batch_input_shape"):
+        kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
+    return cls(**kwargs)
+
+
+def subclassed_config(model):
+    """Keras 3's rule for a subclassed model: its config is its own ``get_config`` (the
+    arguments of its ``__init__``); without one it cannot be saved whole."""
+    name = type(model).__name__
+    if type(model).get_config is MODEL_CLASSES["Model"].get_config:
+        raise NotImplementedError(
+            f"model.save of the subclassed model {name}: it has no get_config(), so its architecture "
+            f"cannot be written (Keras 3's rule). Define get_config(self) returning the arguments of "
+            f"its __init__ (and load with custom_objects={{'{name}': {name}}}), or save the weights "
+            f"alone: model.save_weights('name.weights.h5').")
+    config = {"module": type(model).__module__, "class_name": name, "config": model.get_config(),
+              "registered_name": name}
+    config["build_config"] = {"input_shape": list(model.input_shape)}
+    return config
+
+
+def model_from_config(config, custom_objects=None):
+    """A model from Keras's config: Sequential, Functional, or a subclass named in
+    ``custom_objects`` (rebuilt by its ``from_config``)."""
+    kind = config.get("class_name")
+    custom = (custom_objects or {}).get(kind)
+    if custom is not None:
+        model = custom.from_config(config["config"])
+        build = config.get("build_config") or {}
+        if not model.built and build.get("input_shape"):
+            model.build(tuple(build["input_shape"]))
+        return model
+    if functional_config.is_functional(config):
+        return functional_config.functional_from_config(
+            config, _layer_from_config, _input_from_config,
+            lambda inputs, outputs, name: MODEL_CLASSES["Functional"](inputs, outputs, name=name))
+    Sequential = MODEL_CLASSES.get(kind) if kind == "Sequential" else None
     if Sequential is None:
-        raise NotImplementedError(f"only Sequential models can be loaded here, the file holds a "
-                                  f"{config.get('class_name')!r}.")
+        raise NotImplementedError(f"the file holds a model of class {kind!r}: Sequential and functional "
+                                  f"models load here, and a subclassed one given in custom_objects "
+                                  f"(load_model(path, custom_objects={{{kind!r}: {kind}}})).")
     inner = config["config"]
     layers = []
     for spec in inner["layers"]:
-        name, cfg = spec["class_name"], dict(spec["config"])
-        if name == "InputLayer":
-            shape = cfg.get("batch_shape") or cfg.get("batch_input_shape")
-            layers.append(L.Input(shape=tuple(shape[1:]), name=cfg.get("name")))
-            continue
-        cls = getattr(L, name, None) if name in L.SUPPORTED else None
-        if cls is None:
-            raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
-                                      f"{', '.join(L.SUPPORTED)}.")
-        kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
-        if cfg.get("batch_input_shape"):
-            kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
-        layers.append(cls(**kwargs))
+        if spec["class_name"] == "InputLayer":
+            layers.append(_input_from_config(spec))
+        else:
+            layers.append(_layer_from_config(spec))
     model = Sequential(layers, name=inner.get("name"))
     build = config.get("build_config") or {}
     if not model.built and build.get("input_shape"):
