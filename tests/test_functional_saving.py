@@ -176,3 +176,17 @@ def test_a_damaged_functional_config_says_what_is_wrong(devices, tmp_path):
             out.writestr(name, json.dumps(config) if name == "config.json" else zf.read(name))
     with pytest.raises(ValueError, match="Invalid Functional model configuration"):
         keras.models.load_model(str(damaged))
+
+
+def test_summary_has_kerass_connected_to_column():
+    model = shared_model()
+    lines = []
+    model.summary(print_fn=lines.append)
+    assert "Connected to" in lines[2] and lines[0] == 'Model: "mini"'
+    rows = {line.split()[0]: line for line in lines if line.startswith(" ") and "(" in line and line.split()}
+    assert rows["features"].split()[-1] == "-" and "(InputLayer)" in rows["features"]
+    assert rows["hidden"].split()[-1] == "features[0][0]" and rows["hidden"].split()[-2] == "25"
+    after_shared = lines[lines.index(rows["shared"]) + 1]
+    assert rows["shared"].split()[-1] == "hidden[0][0]" and after_shared.split() == ["shared[0][0]"]
+    assert rows["drop"].split()[-1] == "shared[1][0]" and rows["logits"].split()[-1] == "drop[0][0]"
+    assert lines[-4] == f"Total params: {model.count_params():,}" == "Total params: 73"

@@ -402,22 +402,34 @@ class ModelAPI:
 
     # -- summary ------------------------------------------------------------------------------------
     def summary(self, print_fn=None):
-        """Keras's table of layers, output shapes and parameter counts."""
+        """Keras's table of layers, output shapes and parameter counts; a functional model's
+        has Keras's "Connected to" column (each call's inputs as ``layer[node][tensor]``) and
+        its input layer first."""
         print_fn = print_fn or print
         self.build_if_shape_known()
         if not self.built:
             raise ValueError("This model has not yet been built: give the first layer an "
                              "input_shape or call fit() first.")
-        rule, thick = "_" * 65, "=" * 65
-        lines = [f'Model: "{self.name}"', rule,
-                 f" {'Layer (type)':<27} {'Output Shape':<25} {'Param #':<10}", thick]
-        shape = self._input_shape
-        for i, layer in enumerate(self.layers):
-            shape = layer.output_shape_for(shape)
+        connected = getattr(self, "connections", None)
+        rows = [] if connected is None else connected()         # functional: [(layer, inputs)]
+        if connected is None:
+            rows = [(layer, None) for layer in self.layers]
+        widths = (27, 25, 10) if connected is None else (33, 22, 12, 31)
+        width = sum(widths) + len(widths)                    # a space before each column
+        rule, thick = "_" * width, "=" * width
+        head = ("Layer (type)", "Output Shape", "Param #", "Connected to")[:len(widths)]
+        lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
+        for i, (layer, inputs) in enumerate(rows):
+            shape = (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg)
             params = int(sum(np.prod(w.shape) for w in layer.trainable_weights))
-            desc = f"{layer.name} ({type(layer).__name__})"
-            lines.append(f" {desc:<27} {str((None,) + tuple(shape)):<25} {params:<10}")
-            lines.append(" " * 65 if i < len(self.layers) - 1 else thick)
+            cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]
+            extra = []
+            if connected is not None:
+                cells.append(inputs[0] if inputs else "-")
+                extra = inputs[1:]
+            lines.append(" " + " ".join(f"{c:<{w}}" for c, w in zip(cells, widths)))
+            lines += [" " * (width - widths[-1]) + f"{more:<{widths[-1]}}" for more in extra]
+            lines.append(" " * width if i < len(rows) - 1 else thick)
         total = self.count_params()
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:

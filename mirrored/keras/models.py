@@ -490,6 +490,22 @@ class Functional(Model):
     def call(self, inputs, training=None):
         raise NotImplementedError("a functional model runs its recorded layer calls; call the model, model(x).")
 
+    def connections(self):
+        """[(layer, ['name[node][tensor]' of each input of each of its calls])], the input layer
+        first: summary's "Connected to" column (calls numbered within this model, as Keras)."""
+        x = self.inputs[0]
+        own = [x.node] + list(self.symbolic_nodes)
+        own_ids = {id(n) for n in own}
+
+        def ref(t):
+            calls = [n for n in t.node.layer.inbound_nodes if id(n) in own_ids]
+            return f"{t.node.layer.name}[{next(i for i, n in enumerate(calls) if n is t.node)}][0]"
+        rows = [(x.node.layer, [])]
+        for layer in self.layers:
+            rows.append((layer, [ref(t) for n in layer.inbound_nodes if id(n) in own_ids
+                                 for t in n.input_tensors]))
+        return rows
+
 
 def _keras_defaults(what, kwargs):
     """Keras's model arguments that change nothing here (trainable=True, dtype float32) are
