@@ -1,74 +1,55 @@
-"""What one replica holds and runs: the packed parameters, and a program of layers.
+"""What one replica holds and runs: the packed parameters, and a program of layer nodes.
 
 Two ideas make a data-parallel step cheap, and both are here:
 
-1. **Packed parameters** (``ParameterPack``). All of a model's weights live in
-   ONE flat float32 buffer per device, in Keras's order (kernel, bias, layer by
-   layer); each ``Variable`` is a view into it. The gradients get a twin flat
-   buffer. So the gradient all-reduce is one ring over one buffer (tensor
-   fusion for free: nothing to pack), and the optimizer is one kernel launch
-   per device for the whole model. ``all_reduce`` (below) is that ring call:
-   ``fit``'s step and a custom loop's ``apply_gradients`` both make it.
+1. **Packed parameters** (``ParameterPack``). All of a model's weights live in ONE flat
+   float32 buffer per device, in Keras's order (kernel, bias, layer by layer); each
+   ``Variable`` is a view into it, and the gradients get a twin buffer. So the all-reduce is
+   one ring over one buffer, and the optimizer one launch per device for the whole model.
+   ``all_reduce`` (below) is that ring call: ``fit`` and ``apply_gradients`` both make it.
 
-2. **A replica program** (``ReplicaProgram``). For one device it holds one
-   ``LayerState`` per layer (the layer's weight and gradient views on that
-   device, and the buffers the layer asked for, made once per batch size and
-   reused every step) and runs::
+2. **A replica program** (``ReplicaProgram``). A model is a directed acyclic graph of layer
+   calls, ``Node``s in topological order (every node after the nodes it reads): a
+   ``Sequential`` is a chain, a functional or subclassed model any DAG (``functional.py``
+   sorts it). Tensor 0 is the input, tensor i + 1 node i's output; each node has a
+   ``LayerState`` per device (weight and gradient views, buffers made once per batch size)::
 
-       forward    x = layer.forward(state, x)  for each layer, in order
-       loss       l, dlogits = xent(logits, labels)   fused softmax cross-entropy,
-                                                      scaled by 1/GLOBAL batch (or MSE/BCE
-                                                      against float targets, regression_losses)
-       backward   dy = layer.backward(state, dy)   for each layer, in reverse
-       penalties  grad += 2 l2 w / N                  kernel_regularizer (fit only;
-                                                      keras/regularizers.py)
+       forward    values[i+1] = layer.forward(state, values[inputs])   nodes in order
+       loss       l, dlogits = xent(logits, labels)   fused, scaled by 1/GLOBAL batch (or
+                                                      MSE/BCE against float targets)
+       backward   grads[inputs] += layer.backward(state, grads[i+1])   nodes in reverse
+       penalties  grad += 2 l2 w / N                  kernel_regularizer (keras/regularizers.py)
 
-   What each layer launches is the layer's business (``layers.py``): the
-   program knows no layer type. Loss sums and correct counts are accumulated ON
-   the device; the host reads them only when it prints progress, so a step
-   needs no host synchronisation.
+   Fan-out: a tensor read by several nodes gets the SUM of their gradients, added in the
+   order the nodes run backward into a buffer of the engine's (``grad_sum``; a layer may
+   change the dy it is given in place, so it never gets one another node still needs). A
+   layer called twice (shared) has one set of weights and the sum of its calls'
+   gradients. Why a fixed order: float addition is not associative, and a fixed order gives
+   the same bits every step and on every replica (the replicas must stay bitwise equal).
+   What each layer launches is its own business (``layers.py``): the program knows no
+   layer type. Loss sums and correct counts stay ON the device until progress is printed.
 
-Why the loss is scaled by 1/GLOBAL batch on every replica: each replica's
-gradient is then its share of the gradient of the mean loss over the global
-batch, and the all-reduce SUM of the shares is exactly that gradient — what one
-device would compute on the whole batch (TensorFlow's rule; the tests check it).
+Why 1/GLOBAL batch on every replica: each replica's gradient is then its share of the
+mean loss's gradient, and the all-reduce SUM of the shares is exactly what one device
+would compute on the whole batch (TensorFlow's rule; the tests check it).
 
-Neighbours: ``layers.py`` (forward/backward of each layer), ``step.py`` (the
-training step that drives these programs), ``optimizers.py`` (updates the packed
-buffers), ``mirrored/ring.py`` (the ring).
+Neighbours: ``layers.py`` (each layer's forward/backward), ``step.py`` (drives these
+programs), ``functional.py`` (the nodes' order), ``optimizers.py``, ``mirrored/ring.py``.
 """
-import weakref
 from collections import namedtuple
 
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
+from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor
-from mirrored.values import DistributedValues, components
+from mirrored.values import components
 
 FLOAT = np.dtype(np.float32)
 
 #: One call of a layer in the model's program: ``inputs``, the numbers of the tensors it
 #: reads (0: the model's input; i + 1: node i's output); ``multi``: called on a list.
 Node = namedtuple("Node", "layer inputs multi")
-
-
-def unique_layers(nodes):
-    """The nodes' layers, each once, in the order they first run (Keras's ``model.layers``)."""
-    seen = {}
-    for node in nodes:
-        seen.setdefault(id(node.layer), node.layer)
-    return list(seen.values())
-
-_PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
-
-
-def pack_of(variable):
-    """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
-    try:
-        return _PACK_OF.get(variable)
-    except TypeError:                           # not a variable at all (no weak reference to it)
-        return None
 
 
 class ParameterPack:
@@ -86,8 +67,7 @@ class ParameterPack:
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
         self.total = int(sum(self.sizes))
-        for var in self.variables:
-            _PACK_OF[var] = self                 # lets apply_gradients find the packed path
+        custom_loop.register(self)               # lets apply_gradients find the packed path
         self.params, self.grads = [], []        # flat (total,) float32 per device
         self.param_views, self.grad_views = [], []   # [device][k] shaped views
         for r, dev in enumerate(self.devices):
@@ -108,30 +88,12 @@ class ParameterPack:
             self.param_views.append(pviews)
             self.grad_views.append(gviews)
 
-    def grad_tensors(self, r):
-        dev = self.devices[r]
-        return [Tensor(g, dev) for g in self.grad_views[r]]
-
     def index_of(self, variable):
         """k such that ``variable`` (or one of its per-device copies) is ``variables[k]``, else None."""
         for k, v in enumerate(self.variables):
             if variable is v or any(variable is c for c in components(v)):
                 return k
         return None
-
-    def matches(self, variables, grads):
-        """True when ``grads`` (PerReplica or Tensors, one per variable) are exactly this
-        pack's gradient views of ``variables``: then one ring over ``grads`` sums them all."""
-        if list(variables) != self.variables:
-            return False
-        for k, g in enumerate(grads):
-            comps = g.values if isinstance(g, DistributedValues) else (g,)
-            if len(comps) != len(self.devices):
-                return False
-            for r, t in enumerate(comps):
-                if not isinstance(t, Tensor) or t.buf is not self.grad_views[r][k]:
-                    return False
-        return True
 
 
 def all_reduce(pack, cross_device_ops):
@@ -197,7 +159,6 @@ class ReplicaProgram:
 
     def __init__(self, nodes, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
         self.nodes = list(nodes)
-        self.layers = unique_layers(self.nodes)
         self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
         self.pack = pack
         self.r = replica_id
@@ -237,7 +198,7 @@ class ReplicaProgram:
         self.softmax_output = getattr(self.nodes[-1].layer, "activation", None) == "softmax"
         self._loss_buffers = {}
         self._grad_sums = {}                       # (tensor, b) -> the engine's buffer for its gradient
-        self._inputs = {}                          # (b, label dtype) -> (x (b, in), y (b,)) upload buffers
+        self.input_cache = {}                      # (b, label dtype, shape) -> (x, y): data_adapters.upload
         self.x = self.logits = None                # the last forward's input (b, in) and output
         self.last_b = 0
         with self.dev.activate():
@@ -251,7 +212,7 @@ class ReplicaProgram:
     def caches(self):
         """The dicts of buffers made on first use (inputs, loss, gradient sums, every node's): a
         step that fails drops what it added (``keras/step.py``'s ``no_trace``)."""
-        return [self._inputs, self._loss_buffers, self._grad_sums] + [s._buffers for s in self.states]
+        return [self.input_cache, self._loss_buffers, self._grad_sums] + [s._buffers for s in self.states]
 
     def loss_buffers(self, b):
         buf = self._loss_buffers.get(b)
@@ -277,33 +238,6 @@ class ReplicaProgram:
             for t in range(1, len(self.edges)):
                 if self.edges[t] > 1 and self.upstream[t]:
                     self.grad_sum(t, b)
-
-    # -- inputs
-    def upload(self, x, y):
-        """Copy a host batch into this device's input buffers: ``(x_dev, y_dev)``.
-
-        x: (b, in_dim) float32, y: (b,) integer labels, both C-contiguous NumPy.
-        The buffers are made once per (batch size, label dtype) and reused every
-        step, as the layers' buffers are: an epoch of equal batches allocates nothing.
-        The next ``upload`` of the same size overwrites them (on a GPU, in stream
-        order, after the kernels of this step have read them).
-        """
-        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype, y.shape[1:])
-        if x.shape[0]:
-            self.dev.upload_into(x_dev, x)
-            self.dev.upload_into(y_dev, y)
-        return x_dev, y_dev
-
-    def input_buffers(self, b, label_dtype, label_shape=()):
-        """This device's reusable input buffers for batches of ``b``: x (b, in_dim)
-        float32 and y (b,) + ``label_shape`` of ``label_dtype`` (filled by ``upload`` or a
-        gather): class labels (b,), or float targets (b, classes) for MSE and BCE."""
-        key = (b, np.dtype(label_dtype), tuple(label_shape))
-        bufs = self._inputs.get(key)
-        if bufs is None:
-            bufs = self._inputs[key] = (self.dev.empty((b, self.in_dim), FLOAT),   # x: (b, in) float32
-                                        self.dev.empty((b,) + tuple(label_shape), label_dtype))   # y
-        return bufs
 
     # -- the program
     def forward(self, x, training=False, probabilities=False):

@@ -21,7 +21,7 @@ Neighbours: ``layers.py`` (``kernel_regularizer=``), ``engine.py``, ``tape.py``.
 """
 import numpy as np
 
-from mirrored.keras.engine import pack_of
+from mirrored.keras.custom_loop import pack_of
 from mirrored.keras.tape import penalty_node
 from mirrored.tensor import Tensor, constant
 from mirrored.values import Variable, components

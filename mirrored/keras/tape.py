@@ -22,6 +22,7 @@ what is supported.
 import numpy as np
 
 from mirrored import context
+from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor, add_n
 
 
@@ -194,7 +195,7 @@ class GradientTape:
                             "differentiate here.")
         single = not isinstance(sources, (list, tuple))
         wanted = [sources] if single else list(sources)
-        grads = pack.grad_tensors(r)
+        grads = custom_loop.grad_tensors(pack, r)
         result = []
         for var in wanted:
             k = pack.index_of(var)
