@@ -21,6 +21,7 @@ import numpy as np
 from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
                      elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
+from kernels import merge   # the merge layers' column copy (Concatenate; the blocks marked below)
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
 #: by the output's shape (v3 for outputs that fill the GPU, v2 for small ones).
@@ -203,6 +204,13 @@ class CpuOps:
     def gather_rows(self, src, idx, out):
         return gather.gather_rows_ref(src, idx, out)
 
+    # --- merge layers (mirrored/keras/merging.py; kernels/merge.py) ---------------------
+    # Add, Subtract, Multiply and Average use ``binary`` / ``binary_scalar`` / ``unary``;
+    # Concatenate (and any plain copy of a buffer) uses this column-block copy.
+    def copy_columns(self, src, dst, src_col, dst_col, width):
+        return merge.copy_columns_ref(src, dst, src_col, dst_col, width)
+    # --- end of the merge layers' block ---------------------------------------------------
+
 
 class CudaOps:
     """Ops on Numba device arrays of a ``CudaDevice``: our kernels, on its stream."""
@@ -320,6 +328,11 @@ class CudaOps:
 
     def gather_rows(self, src, idx, out):
         return gather.gather_rows(src, idx, out, self.stream)
+
+    # --- merge layers (mirrored/keras/merging.py; kernels/merge.py) ---------------------
+    def copy_columns(self, src, dst, src_col, dst_col, width):
+        return merge.copy_columns(src, dst, src_col, dst_col, width, self.stream)
+    # --- end of the merge layers' block ---------------------------------------------------
 
 
 # --- the CPU backend's BLAS, and how many threads it may use --------------------------------

@@ -91,18 +91,24 @@ def loss_f64(model, weights, x, y, masks=()):
 
 def grads_f64(model, weights, x, y, masks=()):
     """d loss / d every weight by central differences in float64."""
-    weights = [w.astype(np.float64) for w in weights]
+    return central_differences(lambda ws: loss_f64(model, ws, x, y, masks), weights)
+
+
+def central_differences(loss, arrays, eps=EPS):
+    """d loss(arrays) / d every element of every array, by central differences in float64
+    (``loss`` takes the list of arrays; also tests/test_merge_layers.py's gradients)."""
+    arrays = [a.astype(np.float64) for a in arrays]
     grads = []
-    for w in weights:
+    for w in arrays:
         g = np.empty_like(w)
         for idx in np.ndindex(w.shape):
             keep = w[idx]
-            w[idx] = keep + EPS
-            up = loss_f64(model, weights, x, y, masks)
-            w[idx] = keep - EPS
-            down = loss_f64(model, weights, x, y, masks)
+            w[idx] = keep + eps
+            up = loss(arrays)
+            w[idx] = keep - eps
+            down = loss(arrays)
             w[idx] = keep
-            g[idx] = (up - down) / (2 * EPS)
+            g[idx] = (up - down) / (2 * eps)
         grads.append(g)
     return grads
 

@@ -17,7 +17,8 @@ tensors, layer calls recorded, the nodes' topological order, tracing), model_api
 predict, weights, saving, summary), step.py (one training step: split,
 forward/backward, all-reduce, update; inference.py: evaluate's and predict's passes), engine.py (packed weights; a replica's
 program of layers), layers.py (Flatten, Dense, Conv2D, MaxPooling2D: each with its
-forward and backward; dropout.py: Dropout; base_layer.py: Layer, Input; initializers.py),
+forward and backward; dropout.py: Dropout; merging.py: Add, Concatenate, ...; base_layer.py: Layer, Input;
+initializers.py),
 data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
 losses.py, regularizers.py (L2), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
@@ -27,6 +28,13 @@ from mirrored.keras import callbacks, layers, losses, metrics, optimizers, regul
 from mirrored.keras.functional import KerasTensor
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Functional, Model, Sequential
+
+# Keras's merge layers (merging.py) as tf.keras.layers.Add, .Concatenate, .add, ...: set on the
+# layers module here, so that layers.py, a file of the step's reading order, does not grow.
+from mirrored.keras import merging
+for _name in merging.__all__:
+    setattr(layers, _name, getattr(merging, _name))
+del _name
 
 
 class utils:  # noqa: N801 (Keras's namespace)

@@ -220,7 +220,8 @@ def unsupported(name):
     return Unsupported
 
 
-SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout")
+SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout",
+             "Add", "Subtract", "Multiply", "Average", "Concatenate")   # the merge layers: merging.py
 Conv1D = unsupported("Conv1D")
 AveragePooling2D = unsupported("AveragePooling2D")
 BatchNormalization = unsupported("BatchNormalization")
