@@ -1,4 +1,11 @@
-"""``Sequential``: Keras's model, built, and ``fit``: the loop around one training step.
+"""Keras's models (``Model``, ``Sequential``, ``Functional``), built, and ``fit``: the loop
+around one training step.
+
+Every model is one program of layer nodes (``engine.Node``s in topological order, run by
+``engine.ReplicaProgram``): ``Sequential`` makes a chain, ``keras.Model(inputs, outputs)``
+(``Functional``) the recorded layer calls between them, and a subclass of ``Model`` the calls
+its ``call`` makes when traced on a symbolic input (``functional.py`` records, sorts, traces).
+After building, the three are the same to the step.
 
 A model remembers the strategy in force when it was created (``with
 strategy.scope(): model = Sequential([...])``): its weights are then
@@ -7,7 +14,7 @@ strategy.scope(): model = Sequential([...])``): its weights are then
 calls ``compile`` outside it with ``optimizers.Adam()`` created there.
 
 This file is what ``fit``'s step passes through on the Keras side: building the model
-(its weights and its ``step.Step``) and ``fit``, Keras's loop around the step (epochs,
+(its program, its weights and its ``step.Step``) and ``fit``, Keras's loop around the step (epochs,
 callbacks, the progress line). What happens in one training step is in ``step.py``
 (split → forward/backward → all-reduce → update). The loss and accuracy stay on the
 devices and are read when the progress line is drawn. The rest of Keras's model API
