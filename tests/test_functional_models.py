@@ -15,10 +15,10 @@ What is claimed, and why each equality holds:
 * Errors say what was wrong, where (the user's file and line while call() is traced), and
   what to do.
 
-Until the merge layers (``keras/merging.py``) are in this branch, the Add here is a tiny
-test-only layer built on ``ops.binary("add")`` that returns ``dy`` itself for both inputs (the
-protocol allows it), which is exactly the case where the engine must give each input its own
-buffer before a producer modifies its gradient in place.
+Besides the library's merge layers (``keras/merging.py``), a tiny test-only Add built on
+``ops.binary("add")`` returns ``dy`` itself for BOTH inputs (the protocol allows it): exactly
+the case where the engine must give each input its own buffer before a producer (a ReLU
+Dense) modifies its gradient in place.
 
     python -m pytest -q tests/test_functional_models.py
 """
@@ -193,6 +193,15 @@ def residual_model(din, hidden, classes):
     return model, [("dense", 0, 0, True), ("dense", 1, 2, False), ("add", (1, 2)), ("dense", 3, 4, False)]
 
 
+def residual_model_dy_twice(din, hidden, classes):
+    """The residual model joined by TestAdd, whose backward hands dy itself to BOTH inputs."""
+    inputs = keras.Input((din,))
+    h = L.Dense(hidden, activation="relu")(inputs)
+    r = L.Dense(hidden, activation="relu")(h)
+    model = keras.Model(inputs, L.Dense(classes)(TestAdd()([r, h])))
+    return model, [("dense", 0, 0, True), ("dense", 1, 2, True), ("add", (2, 1)), ("dense", 3, 4, False)]
+
+
 def shared_model(din, hidden, classes):
     """x -> Dense(relu) -> shared Dense(relu) -> the same shared Dense again -> Dense(classes)."""
     inputs = keras.Input((din,))
@@ -240,7 +249,8 @@ def misses(got, want, start):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("make", [residual_model, shared_model], ids=["residual", "shared"])
+@pytest.mark.parametrize("make", [residual_model, residual_model_dy_twice, shared_model],
+                         ids=["residual", "residual-dy-twice", "shared"])
 def test_a_dag_trains_to_the_float64_oracle(devices, rng, make, n):
     got, want, start = train_against_oracle(devices, rng, make, n)
     assert not misses(got, want, start)
@@ -423,6 +433,9 @@ def test_the_functional_apis_errors_say_what_to_do(devices):
         dense(keras.Input((5,)))
     with pytest.raises(NotImplementedError, match="keras.layers.Add"):
         a + b
+    drop = L.Dropout(0.5)
+    with pytest.raises(NotImplementedError, match="called 2 times"):
+        keras.Model(a, L.Dense(2)(drop(drop(a))))
 
 
 def test_keras_model_is_reached_the_ways_tensorflow_users_write_it():

@@ -165,9 +165,15 @@ class Model(ModelAPI):
                              "input_shape=..., start with layers.Input(shape=...), or call fit first.")
         with self._scope():
             nodes = self._program(tuple(self._input_shape))
-        for node in nodes[:-1]:
-            if getattr(node.layer, "activation", None) == "softmax":
+        for i, node in enumerate(nodes):
+            if i < len(nodes) - 1 and getattr(node.layer, "activation", None) == "softmax":
                 raise NotImplementedError(f"softmax is supported on the last layer only ({node.layer.name!r}).")
+            calls = sum(other.layer is node.layer for other in nodes)
+            if calls > 1 and node.layer.training_state() is not None:
+                raise NotImplementedError(
+                    f"{type(node.layer).__name__} {node.layer.name!r} is called {calls} times in {self.name!r}: a "
+                    f"layer that keeps training state (Dropout's mask counter) is called once per model "
+                    f"here. Use a new layer for each call.")
         self.nodes = nodes
         variables = self.trainable_variables
         if not variables:
@@ -496,6 +502,14 @@ class Functional(Model):
 
     def call(self, inputs, training=None):
         raise NotImplementedError("a functional model runs its recorded layer calls; call the model, model(x).")
+
+    @property
+    def input(self):
+        return self.inputs[0]
+
+    @property
+    def output(self):
+        return self.outputs[0]
 
     def connections(self):
         """[(layer, ['name[node][tensor]' of each input of each of its calls])], the input layer
