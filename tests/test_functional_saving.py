@@ -86,6 +86,12 @@ def test_a_functional_model_round_trips_and_resumes_training(devices, rng, tmp_p
     model.save(path)
     with zipfile.ZipFile(path) as zf:
         written = json.loads(zf.read("config.json"))
+        weights = io.BytesIO(zf.read("model.weights.h5"))
+    import h5py
+    with h5py.File(weights, "r") as f:                  # Keras's keys: model.layers, InputLayer first
+        assert sorted(f["layers"]) == ["dense", "dense_1", "dense_2", "dropout", "input_layer"]
+        assert len(f["layers/input_layer/vars"]) == 0 and len(f["layers/dense_1/vars"]) == 2
+        assert f["layers/dense_1/vars"].attrs["name"] == "shared"
     assert written["class_name"] == "Functional" and written["registered_name"] == "Functional"
     assert written["module"] == "keras.src.models.functional"
     assert written["compile_config"]["optimizer"]["class_name"] == "Adam"

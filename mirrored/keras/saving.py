@@ -204,7 +204,9 @@ def _write_h5(model, target, training_state=False):
     h5py = _h5py()
     with h5py.File(target, "w") as f:
         f.create_group("vars").attrs["name"] = model.name
-        for key, layer in zip(layer_keys(model.layers), model.layers):
+        inputs = [t.node.layer for t in getattr(model, "inputs", ())]   # a functional model's InputLayer:
+        layers = inputs + model.layers                                # in Keras's model.layers (no weights)
+        for key, layer in zip(layer_keys(layers), layers):
             group = f.create_group(f"layers/{key}/vars")
             group.attrs["name"] = layer.name
             for i, w in enumerate(layer.trainable_weights):
