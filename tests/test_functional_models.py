@@ -281,13 +281,29 @@ def test_a_layer_called_twice_shares_its_weights_and_keras_orders_the_layers(dev
     assert len(model2.layers) == 4
 
 
-def test_a_gradient_tape_loop_on_a_dag_equals_fit(devices, rng):
+class Residual(keras.Model):
+    """residual_model, subclassed (built on first use: inside strategy.run for the loop)."""
+
+    def __init__(self, hidden, classes):
+        super().__init__()
+        self.h, self.r = L.Dense(hidden, activation="relu"), L.Dense(hidden)
+        self.add, self.out = L.Add(), L.Dense(classes)
+
+    def call(self, x, training=None):
+        h = self.h(x)
+        return self.out(self.add([h, self.r(h)]))
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_a_gradient_tape_loop_on_a_dag_equals_fit(devices, rng, kind):
     devices(cpus=2)
     din, hidden, classes, batch = 6, 5, 3, 8
     strategy = cpus(2)
     with strategy.scope():
         fitted, _ = residual_model(din, hidden, classes)
-        looped, _ = residual_model(din, hidden, classes)
+        looped = residual_model(din, hidden, classes)[0] if kind == "functional" else Residual(hidden, classes)
+        if kind == "subclassed":
+            looped.build((None, din))
         opt = keras.optimizers.SGD(0.3)
         loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     looped.set_weights(fitted.get_weights())
