@@ -14,7 +14,7 @@ Neighbours: ``engine.py`` (``ParameterPack`` registers its variables here), ``st
 import weakref
 
 from mirrored.tensor import Tensor
-from mirrored.values import DistributedValues
+from mirrored.values import DistributedValues, components
 
 _PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
 _STEPS = weakref.WeakKeyDictionary()        # ParameterPack -> weak reference to the Step that made it
@@ -34,6 +34,14 @@ def pack_of(variable):
         return _PACK_OF.get(variable)
     except TypeError:                           # not a variable at all (no weak reference to it)
         return None
+
+
+def index_of(pack, variable):
+    """k such that ``variable`` (or one of its per-device copies) is ``pack.variables[k]``, else None."""
+    for k, v in enumerate(pack.variables):
+        if variable is v or any(variable is c for c in components(v)):
+            return k
+    return None
 
 
 def grad_tensors(pack, r):

@@ -20,9 +20,8 @@ check_labels``). Arrays are checked whole before the first step, a dataset batch
 batch, a data set kept on the devices once when it is placed. (A kernel cannot raise: on
 a GPU a bad label would only poison its row with NaN.)
 
-``upload`` and ``input_buffers`` (last) are step 1's end: a replica's share copied into its
-device's input buffers, made once per batch size. Neighbours: ``models.py`` (fit/evaluate/predict
-call these), ``step.py`` (splits the batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
+Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits the
+batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
 """
 import numbers
 
@@ -35,8 +34,6 @@ from mirrored import random as _random
 from mirrored.input_lib import DistributedDataset
 from mirrored.keras.losses import takes_targets
 from mirrored.tensor import Tensor
-
-FLOAT = np.dtype(np.float32)
 
 
 def batches(model, x, y, batch_size, shuffle):
@@ -341,7 +338,7 @@ class ResidentLoader:
 
     def load(self, p, idx):
         """Replica program ``p``'s rows ``idx`` (b,) into its input buffers: (x_dev, y_dev)."""
-        x_dev, y_dev = input_buffers(p, len(idx), self.y_dtype)   # (b, in) float32, (b,) labels
+        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)   # (b, in) float32, (b,) labels
         wanted = [(self.kx, x_dev), (self.ky, y_dev)]
         landing = [(k, self._landing(p, k, len(idx), out)) for k, out in wanted]
         self.resident.gather(p.r, idx, landing)                  # one upload of b row numbers
@@ -360,33 +357,3 @@ class ResidentLoader:
         if tmp is None:
             tmp = self._scratch[key] = p.dev.empty((b, self.resident.row_sizes[k]), self.resident.dtypes[k])
         return tmp
-
-
-# -- a replica's input buffers (step 1 copies each replica's share into them) -----------------------
-def upload(program, x, y):
-    """Copy a host share into ``program``'s device input buffers: ``(x_dev, y_dev)``.
-
-    x: (b, in_dim) float32, y: (b,) integer labels, both C-contiguous NumPy.
-    The buffers are made once per (batch size, label dtype) and reused every
-    step, as the layers' buffers are: an epoch of equal batches allocates nothing.
-    The next ``upload`` of the same size overwrites them (on a GPU, in stream
-    order, after the kernels of this step have read them).
-    """
-    x_dev, y_dev = input_buffers(program, x.shape[0], y.dtype, y.shape[1:])
-    if x.shape[0]:
-        program.dev.upload_into(x_dev, x)
-        program.dev.upload_into(y_dev, y)
-    return x_dev, y_dev
-
-
-def input_buffers(program, b, label_dtype, label_shape=()):
-    """``program``'s reusable input buffers for batches of ``b`` on its device: x (b, in_dim)
-    float32 and y (b,) + ``label_shape`` of ``label_dtype`` (filled by ``upload`` or a
-    gather): class labels (b,), or float targets (b, classes) for MSE and BCE."""
-    key = (b, np.dtype(label_dtype), tuple(label_shape))
-    bufs = program.input_cache.get(key)
-    if bufs is None:
-        dev = program.dev
-        bufs = program.input_cache[key] = (dev.empty((b, program.in_dim), FLOAT),     # x: (b, in) float32
-                                           dev.empty((b,) + tuple(label_shape), label_dtype))   # y
-    return bufs

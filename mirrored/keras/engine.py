@@ -88,13 +88,6 @@ class ParameterPack:
             self.param_views.append(pviews)
             self.grad_views.append(gviews)
 
-    def index_of(self, variable):
-        """k such that ``variable`` (or one of its per-device copies) is ``variables[k]``, else None."""
-        for k, v in enumerate(self.variables):
-            if variable is v or any(variable is c for c in components(v)):
-                return k
-        return None
-
 
 def all_reduce(pack, cross_device_ops):
     """Step 3: every replica's packed gradient buffer becomes the SUM over all replicas.
@@ -168,11 +161,12 @@ class ReplicaProgram:
         #: edges[t]: how many inputs of nodes tensor t feeds (fan-out when > 1)
         self.edges = [sum(node.inputs.count(t) for node in self.nodes) for t in range(len(self.nodes) + 1)]
         last = {id(node.layer): i for i, node in enumerate(self.nodes)}   # a shared layer's last node
-        upstream = [False]                        # upstream[t]: a node before tensor t has weights
+        first_weight = {id(v): k for k, v in enumerate(pack.variables)}      # its slice of the pack
+        self.upstream = upstream = [False]        # upstream[t]: a node before tensor t has weights
         self.states = []
         for i, node in enumerate(self.nodes):
             layer, n = node.layer, len(node.layer.trainable_weights)
-            k = pack.index_of(layer.trainable_weights[0]) if n else 0
+            k = first_weight[id(layer.trainable_weights[0])] if n else 0
             packed = pack.grad_views[replica_id][k:k + n]
             need_dx = tuple(upstream[t] for t in node.inputs)
             own = last[id(layer)] == i            # the last node writes the packed gradients
@@ -182,15 +176,12 @@ class ReplicaProgram:
                                           grads, need_dx if node.multi else need_dx[0],
                                           replica_offset + replica_id, None if own else packed))
             upstream.append(n > 0 or any(need_dx))
-        self.upstream = upstream
         for i, (node, state) in enumerate(zip(self.nodes, self.states)):   # layers that run as one op
-            fuse = getattr(node.layer, "fuse_next", None)
-            users = [j for j, other in enumerate(self.nodes) if i + 1 in other.inputs]
-            if fuse is None or self.edges[i + 1] != 1 or i + 1 == len(self.nodes):
-                continue                          # its output feeds exactly one node, not the loss
-            following = self.states[users[0]]
-            if following.fused is None and state.fused is None and fuse(following.layer, self.ops):
-                state.fused, following.fused = following, state
+            fuse = getattr(node.layer, "fuse_next", None)     # if its output feeds one node, not the loss
+            if fuse is not None and self.edges[i + 1] == 1 and i + 1 < len(self.nodes):
+                following = next(s for s, n in zip(self.states, self.nodes) if i + 1 in n.inputs)
+                if following.fused is None and state.fused is None and fuse(following.layer, self.ops):
+                    state.fused, following.fused = following, state
         #: [(state, regularizer, index of the weight)]: every penalty, once per layer (keras/regularizers.py)
         self.penalties = [(state, reg, i) for state in self.states if state.accumulate is None
                           for reg, i in state.layer.regularized]
@@ -198,7 +189,7 @@ class ReplicaProgram:
         self.softmax_output = getattr(self.nodes[-1].layer, "activation", None) == "softmax"
         self._loss_buffers = {}
         self._grad_sums = {}                       # (tensor, b) -> the engine's buffer for its gradient
-        self.input_cache = {}                      # (b, label dtype, shape) -> (x, y): data_adapters.upload
+        self.input_cache = {}                      # (b, label dtype, shape) -> (x, y) input buffers
         self.x = self.logits = None                # the last forward's input (b, in) and output
         self.last_b = 0
         with self.dev.activate():
@@ -238,6 +229,15 @@ class ReplicaProgram:
             for t in range(1, len(self.edges)):
                 if self.edges[t] > 1 and self.upstream[t]:
                     self.grad_sum(t, b)
+
+    def input_buffers(self, b, label_dtype, label_shape=()):
+        """Step 1's landing place on this device, made once per batch size: x (b, in_dim) float32,
+        y (b,) + ``label_shape`` (class labels, or float targets for MSE and BCE)."""
+        key = (b, np.dtype(label_dtype), tuple(label_shape))
+        if key not in self.input_cache:
+            self.input_cache[key] = (self.dev.empty((b, self.in_dim), FLOAT),
+                                     self.dev.empty((b,) + tuple(label_shape), label_dtype))
+        return self.input_cache[key]
 
     # -- the program
     def forward(self, x, training=False, probabilities=False):

@@ -39,7 +39,7 @@ import contextlib
 import numpy as np
 
 from mirrored.input_lib import local_bounds, rebatch_bounds
-from mirrored.keras.data_adapters import ResidentBatch, upload
+from mirrored.keras.data_adapters import ResidentBatch
 from mirrored.keras import custom_loop
 from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
 from mirrored.keras.inference import InferencePasses
@@ -266,6 +266,10 @@ def check_compiled(model, what):
 
 
 def _upload(program, part):
-    """Put a host share ``(x (b, in) float32, y (b,))`` into the program's input buffers."""
+    """Put a host share ``(x (b, in) float32, y (b,))`` into the program's (reused) input buffers."""
     x, y = part
-    return upload(program, x, y)
+    x_dev, y_dev = program.input_buffers(x.shape[0], y.dtype, y.shape[1:])
+    if x.shape[0]:
+        program.dev.upload_into(x_dev, x)
+        program.dev.upload_into(y_dev, y)
+    return x_dev, y_dev

@@ -198,7 +198,7 @@ class GradientTape:
         grads = custom_loop.grad_tensors(pack, r)
         result = []
         for var in wanted:
-            k = pack.index_of(var)
+            k = custom_loop.index_of(pack, var)
             result.append(grads[k] if k is not None else None)
         return result[0] if single else result
 
