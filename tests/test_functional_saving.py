@@ -196,3 +196,27 @@ def test_summary_has_kerass_connected_to_column():
     assert rows["shared"].split()[-1] == "hidden[0][0]" and after_shared.split() == ["shared[0][0]"]
     assert rows["drop"].split()[-1] == "shared[1][0]" and rows["logits"].split()[-1] == "drop[0][0]"
     assert lines[-4] == f"Total params: {model.count_params():,}" == "Total params: 73"
+
+
+def test_real_keras_reads_our_functional_file_and_we_read_its(rng, tmp_path):
+    """Where Keras 3 is installed (not a dependency: skipped otherwise), on its NumPy backend: our
+    functional .keras (a shared layer, a residual Add, a Concatenate) loads in Keras and predicts
+    what ours does; Keras's own file of it loads here and predicts what Keras's does."""
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "numpy")
+    real = pytest.importorskip("keras")
+    inputs = keras.Input((4,), name="features")
+    h = L.Dense(5, activation="relu", name="hidden")(inputs)
+    shared = L.Dense(5, activation="relu", name="shared")
+    s = L.Add(name="skip")([h, shared(shared(h))])
+    c = L.Concatenate(name="join")([s, L.Dense(2, name="side")(inputs)])
+    ours = keras.Model(inputs, L.Dense(3, name="logits")(c), name="dag")
+    x = rng.standard_normal((6, 4)).astype(F32)
+    ours.save(str(tmp_path / "ours.keras"))
+    theirs = real.models.load_model(tmp_path / "ours.keras")
+    assert [l.name for l in theirs.layers] == ["features"] + [l.name for l in ours.layers]
+    np.testing.assert_allclose(theirs.predict(x, verbose=0), ours.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    theirs.set_weights([w * 0.5 for w in theirs.get_weights()])
+    theirs.save(tmp_path / "theirs.keras")
+    back = keras.models.load_model(str(tmp_path / "theirs.keras"))
+    np.testing.assert_allclose(back.predict(x, verbose=0), theirs.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
