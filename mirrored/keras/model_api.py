@@ -1,6 +1,7 @@
 """The rest of Keras's model API, what ``fit``'s step does not use: compile, evaluate,
 predict, calling the model, weights, saving, summary (``ModelAPI``, the base class of
-``models.Sequential``; every method here is a method of the model, as in Keras).
+``models.Model``, hence of Sequential, functional and subclassed models alike; every method
+here is a method of the model, as in Keras).
 
 ``models.py`` keeps what one training step of ``fit`` runs: building the model, the
 epoch loop and ``_train_on``. This file holds the methods around it, so that a student
@@ -11,7 +12,7 @@ the model (``model(x)``) runs one replica's forward, remembered for ``GradientTa
 Every public method that runs or changes the model holds the model's re-entrant lock
 (``serialised``; ``models.py``'s docstring says why).
 
-Neighbours: ``models.py`` (Sequential: build, fit), ``step.py`` (the passes),
+Neighbours: ``models.py`` (Model, Sequential, Functional: build, fit), ``step.py`` (the passes),
 ``saving.py`` (the files), ``data_adapters.py`` (what evaluate/predict accept),
 ``tape.py`` (``ModelOutput``), ``progbar.py``.
 """
@@ -74,7 +75,7 @@ def check_keras_arguments(method, kwargs):
 
 class ModelAPI:
     """Keras's model methods that are not ``fit``'s step (the module docstring); the base
-    class of ``models.Sequential``, whose ``__init__`` makes the state they use."""
+    class of ``models.Model``, whose ``_setup`` makes the state they use."""
 
     # -- weights -------------------------------------------------------------------------
     @property

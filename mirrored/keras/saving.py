@@ -46,7 +46,8 @@ killed save leaves any previous file intact. A save into a folder first removes 
 temporaries that a killed save (``kill -9``) left there: those of processes no longer alive.
 Loading a truncated, empty or foreign file names the file and says what is wrong.
 
-Neighbours: ``model_api.py`` (``Sequential.save``/``save_weights``/``load_weights``),
+Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
+``functional_config.py`` (a functional model's config),
 ``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
 ``layers.py`` (the layers rebuilt from a config; ``get_config``: each layer's config; ``initializers.py``: the initialisers' names).
 """
@@ -411,7 +412,7 @@ def _ser(module, class_name, config):
 
 
 #: The model classes ``load_model`` can rebuild, by Keras's class name: ``models.py`` registers
-#: ``Sequential`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
+#: ``Model``, ``Sequential`` and ``Functional`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
 #: so that this module, which ``models.py`` imports, need not import ``models.py``.
 MODEL_CLASSES = {}
 
