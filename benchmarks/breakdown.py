@@ -5,7 +5,7 @@
     python -m benchmarks.breakdown --model lab          # the dense lab model instead
     python -m benchmarks.breakdown --steps 50 --rounds 3 --out /tmp/breakdown.json
     python -m benchmarks.breakdown --device gpu         # on GPU:0: CUDA-event time per part
-    python -m benchmarks.breakdown --smoke --steps 1 --rounds 1 --no-peers   # simulator, tiny
+    python -m benchmarks.breakdown --smoke              # simulator, tiny: 1 step x 1 round
 
 What runs: ``model.fit`` of the lab's ConvNet (Conv2D(32, 3, relu) -> MaxPooling2D ->
 Flatten -> Dense(64, relu) -> Dense(10)) under ``MirroredStrategy(["CPU:0"])`` (or
@@ -81,6 +81,8 @@ BATCH = 64
 #: smoke models (2 filters, 4 hidden units): the simulator runs a Python thread per CUDA
 #: thread, and the first Dense layer's backward (13*13*filters x units) dominates there.
 SMOKE_BATCH = 2
+#: --smoke: one step, one round after the warm-up (it checks the program, in well under 60 s)
+SMOKE_STEPS, SMOKE_ROUNDS = 1, 1
 SMOKE_MODELS = {"convnet": {"convs": ((2, 3),), "units": (4, 10), "per_replica": SMOKE_BATCH,
                             "what": "smoke: Conv2D(2, 3) -> MaxPooling2D -> 4 -> 10"},
                 "two-conv": {"convs": ((2, 3), (2, 3)), "units": (4, 10), "per_replica": SMOKE_BATCH,
@@ -230,8 +232,10 @@ def main(argv=None):
                              "['GPU:0'], each part also timed with CUDA events on its stream")
     parser.add_argument("--batch", type=int, default=None,
                         help=f"examples per step (default {BATCH}; --smoke: {SMOKE_BATCH})")
-    parser.add_argument("--steps", type=int, default=STEPS, help="steps per round")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps per round (default {STEPS}; --smoke: {SMOKE_STEPS})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"timed rounds after one warm-up (default {ROUNDS}; --smoke: {SMOKE_ROUNDS})")
     parser.add_argument("--no-peers", action="store_true", help="do not time PyTorch")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: perf_counter; cpu: process_time (robust to other jobs with 1 "
@@ -243,6 +247,10 @@ def main(argv=None):
                              "(checks the program runs; times mean nothing)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = SMOKE_STEPS if args.smoke else STEPS
+    if args.rounds is None:
+        args.rounds = SMOKE_ROUNDS if args.smoke else ROUNDS
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be at least 1")
     if args.smoke and args.device == "cpu":

@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,11 +67,6 @@ TRAIN_WORKERS = (1, 2, 4)
 TRAIN_STEPS = 30
 WARMUP_STEPS = 5
 BATCH_PER_REPLICA = 64
-
-
-def _mpiexec():
-    here = pathlib.Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
 
 
 # --- one worker (under mpiexec) ----------------------------------------------------------
@@ -188,17 +182,19 @@ def _parse_bytes(text):
 
 
 def launch(n, sizes, repeat, mpiexec, train_steps=None, mpi_algorithm=None):
+    from mirrored.launcher import mpiexec_command     # what this mpiexec's MPI needs (Open MPI as root)
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp, "rows.json")
-        cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "benchmarks.multiworker"]
+        argv = [sys.executable, "-m", "benchmarks.multiworker"]
         if train_steps is None:
-            cmd += ["--worker", "--sizes", *map(str, sizes), "--repeat", str(repeat), "--out", str(out)]
+            argv += ["--worker", "--sizes", *map(str, sizes), "--repeat", str(repeat), "--out", str(out)]
         else:
-            cmd += ["--train-worker", "--training-steps", str(train_steps), "--out", str(out)]
+            argv += ["--train-worker", "--training-steps", str(train_steps), "--out", str(out)]
         # the all-reduce uses CPU devices only (the simulator keeps CUDA away); training runs
         # on what the strategy finds: real GPUs, else the CPU (never the slow simulator)
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1" if train_steps is None else "0",
-                   MIRRORED_OFFLINE="1")                   # the bundled MNIST subset
+        cmd, env = mpiexec_command(n, argv, mpiexec, dict(
+            os.environ, NUMBA_ENABLE_CUDASIM="1" if train_steps is None else "0",
+            MIRRORED_OFFLINE="1"))                         # the bundled MNIST subset
         if mpi_algorithm:                                  # MPICH's name for its choice
             env["MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM"] = mpi_algorithm
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env,
@@ -231,7 +227,8 @@ def main(argv=None):
     if args.train_worker:
         train_worker(args.training_steps, args.out)
         return 0
-    mpiexec = _mpiexec()
+    from mirrored.launcher import find_mpiexec
+    mpiexec = find_mpiexec()
     if mpiexec is None:
         print("no mpiexec beside this Python nor on PATH: python -m pip install mpi4py mpich")
         return 1

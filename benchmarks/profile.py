@@ -60,6 +60,8 @@ from benchmarks import kernels as kbench
 #: so a few are plenty (the counters of one launch vary little), and each adds a result
 #: to the report.
 LAUNCHES = 3
+#: --smoke: one launch per case (it checks the program; well under a minute in the simulator)
+SMOKE_LAUNCHES = 1
 #: Untimed, unprofiled calls first: the checked call (which compiles) and one more.
 WARMUP = 2
 #: --smoke: batch 2 of 6x6 images and 2 KB arrays (kernels.py's smoke sizes).
@@ -127,9 +129,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=None,
                         help=f"images for the conv and pooling cases (default {kbench.CONV_BATCH}; "
                              f"--smoke: {SMOKE_BATCH})")
-    parser.add_argument("--launches", type=int, default=LAUNCHES,
+    parser.add_argument("--launches", type=int, default=None,
                         help=f"profiled launches per case, after {WARMUP} warm-up calls "
-                             f"(default {LAUNCHES})")
+                             f"(default {LAUNCHES}; --smoke: {SMOKE_LAUNCHES})")
     parser.add_argument("--only", metavar="REGEX",
                         help="only the cases whose name matches (re.search, case-insensitive), "
                              "e.g. 'conv2d v1|max_pool'")
@@ -140,6 +142,8 @@ def main(argv=None):
                         help="tiny shapes in the CUDA simulator (checks the program runs)")
     parser.add_argument("--out", help="write the JSON here (nothing is written without it)")
     args = parser.parse_args(argv)
+    if args.launches is None:
+        args.launches = SMOKE_LAUNCHES if args.smoke else LAUNCHES
     if args.launches < 1:
         parser.error(f"--launches must be at least 1, got {args.launches}")
     batch = args.batch if args.batch is not None else (SMOKE_BATCH if args.smoke else kbench.CONV_BATCH)

@@ -591,14 +591,16 @@ def conv2d_relu_pool(x, kernel, bias, out, arg, strides=1, padding="valid", pool
                      pool_strides=None, pool_padding="valid", cols=None, z=None):
     """``max_pool_ref(conv2d_ref(x, kernel, bias, strides, padding, relu=True), pool_size,
     pool_strides, pool_padding)`` written into out (B, PH, PW, Cout) float32 and arg
-    (B, PH, PW, Cout) int32, bitwise: for each block of images (``image_blocks``), im2col
-    and ONE matmul into ``z`` (B, OH, OW, Cout), the conv before its bias, then one pass
-    adding the bias, clipping at 0 and pooling (``_max_pool_forward`` with a bias), so the
+    (B, PH, PW, Cout) int32: for each block of images (``image_blocks``), im2col and ONE
+    matmul into ``z`` (B, OH, OW, Cout), the conv before its bias, then one pass adding
+    the bias, clipping at 0 and pooling (``_max_pool_forward`` with a bias), so the
     activation is never written out and read back. The blocks run on threads where cores
-    are free (``run_parts``). A block's rows of the product were the same bits as the
-    whole product's in every case tried (OpenBLAS SkylakeX; the forward's tests in
-    tests/test_cpu_conv_fused.py are bitwise), but BLAS does not promise it: the blocks
-    are fixed by the batch size, so the result never depends on the threads.
+    are free (``run_parts``). Which equality holds: z is the reference's product to
+    float32 rounding, not bitwise (BLAS does not promise a block of rows the whole
+    product's bits; OpenBLAS on an AMD EPYC differed by an ulp where SkylakeX did not);
+    the bias, ReLU and pool of that z are the references' bitwise (our loop's order); and
+    the blocks are fixed by the batch size, so the bits never depend on the threads
+    (tests/test_cpu_conv_fused.py checks all three).
     ``cols``, ``z``: buffers to reuse (the CPU device keeps them), else made. The
     backward: ``conv2d_relu_pool_backward``."""
     b, out_h, out_w, cout = conv_shape = conv2d_output_shape(x.shape, kernel.shape, strides,

@@ -66,6 +66,10 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_Z = 64
 
 _sim_lock = threading.Lock()
+#: [on?]: whether the simulator checks every launch's argument types against the kernel's
+#: registered signatures (``check_signatures``; off by default, as it costs a look-up per
+#: launch).
+_check_types = [False]
 _configure_lock = threading.Lock()
 _configured = {}
 
@@ -235,6 +239,9 @@ def launch(kernel, grid, block, stream, *args):
     """
     if SIMULATOR:
         check_launch(kernel, grid, block)
+        if _check_types[0]:
+            from kernels.registry import check_launch_types
+            check_launch_types(kernel, args)
         with _sim_lock:
             _configure(kernel, grid, block, stream)(*args)
         return
@@ -248,6 +255,24 @@ def launch(kernel, grid, block, stream, *args):
         with _configure_lock:             # warnings.catch_warnings is process-wide state
             configured = _configured[key] = _configure(kernel, grid, block, stream)
     launch_cache.launch_and_record(cache_key, configured, stream, args)   # configured(*args)
+
+
+class check_signatures:
+    """Context manager: inside it, every simulated launch must match one of its kernel's
+    registered signatures (``kernels.registry.check_launch_types``), else TypeError.
+
+    Why: a real GPU compiles a kernel for any argument types, and a launcher may refuse a
+    type only there; the simulator runs whatever it is given. With this on, a simulator
+    test sees exactly the types the real compiler was asked to check. No effect on real CUDA."""
+
+    def __enter__(self):
+        self.before = _check_types[0]
+        _check_types[0] = True
+        return self
+
+    def __exit__(self, *exc):
+        _check_types[0] = self.before
+        return False
 
 
 def _configure(kernel, grid, block, stream):

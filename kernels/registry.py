@@ -48,7 +48,10 @@ import importlib
 import math
 import os
 import pkgutil
+import re
 from dataclasses import dataclass
+
+import numpy as np
 
 #: The dtypes that Tensor arithmetic, fills, reductions and the ring all-reduce are
 #: compiled for: the numeric dtypes ``mirrored`` creates (float32 by default, float64 and
@@ -207,6 +210,56 @@ def device_functions_from_other_files(kernel):
             else:
                 todo.append(inner)
     return sorted(found)
+
+
+# --- does a launch match what the compiler checked? ----------------------------------------
+# On a real GPU numba compiles a kernel for whatever argument types it is launched with, so
+# a launch with an unregistered type (uint8 labels where int64 was registered) compiles a
+# kernel the compile test never saw, or meets a launcher's own refusal only on the GPU. The
+# simulator compiles nothing and would run it. ``check_launch_types`` makes the simulator
+# say so: ``kernels.launch.check_signatures()`` turns it on (tests/test_label_dtypes.py).
+
+_SIG_ARG = re.compile(r"(\w+)(\[[^\]]*\])?")
+
+
+def _signature_types(signature):
+    """``"void(float32[:, ::1], int64[::1], float32)"`` -> (("float32", 2), ("int64", 1),
+    ("float32", None)): each argument's dtype and number of dimensions (None: a scalar)."""
+    inside = signature[signature.index("(") + 1:signature.rindex(")")]
+    return tuple((m.group(1), m.group(2).count(",") + 1 if m.group(2) else None)
+                 for m in _SIG_ARG.finditer(inside))
+
+
+def _argument_type(arg):
+    """The (dtype, ndim) numba types a launch argument as (ndim None: a scalar)."""
+    if isinstance(arg, bool):
+        return "bool", None
+    if isinstance(arg, int):
+        return "int64", None
+    if isinstance(arg, float):
+        return "float64", None
+    if isinstance(arg, np.generic):           # a NumPy scalar: np.float32(0.5)
+        return arg.dtype.name, None
+    return str(arg.dtype), len(arg.shape)     # a device (or host) array
+
+
+def check_launch_types(kernel, args):
+    """Raise TypeError unless ``args`` match one of the signatures ``kernel`` is registered
+    with (dtype and number of dimensions of each argument). A kernel registered nowhere is
+    not checked here (``unregistered`` finds those)."""
+    spec = next((s for s in _REGISTRY if s.kernel is kernel), None)
+    if spec is None:
+        return
+    got = tuple(_argument_type(a) for a in args)
+    wanted = [_signature_types(s) for s in spec.signatures]
+    normal = lambda types: tuple(("bool" if t == "boolean" else t, n) for t, n in types)  # noqa: E731
+    if any(normal(w) == got for w in wanted):
+        return
+    show = lambda types: ", ".join(t if n is None else f"{t}[{n}d]" for t, n in types)  # noqa: E731
+    raise TypeError(f"{spec.label} ({spec.module}) launched with ({show(got)}), a type it is not "
+                    f"registered (compile-checked) for; registered: "
+                    f"{'; '.join('(' + show(w) + ')' for w in wanted)}. Convert the data where the "
+                    f"batch is staged (one type per kernel), or register the new signature.")
 
 
 def import_all():

@@ -56,6 +56,13 @@ from kernels.registry import mat, register, sig, vec
 EPSILON = 1e-7
 
 _LABEL_DTYPES = (np.int32, np.int64)
+#: The one label type the library hands these kernels. Labels of any integer dtype (uint8
+#: from ``keras.datasets``, int16, uint32...) are converted to it once per batch, where the
+#: batch is staged (``mirrored/keras/data_adapters.py``'s ``class_indices``, the resident
+#: loader, a custom loop's ``keras/tape.py``), so every backend runs the same kernel on the
+#: same type. int64: tfds's label dtype, so its data sets need no conversion. (The launchers
+#: also take int32, for callers of the kernels themselves.)
+LABEL_DTYPE = np.dtype(np.int64)
 _LABEL_DTYPE_SET = frozenset(np.dtype(t) for t in _LABEL_DTYPES)   # checked at every launch
 
 

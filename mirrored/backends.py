@@ -18,7 +18,7 @@ When a kernel file gains a new op, it gets one method here in each class.
 """
 import numpy as np
 
-from kernels import (activations, allreduce, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
+from kernels import (activations, allreduce, categorical_xent, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
                      elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 from kernels import merge   # the merge layers' column copy (Concatenate; the blocks marked below)
@@ -29,6 +29,30 @@ from kernels import merge   # the merge layers' column copy (Concatenate; the bl
 #: v3 (256 threads per block whatever the matrix size) is the slowest there; the
 #: library uses v1 (one thread per output) and the kernel tests cover every version.
 GEMM_VERSION = "v1" if SIMULATOR else None      # None: gemm.choose_version by shape
+
+
+def one_label_type(what, labels):
+    """Every backend's loss ops take class labels of ONE dtype, ``softmax_xent.LABEL_DTYPE``
+    (int64): whatever the data set holds was converted where the batch was staged
+    (``keras/data_adapters.py``, ``keras/tape.py``). Checked here, the same on the CPU, the
+    simulator and a real GPU, so a path that forgets the conversion fails on every backend
+    alike, not only on a GPU (uint8 labels once failed on an H200 and nowhere else)."""
+    if np.dtype(labels.dtype) != softmax_xent.LABEL_DTYPE:
+        raise TypeError(f"{what}: labels reached the loss op as {np.dtype(labels.dtype)}, expected "
+                        f"{softmax_xent.LABEL_DTYPE} (converted where the batch is staged: "
+                        f"keras/data_adapters.py class_indices). This is a bug in mirrored.")
+
+
+def target_loss(ops, mode, pred, targets, loss, grad, correct, scale=1.0):
+    """A loss against float targets (b, classes), as ``keras/losses.py``'s ``kernel_mode``
+    names it: ("categorical", label_smoothing) runs ``categorical_xent``, which also fills
+    ``correct`` (argmax of the output == argmax of the target row); a regression kind ("mse",
+    "bce_logits", "bce_probs") runs ``regression_loss``, and ``correct`` is zeroed (no
+    accuracy for those). ``grad`` None: no gradient."""
+    if isinstance(mode, tuple):
+        return ops.categorical_xent(pred, targets, loss, grad, correct, scale, mode[1])
+    ops.regression_loss(mode, pred, targets, loss, grad, scale)
+    return ops.fill(correct, 0.0)
 
 
 class CpuOps:
@@ -98,13 +122,23 @@ class CpuOps:
         return activations.softmax_ref(x, out)
 
     def softmax_xent(self, logits, labels, loss, grad, correct, scale=1.0):
+        one_label_type("softmax_xent", labels)
         return softmax_xent.softmax_xent_ref(logits, labels, loss, grad, correct, scale)
 
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
+        one_label_type("prob_xent", labels)
         return softmax_xent.prob_xent_ref(probs, labels, loss, grad, correct, scale)
 
     def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
         return regression_losses.regression_loss_ref(kind, pred, target, loss, grad, scale)
+
+    # one-hot labels (kernels/categorical_xent.py): targets (b, classes) float32
+    def categorical_xent(self, logits, targets, loss, grad, correct, scale=1.0, label_smoothing=0.0):
+        return categorical_xent.categorical_xent_ref(logits, targets, loss, grad, correct, scale,
+                                                     label_smoothing)
+
+    def target_loss(self, mode, pred, targets, loss, grad, correct, scale=1.0):
+        return target_loss(self, mode, pred, targets, loss, grad, correct, scale)
 
     # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
@@ -266,9 +300,11 @@ class CudaOps:
         return activations.softmax(x, out, self.stream)
 
     def softmax_xent(self, logits, labels, loss, grad, correct, scale=1.0):
+        one_label_type("softmax_xent", labels)
         return softmax_xent.softmax_xent(logits, labels, loss, grad, correct, scale, self.stream)
 
     def prob_xent(self, probs, labels, loss, grad, correct, scale=1.0):
+        one_label_type("prob_xent", labels)
         return softmax_xent.prob_xent(probs, labels, loss, grad, correct, scale, self.stream)
 
     #: Conv2D(relu) then MaxPooling2D as one op each way (layers.Conv2D.fuse_next) where the
@@ -282,6 +318,13 @@ class CudaOps:
 
     def regression_loss(self, kind, pred, target, loss, grad, scale=1.0):
         return regression_losses.regression_loss(kind, pred, target, loss, grad, scale, self.stream)
+
+    def categorical_xent(self, logits, targets, loss, grad, correct, scale=1.0, label_smoothing=0.0):
+        return categorical_xent.categorical_xent(logits, targets, loss, grad, correct, scale,
+                                                 label_smoothing, self.stream)
+
+    def target_loss(self, mode, pred, targets, loss, grad, correct, scale=1.0):
+        return target_loss(self, mode, pred, targets, loss, grad, correct, scale)
 
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         return conv2d_v3.forward(x, kernel, bias, out, strides, padding, relu, self.stream)  # v3 (v1 past its size)

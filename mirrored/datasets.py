@@ -1,4 +1,4 @@
-"""mirrored.datasets — `tfds.load` for MNIST, verified and offline-friendly.
+"""mirrored.datasets — `tfds.load` for MNIST and Fashion-MNIST, verified and offline-friendly.
 
 What: `load('mnist', ...)` returns `mirrored.data.Dataset`s the way
 `tensorflow_datasets.load` does, so the course lab's first cell runs unchanged:
@@ -35,8 +35,15 @@ prints a line per file (to stderr) while it runs. The course lab calls
 Why IDX: it is MNIST's own format — a big-endian header (magic number, dimensions)
 then raw uint8 bytes — so a dozen lines of NumPy read it (see `read_idx`).
 
-Neighbours: mirrored/data.py (the Dataset returned here); tests/test_datasets.py
-replaces `_fetch` and `MNIST_FILES` so no test touches the network.
+Fashion-MNIST (`load('fashion_mnist')`): the same files, splits and features (with tfds's
+class names in `info.features['label'].names`), kept in `<data_dir>/fashion_mnist/`; it is not
+bundled, so with no copy and no network `load` raises `DownloadError` naming that folder
+(`fetch_files`, also what `keras.datasets` downloads through).
+
+Neighbours: mirrored/data.py (the Dataset returned here); mirrored/keras/datasets.py
+(`keras.datasets`, Keras's arrays, through `fetch_files`); tests/test_datasets.py replaces
+`_fetch` and `MNIST_FILES` so no test touches the network; tests/test_keras_datasets.py
+serves generated files from a `file://` mirror.
 """
 import contextlib
 import gzip
@@ -91,7 +98,36 @@ STALE_PART_S = 15 * 60
 BUNDLED_DIR = Path(__file__).parent / "_data" / "mnist-10k"
 BUNDLED_NAME = "mnist-10k"
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049   # IDX: 0x0000 08 (uint8) 03/01 (dimensions)
-AVAILABLE = ("mnist",)
+
+# Fashion-MNIST (Zalando Research, MIT licence): MNIST's format, file names and sizes of
+# image, 10 classes of clothing. Not bundled: offline with no copy is an error naming the
+# folder (``fetch_files``). SHA-256s as Keras's datasets/fashion_mnist.py lists them.
+FASHION_MNIST_FILES = {
+    "train-images-idx3-ubyte.gz":
+        (26421880, "3aede38d61863908ad78613f6a32ed271626dd12800ba2636569512369268a84"),
+    "train-labels-idx1-ubyte.gz":
+        (29515, "a04f17134ac03560a47e3764e11b92fc97de4d1bfaf8ba1a3aa29af54cc90845"),
+    "t10k-images-idx3-ubyte.gz":
+        (4422102, "346e55b948d973a97e58d2351dde16a484bd415d4595297633bb08f03db6a073"),
+    "t10k-labels-idx1-ubyte.gz":
+        (5148, "67da17c76eaffca5446c3361aaab5c3cd6d1c2608764d35dfb1850b086bf8dd5"),
+}
+FASHION_MNIST_MIRRORS = (   # Keras's, then tfds's
+    "https://storage.googleapis.com/tensorflow/tf-keras-datasets/",
+    "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+)
+#: tfds's ``info.features["label"].names`` for Fashion-MNIST, label 0 to 9.
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                         "Sneaker", "Bag", "Ankle boot")
+#: What ``DatasetInfo`` says of each data set: (full name, description, homepage, class names).
+_ABOUT = {
+    "mnist": ("mnist/3.0.1", "The MNIST database of handwritten digits.",
+              "http://yann.lecun.com/exdb/mnist/", None),
+    "fashion_mnist": ("fashion_mnist/3.0.1", "Fashion-MNIST: 28x28 grayscale images of Zalando's "
+                      "articles of clothing, 10 classes (a drop-in replacement for MNIST).",
+                      "https://github.com/zalandoresearch/fashion-mnist", FASHION_MNIST_CLASSES),
+}
+AVAILABLE = tuple(_ABOUT)
 
 _warned = set()            # messages already shown in this process (warn once each)
 _progress_bar = [True]     # whether downloads print progress (disable_progress_bar)
@@ -130,7 +166,8 @@ def _progress(message):
 
 def load(name, split=None, with_info=False, as_supervised=False, data_dir=None,
          download=True, shuffle_files=False, batch_size=None):
-    """Load MNIST as tfds.load does.
+    """Load MNIST or Fashion-MNIST ('fashion_mnist': the same splits, features and files,
+    not bundled: downloaded, or an error naming the folder) as tfds.load does.
 
     split: None → {'train': ds, 'test': ds}; 'train', 'test', slices 'train[:10%]',
       'train[1000:2000]', joins 'train+test'; or a list of these → a list of datasets.
@@ -144,9 +181,13 @@ def load(name, split=None, with_info=False, as_supervised=False, data_dir=None,
     """
     builder = _builder_name(name)
     directory = _data_dir(data_dir) / builder
-    paths, source, problems = _locate_files(directory, _download_mode(download))
+    if builder == "mnist":                       # the bundled subset is the last resort
+        paths, source, problems = _locate_files(directory, _download_mode(download))
+    else:                                        # no bundled copy: the files or an error
+        paths, source, problems = (fetch_files(f"load({builder!r})", directory, FASHION_MNIST_FILES,
+                                               FASHION_MNIST_MIRRORS, download), "full", {})
     arrays = {split_name: _read_split(paths, split_name) for split_name in SPLIT_FILES}
-    info = _make_info(arrays, source, paths, problems, directory)
+    info = _make_info(arrays, source, paths, problems, directory, builder)
 
     def build(spec):
         images, labels = _slice_split(arrays, spec)     # (n, 28, 28, 1) uint8, (n,) int64
@@ -195,14 +236,30 @@ def _download_mode(download):
 
 def _locate_files(directory, mode):
     """Return ({file name: path}, source, {file name: problem}) for the files to read."""
+    paths, problems, not_writable = _verify_or_download(directory, MNIST_FILES, MIRRORS, mode,
+                                                        local_copy=_find_local_copy)
+    if not problems:
+        return paths, "full", {}
+    if mode.startswith("force"):
+        raise DownloadError(_force_failure_message(directory, problems, mode))
+    _warn_once(_fallback_message(directory, problems, mode, not_writable))
+    return _bundled_files(), f"bundled subset {BUNDLED_NAME}", problems
+
+
+def _verify_or_download(directory, files, mirrors, mode, local_copy=None):
+    """Every file of ``files`` ({name: (bytes, SHA-256)}) in ``directory``, checked; a missing
+    or damaged one downloaded from ``mirrors`` (verified, atomic) unless ``mode`` forbids the
+    network. ``local_copy(directory, name)``: another copy the user may have, (path, rejected).
+    Returns ({name: path}, {name: what is still wrong}, why the folder is not writable or None).
+    The one loop behind every data set here: MNIST, Fashion-MNIST, CIFAR-10, keras.datasets."""
     problems, paths = {}, {}
     network_down = mode not in ("try", "force")
     not_writable = None                  # why the folder cannot take a download, once known
-    for name, (size, sha256) in MNIST_FILES.items():
+    for name, (size, sha256) in files.items():
         path = directory / name
-        problem = _check_file(path, size, sha256)
-        if problem:                      # another copy the user has, checked by its contents?
-            copy, rejected = _find_local_copy(directory, name)
+        problem = check_file(path, size, sha256)
+        if problem and local_copy is not None:     # another copy the user has, checked by its contents?
+            copy, rejected = local_copy(directory, name)
             if copy is not None:
                 path, problem = copy, None
             elif rejected and "is missing" in problem:
@@ -215,28 +272,45 @@ def _locate_files(directory, mode):
                 problem += f"; it was not downloaded because {not_writable}"
         if problem and not network_down:
             try:
-                _download(name, path, sha256, size)
+                _download(name, path, sha256, size, mirrors)
                 problem = None
             except _AllMirrorsFailed as failure:
                 problem += f"; downloading it failed: {failure}"
                 network_down = failure.unreachable   # don't wait on dead mirrors again
         if problem:
             problems[name] = problem
-    if not problems:
-        return paths, "full", {}
-    if mode.startswith("force"):
-        raise DownloadError(_force_failure_message(directory, problems, mode))
-    _warn_once(_fallback_message(directory, problems, mode, not_writable))
-    return _bundled_files(), f"bundled subset {BUNDLED_NAME}", problems
+    return paths, problems, not_writable
 
 
-def _check_file(path, size, sha256):
-    """None if the file at path is the expected one, else what is wrong with it."""
+def fetch_files(what, directory, files, mirrors, download=True):
+    """``{name: path}`` of every file of ``files`` ({name: (bytes, SHA-256)}) in ``directory``,
+    each verified, the missing or damaged ones downloaded from ``mirrors`` (verified, atomic),
+    unless ``download`` is False or MIRRORED_OFFLINE=1. For the data sets with no bundled
+    copy (Fashion-MNIST, CIFAR-10): when a file cannot be had, a ``DownloadError`` names each
+    problem and the folder to put the files in; nothing else is ever substituted."""
+    directory = Path(directory).expanduser()
+    mode = _download_mode(download)
+    paths, problems, _ = _verify_or_download(directory, files, mirrors, mode)
+    if problems:
+        lines = "\n".join(f"  - {problem}" for problem in problems.values())
+        why = ("no download was tried (download=False or MIRRORED_OFFLINE=1)"
+               if mode in ("never", "force-offline") else "the download did not succeed")
+        raise DownloadError(
+            f"{what} needs {len(files)} file(s) in {directory}, and {why}:\n{lines}\n"
+            f"What to do: load with network access, or copy the original files "
+            f"({', '.join(files)}) from {mirrors[0]} into {directory}; a damaged file named "
+            f"above can be deleted. (This data set has no bundled copy, and no other is used.)")
+    return paths
+
+
+def check_file(path, size, sha256):
+    """None if the file at path is the expected one (``size`` bytes, ``sha256``), else what
+    is wrong with it."""
     if not path.exists():
         return f"{path} is missing"
     actual_size = path.stat().st_size
     if actual_size != size:
-        return f"{path} has {actual_size} bytes, expected {size} (truncated or not MNIST)"
+        return f"{path} has {actual_size} bytes, expected {size} (truncated or another file)"
     actual = _sha256(path)
     if actual != sha256:
         return f"{path} has SHA-256 {actual}, expected {sha256} (corrupt)"
@@ -364,11 +438,12 @@ def _fetch(url, timeout):
             yield chunk
 
 
-def _download(name, path, sha256, size):
-    """Fetch `name` into `path` from the first mirror that delivers the right bytes
-    (`size` of them: a mirror that sends more is cut off, not followed to a full disk)."""
+def _download(name, path, sha256, size, mirrors=None):
+    """Fetch `name` into `path` from the first of `mirrors` (MNIST's by default) that
+    delivers the right bytes (`size` of them: a mirror that sends more is cut off, not
+    followed to a full disk)."""
     errors, unreachable = [], True
-    for mirror in MIRRORS:
+    for mirror in MIRRORS if mirrors is None else mirrors:
         url = mirror + name
         try:
             _progress(f"downloading {url} ...")
@@ -394,7 +469,7 @@ def _write_atomically(chunks, path, sha256, max_bytes=None):
     are removed first (``_remove_stale_parts``).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_parts(path.parent)
+    _remove_stale_parts(path.parent, set(MNIST_FILES) | {path.name})
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
         digest = hashlib.sha256()
@@ -421,12 +496,13 @@ def _write_atomically(chunks, path, sha256, max_bytes=None):
     _fsync_dir(path.parent)              # make the rename itself durable
 
 
-def _remove_stale_parts(directory):
-    """Delete the temporary files of our own naming (``.<MNIST file name>.*.part``) in
-    ``directory`` that no write has touched for ``STALE_PART_S``: left by a download that
-    was killed. Recent ones may belong to a download running now, and stay."""
+def _remove_stale_parts(directory, names=None):
+    """Delete the temporary files of our own naming (``.<file name>.*.part``, for the
+    ``names`` given, MNIST's by default) in ``directory`` that no write has touched for
+    ``STALE_PART_S``: left by a download that was killed. Recent ones may belong to a
+    download running now, and stay."""
     now = time.time()
-    for name in MNIST_FILES:
+    for name in MNIST_FILES if names is None else names:
         for part in directory.glob(f".{name}.*.part"):
             with contextlib.suppress(OSError):   # gone already, or not ours to delete
                 if now - part.stat().st_mtime > STALE_PART_S:
@@ -576,9 +652,9 @@ class _SplitDict(dict):
 
 
 class ClassLabel:
-    def __init__(self, num_classes):
+    def __init__(self, num_classes, names=None):
         self.num_classes = num_classes
-        self.names = [str(i) for i in range(num_classes)]
+        self.names = list(names) if names is not None else [str(i) for i in range(num_classes)]
         self.shape, self.dtype = (), np.int64
 
     def int2str(self, value):
@@ -602,11 +678,10 @@ class Image:
 class DatasetInfo:
     """name, version, features, splits, supervised_keys, plus `source` and `files`."""
 
-    def __init__(self, splits, source, files, problems, data_dir=None):
-        self.name, self.full_name, self.version = "mnist", "mnist/3.0.1", "3.0.1"
-        self.description = "The MNIST database of handwritten digits."
-        self.homepage = "http://yann.lecun.com/exdb/mnist/"
-        self.features = {"image": Image((28, 28, 1)), "label": ClassLabel(10)}
+    def __init__(self, splits, source, files, problems, data_dir=None, name="mnist"):
+        self.full_name, self.description, self.homepage, names = _ABOUT[name]
+        self.name, self.version = name, self.full_name.split("/")[1]
+        self.features = {"image": Image((28, 28, 1)), "label": ClassLabel(10, names)}
         self.supervised_keys = ("image", "label")
         self.splits = splits
         self.source = source             # 'full' or 'bundled subset mnist-10k'
@@ -616,10 +691,10 @@ class DatasetInfo:
 
     def __repr__(self):
         splits = ", ".join(f"'{k}': {v.num_examples}" for k, v in self.splits.items())
-        return (f"DatasetInfo(name='mnist', version={self.version}, source='{self.source}',\n"
+        return (f"DatasetInfo(name='{self.name}', version={self.version}, source='{self.source}',\n"
                 f"    features={self.features},\n    splits={{{splits}}})")
 
 
-def _make_info(arrays, source, paths, problems, directory=None):
+def _make_info(arrays, source, paths, problems, directory=None, name="mnist"):
     return DatasetInfo(_SplitDict(arrays), source, dict(paths), problems,
-                       None if directory is None else str(directory))
+                       None if directory is None else str(directory), name)

@@ -29,6 +29,7 @@ Neighbours: ``config.py`` (the TF-named functions over this module),
 import collections
 import contextlib
 import re
+import signal
 import threading
 import weakref
 from collections import namedtuple
@@ -470,6 +471,48 @@ class CudaDevice(Device):
         if self.memory_limit is not None:
             return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
         return free, total
+
+
+# -- the host thread's launches: to every device or to none ----------------------------------
+
+_deferring = [0]        # how many every_device_or_none sections the main thread is inside
+
+
+@contextlib.contextmanager
+def every_device_or_none():
+    """Run the block with Ctrl-C (SIGINT) held back; deliver it, once, when the block ends.
+
+    One host thread drives every replica's device in turn, and Python runs a signal's
+    handler between any two bytecodes of the main thread: a Ctrl-C that landed between
+    device 0's update and device 1's would leave the replicas' copies of the weights
+    different for ever after (``keras/optimizers.py``, ``Optimizer.update_buffers``), and
+    one between two replica threads' hand-offs would leave one replica waiting at a merge
+    point for the other (``mirrored_run.py``). Inside this block a SIGINT is only noted;
+    when the block ends, the handler that was in force runs (Python's own raises
+    ``KeyboardInterrupt``): the launches reach every device, then the program stops.
+    TensorFlow gets this for free: its step is one call into C++, and Python sees the
+    signal when that call returns. Keep the blocks short: the Ctrl-C waits for them.
+
+    Only the main thread gets signals, and only it may install a handler: elsewhere the
+    block runs as it is (replica threads never see a ``KeyboardInterrupt``). Blocks nest
+    (the outermost defers). A handler installed outside Python (``getsignal`` is None)
+    cannot be put back, so it is left alone."""
+    if (threading.current_thread() is not threading.main_thread() or _deferring[0]
+            or signal.getsignal(signal.SIGINT) is None):
+        yield
+        return
+    caught = []                                   # (signum, frame) of a SIGINT during the block
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    _deferring[0] += 1
+    try:
+        yield
+    finally:
+        _deferring[0] -= 1
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])                  # Python's default_int_handler raises KeyboardInterrupt
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)    # the default action: the process stops
 
 
 def copy_host_to_device(dst, host, stream):

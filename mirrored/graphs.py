@@ -174,8 +174,10 @@ class CapturedStep:
     def train(self, batch):
         inputs, scale = self.step.host_part(batch)
         mode = self.step.loss_mode()
-        self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
-                        inputs, mode, scale)
+        with _dev.every_device_or_none():      # a replay updates every copy: a Ctrl-C comes after it
+            self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
+                            inputs, mode, scale)
+            self.step.model.optimizer.updates_done += 1       # the step is done (Step.no_trace)
 
     def evaluate(self, batch, mode):
         inputs = self.step.inputs(batch)

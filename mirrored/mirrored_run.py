@@ -13,6 +13,12 @@ Failure is handled so that nothing is left waiting: a replica that raises releas
 the others from any merge point (they see ``Aborted``), and ``raise_first`` hands
 the caller the first real error with the replica id added.
 
+A Ctrl-C is handled the same way. Only the main thread sees it (Python delivers
+signals there), while it hands the job out or waits for the replicas: the hand-out is
+all or nothing (``devices.every_device_or_none``), and the wait breaks the merge point and
+lets every replica finish before the ``KeyboardInterrupt`` goes on (``hand_out``),
+so the next ``run`` finds every replica thread idle.
+
 Nothing waits for ever: concurrent ``run`` calls on one strategy take turns (one
 lock per worker pool: interleaved jobs would send replica 0 to one call's merge
 point and replica 1 to another's), and a replica waits at a merge point at most
@@ -167,7 +173,7 @@ class ReplicaWorkers:
         n = len(self.jobs)
         merge_point = MergePoint(n)
         results, errors = [None] * n, [None] * n
-        done = threading.Semaphore(0)
+        done = Countdown(n)
         strategy = self._strategy()
 
         def job(i):
@@ -182,17 +188,59 @@ class ReplicaWorkers:
                 merge_point.abort(err)
             finally:
                 context.set_stack([])
-                done.release()
+                done.count_down()
 
-        for q in self.jobs:
-            q.put(job)
-        for _ in range(n):
-            done.acquire()
+        hand_out(job, self.jobs, done, merge_point)
         raise_first(errors, strategy)
         return results
 
     def close(self):
         self._finalizer()
+
+
+class Countdown:
+    """Done when every replica has counted down once. Waiting changes nothing (unlike a
+    semaphore's acquire, which a ``KeyboardInterrupt`` could cut short after taking its
+    count), so the caller may be interrupted and wait again."""
+
+    def __init__(self, n):
+        self.left, self.lock, self.zero = n, threading.Lock(), threading.Event()
+
+    def count_down(self):
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.zero.set()
+
+    def wait(self):
+        self.zero.wait()
+
+
+def hand_out(job, queues, done, merge_point):
+    """Put ``job`` on every replica's queue and wait until every replica has ended it
+    (``done``), whatever a Ctrl-C does meanwhile.
+
+    Python raises ``KeyboardInterrupt`` in this thread, the main one; the replica threads
+    never see it. The hand-out is all or nothing (``devices.every_device_or_none``): replica 0
+    with a job and replica 1 without would wait at the merge point for ever. A Ctrl-C
+    while the replicas run breaks the merge point, so that every replica stops at its
+    next merge call (``Aborted``) or returns, and once they all have, the
+    ``KeyboardInterrupt`` goes on. Leaving at once instead would leave the replicas
+    running: the caller would read weights they are still changing. A merge already under way (an ``apply_gradients``) finishes first, on
+    every copy: ``abort`` waits for the merge point's lock, which the merge holds. A
+    second Ctrl-C leaves without waiting (a replica stuck in its own code)."""
+    handed_out = False
+    try:
+        with _dev.every_device_or_none():
+            for q in queues:
+                q.put(job)
+            handed_out = True
+        done.wait()
+    except KeyboardInterrupt:
+        if handed_out:
+            merge_point.abort(KeyboardInterrupt("strategy.run was interrupted (Ctrl-C)"))
+            done.wait()
+        raise
 
 
 def _worker_loop(replica_id, dev, jobs):

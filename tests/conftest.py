@@ -288,3 +288,43 @@ def run_lab(monkeypatch, tmp_path):
         return "".join(texts), images
 
     return run
+
+
+# --- the benchmarks' --smoke runs ---------------------------------------------------------
+
+#: Every benchmark's ``--smoke`` must end within this (issue 37: the README says each one
+#: checks the program; breakdown's once ran 200 steps x 5 rounds in the simulator).
+SMOKE_LIMIT_S = 60
+#: Wall-clock guard against a hang, wide enough for a machine shared with other jobs.
+SMOKE_HANG_S = 300
+
+
+def run_smoke(module, *args, env=None, cwd=None):
+    """``python -m benchmarks.<module> --smoke *args`` in a child, as the README states it
+    (pass only what the README's form needs, e.g. ``--out``), checked against
+    ``SMOKE_LIMIT_S``: the child's CPU seconds (its own and its children's: mpiexec's
+    workers) always, and its wall seconds where the machine is quiet (load average below
+    the core count): a busy shared machine stretches wall time, not CPU time. Returns the
+    CompletedProcess with ``cpu_s`` and ``wall_s`` set; the caller checks returncode."""
+    import resource
+    import time
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    quiet = os.getloadavg()[0] < (os.cpu_count() or 1)
+    c0, t0 = cpu(), time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--smoke", *args],
+                          cwd=cwd or root, env=env, capture_output=True, text=True, timeout=SMOKE_HANG_S)
+    proc.cpu_s, proc.wall_s = cpu() - c0, time.perf_counter() - t0
+    quiet = quiet and os.getloadavg()[0] < (os.cpu_count() or 1)
+    assert proc.cpu_s < SMOKE_LIMIT_S, (
+        f"benchmarks.{module} --smoke used {proc.cpu_s:.0f} CPU seconds (limit {SMOKE_LIMIT_S}): "
+        f"make its smoke settings smaller")
+    assert not quiet or proc.wall_s < SMOKE_LIMIT_S, (
+        f"benchmarks.{module} --smoke took {proc.wall_s:.0f} s on a quiet machine (limit {SMOKE_LIMIT_S})")
+    return proc

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import REPEAT
+from conftest import run_smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,7 +27,7 @@ def _run(*args):
 
 def test_smoke_run_writes_valid_json(tmp_path):
     out = tmp_path / "allreduce.json"
-    proc = _run("--smoke", "--repeat", "3", "--out", str(out))
+    proc = run_smoke("allreduce", "--out", str(out))          # the README's form, in SMOKE_LIMIT_S
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "allreduce" and doc["mode"] == "smoke"
@@ -33,7 +36,7 @@ def test_smoke_run_writes_valid_json(tmp_path):
     assert sorted({r["n"] for r in doc["results"]}) == [2, 4, 8]
     for row in doc["results"]:
         for alg in ("ring", "reduce_to_one"):
-            assert row[alg]["samples"] == 3
+            assert row[alg]["samples"] == REPEAT                # --repeat's default
             for key in (f"{alg}_us", f"{alg}_algbw", f"{alg}_busbw"):
                 assert math.isfinite(row[key]) and row[key] > 0, (key, row)
         assert math.isclose(row["ring_busbw"], row["ring_algbw"] * 2 * (row["n"] - 1) / row["n"])

@@ -2,7 +2,7 @@
 process as a user runs it; no test asserts a time):
 
     MIRRORED_OFFLINE=1 python -m benchmarks.breakdown --steps 3 --rounds 2 --no-peers --out X
-    MIRRORED_OFFLINE=1 python -m benchmarks.breakdown --smoke --steps 1 --rounds 1 --no-peers --out X
+    MIRRORED_OFFLINE=1 python -m benchmarks.breakdown --smoke --out X     # 1 step x 1 round
 
 The second is the --device gpu path in the CUDA simulator; a third test checks, on
 stand-ins, where that path puts its marks and its synchronisation.
@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+from conftest import run_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {"input copy", "conv2d fwd", "max_pooling2d fwd", "flatten fwd", "dense fwd", "dense_1 fwd",
@@ -49,9 +51,7 @@ def test_gpu_breakdown_smoke_times_every_part_in_the_simulator(tmp_path):
     out = tmp_path / "breakdown.json"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}   # --smoke chooses it
     env["MIRRORED_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.breakdown", "--smoke", "--steps", "1",
-                           "--rounds", "1", "--no-peers", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_smoke("breakdown", "--out", str(out), env=env)     # the README's form, in SMOKE_LIMIT_S
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["device_mode"] == "gpu" and doc["device"]["simulator"] is True and doc["smoke"] is True

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import run_smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -16,8 +18,7 @@ def test_kernels_benchmark_smoke_writes_valid_json(tmp_path):
     out = tmp_path / "kernels.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("NUMBA_ENABLE_CUDASIM", None)  # --smoke must choose the simulator itself
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--smoke", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_smoke("kernels", "--out", str(out), env=env)       # within SMOKE_LIMIT_S
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "kernels"

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiworker import _mpiexec
+from conftest import run_smoke
+from mirrored.launcher import find_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
+@pytest.mark.skipif(find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
                     reason="needs mpiexec and mpi4py (python -m pip install mpi4py mpich)")
 def test_smoke_run_writes_valid_json(tmp_path):
     out = tmp_path / "multiworker.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.multiworker", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    proc = run_smoke("multiworker", "--out", str(out))        # the workers' CPU counted too
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "multiworker" and doc["mode"] == "smoke"

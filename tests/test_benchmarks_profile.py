@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SIMULATOR
+from conftest import SIMULATOR, run_smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Every case, in launch order (benchmarks/kernels.py's conv_pool_cases, then memory_cases).
@@ -36,16 +36,18 @@ def run(*args):
 
 def test_profile_smoke_launches_every_case_in_order_and_times_each_launch(tmp_path):
     out = tmp_path / "profile.json"
-    proc = run("--launches", "2", "--out", str(out))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}   # --smoke chooses
+    proc = run_smoke("profile", "--out", str(out), env=env)    # the README's form, in SMOKE_LIMIT_S
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "profile" and doc["device"]["simulator"] is True
-    assert doc["method"]["launches"] == 2 and doc["method"]["smoke"] is True
+    launches = 1                                               # profile.py's SMOKE_LAUNCHES
+    assert doc["method"]["launches"] == launches and doc["method"]["smoke"] is True
     rows = doc["rows"]
     assert len(rows) == len(PREFIXES), [r["name"] for r in rows]
     for k, (row, prefix) in enumerate(zip(rows, PREFIXES), start=1):
         assert row["name"].startswith(prefix), (row["name"], prefix)
-        assert row["case"] == k and row["launches"] == 2 and row["bytes"] > 0
+        assert row["case"] == k and row["launches"] == launches and row["bytes"] > 0
         assert 0 < row["min_us"] <= row["median_us"] <= row["max_us"], row
         assert f"case {k}: {row['name']}" in proc.stdout     # the order ncu's report follows
     assert doc["skipped"] == []

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_smoke
+
 ROOT = Path(__file__).resolve().parents[1]
 
 OURS = {("no strategy", 1), ("OneDeviceStrategy", 1), ("MirroredStrategy", 1), ("MirroredStrategy", 2),
@@ -31,8 +33,7 @@ def test_smoke_run_writes_valid_json(tmp_path):
     out = tmp_path / "training.json"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}  # the program decides
     env["MIRRORED_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.training", "--smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_smoke("training", "--out", str(out), env=env)                # within SMOKE_LIMIT_S
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
 

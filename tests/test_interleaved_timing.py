@@ -44,6 +44,15 @@ def test_flags_a_row_that_spread_and_every_row_when_the_reference_drifted():
     flags = timing.timing_flags([drifted, steady], reference=0)
     assert all(any("reference drifted" in f for f in row) for row in flags)
     assert timing.timing_flags([[2.0]], reference=0) == [[]]               # one epoch: no spread
+    # At the limit is not over it, as printed: 2.004x reads 2.00x and is not flagged
+    at, over = [1.0, timing.SPREAD_LIMIT + 0.004], [1.0, timing.SPREAD_LIMIT + 0.006]
+    assert timing.timing_flags([at], reference=None) == [[]]
+    (flag,), = timing.timing_flags([over], reference=None)
+    shown = float(re.search(r"spread ([\d.]+)x \(over ([\d.]+)x\)", flag).group(1))
+    assert shown > timing.SPREAD_LIMIT, flag
+    assert timing.timing_flags([[1.0, timing.DRIFT_LIMIT + 0.004]], reference=0) == [[]]
+    (flag,), = timing.timing_flags([[1.0, timing.DRIFT_LIMIT + 0.006]], reference=0)
+    assert float(re.search(r"drifted ([\d.]+)x", flag).group(1)) > timing.DRIFT_LIMIT, flag
     assert np.isnan(timing.epoch_spread([]))
 
 

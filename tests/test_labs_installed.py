@@ -16,8 +16,10 @@ MIRRORED_OFFLINE=1 MIRRORED_QUICK=1 and no PYTHONPATH, ``jupyter nbconvert --to 
 01 8.5 s, 02 6.8 s, 03 7.7 s, 04 26.8 s, 05 7.9 s, 06 7.7 s).
 """
 import ast
+import fnmatch
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +28,36 @@ import pytest
 from tests.test_packaging import ROOT, _pyproject
 
 NOTEBOOKS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+
+def ignored(paths):
+    """The paths (under ROOT) that git ignores: the README's ``.venv`` made inside the
+    checkout, ``build/``, caches. They are not the repository's files, so a module loaded
+    from them (numpy from ``.venv``) is not one the install leaves out. ``git check-ignore``
+    decides where git and the checkout's .git are there; else .gitignore's folder and
+    name patterns (``.venv/``, ``/build/``, ``*.egg-info/``) are matched part by part."""
+    paths = [Path(p).resolve() for p in paths]
+    rel = [str(p.relative_to(ROOT)) for p in paths]
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--stdin"], input="\n".join(rel),
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode in (0, 1):                        # 1: none ignored
+            hits = set(done.stdout.splitlines())
+            return {p for p, r in zip(paths, rel) if r in hits}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    patterns = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+
+    def matches(parts):
+        for pattern in patterns:
+            anchored, name = pattern.startswith("/"), pattern.strip("/")
+            for i, part in enumerate(parts):
+                if (not anchored or i == 0) and fnmatch.fnmatch(part, name):
+                    return True
+        return False
+
+    return {p for p, r in zip(paths, rel) if matches(Path(r).parts)}
 
 
 def shipped_files():
@@ -80,15 +112,29 @@ def repository_module_file(name):
     """The file under ROOT that ``name`` imports from, or None (stdlib, a dependency, or a
     name in ``from x import name`` that is not a module)."""
     if name.split(".")[0] not in {p.split(".")[0] for p in _pyproject()["tool"]["setuptools"]["packages"]} | {
-            p.name for p in ROOT.iterdir() if p.is_dir()}:
+            p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "build"}:
         return None
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin or not Path(spec.origin).resolve().is_relative_to(ROOT):
+    if spec is None or not spec.origin or not Path(spec.origin).resolve().is_relative_to(ROOT) \
+            or ignored([spec.origin]):
         return None
     return Path(spec.origin).resolve().relative_to(ROOT)
+
+
+@pytest.mark.parametrize("use_git", [True, False])
+def test_ignored_folders_are_not_the_repositorys_files(monkeypatch, use_git):
+    """The README makes ``.venv`` inside the checkout: its numpy is not a repository file
+    (issue 37: 1,355 of them were counted as files ``pip install .`` leaves out)."""
+    if not use_git:                                          # a checkout without git: .gitignore read
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+    inside = [ROOT / ".venv/lib/python3.12/site-packages/numpy/__init__.py",
+              ROOT / "build/lib/mirrored/__init__.py", ROOT / "mirrored/__pycache__/ring.cpython-312.pyc",
+              ROOT / "mirrored.egg-info/PKG-INFO"]
+    ours = [ROOT / "mirrored/__init__.py", ROOT / "labs/setup_cell.py", ROOT / "kernels/gemm.py"]
+    assert ignored(inside + ours) == {p.resolve() for p in inside}
 
 
 def test_the_notebooks_are_found():
@@ -118,6 +164,7 @@ def test_what_those_modules_import_is_installed_too():
     loaded = {Path(m.__file__).resolve().relative_to(ROOT) for m in list(sys.modules.values())
               if getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(ROOT)}
     loaded = {f for f in loaded if f.parts[0] != "tests"}
+    loaded -= {f.relative_to(ROOT) for f in ignored(ROOT / f for f in loaded)}   # .venv, build/
     assert not loaded - shipped_files(), (
         f"repository files the labs' modules import that pip install . leaves out: "
         f"{sorted(map(str, loaded - shipped_files()))}")
@@ -133,7 +180,8 @@ def test_no_lab_reads_a_checkout_file_outside_the_packages(notebook):
     strings.discard("pyproject.toml")        # the set-up cell's test for "am I in a checkout?"
     outside = sorted(s for s in strings
                      if s[:1].isalnum() and "\n" not in s and len(s) < 200
-                     and (ROOT / s).exists() and Path(s) not in shipped | shipped_dirs)
+                     and (ROOT / s).exists() and Path(s) not in shipped | shipped_dirs
+                     and not ignored([ROOT / s]))
     assert not outside, f"{notebook.name} names checkout paths an install lacks: {outside}"
 
 

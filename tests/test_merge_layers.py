@@ -350,3 +350,55 @@ def test_keras_3_configs_rebuild_through_saving():
         layer = cls(**saving._kwargs_for(cls, config, name))
         assert layer.get_config() == dict({"name": f"k_{name.lower()}", "trainable": True,
                                            "dtype": "float32"}, **extra)
+
+
+# --- in a model: every merge layer in one functional DAG, trained a step ----------------------
+
+def all_five(keras):
+    """x -> a = Dense(relu), b = Dense; s = Add(a, b, a) (a twice: fan-out into one node);
+    d = Subtract(a, b); m = Multiply(s, d); v = Average(m, b); Concatenate(v, s) -> Dense."""
+    inputs = keras.Input((5,))
+    a = layers.Dense(4, activation="relu")(inputs)
+    b = layers.Dense(4)(inputs)
+    s = layers.Add()([a, b, a])
+    d = layers.Subtract()([a, b])
+    v = layers.Average()([layers.Multiply()([s, d]), b])
+    return keras.Model(inputs, layers.Dense(3)(layers.Concatenate()([v, s])))
+
+
+def all_five_loss_f64(weights, x, y):
+    """The mean softmax cross-entropy of ``all_five`` in float64, written out."""
+    w0, b0, w1, b1, w2, b2 = weights
+    a = np.maximum(x @ w0 + b0, 0)
+    b = x @ w1 + b1
+    s, d = a + b + a, a - b
+    logits = np.concatenate([(s * d + b) / 2, s], axis=1) @ w2 + b2
+    z = logits - logits.max(axis=1, keepdims=True)
+    return -(z - np.log(np.exp(z).sum(axis=1, keepdims=True)))[np.arange(len(y)), y].mean()
+
+
+@pytest.mark.parametrize("kind", ["CPU", "GPU"])
+def test_a_model_with_every_merge_layer_steps_to_the_float64_oracle(devices, rng, kind):
+    """One SGD step over 2 replicas (5 rows: 3 + 2) equals w - lr * (central differences of the
+    float64 loss), and the replicas stay bitwise equal. Needs the functional API
+    (keras.Model, layers called on tensors: keras/engine.py, issue 38)."""
+    from tests.test_conv_layers import STEP_ATOL, STEP_RTOL
+    from tests.test_training import assert_replicas_bitwise_equal
+    keras = tf.keras
+    if not hasattr(keras, "Model"):
+        pytest.skip("keras.Model (the functional API of issue 38) is not in this branch yet")
+    devices(cpus=2, gpus=2 if kind == "GPU" else 0)
+    lr = 0.25
+    with tf.distribute.MirroredStrategy([f"{kind}:0", f"{kind}:1"]).scope():
+        model = all_five(keras)
+    before = [w + rng.uniform(0.05, 0.2, w.shape).astype(np.float32) for w in model.get_weights()]
+    model.set_weights(before)                                     # nonzero biases: they count
+    x = rng.uniform(-1, 1, (5, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 5)
+    grads = central_differences(lambda ws: all_five_loss_f64(ws, x.astype(np.float64), y), before, 1e-6)
+    model.compile(optimizer=keras.optimizers.SGD(lr),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    for k, (w0, g, w1) in enumerate(zip(before, grads, model.get_weights())):
+        np.testing.assert_allclose(w1, w0 - lr * g, rtol=STEP_RTOL, atol=STEP_ATOL, err_msg=f"weight {k}")
+    assert_replicas_bitwise_equal(model)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import backends, multi_worker
+from mirrored import backends, launcher, multi_worker
 
 import multiworker_cases as cases
 from conftest import SIMULATOR
@@ -33,16 +33,7 @@ EQUIV_ATOL = 2e-6               # N replicas vs one on the global batch: float32
 FAIL_DEADLINE_S = 60            # a failing worker must end every worker within this
 
 
-def _mpiexec():
-    """The mpiexec beside this Python (the mpich wheel's), else one on PATH."""
-    here = pathlib.Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return str(here)
-    found = pathlib.Path(sys.prefix, "bin", "mpiexec")
-    return str(found) if found.exists() else shutil.which("mpiexec")
-
-
-MPIEXEC = _mpiexec()
+MPIEXEC = launcher.find_mpiexec()     # the mpich wheel's, beside this Python, else one on PATH
 pytestmark = pytest.mark.skipif(
     MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
     reason="needs mpiexec and mpi4py (python -m pip install mpi4py mpich: requirements.txt)")
@@ -58,8 +49,8 @@ def launch(n, case, out, *args, timeout=300, script=CASES, fixed_deadline=True):
         del env["MIRRORED_WORKER_TIMEOUT_S"]
     env["NUMBA_ENABLE_CUDASIM"] = env.get("NUMBA_ENABLE_CUDASIM", "1")
     started = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(script), case, str(out), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    cmd, env = launcher.mpiexec_command(n, [sys.executable, script, case, out, *args], MPIEXEC, env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc, time.monotonic() - started
 
 

@@ -305,6 +305,9 @@ def test_main_job_quick_runs_two_replicas_and_writes_a_plot(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "(epoch 1/3)" in out and "(epoch 3/3)" in out and "Epoch 3/3" in out   # interleaved
+    # each header's epoch is the progress line's under it ("Epoch 2/3", not "Epoch 1/1")
+    pairs = re.findall(r"\(epoch (\d+/\d+)\)[^\n]*\n(?:[^\n]*\n)*?Epoch (\d+/\d+)", out)
+    assert len(pairs) == 9 and all(a == b for a, b in pairs), pairs
     assert PROGRESS.search(out), f"no Keras progress line in:\n{out}"
     assert "Using MirroredStrategy with devices" in proc.stderr     # TF's INFO log: stderr
     table = out[out.index("MNIST lab: no strategy vs MirroredStrategy"):]

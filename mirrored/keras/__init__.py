@@ -21,10 +21,12 @@ forward and backward; dropout.py: Dropout; merging.py: Add, Concatenate, ...; ba
 initializers.py),
 data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
-losses.py, regularizers.py (L2), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
+losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
+mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py.
 """
-from mirrored.keras import callbacks, layers, losses, metrics, optimizers, regularizers, saving
+from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, regularizers, saving,
+                            utils)
 from mirrored.keras.functional import KerasTensor
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Functional, Model, Sequential
@@ -35,14 +37,6 @@ from mirrored.keras import merging
 for _name in merging.__all__:
     setattr(layers, _name, getattr(merging, _name))
 del _name
-
-
-class utils:  # noqa: N801 (Keras's namespace)
-    @staticmethod
-    def set_random_seed(seed):
-        """Seed the initialisers and shuffles (``tf.keras.utils.set_random_seed``)."""
-        from mirrored import random
-        random.set_seed(seed)
 
 
 class models:  # noqa: N801 (``keras.models``; ``from mirrored.keras.models import Model`` imports models.py)

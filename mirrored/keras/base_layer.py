@@ -15,6 +15,7 @@ import numpy as np
 
 from kernels.conv2d import PADDINGS
 from mirrored.keras import functional
+from mirrored.keras.preprocessing import IntegerLookup, StringLookup  # noqa: F401 (keras.layers' host-side lookups)
 
 
 def _is_float32(dtype):
@@ -227,5 +228,4 @@ AveragePooling2D = unsupported("AveragePooling2D")
 BatchNormalization = unsupported("BatchNormalization")
 Embedding = unsupported("Embedding")
 LSTM = unsupported("LSTM")
-StringLookup = unsupported("StringLookup")      # the distributed-input tutorial's one preprocessing cell
 

@@ -1,14 +1,15 @@
 """Keras callbacks: ``Callback``, ``History``, ``LambdaCallback``, ``ModelCheckpoint``,
 ``LearningRateScheduler``, ``EarlyStopping``, ``ReduceLROnPlateau``, ``CSVLogger``,
-``TensorBoard`` (per-epoch scalars; the event files come from tfevents.py).
+``TerminateOnNaN``, ``TensorBoard`` (per-epoch scalars; the event files come from tfevents.py).
 
 ``fit`` calls, in order: ``on_train_begin``; per epoch ``on_epoch_begin``,
 per step ``on_train_batch_begin``/``on_train_batch_end``, then
 ``on_epoch_end(epoch, logs)`` with ``logs = {'loss': ..., 'accuracy': ...,
 'val_loss': ..., 'val_accuracy': ...}``; finally ``on_train_end``.
 ``on_train_batch_end(batch, logs)`` gets Keras's batch logs, the epoch's running
-``loss`` and ``accuracy`` so far, as ``LazyLogs``: read from the devices (a sync)
-only when a callback looks at them, so a step nobody asks about costs nothing.
+``loss`` and ``accuracy`` so far: read from the devices (a sync) once per batch when a
+user's callback gets them (it may keep them), else only when looked at (``LazyLogs``,
+``batch_logs``), so a step nobody asks about costs nothing.
 Under ``MultiWorkerMirroredStrategy`` they are this worker's running metrics
 (reading them across workers would be a collective every worker must join);
 the epoch's logs are over every worker.
@@ -65,9 +66,28 @@ def batch_hooks(callbacks, name):
     return [hook for hook in hooks if getattr(hook, "__func__", hook) is not base]
 
 
+def batch_logs(hooks, read):
+    """``fit``'s logs for one batch's ``on_train_batch_end`` ``hooks`` (and the progress bar):
+    the dict ``read()`` returns (the running metrics, read from the devices: a sync).
+
+    Read now, once, if any hook is a user's (defined outside this library): a user's
+    callback may keep the dict, and must find this batch's values in it later, not the
+    values of whatever batch was last when it looked (``LazyLogs`` read late showed the
+    last batch's loss in every kept dict). Else read only when looked at (``LazyLogs``):
+    the library's hooks (``ModelCheckpoint``, ``TerminateOnNaN``, the lab's ``EpochTimer``,
+    which must not add a sync per step to what it times) use the logs at once and keep
+    nothing, and the progress bar reads them only when it redraws."""
+    def users(hook):
+        return not (getattr(getattr(hook, "__func__", hook), "__module__", None) or "").startswith("mirrored.")
+    if any(users(hook) for hook in hooks):
+        return dict(read())
+    return LazyLogs(read)
+
+
 class LazyLogs(MutableMapping):
     """A logs dict filled by ``read()`` the first time anyone looks into it (``fit``'s batch
-    logs: reading the metrics syncs the devices, so it happens only when asked)."""
+    logs when no user's callback gets them, ``batch_logs``: reading the metrics syncs the
+    devices, so it happens only when asked)."""
 
     def __init__(self, read):
         self._read, self._logs = read, None
@@ -126,6 +146,31 @@ class LambdaCallback(Callback):
                          ("on_train_batch_end", on_train_batch_end)]:
             if fn is not None:
                 setattr(self, name, fn)
+
+
+class TerminateOnNaN(Callback):
+    """Stop training after the first batch whose loss is NaN or infinite, as Keras's does:
+    prints ``Batch {batch}: Invalid loss, terminating training`` and sets
+    ``model.stop_training`` (``fit`` ends the epoch there, calls ``on_epoch_end`` and stops).
+
+    The loss is the batch logs' (the epoch's running mean, as Keras's batch logs: once a
+    batch's loss is NaN, so is the mean). Under ``MultiWorkerMirroredStrategy`` each
+    worker's batch logs are its own replicas', so the workers agree first (a sum across
+    workers: every worker runs this callback): one stopping alone would leave the others
+    waiting for it in the next all-reduce."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is None:
+            return
+        invalid = not math.isfinite(float(loss))
+        ext = self.model.distribute_strategy.extended
+        if ext.num_workers > 1:
+            invalid = ext.sum_across_workers([float(invalid)], "TerminateOnNaN's check of the loss")[0] > 0
+        if invalid:
+            if _is_chief(self.model):
+                print(f"Batch {batch}: Invalid loss, terminating training")
+            self.model.stop_training = True
 
 
 class LearningRateScheduler(Callback):

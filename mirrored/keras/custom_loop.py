@@ -16,14 +16,14 @@ import weakref
 from mirrored.tensor import Tensor
 from mirrored.values import DistributedValues, components
 
-_PACK_OF = weakref.WeakKeyDictionary()      # variable -> the ParameterPack it lives in
+_PACK_OF = weakref.WeakKeyDictionary()      # variable -> weakref to its pack (a pack holds its variables)
 _STEPS = weakref.WeakKeyDictionary()        # ParameterPack -> weak reference to the Step that made it
 
 
 def register(pack, step=None):
     """Remember ``pack``'s variables (and the ``step`` that owns it, when given)."""
     for var in pack.variables:
-        _PACK_OF[var] = pack
+        _PACK_OF[var] = weakref.ref(pack)
     if step is not None:
         _STEPS[pack] = weakref.ref(step)
 
@@ -31,8 +31,8 @@ def register(pack, step=None):
 def pack_of(variable):
     """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
     try:
-        return _PACK_OF.get(variable)
-    except TypeError:                           # not a variable at all (no weak reference to it)
+        return _PACK_OF[variable]()
+    except (KeyError, TypeError):               # in no pack; not a variable at all (no weak reference to it)
         return None
 
 

@@ -28,11 +28,11 @@ import numbers
 import numpy as np
 
 from kernels.launch import ceil_div
-from kernels.softmax_xent import check_labels
+from kernels.softmax_xent import LABEL_DTYPE, check_labels
 from mirrored import nest
 from mirrored import random as _random
 from mirrored.input_lib import DistributedDataset
-from mirrored.keras.losses import takes_targets
+from mirrored.keras.losses import counts_accuracy, takes_targets
 from mirrored.tensor import Tensor
 
 
@@ -153,24 +153,32 @@ def host_batch(model, batch):
 
 
 def targets(model, y, examples):
-    """Float targets for MSE and BCE: (B, outputs) float32, C-contiguous; (B,) is read as
-    (B, 1), as Keras does for a one-output model."""
+    """Float targets for MSE, BCE and one-hot labels: (B, outputs) float32, C-contiguous; (B,)
+    is read as (B, 1), as Keras does for a one-output model."""
     outputs = model.step.programs[0].classes
     y = np.asarray(y)
     if y.shape[:1] != (examples,) or int(np.prod(y.shape[1:], dtype=np.int64)) != outputs:
+        hint = (" These look like class indices: one-hot them with keras.utils.to_categorical(y, "
+                f"{outputs}), or use loss='sparse_categorical_crossentropy'."
+                if y.shape[1:] in ((), (1,)) and outputs > 1 and counts_accuracy(model.loss) else "")
         raise ValueError(f"targets of shape {y.shape} for {examples} examples: the loss "
                          f"{type(model.loss).__name__} compares each example's {outputs} outputs with as "
-                         f"many targets: give shape ({examples}, {outputs}).")
+                         f"many targets: give shape ({examples}, {outputs}).{hint}")
     return np.ascontiguousarray(y.reshape(examples, outputs), np.float32)
 
 
 def class_indices(y, model):
-    """Labels ``y`` (B,) as integer class indices (int64 unless already integers).
+    """Labels ``y`` (B,) as class indices of ``LABEL_DTYPE`` (int64), the one label type
+    the loss kernels are given on every backend: uint8 (``keras.datasets``), int16, uint32...
+    are converted here, once per batch (no copy when they are int64 already).
 
     Float labels are accepted when every one is a whole number (3.0), as Keras casts
     them; 0.5 or NaN would be truncated to a class silently, so they are refused."""
     if y.dtype.kind in "iu":
-        return y
+        if y.dtype == np.uint64 and y.size and y.max() > np.iinfo(LABEL_DTYPE).max:
+            raise ValueError(f"labels of dtype {y.dtype} up to {y.max()}: class indices must be "
+                             f"below the number of classes; check the label encoding.")
+        return y.astype(LABEL_DTYPE, copy=False)
     if y.dtype.kind not in "bf":
         raise TypeError(f"labels of dtype {y.dtype}: the loss {type(model.loss).__name__} expects "
                         f"integer class indices; convert them with y.astype(np.int64).")
@@ -181,7 +189,7 @@ def class_indices(y, model):
                          f"{bad[:5].tolist()}: {y[bad[:5]].tolist()}): the loss {type(model.loss).__name__} "
                          f"expects class indices, one integer per example. Round or fix the labels; "
                          f"for soft or one-hot targets use a categorical loss.")
-    return y.astype(np.int64)
+    return y.astype(LABEL_DTYPE)
 
 
 def check_batch_size(batch_size, what):
@@ -208,8 +216,8 @@ def check_label_shape(model, shape, examples):
         raise ValueError(
             f"labels of shape {shape}: the loss {loss} expects class indices, one integer in "
             f"[0, {classes}) per example (shape ({shape[0]},) or ({shape[0]}, 1)){looks}. Pass "
-            f"y.argmax(axis=-1), or map the dataset to (image, argmax of the label). "
-            f"(CategoricalCrossentropy, Keras's loss for one-hot labels, is not implemented here.)")
+            f"y.argmax(axis=-1), or map the dataset to (image, argmax of the label); or compile with "
+            f"loss='categorical_crossentropy', Keras's loss for one-hot labels.")
     if shape[0] != examples:
         raise ValueError(f"a batch has {examples} examples but {shape[0]} labels.")
 
@@ -302,7 +310,7 @@ class ResidentLoader:
 
     Per step and replica: the row numbers go up (b int64), then one gather for x
     and one for y on the device; a cast follows only when the stored dtype is not
-    what the model takes (uint8 images: float32; float labels: int64).
+    what the model takes (uint8 images: float32; labels of any other dtype: int64).
     """
 
     def __init__(self, model, resident):
@@ -328,8 +336,7 @@ class ResidentLoader:
                           resident.rows_count)
         labels = nest.flatten(resident.rows.columns)[self.ky].reshape(-1)   # every label, once
         check_labels(class_indices(labels, model), model.step.programs[0].classes)
-        y_dtype = np.dtype(resident.dtypes[self.ky])
-        self.y_dtype = y_dtype if y_dtype.kind in "iu" else np.dtype(np.int64)
+        self.y_dtype = LABEL_DTYPE        # stored labels of another dtype are cast on the device
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
 
     def caches(self):

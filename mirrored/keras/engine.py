@@ -262,8 +262,8 @@ class ReplicaProgram:
         and, ``with_grad``, its gradient with respect to the logits.
 
         ``mode``: "logits" (softmax cross-entropy on the last layer's pre-softmax
-        output), or "probs" (cross-entropy on probabilities, Keras's
-        ``from_logits=False`` with no softmax layer). ``scale``: 1/global batch.
+        output), "probs" (Keras's ``from_logits=False`` with no softmax layer), or a loss
+        against float targets (``ops.target_loss``: one-hot, MSE, BCE). ``scale``: 1/global batch.
         """
         b = self.last_b
         if not b:
@@ -274,9 +274,9 @@ class ReplicaProgram:
             self.ops.prob_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
         elif mode == "logits":
             self.ops.softmax_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
-        else:                        # MSE, BCE against float targets (b, classes): no accuracy here
-            self.ops.regression_loss(mode, self.logits, labels, buf.loss, grad, scale)
-            self.ops.fill(buf.correct, 0.0)
+        else:                        # float targets (b, classes): one-hot, MSE, BCE (backends.target_loss;
+            # the one-hot loss counts correct predictions, MSE and BCE have no accuracy: zeros)
+            self.ops.target_loss(mode, self.logits, labels, buf.loss, grad, buf.correct, scale)
         self._accumulate(buf)
         self._accumulate_penalties(b)
 

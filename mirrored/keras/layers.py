@@ -37,7 +37,7 @@ from kernels.launch import view   # a reshape made once per buffer (numba-cuda t
 from mirrored.keras import initializers, regularizers
 from mirrored.keras.base_layer import (  # noqa: F401 (tf.keras.layers' names, defined there)
     SUPPORTED, AveragePooling2D, BatchNormalization, Conv1D, Embedding, Input, InputLayer, Layer, LSTM,
-    StringLookup, channels_last, image_shape, padding_arg, snake_case)
+    IntegerLookup, StringLookup, channels_last, image_shape, padding_arg, snake_case)
 from mirrored.keras.dropout import Dropout  # noqa: F401 (tf.keras.layers.Dropout, defined there)
 from mirrored.values import Variable
 

@@ -1,10 +1,12 @@
-"""Losses: ``SparseCategoricalCrossentropy`` (the course lab's), ``MeanSquaredError`` and
-``BinaryCrossentropy`` (the distributed-training guide's), each with Keras's ``Reduction``.
+"""Losses: ``SparseCategoricalCrossentropy`` (the course lab's), ``CategoricalCrossentropy``
+(one-hot labels, keras.io's examples), ``MeanSquaredError`` and ``BinaryCrossentropy`` (the
+distributed-training guide's), each with Keras's ``Reduction``.
 
-Each is computed by one fused kernel with its gradient: the classification loss by
-``kernels/softmax_xent.py``, the two losses against float targets by
-``kernels/regression_losses.py`` (``kind`` below names which). They take targets of the
-model's output shape, (B, C) float, as Keras does; ``(B,)`` is read as (B, 1).
+Each is computed by one fused kernel with its gradient: the class-index loss by
+``kernels/softmax_xent.py``, the one-hot one by ``kernels/categorical_xent.py``, the two
+losses against float targets by ``kernels/regression_losses.py`` (``kind`` below names
+which). All but the first take targets of the model's output shape, (B, C) float, as Keras
+does; ``(B,)`` is read as (B, 1).
 
 ``SparseCategoricalCrossentropy``:
 
@@ -129,17 +131,69 @@ class BinaryCrossentropy(_TargetLoss):
         return dict(super().get_config(), from_logits=self.from_logits, label_smoothing=0.0, axis=-1)
 
 
+#: ``CategoricalCrossentropy``'s kernel mode is the pair (CATEGORICAL, label_smoothing):
+#: the smoothing is a scalar the kernel takes (``kernels/categorical_xent.py``).
+CATEGORICAL = "categorical"
+
+
+class CategoricalCrossentropy(_TargetLoss):
+    """Cross-entropy against one-hot (or soft) targets of the output's shape, per example:
+    ``-sum_j y_s[j] log softmax(z)[j]`` with ``y_s = y (1 - label_smoothing) + label_smoothing / C``
+    (``loss='categorical_crossentropy'``; labels from ``keras.utils.to_categorical``).
+
+    ``from_logits=True``: the model outputs logits. ``from_logits=False``: probabilities from
+    a last layer with ``activation='softmax'``, whose logits are used, as Keras does (stable,
+    and Keras's numbers). A model with neither is refused (``kernel_mode``). Accuracy, with
+    ``metrics=['accuracy']``, is Keras's categorical one: argmax of the output against argmax
+    of the label row, counted on the device by the same kernel."""
+
+    def __init__(self, from_logits=False, label_smoothing=0.0, axis=-1, reduction="sum_over_batch_size",
+                 name="categorical_crossentropy"):
+        super().__init__(reduction, name)
+        if axis != -1:
+            raise NotImplementedError("CategoricalCrossentropy: only axis=-1 (classes last) is implemented.")
+        if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}.")
+        self.from_logits = bool(from_logits)
+        self.label_smoothing = float(label_smoothing)
+
+    @property
+    def kind(self):
+        return (CATEGORICAL, self.label_smoothing)
+
+    def get_config(self):
+        return dict(super().get_config(), from_logits=self.from_logits,
+                    label_smoothing=self.label_smoothing, axis=-1)
+
+
 def takes_targets(loss):
-    """True for losses against float targets of the output's shape (MSE, BCE), False for
-    class-index losses."""
+    """True for losses against float targets of the output's shape (MSE, BCE, categorical
+    cross-entropy), False for class-index losses."""
     return isinstance(loss, _TargetLoss)
+
+
+def counts_accuracy(loss):
+    """True for the losses whose kernel also counts correct predictions (the two
+    cross-entropies), so ``metrics=['accuracy']`` can be reported."""
+    return not takes_targets(loss) or isinstance(loss, CategoricalCrossentropy)
 
 
 def kernel_mode(loss, softmax_output):
     """Which fused loss kernel a model's output takes: "logits" (softmax cross-entropy),
-    "probs" (cross-entropy of probabilities), or a regression kind ("mse", "bce_logits",
-    "bce_probs"). ``softmax_output``: the model's last layer has activation='softmax'
-    (its logits are used, as Keras does)."""
+    "probs" (cross-entropy of probabilities), (CATEGORICAL, label_smoothing) (one-hot
+    targets), or a regression kind ("mse", "bce_logits", "bce_probs"). ``softmax_output``:
+    the model's last layer has activation='softmax' (its logits are used, as Keras does)."""
+    if isinstance(loss, CategoricalCrossentropy):
+        if softmax_output and loss.from_logits:
+            raise NotImplementedError(
+                "the last layer has activation='softmax' but the loss says from_logits=True: "
+                "drop the softmax or use from_logits=False.")
+        if not softmax_output and not loss.from_logits:
+            raise NotImplementedError(
+                "CategoricalCrossentropy(from_logits=False) needs probabilities from a last layer "
+                "with activation='softmax' (its logits are used); this model's last layer has none. "
+                "Add activation='softmax' to it, or pass from_logits=True if it outputs logits.")
+        return loss.kind
     if takes_targets(loss):
         if softmax_output:
             raise NotImplementedError(
@@ -157,6 +211,8 @@ def kernel_mode(loss, softmax_output):
 
 _BY_NAME = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
             "SparseCategoricalCrossentropy": SparseCategoricalCrossentropy,
+            "categorical_crossentropy": CategoricalCrossentropy,
+            "CategoricalCrossentropy": CategoricalCrossentropy,
             "mse": MeanSquaredError, "mean_squared_error": MeanSquaredError, "MeanSquaredError": MeanSquaredError,
             "binary_crossentropy": BinaryCrossentropy, "BinaryCrossentropy": BinaryCrossentropy}
 
@@ -168,5 +224,5 @@ def get(identifier):
     if isinstance(identifier, str) and identifier in _BY_NAME:
         return _BY_NAME[identifier]()
     raise NotImplementedError(f"loss {identifier!r} is not implemented; use one of {sorted(_BY_NAME)} "
-                              f"or the classes losses.SparseCategoricalCrossentropy, MeanSquaredError, "
-                              f"BinaryCrossentropy.")
+                              f"or the classes losses.SparseCategoricalCrossentropy, CategoricalCrossentropy, "
+                              f"MeanSquaredError, BinaryCrossentropy.")

@@ -60,6 +60,7 @@ class _Merge(Layer):
     min_inputs, max_inputs = 1, None
 
     def __init__(self, name=None, **kwargs):
+        # ``name`` spelled out: saving.py passes a config's keys that the signature names
         super().__init__(name=name, **kwargs)
 
     # -- shapes

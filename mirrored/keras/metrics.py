@@ -1,4 +1,5 @@
-"""Keras metrics for custom training loops: ``SparseCategoricalAccuracy``, ``Mean``.
+"""Keras metrics for custom training loops: ``SparseCategoricalAccuracy``,
+``CategoricalAccuracy``, ``Mean``; and which accuracy ``compile(metrics=[...])`` reports.
 
 ``model.fit`` keeps its loss and accuracy on the devices (``engine.py``); these
 objects are for the custom loop of the MirroredStrategy tutorial, where each
@@ -65,4 +66,47 @@ class SparseCategoricalAccuracy(Metric):
             self._count += labels.size
 
 
-ACCURACY_NAMES = ("accuracy", "acc", "sparse_categorical_accuracy")
+class CategoricalAccuracy(Metric):
+    """The fraction of examples whose argmax prediction equals the argmax of their one-hot
+    (or soft) label row, Keras's ``CategoricalAccuracy``."""
+
+    def __init__(self, name="categorical_accuracy", dtype=None):
+        super().__init__(name, dtype)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        labels = _host(y_true)
+        preds = _host(y_pred)
+        if labels.shape != preds.shape:
+            raise ValueError(f"CategoricalAccuracy: labels {labels.shape} and predictions {preds.shape} "
+                             f"must have the same shape (one-hot labels: keras.utils.to_categorical); "
+                             f"for class indices use SparseCategoricalAccuracy.")
+        hits = (labels.argmax(axis=-1) == preds.argmax(axis=-1)).sum() if labels.size else 0
+        with self._lock:
+            self._total += float(hits)
+            self._count += int(np.prod(labels.shape[:-1]))      # one row per example
+
+
+#: The accuracy names compile accepts: Keras's "accuracy" and "acc" follow the labels
+#: (categorical when they have the output's shape, i.e. with CategoricalCrossentropy),
+#: the others name their kind.
+SPARSE_ACCURACY = "sparse_categorical_accuracy"
+CATEGORICAL_ACCURACY = "categorical_accuracy"
+ACCURACY_NAMES = ("accuracy", "acc", SPARSE_ACCURACY, CATEGORICAL_ACCURACY)
+
+
+def accuracy_name(metric, categorical):
+    """The log name of ``compile``'s accuracy ``metric`` (a name or a metric object), counted on
+    the devices by the loss kernel. ``categorical``: the loss takes one-hot labels (B, C), or
+    None for a loss that counts no accuracy (compile refuses it then). A metric of the other
+    kind than the labels (sparse accuracy on one-hot labels) is refused with what to use."""
+    kinds = {SparseCategoricalAccuracy: SPARSE_ACCURACY, CategoricalAccuracy: CATEGORICAL_ACCURACY}
+    name, kind = (metric, metric) if isinstance(metric, str) else (getattr(metric, "name", None),
+                                                                   kinds.get(type(metric)))
+    if not (isinstance(metric, str) and metric in ACCURACY_NAMES or kind is not None):
+        raise NotImplementedError(f"metric {metric!r} is not implemented; use metrics=['accuracy'].")
+    wanted = CATEGORICAL_ACCURACY if categorical else SPARSE_ACCURACY
+    if categorical is not None and kind in (SPARSE_ACCURACY, CATEGORICAL_ACCURACY) and kind != wanted:
+        labels = "one-hot labels (CategoricalCrossentropy)" if categorical else "class-index labels"
+        raise ValueError(f"metric {metric!r} does not fit {labels}: use metrics=['accuracy'] (Keras "
+                         f"picks the kind from the labels) or {wanted!r}.")
+    return name

@@ -28,7 +28,7 @@ from mirrored.keras import data_adapters, functional
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
-from mirrored.keras.metrics import ACCURACY_NAMES, SparseCategoricalAccuracy
+from mirrored.keras.metrics import accuracy_name
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import check_compiled
 from mirrored.keras.tape import ModelOutput
@@ -216,17 +216,12 @@ class ModelAPI:
         if loss is None:
             raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
         self.loss = _losses.get(loss)
-        self._metric_names = []
-        for m in metrics or []:
-            if isinstance(m, str) and m in ACCURACY_NAMES:
-                self._metric_names.append(m)
-            elif isinstance(m, SparseCategoricalAccuracy):
-                self._metric_names.append(m.name)
-            else:
-                raise NotImplementedError(f"metric {m!r} is not implemented; use metrics=['accuracy'].")
+        categorical = (isinstance(self.loss, _losses.CategoricalCrossentropy)
+                       if _losses.counts_accuracy(self.loss) else None)
+        self._metric_names = [accuracy_name(m, categorical) for m in metrics or []]
         if len(self._metric_names) > 1:
             raise NotImplementedError("one accuracy metric per model here.")
-        if self._metric_names and _losses.takes_targets(self.loss):
+        if self._metric_names and not _losses.counts_accuracy(self.loss):
             raise NotImplementedError(f"metrics={self._metric_names} with {type(self.loss).__name__}: the "
                                       f"accuracy metric here counts class indices; compile without metrics "
                                       f"(the loss is reported).")

@@ -411,7 +411,7 @@ class Model(ModelAPI):
                 if end_hooks or verbose:
                     # Keras's batch logs: the epoch's running metrics, read only if asked for;
                     # this worker's (no collective: the other workers may not ask, nor draw a bar)
-                    batch_logs = _callbacks.LazyLogs(lambda: self._logs(across_workers=False))
+                    batch_logs = _callbacks.batch_logs(end_hooks, lambda: self._logs(across_workers=False))
                     for hook in end_hooks:
                         hook(step - 1, batch_logs)
                     if verbose and bar.wants_update(step):
@@ -420,6 +420,8 @@ class Model(ModelAPI):
                     break
             if not step:
                 raise no_batches_error("train_function", x, epoch)
+            if steps_per_epoch is not None and step < steps_per_epoch and not self.stop_training:
+                warnings.warn(RAN_OUT_OF_DATA, stacklevel=4)    # Keras 3: the next epoch starts the data again
             logs = self._logs()
             if validation_data is not None:
                 logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
@@ -435,6 +437,12 @@ class Model(ModelAPI):
         history.params = params
         self.history = history
         return history
+
+#: Keras 3's warning (trainers/epoch_iterator.py) when steps_per_epoch is more than the data has.
+RAN_OUT_OF_DATA = ("Your input ran out of data; interrupting training. Make sure that your dataset or "
+                   "generator can generate at least `steps_per_epoch * epochs` batches. You may need to "
+                   "use the `.repeat()` function when building your dataset.")
+
 
 @saving.register_model_class
 class Sequential(Model):

@@ -4,12 +4,14 @@ rate, the slots of each weight), as ``model.save``, ``save_weights`` and
 ``tf.train.Checkpoint`` write and read them (``OptimizerState``, the base class of
 ``optimizers.Optimizer``), and the arguments Keras takes (``check_keras_arguments``).
 The update itself (``optimizers.py``) needs none of this: it reads the plain numbers
-behind the two views, ``step_count`` and ``rate``.
+behind the two views, ``step_count`` and ``rate``. Also here: ``release_slots_with`` (the
+slots go with their model).
 
 Neighbours: ``optimizers.py`` (SGD, Adam: the update), ``saving.py`` and
 ``mirrored/checkpoint.py`` (the files).
 """
 import warnings
+import weakref
 
 import numpy as np
 
@@ -18,6 +20,15 @@ import numpy as np
 NOT_IMPLEMENTED = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
                    "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
                    "loss_scale_factor": None, "gradient_accumulation_steps": None}
+
+
+def _drop_slots(slots, owners, oid):
+    """``release_slots_with``'s finalizer: forget the slots of the owner whose id was ``oid`` (their
+    buffers are freed, and refunded to their device, when nothing else holds them). A module
+    function holding the two dicts, not the optimizer: the finalizer must not keep it alive."""
+    for key in [k for k in list(slots) if k[1] == oid]:
+        slots.pop(key, None)
+    owners.pop(oid, None)
 
 
 def check_keras_arguments(what, kwargs):
@@ -127,6 +138,8 @@ class OptimizerState:
             raise NotImplementedError("learning-rate schedules are not implemented; pass a float "
                                       "and change optimizer.learning_rate between epochs if needed.")
         self.step_count = 0                         # updates applied (``iterations``)
+        self.updates_done = 0                       # updates of every copy done (``update_buffers``)
+        self._owners = {}                           # id(owner) -> the finalizer that drops its slots
         self.rate = 0.0                             # the learning rate, a Python float
         self._learning_rate = LearningRate(self)
         self._learning_rate.assign(learning_rate)   # checked: a finite number
@@ -145,6 +158,16 @@ class OptimizerState:
     @property
     def iterations(self):
         return Iterations(self)
+
+    def release_slots_with(self, owner):
+        """Drop the slots keyed by ``id(owner)`` (``("pack", id(pack), r)``: a model's
+        ``ParameterPack``; ``("var", id(copy))``: a copy of a variable) when ``owner`` is
+        collected (``del model``): an optimizer reused across models then keeps none of an
+        earlier model's slots (nor their device memory), and a later owner that gets the same
+        ``id`` cannot find a dead one's slots. Called when its slots are first made."""
+        oid = id(owner)
+        if oid not in self._owners:
+            self._owners[oid] = weakref.finalize(owner, _drop_slots, self._slots, self._owners, oid)
 
     def _pack_slots(self, pack, r):
         return self._slots.get(("pack", id(pack), r))
@@ -205,6 +228,7 @@ class OptimizerState:
             if flats is not None:                  # the slots first: the one part that may fail
                 for r, dev in enumerate(pack.devices):
                     with dev.activate():
+                        self.release_slots_with(pack)
                         for buf, flat in zip(self._slot_buffers(("pack", id(pack), r), dev, pack.params[r]),
                                              flats):
                             dev.upload_into(buf, flat)

@@ -1,28 +1,24 @@
 """Keras optimizers: ``SGD`` and ``Adam``, with Keras's defaults and formulas.
 
-The math is in ``kernels/optimizers.py`` (one kernel launch per parameter
-buffer); this file holds the hyper-parameters, the step counter and the slot
-buffers (velocity; Adam's m and v), one set per device.
+The math is in ``kernels/optimizers.py`` (one kernel launch per parameter buffer); this
+file holds the hyper-parameters, the step counter and the slot buffers (velocity; Adam's
+m and v), one set per device, made on first use where the variables live (so an optimizer
+made outside ``strategy.scope()``, as the course lab's, works) and dropped with their
+model (``release_slots_with``).
 
-A step has a host part and a device part. ``begin_step`` counts the step and
-copies its hyper-parameter vector (Adam's alpha changes every step) into a small
-buffer on every device; ``update`` only launches kernels, which read that
-buffer. The device part can therefore be captured once as a CUDA graph and
-replayed (``mirrored/graphs.py``): each replay updates with the alpha that the
-host part of its step wrote.
+A step has a host part and a device part. ``begin_step`` counts the step and copies its
+hyper-parameter vector (Adam's alpha changes every step) into a small buffer on every
+device; ``update`` only launches kernels, which read that buffer, so the device part can be
+captured once as a CUDA graph and replayed (``mirrored/graphs.py``). The launches update
+every copy or none: a Ctrl-C waits for the last one (``update_buffers``).
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
 (``keras/step.py``) calls ``begin_step``, the all-reduce and then ``update``;
-``apply_gradients(zip(grads, variables))`` called inside ``strategy.run`` is a
-*merge point* where the replicas meet and, when the gradients are a model's packed
-gradient buffers (as ``GradientTape`` returns them), hands them to that same step
-(``Step.apply_gradients``): one ring over one buffer, one launch per device. So every
-copy of every variable gets the same update, the copies stay bitwise equal, and a
-custom loop's weights are fit's, bit for bit.
-
-Slots are created on first use on the devices of the variables they serve, so
-an optimizer created outside ``strategy.scope()`` (as the course lab does,
-``optimizer=tf.keras.optimizers.Adam()`` inside ``compile``) works.
+``apply_gradients(zip(grads, variables))`` inside ``strategy.run`` is a *merge point*
+where the replicas meet and, when the gradients are a model's packed gradient buffers (as
+``GradientTape`` returns them), hands them to that same step (``Step.apply_gradients``):
+one ring over one buffer, one launch per device. So every copy gets the same update, the
+copies stay bitwise equal, and a custom loop's weights are fit's, bit for bit.
 
 Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what Keras saves),
 ``step.py``, ``kernels/optimizers.py``.
@@ -33,6 +29,7 @@ import warnings
 
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context
+from mirrored.devices import every_device_or_none
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.custom_loop import step_of
 from mirrored.keras.variable_updates import apply_to_variables
@@ -49,7 +46,7 @@ class Optimizer(OptimizerState):
     def __init__(self, learning_rate, name, **kwargs):
         super().__init__(learning_rate, **kwargs)    # step_count, rate, their Keras views; kwargs checked
         self.name = name
-        self._slots = {}
+        self._slots = {}                 # ("pack", id(pack), r) or ("var", id(copy)) -> [buffer per slot]
         self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
         self._lock = threading.Lock()
 
@@ -99,19 +96,23 @@ class Optimizer(OptimizerState):
         weights with its own (already summed) gradients. Launches only (after ``begin_step``).
         ``around(r, dev)``: a context manager entered around replica r's launch
         (``mirrored.lab.timing.TimedStep`` times each replica's update with it)."""
+        if ("pack", id(pack), 0) not in self._slots:            # the first step: slots made, and
+            self.release_slots_with(pack)                       # freed with the model
         self.update_buffers([(dev, pack.params[r], pack.grads[r], ("pack", id(pack), r))
                              for r, dev in enumerate(pack.devices)], around)
 
     def update_buffers(self, launches, around=None):
-        """One ``update_buffer`` per ``(dev, w, g, key)``. Every launch's slots are made (the
-        first time) before the first launch: running out of memory for device 1's slots
-        after device 0 was updated would leave the copies of the weights different."""
+        """One ``update_buffer`` per ``(dev, w, g, key)``, all or none: every slot is made before
+        the first launch, and a Ctrl-C waits for the last (``devices.every_device_or_none``).
+        Device 0 updated and device 1 not would leave the copies of the weights different."""
         for dev, w, _, key in launches:
             with dev.activate():
                 self._slot_buffers(key, dev, w)
-        for i, (dev, w, g, key) in enumerate(launches):
-            with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
-                self.update_buffer(dev, w, g, key)
+        with every_device_or_none():
+            for i, (dev, w, g, key) in enumerate(launches):
+                with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
+                    self.update_buffer(dev, w, g, key)
+            self.updates_done += 1          # done on every copy: a Ctrl-C now leaves it counted (no_trace)
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):

@@ -562,10 +562,12 @@ def compile_from_config(model, compile_config):
     if isinstance(loss, dict):
         cls = {"SparseCategoricalCrossentropy": _losses.SparseCategoricalCrossentropy,
                "MeanSquaredError": _losses.MeanSquaredError,
-               "BinaryCrossentropy": _losses.BinaryCrossentropy}.get(loss["class_name"])
+               "BinaryCrossentropy": _losses.BinaryCrossentropy,
+               "CategoricalCrossentropy": _losses.CategoricalCrossentropy}.get(loss["class_name"])
         if cls is None:
             raise NotImplementedError(f"loss {loss['class_name']!r} is not implemented here.")
-        keys = ("from_logits", "reduction", "name")
+        keys = ("from_logits", "reduction", "name") + (
+            ("label_smoothing",) if cls is _losses.CategoricalCrossentropy else ())
         loss = cls(**{k: v for k, v in loss["config"].items() if k in keys and (k != "from_logits" or
                                                                                cls is not _losses.MeanSquaredError)})
     model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None,

@@ -129,20 +129,22 @@ class Step(InferencePasses):
 
         The weights and the optimizer's slots cannot have changed by then: every buffer
         is made before the first update launch (``host_part``, ``Optimizer.update``), and
-        the update is the step's last phase. What it cannot undo: the running loss and
-        accuracy of the epoch (``fit`` and ``evaluate`` start them from zero again).
+        the update is the step's last phase, on every copy or none (a Ctrl-C raised once it
+        is done undoes nothing: ``update_buffers``). Not undone: the epoch's running metrics.
 
         ``optimizer``: the one the step updates with (default: the model's). A model that
         was never compiled has no optimizer: ``predict`` and ``model(x)`` run on it (as in
         Keras), and only the buffers are put back.
         """
         opt = optimizer if optimizer is not None else self.model.optimizer
-        step_count = opt.step_count if opt is not None else None
+        step_count, updates = (opt.step_count, opt.updates_done) if opt is not None else (None, None)
         caches = self._caches(opt)
         sizes = [len(c) for c in caches]                       # caches only grow: new keys come last
         try:
             yield
         except BaseException:
+            if opt is not None and opt.updates_done != updates:
+                raise                                          # the update is done: so is the step
             if opt is not None:
                 opt.step_count = step_count
             for cache, n in zip(caches, sizes):

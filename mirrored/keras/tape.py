@@ -21,6 +21,8 @@ what is supported.
 """
 import numpy as np
 
+from kernels.elementwise import CAST_DTYPES      # the dtypes the device cast is compiled for
+from kernels.softmax_xent import LABEL_DTYPE      # the one label type the loss kernels take
 from mirrored import context
 from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor, add_n
@@ -83,21 +85,27 @@ def penalty_node(regularizer, pack, k, r):
 
 
 def _labels_on(dev, y_true):
+    """Class labels on ``dev`` as the loss kernels take them: (b,) ``LABEL_DTYPE`` (int64),
+    converted once here whatever integer dtype the data set holds (as ``fit`` converts its
+    batches, ``data_adapters.class_indices``): cast on the device where a cast kernel
+    exists for the stored dtype, else converted on the host."""
     if isinstance(y_true, Tensor):
         if y_true.dev is not dev:
             raise ValueError(f"labels are on {y_true.device} but the predictions on {dev.name}: "
                              f"use the labels of the same replica (inside strategy.run).")
         labels = y_true.buf
-        if np.dtype(labels.dtype).kind not in "iu":
+        if np.dtype(labels.dtype) != LABEL_DTYPE and np.dtype(labels.dtype).name in CAST_DTYPES:
             with dev.activate():
-                out = dev.empty(labels.shape, np.int32)
+                out = dev.empty(labels.shape, LABEL_DTYPE)
                 dev.ops.cast(labels, out)
             labels = out
-        return labels.reshape(labels.shape[0]) if len(labels.shape) == 2 else labels
+        if np.dtype(labels.dtype) == LABEL_DTYPE:
+            return labels.reshape(labels.shape[0]) if len(labels.shape) == 2 else labels
+        y_true = y_true.numpy()                  # int16, uint32...: no cast kernel, via the host
     arr = np.asarray(y_true).reshape(-1)
-    arr = arr.astype(np.int64) if arr.dtype.kind not in "iu" else arr
+    arr = arr.astype(LABEL_DTYPE) if arr.dtype != LABEL_DTYPE else arr
     with dev.activate():
-        return dev.from_numpy(arr)
+        return dev.from_numpy(np.ascontiguousarray(arr))
 
 
 def _targets_on(dev, y_true, b, cols):
@@ -138,8 +146,8 @@ def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
         if b and mode in ("logits", "probs"):
             op = dev.ops.prob_xent if mode == "probs" else dev.ops.softmax_xent
             op(program.logits, labels, per_example, None, correct, 1.0)
-        elif b:
-            dev.ops.regression_loss(mode, program.logits, labels, per_example, None, 1.0)
+        elif b:                                  # float targets: one-hot, MSE, BCE
+            dev.ops.target_loss(mode, program.logits, labels, per_example, None, correct, 1.0)
         loss_node = _Loss(node, labels, mode)
         vec = Tensor(per_example, dev, loss_node)
         if loss_obj.reduction == "none":

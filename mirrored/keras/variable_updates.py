@@ -37,13 +37,15 @@ def apply_to_variables(optimizer, strategy, pairs):
         for r, c in enumerate(copies(v)):
             dev = c.value().dev
             with dev.activate():
+                optimizer.release_slots_with(c)
                 launches.append((dev, c.value().buf, on_device(reduced[k][r], dev), ("var", id(c))))
-    count = optimizer.step_count
+    count, updates = optimizer.step_count, optimizer.updates_done
     try:
         optimizer.begin_step(list({dev.name: dev for dev, *_ in launches}.values()))   # each device once
         optimizer.update_buffers(launches)  # every copy's slots made before the first update
     except BaseException:
-        optimizer.step_count = count        # a step that failed is not counted
+        if optimizer.updates_done == updates:   # (a Ctrl-C held back to the update's end: counted)
+            optimizer.step_count = count        # a step that failed is not counted
         raise
 
 

@@ -127,6 +127,7 @@ def calibrate(breakdown, grad_bytes=None, model=None, measured=None):
                              f"{measured.get('samples_per_s')!r}.")
         step_s = measured["global_batch"] / measured["samples_per_s"]
     overhead = step_s - compute
+    measured_compute = compute
     if overhead < 0:
         # The breakdown's phases, each timed on its own, add up to more than the measured
         # step (every phase boundary waits for the device; a busy machine slowed the
@@ -141,7 +142,39 @@ def calibrate(breakdown, grad_bytes=None, model=None, measured=None):
         compute, overhead = step_s, 0.0
     return {"compute_per_example_s": compute / max(breakdown["global_batch"], 1),
             "overhead_s": overhead,
-            "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"]}
+            "grad_bytes": grad_bytes, "global_batch": breakdown["global_batch"],
+            # False: the overhead above is the clamp's 0, not a measurement (model_verdict)
+            "calibrated": measured_compute <= step_s, "step_s": step_s,
+            "measured_compute_s": measured_compute}
+
+
+#: A fixed cost under this share of the predicted step "hardly matters" (model_verdict).
+SMALL_SHARE = 0.10
+
+
+def model_verdict(calibration, n, link_bandwidth, link="the link", latency_s=0.0):
+    """What the calibrated model says, in one sentence computed from its numbers: at ``n``
+    GPUs on a link of ``link_bandwidth`` bytes/s, the share of the step that the ring and
+    the overhead each take, and so which of them matters (over ``SMALL_SHARE``). A
+    calibration that failed (``calibrated`` False: the breakdown's compute was longer than
+    fit's whole step, the overhead clamped to 0) says so and draws no conclusion about
+    the overhead or the link. Lab 05 prints it under its calibration."""
+    if not calibration.get("calibrated", True):
+        return (f"The calibration failed on this machine: the breakdown's compute "
+                f"({calibration['measured_compute_s'] * 1e3:.3g} ms per step) was longer than fit's "
+                f"whole step ({calibration['step_s'] * 1e3:.3g} ms), so the overhead is unknown (set "
+                f"to 0) and this model says nothing about what the overhead or the link costs. "
+                f"Run sections 3 to 5 again on a quiet machine, or on a GPU.")
+    compute = calibration["compute_per_example_s"] * calibration["global_batch"]   # per GPU's batch
+    ring = ring_allreduce_time(calibration["grad_bytes"], n, link_bandwidth, latency_s)
+    overhead = calibration["overhead_s"]
+    step = compute + ring + overhead
+    said = []
+    for name, t in (("the ring over " + link, ring), ("the per-step overhead", overhead)):
+        matters = "matters" if t / step >= SMALL_SHARE else "hardly matters"
+        said.append(f"{name} {t * 1e3:.3g} ms ({t / step:.0%}: {matters})")
+    return (f"At N = {n}, per step: compute {compute * 1e3:.3g} ms, " + ", ".join(said)
+            + f" (a cost {SMALL_SHARE:.0%} of the step or more matters).")
 
 
 def predict_throughput(calibration, ns, batch_per_replica, links=None, latency_s=0.0):

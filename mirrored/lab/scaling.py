@@ -35,6 +35,14 @@ from mirrored.keras.callbacks import Callback
 MIN_TIMED_STEPS = 50
 
 
+class StopAfterOneEpoch(Callback):
+    """A Keras callback that ends ``fit`` after the epoch it starts in (``stop_training``,
+    as EarlyStopping does): ``compare`` interleaves the rows' epochs one at a time."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = True
+
+
 class EpochTimer(Callback):
     """A Keras callback: wall time, steps and examples of every epoch.
 
@@ -207,8 +215,10 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
             log(f"--- {run['name']} (epoch {epoch + 1}/{epochs}): {run['replicas']} replica(s) on "
                 f"{devices}, global batch {run['global_batch']}{how} ---")
         x, y, batch_size = run["fit_args"]
-        run["model"].fit(x, y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
-                         verbose=verbose, callbacks=[run["clock"]])
+        # Keras's way to run epoch k of E and no more: fit(epochs=E, initial_epoch=k) stopped
+        # at the epoch's end, so its progress line reads "Epoch k+1/E" as the header does
+        run["model"].fit(x, y, batch_size=batch_size, epochs=epochs, initial_epoch=epoch,
+                         verbose=verbose, callbacks=[run["clock"], StopAfterOneEpoch()])
 
     # Epochs interleaved: every row's epoch 1, then every row's epoch 2, ... (timing.py)
     timing.interleaved_rounds(len(runs), epochs, run_epoch)
@@ -223,6 +233,57 @@ def compare(model_fn, data, strategies, epochs=3, batch_per_replica=64, warmup_e
     add_efficiency(rows, baseline)
     add_timing_flags(rows, warmup_epochs)
     return rows
+
+
+def one_device_verdict(rows, single="no strategy", one="MirroredStrategy ×1"):
+    """Was MirroredStrategy on one device slower than no strategy, in THESE rows? One
+    sentence computed from the numbers (lab 01 prints it under its table): the ratio of
+    samples/s, set against the rows' own epoch-to-epoch spread (a difference inside it is
+    noise, and the sentence says so); a row too short to compare, or flagged, gives no
+    verdict. Either order can come out: the strategy's fixed per-step costs are a few
+    percent of a CPU step, and about the size of a GPU step."""
+    by_name = {r["name"]: r for r in rows}
+    a, b = by_name[single], by_name[one]
+    if a.get("too_short") or b.get("too_short") or a.get("timing_flags") or b.get("timing_flags"):
+        return (f"No verdict: '{one}' against '{single}' was too short or too noisy to compare "
+                f"(see the marks under the table); run more epochs on a quiet machine.")
+    ratio = b["samples_per_s"] / a["samples_per_s"]
+    noise = max(timing.epoch_spread(r["epoch_times_s"][1:] or r["epoch_times_s"]) for r in (a, b)) - 1
+    if abs(ratio - 1) <= noise:
+        return (f"Here '{one}' ran at {ratio:.0%} of '{single}''s samples/s, inside the epochs' own "
+                f"spread ({noise:.0%}): on this machine the strategy's fixed costs are too small to "
+                f"tell from the noise.")
+    if ratio < 1:
+        return (f"Here '{one}' was slower: {ratio:.0%} of '{single}''s samples/s (the epochs "
+                f"spread {noise:.0%}): the fixed per-step costs below showed.")
+    return (f"Here '{one}' was faster: {ratio:.0%} of '{single}''s samples/s (the epochs spread "
+            f"{noise:.0%}). The strategy adds work, never removes it: its fixed costs were smaller "
+            f"than what else differed between the runs (the machine's load, caches), not a speed-up.")
+
+
+#: Throughputs within this factor of each other are "about the same" (scaling_verdict).
+SAME_WITHIN = 1.1
+
+
+def scaling_verdict(rows, cores, single="no strategy"):
+    """The largest replica count's throughput against no strategy, in one sentence computed
+    from the rows, beside the machine's ``cores`` (lab 05 prints it under its table):
+    logical devices share one machine, so they gain only what the single run left idle."""
+    base = next(r for r in rows if r["name"] == single)
+    top = max((r for r in rows if r["name"] != single), key=lambda r: r["replicas"])
+    gain = top["samples_per_s"] / base["samples_per_s"]
+    if gain > SAME_WITHIN:
+        why = (f"more than '{single}': that run left part of the machine idle (on a CPU, cores "
+               f"its work did not use) and the replicas' work filled it; logical devices cannot "
+               f"add more than the machine has ({cores} CPU core(s) here)")
+    elif gain < 1 / SAME_WITHIN:
+        why = ("less: the replicas share the machine, and every step's coordination (the "
+               "replicas in turn, the merge point, the ring) comes on top")
+    else:
+        why = "about the same: the replicas share the machine, so the compute did not grow"
+    marks = (" (the row is flagged or too short to compare: a rough figure)"
+             if top.get("too_short") or top.get("timing_flags") else "")
+    return f"Here '{top['name']}' gave {gain:.2f}× the samples/s of '{single}'{marks}: {why}."
 
 
 def add_timing_flags(rows, warmup_epochs=1):

@@ -382,13 +382,14 @@ def timing_flags(timed_seconds, reference=None):
     spread above ``SPREAD_LIMIT``, and on every row the reference row's (index
     ``reference``) drift above ``DRIFT_LIMIT``. Empty lists: nothing to say."""
     flags = []
-    drift = epoch_spread(timed_seconds[reference]) if reference is not None else float("nan")
+    # Rounded to the 2 digits printed before comparing: a flag never reads "1.50x (over 1.5x)"
+    drift = round(epoch_spread(timed_seconds[reference]), 2) if reference is not None else float("nan")
     for seconds in timed_seconds:
-        spread = epoch_spread(seconds)
+        spread = round(epoch_spread(seconds), 2)
         row = []
         if spread > SPREAD_LIMIT:
-            row.append(f"epoch times spread {spread:.1f}x (> {SPREAD_LIMIT:g}x)")
+            row.append(f"epoch times spread {spread:.2f}x (over {SPREAD_LIMIT:g}x)")
         if drift > DRIFT_LIMIT:
-            row.append(f"the reference drifted {drift:.1f}x during the run (> {DRIFT_LIMIT:g}x)")
+            row.append(f"the reference drifted {drift:.2f}x during the run (over {DRIFT_LIMIT:g}x)")
         flags.append(row)
     return flags

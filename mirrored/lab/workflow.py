@@ -169,7 +169,7 @@ def configure_devices(logical=None, use_physical_gpus=True):
         why = {"simulator": "the CUDA simulator is for testing kernels, far too slow to train on",
                "none": "no CUDA GPU found", "real": ""}[mode]
         what = (f"{len(names)} logical CPU devices split from the CPU ({why}); they share its "
-                f"cores, so more replicas show the split batch and the ring, not a speed-up"
+                f"cores, so more replicas show the split batch and the ring and add no compute"
                 if len(names) > 1 else f"the CPU ({why})")
     return names, f"{', '.join(short)}: {what}{note}"
 
