@@ -7,18 +7,21 @@ it; the README lists them.
 
 Reading order: one training step in five files (lines at this writing; 1,500 in all)::
 
-    1. keras/step.py        286  Step.train: the whole step in four visible calls --
+    1. keras/step.py        277  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  ``fit`` (keras/models.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4
-    2. keras/engine.py      347  ReplicaProgram: one replica's layers forward, the loss,
-                                 backward (step 2); ParameterPack; all_reduce (step 3)
+    2. keras/engine.py      356  ReplicaProgram: one replica's program of layer nodes (a
+                                 DAG in topological order) forward, the loss, backward
+                                 (step 2); ParameterPack; all_reduce (step 3)
     3. keras/layers.py      364  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
     5. keras/optimizers.py  213  Adam/SGD ``update``: one launch per device (step 4)
 
-   Beside them: keras/models.py (Sequential: build, and fit's loop around the step),
+   Beside them: keras/models.py (Model, Sequential, Functional: build, and fit's loop around
+   the step), keras/functional.py (keras.Input, layer calls, the nodes' topological order,
+   a subclassed model's call traced),
    keras/inference.py (evaluate's and predict's passes), keras/base_layer.py (``Layer``:
    the protocol's defaults), keras/data_adapters.py (the global batch as host arrays),
    input_lib.py (``rebatch_bounds``: TensorFlow's rule for the split, step 1),
@@ -54,6 +57,8 @@ Map of the rest:
     keras/        also model_api (compile, evaluate, predict, saving methods), losses, metrics,
                   callbacks, saving, optimizer_state (iterations, learning_rate, what Keras
                   saves), variable_updates (apply_gradients for variables outside a model),
+                  custom_loop (which model's packed gradients a tape returned),
+                  functional_config (Keras 3's "Functional" config),
                   GradientTape (tape.py), progbar
     nn.py         compute_average_loss, scale_regularization_loss
     random.py     set_seed

@@ -508,7 +508,7 @@ def wide_model(strategy, optimizer):
 
 
 def test_an_optimizer_reused_across_models_releases_each_models_slots_with_it(devices, data):
-    from mirrored.keras.engine import pack_of
+    from mirrored.keras.custom_loop import pack_of
     devices(cpus=2)
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     optimizer = tf.keras.optimizers.Adam(0.01)

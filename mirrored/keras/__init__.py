@@ -8,7 +8,12 @@
                   optimizer=mirrored.keras.optimizers.Adam(), metrics=["accuracy"])
     model.fit(train_dataset, epochs=12)
 
-Files: models.py (Sequential: build and fit), model_api.py (its compile, evaluate,
+Three ways to write a model, one engine (a program of layer nodes): ``Sequential([...])``,
+``keras.Model(inputs, outputs)`` from ``keras.Input`` and layer calls (functional), and
+``class M(keras.Model)`` with ``call`` (subclassed, traced on first use).
+
+Files: models.py (Model, Sequential, Functional: build and fit), functional.py (symbolic
+tensors, layer calls recorded, the nodes' topological order, tracing), model_api.py (compile, evaluate,
 predict, weights, saving, summary), step.py (one training step: split,
 forward/backward, all-reduce, update; inference.py: evaluate's and predict's passes), engine.py (packed weights; a replica's
 program of layers), layers.py (Flatten, Dense, Conv2D, MaxPooling2D: each with its
@@ -22,8 +27,9 @@ mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizer_state.py: wh
 """
 from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, regularizers, saving,
                             utils)
+from mirrored.keras.functional import KerasTensor
 from mirrored.keras.layers import Input
-from mirrored.keras.models import Sequential
+from mirrored.keras.models import Functional, Model, Sequential
 
 # Keras's merge layers (merging.py) as tf.keras.layers.Add, .Concatenate, .add, ...: set on the
 # layers module here, so that layers.py, a file of the step's reading order, does not grow.
@@ -33,7 +39,8 @@ for _name in merging.__all__:
 del _name
 
 
-class models:  # noqa: N801
+class models:  # noqa: N801 (``keras.models``; ``from mirrored.keras.models import Model`` imports models.py)
+    Model = Model
     Sequential = Sequential
     load_model = staticmethod(saving.load_model)
 

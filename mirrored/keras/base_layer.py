@@ -14,6 +14,7 @@ import re
 import numpy as np
 
 from kernels.conv2d import PADDINGS
+from mirrored.keras import functional
 from mirrored.keras.preprocessing import IntegerLookup, StringLookup  # noqa: F401 (keras.layers' host-side lookups)
 
 
@@ -52,6 +53,13 @@ class Layer:
         self.input_shape_arg = tuple(input_shape) if input_shape is not None else None
         self.input_shape = self.output_shape = None
         self.built = False
+        self.inbound_nodes = []          # this layer's calls on symbolic tensors (functional.py)
+
+    def __call__(self, inputs, **kwargs):
+        """Keras's ``layer(x)`` on symbolic tensors (``keras.Input``, or the input of a
+        subclassed model's traced ``call``): builds the layer, records a node and returns its
+        symbolic output (``keras/functional.py``). Data goes through a model, not a layer."""
+        return functional.call_layer(self, inputs, kwargs)
 
     @property
     def trainable(self):
@@ -158,17 +166,19 @@ class InputLayer(Layer):
 
 def Input(shape=None, batch_size=None, dtype=None, sparse=None, batch_shape=None, name=None,  # noqa: N802
           tensor=None, optional=False):
-    """``tf.keras.layers.Input``/``tf.keras.Input`` (Keras 3's arguments): the shape of one
-    example, or ``batch_shape`` with the batch axis first. ``batch_size`` and ``dtype`` are
-    accepted (batches may have any size; inputs become float32, as Keras's layers cast them);
-    sparse, symbolic-tensor and optional inputs are refused."""
+    """``tf.keras.layers.Input``/``tf.keras.Input`` (Keras 3's arguments): a symbolic tensor
+    (``functional.KerasTensor``) for examples of ``shape``, or ``batch_shape`` with the batch
+    axis first: the start of a functional model, or a Sequential's first entry. ``batch_size``
+    and ``dtype`` are accepted (batches may have any size; inputs become float32, as Keras's
+    layers cast them); sparse, symbolic-tensor and optional inputs are refused."""
     if sparse or tensor is not None or optional:
         raise NotImplementedError("Input(sparse=, tensor=, optional=) is not implemented; dense inputs only.")
     if batch_shape is not None:
         if shape is not None:
             raise ValueError("Input: give shape or batch_shape, not both.")
         shape = tuple(batch_shape)[1:]
-    return InputLayer(shape=shape, name=name)
+    layer = InputLayer(shape=shape, name=name)
+    return functional.input_tensor(layer, layer.input_shape_arg, name)
 
 
 # --- images: the arguments Conv2D and MaxPooling2D share (NHWC, Keras's layouts) ------------------

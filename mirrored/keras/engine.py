@@ -1,61 +1,55 @@
-"""What one replica holds and runs: the packed parameters, and a program of layers.
+"""What one replica holds and runs: the packed parameters, and a program of layer nodes.
 
 Two ideas make a data-parallel step cheap, and both are here:
 
-1. **Packed parameters** (``ParameterPack``). All of a model's weights live in
-   ONE flat float32 buffer per device, in Keras's order (kernel, bias, layer by
-   layer); each ``Variable`` is a view into it. The gradients get a twin flat
-   buffer. So the gradient all-reduce is one ring over one buffer (tensor
-   fusion for free: nothing to pack), and the optimizer is one kernel launch
-   per device for the whole model. ``all_reduce`` (below) is that ring call:
-   ``fit``'s step and a custom loop's ``apply_gradients`` both make it.
+1. **Packed parameters** (``ParameterPack``). All of a model's weights live in ONE flat
+   float32 buffer per device, in Keras's order (kernel, bias, layer by layer); each
+   ``Variable`` is a view into it, and the gradients get a twin buffer. So the all-reduce is
+   one ring over one buffer, and the optimizer one launch per device for the whole model.
+   ``all_reduce`` (below) is that ring call: ``fit`` and ``apply_gradients`` both make it.
 
-2. **A replica program** (``ReplicaProgram``). For one device it holds one
-   ``LayerState`` per layer (the layer's weight and gradient views on that
-   device, and the buffers the layer asked for, made once per batch size and
-   reused every step) and runs::
+2. **A replica program** (``ReplicaProgram``). A model is a directed acyclic graph of layer
+   calls, ``Node``s in topological order (every node after the nodes it reads): a
+   ``Sequential`` is a chain, a functional or subclassed model any DAG (``functional.py``
+   sorts it). Tensor 0 is the input, tensor i + 1 node i's output; each node has a
+   ``LayerState`` per device (weight and gradient views, buffers made once per batch size)::
 
-       forward    x = layer.forward(state, x)  for each layer, in order
-       loss       l, dlogits = xent(logits, labels)   fused softmax cross-entropy,
-                                                      scaled by 1/GLOBAL batch (or MSE/BCE
-                                                      against float targets, regression_losses)
-       backward   dy = layer.backward(state, dy)   for each layer, in reverse
-       penalties  grad += 2 l2 w / N                  kernel_regularizer (fit only;
-                                                      keras/regularizers.py)
+       forward    values[i+1] = layer.forward(state, values[inputs])   nodes in order
+       loss       l, dlogits = xent(logits, labels)   fused, scaled by 1/GLOBAL batch (or
+                                                      MSE/BCE against float targets)
+       backward   grads[inputs] += layer.backward(state, grads[i+1])   nodes in reverse
+       penalties  grad += 2 l2 w / N                  kernel_regularizer (keras/regularizers.py)
 
-   What each layer launches is the layer's business (``layers.py``): the
-   program knows no layer type. Loss sums and correct counts are accumulated ON
-   the device; the host reads them only when it prints progress, so a step
-   needs no host synchronisation.
+   Fan-out: a tensor read by several nodes gets the SUM of their gradients, added in the
+   order the nodes run backward into a buffer of the engine's (``grad_sum``; a layer may
+   change the dy it is given in place, so it never gets one another node still needs). A
+   layer called twice (shared) has one set of weights and the sum of its calls'
+   gradients. Why a fixed order: float addition is not associative, and a fixed order gives
+   the same bits every step and on every replica (the replicas must stay bitwise equal).
+   What each layer launches is its own business (``layers.py``): the program knows no
+   layer type. Loss sums and correct counts stay ON the device until progress is printed.
 
-Why the loss is scaled by 1/GLOBAL batch on every replica: each replica's
-gradient is then its share of the gradient of the mean loss over the global
-batch, and the all-reduce SUM of the shares is exactly that gradient — what one
-device would compute on the whole batch (TensorFlow's rule; the tests check it).
+Why 1/GLOBAL batch on every replica: each replica's gradient is then its share of the
+mean loss's gradient, and the all-reduce SUM of the shares is exactly what one device
+would compute on the whole batch (TensorFlow's rule; the tests check it).
 
-Neighbours: ``layers.py`` (forward/backward of each layer), ``step.py`` (the
-training step that drives these programs), ``optimizers.py`` (updates the packed
-buffers), ``mirrored/ring.py`` (the ring).
+Neighbours: ``layers.py`` (each layer's forward/backward), ``step.py`` (drives these
+programs), ``functional.py`` (the nodes' order), ``optimizers.py``, ``mirrored/ring.py``.
 """
-import weakref
+from collections import namedtuple
 
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
+from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor
-from mirrored.values import DistributedValues, components
+from mirrored.values import components
 
 FLOAT = np.dtype(np.float32)
 
-_PACK_OF = weakref.WeakKeyDictionary()      # variable -> weakref to its pack (a pack holds its variables)
-
-
-def pack_of(variable):
-    """The ``ParameterPack`` holding ``variable``, or None (a variable outside any model)."""
-    try:
-        return _PACK_OF[variable]()
-    except (KeyError, TypeError):               # in no pack; not a variable at all (no weak reference to it)
-        return None
+#: One call of a layer in the model's program: ``inputs``, the numbers of the tensors it
+#: reads (0: the model's input; i + 1: node i's output); ``multi``: called on a list.
+Node = namedtuple("Node", "layer inputs multi")
 
 
 class ParameterPack:
@@ -73,8 +67,7 @@ class ParameterPack:
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
         self.total = int(sum(self.sizes))
-        for var in self.variables:
-            _PACK_OF[var] = weakref.ref(self)    # lets apply_gradients find the packed path
+        custom_loop.register(self)               # lets apply_gradients find the packed path
         self.params, self.grads = [], []        # flat (total,) float32 per device
         self.param_views, self.grad_views = [], []   # [device][k] shaped views
         for r, dev in enumerate(self.devices):
@@ -95,31 +88,6 @@ class ParameterPack:
             self.param_views.append(pviews)
             self.grad_views.append(gviews)
 
-    def grad_tensors(self, r):
-        dev = self.devices[r]
-        return [Tensor(g, dev) for g in self.grad_views[r]]
-
-    def index_of(self, variable):
-        """k such that ``variable`` (or one of its per-device copies) is ``variables[k]``, else None."""
-        for k, v in enumerate(self.variables):
-            if variable is v or any(variable is c for c in components(v)):
-                return k
-        return None
-
-    def matches(self, variables, grads):
-        """True when ``grads`` (PerReplica or Tensors, one per variable) are exactly this
-        pack's gradient views of ``variables``: then one ring over ``grads`` sums them all."""
-        if list(variables) != self.variables:
-            return False
-        for k, g in enumerate(grads):
-            comps = g.values if isinstance(g, DistributedValues) else (g,)
-            if len(comps) != len(self.devices):
-                return False
-            for r, t in enumerate(comps):
-                if not isinstance(t, Tensor) or t.buf is not self.grad_views[r][k]:
-                    return False
-        return True
-
 
 def all_reduce(pack, cross_device_ops):
     """Step 3: every replica's packed gradient buffer becomes the SUM over all replicas.
@@ -132,25 +100,28 @@ def all_reduce(pack, cross_device_ops):
 
 
 class LayerState:
-    """What one layer holds on one replica's device (``layers.py`` says how it is used).
+    """What one layer node holds on one replica's device (``layers.py`` says how it is used).
 
     ``weights`` / ``grads``: the layer's variables on this device as views into the
-    packed parameter and gradient buffers (Keras's order: kernel, bias).
-    ``need_dx``: whether an earlier layer has weights, so ``backward`` must return
-    the gradient with respect to the layer's input. ``buffers(b)``: the layer's
-    own buffers for batches of ``b`` (``layer.make_buffers``), made on first use.
-    ``fused``: the neighbour's LayerState when this layer and its neighbour run as one
-    op on this device (``Conv2D.fuse_next``), else None.
+    packed parameter and gradient buffers (Keras's order: kernel, bias). A layer called
+    twice (shared) has one state per node; all but its last node write their gradients
+    into scratch buffers of their own, which the program then adds into the packed ones
+    (``accumulate``: those packed views, else None). ``need_dx``: whether a node before
+    has weights, so ``backward`` must return the gradient with respect to the input (a
+    tuple, one per input, for a layer called on a list). ``buffers(b)``: the node's own
+    buffers for batches of ``b`` (``layer.make_buffers``), made on first use. ``fused``: the
+    neighbour's state when this node and the next run as one op (``Conv2D.fuse_next``).
     """
 
     __slots__ = ("layer", "dev", "ops", "replica_id", "global_replica_id", "weights", "grads",
-                 "need_dx", "_buffers", "fused")
+                 "need_dx", "_buffers", "fused", "accumulate")
 
-    def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None):
+    def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None,
+                 accumulate=None):
         self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
         # among every worker's replicas (MultiWorkerMirroredStrategy); the local id on one machine
         self.global_replica_id = replica_id if global_replica_id is None else global_replica_id
-        self.weights, self.grads, self.need_dx = weights, grads, need_dx
+        self.weights, self.grads, self.need_dx, self.accumulate = weights, grads, need_dx, accumulate
         self._buffers = {}
         self.fused = None        # the neighbour's state when two layers run as one op (Conv2D's fuse_next)
 
@@ -173,34 +144,52 @@ class _LossBuffers:
 
 
 class ReplicaProgram:
-    """The model's layers on one device: forward, loss, backward (see the module docstring)."""
+    """The model's layer nodes on one device: forward, loss, backward (the module docstring).
 
-    def __init__(self, layers, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
-        self.layers = list(layers)
+    ``nodes``: ``Node``s in topological order; tensor 0 is the model's input, tensor i + 1
+    node i's output, the last node's output the model's (``keras/functional.py`` sorts them).
+    """
+
+    def __init__(self, nodes, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
+        self.nodes = list(nodes)
         self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
         self.pack = pack
         self.r = replica_id
         self.dev = pack.devices[replica_id]
         self.ops = self.dev.ops
         self.in_dim = in_dim                      # features per example: inputs are (b, in_dim)
-        self.states, k, earlier_weights = [], 0, False
-        for layer in self.layers:
-            n = len(layer.trainable_weights)
+        #: edges[t]: how many inputs of nodes tensor t feeds (fan-out when > 1)
+        self.edges = [sum(node.inputs.count(t) for node in self.nodes) for t in range(len(self.nodes) + 1)]
+        last = {id(node.layer): i for i, node in enumerate(self.nodes)}   # a shared layer's last node
+        first_weight = {id(v): k for k, v in enumerate(pack.variables)}      # its slice of the pack
+        self.upstream = upstream = [False]        # upstream[t]: a node before tensor t has weights
+        self.states = []
+        for i, node in enumerate(self.nodes):
+            layer, n = node.layer, len(node.layer.trainable_weights)
+            k = first_weight[id(layer.trainable_weights[0])] if n else 0
+            packed = pack.grad_views[replica_id][k:k + n]
+            need_dx = tuple(upstream[t] for t in node.inputs)
+            own = last[id(layer)] == i            # the last node writes the packed gradients
+            with self.dev.activate():
+                grads = packed if own else [self.dev.empty(g.shape, FLOAT) for g in packed]
             self.states.append(LayerState(layer, self.dev, replica_id, pack.param_views[replica_id][k:k + n],
-                                          pack.grad_views[replica_id][k:k + n], need_dx=earlier_weights,
-                                          global_replica_id=replica_offset + replica_id))
-            earlier_weights = earlier_weights or n > 0
-            k += n
-        for state, following in zip(self.states, self.states[1:]):   # layers that run as one op
-            fuse = getattr(state.layer, "fuse_next", None)
-            if fuse is not None and following.fused is None and fuse(following.layer, self.ops):
-                state.fused, following.fused = following, state
-        #: [(state, regularizer, index of the weight)]: every penalty (keras/regularizers.py)
-        self.penalties = [(state, reg, i) for state in self.states for reg, i in state.layer.regularized]
-        self.classes = self.layers[-1].output_shape[-1]
-        self.softmax_output = getattr(self.layers[-1], "activation", None) == "softmax"
+                                          grads, need_dx if node.multi else need_dx[0],
+                                          replica_offset + replica_id, None if own else packed))
+            upstream.append(n > 0 or any(need_dx))
+        for i, (node, state) in enumerate(zip(self.nodes, self.states)):   # layers that run as one op
+            fuse = getattr(node.layer, "fuse_next", None)     # if its output feeds one node, not the loss
+            if fuse is not None and self.edges[i + 1] == 1 and i + 1 < len(self.nodes):
+                following = next(s for s, n in zip(self.states, self.nodes) if i + 1 in n.inputs)
+                if following.fused is None and state.fused is None and fuse(following.layer, self.ops):
+                    state.fused, following.fused = following, state
+        #: [(state, regularizer, index of the weight)]: every penalty, once per layer (keras/regularizers.py)
+        self.penalties = [(state, reg, i) for state in self.states if state.accumulate is None
+                          for reg, i in state.layer.regularized]
+        self.classes = self.nodes[-1].layer.output_shape[-1]
+        self.softmax_output = getattr(self.nodes[-1].layer, "activation", None) == "softmax"
         self._loss_buffers = {}
-        self._inputs = {}                          # (b, label dtype) -> (x (b, in), y (b,)) upload buffers
+        self._grad_sums = {}                       # (tensor, b) -> the engine's buffer for its gradient
+        self.input_cache = {}                      # (b, label dtype, shape) -> (x, y) input buffers
         self.x = self.logits = None                # the last forward's input (b, in) and output
         self.last_b = 0
         with self.dev.activate():
@@ -212,9 +201,9 @@ class ReplicaProgram:
         self.ops.fill(self.acc, 0.0)
 
     def caches(self):
-        """The dicts of buffers made on first use (inputs, loss, every layer's): a step that
-        fails drops what it added (``keras/step.py``'s ``no_trace``)."""
-        return [self._inputs, self._loss_buffers] + [s._buffers for s in self.states]
+        """The dicts of buffers made on first use (inputs, loss, gradient sums, every node's): a
+        step that fails drops what it added (``keras/step.py``'s ``no_trace``)."""
+        return [self.input_cache, self._loss_buffers, self._grad_sums] + [s._buffers for s in self.states]
 
     def loss_buffers(self, b):
         buf = self._loss_buffers.get(b)
@@ -222,51 +211,46 @@ class ReplicaProgram:
             buf = self._loss_buffers[b] = _LossBuffers(self.dev, b, self.classes)
         return buf
 
+    def grad_sum(self, t, b, use="sum"):
+        """The engine's own buffer for d loss / d tensor ``t``, batches of ``b``: (b,) + its shape."""
+        buf = self._grad_sums.get((t, b, use))
+        if buf is None:
+            shape = (b,) + tuple(self.nodes[t - 1].layer.output_shape)
+            buf = self._grad_sums[(t, b, use)] = self.dev.empty(shape, FLOAT)
+        return buf
+
     def reserve(self, b):
-        """Make (once) every layer's and the loss's buffers for batches of ``b``, so that
-        a step that runs out of memory does so before anything is computed."""
+        """Make (once) every node's, the loss's and the gradient sums' buffers for batches of
+        ``b``, so that a step that runs out of memory does so before anything is computed."""
         for state in self.states:
             state.buffers(b)
         if b:
             self.loss_buffers(b)
-
-    # -- inputs
-    def upload(self, x, y):
-        """Copy a host batch into this device's input buffers: ``(x_dev, y_dev)``.
-
-        x: (b, in_dim) float32, y: (b,) integer labels, both C-contiguous NumPy.
-        The buffers are made once per (batch size, label dtype) and reused every
-        step, as the layers' buffers are: an epoch of equal batches allocates nothing.
-        The next ``upload`` of the same size overwrites them (on a GPU, in stream
-        order, after the kernels of this step have read them).
-        """
-        x_dev, y_dev = self.input_buffers(x.shape[0], y.dtype, y.shape[1:])
-        if x.shape[0]:
-            self.dev.upload_into(x_dev, x)
-            self.dev.upload_into(y_dev, y)
-        return x_dev, y_dev
+            for t in range(1, len(self.edges)):
+                if self.edges[t] > 1 and self.upstream[t]:
+                    self.grad_sum(t, b)
 
     def input_buffers(self, b, label_dtype, label_shape=()):
-        """This device's reusable input buffers for batches of ``b``: x (b, in_dim)
-        float32 and y (b,) + ``label_shape`` of ``label_dtype`` (filled by ``upload`` or a
-        gather): class labels (b,), or float targets (b, classes) for MSE and BCE."""
+        """Step 1's landing place on this device, made once per batch size: x (b, in_dim) float32,
+        y (b,) + ``label_shape`` (class labels, or float targets for MSE and BCE)."""
         key = (b, np.dtype(label_dtype), tuple(label_shape))
-        bufs = self._inputs.get(key)
-        if bufs is None:
-            bufs = self._inputs[key] = (self.dev.empty((b, self.in_dim), FLOAT),   # x: (b, in) float32
-                                        self.dev.empty((b,) + tuple(label_shape), label_dtype))   # y
-        return bufs
+        if key not in self.input_cache:
+            self.input_cache[key] = (self.dev.empty((b, self.in_dim), FLOAT),
+                                     self.dev.empty((b,) + tuple(label_shape), label_dtype))
+        return self.input_cache[key]
 
     # -- the program
     def forward(self, x, training=False, probabilities=False):
-        """x: (b, in_dim) float32 on this device, through every layer in order.
+        """x: (b, in_dim) float32 on this device, through every node in topological order.
 
-        Returns the last layer's output buffer (logits before a final softmax);
+        Returns the last node's output buffer (logits before a final softmax);
         ``probabilities=True`` applies that softmax (for ``predict``)."""
         self.x, self.last_b = x, x.shape[0]
-        for state in self.states:
-            x = state.layer.forward(state, x, training)
-        self.logits = x                                          # (b, classes)
+        values = [x]                                             # values[t]: tensor t, (b,) + its shape
+        for state, node in zip(self.states, self.nodes):
+            xs = [values[t] for t in node.inputs] if node.multi else values[node.inputs[0]]
+            values.append(state.layer.forward(state, xs, training))
+        self.logits = x = values[-1]                             # (b, classes)
         if probabilities and self.softmax_output and self.last_b:
             probs = self.loss_buffers(self.last_b).probs
             self.ops.softmax(x, probs)
@@ -311,17 +295,42 @@ class ReplicaProgram:
             reg.add_gradient(self.dev, state.weights[i], state.grads[i], self.penalty_factor)
 
     def backward(self):
-        """The layers in reverse, from the loss's gradient; every weight's gradient lands
-        in this replica's packed gradient buffer (an empty slice: all zeros)."""
+        """The nodes in reverse, from the loss's gradient; every weight's gradient lands
+        in this replica's packed gradient buffer (an empty slice: all zeros).
+
+        A tensor that feeds several nodes gets the sum of their gradients, added in the
+        order the nodes run backward, into a buffer of the engine's (``grad_sum``): a fixed
+        order, so the sum has the same bits every step and on every replica."""
         b = self.last_b
         if not b:
             self.ops.fill(self.pack.grads[self.r], 0.0)
             return
-        dy = self.loss_buffers(b).dlogits                        # (b, classes)
-        for state in reversed(self.states):
-            dy = state.layer.backward(state, dy)
-            if dy is None:                                       # no earlier layer has weights
-                return
+        grads = [None] * len(self.edges)                         # grads[t]: d loss / d tensor t
+        arrived = [0] * len(self.edges)
+        grads[-1] = self.loss_buffers(b).dlogits                 # (b, classes)
+        for i in reversed(range(len(self.nodes))):
+            state, node = self.states[i], self.nodes[i]
+            if not self.upstream[i + 1]:                         # no weights here nor before
+                continue
+            dxs = state.layer.backward(state, grads[i + 1])
+            for packed, own in zip(state.accumulate or (), state.grads):   # a shared layer's node
+                self.ops.binary("add", packed, own, packed)
+            for j, (t, dx) in enumerate(zip(node.inputs, dxs if node.multi else [dxs])):
+                if dx is None:
+                    continue
+                if node.multi and any(dx is other for other in dxs[:j]):   # one buffer, two inputs:
+                    copy = self.grad_sum(t, b, "copy")                     # each its own (in place!)
+                    self.dev.copy_into(copy, dx)
+                    dx = copy
+                arrived[t] += 1
+                if self.edges[t] == 1:
+                    grads[t] = dx                                # its only consumer's: pass it on
+                elif arrived[t] == 1:
+                    grads[t] = dx                                # the first of several: kept
+                else:                                            # sum = first + second + ...
+                    total = self.grad_sum(t, b)
+                    self.ops.binary("add", view(grads[t], total.shape), view(dx, total.shape), total)
+                    grads[t] = total
 
     def forward_backward(self, x, y, mode, scale):
         """Step 2 on this replica: forward (training), loss scaled by ``scale``, backward."""

@@ -1,6 +1,7 @@
 """The rest of Keras's model API, what ``fit``'s step does not use: compile, evaluate,
 predict, calling the model, weights, saving, summary (``ModelAPI``, the base class of
-``models.Sequential``; every method here is a method of the model, as in Keras).
+``models.Model``, hence of Sequential, functional and subclassed models alike; every method
+here is a method of the model, as in Keras).
 
 ``models.py`` keeps what one training step of ``fit`` runs: building the model, the
 epoch loop and ``_train_on``. This file holds the methods around it, so that a student
@@ -11,7 +12,7 @@ the model (``model(x)``) runs one replica's forward, remembered for ``GradientTa
 Every public method that runs or changes the model holds the model's re-entrant lock
 (``serialised``; ``models.py``'s docstring says why).
 
-Neighbours: ``models.py`` (Sequential: build, fit), ``step.py`` (the passes),
+Neighbours: ``models.py`` (Model, Sequential, Functional: build, fit), ``step.py`` (the passes),
 ``saving.py`` (the files), ``data_adapters.py`` (what evaluate/predict accept),
 ``tape.py`` (``ModelOutput``), ``progbar.py``.
 """
@@ -23,7 +24,7 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context
-from mirrored.keras import data_adapters
+from mirrored.keras import data_adapters, functional
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
@@ -74,7 +75,7 @@ def check_keras_arguments(method, kwargs):
 
 class ModelAPI:
     """Keras's model methods that are not ``fit``'s step (the module docstring); the base
-    class of ``models.Sequential``, whose ``__init__`` makes the state they use."""
+    class of ``models.Model``, whose ``_setup`` makes the state they use."""
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -165,8 +166,19 @@ class ModelAPI:
         self._save_on_chief(saving.save_model, filepath, overwrite)
 
     def get_config(self):
-        """Keras's config of this Sequential (what ``model.save`` writes to config.json)."""
+        """Keras's config of this model (what ``model.save`` writes to config.json): a
+        Sequential's layers, a functional model's layers and calls; a subclassed model
+        defines its own (Keras 3's rule), else ``model.save`` refuses it."""
         return saving.model_config(self)["config"]
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """The model a ``get_config`` describes: Keras's Sequential and Functional configs, or
+        ``cls(**config)`` for a subclassed model (the arguments of its ``__init__``)."""
+        if isinstance(config, dict) and "layers" in config:
+            kind = "Functional" if "input_layers" in config else "Sequential"
+            return saving.model_from_config({"class_name": kind, "config": config}, custom_objects)
+        return cls(**config)
 
     # -- compile -------------------------------------------------------------------------
     @serialised
@@ -343,11 +355,25 @@ class ModelAPI:
         ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
         calling one model take turns); inside, each replica runs on its own program.
         """
+        if functional.is_symbolic(inputs):           # inside another model's definition
+            return self.call_symbolic(inputs)
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
             return self._call(inputs, training, replica_ctx.local_replica_id)
         with self._lock:
             return self._call(inputs, training, 0)
+
+    def call_symbolic(self, inputs):
+        """A Sequential called on a symbolic tensor (a block of a functional or subclassed model):
+        its layers called in turn, each recording its node. Other models are refused by name."""
+        if type(self).__name__ != "Sequential":
+            raise NotImplementedError(f"{functional.user_line()}: the model {self.name!r} called on a symbolic "
+                                      f"tensor: a functional or subclassed model used as a layer is not "
+                                      f"implemented here (a Sequential is); call its layers instead.")
+        x = inputs
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
     def _call(self, inputs, training, r):
         if not isinstance(inputs, Tensor):
@@ -372,22 +398,34 @@ class ModelAPI:
 
     # -- summary ------------------------------------------------------------------------------------
     def summary(self, print_fn=None):
-        """Keras's table of layers, output shapes and parameter counts."""
+        """Keras's table of layers, output shapes and parameter counts; a functional model's
+        has Keras's "Connected to" column (each call's inputs as ``layer[node][tensor]``) and
+        its input layer first."""
         print_fn = print_fn or print
         self.build_if_shape_known()
         if not self.built:
             raise ValueError("This model has not yet been built: give the first layer an "
                              "input_shape or call fit() first.")
-        rule, thick = "_" * 65, "=" * 65
-        lines = [f'Model: "{self.name}"', rule,
-                 f" {'Layer (type)':<27} {'Output Shape':<25} {'Param #':<10}", thick]
-        shape = self._input_shape
-        for i, layer in enumerate(self.layers):
-            shape = layer.output_shape_for(shape)
+        connected = getattr(self, "connections", None)
+        rows = [] if connected is None else connected()         # functional: [(layer, inputs)]
+        if connected is None:
+            rows = [(layer, None) for layer in self.layers]
+        widths = (27, 25, 10) if connected is None else (33, 22, 12, 31)
+        width = sum(widths) + len(widths)                    # a space before each column
+        rule, thick = "_" * width, "=" * width
+        head = ("Layer (type)", "Output Shape", "Param #", "Connected to")[:len(widths)]
+        lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
+        for i, (layer, inputs) in enumerate(rows):
+            shape = (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg)
             params = int(sum(np.prod(w.shape) for w in layer.trainable_weights))
-            desc = f"{layer.name} ({type(layer).__name__})"
-            lines.append(f" {desc:<27} {str((None,) + tuple(shape)):<25} {params:<10}")
-            lines.append(" " * 65 if i < len(self.layers) - 1 else thick)
+            cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]
+            extra = []
+            if connected is not None:
+                cells.append(inputs[0] if inputs else "-")
+                extra = inputs[1:]
+            lines.append(" " + " ".join(f"{c:<{w}}" for c, w in zip(cells, widths)))
+            lines += [" " * (width - widths[-1]) + f"{more:<{widths[-1]}}" for more in extra]
+            lines.append(" " * width if i < len(rows) - 1 else thick)
         total = self.count_params()
         lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
         for line in lines:

@@ -1,4 +1,11 @@
-"""``Sequential``: Keras's model, built, and ``fit``: the loop around one training step.
+"""Keras's models (``Model``, ``Sequential``, ``Functional``), built, and ``fit``: the loop
+around one training step.
+
+Every model is one program of layer nodes (``engine.Node``s in topological order, run by
+``engine.ReplicaProgram``): ``Sequential`` makes a chain, ``keras.Model(inputs, outputs)``
+(``Functional``) the recorded layer calls between them, and a subclass of ``Model`` the calls
+its ``call`` makes when traced on a symbolic input (``functional.py`` records, sorts, traces).
+After building, the three are the same to the step.
 
 A model remembers the strategy in force when it was created (``with
 strategy.scope(): model = Sequential([...])``): its weights are then
@@ -7,7 +14,7 @@ strategy.scope(): model = Sequential([...])``): its weights are then
 calls ``compile`` outside it with ``optimizers.Adam()`` created there.
 
 This file is what ``fit``'s step passes through on the Keras side: building the model
-(its weights and its ``step.Step``) and ``fit``, Keras's loop around the step (epochs,
+(its program, its weights and its ``step.Step``) and ``fit``, Keras's loop around the step (epochs,
 callbacks, the progress line). What happens in one training step is in ``step.py``
 (split → forward/backward → all-reduce → update). The loss and accuracy stay on the
 devices and are read when the progress line is drawn. The rest of Keras's model API
@@ -43,6 +50,10 @@ from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import data_adapters
 from mirrored.keras import saving
+from mirrored.keras import functional
+from mirrored.keras.base_layer import snake_case
+from mirrored.keras.dropout import Dropout
+from mirrored.keras.engine import Node
 from mirrored.keras.layers import IMAGE_LAYERS, InputLayer, Layer
 from mirrored.keras.model_api import ModelAPI, check_keras_arguments, no_batches_error, serialised
 from mirrored.keras.progbar import Progbar
@@ -51,17 +62,39 @@ from mirrored.values import components
 
 
 @saving.register_model_class
-class Sequential(ModelAPI):
-    """A stack of layers run in order (see layers.py for the layers there are); compile,
-    evaluate, predict, calling, weights and saving are its base class's (``model_api.py``)."""
+class Model(ModelAPI):
+    """Keras's ``Model``: one program of layer nodes (``engine.Node``) and everything Keras's
+    model API does with it (compile, evaluate, predict, weights and saving are the base
+    class's, ``model_api.py``). Three ways to make one, one engine:
 
-    def __init__(self, layers=None, name=None):
+    * ``keras.Model(inputs, outputs)``: a ``Functional`` model, the nodes between them;
+    * ``Sequential([...])``: a chain of nodes;
+    * ``class M(keras.Model)`` with ``call(self, inputs, training=None)``: ``call`` traced
+      with a symbolic input on first use (``functional.trace``), as tf.function traces it.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Model and (args or "inputs" in kwargs or "outputs" in kwargs):
+            cls = Functional                  # keras.Model(inputs, outputs), as Keras 3 does
+        return super().__new__(cls)
+
+    def __init__(self, *args, name=None, **kwargs):
+        if args or "inputs" in kwargs or "outputs" in kwargs:
+            raise NotImplementedError(
+                f"{type(self).__name__}: a subclass of keras.Model made with inputs and outputs (a "
+                f"functional subclass) is not implemented here; use keras.Model(inputs, outputs), or "
+                f"define call(self, inputs, training=None).")
+        _keras_defaults(type(self).__name__, kwargs)
+        self._setup(name or snake_case(type(self).__name__))
+
+    def _setup(self, name):
         self._lock = threading.RLock()          # one caller at a time (module docstring)
         self._build_lock = threading.Lock()     # build exactly once, whoever calls first
         self._building = False                  # inside _build (its weights are being made)
-        self.name = name or "sequential"
+        self.name = name
         self._strategy = _strategy.get_strategy()
-        self.layers = []
+        self._layers = None                     # None: the layers set as attributes (subclassed)
+        self.nodes = None                       # the program (engine.Node list), once built
         self._input_shape = None
         self.built = False
         self.step = None                 # the training step (step.Step), made by build
@@ -72,23 +105,20 @@ class Sequential(ModelAPI):
         self._run_eagerly, self._graphs_asked, self._graphs, self._captured = False, False, None, None
         self.history = None
         self.stop_training = False
-        for layer in layers or []:
-            self.add(layer)
-        if self._input_shape is not None:
-            self.build()
 
-    # -- building --------------------------------------------------------------------
-    def add(self, layer):
-        if self.built:
-            raise RuntimeError("the model is already built; add every layer before it is first used.")
-        if isinstance(layer, InputLayer):
-            self._input_shape = layer.input_shape_arg
-            return
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential takes mirrored.keras layers, got {layer!r}.")
-        if not self.layers and layer.input_shape_arg is not None:
-            self._input_shape = layer.input_shape_arg
-        self.layers.append(layer)
+    def __setattr__(self, name, value):
+        """Layers set as attributes (one, or a list of them) are the model's, in the order set
+        (Keras tracks them so: ``model.layers`` of a subclassed model)."""
+        found = value if isinstance(value, (list, tuple)) else [value]
+        if not name.startswith("_") and found and all(isinstance(v, Layer) for v in found):
+            tracked = self.__dict__.setdefault("_tracked", [])
+            tracked += [v for v in found if all(v is not t for t in tracked)]
+        super().__setattr__(name, value)
+
+    @property
+    def layers(self):
+        """The model's layers in Keras's order (that of ``model.weights``)."""
+        return list(self._layers if self._layers is not None else self.__dict__.get("_tracked", []))
 
     @property
     def distribute_strategy(self):
@@ -99,6 +129,10 @@ class Sequential(ModelAPI):
     def input_shape(self):
         """``(None,) + one example's shape`` once known."""
         return None if self._input_shape is None else (None,) + tuple(self._input_shape)
+
+    @property
+    def output_shape(self):
+        return None if self.nodes is None else (None,) + tuple(self.nodes[-1].layer.output_shape)
 
     def _scope(self):
         if _is_default(self._strategy):
@@ -129,24 +163,56 @@ class Sequential(ModelAPI):
         if self._input_shape is None:
             raise ValueError("the model's input shape is unknown: give the first layer "
                              "input_shape=..., start with layers.Input(shape=...), or call fit first.")
-        shape = self._input_shape
-        for layer in self.layers:                  # every shape checked before any weight exists:
-            shape = layer.output_shape_for(shape)  # a bad layer leaves nothing half-built
-        shape = self._input_shape
         with self._scope():
-            for layer in self.layers:
-                layer.build(shape)
-                shape = layer.output_shape
-        for layer in self.layers[:-1]:
-            if getattr(layer, "activation", None) == "softmax":
-                raise NotImplementedError(f"softmax is supported on the last layer only ({layer.name!r}).")
-        if not self.trainable_variables:
-            raise ValueError("a Sequential model here needs at least one layer with weights (a Dense layer).")
-        self._output_shape = shape
-        devices = [c.value().dev for c in components(self.trainable_variables[0])]
+            nodes = self._program(tuple(self._input_shape))
+        for i, node in enumerate(nodes):
+            if i < len(nodes) - 1 and getattr(node.layer, "activation", None) == "softmax":
+                raise NotImplementedError(f"softmax is supported on the last layer only ({node.layer.name!r}).")
+            calls = sum(other.layer is node.layer for other in nodes)
+            if calls > 1 and node.layer.training_state() is not None:
+                raise NotImplementedError(
+                    f"{type(node.layer).__name__} {node.layer.name!r} is called {calls} times in {self.name!r}: a "
+                    f"layer that keeps training state (Dropout's mask counter) is called once per model "
+                    f"here. Use a new layer for each call.")
+        self.nodes = nodes
+        variables = self.trainable_variables
+        if not variables:
+            raise ValueError(f"a model here needs at least one layer with weights (a Dense layer); "
+                             f"{self.name!r} has none.")
+        devices = [c.value().dev for c in components(variables[0])]
+        if any(len(components(v)) != len(devices) for v in variables) or \
+                len(devices) != len(self._strategy.extended.worker_devices):
+            self.nodes = None
+            raise ValueError(f"the weights of {self.name!r} were created under another strategy than the "
+                             f"model ({self._strategy!r}): create the inputs, the layers and the model "
+                             f"inside one strategy.scope().")
+        self._output_shape = nodes[-1].layer.output_shape
         with recording.initialization():     # built inside a @function's trace: never replayed
             self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
         self.built = True
+
+    def _program(self, input_shape):
+        """A subclassed model's program: ``call`` traced on a symbolic input, for training and
+        not; the two must agree but for Dropout layers (the identity outside training), as
+        the step tells every layer at run time whether it trains (``fit``) or not."""
+        if type(self).call is Model.call:
+            raise NotImplementedError(f"{type(self).__name__} has no call(self, inputs, training=None): a "
+                                      f"subclass of keras.Model defines it (or use keras.Model(inputs, "
+                                      f"outputs) or Sequential).")
+        nodes, layers, _ = functional.trace(self, input_shape, True, InputLayer(shape=input_shape))
+        other, _, _ = functional.trace(self, input_shape, False, InputLayer(shape=input_shape))
+        if not functional.same_program(nodes, other, lambda layer: isinstance(layer, Dropout)):
+            raise NotImplementedError(
+                f"{type(self).__name__}.call builds a different model when training is True than when "
+                f"it is False. Here a model is one program and every layer learns at run time whether "
+                f"it trains: pass training=training to the layers (Dropout) instead of branching on it.")
+        tracked = self.__dict__.setdefault("_tracked", [])
+        tracked += [l for l in layers if all(l is not t for t in tracked)]
+        return nodes
+
+    def call(self, inputs, training=None):
+        """Subclasses define it: the layers applied to ``inputs`` (traced, see ``_program``)."""
+        raise NotImplementedError
 
     def accept_inputs(self, shape, dtype, what="x"):
         """Check a batch of inputs of ``shape`` (batch axis first) and ``dtype``, build the
@@ -180,7 +246,8 @@ class Sequential(ModelAPI):
         shape, want = tuple(shape), tuple(self._input_shape)
         if shape == want:
             return
-        first = self.layers[0]
+        readers = [node.layer for node in self.nodes if 0 in node.inputs]     # the input's layers
+        first = next((layer for layer in readers if isinstance(layer, IMAGE_LAYERS)), readers[0])
         if isinstance(first, IMAGE_LAYERS):
             hint = (" Add the channel axis: x[..., None] (NumPy) or "
                     "dataset.map(lambda image, label: (image[..., None], label))."
@@ -372,11 +439,114 @@ class Sequential(ModelAPI):
         self.history = history
         return history
 
-
 #: Keras 3's warning (trainers/epoch_iterator.py) when steps_per_epoch is more than the data has.
 RAN_OUT_OF_DATA = ("Your input ran out of data; interrupting training. Make sure that your dataset or "
                    "generator can generate at least `steps_per_epoch * epochs` batches. You may need to "
                    "use the `.repeat()` function when building your dataset.")
+
+
+@saving.register_model_class
+class Sequential(Model):
+    """A stack of layers run in order (see layers.py for the layers there are): a chain of
+    nodes, node i reading node i - 1's output."""
+
+    def __init__(self, layers=None, name=None, **kwargs):
+        _keras_defaults("Sequential", kwargs)
+        self._setup(name or "sequential")
+        self._layers = []
+        for layer in layers or []:
+            self.add(layer)
+        if self._input_shape is not None:
+            self.build()
+
+    def add(self, layer):
+        if self.built:
+            raise RuntimeError("the model is already built; add every layer before it is first used.")
+        if isinstance(layer, functional.KerasTensor) and isinstance(layer.node.layer, InputLayer):
+            layer = layer.node.layer                    # keras.Input(shape): Keras 3 takes it here
+        if isinstance(layer, InputLayer):
+            self._input_shape = layer.input_shape_arg
+            return
+        if not isinstance(layer, Layer):
+            raise TypeError(f"Sequential takes mirrored.keras layers, got {layer!r}.")
+        if not self._layers and layer.input_shape_arg is not None:
+            self._input_shape = layer.input_shape_arg
+        self._layers.append(layer)
+
+    def _program(self, input_shape):
+        """Build the layers in turn (every shape checked before any weight exists: a bad
+        layer leaves nothing half-built); the chain of their nodes."""
+        shape = input_shape
+        for layer in self._layers:
+            shape = layer.output_shape_for(shape)
+        shape = input_shape
+        for layer in self._layers:
+            layer.build(shape)
+            shape = layer.output_shape
+        return [Node(layer, (i,), False) for i, layer in enumerate(self._layers)]
+
+
+@saving.register_model_class
+class Functional(Model):
+    """``keras.Model(inputs, outputs)``: the layer calls between a ``keras.Input`` and an output,
+    as ``functional.program`` orders them. The layers are built (they were called)."""
+
+    def __init__(self, inputs, outputs, name=None, **kwargs):
+        _keras_defaults("Model", kwargs)
+        nodes, layers, symbolic = functional.program(inputs, outputs)
+        self._setup(name or "functional")
+        self._layers = layers
+        self.symbolic_nodes = symbolic           # the recorded calls (saving, summary)
+        self.inputs = [functional.single(inputs, "inputs")]
+        self.outputs = [functional.single(outputs, "outputs")]
+        self._input_shape = tuple(self.inputs[0].shape[1:])
+        self._nodes_made = nodes
+        self.build()
+
+    def _program(self, input_shape):
+        if tuple(input_shape) != tuple(self._input_shape):
+            raise ValueError(f"the functional model {self.name!r} takes examples of shape "
+                             f"{self._input_shape} (its keras.Input), not {input_shape}.")
+        return self._nodes_made
+
+    def call(self, inputs, training=None):
+        raise NotImplementedError("a functional model runs its recorded layer calls; call the model, model(x).")
+
+    @property
+    def input(self):
+        return self.inputs[0]
+
+    @property
+    def output(self):
+        return self.outputs[0]
+
+    def connections(self):
+        """[(layer, ['name[node][tensor]' of each input of each of its calls])], the input layer
+        first: summary's "Connected to" column (calls numbered within this model, as Keras)."""
+        x = self.inputs[0]
+        own = [x.node] + list(self.symbolic_nodes)
+        own_ids = {id(n) for n in own}
+
+        def ref(t):
+            calls = [n for n in t.node.layer.inbound_nodes if id(n) in own_ids]
+            return f"{t.node.layer.name}[{next(i for i, n in enumerate(calls) if n is t.node)}][0]"
+        rows = [(x.node.layer, [])]
+        for layer in self.layers:
+            rows.append((layer, [ref(t) for n in layer.inbound_nodes if id(n) in own_ids
+                                 for t in n.input_tensors]))
+        return rows
+
+
+def _keras_defaults(what, kwargs):
+    """Keras's model arguments that change nothing here (trainable=True, dtype float32) are
+    accepted; any other refused by name."""
+    if kwargs.pop("trainable", True) is not True:
+        raise NotImplementedError(f"{what}(trainable=False) (a frozen model) is not implemented here.")
+    dtype = kwargs.pop("dtype", None)
+    if dtype not in (None, "float32"):
+        raise NotImplementedError(f"{what}(dtype={dtype!r}): models compute in float32 here.")
+    if kwargs:
+        raise TypeError(f"{what}: unexpected arguments {sorted(kwargs)}.")
 
 
 def _is_default(strategy):

@@ -30,7 +30,7 @@ from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context, recording
 from mirrored.devices import every_device_or_none
 from mirrored.keras.optimizer_state import OptimizerState
-from mirrored.keras.step import step_of
+from mirrored.keras.custom_loop import step_of
 from mirrored.keras.variable_updates import apply_to_variables
 
 

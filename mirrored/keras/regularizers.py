@@ -21,7 +21,7 @@ Neighbours: ``layers.py`` (``kernel_regularizer=``), ``engine.py``, ``tape.py``.
 """
 import numpy as np
 
-from mirrored.keras.engine import pack_of
+from mirrored.keras.custom_loop import index_of, pack_of
 from mirrored.keras.tape import penalty_node
 from mirrored.tensor import Tensor, constant
 from mirrored.values import Variable, components
@@ -60,7 +60,7 @@ class L2(Regularizer):
             x = x.value()                             # this replica's copy inside run
             pack = pack_of(var)
             if pack is not None:
-                k = pack.index_of(var)
+                k = index_of(pack, var)
                 r = next(i for i, c in enumerate(components(pack.variables[k])) if c.value() is x)
                 out = self._value(x.dev, x.buf)
                 return Tensor(out.reshape(()), x.dev, penalty_node(self, pack, k, r))

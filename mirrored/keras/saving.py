@@ -50,8 +50,9 @@ it (links, external storage, virtual datasets: refused, as Keras 3 refuses them)
 every dataset has its variable's shape and dtype (a file cannot make us allocate what the
 model does not hold); a damaged archive member raises ``mirrored.errors.DataLossError``.
 
-Neighbours: ``model_api.py`` (``Sequential.save``/``save_weights``/``load_weights``),
+Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
 ``file_safety.py`` (what a file we load may not make us do),
+``functional_config.py`` (a functional model's config),
 ``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
 ``layers.py`` (the layers rebuilt from a config; ``get_config``: each layer's config; ``initializers.py``: the initialisers' names).
 """
@@ -68,7 +69,7 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras import file_safety, initializers
+from mirrored.keras import file_safety, functional_config, initializers
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -226,7 +227,9 @@ def _write_h5(model, target, training_state=False):
     h5py = _h5py()
     with h5py.File(target, "w") as f:
         f.create_group("vars").attrs["name"] = model.name
-        for key, layer in zip(layer_keys(model.layers), model.layers):
+        inputs = [t.node.layer for t in getattr(model, "inputs", ())]   # a functional model's InputLayer:
+        layers = inputs + model.layers                                # in Keras's model.layers (no weights)
+        for key, layer in zip(layer_keys(layers), layers):
             group = f.create_group(f"layers/{key}/vars")
             group.attrs["name"] = layer.name
             for i, w in enumerate(layer.trainable_weights):
@@ -440,7 +443,7 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
         config = json.loads(config)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
-    model = model_from_config(config)
+    model = model_from_config(config, custom_objects)
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
     # the weights are checked against the model the config built, before any is read
@@ -460,7 +463,7 @@ def _ser(module, class_name, config):
 
 
 #: The model classes ``load_model`` can rebuild, by Keras's class name: ``models.py`` registers
-#: ``Sequential`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
+#: ``Model``, ``Sequential`` and ``Functional`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
 #: so that this module, which ``models.py`` imports, need not import ``models.py``.
 MODEL_CLASSES = {}
 
@@ -471,15 +474,26 @@ def register_model_class(cls):
     return cls
 
 
+def _layer_entry(layer):
+    return _ser("keras.layers", type(layer).__name__, layer.get_config())
+
+
 def model_config(model):
-    """What Keras 3 writes to a .keras archive's config.json for a Sequential."""
-    layers = [_ser("keras.layers", "InputLayer",
-                   {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
-                    "name": "input_layer"})]
-    layers += [_ser("keras.layers", type(l).__name__, l.get_config()) for l in model.layers]
-    config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
-                                          "layers": layers})
-    config["build_config"] = {"input_shape": list(model.input_shape)}
+    """What Keras 3 writes to a .keras archive's config.json: a Sequential's, a functional
+    model's (``functional_config.py``), or a subclassed model's own ``get_config``."""
+    kind = type(model).__name__
+    if MODEL_CLASSES.get(kind) is not type(model):                    # a subclassed model
+        config = subclassed_config(model)
+    elif kind == "Functional":
+        config = functional_config.functional_config(model, _layer_entry)
+    else:
+        layers = [_ser("keras.layers", "InputLayer",
+                       {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
+                        "name": "input_layer"})]
+        layers += [_layer_entry(l) for l in model.layers]
+        config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
+                                              "layers": layers})
+        config["build_config"] = {"input_shape": list(model.input_shape)}
     if model.optimizer is not None:
         loss = model.loss
         config["compile_config"] = {
@@ -518,28 +532,68 @@ def _kwargs_for(cls, config, what):
     return kwargs
 
 
-def model_from_config(config):
-    """A Sequential from Keras's config (the layers this library has)."""
-    Sequential = MODEL_CLASSES.get(config.get("class_name"))
+def _input_from_config(spec):
+    cfg = spec["config"]
+    shape = cfg.get("batch_shape") or cfg.get("batch_input_shape")
+    return L.Input(shape=tuple(shape[1:]), name=cfg.get("name"))
+
+
+def _layer_from_config(spec):
+    """A new layer from its entry in a model's config (the layers this library has)."""
+    name, cfg = spec["class_name"], dict(spec["config"])
+    cls = getattr(L, name, None) if name in L.SUPPORTED else None
+    if cls is None:
+        raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
+                                  f"{', '.join(L.SUPPORTED)}.")
+    kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
+    if cfg.get("batch_input_shape"):
+        kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
+    return cls(**kwargs)
+
+
+def subclassed_config(model):
+    """Keras 3's rule for a subclassed model: its config is its own ``get_config`` (the
+    arguments of its ``__init__``); without one it cannot be saved whole."""
+    name = type(model).__name__
+    if type(model).get_config is MODEL_CLASSES["Model"].get_config:
+        raise NotImplementedError(
+            f"model.save of the subclassed model {name}: it has no get_config(), so its architecture "
+            f"cannot be written (Keras 3's rule). Define get_config(self) returning the arguments of "
+            f"its __init__ (and load with custom_objects={{'{name}': {name}}}), or save the weights "
+            f"alone: model.save_weights('name.weights.h5').")
+    config = {"module": type(model).__module__, "class_name": name, "config": model.get_config(),
+              "registered_name": name}
+    config["build_config"] = {"input_shape": list(model.input_shape)}
+    return config
+
+
+def model_from_config(config, custom_objects=None):
+    """A model from Keras's config: Sequential, Functional, or a subclass named in
+    ``custom_objects`` (rebuilt by its ``from_config``)."""
+    kind = config.get("class_name")
+    custom = (custom_objects or {}).get(kind)
+    if custom is not None:
+        model = custom.from_config(config["config"])
+        build = config.get("build_config") or {}
+        if not model.built and build.get("input_shape"):
+            model.build(tuple(build["input_shape"]))
+        return model
+    if functional_config.is_functional(config):
+        return functional_config.functional_from_config(
+            config, _layer_from_config, _input_from_config,
+            lambda inputs, outputs, name: MODEL_CLASSES["Functional"](inputs, outputs, name=name))
+    Sequential = MODEL_CLASSES.get(kind) if kind == "Sequential" else None
     if Sequential is None:
-        raise NotImplementedError(f"only Sequential models can be loaded here, the file holds a "
-                                  f"{config.get('class_name')!r}.")
+        raise NotImplementedError(f"the file holds a model of class {kind!r}: Sequential and functional "
+                                  f"models load here, and a subclassed one given in custom_objects "
+                                  f"(load_model(path, custom_objects={{{kind!r}: {kind}}})).")
     inner = config["config"]
     layers = []
     for spec in inner["layers"]:
-        name, cfg = spec["class_name"], dict(spec["config"])
-        if name == "InputLayer":
-            shape = cfg.get("batch_shape") or cfg.get("batch_input_shape")
-            layers.append(L.Input(shape=tuple(shape[1:]), name=cfg.get("name")))
-            continue
-        cls = getattr(L, name, None) if name in L.SUPPORTED else None
-        if cls is None:
-            raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
-                                      f"{', '.join(L.SUPPORTED)}.")
-        kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
-        if cfg.get("batch_input_shape"):
-            kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
-        layers.append(cls(**kwargs))
+        if spec["class_name"] == "InputLayer":
+            layers.append(_input_from_config(spec))
+        else:
+            layers.append(_layer_from_config(spec))
     model = Sequential(layers, name=inner.get("name"))
     build = config.get("build_config") or {}
     if not model.built and build.get("input_shape"):

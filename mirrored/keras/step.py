@@ -35,13 +35,13 @@ Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
 ``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
 """
 import contextlib
-import weakref
 
 import numpy as np
 
 from mirrored.input_lib import local_bounds, rebatch_bounds
 from mirrored.keras.data_adapters import ResidentBatch
-from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce, pack_of
+from mirrored.keras import custom_loop
+from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
 from mirrored.keras.inference import InferencePasses
 from mirrored.keras.losses import kernel_mode
 
@@ -52,19 +52,6 @@ FORWARD_BACKWARD = "forward+backward"  # the layers, the loss, the gradients
 ALL_REDUCE = "all-reduce"              # SUM of the replicas' packed gradients (the ring)
 OPTIMIZER = "optimizer"                # one update launch per device
 STEP_PHASES = (INPUT_COPY, FORWARD_BACKWARD, ALL_REDUCE, OPTIMIZER)
-
-_STEPS = weakref.WeakKeyDictionary()      # ParameterPack -> weak reference to the Step that made it
-
-
-def step_of(variables, grads):
-    """The ``Step`` whose packed gradient buffers ``grads`` are, for exactly its trainable
-    ``variables`` (what ``tape.gradient(loss, model.trainable_variables)`` returns), or None
-    (other variables, or gradients computed some other way)."""
-    pack = pack_of(variables[0]) if variables else None
-    ref = _STEPS.get(pack) if pack is not None else None
-    step = ref() if ref is not None else None
-    return step if step is not None and pack.matches(variables, grads) else None
-
 
 class Step(InferencePasses):
     """A built model's training step (evaluate's and predict's passes over the same programs
@@ -78,12 +65,12 @@ class Step(InferencePasses):
     def __init__(self, model, devices, cross_device_ops):
         self.model = model
         self.pack = ParameterPack(model.trainable_variables, devices)
-        _STEPS[self.pack] = weakref.ref(self)                          # for step_of
+        custom_loop.register(self.pack, self)                          # for apply_gradients
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)
         offset = model.distribute_strategy.extended.replica_offset      # 0 on one machine
         replicas = model.distribute_strategy.num_replicas_in_sync
-        self.programs = [ReplicaProgram(model.layers, self.pack, r, self.in_dim, offset, replicas)
+        self.programs = [ReplicaProgram(model.nodes, self.pack, r, self.in_dim, offset, replicas)
                          for r in range(len(self.devices))]
         self.cross_device_ops = cross_device_ops
         # (batch size, shard) -> this worker's replicas' [(start, stop)]: the rule's answer
@@ -281,6 +268,10 @@ def check_compiled(model, what):
 
 
 def _upload(program, part):
-    """Put a host share ``(x (b, in) float32, y (b,))`` into the program's input buffers."""
+    """Put a host share ``(x (b, in) float32, y (b,))`` into the program's (reused) input buffers."""
     x, y = part
-    return program.upload(x, y)
+    x_dev, y_dev = program.input_buffers(x.shape[0], y.dtype, y.shape[1:])
+    if x.shape[0]:
+        program.dev.upload_into(x_dev, x)
+        program.dev.upload_into(y_dev, y)
+    return x_dev, y_dev

@@ -24,6 +24,7 @@ import numpy as np
 from kernels.elementwise import CAST_DTYPES      # the dtypes the device cast is compiled for
 from kernels.softmax_xent import LABEL_DTYPE      # the one label type the loss kernels take
 from mirrored import context
+from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor, add_n
 
 
@@ -202,10 +203,10 @@ class GradientTape:
                             "differentiate here.")
         single = not isinstance(sources, (list, tuple))
         wanted = [sources] if single else list(sources)
-        grads = pack.grad_tensors(r)
+        grads = custom_loop.grad_tensors(pack, r)
         result = []
         for var in wanted:
-            k = pack.index_of(var)
+            k = custom_loop.index_of(pack, var)
             result.append(grads[k] if k is not None else None)
         return result[0] if single else result
 

@@ -1,0 +1,321 @@
+"""Keras's functional API: symbolic tensors, the layer calls they record, and the program a
+model runs (its nodes in topological order). The training step never comes here: this file
+turns how a model was WRITTEN into the list of ``engine.Node``s that ``engine.ReplicaProgram``
+runs, once, when the model is made (functional) or first called (subclassed).
+
+Three ways to write a model, one program::
+
+    Sequential([Conv2D(...), MaxPooling2D(), Flatten(), Dense(10)])   a chain: node i reads node i-1
+
+    inputs = keras.Input((28, 28, 1))                                  a symbolic tensor (no data)
+    x = Conv2D(32, 3, activation="relu")(inputs)                       each call records a node
+    ...
+    model = keras.Model(inputs, outputs)                               the nodes between them
+
+    class MyModel(keras.Model):                                        call() is run once per input
+        def call(self, inputs, training=None): ...                     shape on symbolic tensors
+                                                                       (``trace``), as tf.function traces
+
+A ``KerasTensor`` holds a shape (batch axis ``None``), a dtype and ``keras_history``:
+(the layer that made it, which of that layer's calls, 0), as Keras 3's does. Calling a
+layer on one (``Layer.__call__`` -> ``call_layer``) builds the layer for that input shape
+(its weights exist from then on, under the strategy in scope) and records a
+``SymbolicNode`` in ``layer.inbound_nodes``. A layer called twice has two nodes and one set
+of weights (shared).
+
+``program(inputs, outputs)`` walks back from the output as Keras's ``map_graph`` does: a
+depth-first search gives each layer its first-visit index, each node its depth (the longest
+path to the output); nodes run in decreasing depth, so every node runs after the nodes it
+reads (a topological order), ties broken by the search's order, so the order is fixed.
+``model.layers`` is Keras's order (layer depth, then first visit): the order of the weights.
+
+Python code that needs a tensor's VALUE while call() is traced (``if x > 0``, ``float(x)``,
+``x.numpy()``, ``np.asarray(x)``) has no value to use: it raises, naming the user's line.
+
+Neighbours: ``engine.py`` (``Node``, the program that runs), ``base_layer.py``
+(``Layer.__call__``, ``Input``), ``models.py`` (``Model``, ``Functional``, ``Sequential``),
+``saving.py`` (Keras 3's "Functional" config, read and written).
+"""
+import inspect
+import os
+import traceback
+
+from mirrored.keras.engine import Node
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # mirrored/
+
+SUPPORTED_IN_CALL = ("calling layers on the tensors you are given, loops and branches on Python "
+                     "values (the input's shape, `training`, attributes of the model)")
+
+
+def user_line():
+    """'file:line' of the innermost frame outside this library (where the user's code is)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not os.path.abspath(frame.filename).startswith(_PACKAGE):
+            return f"{frame.filename}:{frame.lineno}"
+    return "<unknown>"
+
+
+class KerasTensor:
+    """A symbolic tensor: shape and dtype, no data (Keras 3's ``KerasTensor``).
+
+    ``shape``: ``(None,) + one example's shape``; ``keras_history``: (layer, node index,
+    tensor index); ``node``: the ``SymbolicNode`` that made it.
+    """
+
+    def __init__(self, shape, node, node_index, dtype="float32", name=None):
+        self.shape = (None,) + tuple(shape)
+        self.dtype = dtype
+        self.node = node
+        self.keras_history = (node.layer, node_index, 0)
+        self.name = name or f"keras_tensor_{next(_COUNT)}"
+        self.ndim = len(self.shape)
+
+    def __repr__(self):
+        return f"<KerasTensor shape={self.shape}, dtype={self.dtype}, name={self.name}>"
+
+    def _no_value(self, what):
+        raise TypeError(
+            f"{user_line()}: {what} needs the value of the symbolic tensor {self.name} "
+            f"(shape {self.shape}), and a symbolic tensor has none: it stands for every batch the "
+            f"model will see. While a model is defined (keras.Input -> layer calls) or its call() "
+            f"is traced, what is supported is {SUPPORTED_IN_CALL}. Compute on values in a "
+            f"layer, or after the model has run (model.predict(x)).")
+
+    def __bool__(self):
+        self._no_value("Python control flow on a tensor (if/while/and/or/not, bool())")
+
+    def __float__(self):
+        self._no_value("float()")
+
+    def __int__(self):
+        self._no_value("int()")
+
+    def __index__(self):
+        self._no_value("using a tensor as an index")
+
+    def __len__(self):
+        self._no_value("len()")
+
+    def __iter__(self):
+        self._no_value("iterating over a tensor")
+
+    def __array__(self, dtype=None, copy=None):
+        self._no_value("np.asarray() / NumPy")
+
+    def numpy(self):
+        self._no_value(".numpy()")
+
+    def _op(self, name, layer):
+        raise NotImplementedError(
+            f"{user_line()}: `{name}` on symbolic tensors is not implemented here: use the "
+            f"layer, keras.layers.{layer}()([a, b]), which Keras records the same way.")
+
+    def __add__(self, other):
+        self._op("+", "Add")
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        self._op("-", "Subtract")
+
+    __rsub__ = __sub__
+
+    def __mul__(self, other):
+        self._op("*", "Multiply")
+
+    __rmul__ = __mul__
+
+    def __gt__(self, other):
+        self._no_value("comparing a tensor")
+
+    __lt__ = __ge__ = __le__ = __gt__
+
+
+def _counter():
+    n = 0
+    while True:
+        yield n
+        n += 1
+
+
+_COUNT = _counter()
+
+
+class SymbolicNode:
+    """One call of ``layer`` on symbolic ``inputs`` (a KerasTensor, a list of them, or none
+    for an input layer's node); ``output``: the KerasTensor it made."""
+
+    def __init__(self, layer, inputs, multi):
+        self.layer, self.inputs, self.multi = layer, inputs, multi
+        self.output = None
+
+    @property
+    def input_tensors(self):
+        if self.inputs is None:
+            return []
+        return list(self.inputs) if self.multi else [self.inputs]
+
+
+def input_tensor(layer, shape, name=None):
+    """The symbolic tensor an input layer stands for (``keras.Input``): a node with no inputs."""
+    node = SymbolicNode(layer, None, False)
+    layer.inbound_nodes.append(node)
+    node.output = KerasTensor(shape, node, len(layer.inbound_nodes) - 1, name=name or layer.name)
+    return node.output
+
+
+def is_symbolic(inputs):
+    return isinstance(inputs, KerasTensor) or (
+        isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, KerasTensor) for x in inputs))
+
+
+def call_layer(layer, inputs, kwargs):
+    """``layer(inputs, **kwargs)`` on symbolic tensors: build the layer for their shapes (once),
+    record the node, return its output. ``training`` is accepted: the step tells every layer
+    at run time whether it is training (``fit``) or not (``evaluate``, ``predict``)."""
+    name = f"{type(layer).__name__} {layer.name!r}"
+    unknown = sorted(k for k in kwargs if k != "training")
+    if unknown:
+        raise NotImplementedError(f"{user_line()}: {name} called with {unknown}: only the inputs and "
+                                  f"training= are taken here.")
+    if not is_symbolic(inputs):
+        raise NotImplementedError(
+            f"{user_line()}: {name} was called on {type(inputs).__name__}, not on symbolic tensors. "
+            f"Here layers are called while a model is defined: x = keras.Input(shape); "
+            f"y = layer(x); model = keras.Model(x, y); then model(data) or model.predict(data).")
+    multi = isinstance(inputs, (list, tuple))
+    shapes = [tuple(x.shape[1:]) for x in inputs] if multi else tuple(inputs.shape[1:])
+    if layer.built:
+        if _shape_key(shapes) != _shape_key(layer.input_shape):
+            raise ValueError(f"{user_line()}: {name} was built for inputs of shape {layer.input_shape} and is "
+                             f"now called on {shapes}: a layer called twice shares its weights and takes "
+                             f"the same shape each time here. Use a new layer for the new shape.")
+    else:
+        layer.output_shape_for(shapes)           # checks the shapes before any weight exists
+        layer.build(shapes)
+    node = SymbolicNode(layer, list(inputs) if multi else inputs, multi)
+    layer.inbound_nodes.append(node)
+    node.output = KerasTensor(layer.output_shape, node, len(layer.inbound_nodes) - 1)
+    return node.output
+
+
+def _shape_key(shapes):
+    if isinstance(shapes, list) or (shapes and isinstance(shapes[0], (tuple, list))):
+        return [tuple(s) for s in shapes]
+    return tuple(shapes)
+
+
+def single(tensors, what):
+    """The one KerasTensor in ``tensors`` (a tensor or a list of one), else a clear error."""
+    if isinstance(tensors, dict):
+        raise NotImplementedError(f"keras.Model: {what} as a dict is not implemented here; give one tensor.")
+    if isinstance(tensors, (list, tuple)):
+        if len(tensors) != 1:
+            raise NotImplementedError(
+                f"keras.Model with {len(tensors)} {what}: models here take one input and give one "
+                f"output (the loss takes one output); join branches with a merge layer "
+                f"(keras.layers.Concatenate, Add) before the output.")
+        tensors = tensors[0]
+    if not isinstance(tensors, KerasTensor):
+        raise TypeError(f"keras.Model: {what} must be symbolic tensors (keras.Input(...) and the "
+                        f"outputs of layer calls on them), got {type(tensors).__name__}.")
+    return tensors
+
+
+def program(inputs, outputs):
+    """The nodes between ``inputs`` and ``outputs`` in Keras's order.
+
+    Returns ``(nodes, layers, symbolic)``: ``engine.Node``s in topological order (tensor 0
+    the input, tensor i + 1 node i's output, the last node's output the model's),
+    ``model.layers`` in Keras's order, and the ``SymbolicNode`` of each engine node."""
+    x, y = single(inputs, "inputs"), single(outputs, "outputs")
+    if x.node.inputs is not None:
+        raise ValueError("keras.Model: inputs must be the tensors keras.Input(...) returned.")
+    first_visit, finished, order, in_progress = {}, set(), [], set()
+
+    def visit(tensor):                        # Keras's _build_map_helper: post-order DFS
+        node = tensor.node
+        if id(node) in finished:
+            return
+        if tensor is x or node.inputs is None:
+            finished.add(id(node))
+            return
+        if id(node) in in_progress:
+            raise ValueError(f"the layer {node.layer.name!r} is part of a cycle.")
+        first_visit.setdefault(id(node.layer), len(first_visit))
+        in_progress.add(id(node))
+        for t in node.input_tensors:
+            visit(t)
+        in_progress.discard(id(node))
+        finished.add(id(node))
+        order.append(node)
+
+    visit(y)
+    if y is x or not order:
+        raise ValueError("keras.Model: the output is the input itself; call at least one layer on it.")
+    depth, layer_depth = {id(order[-1]): 0}, {}
+    for node in reversed(order):                  # Keras's map_graph: longest path to the output
+        d = depth.setdefault(id(node), 0)
+        layer_depth[id(node.layer)] = d = max(d, layer_depth.get(id(node.layer), 0))
+        depth[id(node)] = d
+        for t in node.input_tensors:
+            if t.node.inputs is not None and t is not x:
+                depth[id(t.node)] = max(depth.get(id(t.node), 0), d + 1)
+    position = {id(n): i for i, n in enumerate(order)}
+    order.sort(key=lambda n: (-depth[id(n)], position[id(n)]))
+    tensor_ids = {id(x): 0}
+    nodes = []
+    for i, node in enumerate(order):
+        ids = []
+        for t in node.input_tensors:
+            if id(t) not in tensor_ids:
+                raise ValueError(f"Graph disconnected: the layer {node.layer.name!r} reads {t.name}, "
+                                 f"which is not computed from the model's input {x.name}: every branch "
+                                 f"must start at the keras.Input given to keras.Model.")
+            ids.append(tensor_ids[id(t)])
+        nodes.append(Node(node.layer, tuple(ids), node.multi))
+        tensor_ids[id(node.output)] = i + 1
+    by_layer = {}
+    for node in order:
+        by_layer.setdefault(id(node.layer), node.layer)
+    layers = sorted(by_layer.values(), key=lambda l: (-layer_depth[id(l)], first_visit[id(l)]))
+    names = [l.name for l in layers]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise ValueError(f"The name(s) {duplicated} are used by several layers of the model. All layer "
+                         f"names should be unique (they key the saved weights and the config).")
+    return nodes, layers, order
+
+
+def trace(model, input_shape, training, input_layer):
+    """Run a subclassed model's ``call`` on a symbolic input of ``input_shape`` (one example's
+    shape): the program it builds (``program``'s answer). ``input_layer``: an ``InputLayer``
+    made by the caller (this file does not import the layers)."""
+    x = input_tensor(input_layer, input_shape)
+    call = model.call
+    try:
+        takes_training = "training" in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        takes_training = False
+    y = call(x, training=training) if takes_training else call(x)
+    if not isinstance(y, KerasTensor):
+        raise TypeError(f"{type(model).__name__}.call returned {type(y).__name__}: call must return the "
+                        f"output of a layer called on its inputs (one tensor).")
+    return program(x, y)
+
+
+def same_program(a, b, skip):
+    """True when the node lists ``a`` and ``b`` compute the same thing once the nodes whose
+    layer ``skip(layer)`` is true (Dropout: the identity outside training) are left out."""
+    def kept(nodes):
+        alias, out = {0: 0}, []
+        for i, node in enumerate(nodes):
+            inputs = tuple(alias[t] for t in node.inputs)
+            if skip(node.layer) and not node.multi:
+                alias[i + 1] = inputs[0]
+                continue
+            alias[i + 1] = ("node", len(out))
+            out.append((id(node.layer), inputs, node.multi))
+        return out, alias[len(nodes)]
+    return kept(a) == kept(b)
