@@ -207,13 +207,9 @@ class InputSlots:
 
     def _slot(self, leaf):
         if isinstance(leaf, Tensor):
-            dev = leaf.dev
-            with dev.activate():
-                buf = dev.empty(leaf.shape, leaf.dtype)
-                if leaf.buf.size:
-                    dev.copy_into(buf, leaf.buf)
-            self.slots.append((dev, buf))
-            return Tensor(buf, dev)
+            buf = _copy(leaf)
+            self.slots.append((leaf.dev, buf))
+            return Tensor(buf, leaf.dev)
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
             return type(leaf)([self._slot(c) for c in leaf.values])
         return leaf
@@ -237,15 +233,20 @@ def fresh(leaf):
     """An output leaf with every tensor copied into a new buffer of its device (the
     record's own buffers are rewritten by the next replay)."""
     if isinstance(leaf, Tensor):
-        dev = leaf.dev
-        with dev.activate():
-            out = dev.empty(leaf.shape, leaf.dtype)
-            if leaf.buf.size:
-                dev.copy_into(out, leaf.buf)
-        return Tensor(out, dev)
+        return Tensor(_copy(leaf), leaf.dev)
     if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
         return type(leaf)([fresh(c) for c in leaf.values])
     return leaf
+
+
+def _copy(tensor):
+    """A new buffer on the tensor's device holding a copy of its values."""
+    dev = tensor.dev
+    with dev.activate():
+        out = dev.empty(tensor.shape, tensor.dtype)
+        if tensor.buf.size:
+            dev.copy_into(out, tensor.buf)
+    return out
 
 
 # --- one trace: its record and how it is replayed ------------------------------------------

@@ -38,7 +38,9 @@ def test_busy_core_smoke_run_times_quiet_and_busy_rows(tmp_path):
     doc = json.loads(out.read_text())
     rows = {(r["strategy"], r["replicas"]) for r in doc["results"]}
     assert rows == {("no strategy", 1), ("MirroredStrategy", 1), ("no strategy +busy core", 1),
-                    ("MirroredStrategy +busy core", 1)}
+                    ("MirroredStrategy +busy core", 1),
+                    ("MirroredStrategy custom loop eager", 1),           # issue 41's rows (x1)
+                    ("MirroredStrategy custom loop @function", 1)}, rows
     busy = [t for t in doc["targets"] if "busy core" in t["target"]]
     assert len(busy) == 1 and busy[0]["measured"] > 0
     info = doc["device"]

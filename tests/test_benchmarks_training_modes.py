@@ -29,7 +29,9 @@ def test_graph_rows_are_skipped_with_the_reason_without_a_gpu(tmp_path):
     assert doc["method"]["modes"] == ["eager", "graph"] and doc["method"]["resident_rows"] is False
     rows = {(r["strategy"], r["replicas"]) for r in doc["results"] if r["framework"] == "ours"}
     assert rows == {("no strategy", 1), ("OneDeviceStrategy", 1), ("MirroredStrategy", 1),
-                    ("MirroredStrategy", 2), ("MirroredStrategy", 4)}, rows   # no resident, no graph
+                    ("MirroredStrategy", 2), ("MirroredStrategy", 4),        # no resident, no graph
+                    ("MirroredStrategy custom loop eager", 1),               # issue 41's rows
+                    ("MirroredStrategy custom loop @function", 1)}, rows
     skipped = {s["name"]: s["reason"] for s in doc["skipped"]}
     assert "no GPU" in skipped["graph rows"]
 
