@@ -53,6 +53,11 @@ So Dropout draws a new mask at every replay, the eager one for the same counter
 (forward and loss) and ``predict`` (forward; the outputs are read after the replay).
 The step itself knows nothing of graphs.
 
+``compile(steps_per_execution=N)`` (Keras's knob for this very overhead): ``train_steps``
+and ``evaluate_steps`` put N steps in ONE graph, one replay per N batches. Each step's
+host part writes the same input buffers, so what it wrote is copied on the device into
+a staging slot of its own, and the graph copies slot i back before step i's device part.
+
 When. ``compile(run_eagerly=False)``, Keras's default, runs fit, evaluate and predict
 through ``CapturedStep`` on a GPU; ``run_eagerly=True`` launches every kernel from
 Python (what labs 04 and 05 step through). The default stays silent where nothing can
@@ -131,6 +136,20 @@ class StepGraphs:
         if key not in self._results:
             self._results[key] = fn(*args)               # not kept if it raises
             return self._ran("eager", self._results[key])
+        return self._replay(key, fn, args)
+
+    def run_captured(self, key, fn, *args):
+        """``run`` for launches whose buffers already exist (every kernel compiled, every
+        buffer made: ``CapturedStep.train_steps`` ran the same steps eagerly before):
+        captured the first time this key is seen, replayed from then on."""
+        if not self.enabled:
+            return self._ran("eager", fn(*args))
+        self._results.setdefault(key, None)
+        return self._replay(key, fn, args)
+
+    def _replay(self, key, fn, args):
+        """Capture ``fn(*args)`` under ``key`` if not yet done (or run it eagerly, for
+        good, if it cannot be captured), then replay it."""
         graph = self._graphs.get(key)
         if graph is None:
             try:
@@ -141,7 +160,7 @@ class StepGraphs:
                 self.reason = f"capturing the step as a CUDA graph failed ({err})"
                 warnings.warn(f"CUDA graphs (compile(run_eagerly=False)): {self.reason}; this and "
                               f"every later step runs eagerly (same results, more launch overhead).",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 return self._ran("eager", fn(*args))
             self._graphs[key] = graph
             self.counts["captured"] += 1
@@ -170,6 +189,7 @@ class CapturedStep:
 
     def __init__(self, step, graphs):
         self.step, self.graphs = step, graphs
+        self._warm = set()         # the executions (pass, loss mode, batch sizes) run once eagerly
 
     def train(self, batch):
         inputs, scale = self.step.host_part(batch)
@@ -187,6 +207,117 @@ class CapturedStep:
         inputs = self.step.predict_inputs(xb)
         outs = self.graphs.run(("predict",) + _addresses(inputs), self.step.predict_part, inputs)
         return self.step.read_outputs(outs)
+
+
+    # -- compile(steps_per_execution=N): N steps, one graph ------------------------------------
+    def train_steps(self, batches):
+        """Keras's ``steps_per_execution``: the training steps of ``batches`` (two or more,
+        from ``data_adapters.prepare``) replayed as ONE graph.
+
+        A graph is bound to its buffers, and every step's host part writes the same ones:
+        the replicas' input buffers of that batch size, and the optimizer's hyper-parameter
+        vector on each device (``Optimizer.hyper``, Adam's alpha). So each host part i is
+        followed by a copy, on the devices, of what it wrote into staging slot i
+        (``_stage``), and the graph holds, for each step i, the copy back from slot i and
+        then step i's device part (``_train_parts``). One replay runs the N steps in the
+        order N single steps run them, each on its own batch and scalars: bitwise the
+        same weights and slots. (The copies are device to device, queued on each device's
+        stream: the next host part's upload waits for them.)
+
+        The first execution of these batch sizes runs as N single eager steps (they compile
+        the kernels and make every buffer a step uses); the next one is captured; later
+        ones are replayed. A replayed execution is all or nothing: the N host parts run
+        first, inside one ``Step.no_trace``, so a failure there (out of memory) leaves the
+        step count and the memory as before the execution, nothing having run on the
+        devices; then one launch updates every copy N times.
+        """
+        step, opt = self.step, self.step.model.optimizer
+        mode = step.loss_mode()
+        if self._first_time(("train", mode) + tuple(_rows(b) for b in batches)):
+            for batch in batches:                            # N plain steps, each all or nothing
+                with step.no_trace():
+                    step.train(batch)
+                self.graphs._ran("eager", None)
+            return
+        with step.no_trace():
+            work = []
+            for slot, batch in enumerate(batches):
+                inputs, scale = step.host_part(batch)
+                written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in xy]
+                written += [(dev, opt.hyper[dev.name]) for dev in step.devices]
+                work.append((inputs, scale, _stage(slot, written)))
+            key = ("train steps", mode) + tuple((scale,) + _addresses(inputs) + _staged_addresses(staged)
+                                                for inputs, scale, staged in work)
+            with _dev.every_device_or_none():                # a replay updates every copy N times
+                self.graphs.run_captured(key, self._train_parts, work, mode)
+                opt.updates_done += len(batches)             # the steps are done (Step.no_trace)
+
+    def _train_parts(self, work, mode):
+        """What the graph of ``train_steps`` holds: per step, its staged inputs and scalars
+        copied back, then its device part."""
+        for inputs, scale, staged in work:
+            _restore(staged)
+            self.step.device_part(inputs, mode, scale)
+
+    def evaluate_steps(self, batches, mode):
+        """``evaluate``'s passes of ``batches`` as one graph, as ``train_steps`` does for
+        training (the inputs are all a host part writes here; the metrics add up on the devices)."""
+        step = self.step
+        if self._first_time(("evaluate", mode) + tuple(_rows(b) for b in batches)):
+            for batch in batches:
+                step.evaluate(batch, mode)
+                self.graphs._ran("eager", None)
+            return
+        work = []
+        for slot, batch in enumerate(batches):
+            inputs = step.inputs(batch)
+            written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in xy]
+            work.append((inputs, _stage(slot, written)))
+        key = ("evaluate steps", mode) + tuple(_addresses(inputs) + _staged_addresses(staged)
+                                               for inputs, staged in work)
+        self.graphs.run_captured(key, self._evaluate_parts, work, mode)
+
+    def _evaluate_parts(self, work, mode):
+        for inputs, staged in work:
+            _restore(staged)
+            self.step.evaluate_part(inputs, mode)
+
+    def _first_time(self, sizes):
+        """True (and remembered) the first time an execution of these batch sizes runs."""
+        if self.graphs.enabled and sizes in self._warm:
+            return False
+        self._warm.add(sizes)
+        return True
+
+
+def _rows(batch):
+    """A prepared batch's number of examples (host arrays, or a ``ResidentBatch``'s row numbers)."""
+    return len(batch.idx) if hasattr(batch, "idx") else len(batch[0])
+
+
+def _stage(slot, written):
+    """Copy each ``(dev, buffer)`` a host part wrote into staging ``slot``'s buffer of the
+    same shape on that device (``dev.scratch``: made once, dropped by ``no_trace`` with a
+    failed step); ``[(dev, buffer, its staged copy)]``. Empty buffers are left out."""
+    staged = []
+    for n, (dev, buf) in enumerate(written):
+        if buf.size:
+            with dev.activate():
+                copy = dev.scratch(("steps_per_execution", slot, n), buf.shape, buf.dtype)
+                dev.copy_into(copy, buf)
+            staged.append((dev, buf, copy))
+    return staged
+
+
+def _restore(staged):
+    """Inside the graph: each staged copy back into the buffer the device part reads."""
+    for dev, buf, copy in staged:
+        with dev.activate():
+            dev.copy_into(buf, copy)
+
+
+def _staged_addresses(staged):
+    return tuple((_address(buf), _address(copy)) for _, buf, copy in staged)
 
 
 def _addresses(inputs):

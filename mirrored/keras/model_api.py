@@ -17,6 +17,7 @@ Neighbours: ``models.py`` (Model, Sequential, Functional: build, fit), ``step.py
 ``tape.py`` (``ModelOutput``), ``progbar.py``.
 """
 import functools
+import itertools
 import os
 import tempfile
 import warnings
@@ -71,6 +72,18 @@ def check_keras_arguments(method, kwargs):
         if not (empty and known[key] is None) and not (type(value) is int and value == known[key]):
             raise NotImplementedError(f"{method}({key}=...) is not implemented here; leave {key} at its "
                                       f"default ({known[key]!r}).")
+
+
+def check_steps_per_execution(value, what="compile(steps_per_execution=...)"):
+    """Keras's ``steps_per_execution`` as a number of batches (None: 1, the default), or a
+    clear error: anything but a positive whole number."""
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what}: the number of batches each execution runs must be a positive whole "
+                         f"number (1, the default, runs one step per call), got {value!r}; pass e.g. "
+                         f"steps_per_execution=8.")
+    return int(value)
 
 
 class ModelAPI:
@@ -195,8 +208,16 @@ class ModelAPI:
         Where there is nothing to capture (CPU devices, the CUDA simulator) both run the
         same launches eagerly, silently. The weights come out bitwise the same either way.
 
-        ``steps_per_execution`` and ``jit_compile`` are accepted and change nothing (they tune
-        Keras's speed, not its results); ``loss_weights`` and ``weighted_metrics`` are refused.
+        ``steps_per_execution=N`` (Keras's; default 1): ``fit`` and ``evaluate`` run N batches
+        per execution. On a GPU with graphs the N steps are ONE graph replay (``graphs.py``,
+        ``CapturedStep.train_steps``); elsewhere they run one after the other. The weights are
+        bitwise those of N single steps. As in Keras, ``on_train_batch_begin``/``_end`` are
+        called once per execution, with its first and last batch index (begin + N - 1),
+        ``stop_training`` is checked once per execution, and an execution never runs past the
+        epoch's end. ``predict`` runs one batch at a time.
+
+        ``jit_compile`` is accepted and changes nothing (it tunes Keras's speed, not its
+        results); ``loss_weights`` and ``weighted_metrics`` are refused.
 
         ``cuda_graph=`` (this library's old option) is deprecated: ``cuda_graph=True`` is
         ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
@@ -207,6 +228,7 @@ class ModelAPI:
         if loss_weights is not None or weighted_metrics:
             raise NotImplementedError("compile(loss_weights=..., weighted_metrics=...) is not implemented here "
                                       "(one output, no sample weights); leave them out.")
+        per_execution = check_steps_per_execution(steps_per_execution)   # before anything changes
         self._check_strategy()
         run_eagerly = _eager_from(run_eagerly, cuda_graph)
         if optimizer == "rmsprop":
@@ -227,8 +249,18 @@ class ModelAPI:
                                       f"(the loss is reported).")
         if self.built:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
+        self.steps_per_execution = per_execution
         self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
         self.run_eagerly = run_eagerly              # drops the graphs: they hold the old optimizer's buffers
+
+    def get_compile_config(self):
+        """Keras's: the arguments ``compile`` was given, serialised (what a .keras file
+        records, ``steps_per_execution`` included); ``{}`` before ``compile``."""
+        return saving.compile_config(self) or {}
+
+    def compile_from_config(self, config):
+        """Keras's: ``compile`` with a ``get_compile_config()``'s arguments."""
+        saving.compile_from_config(self, config)
 
     @property
     def run_eagerly(self):
@@ -256,14 +288,21 @@ class ModelAPI:
         bar = Progbar(steps, verbose)
         if self.built:
             self.step.zero_metrics()
-        step = 0
-        for batch in batches:
-            batch = data_adapters.prepare(self, batch)
-            if step == 0:
-                mode = self.step.loss_mode()            # the model is built by now
-            with self.step.no_trace():                  # out of memory: nothing stays charged
-                self._trainer().evaluate(batch, mode)
-            step += 1
+        per_execution = check_steps_per_execution(self.steps_per_execution, "model.steps_per_execution")
+        step, data = 0, iter(batches)
+        while True:                                     # executions of up to N batches (fit's)
+            chunk = [data_adapters.prepare(self, batch) for batch in itertools.islice(data, per_execution)]
+            if not chunk:
+                break
+            mode, trainer = self.step.loss_mode(), self._trainer()   # the model is built by now
+            if len(chunk) > 1 and trainer is not self.step:
+                with self.step.no_trace():              # out of memory: nothing stays charged
+                    trainer.evaluate_steps(chunk, mode)   # one graph (graphs.py)
+            else:
+                for batch in chunk:
+                    with self.step.no_trace():
+                        trainer.evaluate(batch, mode)
+            step += len(chunk)
         if not step:
             raise no_batches_error("test_function", x, None)
         logs = self._logs(prefix)

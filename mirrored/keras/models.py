@@ -40,6 +40,7 @@ model is made of), ``step.py`` (the step),
 ``tape.py`` (``GradientTape`` custom loops use the same replica programs).
 """
 import contextlib
+import itertools
 import threading
 import warnings
 
@@ -55,7 +56,8 @@ from mirrored.keras.base_layer import snake_case
 from mirrored.keras.dropout import Dropout
 from mirrored.keras.engine import Node
 from mirrored.keras.layers import IMAGE_LAYERS, InputLayer, Layer
-from mirrored.keras.model_api import ModelAPI, check_keras_arguments, no_batches_error, serialised
+from mirrored.keras.model_api import (ModelAPI, check_keras_arguments, check_steps_per_execution,
+                                      no_batches_error, serialised)
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import Step, check_compiled
 from mirrored.values import components
@@ -103,6 +105,7 @@ class Model(ModelAPI):
         # compile(run_eagerly=...): False (Keras's default) replays each pass as CUDA graphs
         # on a GPU; _graphs: its StepGraphs, made on first use; _captured: the CapturedStep
         self._run_eagerly, self._graphs_asked, self._graphs, self._captured = False, False, None, None
+        self.steps_per_execution = 1     # compile(steps_per_execution=N): batches per execution
         self.history = None
         self.stop_training = False
 
@@ -336,6 +339,18 @@ class Model(ModelAPI):
         with self.step.no_trace():                   # a step that raises changes nothing
             self._trainer().train(batch)
 
+    def _train_execution(self, batches):
+        """One execution of ``compile(steps_per_execution=N)``: the training steps of
+        ``batches`` (1 to N), in order. On a GPU with graphs, one replay runs them all
+        (``CapturedStep.train_steps``); elsewhere they run one after the other, each all or
+        nothing, so a failure keeps the steps before it (counted, every copy updated)."""
+        trainer = self._trainer() if self.built else None       # the first batch builds the model
+        if len(batches) > 1 and trainer is not None and trainer is not self.step:
+            trainer.train_steps([data_adapters.prepare(self, batch) for batch in batches])
+            return
+        for batch in batches:
+            self._train_on(batch)
+
     def _logs(self, prefix="", across_workers=True):
         return self.step.logs(self._metric_names, prefix, across_workers)
 
@@ -378,6 +393,7 @@ class Model(ModelAPI):
                                           "implemented here; pass (x, y).")
             validation_data = validation_data[:2]
         verbose = self._verbosity(verbose)
+        per_execution = check_steps_per_execution(self.steps_per_execution, "model.steps_per_execution")
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
             steps = steps_per_epoch
@@ -401,23 +417,29 @@ class Model(ModelAPI):
             bar = Progbar(steps, verbose) if verbose else None     # verbose=0 draws nothing
             if self.built:
                 self.step.zero_metrics()
-            step = 0
-            for batch in batches:
-                if steps_per_epoch is not None and step >= steps_per_epoch:
+            step, data = 0, iter(batches)
+            while steps_per_epoch is None or step < steps_per_epoch:
+                # One execution (Keras's steps_per_execution=N; N=1 by default): up to N
+                # batches, never past the epoch's end (Keras's "truncated to the size of
+                # the epoch"); the batch hooks see its first and its last index,
+                # begin + N - 1 (Keras's, even for a last execution of fewer batches).
+                n = per_execution if steps_per_epoch is None else min(per_execution, steps_per_epoch - step)
+                chunk = list(itertools.islice(data, n))
+                if not chunk:
                     break
                 for hook in begin_hooks:
                     hook(step, None)
-                self._train_on(batch)
-                step += 1
+                self._train_execution(chunk)
+                last, step = step + per_execution - 1, step + len(chunk)
                 if end_hooks or verbose:
                     # Keras's batch logs: the epoch's running metrics, read only if asked for;
                     # this worker's (no collective: the other workers may not ask, nor draw a bar)
                     batch_logs = _callbacks.batch_logs(end_hooks, lambda: self._logs(across_workers=False))
                     for hook in end_hooks:
-                        hook(step - 1, batch_logs)
+                        hook(last, batch_logs)
                     if verbose and bar.wants_update(step):
                         bar.update(step, dict(batch_logs))   # the epoch's line is over every worker
-                if self.stop_training:          # Keras checks after every batch too
+                if self.stop_training:          # Keras checks after every execution too
                     break
             if not step:
                 raise no_batches_error("train_function", x, epoch)

@@ -46,7 +46,7 @@ class Optimizer(OptimizerState):
         super().__init__(learning_rate, **kwargs)    # step_count, rate, their Keras views; kwargs checked
         self.name = name
         self._slots = {}                 # ("pack", id(pack), r) or ("var", id(copy)) -> [buffer per slot]
-        self._hyper = {}                 # device name -> (k,) float32 hyper-parameter vector
+        self.hyper = {}                  # device name -> (k,) float32 hyper-parameter vector (begin_step)
         self._lock = threading.Lock()
 
     def _slot_buffers(self, key, dev, like):
@@ -70,7 +70,7 @@ class Optimizer(OptimizerState):
 
     def update_buffer(self, dev, w, g, key):
         """One kernel launch: update ``w`` with gradient ``g`` (both on ``dev``), reading
-        the hyper-parameter vector ``self._hyper[dev.name]``."""
+        the hyper-parameter vector ``self.hyper[dev.name]``."""
         raise NotImplementedError
 
     def begin_step(self, devices):
@@ -79,16 +79,16 @@ class Optimizer(OptimizerState):
         self.step_count += 1
         host = self._scalars()                       # (k,) float32
         for dev in devices:
-            buf = self._hyper.get(dev.name)
+            buf = self.hyper.get(dev.name)
             if buf is None:
                 with dev.activate():
-                    buf = self._hyper[dev.name] = dev.empty(host.shape, host.dtype)
+                    buf = self.hyper[dev.name] = dev.empty(host.shape, host.dtype)
             dev.upload_into(buf, host)
 
     def caches(self):
         """The dicts of buffers made on first use (slots, hyper-parameter vectors): a step
         that fails drops what it added (``Step.no_trace``)."""
-        return [self._slots, self._hyper]
+        return [self._slots, self.hyper]
 
     def update(self, pack, around=None):
         """Step 4 of a training step: one update launch per device, each copy of the
@@ -175,7 +175,7 @@ class SGD(Optimizer):
 
     def update_buffer(self, dev, w, g, key):
         velocity = self._slot_buffers(key, dev, w)[0] if self.momentum else None
-        dev.ops.sgd(w, g, velocity, self._hyper[dev.name], self.nesterov)
+        dev.ops.sgd(w, g, velocity, self.hyper[dev.name], self.nesterov)
 
 
 class Adam(Optimizer):
@@ -199,7 +199,7 @@ class Adam(Optimizer):
 
     def update_buffer(self, dev, w, g, key):
         m, v = self._slot_buffers(key, dev, w)
-        dev.ops.adam(w, g, m, v, self._hyper[dev.name])
+        dev.ops.adam(w, g, m, v, self.hyper[dev.name])
 
 
 def get(identifier):

@@ -494,17 +494,23 @@ def model_config(model):
         config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
                                               "layers": layers})
         config["build_config"] = {"input_shape": list(model.input_shape)}
-    if model.optimizer is not None:
-        loss = model.loss
-        config["compile_config"] = {
-            "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
-            "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
-                {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
-            "loss_weights": None, "metrics": model.metrics_names[1:], "weighted_metrics": None,
-            "run_eagerly": model.run_eagerly, "steps_per_execution": 1, "jit_compile": False}
-    else:
-        config["compile_config"] = None
+    config["compile_config"] = compile_config(model)
     return config
+
+
+def compile_config(model):
+    """Keras 3's compile config of ``model`` (``model.get_compile_config()``, a .keras file's
+    ``compile_config``): the arguments of its ``compile``; None if it was never compiled."""
+    if model.optimizer is None:
+        return None
+    loss = model.loss
+    return {
+        "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
+        "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
+            {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
+        "loss_weights": None, "metrics": model.metrics_names[1:], "weighted_metrics": None,
+        "run_eagerly": model.run_eagerly, "steps_per_execution": model.steps_per_execution,
+        "jit_compile": False}
 
 
 def _kwargs_for(cls, config, what):
@@ -622,4 +628,5 @@ def compile_from_config(model, compile_config):
         loss = cls(**{k: v for k, v in loss["config"].items() if k in keys and (k != "from_logits" or
                                                                                cls is not _losses.MeanSquaredError)})
     model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None,
-                  run_eagerly=bool(compile_config.get("run_eagerly")))
+                  run_eagerly=bool(compile_config.get("run_eagerly")),
+                  steps_per_execution=compile_config.get("steps_per_execution"))   # checked there
