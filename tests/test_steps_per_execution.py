@@ -285,3 +285,13 @@ def test_a_failed_host_part_leaves_a_captured_execution_undone(devices, rng, sta
     with pytest.raises(MemoryError):
         model.fit(x, y, batch_size=2, verbose=0, shuffle=False)
     assert_same_state(before, state_of(model))
+
+
+def test_setting_the_attribute_is_checked_too(devices):
+    devices(cpus=1)
+    model = make_model(["CPU:0"], 3)
+    model.steps_per_execution = np.int64(6)                      # Keras's attribute, settable
+    assert model.steps_per_execution == 6 and type(model.steps_per_execution) is int
+    with pytest.raises(ValueError, match="model.steps_per_execution.*positive whole number"):
+        model.steps_per_execution = 0
+    assert model.steps_per_execution == 6

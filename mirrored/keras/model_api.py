@@ -288,7 +288,7 @@ class ModelAPI:
         bar = Progbar(steps, verbose)
         if self.built:
             self.step.zero_metrics()
-        per_execution = check_steps_per_execution(self.steps_per_execution, "model.steps_per_execution")
+        per_execution = self.steps_per_execution
         step, data = 0, iter(batches)
         while True:                                     # executions of up to N batches (fit's)
             chunk = [data_adapters.prepare(self, batch) for batch in itertools.islice(data, per_execution)]

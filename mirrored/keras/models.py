@@ -105,7 +105,7 @@ class Model(ModelAPI):
         # compile(run_eagerly=...): False (Keras's default) replays each pass as CUDA graphs
         # on a GPU; _graphs: its StepGraphs, made on first use; _captured: the CapturedStep
         self._run_eagerly, self._graphs_asked, self._graphs, self._captured = False, False, None, None
-        self.steps_per_execution = 1     # compile(steps_per_execution=N): batches per execution
+        self._steps_per_execution = 1    # compile(steps_per_execution=N): batches per execution
         self.history = None
         self.stop_training = False
 
@@ -122,6 +122,16 @@ class Model(ModelAPI):
     def layers(self):
         """The model's layers in Keras's order (that of ``model.weights``)."""
         return list(self._layers if self._layers is not None else self.__dict__.get("_tracked", []))
+
+    @property
+    def steps_per_execution(self):
+        """Keras's: how many batches ``fit`` and ``evaluate`` run per execution (the callbacks'
+        batch hooks are called once per execution); ``compile(steps_per_execution=N)`` sets it."""
+        return self._steps_per_execution
+
+    @steps_per_execution.setter
+    def steps_per_execution(self, value):
+        self._steps_per_execution = check_steps_per_execution(value, "model.steps_per_execution")
 
     @property
     def distribute_strategy(self):
@@ -393,7 +403,7 @@ class Model(ModelAPI):
                                           "implemented here; pass (x, y).")
             validation_data = validation_data[:2]
         verbose = self._verbosity(verbose)
-        per_execution = check_steps_per_execution(self.steps_per_execution, "model.steps_per_execution")
+        per_execution = self.steps_per_execution
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
             steps = steps_per_epoch
