@@ -208,7 +208,6 @@ class CapturedStep:
         outs = self.graphs.run(("predict",) + _addresses(inputs), self.step.predict_part, inputs)
         return self.step.read_outputs(outs)
 
-
     # -- compile(steps_per_execution=N): N steps, one graph ------------------------------------
     def train_steps(self, batches):
         """Keras's ``steps_per_execution``: the training steps of ``batches`` (two or more,

@@ -383,6 +383,9 @@ class Model(ModelAPI):
         data set stays on the devices (``input_lib``'s docstring). Keras's ``class_weight``,
         ``sample_weight`` and ``validation_steps``/``_batch_size``/``_freq`` are refused unless
         left at their defaults (``model_api.NOT_IMPLEMENTED``), as is an argument Keras lacks.
+
+        ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
+        with the batch callbacks called once per execution, as Keras 3 calls them.
         """
         check_compiled(self, "training")
         if kwargs:                                   # Keras's arguments not implemented here
