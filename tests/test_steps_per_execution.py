@@ -295,3 +295,21 @@ def test_setting_the_attribute_is_checked_too(devices):
     with pytest.raises(ValueError, match="model.steps_per_execution.*positive whole number"):
         model.steps_per_execution = 0
     assert model.steps_per_execution == 6
+
+
+# --- on a real GPU: real CUDA graphs -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus,n", [(1, 4), (2, 3)])
+def test_real_graphs_of_n_steps_train_like_single_steps(devices, rng, gpus, n):
+    devices(cpus=1, gpus=gpus)
+    names = [f"GPU:{i}" for i in range(gpus)]
+    x, y = data(rng, 61)                                  # 8 batches of 8 (the last of 5)
+    single = make_model(names, 1, tiny=True)
+    grouped = make_model(names, n, single.get_weights(), tiny=True)
+    a, b = train(single, x, y, epochs=3, batch_size=8), train(grouped, x, y, epochs=3, batch_size=8)
+    assert_same_training(a, b)
+    replicas_equal(grouped)
+    assert grouped.evaluate(x, y, batch_size=8, verbose=0) == single.evaluate(x, y, batch_size=8, verbose=0)
+    sg = grouped._step_graphs
+    assert sg.reason is None and any(k[0] == "train steps" for k in sg._graphs) and sg.last == "replayed"
