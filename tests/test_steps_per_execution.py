@@ -5,12 +5,13 @@ What must hold, and how it is checked:
 
 * The weights, the optimizer's slots and the History are bitwise those of N single
   steps: fit with N=1 against N=3 and N=4 on 10 batches (a multiple of neither), on 1 and
-  2 CPU replicas and on one or two simulated GPUs. There, graphs are captured by the
+  2 CPU replicas, and on a simulated GPU (N=2, Dropout drawing a new mask each step). There,
+  graphs are captured by the
   stand-in of ``tests/test_graphs.py`` (``RecordedGraph``: the calls a capture makes on
   the devices' ops and copies, replayed with the arguments they were captured with), and
   the test counts what the capture path did: ceil(steps / N) replays an epoch once every
-  execution's shape is captured, one graph per shape, N optimizer launches per replica in
-  a full execution's graph.
+  execution's shape is captured, one graph per shape, one optimizer launch per step in an
+  execution's graph. (On a real GPU, the same comparison with real graphs: marked gpu.)
 * The callbacks see what Keras 3 gives (``keras/src/trainers/epoch_iterator.py`` and the
   TensorFlow trainer's fit loop): one ``on_train_batch_begin(begin)`` and one
   ``on_train_batch_end(begin + N - 1)`` per execution, ``begin`` in

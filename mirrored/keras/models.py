@@ -433,9 +433,10 @@ class Model(ModelAPI):
             step, data = 0, iter(batches)
             while steps_per_epoch is None or step < steps_per_epoch:
                 # One execution (Keras's steps_per_execution=N; N=1 by default): up to N
-                # batches, never past the epoch's end (Keras's "truncated to the size of
-                # the epoch"); the batch hooks see its first and its last index,
-                # begin + N - 1 (Keras's, even for a last execution of fewer batches).
+                # batches, never past the epoch's end, as Keras documents it ("truncated to
+                # the size of the epoch"; its TensorFlow loop runs a last execution whole
+                # when the data goes on past steps_per_epoch). The batch hooks see its first
+                # index and begin + N - 1 (Keras's, even for a last execution of fewer batches).
                 n = per_execution if steps_per_epoch is None else min(per_execution, steps_per_epoch - step)
                 chunk = list(itertools.islice(data, n))
                 if not chunk:
