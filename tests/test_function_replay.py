@@ -188,6 +188,47 @@ def test_kept_results_on_a_gpu_stay_their_own(devices, rng, monkeypatch):
     np.testing.assert_array_equal(out.numpy(), want * np.float32(6) + np.float32(1))
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("loss", ["mse", "bce"])
+def test_float_target_losses_replay_bitwise_as_eagerly(devices, rng, loss, replicas):
+    """MeanSquaredError and BinaryCrossentropy take float targets (keras/tape.py
+    ``_targets_on``): kept on the device (BCE's integer labels cast there), not read on
+    the host, so their custom loops trace and replay instead of running eagerly."""
+    devices(cpus=replicas)
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    rows, batch, outputs = 22, 8, 2                            # a short last batch
+    x = rng.standard_normal((rows, 5)).astype(np.float32)
+    if loss == "mse":
+        y, loss_object = rng.standard_normal((rows, outputs)).astype(np.float32), \
+            tf.keras.losses.MeanSquaredError(reduction="none")
+    else:
+        y, loss_object = rng.integers(0, 2, (rows, outputs)).astype(np.int32), \
+            tf.keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+    models = []
+    for _ in range(2):
+        with strategy.scope():
+            models.append(tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.Dense(4, activation="relu"),
+                                               tf.keras.layers.Dense(outputs)]))
+            models[-1].compile(optimizer=tf.keras.optimizers.Adam(0.01), loss=loss_object)
+    models[1].set_weights(models[0].get_weights())
+    start = models[0].get_weights()
+    batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)))
+
+    def distributed(model):
+        train_step = tutorial_train_step(model, batch, loss_object)
+        return lambda b: strategy.reduce("SUM", strategy.run(train_step, args=(b,)), axis=None)
+    eager, replayed = distributed(models[0]), tf.function(distributed(models[1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", traced_function.EagerFallbackWarning)
+        for _ in range(2):
+            for b in batches:
+                np.testing.assert_array_equal(eager(b).numpy(), replayed(b).numpy())
+    assert replayed.experimental_get_tracing_count() == 2      # the full batch, the short one
+    for w0, a, b in zip(start, models[0].get_weights(), models[1].get_weights()):
+        assert not np.array_equal(w0, a), "the loop did not train"
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_host_read_runs_the_function_eagerly_with_one_warning(devices, rng):
     strategy, model, batches, train_step = _setup(devices, rng, replicas=1)
     twin = make_model(strategy, 6, 5, 4, tf.keras.optimizers.Adam(0.01), 0.0)
