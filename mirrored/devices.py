@@ -422,7 +422,7 @@ class CudaDevice(Device):
         # session 7: three uploads a step made up most of a captured step's 0.6 ms).
         # Both sides are whole C-contiguous buffers of the same shape and dtype, checked
         # here, so the byte count is all the copy needs.
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")       # (ascontiguousarray would make a 0-d array 1-d)
         if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
             raise ValueError(f"upload_into: {array.dtype}{list(array.shape)} does not fit the "
                              f"device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")

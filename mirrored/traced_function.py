@@ -39,6 +39,12 @@ that found out has already run eagerly, completely, so nothing runs twice.
 replicas' values are copied to the first replica's device and added there in the order
 the host adds them, so the sum is the same float32 sum.
 
+Across workers (``MultiWorkerMirroredStrategy``) the exchanges are MPI calls made from
+the host, not device calls: the all-reduce between workers (``collective_all_reduce.py``)
+and ``strategy.reduce``'s are host work, recorded as host callbacks that every replay
+runs again at the same point of the step (every worker replays the same calls in the
+same order, as it traced them).
+
 A trace that raises leaves nothing: no record is kept for its key, and the library's
 own ``no_trace`` (``keras/step.py``) has put the step count and buffers back, as eagerly.
 
@@ -435,14 +441,15 @@ def reorder(entries):
     front, middle, back = [], [], []
     for entry in entries:
         moves_front = (isinstance(entry, recording.Upload) or
-                       (isinstance(entry, recording.HostCall) and not entry.reads))
+                       (isinstance(entry, recording.HostCall) and not entry.reads and not entry.stays))
         if moves_front and not _overlaps(entry.buffers(), middle):
             front.append(entry)
         else:
             middle.append(entry)
     kept = []
     for entry in reversed(middle):
-        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes
+        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes \
+            and not entry.stays
         if moves_back and not _overlaps(entry.buffers(), kept):
             back.append(entry)
         else:
@@ -490,15 +497,17 @@ class ReplayGraphs(graphs.StepGraphs):
 
 # --- strategy.reduce inside a trace ----------------------------------------------------------
 
-def reduce_in_trace(strategy, reduce_op, value, axis, on_host):
+def reduce_in_trace(strategy, reduce_op, value, axis, on_host, local=True):
     """``strategy.reduce`` while a trace records: the result stays on the first replica's
     device. Float values across replicas (``axis=None``): copied there and added in
     replica order, as ``strategy.reduce_on_host`` adds them (the same float32 sums),
-    MEAN then divided by the count. Anything else: ``on_host()`` (the host's reduction)
-    run as a host callback at every replay, its result uploaded into one buffer."""
+    MEAN then divided by the count. Anything else, and every value where other workers
+    hold replicas too (``local=False``: ``MultiWorkerMirroredStrategy``): ``on_host()``
+    (the host's reduction) run as a host callback at every replay, its result uploaded
+    into one buffer."""
     dev = strategy.extended.devices[0]
     comps = list(value.values) if isinstance(value, DistributedValues) else [value]
-    if axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
+    if local and axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
                             and c.dtype == comps[0].dtype for c in comps):
         with dev.activate():
             total = dev.empty(comps[0].shape, comps[0].dtype)
@@ -517,7 +526,7 @@ def reduce_in_trace(strategy, reduce_op, value, axis, on_host):
 
 def _reduce_into(dev, made, on_host):
     """``on_host()``'s array uploaded into one buffer of ``dev`` (made the first time)."""
-    host = np.ascontiguousarray(on_host())
+    host = np.asarray(on_host(), order="C")          # (ascontiguousarray would make a scalar 1-d)
     if "buf" not in made:
         with dev.activate():
             made["buf"] = dev.empty(host.shape, host.dtype)
