@@ -16,6 +16,8 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
+import threading
+
 import numpy as np
 
 from kernels import (activations, allreduce, categorical_xent, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
@@ -523,23 +525,53 @@ def blas_policy(environ=None):
                      f"'keep' or a whole number of threads >= 1; unset it for the default (auto).")
 
 
+_POLICY_LOCK = threading.Lock()
+_POLICY_BLOCKS = [0]              # policy blocks of blas_threads open now, in any thread
+
+
 class blas_threads:
     """Context manager: the BLAS at ``blas_policy()``'s thread count inside, as it was after.
 
     ``with backends.blas_threads(): model.fit(...)`` is what fit, evaluate and predict do
-    (keras/models.py). Nested uses (fit's validation pass) keep the outer count. Only
-    the process's BLAS is touched (threadpoolctl), never the environment."""
+    (keras/models.py), and the custom loop's steps (``strategy.run``, a ``@function``'s
+    call). Only the process's BLAS is touched (threadpoolctl), never the environment.
+
+    Nested policy blocks (fit's validation pass; ``strategy.run`` inside a ``@function``
+    or inside a loop the user wrapped in one block) keep the outer count and cost
+    nothing: no variable read, no call into the BLAS (``_POLICY_BLOCKS`` counts the
+    open ones). An explicit count (``blas_threads(4)``) always sets it, and restores."""
 
     def __init__(self, threads="policy"):
-        self.threads = blas_policy()[0] if threads == "policy" else threads
+        self.policy = threads == "policy"
+        self.threads = None if self.policy else threads
         self.before = None
+        self.inner = False
 
     def __enter__(self):
+        if self.policy:
+            with _POLICY_LOCK:
+                self.inner = _POLICY_BLOCKS[0] > 0
+                _POLICY_BLOCKS[0] += 1
+            if self.inner:
+                return self                     # the outer block's count is in force
+            try:
+                self.threads = blas_policy()[0]
+            except BaseException:
+                self._close()
+                raise
         if self.threads is not None:
             self.before = set_blas_threads(self.threads)
         return self
 
     def __exit__(self, *exc):
+        if self.policy:
+            self._close()
+            if self.inner:
+                return False
         if self.before is not None and self.before != self.threads:
             set_blas_threads(self.before)
         return False
+
+    def _close(self):
+        with _POLICY_LOCK:
+            _POLICY_BLOCKS[0] -= 1

@@ -49,6 +49,7 @@ import dataclasses
 
 import numpy as np
 
+from mirrored import recording
 from mirrored.ring import RingAllReduce, record_event, wait_event
 
 
@@ -88,6 +89,15 @@ class CollectiveAllReduce(RingAllReduce):
     def _sum_in_place(self, buffers, devices):
         if self.workers.size == 1:
             return super()._sum_in_place(buffers, devices)
+        self._across_workers(buffers, devices)
+
+    @recording.host_work(stays=True)
+    def _across_workers(self, buffers, devices):
+        """The all-reduce over every worker's replicas, in place. Host work for a
+        ``@function``'s trace (``recording.host_work``): the MPI exchanges are driven from
+        the host (and read device chunks on the host), so the trace keeps this whole call
+        as one host callback, run again at each replay on the same buffers, at the same
+        point of the step."""
         self._check(buffers, devices)                     # refuse before anything moves
         size, dtype = int(buffers[0].shape[0]), np.dtype(buffers[0].dtype)
         self._agree(len(devices), size, dtype)

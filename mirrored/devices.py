@@ -154,7 +154,7 @@ class Device:
             self._check_fits(nbytes)
             self._bytes += nbytes
             self.peak_bytes_in_use = max(self.peak_bytes_in_use, self._bytes)
-        weakref.finalize(_memory_owner(buf), self._refund, nbytes)
+        weakref.finalize(memory_owner(buf), self._refund, nbytes)
         return buf
 
     def _refund(self, nbytes):
@@ -255,9 +255,10 @@ class Device:
         return None, self.memory_limit
 
 
-def _memory_owner(buf):
+def memory_owner(buf):
     """The object whose lifetime is the allocation's, so the refund happens when
-    the memory is really freed, not when the first array over it goes.
+    the memory is really freed, not when the first array over it goes (and
+    ``traced_function.OutputPool`` can tell when nothing holds a buffer any more).
 
     * Real numba-cuda: ``buf.gpu_data`` is an ``OwnedPointer``, and every slice or
       reshape gets its *own* ``OwnedPointer`` (a reference count on the allocation).
@@ -421,7 +422,7 @@ class CudaDevice(Device):
         # session 7: three uploads a step made up most of a captured step's 0.6 ms).
         # Both sides are whole C-contiguous buffers of the same shape and dtype, checked
         # here, so the byte count is all the copy needs.
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")       # (ascontiguousarray would make a 0-d array 1-d)
         if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
             raise ValueError(f"upload_into: {array.dtype}{list(array.shape)} does not fit the "
                              f"device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")

@@ -64,9 +64,10 @@ from mirrored import nest
 from mirrored.collective_all_reduce import CollectiveAllReduce
 from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, choose_devices,
                                host_components, reduce_on_host)
-from mirrored import backends, context, workers as _workers
+from mirrored import backends, context, recording, workers as _workers
 from mirrored.cross_device_ops import ReduceOp
 from mirrored.tensor import HostTensor, Tensor
+from mirrored.traced_function import reduce_in_trace
 from mirrored.values import DistributedValues, PerReplica, Variable
 
 
@@ -367,6 +368,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if context.top()[1] is not None:
             raise RuntimeError("strategy.reduce is for cross-replica context; inside the replica "
                                "function use get_replica_context().all_reduce(...).")
+        if recording.active() is not None and not recording.in_host_code():
+            # inside a @function's trace: the exchange between workers is host work, run again
+            # at every replay; the result stays on the first local device (reduce_in_trace)
+            return reduce_in_trace(self, reduce_op, value, axis,
+                                   lambda: self._reduce_across_workers(reduce_op, value, axis), local=False)
+        return HostTensor.wrap(self._reduce_across_workers(reduce_op, value, axis))
+
+    def _reduce_across_workers(self, reduce_op, value, axis):
+        """``reduce`` of the local replicas' values, then of every worker's, as a NumPy array."""
         comps = host_components(value, "reduce")
         local = reduce_on_host(ReduceOp.SUM, comps, axis)
         count = len(comps) if axis is None else sum(c.shape[axis] for c in comps)
@@ -379,10 +389,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         for part, _ in parts[1:]:
             total = total + part
         if reduce_op == ReduceOp.SUM:
-            return HostTensor.wrap(total.astype(comps[0].dtype, copy=False))
+            return total.astype(comps[0].dtype, copy=False)
         count = sum(c for _, c in parts)
         mean = total / count if count else total * np.nan
-        return HostTensor.wrap(mean.astype(comps[0].dtype) if comps[0].dtype.kind == "f" else mean)
+        return mean.astype(comps[0].dtype) if comps[0].dtype.kind == "f" else mean
 
     def gather(self, value, axis):
         """Every replica's value (every worker's) concatenated along ``axis``, in replica order."""

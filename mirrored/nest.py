@@ -25,19 +25,22 @@ def flatten(structure):
 
 def pack_sequence_as(structure, leaves):
     """Rebuild ``structure``'s shape from a flat list of ``leaves``."""
-    it = iter(leaves)
+    return _build(structure, iter(leaves))
 
-    def build(s):
-        if isinstance(s, dict):
-            built = {k: build(s[k]) for k in sorted(s)}
-            return type(s)((k, built[k]) for k in s)
-        if _is_namedtuple(s):
-            return type(s)(*[build(v) for v in s])
-        if isinstance(s, (list, tuple)):
-            return type(s)(build(v) for v in s)
-        return next(it)
 
-    return build(structure)
+def _build(s, it):
+    # A module-level function, not a closure over ``it`` calling itself: such a closure
+    # is a reference cycle (the function, its cell, the iterator over the leaves) that
+    # keeps every leaf alive until the garbage collector runs, so a returned tensor's
+    # buffer would look held (traced_function.OutputPool) and memory would be freed late.
+    if isinstance(s, dict):
+        built = {k: _build(s[k], it) for k in sorted(s)}
+        return type(s)((k, built[k]) for k in s)
+    if _is_namedtuple(s):
+        return type(s)(*[_build(v, it) for v in s])
+    if isinstance(s, (list, tuple)):
+        return type(s)(_build(v, it) for v in s)
+    return next(it)
 
 
 def map_structure(fn, *structures):

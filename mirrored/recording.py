@@ -153,15 +153,18 @@ class HostCall:
     ``reads``/``writes``: the device buffers it read (``to_numpy``) and wrote
     (``upload_into``) while tracing; ``traced_function.py`` may move a call that only writes
     to the start of the replay, and one that only reads to its end, so that the
-    launches between them form one CUDA graph. ``undo()``: what puts the host state
-    back if the replay fails after this call ran (None: nothing to put back)."""
+    launches between them form one CUDA graph. ``stays``: never moved (it touches device
+    memory in ways not noted here: MPI reading and writing CPU buffers in place).
+    ``undo()``: what puts the host state back if the replay fails after this call ran
+    (None: nothing to put back)."""
 
-    __slots__ = ("fn", "args", "kwargs", "reads", "writes", "undo_with")
+    __slots__ = ("fn", "args", "kwargs", "reads", "writes", "undo_with", "stays")
 
-    def __init__(self, fn, args, kwargs, undo_with=None):
+    def __init__(self, fn, args, kwargs, undo_with=None, stays=False):
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.reads, self.writes = [], []
         self.undo_with = undo_with
+        self.stays = stays
 
     def run(self):
         """Run it; returns a function that undoes its host-side effect (or None)."""
@@ -231,7 +234,7 @@ def unrecordable(reason):
         rec.refuse(reason)
 
 
-def host_work(fn=None, *, restores=None):
+def host_work(fn=None, *, restores=None, stays=False):
     """Decorator: ``fn`` is host work that a replay must do again, every call.
 
     Outside a trace ``fn`` just runs. Inside one it runs now and is recorded as a
@@ -241,9 +244,11 @@ def host_work(fn=None, *, restores=None):
     ``update_state``. Its return value is used by the trace only: work whose result
     steers the device work cannot be a callback. ``restores``: the name of an attribute
     of ``fn``'s first argument that a replay puts back if it fails after this call
-    (``Optimizer.begin_step``: ``"step_count"``, so a failed step is not counted)."""
+    (``Optimizer.begin_step``: ``"step_count"``, so a failed step is not counted).
+    ``stays``: the replay runs it exactly where the trace did, between the same launches
+    (``HostCall.stays``: the all-reduce across workers, ``collective_all_reduce.py``)."""
     if fn is None:
-        return lambda f: host_work(f, restores=restores)
+        return lambda f: host_work(f, restores=restores, stays=stays)
     undo_with = None if restores is None else functools.partial(_restorer, restores)
 
     @functools.wraps(fn)
@@ -251,7 +256,7 @@ def host_work(fn=None, *, restores=None):
         rec = _current
         if rec is None or in_host_code():
             return fn(*args, **kwargs)
-        call = HostCall(fn, args, kwargs, undo_with)
+        call = HostCall(fn, args, kwargs, undo_with, stays)
         _local.depth = 1
         _local.call = call
         try:

@@ -37,7 +37,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import context, nest, recording
+from mirrored import backends, context, nest, recording
 from mirrored import devices as _dev
 from mirrored.traced_function import reduce_in_trace
 from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice
@@ -353,7 +353,9 @@ class Strategy:
 
     # -- running replicas
     def run(self, fn, args=(), kwargs=None, options=None):
-        """Call ``fn(*args, **kwargs)`` once per replica; returns PerReplica (or plain) values."""
+        """Call ``fn(*args, **kwargs)`` once per replica; returns PerReplica (or plain) values.
+        The replicas run under the CPU's BLAS-thread policy, as ``fit``'s steps do
+        (``backends.blas_threads``)."""
         kwargs = kwargs or {}
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is not None and not isinstance(strategy, DefaultStrategy):
@@ -365,15 +367,16 @@ class Strategy:
                 f"the scope of {strategy!r}. Call run outside that scope, or enter "
                 f"{self!r}.scope() instead (variables and replicas belong to one strategy).")
         outer = [e for e in context.stack() if e[1] is None]
-        if len(self._extended.devices) == 1:
-            dev = self._extended.devices[0]
-            context.push(self, ReplicaContext(self, 0))
-            try:
-                with _dev.device_scope(dev):
-                    return fn(*select_replica(0, args), **select_replica(0, kwargs))
-            finally:
-                context.pop()
-        results = self._extended.worker_pool().run(fn, args, kwargs, outer or [(self, None)], ReplicaContext)
+        with backends.blas_threads():    # the CPU's BLAS-thread policy, as fit's (nested: free)
+            if len(self._extended.devices) == 1:
+                dev = self._extended.devices[0]
+                context.push(self, ReplicaContext(self, 0))
+                try:
+                    with _dev.device_scope(dev):
+                        return fn(*select_replica(0, args), **select_replica(0, kwargs))
+                finally:
+                    context.pop()
+            results = self._extended.worker_pool().run(fn, args, kwargs, outer or [(self, None)], ReplicaContext)
         return regroup(results)
 
     # -- combining results

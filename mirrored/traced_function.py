@@ -20,9 +20,13 @@ What TensorFlow does, and what this file does in its place:
    ``strategy.run`` replica threads, no tape. On CPU devices this is the launch list;
    on one GPU card the launches between two host callbacks are captured once as a
    CUDA graph and replayed as one (``graphs.StepGraphs``, ``ReplayGraphs`` below).
-4. **Outputs.** What the function returns is copied into fresh buffers on its device
-   (a replay rewrites the record's own): ``total_loss += step(batch)`` adds on the
-   device, with no host read per step, and ``float(total_loss)`` reads it.
+4. **Outputs.** What the function returns is copied out of the record's buffers (a
+   replay rewrites those) into buffers of its device that the caller gets to keep:
+   ``total_loss += step(batch)`` adds on the device, with no host read per step, and
+   ``float(total_loss)`` reads it. Those buffers come from a small pool per returned
+   tensor (``OutputPool``): one is used again only once nothing holds it any more, so a
+   kept result (``losses.append(step(x))``) keeps its own step's value, and a loop that
+   keeps nothing allocates nothing per step.
 
 What cannot be recorded is run eagerly, with one warning naming the user's line and
 why (``EagerFallbackWarning``): a host read of a device value while tracing (``float``
@@ -34,6 +38,12 @@ that found out has already run eagerly, completely, so nothing runs twice.
 ``strategy.reduce`` inside a trace stays on the device (``reduce_in_trace``): the
 replicas' values are copied to the first replica's device and added there in the order
 the host adds them, so the sum is the same float32 sum.
+
+Across workers (``MultiWorkerMirroredStrategy``) the exchanges are MPI calls made from
+the host, not device calls: the all-reduce between workers (``collective_all_reduce.py``)
+and ``strategy.reduce``'s are host work, recorded as host callbacks that every replay
+runs again at the same point of the step (every worker replays the same calls in the
+same order, as it traced them).
 
 A trace that raises leaves nothing: no record is kept for its key, and the library's
 own ``no_trace`` (``keras/step.py``) has put the step count and buffers back, as eagerly.
@@ -47,11 +57,12 @@ Neighbours: ``recording.py`` (what is recorded, how), ``graphs.py`` (CUDA graphs
 (``begin_step``, a host callback), ``tensor.py`` (``tf.print``, a host callback).
 """
 import functools
+import sys
 import warnings
 
 import numpy as np
 
-from mirrored import backends, context, graphs, nest, recording
+from mirrored import backends, context, devices, graphs, nest, recording
 from mirrored.tensor import Tensor, TensorSpec, as_function_output
 from mirrored.values import DistributedValues, Variable
 
@@ -229,16 +240,6 @@ def _tensors(leaf):
     return []
 
 
-def fresh(leaf):
-    """An output leaf with every tensor copied into a new buffer of its device (the
-    record's own buffers are rewritten by the next replay)."""
-    if isinstance(leaf, Tensor):
-        return Tensor(_copy(leaf), leaf.dev)
-    if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
-        return type(leaf)([fresh(c) for c in leaf.values])
-    return leaf
-
-
 def _copy(tensor):
     """A new buffer on the tensor's device holding a copy of its values."""
     dev = tensor.dev
@@ -258,6 +259,7 @@ class Trace:
         self.slots = slots
         self.entries = list(entries)
         self.result = result
+        self.pools = None                          # id(returned tensor) -> OutputPool (outputs)
         self.devices = _devices_of(self.entries)
         self.graphs = ReplayGraphs.for_devices(self.devices)
         if self.graphs is None:
@@ -266,26 +268,27 @@ class Trace:
             self.segments = segments(reorder(self.entries))
 
     def outputs(self):
-        return nest.map_structure(self._fresh, self.result)
-
-    def _fresh(self, leaf):
-        """``fresh(leaf)`` for what the record writes; a tensor it never touches (one the
+        """What this call returns: the record's result, each tensor the record writes
+        copied into a buffer of its ``OutputPool``; a tensor it never touches (one the
         function captured and returns as it is) comes back as itself."""
-        written = self.__dict__.get("_written")
-        if written is None:
+        if self.pools is None:
             buffers = [b for e in self.entries for b in e.buffers()] + [buf for _, buf in self.slots.slots]
-            written = self._written = {}
-            for t in (t for leaf in nest.flatten(self.result) for t in _tensors(leaf)):
-                written[id(t)] = _overlaps([t.buf], [_Buffers(buffers)])
-        if isinstance(leaf, Tensor) and not written.get(id(leaf), True):
-            return leaf
+            self.pools = {id(t): OutputPool(t)
+                          for t in (t for leaf in nest.flatten(self.result) for t in _tensors(leaf))
+                          if _overlaps([t.buf], [_Buffers(buffers)])}
+        return nest.map_structure(self._copied, self.result)
+
+    def _copied(self, leaf):
+        if isinstance(leaf, Tensor):
+            pool = self.pools.get(id(leaf))
+            return leaf if pool is None else pool.copy_of(leaf)
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
-            if not any(written.get(id(t), True) for t in _tensors(leaf)):
-                return leaf
-        return fresh(leaf)
+            if any(id(t) in self.pools for t in _tensors(leaf)):
+                return type(leaf)([self._copied(c) for c in leaf.values])
+        return leaf
 
     def replay(self, args, kwargs):
-        """Run the record on a new call's tensors; returns fresh outputs."""
+        """Run the record on a new call's tensors; returns this call's outputs."""
         self.slots.refill(args, kwargs)
         undo = []
         try:
@@ -302,6 +305,73 @@ class Trace:
                 restore()
             raise
         return self.outputs()
+
+
+#: How many buffers an ``OutputPool`` keeps. Two take turns in ``loss = step(x)``; kept
+#: results beyond this many are the caller's alone (the pool forgets them).
+POOL_SIZE = 4
+
+
+class OutputPool:
+    """The buffers one returned tensor of a trace is copied into, each used again only
+    when nothing else holds it.
+
+    Why copy at all: a replay rewrites the record's own buffers, so a result must leave
+    them. Why not one buffer, rewritten each call: the caller may keep a result
+    (``losses.append(step(x))``, read after the loop), and in TensorFlow each call's
+    tensors are its own. Why not a new buffer every call: that is an allocation per
+    returned tensor per step (on a GPU, a cudaMalloc, and numba's deferred frees that
+    synchronise the card).
+
+    When is a buffer free? When no Tensor, view or NumPy array refers to its memory.
+    Python counts references, so the pool asks (``_references``): ``sys.getrefcount`` of
+    the buffer and of the object that owns its memory (``devices.memory_owner``: the
+    array itself on a CPU, the simulator's NumPy array, the GPU allocation every view
+    counts on), compared with the counts they had when the buffer was new, held by the
+    pool alone. A returned Tensor holds the buffer; a reshape or slice of it holds the
+    owner: either keeps the buffer theirs. (A weakref on the returned Tensor would miss
+    a view that outlives it.)
+
+    In ``loss = step(x)`` the previous result is still bound while the next call runs,
+    so two buffers take turns: no allocation after the first two calls. When all
+    ``POOL_SIZE`` are held, a new buffer is made and the oldest is forgotten (it is the
+    caller's; Python frees it when they drop it). ``allocations`` counts what was made."""
+
+    def __init__(self, tensor):
+        self.dev, self.shape, self.dtype = tensor.dev, tensor.shape, tensor.dtype
+        self.entries = []              # [buffer, its owner's reference count when held by the pool alone]
+        self.oldest = 0                # the entry to forget next when all are held
+        self.allocations = 0
+
+    def copy_of(self, tensor):
+        """A Tensor on a free buffer of the pool holding a copy of ``tensor``'s values."""
+        buf = self._take()
+        if tensor.buf.size:
+            with self.dev.activate():
+                self.dev.copy_into(buf, tensor.buf)
+        return Tensor(buf, self.dev)
+
+    def _take(self):
+        for entry in self.entries:
+            if _references(entry) == entry[1]:      # as when the pool alone held it
+                return entry[0]
+        with self.dev.activate():
+            entry = [self.dev.empty(self.shape, self.dtype), 0]
+        entry[1] = _references(entry)          # the same way as the check above: the same count
+        self.allocations += 1
+        if len(self.entries) < POOL_SIZE:
+            self.entries.append(entry)
+        else:
+            self.entries[self.oldest] = entry
+            self.oldest = (self.oldest + 1) % POOL_SIZE
+        return entry[0]
+
+
+def _references(entry):
+    """References to ``entry[0]`` (an ``OutputPool`` entry's buffer) and to the object
+    owning its memory: a Tensor holds the buffer (a GPU array holds the owner, once,
+    however many Tensors hold the array), a view holds the owner."""
+    return sys.getrefcount(entry[0]), sys.getrefcount(devices.memory_owner(entry[0]))
 
 
 class _Buffers:
@@ -371,14 +441,15 @@ def reorder(entries):
     front, middle, back = [], [], []
     for entry in entries:
         moves_front = (isinstance(entry, recording.Upload) or
-                       (isinstance(entry, recording.HostCall) and not entry.reads))
+                       (isinstance(entry, recording.HostCall) and not entry.reads and not entry.stays))
         if moves_front and not _overlaps(entry.buffers(), middle):
             front.append(entry)
         else:
             middle.append(entry)
     kept = []
     for entry in reversed(middle):
-        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes
+        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes \
+            and not entry.stays
         if moves_back and not _overlaps(entry.buffers(), kept):
             back.append(entry)
         else:
@@ -426,15 +497,17 @@ class ReplayGraphs(graphs.StepGraphs):
 
 # --- strategy.reduce inside a trace ----------------------------------------------------------
 
-def reduce_in_trace(strategy, reduce_op, value, axis, on_host):
+def reduce_in_trace(strategy, reduce_op, value, axis, on_host, local=True):
     """``strategy.reduce`` while a trace records: the result stays on the first replica's
     device. Float values across replicas (``axis=None``): copied there and added in
     replica order, as ``strategy.reduce_on_host`` adds them (the same float32 sums),
-    MEAN then divided by the count. Anything else: ``on_host()`` (the host's reduction)
-    run as a host callback at every replay, its result uploaded into one buffer."""
+    MEAN then divided by the count. Anything else, and every value where other workers
+    hold replicas too (``local=False``: ``MultiWorkerMirroredStrategy``): ``on_host()``
+    (the host's reduction) run as a host callback at every replay, its result uploaded
+    into one buffer."""
     dev = strategy.extended.devices[0]
     comps = list(value.values) if isinstance(value, DistributedValues) else [value]
-    if axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
+    if local and axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
                             and c.dtype == comps[0].dtype for c in comps):
         with dev.activate():
             total = dev.empty(comps[0].shape, comps[0].dtype)
@@ -453,7 +526,7 @@ def reduce_in_trace(strategy, reduce_op, value, axis, on_host):
 
 def _reduce_into(dev, made, on_host):
     """``on_host()``'s array uploaded into one buffer of ``dev`` (made the first time)."""
-    host = np.ascontiguousarray(on_host())
+    host = np.asarray(on_host(), order="C")          # (ascontiguousarray would make a scalar 1-d)
     if "buf" not in made:
         with dev.activate():
             made["buf"] = dev.empty(host.shape, host.dtype)

@@ -328,3 +328,24 @@ def run_smoke(module, *args, env=None, cwd=None):
     assert not quiet or proc.wall_s < SMOKE_LIMIT_S, (
         f"benchmarks.{module} --smoke took {proc.wall_s:.0f} s on a quiet machine (limit {SMOKE_LIMIT_S})")
     return proc
+
+
+def tutorial_train_step(model, global_batch_size, loss_object=None):
+    """TensorFlow's MirroredStrategy tutorial's ``train_step``, written once for the tests
+    that run it (tests/test_function_replay.py, tests/test_faults_round4_runtime.py): the
+    forward pass under a tape, the per-example loss (``loss_object``, by default sparse
+    categorical cross-entropy on logits) averaged over ``global_batch_size``, the gradients
+    applied by ``model.optimizer``. Returns this replica's loss."""
+    import mirrored as tf
+    if loss_object is None:
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)),
+                                              global_batch_size=global_batch_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return train_step

@@ -5,6 +5,7 @@
     mpiexec -n 2 python tests/multiworker_cases.py ring-gpus OUT [--gpus 2]
     mpiexec -n 2 python tests/multiworker_cases.py fail OUT
     mpiexec -n 2 python tests/multiworker_cases.py stall OUT
+    mpiexec -n 2 python tests/multiworker_cases.py function OUT
 
 Each case writes what it measured into OUT as ``<case>_rank<r>.npz`` (the test
 compares the workers with each other and with one replica on the global batch,
@@ -243,6 +244,46 @@ def case_ring_gpus(out, gpus=2):
 RING_GPU_SIZES = (1, 5, 33, 1001)        # awkward: empty chunks, uneven chunks
 
 
+def case_function(out):
+    """The tutorial's custom loop eagerly and under ``@tf.function`` (traced once, then
+    replayed: the cross-worker ring a host callback, strategy.reduce across workers too),
+    from the same start; no eager fallback allowed."""
+    import warnings
+
+    from mirrored import traced_function
+    warnings.simplefilter("error", traced_function.EagerFallbackWarning)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    rank = strategy.cluster_resolver.task_id
+    x, y = data()
+    x = x + np.float32(rank)                    # each worker its own rows: the ring must carry them
+    full = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH, drop_remainder=True)
+    models = [build(strategy) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    start = models[0].get_weights()
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def distributed(model):
+        def train_step(inputs):
+            features, labels = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_object(labels, model(features, training=True)),
+                                                  global_batch_size=GLOBAL_BATCH)
+            model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                                model.trainable_variables))
+            return loss
+        return lambda b: strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(train_step, args=(b,)), axis=None)
+    eager, replayed = distributed(models[0]), tf.function(distributed(models[1]))
+    losses = [[], []]
+    for batch in strategy.experimental_distribute_dataset(full):
+        losses[0].append(float(eager(batch)))
+        losses[1].append(float(replayed(batch)))
+    np.savez(os.path.join(out, f"function_rank{rank}.npz"), losses=np.array(losses),
+             traces=replayed.experimental_get_tracing_count(),
+             start=np.concatenate([w.ravel() for w in start]),
+             eager=np.concatenate([w.ravel() for w in models[0].get_weights()]),
+             replayed=np.concatenate([w.ravel() for w in models[1].get_weights()]))
+
+
 if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
@@ -256,5 +297,7 @@ if __name__ == "__main__":
         case_fail(out)
     elif case == "stall":
         case_stall(out)
+    elif case == "function":
+        case_function(out)
     else:
         raise SystemExit(f"unknown case {case!r}")

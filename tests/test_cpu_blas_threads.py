@@ -118,3 +118,47 @@ def test_info_reports_the_blas_and_the_policy_in_force(monkeypatch):
     assert "conv loops" in text and "MIRRORED_CPU_THREADS" in text
     monkeypatch.setenv("MIRRORED_BLAS_THREADS", "lots")
     assert "BLAS policy  invalid: MIRRORED_BLAS_THREADS='lots'" in report()    # said, not raised
+
+
+@pytest.mark.skipif(backends.blas_info()["threads"] is None, reason="no BLAS whose threads we can set")
+def test_the_custom_loop_runs_at_the_policys_thread_count_eagerly_and_replayed(monkeypatch, devices, rng):
+    """``strategy.run`` (eager) and a ``@function``'s replay run their steps inside the
+    policy, as fit does, and give the BLAS back; inside an outer policy block (the replay
+    calls strategy.run while tracing; a user's own block) they touch the BLAS not at all."""
+    from mirrored.backends import CpuOps
+    from test_one_step import make_model
+    from conftest import tutorial_train_step
+    for var in backends.BLAS_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "2")
+    start = 3                                          # not the policy's count: a missed restore shows
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    model = make_model(strategy, 6, 5, 4, tf.keras.optimizers.Adam(0.01), 0.0)
+    x = rng.standard_normal((24, 6)).astype(np.float32)
+    batches = list(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 4, 24))).batch(8)))
+    step = tutorial_train_step(model, 8)
+    replayed = tf.function(lambda b: strategy.run(step, args=(b,)))
+    seen, original = [], CpuOps.adam                  # the update op: run by eager steps and replays
+    monkeypatch.setattr(CpuOps, "adam", lambda self, *a: seen.append(backends.blas_info()["threads"])
+                        or original(self, *a))
+    backends.set_blas_threads(start)
+    try:
+        strategy.run(step, args=(batches[0],))        # eager
+        assert backends.blas_info()["threads"] == start
+        for b in batches:                              # the trace, then two replays
+            replayed(b)
+            assert backends.blas_info()["threads"] == start
+        assert seen == [2] * 8                         # 2 replicas x 4 steps, each at the policy's 2
+        sets = []
+        monkeypatch.setattr(backends, "set_blas_threads", lambda n, _o=backends.set_blas_threads:
+                            sets.append(n) or _o(n))
+        with backends.blas_threads():                  # one block around the loop: one set, one restore
+            for b in batches:
+                strategy.run(step, args=(b,))
+                replayed(b)
+        assert sets == [2, start] and seen[8:] == [2] * 12
+    finally:
+        monkeypatch.undo()
+        backends.set_blas_threads(start)

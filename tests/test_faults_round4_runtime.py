@@ -33,6 +33,7 @@ import weakref
 
 import numpy as np
 import pytest
+from conftest import tutorial_train_step
 
 import mirrored as tf
 from mirrored import launcher, mirrored_run
@@ -248,16 +249,7 @@ def test_sigint_between_two_simulated_gpus_updates_waits_for_the_second(devices,
 
 def custom_loop(strategy, model, data, epochs):
     """The tutorial's loop: strategy.run(train_step) over the distributed batches."""
-    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-    def train_step(inputs):
-        images, labels = inputs
-        with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)),
-                                              global_batch_size=BATCH)
-        grads = tape.gradient(loss, model.trainable_variables)
-        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
+    train_step = tutorial_train_step(model, BATCH)
     dataset = tf.data.Dataset.from_tensor_slices(data).batch(BATCH)
     for _ in range(epochs):
         for batch in strategy.experimental_distribute_dataset(dataset):

@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import tutorial_train_step
 from test_one_step import OPTIMIZERS, custom_loop, make_model
 
 import mirrored as tf
@@ -75,17 +76,7 @@ def _setup(devices, rng, replicas=2, batch=8, steps=3):
     x = rng.standard_normal((batch * steps, 6)).astype(np.float32)
     y = rng.integers(0, 4, len(x))
     batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)))
-    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-    def train_step(inputs):
-        images, labels = inputs
-        with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)),
-                                              global_batch_size=batch)
-        grads = tape.gradient(loss, model.trainable_variables)
-        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-    return strategy, model, batches, train_step
+    return strategy, model, batches, tutorial_train_step(model, batch)
 
 
 def test_print_runs_while_tracing_and_tf_print_every_call(devices, rng, capsys):
@@ -128,6 +119,116 @@ def test_returned_tensors_accumulate_on_the_device(devices, rng):
     assert len({float(v) for v in kept}) == len(kept)      # each call's own value
 
 
+def test_kept_results_stay_their_own_and_a_loop_keeping_none_allocates_none(devices, rng, monkeypatch):
+    """Returned tensors come from a pool of buffers per output (traced_function.OutputPool):
+    a result the caller keeps (a list of losses, a view of one) is never rewritten by a later
+    replay; where the caller keeps nothing, a replay allocates nothing on the devices."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    features, rows, batch = 6, 48, 4
+    models = [make_model(strategy, features, 5, 4, tf.keras.optimizers.Adam(0.01), 0.0) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    x = rng.standard_normal((rows, features)).astype(np.float32)
+    batches = list(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 4, rows))).batch(batch)))
+
+    def distributed(model):
+        def step(b):
+            per_replica = strategy.run(tutorial_train_step(model, batch), args=(b,))
+            return strategy.reduce("SUM", per_replica, axis=None), per_replica
+        return step
+    eager, replayed = distributed(models[0]), tf.function(distributed(models[1]))
+    expected = [eager(b) for b in batches + batches]
+    expected = [(float(total), [c.numpy() for c in per.values]) for total, per in expected]
+    kept = [replayed(b) for b in batches]                       # every step's results, kept
+    views = [tf.reshape(per.values[1], (1,)) for _, per in kept]   # views outlive their tensor
+    kept = [(total, per.values[0]) for total, per in kept]
+    made = _count_allocations(monkeypatch, strategy.extended.devices)
+    for i, b in enumerate(batches):                             # a loop that keeps nothing
+        total, per = replayed(b)
+        if i == 1:
+            made_by_first_two = len(made)
+    assert made_by_first_two > 0 and len(made) == made_by_first_two, made   # none after two calls
+    assert float(total) == expected[-1][0]
+    for (total, first), view, (want_total, want) in zip(kept, views, expected):
+        assert float(total) == want_total
+        np.testing.assert_array_equal(first.numpy(), want[0])
+        np.testing.assert_array_equal(view.numpy(), want[1].reshape(1))
+    assert len({float(t) for t, _ in kept}) == len(kept)
+    trace, = traced_function_traces(replayed)
+    assert all(len(pool.entries) <= traced_function.POOL_SIZE for pool in trace.pools.values())
+
+
+def _count_allocations(monkeypatch, devs):
+    """A list that gets one item per buffer allocated on ``devs`` from now on."""
+    made = []
+    for cls in {type(d) for d in devs}:
+        original = cls.empty
+        monkeypatch.setattr(cls, "empty", lambda self, *a, _o=original: made.append(a) or _o(self, *a))
+    return made
+
+
+def test_kept_results_on_a_gpu_stay_their_own(devices, rng, monkeypatch):
+    """The pool on (simulated) GPU arrays: a Tensor holds the array, not its memory's owner,
+    and a slice holds the owner, not the array; either keeps the buffer from reuse."""
+    dev, = devices(cpus=1, gpus=1)[1:]
+    with tf.device("GPU:0"):
+        x = tf.constant(rng.standard_normal((3, 2)).astype(np.float32))
+        ks = [tf.constant(np.full((3, 2), k, np.float32)) for k in range(7)]
+    scaled = tf.function(lambda x, k: x * k + 1.0)
+    kept = [scaled(x, k) for k in ks[:4]] + [tf.reshape(scaled(x, k), (6,)) for k in ks[4:6]]
+    made = _count_allocations(monkeypatch, [dev])
+    for _ in range(5):
+        out = scaled(x, ks[6])                             # keeps nothing but the last
+    assert scaled.experimental_get_tracing_count() == 1
+    assert len(made) <= 2, made                            # then two buffers take turns
+    want = x.numpy()
+    for k, got in enumerate(kept):
+        np.testing.assert_array_equal(got.numpy().reshape(3, 2), want * np.float32(k) + np.float32(1))
+    np.testing.assert_array_equal(out.numpy(), want * np.float32(6) + np.float32(1))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("loss", ["mse", "bce"])
+def test_float_target_losses_replay_bitwise_as_eagerly(devices, rng, loss, replicas):
+    """MeanSquaredError and BinaryCrossentropy take float targets (keras/tape.py
+    ``_targets_on``): kept on the device (BCE's integer labels cast there), not read on
+    the host, so their custom loops trace and replay instead of running eagerly."""
+    devices(cpus=replicas)
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    rows, batch, outputs = 22, 8, 2                            # a short last batch
+    x = rng.standard_normal((rows, 5)).astype(np.float32)
+    if loss == "mse":
+        y, loss_object = rng.standard_normal((rows, outputs)).astype(np.float32), \
+            tf.keras.losses.MeanSquaredError(reduction="none")
+    else:
+        y, loss_object = rng.integers(0, 2, (rows, outputs)).astype(np.int32), \
+            tf.keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+    models = []
+    for _ in range(2):
+        with strategy.scope():
+            models.append(tf.keras.Sequential([tf.keras.Input((5,)), tf.keras.layers.Dense(4, activation="relu"),
+                                               tf.keras.layers.Dense(outputs)]))
+            models[-1].compile(optimizer=tf.keras.optimizers.Adam(0.01), loss=loss_object)
+    models[1].set_weights(models[0].get_weights())
+    start = models[0].get_weights()
+    batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)))
+
+    def distributed(model):
+        train_step = tutorial_train_step(model, batch, loss_object)
+        return lambda b: strategy.reduce("SUM", strategy.run(train_step, args=(b,)), axis=None)
+    eager, replayed = distributed(models[0]), tf.function(distributed(models[1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", traced_function.EagerFallbackWarning)
+        for _ in range(2):
+            for b in batches:
+                np.testing.assert_array_equal(eager(b).numpy(), replayed(b).numpy())
+    assert replayed.experimental_get_tracing_count() == 2      # the full batch, the short one
+    for w0, a, b in zip(start, models[0].get_weights(), models[1].get_weights()):
+        assert not np.array_equal(w0, a), "the loop did not train"
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_host_read_runs_the_function_eagerly_with_one_warning(devices, rng):
     strategy, model, batches, train_step = _setup(devices, rng, replicas=1)
     twin = make_model(strategy, 6, 5, 4, tf.keras.optimizers.Adam(0.01), 0.0)
@@ -152,12 +253,9 @@ def test_a_host_read_runs_the_function_eagerly_with_one_warning(devices, rng):
     assert len(seen) == len(batches)               # eager every call: its Python ran each time
     assert int(model.optimizer.iterations) == len(batches)   # no step twice, none skipped
     # the same steps, eagerly, on the twin: the same weights
-    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    twin_step = tutorial_train_step(twin, 8)
     for b in batches:
-        images, labels = b
-        with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(loss_object(labels, twin(images, training=True)), global_batch_size=8)
-        twin.optimizer.apply_gradients(zip(tape.gradient(loss, twin.trainable_variables), twin.trainable_variables))
+        twin_step(b)
     for a, b in zip(model.get_weights(), twin.get_weights()):
         np.testing.assert_array_equal(a, b)
 
@@ -209,25 +307,13 @@ def test_a_failing_trace_or_replay_leaves_no_trace(devices, rng, monkeypatch):
     step(batches[1])
     step(batches[2])
     assert step.experimental_get_tracing_count() == 2
-    custom = lambda b: strategy.run(_twin_step(twin), args=(b,))      # noqa: E731 (eagerly)
+    custom = lambda b: strategy.run(tutorial_train_step(twin, 8), args=(b,))      # noqa: E731 (eagerly)
     for b in batches:
         custom(b)
     assert int(twin.optimizer.iterations) == int(model.optimizer.iterations) == 3
     # the failed replay's forward and backward had run; the update had not: weights as eager
     for a, b in zip(model.get_weights(), twin.get_weights()):
         np.testing.assert_array_equal(a, b)
-
-
-def _twin_step(model):
-    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-    def train_step(inputs):
-        images, labels = inputs
-        with tf.GradientTape() as tape:
-            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)), global_batch_size=8)
-        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return loss
-    return train_step
 
 
 def test_the_step_reorders_into_one_run_of_launches_with_the_same_result(devices, rng):
@@ -240,7 +326,7 @@ def test_the_step_reorders_into_one_run_of_launches_with_the_same_result(devices
     accuracy = [tf.keras.metrics.SparseCategoricalAccuracy() for _ in range(2)]
 
     def make(m, acc):
-        inner = _twin_step(m)
+        inner = tutorial_train_step(m, 8)
 
         def step_fn(inputs):
             loss = inner(inputs)
@@ -306,8 +392,8 @@ def test_the_replay_captured_as_graphs_trains_as_eagerly(devices, rng, monkeypat
     x = rng.standard_normal((rows, features)).astype(np.float32)
     y = rng.integers(0, 3, rows)
     batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)))
-    eager, replayed = (lambda b: strategy.run(_twin_step(models[0]), args=(b,))), \
-        tf.function(lambda b: strategy.run(_twin_step(models[1]), args=(b,)))
+    eager, replayed = (lambda b: strategy.run(tutorial_train_step(models[0], batch), args=(b,))), \
+        tf.function(lambda b: strategy.run(tutorial_train_step(models[1], batch), args=(b,)))
     for b in batches:
         eager(b)
         replayed(b)

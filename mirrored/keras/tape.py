@@ -109,18 +109,31 @@ def _labels_on(dev, y_true):
 
 
 def _targets_on(dev, y_true, b, cols):
-    """Float targets of the output's shape (b, cols) on ``dev`` (MSE, BCE)."""
+    """Float targets of the output's shape (b, cols) on ``dev`` (MSE, BCE). A tensor stays
+    on its device (float32: its own buffer; other dtypes: cast there), so a traced
+    ``@function`` can replay the loss on each new batch (a host read would freeze it)."""
     if isinstance(y_true, Tensor):
         if y_true.dev is not dev:
             raise ValueError(f"targets are on {y_true.device} but the predictions on {dev.name}: "
                              f"use the targets of the same replica (inside strategy.run).")
-        y_true = y_true.numpy()
+        if y_true.dtype == np.float32 or y_true.dtype.name in CAST_DTYPES:
+            _check_targets(y_true.shape, b, cols)
+            flat = y_true.buf.reshape(b * cols)
+            if y_true.dtype != np.float32:
+                with dev.activate():
+                    flat = dev.ops.cast(flat, dev.empty((b * cols,), np.float32))
+            return flat.reshape(b, cols)
+        y_true = y_true.numpy()                  # no cast kernel for its dtype: via the host
     arr = np.asarray(y_true, np.float32)
-    if arr.size != b * cols or arr.shape[:1] != (b,):
-        raise ValueError(f"targets of shape {arr.shape} for predictions of shape {(b, cols)}: "
-                         f"give one target per output, shape ({b}, {cols}).")
+    _check_targets(arr.shape, b, cols)
     with dev.activate():
         return dev.from_numpy(np.ascontiguousarray(arr.reshape(b, cols)))
+
+
+def _check_targets(shape, b, cols):
+    if int(np.prod(shape)) != b * cols or tuple(shape[:1]) != (b,):
+        raise ValueError(f"targets of shape {tuple(shape)} for predictions of shape {(b, cols)}: "
+                         f"give one target per output, shape ({b}, {cols}).")
 
 
 def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
