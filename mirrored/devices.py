@@ -333,7 +333,7 @@ class CudaDevice(Device):
         self._multiprocessors = None         # read once (``multiprocessors``)
 
     def activate(self):
-        return numba_cuda().gpus[self.gpu_id]
+        return _Activation(self.gpu_id)
 
     def _alloc(self, make, nbytes):
         self._check_fits(nbytes)
@@ -441,7 +441,7 @@ class CudaDevice(Device):
         """The streaming multiprocessors of this device's GPU (read once: asking the
         driver costs ~25 µs a call, and ``gemm`` chooses its version by it every call)."""
         if self._multiprocessors is None:
-            gpu = self.activate()         # numba's device: its attributes are the driver's
+            gpu = numba_cuda().gpus[self.gpu_id]   # numba's device: its attributes are the driver's
             with gpu:
                 self._multiprocessors = int(getattr(gpu, "MULTIPROCESSOR_COUNT", 1))
         return self._multiprocessors
@@ -471,6 +471,43 @@ class CudaDevice(Device):
         if self.memory_limit is not None:
             return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
         return free, total
+
+
+# -- making a GPU's context current, once --------------------------------------------------
+
+_current = threading.local()    # .gpu: the GPU whose context this thread's _Activation made current
+
+
+class _Activation:
+    """``CudaDevice.activate()``: make the GPU's primary context current in this thread for
+    the block, unless an enclosing ``activate()`` of the same GPU already did.
+
+    numba's ``with cuda.gpus[i]:`` pushes the context and pops it again, always: two
+    driver calls and ~10 µs of Python each time. One step entered it six times (its input
+    copy, x's and y's uploads inside it, the layers' buffers, the optimizer's scalars, the
+    graph's launch), every time for the context already current. Now the step enters its
+    device once around all of it (``graphs.CapturedStep.train``) and the blocks inside
+    find the context current and do nothing. Blocks nest lexically (``with``), so this
+    thread's record of the innermost one is exact; a different GPU inside pushes its own
+    context and puts the record back when it pops. Each thread has its own record, as
+    CUDA has a current context per thread."""
+
+    __slots__ = ("gpu_id", "outer")
+
+    def __init__(self, gpu_id):
+        self.gpu_id, self.outer = gpu_id, None
+
+    def __enter__(self):
+        self.outer = getattr(_current, "gpu", None)
+        if self.outer != self.gpu_id:
+            numba_cuda().gpus[self.gpu_id].__enter__()
+            _current.gpu = self.gpu_id
+
+    def __exit__(self, *exc):
+        if self.outer != self.gpu_id:
+            _current.gpu = self.outer
+            numba_cuda().gpus[self.gpu_id].__exit__(*exc)
+        return False
 
 
 # -- the host thread's launches: to every device or to none ----------------------------------
