@@ -6,8 +6,9 @@ Python objects, so the calls a step makes on them can be counted exactly, as on 
 
 * context switches: ``CudaDevice.activate`` pushes a context only where the block's GPU is
   not already current in this thread (mirrored/devices.py, ``_Activation``): a captured step
-  pushes one per step, whatever the number of replicas of its card (it pushed 5 with one
-  replica, 9 with two, before);
+  pushes one per step, whatever the number of replicas of its card (before: 8 with one
+  replica and 24 with two here, where the stand-in replays by rerunning the device part's
+  Python; 6 with one replica on a GPU, where the replay is one call);
 * waits: ``fit(verbose=0)`` waits on the devices no more often than ``fit(verbose=1)``
   (the issue measured the quiet run twice as slow; the cause was elsewhere: see
   benchmarks/host_profile.py);
