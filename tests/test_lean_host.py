@@ -209,3 +209,30 @@ def test_shuffling_a_cached_data_set_by_row_number_sets_up_no_cpu_compiler():
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_building_the_lab_model_launches_no_kernel(devices, monkeypatch):
+    """Building a model allocates and copies; it launches nothing. On a GPU the first kernel
+    launch of a process loads it (and sets up numba-cuda's dispatcher): that belongs to the
+    first step, not to the ``with strategy.scope():`` cell (0.8 s on the H200, issue 40).
+    The zeros (packed gradients, metric sums) are copied from the host instead of filled by
+    a kernel; fit's weights are unchanged (tests/test_one_step.py, test_training.py)."""
+    devices(gpus=1)
+    from numba.cuda.simulator import kernel as sim_kernel
+    from mirrored.lab.workflow import make_model
+    launches = []
+    call = sim_kernel.FakeCUDAKernel.__call__
+
+    def counted(self, *args):
+        launches.append(getattr(self, "fn", self))
+        return call(self, *args)
+    monkeypatch.setattr(sim_kernel.FakeCUDAKernel, "__call__", counted)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0"])
+    with strategy.scope():
+        model = make_model("conv")
+    assert launches == []
+    program = model.step.programs[0]
+    assert np.array_equal(model.step.pack.grads[0].copy_to_host(), np.zeros(model.step.pack.total, np.float32))
+    assert program.read_metrics() == (0.0, 0.0, 0.0)
+    program.zero_metrics()                      # an epoch's start: a fill kernel
+    assert len(launches) == 1, "the counter counts launches"
