@@ -5,9 +5,9 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,498 in all)::
+Reading order: one training step in five files (lines at this writing; 1,497 in all)::
 
-    1. keras/step.py        277  Step.train: the whole step in four visible calls --
+    1. keras/step.py        276  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  ``fit`` (keras/models.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4

@@ -51,6 +51,9 @@ MIB = 1024 * 1024
 #: through: two, so the host fills one while the copy queued the step before may
 #: still be reading the other.
 STAGING_BUFFERS = 2
+#: Where ``CudaDevice.empty_parts`` starts each part: a multiple of this many bytes (every
+#: dtype's alignment, and the 256 bytes cudaMalloc itself aligns to).
+PART_ALIGN = 256
 
 
 class LogicalDeviceConfiguration:
@@ -243,6 +246,17 @@ class Device:
         """
         raise NotImplementedError
 
+    def empty_parts(self, specs):
+        """Arrays of ``specs`` [(shape, dtype), ...] that ``upload_parts`` fills together: on
+        a GPU, views of one allocation, so one copy fills them all (``CudaDevice``); here,
+        separate arrays."""
+        return tuple(self.empty(shape, dtype) for shape, dtype in specs)
+
+    def upload_parts(self, dsts, arrays):
+        """``upload_into(dst, array)`` for each pair: a step's x and y."""
+        for dst, array in zip(dsts, arrays):
+            self.upload_into(dst, array)
+
     def synchronize(self):
         """Wait until every kernel and copy queued on this device has finished."""
 
@@ -330,6 +344,7 @@ class CudaDevice(Device):
             self.stream = numba_cuda().stream()   # never the legacy default stream
         self.ops = CudaOps(self)
         self._staging = {}                   # (shape, dtype) -> [[pinned host array, event], ...]
+        self._parts = {}                     # id(empty_parts' first view) -> its allocation, layout
         self._multiprocessors = None         # read once (``multiprocessors``)
 
     def activate(self):
@@ -435,6 +450,48 @@ class CudaDevice(Device):
             copy_host_to_device(dst, host, self.stream)
             copied.record(self.stream)
         return dst
+
+    def empty_parts(self, specs):
+        # Views of ONE allocation, each at a multiple of PART_ALIGN bytes, so that
+        # ``upload_parts`` fills them with one host-to-device copy from one pinned buffer:
+        # a step's x and y were two copies, each with its own staging buffer and event
+        # (issue 40: a captured step's host time is mostly such driver calls).
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            end = -(-(end + nbytes) // PART_ALIGN) * PART_ALIGN
+        base = self.empty((max(end, 1),), np.uint8)
+        views = tuple(base[off:off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+                      .view(np.dtype(dtype)).reshape(shape)
+                      for off, (shape, dtype) in zip(offsets, specs))
+        # Keyed by the first view, forgotten with it (the entry holds no view strongly: it
+        # would keep itself alive, and the allocation with it).
+        key = id(views[0])
+        self._parts[key] = (weakref.ref(views[0]), base, offsets,
+                            [(tuple(v.shape), np.dtype(v.dtype)) for v in views])
+        weakref.finalize(views[0], self._parts.pop, key, None)
+        return views
+
+    def upload_parts(self, dsts, arrays):
+        first, base, offsets, specs = self._parts.get(id(dsts[0]), (None, None, (), ()))
+        owner = _memory_owner(base) if base is not None else None
+        if (first is None or first() is not dsts[0] or len(dsts) != len(specs) or
+                any((tuple(d.shape), np.dtype(d.dtype)) != spec or _memory_owner(d) is not owner
+                    for d, spec in zip(dsts, specs))):
+            return super().upload_parts(dsts, arrays)        # not the views of one empty_parts
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        for dst, array in zip(dsts, arrays):
+            if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
+                raise ValueError(f"upload_parts: {array.dtype}{list(array.shape)} does not fit "
+                                 f"the device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")
+        with self.activate():
+            host, copied = self._staging_slot(base.shape, base.dtype)
+            copied.synchronize()          # its last copy has read it (see upload_into)
+            for off, array in zip(offsets, arrays):
+                host[off:off + array.nbytes] = array.reshape(-1).view(np.uint8)
+            copy_host_to_device(base, host, self.stream)
+            copied.record(self.stream)
 
     @property
     def multiprocessors(self):

@@ -233,8 +233,8 @@ class ReplicaProgram:
         y (b,) + ``label_shape`` (class labels, or float targets for MSE and BCE)."""
         key = (b, np.dtype(label_dtype), tuple(label_shape))
         if key not in self.input_cache:
-            self.input_cache[key] = (self.dev.empty((b, self.in_dim), FLOAT),
-                                     self.dev.empty((b,) + tuple(label_shape), label_dtype))
+            self.input_cache[key] = self.dev.empty_parts([((b, self.in_dim), FLOAT),   # one copy fills
+                                                          ((b,) + tuple(label_shape), label_dtype)])
         return self.input_cache[key]
 
     # -- the program
