@@ -38,7 +38,6 @@ import enum
 import itertools
 import types
 
-import numba
 import numpy as np
 
 from kernels.launch import ceil_div
@@ -251,9 +250,17 @@ def _buffer_shuffle(items, buffer_size, rng):
 
 def _buffer_shuffle_rows(chunks, buffer_size, rng):
     """``_buffer_shuffle`` of an index plan's row numbers, as chunks: the same order (the same
-    uniforms, drawn in the same blocks), with the per-row loop compiled (``_shuffle_refill``,
-    ``_shuffle_drain``). The lab's ``shuffle(10000).batch(64)`` spent ~1.5 µs of Python per
-    image here: a quarter of a captured GPU step's host time (benchmarks/host_profile.py)."""
+    uniforms, drawn in the same blocks), with no Python loop over the refill phase
+    (``_shuffle_refill``, NumPy) and a loop over plain ints for the drain (``_shuffle_drain``).
+    The lab's ``shuffle(10000).batch(64)`` spent ~1.5 µs of Python per image in the element
+    loop: a quarter of a captured GPU step's host time (benchmarks/host_profile.py).
+
+    Why not ``numba.njit``, which did this before: the first compiled call of a process
+    sets up numba's CPU compiler (its typing registries, LLVM), 0.2-0.9 s even with the
+    compiled code on disk, and it landed in the lab's *second* epoch (the first to shuffle
+    by row number). That alone made epoch 2 0.2 s longer than the others on the H200, and
+    made ``fit(verbose=0)``, measured first in benchmarks/host_profile.py, look twice as
+    slow as ``verbose=1`` (issue 40). NumPy costs ~0.1 µs per row instead, every epoch."""
     buffer = np.empty(buffer_size, np.int64)
     filled = 0
     uniforms = np.empty(0)
@@ -265,37 +272,51 @@ def _buffer_shuffle_rows(chunks, buffer_size, rng):
         if len(rest):                                          # 2. one out per one in
             while len(uniforms) < len(rest):
                 uniforms = np.concatenate([uniforms, rng.random(_CHUNK)])
-            out = np.empty(len(rest), np.int64)
-            _shuffle_refill(buffer, rest, uniforms, out)
+            yield _shuffle_refill(buffer, np.asarray(rest, np.int64), uniforms[:len(rest)])
             uniforms = uniforms[len(rest):]
-            yield out
     while len(uniforms) < filled:                              # 3. the input ran out: drain
         uniforms = np.concatenate([uniforms, rng.random(_CHUNK)])
-    out = np.empty(filled, np.int64)
-    _shuffle_drain(buffer[:filled], uniforms, out)
     if filled:
-        yield out
+        yield _shuffle_drain(buffer[:filled], uniforms[:filled])
 
 
-@numba.njit(cache=True, nogil=True)
-def _shuffle_refill(buffer, inputs, uniforms, out):
-    """For each input: emit a uniformly chosen slot of the (full) buffer, refill it."""
-    size = len(buffer)
-    for i in range(len(inputs)):
-        slot = int(uniforms[i] * size)
-        out[i] = buffer[slot]
-        buffer[slot] = inputs[i]
+def _shuffle_refill(buffer, inputs, uniforms):
+    """For each input i: emit slot ``int(u_i * size)`` of the (full) buffer, refill it with
+    input i. Updates ``buffer``; returns what came out, (len(inputs),) int64.
+
+    No loop: the slots do not depend on what is in them (the buffer stays full), so what
+    step i emits is known in advance: the input written into its slot by the last earlier
+    step that chose the same slot, or the slot's first occupant if none did. Sorting the
+    steps by slot (stably, so in time order within a slot) puts each step right after that
+    last earlier one."""
+    size, m = len(buffer), len(inputs)
+    slots = (uniforms * size).astype(np.int64)               # int(u * size): u >= 0 truncates alike
+    key = slots * m + np.arange(m)                            # unique: slot first, then time
+    key.sort()                                                # (a plain sort: 5x a stable argsort's speed)
+    order, by_slot = key % m, key // m                        # steps by slot, in time order per slot
+    first = np.ones(m, bool)                                  # the first step to choose its slot
+    first[1:] = by_slot[1:] != by_slot[:-1]
+    before = inputs[order[np.maximum(np.arange(m) - 1, 0)]]   # input of the previous step in order
+    out = np.empty(m, np.int64)
+    out[order] = np.where(first, buffer[by_slot], before)
+    last = np.ones(m, bool)                                   # the last step to choose its slot
+    last[:-1] = by_slot[1:] != by_slot[:-1]
+    buffer[by_slot[last]] = inputs[order[last]]               # what each slot holds now
+    return out
 
 
-@numba.njit(cache=True, nogil=True)
-def _shuffle_drain(buffer, uniforms, out):
-    """No input left: emit a uniformly chosen slot, move the last item into it, shrink."""
-    n = len(buffer)
-    for k in range(n):
-        last = n - k
-        slot = int(uniforms[k] * last)
-        out[k] = buffer[slot]
-        buffer[slot] = buffer[last - 1]
+def _shuffle_drain(buffer, uniforms):
+    """No input left: emit slot ``int(u_k * n_left)``, move the last item into it, shrink.
+    Returns what came out, (len(buffer),) int64. Each step depends on the last one's move,
+    so this one is a loop, over Python ints (~0.2 µs a row)."""
+    items = buffer.tolist()
+    slots = (uniforms * np.arange(len(items), 0, -1)).astype(np.int64).tolist()
+    out = []
+    for slot in slots:
+        out.append(items[slot])
+        items[slot] = items[-1]
+        items.pop()
+    return np.array(out, np.int64)
 
 
 # ---------------------------------------------------------------------------------------

@@ -51,6 +51,9 @@ MIB = 1024 * 1024
 #: through: two, so the host fills one while the copy queued the step before may
 #: still be reading the other.
 STAGING_BUFFERS = 2
+#: Where ``CudaDevice.empty_parts`` starts each part: a multiple of this many bytes (every
+#: dtype's alignment, and the 256 bytes cudaMalloc itself aligns to).
+PART_ALIGN = 256
 
 
 class LogicalDeviceConfiguration:
@@ -243,6 +246,17 @@ class Device:
         """
         raise NotImplementedError
 
+    def empty_parts(self, specs):
+        """Arrays of ``specs`` [(shape, dtype), ...] that ``upload_parts`` fills together: on
+        a GPU, views of one allocation, so one copy fills them all (``CudaDevice``); here,
+        separate arrays."""
+        return tuple(self.empty(shape, dtype) for shape, dtype in specs)
+
+    def upload_parts(self, dsts, arrays):
+        """``upload_into(dst, array)`` for each pair: a step's x and y."""
+        for dst, array in zip(dsts, arrays):
+            self.upload_into(dst, array)
+
     def synchronize(self):
         """Wait until every kernel and copy queued on this device has finished."""
 
@@ -331,10 +345,11 @@ class CudaDevice(Device):
             self.stream = numba_cuda().stream()   # never the legacy default stream
         self.ops = CudaOps(self)
         self._staging = {}                   # (shape, dtype) -> [[pinned host array, event], ...]
+        self._parts = {}                     # id(empty_parts' first view) -> its allocation, layout
         self._multiprocessors = None         # read once (``multiprocessors``)
 
     def activate(self):
-        return numba_cuda().gpus[self.gpu_id]
+        return _Activation(self.gpu_id)
 
     def _alloc(self, make, nbytes):
         self._check_fits(nbytes)
@@ -437,12 +452,59 @@ class CudaDevice(Device):
             copied.record(self.stream)
         return dst
 
+    def empty_parts(self, specs):
+        # Views of ONE allocation, each at a multiple of PART_ALIGN bytes, so that
+        # ``upload_parts`` fills them with one host-to-device copy from one pinned buffer:
+        # a step's x and y were two copies, each with its own staging buffer and event
+        # (issue 40: a captured step's host time is mostly such driver calls).
+        offsets, end = [], 0
+        for shape, dtype in specs:
+            offsets.append(end)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            end = -(-(end + nbytes) // PART_ALIGN) * PART_ALIGN
+        base = self.empty((max(end, 1),), np.uint8)
+        views = tuple(base[off:off + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+                      .view(np.dtype(dtype)).reshape(shape)
+                      for off, (shape, dtype) in zip(offsets, specs))
+        # Keyed by the first view, forgotten with it (the entry holds no view strongly: it
+        # would keep itself alive, and the allocation with it).
+        key = id(views[0])
+        self._parts[key] = (weakref.ref(views[0]), base, offsets,
+                            [(tuple(v.shape), np.dtype(v.dtype)) for v in views])
+        weakref.finalize(views[0], self._parts.pop, key, None)
+        return views
+
+    def upload_parts(self, dsts, arrays):
+        first, base, offsets, specs = self._parts.get(id(dsts[0]), (None, None, (), ()))
+        owner = _memory_owner(base) if base is not None else None
+        if (first is None or first() is not dsts[0] or len(dsts) != len(specs) or
+                any((tuple(d.shape), np.dtype(d.dtype)) != spec or _memory_owner(d) is not owner
+                    for d, spec in zip(dsts, specs))):
+            return super().upload_parts(dsts, arrays)        # not the views of one empty_parts
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        for dst, array in zip(dsts, arrays):
+            if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
+                raise ValueError(f"upload_parts: {array.dtype}{list(array.shape)} does not fit "
+                                 f"the device buffer {np.dtype(dst.dtype)}{list(dst.shape)}.")
+        with self.activate():
+            host, copied = self._staging_slot(base.shape, base.dtype)
+            # Its last copy has read it (see upload_into). This wait is also all the
+            # back-pressure a quiet fit (verbose=0, nothing read back) gets: the host runs at
+            # most STAGING_BUFFERS steps ahead of the card, and waits on an event of a copy
+            # queued that many steps ago, long done unless the card is behind; no stream or
+            # device synchronize per step (tests/test_lean_host.py counts the waits).
+            copied.synchronize()
+            for off, array in zip(offsets, arrays):
+                host[off:off + array.nbytes] = array.reshape(-1).view(np.uint8)
+            copy_host_to_device(base, host, self.stream)
+            copied.record(self.stream)
+
     @property
     def multiprocessors(self):
         """The streaming multiprocessors of this device's GPU (read once: asking the
         driver costs ~25 µs a call, and ``gemm`` chooses its version by it every call)."""
         if self._multiprocessors is None:
-            gpu = self.activate()         # numba's device: its attributes are the driver's
+            gpu = numba_cuda().gpus[self.gpu_id]   # numba's device: its attributes are the driver's
             with gpu:
                 self._multiprocessors = int(getattr(gpu, "MULTIPROCESSOR_COUNT", 1))
         return self._multiprocessors
@@ -472,6 +534,43 @@ class CudaDevice(Device):
         if self.memory_limit is not None:
             return max(0, self.memory_limit - self.bytes_in_use), self.memory_limit
         return free, total
+
+
+# -- making a GPU's context current, once --------------------------------------------------
+
+_current = threading.local()    # .gpu: the GPU whose context this thread's _Activation made current
+
+
+class _Activation:
+    """``CudaDevice.activate()``: make the GPU's primary context current in this thread for
+    the block, unless an enclosing ``activate()`` of the same GPU already did.
+
+    numba's ``with cuda.gpus[i]:`` pushes the context and pops it again, always: two
+    driver calls and ~10 µs of Python each time. One step entered it six times (its input
+    copy, x's and y's uploads inside it, the layers' buffers, the optimizer's scalars, the
+    graph's launch), every time for the context already current. Now the step enters its
+    device once around all of it (``graphs.CapturedStep.train``) and the blocks inside
+    find the context current and do nothing. Blocks nest lexically (``with``), so this
+    thread's record of the innermost one is exact; a different GPU inside pushes its own
+    context and puts the record back when it pops. Each thread has its own record, as
+    CUDA has a current context per thread."""
+
+    __slots__ = ("gpu_id", "outer")
+
+    def __init__(self, gpu_id):
+        self.gpu_id, self.outer = gpu_id, None
+
+    def __enter__(self):
+        self.outer = getattr(_current, "gpu", None)
+        if self.outer != self.gpu_id:
+            numba_cuda().gpus[self.gpu_id].__enter__()
+            _current.gpu = self.gpu_id
+
+    def __exit__(self, *exc):
+        if self.outer != self.gpu_id:
+            _current.gpu = self.outer
+            numba_cuda().gpus[self.gpu_id].__exit__(*exc)
+        return False
 
 
 # -- the host thread's launches: to every device or to none ----------------------------------

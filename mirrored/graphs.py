@@ -192,12 +192,15 @@ class CapturedStep:
         self._warm = set()         # the executions (pass, loss mode, batch sizes) run once eagerly
 
     def train(self, batch):
-        inputs, scale = self.step.host_part(batch)
-        mode = self.step.loss_mode()
-        with _dev.every_device_or_none():      # a replay updates every copy: a Ctrl-C comes after it
-            self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
-                            inputs, mode, scale)
-            self.step.model.optimizer.updates_done += 1       # the step is done (Step.no_trace)
+        # The first device's context made current once for the whole step: the uploads,
+        # buffers and launch inside find it current (devices.py, ``_Activation``).
+        with self.step.devices[0].activate():
+            inputs, scale = self.step.host_part(batch)
+            mode = self.step.loss_mode()
+            with _dev.every_device_or_none():  # a replay updates every copy: a Ctrl-C comes after it
+                self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
+                                inputs, mode, scale)
+                self.step.model.optimizer.updates_done += 1   # the step is done (Step.no_trace)
 
     def evaluate(self, batch, mode):
         inputs = self.step.inputs(batch)

@@ -73,8 +73,7 @@ class ParameterPack:
         for r, dev in enumerate(self.devices):
             with dev.activate():
                 flat = dev.empty((self.total,), FLOAT)
-                grad = dev.empty((self.total,), FLOAT)
-                dev.ops.fill(grad, 0.0)
+                grad = dev.from_numpy(np.zeros(self.total, FLOAT))   # zeros copied: no kernel to load at build
                 pviews, gviews = [], []
                 for var, off, size, shape in zip(self.variables, self.offsets, self.sizes, self.shapes):
                     comp = components(var)[r]
@@ -193,9 +192,8 @@ class ReplicaProgram:
         self.x = self.logits = None                # the last forward's input (b, in) and output
         self.last_b = 0
         with self.dev.activate():
-            self.acc = self.dev.empty((3,), FLOAT)     # [loss sum, correct count, examples]
+            self.acc = self.dev.from_numpy(np.zeros(3, FLOAT))   # [loss sum, correct, examples]: zeros, copied
             self.tmp = self.dev.empty((3, 1), FLOAT)
-            self.zero_metrics()
 
     def zero_metrics(self):
         self.ops.fill(self.acc, 0.0)
@@ -235,8 +233,8 @@ class ReplicaProgram:
         y (b,) + ``label_shape`` (class labels, or float targets for MSE and BCE)."""
         key = (b, np.dtype(label_dtype), tuple(label_shape))
         if key not in self.input_cache:
-            self.input_cache[key] = (self.dev.empty((b, self.in_dim), FLOAT),
-                                     self.dev.empty((b,) + tuple(label_shape), label_dtype))
+            self.input_cache[key] = self.dev.empty_parts([((b, self.in_dim), FLOAT),   # one copy fills
+                                                          ((b,) + tuple(label_shape), label_dtype)])
         return self.input_cache[key]
 
     # -- the program

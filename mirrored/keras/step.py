@@ -272,6 +272,5 @@ def _upload(program, part):
     x, y = part
     x_dev, y_dev = program.input_buffers(x.shape[0], y.dtype, y.shape[1:])
     if x.shape[0]:
-        program.dev.upload_into(x_dev, x)
-        program.dev.upload_into(y_dev, y)
+        program.dev.upload_parts((x_dev, y_dev), (x, y))       # one copy on a GPU (devices.py)
     return x_dev, y_dev
