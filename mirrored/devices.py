@@ -476,9 +476,9 @@ class CudaDevice(Device):
 
     def upload_parts(self, dsts, arrays):
         first, base, offsets, specs = self._parts.get(id(dsts[0]), (None, None, (), ()))
-        owner = _memory_owner(base) if base is not None else None
+        owner = memory_owner(base) if base is not None else None
         if (first is None or first() is not dsts[0] or len(dsts) != len(specs) or
-                any((tuple(d.shape), np.dtype(d.dtype)) != spec or _memory_owner(d) is not owner
+                any((tuple(d.shape), np.dtype(d.dtype)) != spec or memory_owner(d) is not owner
                     for d, spec in zip(dsts, specs))):
             return super().upload_parts(dsts, arrays)        # not the views of one empty_parts
         arrays = [np.ascontiguousarray(a) for a in arrays]
