@@ -602,6 +602,8 @@ def tf_worker(spec_path, out_path):
                             "global_batch": r["batch"], "epoch_seconds": times[id(r["model"])],
                             "peak_bytes_per_device": r.get("peak_bytes"),
                             "final_loss": r["timer"].loss})
+        if spec.get("custom"):
+            results.append(tf_custom_loop_row(tf, strategies[1], m, x, y, weights, spec["warmup"], model_name))
     info = {"tensorflow": tf.__version__, "keras": getattr(tf.keras, "__version__", None),
             "python": platform.python_version(),
             "tf_threads": {"intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
@@ -609,7 +611,54 @@ def tf_worker(spec_path, out_path):
     Path(out_path).write_text(json.dumps({"info": info, "results": results}))
 
 
-def run_tf_rows(python, gpu, models, x, y, weights, epochs, warmup):
+def tf_custom_loop_row(tf, strategy, m, x, y, weights, warmup, model_name):
+    """TensorFlow's own custom loop (its custom-training tutorial, as ``CustomLoopRow`` writes
+    it for ours): ``@tf.function`` around ``strategy.run`` of a GradientTape step, the losses
+    summed by ``strategy.reduce``, on MirroredStrategy x1; the row issue 41 compares with."""
+    with strategy.scope():
+        model = tf.keras.Sequential(keras_layers(tf, m, keras_input=True))
+        optimizer = tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON)
+        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    model.set_weights(weights)
+    batch = m["per_replica"]
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
+    dist = strategy.experimental_distribute_dataset(ds.batch(batch).prefetch(tf.data.AUTOTUNE))
+
+    def train_step(inputs, global_batch):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(images, training=True)
+            loss = tf.nn.compute_average_loss(loss_object(labels, predictions), global_batch_size=global_batch)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_step(inputs, global_batch):
+        losses = strategy.run(train_step, args=(inputs, global_batch))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    def epoch():
+        t0, total, steps = time.perf_counter(), 0.0, 0
+        for inputs in dist:
+            total += distributed_step(inputs, tf.cast(tf.shape(inputs[1])[0], tf.float32))
+            steps += 1
+        loss = float(total) / max(steps, 1)            # reads the device: the epoch is done
+        return time.perf_counter() - t0, loss
+
+    for _ in range(warmup):
+        epoch()
+    seconds, loss = [], float("nan")
+    for _ in range(m["epochs"]):
+        s, loss = epoch()
+        seconds.append(s)
+    label = "MirroredStrategy x1 custom loop tf.function"
+    return {"model": model_name, "framework": "tf", "row": f"TensorFlow {tf.__version__} {label}",
+            "strategy": label, "replicas": 1, "global_batch": batch, "epoch_seconds": seconds,
+            "peak_bytes_per_device": None, "final_loss": loss}
+
+
+def run_tf_rows(python, gpu, models, x, y, weights, epochs, warmup, custom=False):
     """The TF rows from a child process: (rows, info) or (None, why skipped)."""
     if python is None:
         return None, ("TensorFlow is not importable here; give --tf-python PATH, an interpreter "
@@ -625,7 +674,7 @@ def run_tf_rows(python, gpu, models, x, y, weights, epochs, warmup):
                                  "n_weights": len(weights[name]), "epochs": epochs[name]}
         np.savez(Path(tmp) / "arrays.npz", **arrays)
         spec = {"arrays": str(Path(tmp) / "arrays.npz"), "gpu": gpu, "models": spec_models,
-                "replicas": list(TF_REPLICA_COUNTS), "warmup": warmup}
+                "replicas": list(TF_REPLICA_COUNTS), "warmup": warmup, "custom": custom}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         out = Path(tmp) / "tf.json"
         env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
@@ -998,6 +1047,13 @@ def ratios_and_targets(results, models, gpu):
                 find(results, model, "ours", "MirroredStrategy", n))
         tf2 = find(results, model, "tf", "MirroredStrategy x2", 2)
         add("TensorFlow MirroredStrategy x2 / x1 (samples/s)", tf2, tf1, "samples_per_s")
+        # issue 41: the custom loop beside fit, and beside TensorFlow's own custom loop
+        custom = find(results, model, "ours", "MirroredStrategy custom loop @function")
+        add("ours custom loop @function / ours fit, MirroredStrategy x1 (ms/step)", custom, ours1)
+        add("ours custom loop eager / ours fit, MirroredStrategy x1 (ms/step)",
+            find(results, model, "ours", "MirroredStrategy custom loop eager"), ours1)
+        add("ours custom loop @function / TensorFlow custom loop tf.function, MirroredStrategy x1 (ms/step)",
+            custom, find(results, model, "tf", "MirroredStrategy x1 custom loop tf.function"))
         graph1 = find(results, model, "ours", "MirroredStrategy graph")
         for n in GRAPH_COUNTS:
             add(f"ours MirroredStrategy x{n} graph / x{n} eager (ms/step)",
@@ -1268,7 +1324,8 @@ def main(argv=None):
         skipped.append({"name": "TensorFlow rows", "reason": "--no-peers"})
     else:
         print("\nTensorFlow rows (child process) ...")
-        tf_rows, tf_info = run_tf_rows(tf_python, gpu, models, x, y, weights, epochs, warmup)
+        tf_rows, tf_info = run_tf_rows(tf_python, gpu, models, x, y, weights, epochs, warmup,
+                                       custom=args.rows == "custom")
         if tf_rows is None:
             skipped.append({"name": "TensorFlow rows", "reason": tf_info})
             tf_info = None
