@@ -10,6 +10,7 @@ into GPU machine code and says what that code needs::
     python -m kernels.report --cc 8.0         # for sm_80 (A100); --cc may repeat
     python -m kernels.report --only gemm      # the rows whose kernel name contains "gemm"
     python -m kernels.report --json           # the same rows as a JSON list of objects
+    python -m kernels.report --jobs 1         # in this process only (default: a worker per core)
     python -m kernels.report --hardware       # on a GPU: beside what the driver loaded
 
 One row per kernel and signature (JSON keys in brackets):
@@ -345,6 +346,39 @@ def compile_rows(specs, ccs, ptxas=None, workers=None):
         return [j if isinstance(j, dict) else j.result() for j in jobs]
 
 
+def _rows_of(labels, ccs):
+    """In a worker process: compile_rows for the registered kernels named ``labels`` (a
+    fresh process registers what ``import kernels`` registers; None for any label it lacks)."""
+    by_label = {s.label: s for s in registry.registered()}
+    if not all(label in by_label for label in labels):
+        return None
+    return compile_rows([by_label[label] for label in labels], ccs)
+
+
+def compile_rows_in_processes(specs, ccs, processes):
+    """compile_rows, the kernels shared among ``processes`` worker processes.
+
+    Why processes: NVVM releases the GIL, but numba-cuda compiles under one global
+    compiler lock (benchmarks/compile_gil.py measured it), so threads compile one kernel at
+    a time. Processes compile one each. A worker is a fresh Python (``spawn``) that imports
+    ``kernels`` and finds each kernel by its registered label; a kernel registered later in
+    this process (a per-shape kernel a run made) is compiled here. Rows keep ``specs``'
+    order, so the table is the same as one process's.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    if processes <= 1 or len(specs) <= 1:
+        return compile_rows(specs, ccs)
+    shards = [[s.label] for s in specs]               # one kernel per task: the pool balances
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_rows_of, labels, ccs) for labels in shards]
+        rows = []
+        for spec, future in zip(specs, futures):
+            got = future.result()
+            rows += got if got is not None else compile_rows([spec], ccs)
+    return rows
+
+
 def unregistered_rows():
     """An error row for each kernel in kernels/ that is not in the registry."""
     return [{"kernel": name, "signature": "", "cc": "", "module": name.rsplit(".", 1)[0],
@@ -469,6 +503,8 @@ def main(argv=None):
     parser.add_argument("--markdown", action="store_true",
                         help="one Markdown row per kernel (ranges over its signatures): the "
                              "summary kernels/README.md carries")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                        help="compile in N worker processes (default: one per CPU core)")
     parser.add_argument("--hardware", action="store_true",
                         help="on a real GPU: compile for its compute capability and add what "
                              "the driver reports for each loaded kernel")
@@ -493,7 +529,9 @@ def main(argv=None):
         known = sorted({s.name for s in registry.registered()})
         parser.error(f"no registered kernel name contains {args.only!r}; names: {', '.join(known)}")
     try:
-        rows = compile_rows(specs, ccs)
+        find_ptxas()                     # before any worker starts: one clear error
+        rows = (compile_rows(specs, ccs) if args.hardware else
+                compile_rows_in_processes(specs, ccs, args.jobs))
     except RuntimeError as err:          # no ptxas: say what to install
         parser.exit(2, f"kernels.report: {err}\n")
     if args.hardware:

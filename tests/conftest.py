@@ -81,17 +81,45 @@ def _one_shared_array_per_block():
     kernelapi.FakeCUDAShared.array = array
 
 
-#: Lines a test adds (``request.config.stash[SUMMARY_KEY]``) for the end of the run:
-#: e.g. how many kernels the real CUDA compiler compiled (tests/test_kernels_compile.py).
-SUMMARY_KEY = pytest.StashKey[list]()
+def summarise(request, line):
+    """Add ``line`` to the ``mirrored`` section at the end of the run (e.g. how many kernels
+    the real CUDA compiler compiled: tests/test_kernels_compile.py). It travels in the
+    test's reports (``user_properties``), so it reaches the end of the run from a
+    pytest-xdist worker process too."""
+    request.node.user_properties.append((SUMMARY_PROPERTY, line))
+
+
+SUMMARY_PROPERTY = "mirrored summary"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    lines = config.stash.get(SUMMARY_KEY, [])
+    lines = {}                               # each (test, line) once: every phase reports it
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            for name, value in getattr(r, "user_properties", ()):
+                if name == SUMMARY_PROPERTY:
+                    lines[(r.nodeid, value)] = value
+    lines = list(lines.values())
     if lines:
         terminalreporter.section("mirrored")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest.ini): how many worker processes share the tests (pytest-xdist).
+
+    Without a GPU, one per core, up to MAX_WORKERS: the simulator runs Python on one core
+    per process, so two processes on the 2-core CI machine halve the suite's wall time.
+    With a real GPU, one: the GPU tests then have the card to themselves, as they expect.
+    ``python -m pytest -n 0`` runs everything in this process (one test, a debugger)."""
+    if not SIMULATOR and _real_gpu_present():
+        return 1
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+#: Most worker processes ``-n auto`` starts (memory: each holds its own numba and simulator).
+MAX_WORKERS = 4
 
 
 def pytest_report_header(config):
