@@ -57,7 +57,7 @@ def test_resident_training_equals_copied_batches(devices, rng, kind, n, pipeline
         h2 = resident.fit(dist, epochs=epochs, verbose=0)
     notes = [str(w.message) for w in caught if "experimental_place_dataset_on_device" in str(w.message)]
     assert len(notes) == (1 if pipeline == "lab" else 0), notes     # the cache-filling epoch only
-    assert dist._resident is not None, "no epoch ran from the devices"
+    assert dist.resident is not None, "no epoch ran from the devices"
     for a, b in zip(copied.get_weights(), resident.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert h1.history == h2.history

@@ -1,0 +1,210 @@
+"""fit and evaluate keep a plain Dataset on the GPUs by themselves (issue 40).
+
+When the epoch can be planned by row number (``data.index_batches``) and the rows fit
+(``input_lib.fits_on_devices``), ``model.fit(ds)`` on GPUs uploads the rows once and then
+only row numbers, with bitwise the weights of the copied batches (the switch
+``input_lib.AUTO_PLACE_ON_GPUS = False``). Otherwise it copies, silently: over the
+budget, out of device memory, on CPUs, for a pipeline it cannot plan, or when the
+dataset was distributed with options that do not ask for it. The copy leaves the
+devices when fit returns.
+"""
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import mirrored as tf
+from kernels.optimizers import ADAM_HYPER_SIZE
+from mirrored import input_lib
+from mirrored.errors import ResourceExhaustedError
+
+from test_resident_dataset import data, small_model
+
+ROWS, BATCH, STEPS = 8, 4, 2                  # few steps: the simulator runs a thread per CUDA thread
+
+
+def scale(image, label):
+    return image.astype(np.float32) / 255, label
+
+
+def lab_pipeline(x, y):
+    """The lab's pipeline, tiny: map, cache, shuffle, batch."""
+    return tf.data.Dataset.from_tensor_slices((x, y)).map(scale).cache().shuffle(100, seed=7).batch(BATCH)
+
+
+class Uploads:
+    """Every host-to-device transfer to ``devs``, one list per epoch: (method, dtype, shape)."""
+
+    def __init__(self, devs, monkeypatch):
+        self.epochs = [[]]
+        for dev in devs:
+            for name in ("from_numpy", "upload_into", "upload_parts"):
+                original = getattr(dev, name)
+
+                def spy(*args, original=original, name=name):
+                    arrays = args[-1] if name == "upload_parts" else (args[-1],)
+                    self.epochs[-1] += [(name, np.asarray(a).dtype, np.shape(a)) for a in arrays]
+                    return original(*args)
+                monkeypatch.setattr(dev, name, spy)
+        self.memory = []                          # bytes in use on devs at each epoch's end
+        self.callback = tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: self.end_epoch(devs))
+
+    def end_epoch(self, devs):
+        self.epochs.append([])
+        self.memory.append(bytes_on(devs))
+
+    def placed(self):
+        """The epochs (numbers) whose transfers include a whole data set's rows."""
+        return [e for e, ups in enumerate(self.epochs) if any(m == "from_numpy" for m, _, _ in ups)]
+
+
+def bytes_on(devs):
+    return [tf.config.experimental.get_memory_info(d.name)["current"] for d in devs]
+
+
+def gpus_of(devs):
+    return [d for d in devs if d.device_type == "GPU"]
+
+
+def twins(strategy, shape):
+    a, b = small_model(strategy, shape), small_model(strategy, shape)
+    b.set_weights(a.get_weights())
+    return a, b
+
+
+def fit_copied(model, ds, monkeypatch, epochs):
+    monkeypatch.setattr(input_lib, "AUTO_PLACE_ON_GPUS", False)
+    history = model.fit(ds, epochs=epochs, verbose=0)
+    monkeypatch.setattr(input_lib, "AUTO_PLACE_ON_GPUS", True)
+    return history
+
+
+def assert_same_weights(a, b):
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(wa, wb)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_fit_keeps_a_cached_pipeline_on_the_gpus_and_trains_bitwise_alike(devices, rng, monkeypatch, gpus):
+    devs = gpus_of(devices(gpus=gpus))
+    x, y = data(rng, n=ROWS)
+    strategy = tf.distribute.MirroredStrategy([f"GPU:{i}" for i in range(gpus)])
+    copied, kept = twins(strategy, x.shape[1:])
+    h1 = fit_copied(copied, lab_pipeline(x, y), monkeypatch, epochs=3)
+    uploads = Uploads(devs, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)            # an optimisation: never a warning
+        h2 = kept.fit(lab_pipeline(x, y), epochs=3, verbose=0, callbacks=[uploads.callback])
+    assert_same_weights(copied, kept)
+    assert h1.history == h2.history
+    first, second, third = uploads.epochs[:3]
+    assert sum(m == "upload_parts" for m, _, _ in first) == 2 * STEPS * gpus   # epoch 1 fills the cache: copied
+    assert uploads.placed() == [1]                              # the rows go up once, before epoch 2
+    rows = sorted((str(dt), shape) for m, dt, shape in second if m == "from_numpy")
+    assert rows == sorted([("float32", (ROWS, 6)), ("int64", (ROWS, 1))] * gpus)
+    for epoch in (second, third):                               # then row numbers (and Adam's scalars)
+        steps = [(m, dt, shape) for m, dt, shape in epoch if m != "from_numpy"]
+        idx = [s for s in steps if s[0] == "upload_into" and s[1] == np.int64 and len(s[2]) == 1]
+        hyper = [s for s in steps if s[1] == np.float32 and s[2] == (ADAM_HYPER_SIZE,)]
+        assert len(idx) == len(hyper) == STEPS * gpus and len(idx) + len(hyper) == len(steps), steps
+    # The rows were charged to the devices during epochs 2 and 3, and are freed when fit
+    # returns: the memory is then what the copied first epoch left (the step's buffers).
+    rows_bytes = x[:, :, :, 0].size * 4 + ROWS * 8
+    assert all(m2 >= m1 + rows_bytes for m1, m2 in zip(uploads.memory[0], uploads.memory[1]))
+    assert bytes_on(devs) == uploads.memory[0]
+    assert kept.step.resident_loader is None
+
+
+def test_evaluate_of_slices_goes_resident_with_the_same_result(devices, rng, monkeypatch):
+    devs = gpus_of(devices(gpus=1))
+    x, y = data(rng, n=ROWS)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0"])
+    model = small_model(strategy, x.shape[1:])
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)     # uint8 images: cast on the device
+    monkeypatch.setattr(input_lib, "AUTO_PLACE_ON_GPUS", False)
+    want = model.evaluate(ds, verbose=0)
+    monkeypatch.setattr(input_lib, "AUTO_PLACE_ON_GPUS", True)
+    uploads = Uploads(devs, monkeypatch)
+    assert model.evaluate(ds, verbose=0) == want
+    assert uploads.placed() == [0]                              # planned from the first pass
+
+
+def resident_rows_fail(*args):
+    raise AssertionError("the data set was placed on the devices")
+
+
+@pytest.mark.parametrize("why", ["over the budget", "out of memory"])
+def test_a_data_set_that_does_not_fit_is_copied(rng, monkeypatch, why):
+    """The budget is a share of the device's free memory: patched small here (the
+    simulator reports unlimited memory, so the GPU gets a memory_limit of 1 MiB)."""
+    from mirrored import devices as registry
+    registry._reset()
+    phys = tf.config.list_physical_devices("GPU")
+    if not phys:
+        pytest.skip("needs a CUDA GPU or the CUDA simulator")
+    tf.config.set_logical_device_configuration(phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=1)])
+    try:
+        devs = gpus_of(registry.logical_devices())
+        x, y = data(rng, n=ROWS)
+        strategy = tf.distribute.MirroredStrategy(["GPU:0"])
+        copied, kept = twins(strategy, x.shape[1:])
+        fit_copied(copied, lab_pipeline(x, y), monkeypatch, epochs=2)
+        if why == "over the budget":
+            free = devs[0].memory_info()[0]
+            monkeypatch.setattr(input_lib, "AUTO_SHARE_OF_FREE_MEMORY", 250 / free)   # the rows: 256 bytes
+        else:
+            def no_memory(*args):
+                raise ResourceExhaustedError("OOM on GPU:0 (the test's)")
+            monkeypatch.setattr(input_lib, "ResidentRows", no_memory)
+        uploads = Uploads(devs, monkeypatch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            kept.fit(lab_pipeline(x, y), epochs=2, verbose=0, callbacks=[uploads.callback])
+        assert uploads.placed() == []
+        assert all(any(m == "upload_parts" for m, _, _ in e) for e in uploads.epochs[:2])
+        assert_same_weights(copied, kept)                    # the same shuffle draws, not a second epoch's
+    finally:
+        registry._reset()
+
+
+def test_the_budget_counts_logical_gpus_of_one_card_together():
+    rows = SimpleNamespace(columns=(np.zeros((10, 4), np.float32), np.zeros(10, np.int64)))   # 240 bytes
+    share = input_lib.AUTO_SHARE_OF_FREE_MEMORY
+
+    def gpu(card, free, limit=None):
+        return SimpleNamespace(device_type="GPU", gpu_id=card, memory_limit=limit,
+                               memory_info=lambda: (free, limit))
+    assert input_lib.fits_on_devices(rows, [gpu(0, 240 / share)])
+    assert not input_lib.fits_on_devices(rows, [gpu(0, 239 / share)])
+    assert not input_lib.fits_on_devices(rows, [gpu(0, 400 / share), gpu(0, 400 / share)])   # 480 on one card
+    assert input_lib.fits_on_devices(rows, [gpu(0, 400 / share), gpu(1, 400 / share)])
+    assert input_lib.fits_on_devices(rows, [gpu(0, 240 / share, 1000), gpu(0, 240 / share, 1000)])  # own limits
+
+
+def test_cpu_devices_never_go_resident(devices, rng, monkeypatch):
+    devices(cpus=2)
+    x, y = data(rng, n=ROWS)
+    model = small_model(tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]), x.shape[1:])
+    monkeypatch.setattr(input_lib, "ResidentRows", resident_rows_fail)
+    model.fit(tf.data.Dataset.from_tensor_slices((x.astype(np.float32), y)).batch(BATCH), epochs=2, verbose=0)
+    model.evaluate(lab_pipeline(x, y), verbose=0)
+
+
+@pytest.mark.parametrize("case", ["map after cache", "explicit InputOptions()", "float64 images"])
+def test_what_cannot_go_resident_trains_as_before_without_a_warning(devices, rng, monkeypatch, case):
+    devices(gpus=1)
+    x, y = data(rng, n=ROWS)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0"])
+    model = small_model(strategy, x.shape[1:])
+    if case == "map after cache":
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).cache().map(scale).shuffle(100, seed=7).batch(BATCH)
+    elif case == "explicit InputOptions()":
+        ds = strategy.experimental_distribute_dataset(lab_pipeline(x, y), tf.distribute.InputOptions())
+    else:                                                  # the resident loader takes float32 or uint8
+        ds = tf.data.Dataset.from_tensor_slices((x / 255.0, y)).batch(BATCH)
+    monkeypatch.setattr(input_lib, "ResidentRows", resident_rows_fail)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        history = model.fit(ds, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and int(model.optimizer.iterations) == 2 * STEPS
