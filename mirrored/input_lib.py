@@ -39,6 +39,13 @@ copied as usual and a warning says why. (TensorFlow has this option for
 ``distribute_datasets_from_function`` only; here it is for
 ``experimental_distribute_dataset``, whose batches we can plan by row number.)
 
+Unasked, on GPUs: ``model.fit(ds)`` and ``evaluate(ds)`` with a plain ``Dataset`` (or a
+distributed one without options) do the same by themselves, silently, whenever the epoch
+can be planned so and the rows fit in ``AUTO_SHARE_OF_FREE_MEMORY`` of each GPU's free
+memory (``Residence``, ``fits_on_devices``); the copy is freed when ``fit`` returns, and
+the weights are bitwise those of the copied batches. Never on CPUs, where a gather costs
+what a copy costs. ``AUTO_PLACE_ON_GPUS = False`` turns it off.
+
 Neighbours: ``data.py`` (the Dataset), ``strategy.py``, ``values.py``.
 """
 import warnings

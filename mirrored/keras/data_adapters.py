@@ -7,7 +7,8 @@ in, the step (``step.py``) sees one of two kinds of global batch:
     (x, y)          host arrays: x (B, features) float32, y (B,) integer labels —
                     each replica's slice is copied into its device's input buffers
     ResidentBatch   row numbers (B,) of a data set kept on the devices
-                    (``InputOptions(experimental_place_dataset_on_device=True)``):
+                    (``InputOptions(experimental_place_dataset_on_device=True)``, or
+                    unasked on GPUs when it fits: ``DatasetBatches``):
                     each replica gathers its rows on its own device
 
 ``batches(model, x, y, ...)`` picks the adapter; ``prepare`` (``host_batch`` for host
@@ -95,10 +96,12 @@ def train_validation_split(x, y, validation_split):
 def distributed_batches(model, dist):
     """fit/evaluate on ``strategy.experimental_distribute_dataset(ds, options)``.
 
-    Plain: the same as passing ``ds`` (the step splits each global batch itself, into
-    its reusable device buffers). With ``experimental_place_dataset_on_device``:
-    epochs the data set can plan by row number yield ``ResidentBatch``es, gathered
-    on the devices from the copy kept there (``input_lib.ResidentRows``).
+    Without options: the same as passing ``ds`` (the step splits each global batch
+    itself, into its reusable device buffers; on GPUs it may keep the data set there,
+    ``DatasetBatches``). With ``experimental_place_dataset_on_device``: epochs the data
+    set can plan by row number yield ``ResidentBatch``es, gathered on the devices from
+    the copy kept there (``input_lib.ResidentRows``); with options that do not ask for
+    it, the batches are copied.
     """
     if dist.strategy is not model.distribute_strategy:
         raise ValueError(f"this distributed dataset was made by {dist.strategy!r}, but the model "
@@ -288,7 +291,7 @@ class DatasetBatches:
         devices = model.distribute_strategy.extended.devices
         if (dist is None or dist.options is None) and auto_placement(devices) and not takes_targets(model.loss):
             self.residence = Residence(devices)
-            weakref.finalize(self, _release, model, self.residence)
+            weakref.finalize(self, _release, model, self.residence).atexit = False
 
     def __iter__(self):
         if self.dist is not None and self.dist.place_on_device:
