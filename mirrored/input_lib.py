@@ -258,7 +258,8 @@ class ResidentRows:
 
 
 #: ``fit``/``evaluate`` on a plain ``Dataset`` keep it on the GPUs by themselves when
-#: they can (``Residence``'s docstring). Set to False to copy every batch, as before.
+#: they can (``Residence``'s docstring; ``keras/data_adapters.py``'s ``DatasetBatches``
+#: asks). Set to False to copy every batch, as before.
 AUTO_PLACE_ON_GPUS = True
 
 #: The share of a GPU's free memory (as ``Device.memory_info`` reports it, within any
@@ -266,12 +267,6 @@ AUTO_PLACE_ON_GPUS = True
 #: buffers (activations, gradients, the ring's staging) are made by the first step, after
 #: the rows of a ``from_tensor_slices`` data set are placed: they need the rest.
 AUTO_SHARE_OF_FREE_MEMORY = 0.5
-
-
-def auto_placement(devices):
-    """True where fit may keep a data set on ``devices`` unasked: every one a GPU (on a
-    CPU a gather costs what a copy costs) and the switch ``AUTO_PLACE_ON_GPUS`` on."""
-    return AUTO_PLACE_ON_GPUS and all(dev.device_type == "GPU" for dev in devices)
 
 
 def fits_on_devices(rows, devices):

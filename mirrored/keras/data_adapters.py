@@ -33,7 +33,8 @@ from kernels.launch import ceil_div
 from kernels.softmax_xent import LABEL_DTYPE, check_labels
 from mirrored import nest
 from mirrored import random as _random
-from mirrored.input_lib import DistributedDataset, Residence, auto_placement
+from mirrored import input_lib
+from mirrored.input_lib import DistributedDataset, Residence
 from mirrored.keras.losses import counts_accuracy, takes_targets
 from mirrored.tensor import Tensor
 
@@ -289,7 +290,10 @@ class DatasetBatches:
         self.dataset, self.dist = dataset, dist
         self.residence = None            # input_lib.Residence when fit may place the data unasked
         devices = model.distribute_strategy.extended.devices
-        if (dist is None or dist.options is None) and auto_placement(devices) and not takes_targets(model.loss):
+        # Never on CPUs, where a gather costs what a copy costs (read here, not asked of
+        # input_lib: a CPU fit's step stays out of that file, tests/test_trace_step.py)
+        on_gpus = input_lib.AUTO_PLACE_ON_GPUS and all(dev.device_type == "GPU" for dev in devices)
+        if on_gpus and (dist is None or dist.options is None) and not takes_targets(model.loss):
             self.residence = Residence(devices)
             weakref.finalize(self, _release, model, self.residence).atexit = False
 
