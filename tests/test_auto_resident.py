@@ -6,7 +6,7 @@ only row numbers, with bitwise the weights of the copied batches (the switch
 ``input_lib.AUTO_PLACE_ON_GPUS = False``). Otherwise it copies, silently: over the
 budget, out of device memory, on CPUs, for a pipeline it cannot plan, or when the
 dataset was distributed with options that do not ask for it. The copy leaves the
-devices when fit returns.
+devices when fit returns, also when a step ran out of memory.
 """
 import warnings
 from types import SimpleNamespace
@@ -218,3 +218,30 @@ def test_what_cannot_go_resident_trains_as_before_without_a_warning(devices, rng
         warnings.simplefilter("error", UserWarning)
         history = model.fit(ds, epochs=epochs, verbose=0)
     assert np.isfinite(history.history["loss"]).all() and int(model.optimizer.iterations) == epochs * STEPS
+
+
+def test_an_out_of_memory_step_leaves_the_memory_as_before(rng, monkeypatch):
+    """The rows go up before the epoch, outside any step; the first step then runs out of
+    memory (tests/test_faults.py's case: Dense(64) at a batch of 256 on a 64 KiB GPU). The
+    error comes, and the weights, the optimizer and every device's bytes are as before."""
+    from mirrored import devices as registry
+    from test_faults import assert_same_state, labelled, state_of
+    from test_faults import small_model as dense_model
+    registry._reset()
+    phys = tf.config.list_physical_devices("GPU")
+    if not phys:
+        pytest.skip("needs a CUDA GPU or the CUDA simulator")
+    tf.config.set_logical_device_configuration(phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=0.0625)])
+    try:
+        x, y = labelled(rng, n=256, features=4)
+        model = dense_model(tf.distribute.MirroredStrategy(["GPU:0"]), hidden=64, features=4)
+        model.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)      # the optimizer's slots exist
+        before = state_of(model)
+        placed, original = [], input_lib.ResidentRows
+        monkeypatch.setattr(input_lib, "ResidentRows", lambda *a: placed.append(a) or original(*a))
+        with pytest.raises(ResourceExhaustedError):
+            model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(256), verbose=0)
+        assert len(placed) == 1                                  # the rows (6 KiB) were placed first
+        assert_same_state(before, state_of(model))
+    finally:
+        registry._reset()
