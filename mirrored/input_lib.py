@@ -39,6 +39,13 @@ copied as usual and a warning says why. (TensorFlow has this option for
 ``distribute_datasets_from_function`` only; here it is for
 ``experimental_distribute_dataset``, whose batches we can plan by row number.)
 
+Unasked, on GPUs: ``model.fit(ds)`` and ``evaluate(ds)`` with a plain ``Dataset`` (or a
+distributed one without options) do the same by themselves, silently, whenever the epoch
+can be planned so and the rows fit in ``AUTO_SHARE_OF_FREE_MEMORY`` of each GPU's free
+memory (``Residence``, ``fits_on_devices``); the copy is freed when ``fit`` returns, and
+the weights are bitwise those of the copied batches. Never on CPUs, where a gather costs
+what a copy costs. ``AUTO_PLACE_ON_GPUS = False`` turns it off.
+
 Neighbours: ``data.py`` (the Dataset), ``strategy.py``, ``values.py``.
 """
 import warnings
@@ -48,7 +55,7 @@ import numpy as np
 from kernels.launch import ceil_div
 from mirrored import data as _data
 from mirrored import nest, recording
-from mirrored.errors import OutOfRangeError
+from mirrored.errors import OutOfRangeError, ResourceExhaustedError
 from mirrored.tensor import Tensor, TensorSpec, constant
 from mirrored.values import PerReplica
 
@@ -250,19 +257,99 @@ class ResidentRows:
         return nest.pack_sequence_as(self.rows.columns, [Tensor(buf, dev) for buf in bufs])
 
 
+#: ``fit``/``evaluate`` on a plain ``Dataset`` keep it on the GPUs by themselves when
+#: they can (``Residence``'s docstring; ``keras/data_adapters.py``'s ``DatasetBatches``
+#: asks). Set to False to copy every batch, as before.
+AUTO_PLACE_ON_GPUS = True
+
+#: The share of a GPU's free memory (as ``Device.memory_info`` reports it, within any
+#: ``memory_limit``) a data set may take there unasked. Half, because the step's own
+#: buffers (activations, gradients, the ring's staging) are made by the first step, after
+#: the rows of a ``from_tensor_slices`` data set are placed: they need the rest.
+AUTO_SHARE_OF_FREE_MEMORY = 0.5
+
+
+def fits_on_devices(rows, devices):
+    """True if a copy of ``rows`` on each of ``devices`` takes at most
+    ``AUTO_SHARE_OF_FREE_MEMORY`` of the free memory it comes from. Logical GPUs without
+    a ``memory_limit`` share their card's free memory: their copies are counted together."""
+    nbytes = sum(int(a.nbytes) for a in nest.flatten(rows.columns))
+    need, free = {}, {}
+    for dev in devices:
+        pool = ("device", id(dev)) if dev.memory_limit is not None else ("card", dev.gpu_id)
+        need[pool] = need.get(pool, 0) + nbytes
+        free[pool] = dev.memory_info()[0]
+    return all(f is not None and need[pool] <= AUTO_SHARE_OF_FREE_MEMORY * f for pool, f in free.items())
+
+
+class Residence:
+    """Where one data set's rows stay on the devices from epoch to epoch.
+
+    ``epoch(dataset)`` plans the epoch by row number (``data.index_batches``) and
+    returns ``(ResidentRows, batches of row numbers, None)``; the rows go up the first
+    time and are reused while the dataset holds the same rows (a cache is filled once).
+    When the epoch cannot be planned it returns ``(None, None, why)``, having changed
+    nothing: iterate the dataset instead.
+
+    Asked for (``InputOptions(experimental_place_dataset_on_device=True)``,
+    ``DistributedDataset``), the rows always go up. Unasked (``accept`` given: ``fit``
+    and ``evaluate`` on GPUs, ``keras/data_adapters.py``), only when ``accept(rows)``
+    and they fit (``fits_on_devices``), and the upload runs out of memory quietly;
+    otherwise it returns ``(None, host batches, why)``: the same epoch, planned already
+    (its shuffle drawn), gathered on the host — the batches the dataset would have given.
+    """
+
+    def __init__(self, devices):
+        self.devices = list(devices)
+        self.resident = None               # ResidentRows, made on the first resident epoch
+
+    def epoch(self, dataset, accept=None):
+        rows, batches = _data.index_batches(dataset)
+        if rows is None:
+            return None, None, batches                      # batches: why not
+        if self.resident is None or self.resident.rows is not rows:
+            self.resident = None                            # free the old copies first
+            if accept is None:
+                self.resident = ResidentRows(rows, self.devices)
+            elif not accept(rows):
+                return None, _host_batches(rows, batches), "fit cannot take these rows from the devices"
+            elif not fits_on_devices(rows, self.devices):
+                return None, _host_batches(rows, batches), "the rows do not fit on the devices"
+            else:
+                try:
+                    self.resident = ResidentRows(rows, self.devices)
+                except ResourceExhaustedError:              # outside any step: nothing else changed
+                    return None, _host_batches(rows, batches), "the rows ran out of device memory"
+        return self.resident, batches, None
+
+    def release(self):
+        """Drop the devices' copies (their memory is freed when nothing else holds them)."""
+        self.resident = None
+
+
+def _host_batches(rows, batches):
+    """The batches of row numbers ``batches`` gathered from ``rows`` on the host."""
+    return (rows.gather(idx) for idx in batches)
+
+
 class DistributedDataset:
     """Iterating gives, per step, the global batch split into PerReplica slices."""
 
     def __init__(self, dataset, strategy, options=None):
         self.dataset = dataset             # the global-batch dataset it splits
         self.strategy = strategy           # whose replicas it feeds
-        self._options = options
-        self._resident = None              # ResidentRows, made on the first resident epoch
+        self.options = options             # InputOptions, or None (fit may place it itself)
+        self._residence = Residence(strategy.extended.devices)
         self._warned = False
 
     @property
     def place_on_device(self):
-        return bool(self._options is not None and self._options.experimental_place_dataset_on_device)
+        return bool(self.options is not None and self.options.experimental_place_dataset_on_device)
+
+    @property
+    def resident(self):
+        """The ``ResidentRows`` kept on the devices now, or None."""
+        return self._residence.resident
 
     def resident_epoch(self):
         """``(ResidentRows, batches of row numbers)`` for one epoch, or None (copy batches).
@@ -270,17 +357,14 @@ class DistributedDataset:
         The rows are uploaded to the devices the first time and reused while the
         dataset keeps the same rows (a cache is filled once).
         """
-        rows, batches = _data.index_batches(self.dataset)
-        if rows is None:
+        resident, batches, why = self._residence.epoch(self.dataset)
+        if resident is None:
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"experimental_place_dataset_on_device: this epoch's batches are "
-                              f"copied from the host, because {batches}.", stacklevel=3)
+                              f"copied from the host, because {why}.", stacklevel=3)
             return None
-        if self._resident is None or self._resident.rows is not rows:
-            self._resident = None                               # free the old copies first
-            self._resident = ResidentRows(rows, self.strategy.extended.devices)
-        return self._resident, batches
+        return resident, batches
 
     def _split(self, batch):
         devices = self.strategy.extended.devices

@@ -11,6 +11,7 @@ import pytest
 
 import mirrored as tf
 from kernels.optimizers import ADAM_HYPER_SIZE
+from mirrored import input_lib
 
 RESIDENT = tf.distribute.InputOptions(experimental_place_dataset_on_device=True)
 
@@ -35,7 +36,8 @@ CASES = [("CPU", 1, "lab"), ("CPU", 2, "lab"), ("CPU", 2, "uint8"), ("CPU", 1, "
 
 
 @pytest.mark.parametrize("kind,n,pipeline", CASES)
-def test_resident_training_equals_copied_batches(devices, rng, kind, n, pipeline):
+def test_resident_training_equals_copied_batches(devices, rng, monkeypatch, kind, n, pipeline):
+    monkeypatch.setattr(input_lib, "AUTO_PLACE_ON_GPUS", False)   # the plain Dataset: copied
     devices(cpus=n if kind == "CPU" else 1, gpus=n if kind == "GPU" else 0)
     # 37 examples in batches of 10: the last is 7 (4 + 3 over two replicas); GPU: 13 = 10 + 3
     x, y = data(rng, n=37 if kind == "CPU" else 13)
@@ -51,13 +53,13 @@ def test_resident_training_equals_copied_batches(devices, rng, kind, n, pipeline
     copied, resident = small_model(strategy, x.shape[1:]), small_model(strategy, x.shape[1:])
     resident.set_weights(copied.get_weights())
     dist = strategy.experimental_distribute_dataset(pipe(), RESIDENT)
-    h1 = copied.fit(pipe(), epochs=epochs, verbose=0)
+    h1 = copied.fit(pipe(), epochs=epochs, verbose=0)             # (GPUs: tests/test_auto_resident.py)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         h2 = resident.fit(dist, epochs=epochs, verbose=0)
     notes = [str(w.message) for w in caught if "experimental_place_dataset_on_device" in str(w.message)]
     assert len(notes) == (1 if pipeline == "lab" else 0), notes     # the cache-filling epoch only
-    assert dist._resident is not None, "no epoch ran from the devices"
+    assert dist.resident is not None, "no epoch ran from the devices"
     for a, b in zip(copied.get_weights(), resident.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert h1.history == h2.history

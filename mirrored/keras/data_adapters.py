@@ -7,7 +7,8 @@ in, the step (``step.py``) sees one of two kinds of global batch:
     (x, y)          host arrays: x (B, features) float32, y (B,) integer labels —
                     each replica's slice is copied into its device's input buffers
     ResidentBatch   row numbers (B,) of a data set kept on the devices
-                    (``InputOptions(experimental_place_dataset_on_device=True)``):
+                    (``InputOptions(experimental_place_dataset_on_device=True)``, or
+                    unasked on GPUs when it fits: ``DatasetBatches``):
                     each replica gathers its rows on its own device
 
 ``batches(model, x, y, ...)`` picks the adapter; ``prepare`` (``host_batch`` for host
@@ -24,6 +25,7 @@ Neighbours: ``models.py`` (fit/evaluate/predict call these), ``step.py`` (splits
 batches), ``mirrored/input_lib.py`` (distributed data sets, resident rows).
 """
 import numbers
+import weakref
 
 import numpy as np
 
@@ -31,7 +33,8 @@ from kernels.launch import ceil_div
 from kernels.softmax_xent import LABEL_DTYPE, check_labels
 from mirrored import nest
 from mirrored import random as _random
-from mirrored.input_lib import DistributedDataset
+from mirrored import input_lib
+from mirrored.input_lib import DistributedDataset, Residence
 from mirrored.keras.losses import counts_accuracy, takes_targets
 from mirrored.tensor import Tensor
 
@@ -62,7 +65,7 @@ def batches(model, x, y, batch_size, shuffle):
         steps = len(x)
     except TypeError:
         steps = None
-    return DatasetBatches(x), steps
+    return DatasetBatches(x, model), steps
 
 
 def train_validation_split(x, y, validation_split):
@@ -94,10 +97,12 @@ def train_validation_split(x, y, validation_split):
 def distributed_batches(model, dist):
     """fit/evaluate on ``strategy.experimental_distribute_dataset(ds, options)``.
 
-    Plain: the same as passing ``ds`` (the step splits each global batch itself, into
-    its reusable device buffers). With ``experimental_place_dataset_on_device``:
-    epochs the data set can plan by row number yield ``ResidentBatch``es, gathered
-    on the devices from the copy kept there (``input_lib.ResidentRows``).
+    Without options: the same as passing ``ds`` (the step splits each global batch
+    itself, into its reusable device buffers; on GPUs it may keep the data set there,
+    ``DatasetBatches``). With ``experimental_place_dataset_on_device``: epochs the data
+    set can plan by row number yield ``ResidentBatch``es, gathered on the devices from
+    the copy kept there (``input_lib.ResidentRows``); with options that do not ask for
+    it, the batches are copied.
     """
     if dist.strategy is not model.distribute_strategy:
         raise ValueError(f"this distributed dataset was made by {dist.strategy!r}, but the model "
@@ -107,7 +112,7 @@ def distributed_batches(model, dist):
         steps = len(dist.dataset)
     except TypeError:
         steps = None
-    return DistributedBatches(dist), steps
+    return DatasetBatches(dist.dataset, model, dist), steps
 
 
 def prepare(model, batch):
@@ -265,27 +270,74 @@ class ArrayBatches:
 
 
 class DatasetBatches:
-    """The elements of a batched ``mirrored.data.Dataset``, one epoch per iteration."""
+    """The elements of a batched ``mirrored.data.Dataset``, one epoch per iteration.
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    On GPUs, an epoch that the data set can plan by row number (``data.index_batches``:
+    ``from_tensor_slices``, or a filled ``cache()``, then shuffle/repeat/take, then
+    batch) is played from a copy of its rows kept on the devices (``ResidentBatch``es),
+    when the rows fit (``input_lib.fits_on_devices``) and are an (x, y) pair the
+    resident loader takes (``_loadable``); otherwise the batches are copied, silently:
+    it is an optimisation, not a request. Same batches, same order, same weights.
+    The copy is dropped when this object goes (when ``fit``/``evaluate`` return).
+    ``input_lib.AUTO_PLACE_ON_GPUS = False`` turns it off.
+
+    ``dist``: a ``DistributedDataset`` of the model's strategy, with its options:
+    asked to stay on the devices, it does (``dist.resident_epoch``: with a warning
+    when it cannot); with options that do not ask, it is copied.
+    """
+
+    def __init__(self, dataset, model, dist=None):
+        self.dataset, self.dist = dataset, dist
+        self.residence = None            # input_lib.Residence when fit may place the data unasked
+        devices = model.distribute_strategy.extended.devices
+        # Never on CPUs, where a gather costs what a copy costs (read here, not asked of
+        # input_lib: a CPU fit's step stays out of that file, tests/test_trace_step.py)
+        on_gpus = input_lib.AUTO_PLACE_ON_GPUS and all(dev.device_type == "GPU" for dev in devices)
+        if on_gpus and (dist is None or dist.options is None) and not takes_targets(model.loss):
+            self.residence = Residence(devices)
+            weakref.finalize(self, _release, model, self.residence).atexit = False
 
     def __iter__(self):
-        return iter(self.dataset)
+        if self.dist is not None and self.dist.place_on_device:
+            epoch = self.dist.resident_epoch()
+            return iter(self.dataset) if epoch is None else resident_batches(*epoch)
+        if self.residence is None:
+            return iter(self.dataset)
+        resident, batches, _ = self.residence.epoch(self.dataset, _loadable)
+        if resident is not None:
+            return resident_batches(resident, batches)
+        return iter(self.dataset) if batches is None else batches    # host batches, already planned
 
 
-class DistributedBatches:
-    """Epochs of a DistributedDataset as fit sees them: host batches, or resident ones."""
+def resident_batches(resident, batches):
+    """One epoch of ``ResidentBatch``es: ``batches`` of row numbers of ``resident``."""
+    return (ResidentBatch(resident, idx) for idx in batches)
 
-    def __init__(self, dist):
-        self.dist = dist
 
-    def __iter__(self):
-        epoch = self.dist.resident_epoch() if self.dist.place_on_device else None
-        if epoch is None:
-            return iter(self.dist.dataset)             # host batches: the step splits and uploads them
-        resident, batches = epoch
-        return (ResidentBatch(resident, idx) for idx in batches)
+def _loadable(rows):
+    """True if ``ResidentLoader`` can feed a model from ``rows`` as the host path would:
+    an (x, y) pair, x float32 or uint8 (cast to float32 on the device, as the host casts
+    it), y one int64 or int32 class index per row (the gather's and cast's dtypes)."""
+    columns = rows.columns
+    if isinstance(columns, dict) and set(columns) == {"image", "label"}:
+        columns = (columns["image"], columns["label"])
+    if not (isinstance(columns, tuple) and len(columns) == 2
+            and all(isinstance(c, np.ndarray) for c in columns)):
+        return False
+    x, y = columns
+    return (x.dtype in (np.float32, np.uint8) and x.ndim >= 2 and y.dtype in (np.int64, np.int32)
+            and y.shape[1:] in ((), (1,)))
+
+
+def _release(model, residence):
+    """When a ``DatasetBatches`` goes: its data set leaves the devices (the step's
+    loader, which holds it too, is dropped if it is this data set's)."""
+    held = residence.resident
+    residence.release()
+    step = model.step
+    if held is not None and step is not None and step.resident_loader is not None \
+            and step.resident_loader.resident is held:
+        step.resident_loader = None
 
 
 class ResidentBatch:
