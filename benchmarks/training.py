@@ -298,24 +298,7 @@ class CustomLoopRow(OursRow):
         self.name = f"ours MirroredStrategy x{n} {how}"
         self.strategy_label = f"MirroredStrategy {how}"
         self.dist = self.strategy.experimental_distribute_dataset(self.ds)
-        model, strategy = self.model, self.strategy
-        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-        def train_step(inputs, global_batch):
-            images, labels = inputs
-            with tf.GradientTape() as tape:
-                predictions = model(images, training=True)
-                loss = tf.nn.compute_average_loss(loss_object(labels, predictions),
-                                                  global_batch_size=global_batch)
-            gradients = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-            return loss
-
-        def distributed_step(batch, global_batch):
-            losses = strategy.run(train_step, args=(batch, global_batch))
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
-
-        self.step_fn = tf.function(distributed_step) if compiled else distributed_step
+        self.step_fn = tutorial_step(tf, self.strategy, self.model, self.model.optimizer, compiled)
         self.last_loss = float("nan")
 
     def epoch(self):
@@ -328,6 +311,29 @@ class CustomLoopRow(OursRow):
 
     def final_loss(self):
         return self.last_loss
+
+
+def tutorial_step(tf, strategy, model, optimizer, compiled=True):
+    """The distributed step of TensorFlow's custom-training tutorial, for ``tf`` = ours or
+    TensorFlow alike: ``strategy.run`` of a GradientTape step (sparse cross-entropy from
+    logits, averaged over the global batch), the replicas' losses summed by
+    ``strategy.reduce``; wrapped in ``tf.function`` when ``compiled``."""
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def train_step(inputs, global_batch):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(images, training=True)
+            loss = tf.nn.compute_average_loss(loss_object(labels, predictions), global_batch_size=global_batch)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    def distributed_step(batch, global_batch):
+        losses = strategy.run(train_step, args=(batch, global_batch))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    return tf.function(distributed_step) if compiled else distributed_step
 
 
 class Counter:
@@ -612,31 +618,17 @@ def tf_worker(spec_path, out_path):
 
 
 def tf_custom_loop_row(tf, strategy, m, x, y, weights, warmup, model_name):
-    """TensorFlow's own custom loop (its custom-training tutorial, as ``CustomLoopRow`` writes
-    it for ours): ``@tf.function`` around ``strategy.run`` of a GradientTape step, the losses
-    summed by ``strategy.reduce``, on MirroredStrategy x1; the row issue 41 compares with."""
+    """TensorFlow's own custom loop: ``tutorial_step`` (the one ``CustomLoopRow`` runs on
+    ours) under TensorFlow's ``tf.function``, on its MirroredStrategy x1; the row issue 41
+    compares with."""
     with strategy.scope():
         model = tf.keras.Sequential(keras_layers(tf, m, keras_input=True))
         optimizer = tf.keras.optimizers.Adam(LEARNING_RATE, epsilon=ADAM_EPSILON)
-        loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     model.set_weights(weights)
     batch = m["per_replica"]
     ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SHUFFLE_SEED)
     dist = strategy.experimental_distribute_dataset(ds.batch(batch).prefetch(tf.data.AUTOTUNE))
-
-    def train_step(inputs, global_batch):
-        images, labels = inputs
-        with tf.GradientTape() as tape:
-            predictions = model(images, training=True)
-            loss = tf.nn.compute_average_loss(loss_object(labels, predictions), global_batch_size=global_batch)
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        return loss
-
-    @tf.function
-    def distributed_step(inputs, global_batch):
-        losses = strategy.run(train_step, args=(inputs, global_batch))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+    distributed_step = tutorial_step(tf, strategy, model, optimizer)
 
     def epoch():
         t0, total, steps = time.perf_counter(), 0.0, 0

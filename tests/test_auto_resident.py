@@ -8,6 +8,7 @@ budget, out of device memory, on CPUs, for a pipeline it cannot plan, or when th
 dataset was distributed with options that do not ask for it. The copy leaves the
 devices when fit returns, also when a step ran out of memory.
 """
+import contextlib
 import warnings
 from types import SimpleNamespace
 
@@ -140,6 +141,23 @@ def slices(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(100, seed=7).batch(BATCH)
 
 
+@contextlib.contextmanager
+def one_small_gpu(memory_limit_mib):
+    """The first GPU as one logical GPU of ``memory_limit_mib`` for the block (the device
+    registry reset before and after); skips without a GPU or the simulator."""
+    from mirrored import devices as registry
+    registry._reset()
+    phys = tf.config.list_physical_devices("GPU")
+    if not phys:
+        pytest.skip("needs a CUDA GPU or the CUDA simulator")
+    tf.config.set_logical_device_configuration(
+        phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mib)])
+    try:
+        yield
+    finally:
+        registry._reset()
+
+
 @pytest.mark.parametrize("why", ["over the budget", "out of memory"])
 def test_a_data_set_that_does_not_fit_is_copied(rng, monkeypatch, why):
     """The budget is a share of the device's free memory: patched small here (the
@@ -147,12 +165,7 @@ def test_a_data_set_that_does_not_fit_is_copied(rng, monkeypatch, why):
     epoch is then played from the plan already drawn, on the host: bitwise the weights
     of the copied fit, whose shuffle drew once."""
     from mirrored import devices as registry
-    registry._reset()
-    phys = tf.config.list_physical_devices("GPU")
-    if not phys:
-        pytest.skip("needs a CUDA GPU or the CUDA simulator")
-    tf.config.set_logical_device_configuration(phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=1)])
-    try:
+    with one_small_gpu(1):
         devs = gpus_of(registry.logical_devices())
         x, y = data(rng, n=ROWS)
         x = x.astype(np.float32)
@@ -173,8 +186,6 @@ def test_a_data_set_that_does_not_fit_is_copied(rng, monkeypatch, why):
         assert uploads.placed() == []
         assert sum(m == "upload_parts" for m, _, _ in uploads.epochs[0]) == 2 * STEPS
         assert_same_weights(copied, kept)
-    finally:
-        registry._reset()
 
 
 def test_the_budget_counts_logical_gpus_of_one_card_together():
@@ -224,15 +235,9 @@ def test_an_out_of_memory_step_leaves_the_memory_as_before(rng, monkeypatch):
     """The rows go up before the epoch, outside any step; the first step then runs out of
     memory (tests/test_faults.py's case: Dense(64) at a batch of 256 on a 64 KiB GPU). The
     error comes, and the weights, the optimizer and every device's bytes are as before."""
-    from mirrored import devices as registry
     from test_faults import assert_same_state, labelled, state_of
     from test_faults import small_model as dense_model
-    registry._reset()
-    phys = tf.config.list_physical_devices("GPU")
-    if not phys:
-        pytest.skip("needs a CUDA GPU or the CUDA simulator")
-    tf.config.set_logical_device_configuration(phys[0], [tf.config.LogicalDeviceConfiguration(memory_limit=0.0625)])
-    try:
+    with one_small_gpu(0.0625):
         x, y = labelled(rng, n=256, features=4)
         model = dense_model(tf.distribute.MirroredStrategy(["GPU:0"]), hidden=64, features=4)
         model.fit(x[:8], y[:8], batch_size=8, shuffle=False, verbose=0)      # the optimizer's slots exist
@@ -243,5 +248,3 @@ def test_an_out_of_memory_step_leaves_the_memory_as_before(rng, monkeypatch):
             model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(256), verbose=0)
         assert len(placed) == 1                                  # the rows (6 KiB) were placed first
         assert_same_state(before, state_of(model))
-    finally:
-        registry._reset()

@@ -29,10 +29,9 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import graphs
 from mirrored.values import components
 from test_faults import assert_same_state, state_of
-from test_graphs import RecordedGraph
+from test_graphs import RecordedGraph, stand_in  # noqa: F401  (stand_in: a fixture)
 
 L = tf.keras.layers
 ROWS, BATCH, DIN = 38, 4, 5          # 10 batches (9 of 4 rows, one of 2): a multiple of neither 3 nor 4
@@ -85,15 +84,6 @@ def replicas_equal(model):
     for v in model.trainable_variables:
         first, *others = [c.numpy() for c in components(v)]
         assert all(np.array_equal(first, o) for o in others), "the replicas' copies differ"
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    """Graphs 'enabled' on any device, captured and replayed by RecordedGraph (test_graphs.py)."""
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devices, ops=None: None)
-    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
-    RecordedGraph.captures = 0
-    return RecordedGraph
 
 
 # --- the weights: bitwise those of single steps ---------------------------------------------
