@@ -5,9 +5,9 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,497 in all)::
+Reading order: one training step in five files (lines at this writing; 1,500 in all)::
 
-    1. keras/step.py        276  Step.train: the whole step in four visible calls --
+    1. keras/step.py        272  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  ``fit`` (keras/models.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4
@@ -17,7 +17,7 @@ Reading order: one training step in five files (lines at this writing; 1,497 in 
     3. keras/layers.py      364  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
-    5. keras/optimizers.py  213  Adam/SGD ``update``: one launch per device (step 4)
+    5. keras/optimizers.py  220  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/models.py (Model, Sequential, Functional: build, and fit's loop around
    the step), keras/functional.py (keras.Input, layer calls, the nodes' topological order,

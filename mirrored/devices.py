@@ -455,8 +455,10 @@ class CudaDevice(Device):
     def empty_parts(self, specs):
         # Views of ONE allocation, each at a multiple of PART_ALIGN bytes, so that
         # ``upload_parts`` fills them with one host-to-device copy from one pinned buffer:
-        # a step's x and y were two copies, each with its own staging buffer and event
-        # (issue 40: a captured step's host time is mostly such driver calls).
+        # a step's x, y and optimizer scalars (``engine.input_buffers``; the row numbers and
+        # scalars of a resident batch, ``input_lib.ResidentRows.gather``) were three copies,
+        # each with its own staging buffer and event (issue 40: a captured step's host time
+        # is mostly such driver calls).
         offsets, end = [], 0
         for shape, dtype in specs:
             offsets.append(end)

@@ -223,30 +223,36 @@ class ResidentRows:
             with dev.activate():
                 self.leaves.append([dev.from_numpy(np.ascontiguousarray(a).reshape(len(a), size))
                                     for a, size in zip(host, self.row_sizes)])   # (n, row size) per leaf
-        self._idx = {}                                      # (replica, b) -> (b,) int64 on its device
+        self._idx = {}                      # (replica, b, k) -> (b,) int64 [, (k,) float32] on its device
 
     def caches(self):
         """The row-number buffers, made on first use: a training step that fails drops
         what it added (``keras/step.py``'s ``no_trace``)."""
         return [self._idx]
 
-    def gather(self, r, idx, targets):
+    def gather(self, r, idx, targets, scalars=None):
         """Rows ``idx`` (host int64, (b,)) of each leaf k into its ``out`` on device r,
         for ``(k, out)`` in ``targets`` (out: (b, row size of k)). The b row numbers go
-        up once — the step's only upload — and serve every leaf."""
+        up once — the step's only upload, with ``scalars`` (a training step's optimizer
+        vector, ``Step.host_part``) in the same copy — and serve every leaf. Returns the
+        scalars' buffer on the device (None where none went up)."""
         from kernels.gather import check_rows          # (lazily: kernels import numba.cuda)
         check_rows("ResidentRows.gather", idx, self.rows_count)   # the kernel cannot check
         dev = self.devices[r]
-        key = (r, len(idx))
-        idx_dev = self._idx.get(key)
-        if idx_dev is None:
-            with dev.activate():
-                idx_dev = self._idx[key] = dev.empty((len(idx),), np.int64)
+        k = len(scalars) if scalars is not None and len(idx) else 0
+        key = (r, len(idx), k)
+        bufs = self._idx.get(key)
+        if bufs is None:
+            with dev.activate():                        # views of one allocation (devices.py)
+                bufs = self._idx[key] = dev.empty_parts([((len(idx),), np.int64)] +
+                                                        [((k,), np.float32)] * bool(k))
         if len(idx):
             with dev.activate():
-                dev.upload_into(idx_dev, idx)
-                for k, out in targets:
-                    dev.ops.gather_rows(self.leaves[r][k], idx_dev, out.reshape(len(idx), self.row_sizes[k]))
+                dev.upload_parts(bufs, (idx, scalars)[:len(bufs)])
+                for k_leaf, out in targets:
+                    dev.ops.gather_rows(self.leaves[r][k_leaf], bufs[0],
+                                        out.reshape(len(idx), self.row_sizes[k_leaf]))
+        return bufs[1] if k else None
 
     def element(self, r, idx):
         """The batch ``idx`` as the dataset's structure of fresh Tensors on device r."""

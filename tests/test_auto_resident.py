@@ -35,7 +35,8 @@ def lab_pipeline(x, y):
 
 
 class Uploads:
-    """Every host-to-device transfer to ``devs``, one list per epoch: (method, dtype, shape)."""
+    """Every host-to-device transfer to ``devs``, one list per epoch: (method, [(dtype, shape) of
+    each array the one call sends])."""
 
     def __init__(self, devs, monkeypatch):
         self.epochs = [[]]
@@ -45,7 +46,7 @@ class Uploads:
 
                 def spy(*args, original=original, name=name):
                     arrays = args[-1] if name == "upload_parts" else (args[-1],)
-                    self.epochs[-1] += [(name, np.asarray(a).dtype, np.shape(a)) for a in arrays]
+                    self.epochs[-1].append((name, [(np.asarray(a).dtype, np.shape(a)) for a in arrays]))
                     return original(*args)
                 monkeypatch.setattr(dev, name, spy)
         self.memory = []                          # bytes in use on devs at each epoch's end
@@ -57,7 +58,7 @@ class Uploads:
 
     def placed(self):
         """The epochs (numbers) whose transfers include a whole data set's rows."""
-        return [e for e, ups in enumerate(self.epochs) if any(m == "from_numpy" for m, _, _ in ups)]
+        return [e for e, ups in enumerate(self.epochs) if any(m == "from_numpy" for m, _ in ups)]
 
 
 def bytes_on(devs):
@@ -101,15 +102,17 @@ def test_fit_keeps_a_cached_pipeline_on_the_gpus_and_trains_bitwise_alike(device
     assert_same_weights(copied, kept)
     assert h1.history == h2.history
     first, resident = uploads.epochs[0], uploads.epochs[1:epochs]
-    assert sum(m == "upload_parts" for m, _, _ in first) == 2 * STEPS * gpus   # epoch 1 fills the cache: copied
+    # epoch 1 fills the cache, copied: per step and device ONE copy, x, y and Adam's scalars
+    assert [(m, [dt for dt, _ in arrays]) for m, arrays in first] == \
+        [("upload_parts", [np.float32, np.int64, np.float32])] * STEPS * gpus, first
+    assert all(arrays[2][1] == (ADAM_HYPER_SIZE,) for _, arrays in first)
     assert uploads.placed() == [1]                              # the rows go up once, before epoch 2
-    rows = sorted((str(dt), shape) for m, dt, shape in resident[0] if m == "from_numpy")
+    rows = sorted((str(a[0][0]), a[0][1]) for m, a in resident[0] if m == "from_numpy")
     assert rows == sorted([("float32", (ROWS, 6)), ("int64", (ROWS, 1))] * gpus)
-    for epoch in resident:                                      # then row numbers (and Adam's scalars)
-        steps = [(m, dt, shape) for m, dt, shape in epoch if m != "from_numpy"]
-        idx = [s for s in steps if s[0] == "upload_into" and s[1] == np.int64 and len(s[2]) == 1]
-        hyper = [s for s in steps if s[1] == np.float32 and s[2] == (ADAM_HYPER_SIZE,)]
-        assert len(idx) == len(hyper) == STEPS * gpus and len(idx) + len(hyper) == len(steps), steps
+    for epoch in resident:                                      # then row numbers and Adam's scalars,
+        steps = [(m, [(dt, len(shape)) for dt, shape in a]) for m, a in epoch if m != "from_numpy"]
+        assert steps == [("upload_parts", [(np.int64, 1), (np.float32, 1)])] * STEPS * gpus, steps
+        assert all(a[1][1] == (ADAM_HYPER_SIZE,) for m, a in epoch if m != "from_numpy")   # one copy a step
     # The rows were charged to the devices during the resident epochs, and are freed when
     # fit returns: the memory is then what the copied first epoch left (the step's buffers).
     rows_bytes = x[:, :, :, 0].size * 4 + ROWS * 8
@@ -184,7 +187,7 @@ def test_a_data_set_that_does_not_fit_is_copied(rng, monkeypatch, why):
             warnings.simplefilter("error", UserWarning)
             kept.fit(slices(x, y), epochs=1, verbose=0, callbacks=[uploads.callback])
         assert uploads.placed() == []
-        assert sum(m == "upload_parts" for m, _, _ in uploads.epochs[0]) == 2 * STEPS
+        assert sum(m == "upload_parts" for m, _ in uploads.epochs[0]) == STEPS
         assert_same_weights(copied, kept)
 
 

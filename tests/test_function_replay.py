@@ -481,3 +481,39 @@ def test_numpy_arguments_run_eagerly_and_python_values_key_the_trace(devices, rn
         first = scaled(host, 2.0)
     np.testing.assert_array_equal(np.asarray(first), host * 2)
     np.testing.assert_array_equal(np.asarray(scaled(host + 1, 2.0)), (host + 1) * 2)   # not frozen
+
+
+def test_fit_and_a_replayed_custom_loop_taking_turns_train_as_eagerly(devices, rng, monkeypatch):
+    """``fit``'s step sends the optimizer's scalars up WITH its inputs (one copy; its update reads
+    them there), a custom loop's ``apply_gradients`` puts them in the optimizer's own buffer: each
+    graph must hold the address its own step writes. fit and a replayed custom loop taking turns on
+    one model, both captured (``test_graphs``' stand-in records and replays the launches a capture
+    sees), train bitwise as the same turns run eagerly."""
+    from test_graphs import RecordedGraph
+
+    from mirrored import graphs
+    monkeypatch.setattr(graphs, "why_not_capturable", lambda devices, ops=None: None)
+    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    batch, rows = 8, 40
+    models = [make_model(strategy, 6, 5, 3, tf.keras.optimizers.Adam(0.01), 0.0) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    eager, captured = models
+    eager.compile(loss=eager.loss, optimizer=eager.optimizer, run_eagerly=True)
+    x = rng.standard_normal((rows, 6)).astype(np.float32)
+    y = rng.integers(0, 3, rows)
+    batches = list(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)))
+    loops = [lambda b: strategy.run(tutorial_train_step(eager, batch), args=(b,)),
+             tf.function(lambda b: strategy.run(tutorial_train_step(captured, batch), args=(b,)))]
+    for _ in range(2):                                   # the custom loop, fit, the loop, fit
+        for model, loop in zip(models, loops):
+            for b in batches:
+                loop(b)
+            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    assert captured._step_graphs.counts["replayed"] >= 2 * (rows // batch - 2), captured._step_graphs.counts
+    trace, = traced_function_traces(loops[1])
+    assert trace.graphs.counts["replayed"] >= 2 * len(batches) - 2, trace.graphs.counts
+    assert int(eager.optimizer.iterations) == int(captured.optimizer.iterations) == 4 * len(batches)
+    for a, b in zip(eager.get_weights(), captured.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -395,16 +395,18 @@ class ResidentLoader:
         """The buffers made on first use, here and in the resident rows (``Step.no_trace``)."""
         return [self._scratch] + self.resident.caches()
 
-    def load(self, p, idx):
-        """Replica program ``p``'s rows ``idx`` (b,) into its input buffers: (x_dev, y_dev)."""
-        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype)   # (b, in) float32, (b,) labels
+    def load(self, p, idx, scalars=None):
+        """Replica program ``p``'s rows ``idx`` (b,) into its input buffers, ``scalars`` (a
+        training step's optimizer vector) up with the row numbers: (x_dev, y_dev, its buffer)."""
+        k = len(scalars) if scalars is not None and len(idx) else 0     # a copied step's buffers (its
+        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype, (), k)[:2]   # scalars' view unused here)
         wanted = [(self.kx, x_dev), (self.ky, y_dev)]
         landing = [(k, self._landing(p, k, len(idx), out)) for k, out in wanted]
-        self.resident.gather(p.r, idx, landing)                  # one upload of b row numbers
+        sent = self.resident.gather(p.r, idx, landing, scalars)  # one upload: row numbers, scalars
         for (_, out), (_, land) in zip(wanted, landing):
             if land is not out and len(idx):
                 p.dev.ops.cast(land.reshape(out.shape), out)     # e.g. uint8 images -> float32
-        return x_dev, y_dev
+        return x_dev, y_dev, sent
 
     def _landing(self, p, k, b, out):
         """Where leaf k's rows are gathered: ``out`` itself when the stored dtype is

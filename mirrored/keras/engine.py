@@ -228,13 +228,13 @@ class ReplicaProgram:
                 if self.edges[t] > 1 and self.upstream[t]:
                     self.grad_sum(t, b)
 
-    def input_buffers(self, b, label_dtype, label_shape=()):
-        """Step 1's landing place on this device, made once per batch size: x (b, in_dim) float32,
-        y (b,) + ``label_shape`` (class labels, or float targets for MSE and BCE)."""
-        key = (b, np.dtype(label_dtype), tuple(label_shape))
+    def input_buffers(self, b, label_dtype, label_shape=(), scalars=0):
+        """Step 1's landing place, once per batch size: x (b, in_dim) float32, y (b,) + ``label_shape``
+        (labels, or MSE/BCE targets), a training step's optimizer ``scalars``: one allocation, one copy."""
+        key = (b, np.dtype(label_dtype), tuple(label_shape), scalars)
         if key not in self.input_cache:
-            self.input_cache[key] = self.dev.empty_parts([((b, self.in_dim), FLOAT),   # one copy fills
-                                                          ((b,) + tuple(label_shape), label_dtype)])
+            specs = [((b, self.in_dim), FLOAT), ((b,) + tuple(label_shape), label_dtype)]
+            self.input_cache[key] = self.dev.empty_parts(specs + [((scalars,), FLOAT)] * bool(scalars))
         return self.input_cache[key]
 
     # -- the program

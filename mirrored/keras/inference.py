@@ -21,7 +21,7 @@ class InferencePasses:
     def inputs(self, batch, shard=True):
         """Each replica's share of ``batch`` in its device's input buffers: [(x, y)]."""
         parts, load, _ = self.split(batch, shard)
-        return self.copy_in(parts, load)
+        return [(x, y) for x, y, _ in self.copy_in(parts, load)]
 
     def evaluate_part(self, inputs, mode):
         """Forward and the loss (no gradient) on every replica: launches only."""

@@ -5,11 +5,12 @@ hyper-parameters, the step counter and the slot buffers (velocity; Adam's m and 
 per device, made on first use where the variables live (an optimizer made outside
 ``strategy.scope()``, as the course lab's, works), dropped with their model.
 
-A step has a host part and a device part. ``begin_step`` counts the step and copies its
-hyper-parameter vector (Adam's alpha changes every step) into a small buffer on every
-device; ``update`` only launches kernels, which read that buffer, so a CUDA graph of the
-device part (``mirrored/graphs.py``) or a ``@function``'s replay updates with the alpha just
-written. The launches update every copy or none: a Ctrl-C waits for the last one.
+A step has a host part and a device part. ``begin_step`` counts the step and puts its
+hyper-parameter vector (Adam's alpha changes every step) in a small buffer on every device
+(``fit``'s step sends it with the inputs, in their one copy: ``step_scalars``); ``update``
+only launches kernels, which read that buffer, so a CUDA graph of the device part
+(``mirrored/graphs.py``) or a ``@function``'s replay updates with the alpha just written.
+The launches update every copy or none: a Ctrl-C waits for the last one.
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
 (``keras/step.py``) calls ``begin_step``, the all-reduce and then ``update``;
@@ -25,6 +26,7 @@ Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what K
 import contextlib
 import threading
 import warnings
+import weakref
 
 from kernels.optimizers import adam_scalars, sgd_scalars
 from mirrored import context, recording
@@ -35,10 +37,9 @@ from mirrored.keras.variable_updates import apply_to_variables
 
 
 class Optimizer(OptimizerState):
-    """Base: slot buffers per (buffer, device), the per-step hyper-parameter vectors, the
-    update. The step count and the rate (``step_count``, ``rate``), their Keras views
-    (``iterations``, ``learning_rate``) and what Keras saves are its base class's
-    (``optimizer_state.py``)."""
+    """Base: slot buffers per (buffer, device), the per-step hyper-parameter vectors, the update.
+    The step count and rate (``step_count``, ``rate``), their Keras views (``iterations``,
+    ``learning_rate``) and what Keras saves are its base class's (``optimizer_state.py``)."""
 
     slot_names = ()
 
@@ -46,7 +47,8 @@ class Optimizer(OptimizerState):
         super().__init__(learning_rate, **kwargs)    # step_count, rate, their Keras views; kwargs checked
         self.name = name
         self._slots = {}                 # ("pack", id(pack), r) or ("var", id(copy)) -> [buffer per slot]
-        self.hyper = {}                  # device name -> (k,) float32 hyper-parameter vector (begin_step)
+        self.hyper = weakref.WeakValueDictionary()   # device name -> this step's vector (its own
+        self._own = {}                   # buffer in ``_own``, or the one sent with the inputs)
         self._lock = threading.Lock()
 
     def _slot_buffers(self, key, dev, like):
@@ -64,31 +66,36 @@ class Optimizer(OptimizerState):
                     self._slots[key] = slots
         return slots
 
-    def _scalars(self):
-        """This step's hyper-parameter vector, (k,) float32 (``kernels.optimizers``)."""
+    def _scalars(self, t):
+        """Step t's hyper-parameter vector, (k,) float32 (``kernels.optimizers``)."""
         raise NotImplementedError
+
+    def step_scalars(self):
+        return self._scalars(self.step_count + 1)      # the next step's (fit sends it with its inputs)
 
     def update_buffer(self, dev, w, g, key):
         """One kernel launch: update ``w`` with gradient ``g`` (both on ``dev``), reading
         the hyper-parameter vector ``self.hyper[dev.name]``."""
         raise NotImplementedError
 
-    def begin_step(self, devices):
-        """The host part of a step: count it, and copy its hyper-parameter vector into
-        every device's buffer (queued on the device's stream, before the update)."""
+    def begin_step(self, devices, sent=None):
+        """The host part of a step: count it, and copy its hyper-parameter vector into a buffer
+        on every device (queued on its stream, before the update), except where ``sent``
+        {device name: buffer} holds it: it went up with the step's inputs (``Step.host_part``)."""
         self.step_count += 1
-        host = self._scalars()                       # (k,) float32
         for dev in devices:
-            buf = self.hyper.get(dev.name)
-            if buf is None:
+            buf = (sent or {}).get(dev.name)
+            if buf is None:                                        # not sent: its own buffer
+                host = self._scalars(self.step_count)              # (k,) float32
                 with dev.activate():
-                    buf = self.hyper[dev.name] = dev.empty(host.shape, host.dtype)
-            dev.upload_into(buf, host)
+                    buf = self._own.get(dev.name)
+                    buf = self._own[dev.name] = dev.empty(host.shape, host.dtype) if buf is None else buf
+                    dev.upload_into(buf, host)
+            self.hyper[dev.name] = buf
 
     def caches(self):
-        """The dicts of buffers made on first use (slots, hyper-parameter vectors): a step
-        that fails drops what it added (``Step.no_trace``)."""
-        return [self._slots, self.hyper]
+        """The buffers made on first use: a failed step drops what it added (``Step.no_trace``)."""
+        return [self._slots, self._own]
 
     def update(self, pack, around=None):
         """Step 4 of a training step: one update launch per device, each copy of the
@@ -167,7 +174,7 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if self.momentum else ()
 
-    def _scalars(self):
+    def _scalars(self, t):
         return sgd_scalars(self.rate, self.momentum)
 
     def get_config(self):
@@ -190,8 +197,8 @@ class Adam(Optimizer):
             raise NotImplementedError("Adam(amsgrad=True) is not implemented.")
         self.beta_1, self.beta_2, self.epsilon = float(beta_1), float(beta_2), float(epsilon)
 
-    def _scalars(self):
-        return adam_scalars(self.rate, self.step_count, self.beta_1, self.beta_2, self.epsilon)
+    def _scalars(self, t):
+        return adam_scalars(self.rate, t, self.beta_1, self.beta_2, self.epsilon)
 
     def get_config(self):
         return dict(super().get_config(), beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon,

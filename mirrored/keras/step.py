@@ -15,21 +15,19 @@ four steps of the README, each a visible call::
                           copies stay bitwise equal                    (optimizers.update)
 
 A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
-scalars) and a *device part* (2-4: kernel launches only). A step that raises leaves no
-trace (``Step.no_trace``: the step count and the memory as before it). Nothing here times or captures anything:
-``mirrored.lab.timing.TimedStep`` is this step with each phase timed, and
-``mirrored.graphs.CapturedStep`` runs its device part through a CUDA graph; both
-wrap it from outside and launch exactly the same kernels.
+scalars: one copy per device) and a *device part* (2-4: kernel launches only). A step
+that raises leaves no trace (``Step.no_trace``: the step count and the memory as before).
+Nothing here times or captures: ``mirrored.lab.timing.TimedStep`` times each phase, and
+``mirrored.graphs.CapturedStep`` runs the device part through a CUDA graph; both wrap
+this step from outside and launch exactly the same kernels.
 
-A custom training loop runs this same step. ``model(x, training=True)`` and
-``tape.gradient`` run step 2 on the replica's own ``ReplicaProgram`` (its ``forward``,
-``loss`` and ``backward``, the very methods ``forward_backward`` calls), and
+A custom training loop runs this same step: ``model(x, training=True)`` and ``tape.gradient``
+run step 2 on the replica's ``ReplicaProgram`` (the methods ``forward_backward`` calls), and
 ``optimizer.apply_gradients`` calls ``Step.apply_gradients``: the optimizer's scalars, then
-``reduce_and_update`` (steps 3-4, the method ``device_part`` calls), inside ``no_trace``.
-So fit and the custom loop give bitwise-equal weights (``tests/test_one_step.py``).
-The one difference is who drives the replicas: here one host thread drives them in turn
-(``copy_in`` says why); ``strategy.run`` gives each replica its own thread, and they meet
-at ``apply_gradients``'s merge point, where the last to arrive runs steps 3-4 once.
+``reduce_and_update`` (steps 3-4), inside ``no_trace``: fit's weights, bit for bit
+(``tests/test_one_step.py``). Only who drives the replicas differs: one host thread here
+(``copy_in``), a thread per replica under ``strategy.run``, meeting at ``apply_gradients``'s
+merge point, where the last to arrive runs steps 3-4 once.
 
 Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
 ``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
@@ -92,13 +90,15 @@ class Step(InferencePasses):
         Every buffer the step needs is made here, on every replica, before the optimizer
         counts the step and before any replica computes: a batch too large for a
         device's ``memory_limit`` fails here, with nothing changed (``no_trace``)."""
-        parts, load, scale = self.split(batch)                 # 1. N shares of the global batch
-        inputs = self.copy_in(parts, load)                     #    ... each on its replica's device
-        for program, (x, _) in zip(self.programs, inputs):
+        parts, load, scale = self.split(batch)                 # 1. N shares of the global batch,
+        scalars = self.model.optimizer.step_scalars()          #    and the update's scalars (Adam's
+        loaded = self.copy_in(parts, load, scalars)            #    alpha): ONE copy onto each device
+        for program, (x, _, _) in zip(self.programs, loaded):
             with program.dev.activate():
                 program.reserve(x.shape[0])                    #    its layers' and loss's buffers
-        self.model.optimizer.begin_step(self.devices)          #    this step's update scalars (Adam's alpha)
-        return inputs, scale
+        sent = {p.dev.name: h for p, (_, _, h) in zip(self.programs, loaded)}
+        self.model.optimizer.begin_step(self.devices, sent)    #    the step counted, its scalars placed
+        return [(x, y) for x, y, _ in loaded], scale
 
     def device_part(self, inputs, mode, scale):
         """Steps 2-4: kernel launches only (what a CUDA graph can capture)."""
@@ -113,19 +113,18 @@ class Step(InferencePasses):
 
     def apply_gradients(self, optimizer):
         """A custom training loop's ``optimizer.apply_gradients``, once every replica's
-        ``tape.gradient`` has written its packed gradient buffer (step 2): this step's
-        scalars, then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace
-        (the optimizer's step count and slots, the devices' scratch: as before)."""
+        ``tape.gradient`` has written its packed gradient buffer (step 2): this step's scalars,
+        then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace (``no_trace``)."""
         with self.no_trace(optimizer):
             optimizer.begin_step(self.devices)
             self.reduce_and_update(optimizer)
 
     @contextlib.contextmanager
     def no_trace(self, optimizer=None):
-        """A step that raises inside this block leaves no trace: the optimizer's step count
-        goes back, and every buffer made during the block is dropped again (the replicas'
-        input, layer and loss buffers, the optimizer's new slots, the devices' scratch,
-        the ring's staging buffers among them), so each device's memory accounting is what it was before.
+        """A step that raises inside this block leaves no trace: the optimizer's step count goes
+        back, and every buffer made during the block is dropped again (the replicas' input, layer
+        and loss buffers, the optimizer's new slots, the devices' scratch, the ring's staging
+        buffers among them): each device's memory accounting is as before.
 
         The weights and the optimizer's slots cannot have changed by then: every buffer
         is made before the first update launch (``host_part``, ``Optimizer.update``), and
@@ -193,26 +192,22 @@ class Step(InferencePasses):
             self.bounds[(batch_size, shard)] = bounds
         return bounds
 
-    def copy_in(self, parts, load):
+    def copy_in(self, parts, load, scalars=None):
         """Replica r puts ``parts[r]`` on its device: (b, in) float32 and (b,) labels in
-        buffers made once per batch size and reused every step.
+        buffers made once per batch size and reused every step, ``scalars`` (the
+        optimizer's) in the same copy: [(x, y, the scalars' buffer or None)].
 
-        This thread drives every replica in turn, here and in every phase of a step.
-        On a GPU each call only queues work on that device's stream, so the devices
-        still work at the same time. Logical CPU devices share the cores: there the
-        replicas' work runs one after the other, and NumPy's BLAS spreads each large
-        product over all cores. TensorFlow's ``fit`` does the same in effect: its step
-        is a traced ``tf.function``, one graph holding every replica's ops, with no
-        replica threads once traced. A thread per replica (``strategy.run``, used by
-        custom loops) would only add hand-offs here: the step is a few hundred
-        microseconds of Python holding the GIL, and replica threads would take turns
-        at it (the README's benchmark notes record what that cost).
-        """
-        return [self.load_share(program, part, load) for program, part in zip(self.programs, parts)]
+        One thread drives every replica in turn, here and in every phase of a step: on a
+        GPU each call only queues work on the device's stream, so the devices still work
+        at once; logical CPU devices share the cores, and BLAS spreads each product over
+        them. TensorFlow's traced ``fit`` step is the same: one graph, no replica threads.
+        A thread per replica (``strategy.run``) would only add hand-offs to a step of a few
+        hundred microseconds of Python holding the GIL (the README's benchmark notes)."""
+        return [self.load_share(program, part, load, scalars) for program, part in zip(self.programs, parts)]
 
-    def load_share(self, program, part, load):
+    def load_share(self, program, part, load, scalars=None):
         with program.dev.activate():
-            return load(program, part)
+            return load(program, part, scalars)
 
     def forward_backward(self, program, x, y, mode, scale):
         with program.dev.activate():
@@ -267,10 +262,11 @@ def check_compiled(model, what):
                            f"model.compile(optimizer=..., loss=..., metrics=['accuracy']).")
 
 
-def _upload(program, part):
-    """Put a host share ``(x (b, in) float32, y (b,))`` into the program's (reused) input buffers."""
-    x, y = part
-    x_dev, y_dev = program.input_buffers(x.shape[0], y.dtype, y.shape[1:])
-    if x.shape[0]:
-        program.dev.upload_parts((x_dev, y_dev), (x, y))       # one copy on a GPU (devices.py)
-    return x_dev, y_dev
+def _upload(program, part, scalars=None):
+    """A host share ``(x (b, in) float32, y (b,))`` into the program's (reused) input buffers,
+    ``scalars`` with them (one copy on a GPU, ``devices.py``): (x_dev, y_dev, scalars' or None)."""
+    (x, y), k = part, len(scalars) if scalars is not None and len(part[0]) else 0
+    bufs = program.input_buffers(len(x), y.dtype, y.shape[1:], k)
+    if len(x):
+        program.dev.upload_parts(bufs, (x, y, scalars)[:len(bufs)])
+    return (bufs + (None,))[:3]

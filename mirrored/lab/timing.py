@@ -229,9 +229,9 @@ class TimedStep(Step):
         vars(self).update(vars(step))
         self.timer = timer
 
-    def load_share(self, program, part, load):
+    def load_share(self, program, part, load, scalars=None):
         with self.timer.phase(INPUT_COPY, program.r, program.dev):
-            return super().load_share(program, part, load)
+            return super().load_share(program, part, load, scalars)
 
     def forward_backward(self, program, x, y, mode, scale):
         with self.timer.phase(FORWARD_BACKWARD, program.r, program.dev):
