@@ -108,3 +108,29 @@ def test_issue25_peer_target_needs_both_peers_rows():
     (peer,) = [t for t in training.issue25_targets(with_tf) if "faster of" in t["target"]]
     assert peer["measured"] == pytest.approx(ours / min(torch_ms, tf_ms))
     assert peer["met"] == (ours / min(torch_ms, tf_ms) <= training.TARGET_CONVNET_VS_PEERS)
+
+
+def test_issue41_gpu_targets_hold_the_replayed_custom_loop_to_fits_graph_and_pytorch():
+    """On a GPU, ``--rows custom`` (gpu_session.sh's plan 40) must report issue 41's two GPU
+    targets: custom loop @function / fit's graph row x1 (<= 1.2) and / PyTorch eager (<= 0.3);
+    neither is claimed from a run that lacks the row it divides by."""
+    from benchmarks import training
+    rng = np.random.default_rng()
+    custom_ms, graph_ms, torch_ms = rng.uniform(0.2, 0.4), rng.uniform(0.2, 0.4), rng.uniform(0.8, 2.0)
+
+    def row(framework, strategy, ms):
+        return {"model": "convnet", "framework": framework, "strategy": strategy, "replicas": 1,
+                "ms_per_step": ms, "samples_per_s": 64e3 / ms, "row": f"{framework} {strategy}"}
+
+    custom = row("ours", "MirroredStrategy custom loop @function", custom_ms)
+    graph, torch_row = row("ours", "MirroredStrategy graph", graph_ms), row("torch", "eager", torch_ms)
+    _, targets = training.ratios_and_targets([custom, graph, torch_row], ["convnet"], gpu=True)
+    got = {t["target"]: t for t in targets if "custom loop" in t["target"]}
+    vs_graph = got["ours custom loop @function / fit graph on 1 GPU, convnet model (ms/step)"]
+    vs_torch = got["ours custom loop @function on 1 GPU / PyTorch eager, convnet model (ms/step)"]
+    assert vs_graph["measured"] == pytest.approx(custom_ms / graph_ms)
+    assert vs_graph["met"] == (custom_ms / graph_ms <= 1.2) and vs_graph["threshold"] == 1.2
+    assert vs_torch["measured"] == pytest.approx(custom_ms / torch_ms)
+    assert vs_torch["met"] == (custom_ms / torch_ms <= 0.3) and vs_torch["threshold"] == 0.3
+    _, targets = training.ratios_and_targets([custom], ["convnet"], gpu=True)
+    assert not [t for t in targets if "custom loop" in t["target"]], targets
