@@ -89,3 +89,34 @@ def test_the_pytorch_rows_train_on_the_labs_images_as_it_scales_them(tmp_path):
     empty.mkdir()
     x2, y2 = course_lab.lab_training_images(str(empty), smoke=True)   # offline: the subset
     assert np.array_equal(x2, x) and np.array_equal(y2, y)
+
+
+def test_peer_epochs_time_the_pytorch_rows_apart_from_the_labs(tmp_path, monkeypatch):
+    """``--peer-epochs N`` (gpu_session.sh's plan 40: 3, to fit its budget) reaches the
+    PyTorch rows, not the lab, and is written down; without it they train the lab's epochs.
+    The lab and the rows are stand-ins here: what is checked is main()'s wiring."""
+    import random
+    lab_epochs, peer_epochs = random.randint(2, 12), random.randint(1, 5)
+    seen = {}
+
+    def fake_cold_and_warm(data_dir, epochs, smoke):
+        seen["lab"] = epochs
+        return {"cold": {"wall_s": 2.0}, "warm": {"wall_s": 1.0}}, "lab log"
+
+    def fake_torch_rows(data_dir, epochs, smoke=False):
+        seen["peers"] = epochs
+        return [{"row": "PyTorch eager", "strategy": "eager", "ms_per_step": 1.5, "total_s": 1.0 * epochs}], None
+
+    monkeypatch.setattr(course_lab, "cold_and_warm", fake_cold_and_warm)
+    monkeypatch.setattr(course_lab, "torch_rows", fake_torch_rows)
+    out = tmp_path / "lab.json"
+    assert course_lab.main(["--epochs", str(lab_epochs), "--peer-epochs", str(peer_epochs),
+                            "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert seen == {"lab": lab_epochs, "peers": peer_epochs}
+    assert doc["epochs"] == lab_epochs and doc["peer_epochs"] == peer_epochs
+    assert course_lab.main(["--epochs", str(lab_epochs), "--out", str(out)]) == 0
+    assert seen["peers"] == lab_epochs and json.loads(out.read_text())["peer_epochs"] == lab_epochs
+    import pytest
+    with pytest.raises(SystemExit):
+        course_lab.main(["--peer-epochs", "0"])
