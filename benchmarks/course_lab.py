@@ -23,8 +23,9 @@ as a student would, all 12 epochs, in a fresh Python process, and records:
     python -m benchmarks.course_lab --smoke              # a small, quick run: does it all work?
 
 Cold and warm (issue 40): the lab runs twice in a row, each a fresh process, with one fresh
-``NUMBA_CACHE_DIR``: "cold" finds the kernel cache empty and compiles, "warm" loads what cold
-wrote, as a student's second run does. Both are reported (``runs``).
+``NUMBA_CACHE_DIR`` (and ``CUDA_CACHE_PATH``, the driver's): "cold" finds the kernel cache
+empty and compiles, "warm" loads what cold wrote, as a student's second run does. Both are
+reported (``runs``).
 
 PyTorch beside it (GPU only, where torch imports): the same ConvNet, initial weights, batch
 and Adam as ``benchmarks.training``'s rows, trained for the same epochs on the same training
@@ -232,14 +233,21 @@ def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None, smoke=False):
 
 
 def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab):
-    """The lab twice, with one fresh ``NUMBA_CACHE_DIR``: {"cold": RESULT, "warm": RESULT},
-    and the two logs."""
+    """The lab twice, with one fresh ``NUMBA_CACHE_DIR`` and one fresh ``CUDA_CACHE_PATH``
+    (the driver's own cache of code it compiled, which a machine that ran the lab before
+    keeps in ~/.nv): {"cold": RESULT, "warm": RESULT}, and the two logs. Each log is printed
+    as its run ends, so a run stopped later (a time limit) still shows the lab's figures."""
     runs, logs = {}, []
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {"NUMBA_CACHE_DIR": os.path.join(scratch, "numba"),
+               "CUDA_CACHE_PATH": os.path.join(scratch, "cuda-driver")}
+        for folder in env.values():
+            os.mkdir(folder)
         for name in ("cold", "warm"):
-            result, log = run(data_dir, epochs, env={"NUMBA_CACHE_DIR": cache}, smoke=smoke)
+            result, log = run(data_dir, epochs, env=env, smoke=smoke)
             runs[name] = result
             logs.append(f"--- {name} run ---\n{log}")
+            print(logs[-1], flush=True)
     return runs, "\n".join(logs)
 
 
@@ -305,8 +313,7 @@ def main(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     epochs = args.epochs or (1 if args.smoke else 12)
     peer_epochs = args.peer_epochs or epochs
-    runs, log = cold_and_warm(args.data_dir, epochs, args.smoke)
-    print(log)
+    runs, _ = cold_and_warm(args.data_dir, epochs, args.smoke)      # prints each run's log
     print(json.dumps(runs, indent=1))
     peers, skipped = [], []
     if args.no_peers:

@@ -2,7 +2,8 @@
 
 The smoke run (one epoch, 512 images, the dense model) is the non-PyTorch path end to end;
 the PyTorch rows are GPU rows, skipped here with their reason. ``cold_and_warm`` is checked
-with a stand-in for the lab: the two runs share one kernel cache folder, empty before cold.
+with a stand-in for the lab: the two runs share one kernel cache folder and one CUDA driver
+cache folder, both empty before cold.
 Also the smoke run of benchmarks/compile_gil.py (can a first run compile side by side?).
 """
 import json
@@ -40,16 +41,19 @@ def test_cold_and_warm_share_one_fresh_kernel_cache():
     seen = []
 
     def fake_lab(data_dir, epochs, env, smoke):
-        folder = Path(env["NUMBA_CACHE_DIR"])
-        seen.append((folder, sorted(p.name for p in folder.iterdir())))
-        (folder / f"kernel-{len(seen)}.nbc").write_bytes(b"x")       # what a run would keep
+        folders = [Path(env[name]) for name in ("NUMBA_CACHE_DIR", "CUDA_CACHE_PATH")]
+        seen.append((folders, [sorted(p.name for p in f.iterdir()) for f in folders]))
+        for f in folders:                                 # what a run would keep, in each
+            (f / f"kernel-{len(seen)}.bin").write_bytes(b"x")
         return {"wall_s": float(len(seen))}, f"log {len(seen)}"
 
     runs, log = course_lab.cold_and_warm("data", 3, smoke=True, run=fake_lab)
     assert runs == {"cold": {"wall_s": 1.0}, "warm": {"wall_s": 2.0}}
-    assert seen[0][0] == seen[1][0]                      # one folder for both
-    assert seen[0][1] == [] and seen[1][1] == ["kernel-1.nbc"]   # empty for cold, cold's for warm
-    assert not seen[0][0].exists()                       # and gone afterwards
+    assert seen[0][0] == seen[1][0] and seen[0][0][0] != seen[0][0][1]   # the same two folders
+    assert seen[0][1] == [[], []]                         # empty for cold (numba's and the driver's)
+    assert seen[1][1] == [["kernel-1.bin"], ["kernel-1.bin"]]   # cold's for warm
+    for folder in seen[0][0]:
+        assert not folder.exists() and os.environ.get("NUMBA_CACHE_DIR") != str(folder)  # gone after
     assert "cold run" in log and "warm run" in log
 
 
