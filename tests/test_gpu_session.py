@@ -190,6 +190,7 @@ def test_plan_40_runs_its_stages_in_order_within_its_budget_and_eight_files(tmp_
         f"python -m benchmarks.course_lab --data-dir {mnist} --out {out / 'course_lab.json'} --peer-epochs 3",
         f"python -m benchmarks.host_profile --json {out / 'host_profile.json'} --model conv "
         "--modes graph,eager --epochs 3",
+        "python -c import pytest_timeout",                                  # --timeout if there
         "python -m pytest -v -p no:cacheprovider -n 7 --dist loadfile --timeout 120 -rfEs " + " ".join(TESTS40),
         f"python -m benchmarks.training --out {out / 'custom_loop.json'} --models convnet --rows custom "
         "--no-resident --epochs 3",
