@@ -8,7 +8,7 @@
 #                                            # travels: the full MNIST and the wheels, ignored
 #                                            # by git; prints the device call to make
 #   bash benchmarks/gpu_session.sh 40        # ON THE DEVICE: issue 40's table, issue 41's GPU
-#                                            # rows; carry .whl and .gpudata, timeout_s 420
+#                                            # rows; carry .whl and .gpudata, timeout_s 415
 #
 # Plan 40, most important first (a stage that finds too little of the budget left is skipped,
 # saying so; every stage's limit is cut to what is left):
@@ -32,9 +32,10 @@
 #                     @function, PyTorch eager and CUDA graph (issue 41: @function / fit graph
 #                     <= 1.2, @function / PyTorch eager <= 0.3)
 #   then a summary of the figures above, printed last (the device call's output_tail)   8 files
-# Budget: 400 s + 10 s kill grace per call, so a call, a rerun of it and a start-up of a
-# minute fit the 15 minutes (tests/test_gpu_session.py). Read the summary, then rerun at once
-# (the machine stays warm 30 s) only what failed, or give the machine back.
+# Budget: the stages end by 385 s (+ 10 s kill grace), the summary by 400 s; the call's
+# timeout_s 415, so a call, a rerun of it and a start-up of a minute fit the 15 minutes
+# (tests/test_gpu_session.py). Read the summary, then rerun at once (the machine stays warm
+# 30 s) only what failed, or give the machine back.
 # A rerun of some stages, each under its own limit (the *_S below): e.g.
 # `bash benchmarks/gpu_session.sh tests40 custom_loop` (BUDGET_S=N caps them all together).
 #
@@ -52,8 +53,8 @@
 #      graph (run_eagerly=False), x1, x2, x4 logical GPUs, PyTorch eager beside them); breakdown.log, .json (benchmarks.breakdown
 #      --device gpu: a ConvNet step, each layer's forward and backward, loss, all-reduce,
 #      optimizer); course_lab.log, .json (benchmarks.course_lab: the course lab as written,
-#      12 epochs of the full MNIST from .gpudata/mnist, which a session copies from
-#      ../shared/data/mnist-full and carries; MNIST_FULL_DIR names another folder)  7 files
+#      12 epochs of the full MNIST from .gpudata/mnist, which `prepare` copies from
+#      ../shared/data/mnist-full, carried; MNIST_FULL_DIR names another folder)  7 files
 #   2  kernels.log, .json (benchmarks.kernels: every case it has, conv and pooling v1 beside
 #      v3/fused where they exist, timed with CUDA events around captured graphs;
 #      KERNELS_ARGS adds flags); launch.log, .json (benchmarks.launch with the real driver:
@@ -129,7 +130,7 @@ prepare() {  # HERE, before the device call: the full MNIST and the wheels, in t
   echo "prepare: $WHEELS: $(ls "$WHEELS" | tr '\n' ' ')(one version of each: two stop the install)"
   echo "prepare: $(du -sh "$dest" "$WHEELS" | tr '\n\t' '  ')(the tree that travels: at most 64 MiB)"
   echo "prepare: now the device call: run(command=\"bash benchmarks/gpu_session.sh 40\"," \
-       "carry=[\"$WHEELS\", \"${dest%%/*}\"], timeout_s=$((PLAN40 + 20)))"
+       "carry=[\"$WHEELS\", \"${dest%%/*}\"], timeout_s=$((PLAN40 + 15)))"
 }
 if [ "${1:-}" = prepare ]; then
   PLAN40=${PLAN40_S:-400}

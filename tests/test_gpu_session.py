@@ -255,8 +255,12 @@ def test_prepare_puts_the_full_mnist_and_the_wheels_in_the_checkout_ignored_by_g
     status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo,
                             capture_output=True, text=True, check=True).stdout
     assert ".gpudata" not in status and ".whl" not in status, status
-    assert 'run(command="bash benchmarks/gpu_session.sh 40", carry=[".whl", ".gpudata"], timeout_s=420)' \
-        in proc.stdout, proc.stdout
+    call = re.search(r'run\(command="bash benchmarks/gpu_session.sh 40", carry=\[".whl", ".gpudata"\], '
+                     r'timeout_s=(\d+)\)', proc.stdout)
+    assert call, proc.stdout
+    timeout_s = int(call.group(1))                        # the script's worst case fits in it,
+    assert setting("PLAN40_S") + KILL_GRACE_S <= timeout_s <= 600    # and twice it with a start-up
+    assert 2 * timeout_s + START_UP_S <= DEVICE_BUDGET_S, timeout_s  # fits the session's device time
 
 
 def test_prepare_without_the_mnist_files_says_where_it_looked(tmp_path):
