@@ -23,14 +23,16 @@ as a student would, all 12 epochs, in a fresh Python process, and records:
     python -m benchmarks.course_lab --smoke              # a small, quick run: does it all work?
 
 Cold and warm (issue 40): the lab runs twice in a row, each a fresh process, with one fresh
-``NUMBA_CACHE_DIR``: "cold" finds the kernel cache empty and compiles, "warm" loads what cold
-wrote, as a student's second run does. Both are reported (``runs``).
+``NUMBA_CACHE_DIR`` (and ``CUDA_CACHE_PATH``, the driver's): "cold" finds the kernel cache
+empty and compiles, "warm" loads what cold wrote, as a student's second run does. Both are
+reported (``runs``).
 
 PyTorch beside it (GPU only, where torch imports): the same ConvNet, initial weights, batch
 and Adam as ``benchmarks.training``'s rows, trained for the same epochs on the same training
 images in this process after the lab's runs: "eager" (``training.TorchRow``) and "cuda graph"
 (``training.TorchGraphRow``: data on the device, Adam ``capturable=True``, the whole step
-captured as one CUDA graph), each after one untimed warm-up epoch.
+captured as one CUDA graph), each after one untimed warm-up epoch. ``--peer-epochs N``: N
+timed epochs each instead (their ms/step is the median epoch's; ``total_s`` is then N epochs').
 
 ``--smoke``: one epoch of the first 512 training and 256 test images, the lab's dense model in
 place of its ConvNet (no CPU loops to compile): for the test suite, well within a minute; it
@@ -231,14 +233,21 @@ def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None, smoke=False):
 
 
 def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab):
-    """The lab twice, with one fresh ``NUMBA_CACHE_DIR``: {"cold": RESULT, "warm": RESULT},
-    and the two logs."""
+    """The lab twice, with one fresh ``NUMBA_CACHE_DIR`` and one fresh ``CUDA_CACHE_PATH``
+    (the driver's own cache of code it compiled, which a machine that ran the lab before
+    keeps in ~/.nv): {"cold": RESULT, "warm": RESULT}, and the two logs. Each log is printed
+    as its run ends, so a run stopped later (a time limit) still shows the lab's figures."""
     runs, logs = {}, []
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {"NUMBA_CACHE_DIR": os.path.join(scratch, "numba"),
+               "CUDA_CACHE_PATH": os.path.join(scratch, "cuda-driver")}
+        for folder in env.values():
+            os.mkdir(folder)
         for name in ("cold", "warm"):
-            result, log = run(data_dir, epochs, env={"NUMBA_CACHE_DIR": cache}, smoke=smoke)
+            result, log = run(data_dir, epochs, env=env, smoke=smoke)
             runs[name] = result
             logs.append(f"--- {name} run ---\n{log}")
+            print(logs[-1], flush=True)
     return runs, "\n".join(logs)
 
 
@@ -293,26 +302,32 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=None, help="default 12 (1 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="small and quick (see the docstring)")
     parser.add_argument("--no-peers", action="store_true", help="no PyTorch rows")
+    parser.add_argument("--peer-epochs", type=int, default=None,
+                        help="timed epochs of each PyTorch row (default: the lab's); their "
+                             "ms/step is a median, so 3 give it in a quarter of the time")
     parser.add_argument("--out", help="JSON file to write (default: nothing written)")
     args = parser.parse_args(argv)
     from benchmarks import common
+    for name in ("epochs", "peer_epochs"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     epochs = args.epochs or (1 if args.smoke else 12)
-    runs, log = cold_and_warm(args.data_dir, epochs, args.smoke)
-    print(log)
+    peer_epochs = args.peer_epochs or epochs
+    runs, _ = cold_and_warm(args.data_dir, epochs, args.smoke)      # prints each run's log
     print(json.dumps(runs, indent=1))
     peers, skipped = [], []
     if args.no_peers:
         skipped.append({"name": "PyTorch rows", "reason": "--no-peers"})
     else:
-        peers, why = torch_rows(args.data_dir, epochs, args.smoke)
+        peers, why = torch_rows(args.data_dir, peer_epochs, args.smoke)
         if why:
             skipped.append({"name": "PyTorch rows", "reason": why})
     for row in peers:
         print(f"{row['row']}: {row['ms_per_step']:.3f} ms/step, {row['total_s']:.2f} s "
-              f"for {epochs} epoch(s)")
+              f"for {peer_epochs} epoch(s)")
     for s in skipped:
         print(f"skipped: {s['name']}: {s['reason']}")
-    payload = {"epochs": epochs, "mode": "smoke" if args.smoke else "full",
+    payload = {"epochs": epochs, "peer_epochs": peer_epochs, "mode": "smoke" if args.smoke else "full",
                "result": runs["warm"], "runs": runs, "peers": peers, "skipped": skipped,
                "target": {"wall_s_warm": 4.0, "wall_s_cold": 7.0, "test_accuracy": 0.985}}
     return common.save_results("course_lab", payload, common.device_info(), args.smoke, args.out)

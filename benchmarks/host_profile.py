@@ -14,7 +14,9 @@ bundled subset as the lab does (``map(scale).cache().shuffle(10000).batch(64)``,
 
     python -m benchmarks.host_profile --model conv --modes graph,eager --out /tmp/prof
 
-Writes ``prof-<model>-<mode>.txt`` per mode into ``--out`` (default: print only).
+Writes ``prof-<model>-<mode>.txt`` per mode into ``--out`` (default: print only); ``--json
+FILE``: one file instead, each mode's two ms/step, their ratio (issue 40's target: verbose=0
+no slower than verbose=1) and its profile's text (``benchmarks/gpu_session.sh``'s plan 40).
 Session 7 (H100) found with it that three host-to-device uploads per step held most of a
 captured step's 0.6 ms (numba's ``copy_to_device`` slices both arrays to check them):
 ``benchmarks/results/host-profile-*-before.txt`` and ``-after.txt``.
@@ -38,6 +40,7 @@ import time
 
 BATCH = 64
 STEPS_PER_EPOCH = 125          # the bundled subset's 8,000 images in batches of 64
+QUIET_OVER_LOUD = 1.0          # issue 40's target: verbose=0 ms/step / verbose=1 ms/step <= 1
 
 
 def lab_dataset(tf, tfds, batch=BATCH):
@@ -52,7 +55,8 @@ def lab_dataset(tf, tfds, batch=BATCH):
 
 
 def profile_fit(model_kind, mode, epochs, rows=45):
-    """(summary line, profile text) of ``epochs`` epochs of fit in ``mode`` ("graph"/"eager")."""
+    """(summary line, profile text, {verbose: ms/step}) of ``epochs`` epochs of fit in
+    ``mode`` ("graph"/"eager")."""
     import mirrored as tf
     import mirrored.datasets as tfds
     from mirrored.lab.workflow import make_model
@@ -80,7 +84,7 @@ def profile_fit(model_kind, mode, epochs, rows=45):
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(rows)
     line = (f"{model_kind} {mode}: verbose=0 {times[0]:.3f} ms/step, "
             f"verbose=1 {times[1]:.3f} ms/step")
-    return line, text.getvalue()
+    return line, text.getvalue(), times
 
 
 def main(argv=None):
@@ -90,19 +94,31 @@ def main(argv=None):
                         help="comma-separated: graph (run_eagerly=False), eager")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", help="folder for prof-<model>-<mode>.txt")
+    parser.add_argument("--json", help="one JSON file instead: per mode, both ms/step, their "
+                                       "ratio and the profile's text (benchmarks/gpu_session.sh)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MIRRORED_OFFLINE", "1")
     modes = args.modes.split(",")
     for mode in modes:
         if mode not in ("graph", "eager"):
             parser.error(f"unknown mode {mode!r}: expected graph or eager")
+    if args.epochs < 1:
+        parser.error(f"--epochs must be at least 1, got {args.epochs}")
+    results = {}
     for mode in modes:
-        line, text = profile_fit(args.model, mode, args.epochs)
+        line, text, times = profile_fit(args.model, mode, args.epochs)
         print(line, flush=True)
+        results[mode] = {"verbose0_ms_per_step": times[0], "verbose1_ms_per_step": times[1],
+                         "quiet_over_loud": times[0] / times[1], "summary": line, "profile": text}
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"prof-{args.model}-{mode}.txt"), "w") as f:
                 f.write(line + "\n" + text)
+    if args.json:
+        from benchmarks import common
+        payload = {"model": args.model, "epochs": args.epochs, "steps_per_epoch": STEPS_PER_EPOCH,
+                   "batch": BATCH, "modes": results, "target": {"quiet_over_loud": QUIET_OVER_LOUD}}
+        print(f"wrote {common.write_json('host_profile', payload, common.device_info(), out=args.json)}")
     return 0
 
 

@@ -166,6 +166,10 @@ TARGET_TWO_REPLICAS = 0.8      # samples/s of 2 logical CPU replicas / 1 replica
 #: ... and on one GPU: ours MirroredStrategy(1 GPU) / PyTorch eager, per model; overhead.
 TARGET_GPU_VS_TORCH = {"lab": 1.0, "wide": 1.2}
 TARGET_GPU_OVERHEAD = 1.05
+#: Issue 41 on one GPU: the custom loop under @function (one captured graph per step) against
+#: fit's graph row, and against PyTorch eager (--rows custom times exactly those rows).
+TARGET_GPU_CUSTOM_VS_GRAPH = 1.2
+TARGET_GPU_CUSTOM_VS_TORCH = 0.3
 
 
 # --- the data ---------------------------------------------------------------------------
@@ -1052,6 +1056,10 @@ def ratios_and_targets(results, models, gpu):
                 find(results, model, "ours", "MirroredStrategy graph", n),
                 find(results, model, "ours", "MirroredStrategy", n))
         graph_vs_torch = add("ours MirroredStrategy x1 graph / PyTorch eager (ms/step)", graph1, torch_row)
+        custom_vs_graph = add("ours custom loop @function / ours fit graph, MirroredStrategy x1 (ms/step)",
+                              custom, graph1)
+        custom_vs_torch = add("ours custom loop @function, MirroredStrategy x1 / PyTorch eager (ms/step)",
+                              custom, torch_row)
         torch_graph = find(results, model, "torch", "cuda graph")
         add("ours MirroredStrategy x1 graph / PyTorch CUDA graph (ms/step)", graph1, torch_graph)
         add("PyTorch CUDA graph / PyTorch eager (ms/step)", torch_graph, torch_row)
@@ -1062,7 +1070,11 @@ def ratios_and_targets(results, models, gpu):
                     (f"ours MirroredStrategy on 1 GPU, CUDA graph / PyTorch eager, {model} model (ms/step)",
                      graph_vs_torch, TARGET_GPU_VS_TORCH.get(model)),
                     (f"ours MirroredStrategy x1 / ours no strategy on 1 GPU, {model} model (ms/step)",
-                     overhead, TARGET_GPU_OVERHEAD)):
+                     overhead, TARGET_GPU_OVERHEAD),
+                    (f"ours custom loop @function / fit graph on 1 GPU, {model} model (ms/step)",
+                     custom_vs_graph, TARGET_GPU_CUSTOM_VS_GRAPH),
+                    (f"ours custom loop @function on 1 GPU / PyTorch eager, {model} model (ms/step)",
+                     custom_vs_torch, TARGET_GPU_CUSTOM_VS_TORCH)):
                 if value is not None and threshold is not None:
                     targets.append({"target": what, "measured": value, "threshold": threshold,
                                     "want": "<=", "met": value <= threshold})
@@ -1183,10 +1195,17 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
         elif model_name == next(iter(models)):
             skipped.append({"name": "resident rows", "reason": "this mirrored has no InputOptions"})
         if "eager" in modes and hasattr(tf, "GradientTape"):     # the custom loop beside fit (issue 41)
-            makers += [lambda c=c: CustomLoopRow(tf, kind, 1, m, x, y, w, compiled=c) for c in (False, True)]
+            for compiled in (False, True):
+                make = lambda c=compiled: CustomLoopRow(tf, kind, 1, m, x, y, w, compiled=c)  # noqa: E731
+                if gpu:                                  # a failed capture must not cost the other rows
+                    make.optional = True
+                    make.label = f"{model_name} ours MirroredStrategy x1 custom loop " + (
+                        "@function" if compiled else "eager")
+                makers.append(make)
         if gpu and "graph" in modes and hasattr(tf, "graphs"):
-            for r in (False,) if no_resident else (False, True):
-                for n in RESIDENT_GRAPH_COUNTS if r else GRAPH_COUNTS:
+            custom = args.rows == "custom"      # fit's graph x1 alone: what the custom loop is held to
+            for r in (False,) if no_resident or custom else (False, True):
+                for n in RESIDENT_GRAPH_COUNTS if r else (1,) if custom else GRAPH_COUNTS:
                     make = lambda n=n, r=r: OursRow(tf, kind, "mirrored", n, r, m, x, y, w, graph=True)  # noqa: E731
                     make.optional = True                 # a failed capture must not cost the other rows
                     make.label = f"{model_name} ours MirroredStrategy x{n}{' resident' if r else ''} graph"
@@ -1238,7 +1257,8 @@ def main(argv=None):
     parser.add_argument("--rows", choices=("all", "x1", "custom"), default="all",
                         help="our rows: all (no strategy, OneDevice, Mirrored x1/x2/x4, resident), "
                              "x1 (no strategy and Mirrored x1 only: the peer comparison, faster), or "
-                             "custom (Mirrored x1 by fit and by the custom loop, eager and @function)")
+                             "custom (Mirrored x1 by fit and by the custom loop, eager and @function; on a "
+                             "GPU fit's graph row x1 only)")
     parser.add_argument("--busy-core", action="store_true",
                         help="also time our no-strategy and Mirrored x1 rows and PyTorch with "
                              f"`python -c \"{BUSY_LOOP}\"` running pinned to one core (paused "

@@ -2,7 +2,8 @@
 
 The smoke run (one epoch, 512 images, the dense model) is the non-PyTorch path end to end;
 the PyTorch rows are GPU rows, skipped here with their reason. ``cold_and_warm`` is checked
-with a stand-in for the lab: the two runs share one kernel cache folder, empty before cold.
+with a stand-in for the lab: the two runs share one kernel cache folder and one CUDA driver
+cache folder, both empty before cold.
 Also the smoke run of benchmarks/compile_gil.py (can a first run compile side by side?).
 """
 import json
@@ -40,16 +41,19 @@ def test_cold_and_warm_share_one_fresh_kernel_cache():
     seen = []
 
     def fake_lab(data_dir, epochs, env, smoke):
-        folder = Path(env["NUMBA_CACHE_DIR"])
-        seen.append((folder, sorted(p.name for p in folder.iterdir())))
-        (folder / f"kernel-{len(seen)}.nbc").write_bytes(b"x")       # what a run would keep
+        folders = [Path(env[name]) for name in ("NUMBA_CACHE_DIR", "CUDA_CACHE_PATH")]
+        seen.append((folders, [sorted(p.name for p in f.iterdir()) for f in folders]))
+        for f in folders:                                 # what a run would keep, in each
+            (f / f"kernel-{len(seen)}.bin").write_bytes(b"x")
         return {"wall_s": float(len(seen))}, f"log {len(seen)}"
 
     runs, log = course_lab.cold_and_warm("data", 3, smoke=True, run=fake_lab)
     assert runs == {"cold": {"wall_s": 1.0}, "warm": {"wall_s": 2.0}}
-    assert seen[0][0] == seen[1][0]                      # one folder for both
-    assert seen[0][1] == [] and seen[1][1] == ["kernel-1.nbc"]   # empty for cold, cold's for warm
-    assert not seen[0][0].exists()                       # and gone afterwards
+    assert seen[0][0] == seen[1][0] and seen[0][0][0] != seen[0][0][1]   # the same two folders
+    assert seen[0][1] == [[], []]                         # empty for cold (numba's and the driver's)
+    assert seen[1][1] == [["kernel-1.bin"], ["kernel-1.bin"]]   # cold's for warm
+    for folder in seen[0][0]:
+        assert not folder.exists() and os.environ.get("NUMBA_CACHE_DIR") != str(folder)  # gone after
     assert "cold run" in log and "warm run" in log
 
 
@@ -89,3 +93,34 @@ def test_the_pytorch_rows_train_on_the_labs_images_as_it_scales_them(tmp_path):
     empty.mkdir()
     x2, y2 = course_lab.lab_training_images(str(empty), smoke=True)   # offline: the subset
     assert np.array_equal(x2, x) and np.array_equal(y2, y)
+
+
+def test_peer_epochs_time_the_pytorch_rows_apart_from_the_labs(tmp_path, monkeypatch):
+    """``--peer-epochs N`` (gpu_session.sh's plan 40: 3, to fit its budget) reaches the
+    PyTorch rows, not the lab, and is written down; without it they train the lab's epochs.
+    The lab and the rows are stand-ins here: what is checked is main()'s wiring."""
+    import random
+    lab_epochs, peer_epochs = random.randint(2, 12), random.randint(1, 5)
+    seen = {}
+
+    def fake_cold_and_warm(data_dir, epochs, smoke):
+        seen["lab"] = epochs
+        return {"cold": {"wall_s": 2.0}, "warm": {"wall_s": 1.0}}, "lab log"
+
+    def fake_torch_rows(data_dir, epochs, smoke=False):
+        seen["peers"] = epochs
+        return [{"row": "PyTorch eager", "strategy": "eager", "ms_per_step": 1.5, "total_s": 1.0 * epochs}], None
+
+    monkeypatch.setattr(course_lab, "cold_and_warm", fake_cold_and_warm)
+    monkeypatch.setattr(course_lab, "torch_rows", fake_torch_rows)
+    out = tmp_path / "lab.json"
+    assert course_lab.main(["--epochs", str(lab_epochs), "--peer-epochs", str(peer_epochs),
+                            "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert seen == {"lab": lab_epochs, "peers": peer_epochs}
+    assert doc["epochs"] == lab_epochs and doc["peer_epochs"] == peer_epochs
+    assert course_lab.main(["--epochs", str(lab_epochs), "--out", str(out)]) == 0
+    assert seen["peers"] == lab_epochs and json.loads(out.read_text())["peer_epochs"] == lab_epochs
+    import pytest
+    with pytest.raises(SystemExit):
+        course_lab.main(["--peer-epochs", "0"])

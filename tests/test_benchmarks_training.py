@@ -108,3 +108,64 @@ def test_issue25_peer_target_needs_both_peers_rows():
     (peer,) = [t for t in training.issue25_targets(with_tf) if "faster of" in t["target"]]
     assert peer["measured"] == pytest.approx(ours / min(torch_ms, tf_ms))
     assert peer["met"] == (ours / min(torch_ms, tf_ms) <= training.TARGET_CONVNET_VS_PEERS)
+
+
+def test_issue41_gpu_targets_hold_the_replayed_custom_loop_to_fits_graph_and_pytorch():
+    """On a GPU, ``--rows custom`` (gpu_session.sh's plan 40) must report issue 41's two GPU
+    targets: custom loop @function / fit's graph row x1 (<= 1.2) and / PyTorch eager (<= 0.3);
+    neither is claimed from a run that lacks the row it divides by."""
+    from benchmarks import training
+    rng = np.random.default_rng()
+    custom_ms, graph_ms, torch_ms = rng.uniform(0.2, 0.4), rng.uniform(0.2, 0.4), rng.uniform(0.8, 2.0)
+
+    def row(framework, strategy, ms):
+        return {"model": "convnet", "framework": framework, "strategy": strategy, "replicas": 1,
+                "ms_per_step": ms, "samples_per_s": 64e3 / ms, "row": f"{framework} {strategy}"}
+
+    custom = row("ours", "MirroredStrategy custom loop @function", custom_ms)
+    graph, torch_row = row("ours", "MirroredStrategy graph", graph_ms), row("torch", "eager", torch_ms)
+    _, targets = training.ratios_and_targets([custom, graph, torch_row], ["convnet"], gpu=True)
+    got = {t["target"]: t for t in targets if "custom loop" in t["target"]}
+    vs_graph = got["ours custom loop @function / fit graph on 1 GPU, convnet model (ms/step)"]
+    vs_torch = got["ours custom loop @function on 1 GPU / PyTorch eager, convnet model (ms/step)"]
+    assert vs_graph["measured"] == pytest.approx(custom_ms / graph_ms)
+    assert vs_graph["met"] == (custom_ms / graph_ms <= 1.2) and vs_graph["threshold"] == 1.2
+    assert vs_torch["measured"] == pytest.approx(custom_ms / torch_ms)
+    assert vs_torch["met"] == (custom_ms / torch_ms <= 0.3) and vs_torch["threshold"] == 0.3
+    _, targets = training.ratios_and_targets([custom], ["convnet"], gpu=True)
+    assert not [t for t in targets if "custom loop" in t["target"]], targets
+
+
+def test_rows_custom_on_a_gpu_times_fits_graph_x1_alone_and_may_lose_a_custom_row(monkeypatch):
+    """``--rows custom`` on a GPU (plan 40's custom_loop stage): fit eager x1, the custom
+    loop eager and @function, fit's graph row x1 only (what issue 41's target divides by; x2,
+    x4 and the resident rows would cost the plan's budget), PyTorch's rows where torch is;
+    a custom-loop row that fails to build or capture is skipped with its reason, as the
+    graph rows are, so it cannot cost the others. The rows are not built: the makers are
+    read as ``time_rows`` receives them."""
+    import types
+    import mirrored as tf
+    from benchmarks import training
+    seen = []
+
+    def fake_time_rows(makers, *args, **kwargs):
+        seen.extend(makers)
+        return [], 3
+
+    monkeypatch.setattr(training, "time_rows", fake_time_rows)
+    spec = training.SMOKE_MODELS["convnet"]
+    args = types.SimpleNamespace(rows="custom", modes="eager,graph", no_resident=False)
+    training.time_models(args, tf, "GPU", True, {"convnet": spec}, None, None, {"convnet": None}, None,
+                         None, 3, 1, [])
+    optional = [getattr(m, "label", None) for m in seen if getattr(m, "optional", False)]
+    assert optional == ["convnet ours MirroredStrategy x1 custom loop eager",
+                        "convnet ours MirroredStrategy x1 custom loop @function",
+                        "convnet ours MirroredStrategy x1 graph"], optional
+    assert len(seen) == 4                                 # and fit eager x1, not optional
+    seen.clear()
+    args.rows = "all"                                     # the other row sets keep x2, x4, resident
+    training.time_models(args, tf, "GPU", True, {"convnet": spec}, None, None, {"convnet": None}, None,
+                         None, 3, 1, [])
+    graphs = [m.label for m in seen if getattr(m, "label", "").endswith("graph")]
+    assert [g.split()[-3:] for g in graphs] == [["MirroredStrategy", f"x{n}", "graph"] for n in (1, 2, 4)] + [
+        ["x1", "resident", "graph"], ["x2", "resident", "graph"]], graphs
