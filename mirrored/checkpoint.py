@@ -43,7 +43,8 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras.file_safety import damaged, read_member, write_error
+from mirrored.keras import weight_shapes
+from mirrored.keras.file_safety import FLOAT_KINDS, damaged, read_member, write_error
 from mirrored.keras.models import Sequential
 from mirrored.keras.optimizers import Optimizer
 from mirrored.keras.saving import NEW_FILE_MODE, current_umask
@@ -286,9 +287,10 @@ class Checkpoint:
                 if shape_key not in arrays:
                     missing.append(key)
                     continue
-                if not obj.built:
-                    obj.build((None,) + tuple(int(d) for d in arrays[shape_key]))
                 weights = _numbered(arrays, f"model:{key}/")
+                if not obj.built:                     # built only once the file is found to fit
+                    _check_planned(key, obj, arrays[shape_key], weights, file)
+                    obj.build((None,) + tuple(int(d) for d in arrays[shape_key]))
                 _check_weights(key, obj, weights, file)
                 plan.append((obj.set_weights, weights))
             elif isinstance(obj, Variable):
@@ -328,6 +330,44 @@ def _check_weights(key, model, weights, file):
     if got != shapes:
         raise ValueError(f"checkpoint {file}: model {key!r} has weights of shapes {shapes}, the file "
                          f"{got}: it was saved from another architecture.")
+
+
+def _check_planned(key, model, input_shape, weights, file):
+    """Before the unbuilt ``model`` is built from the file's ``input_shape`` (an array): the
+    weights that shape gives it, worked out with nothing allocated
+    (``keras/weight_shapes.py``), must be the file's ``weights`` (arrays already read, so
+    bounded by the file's bytes), shape for shape, floats; else ``ValueError``, and the model
+    stays unbuilt. A layer of the user's own (its weights unknown until it is built) ends
+    the exact comparison; the weights of the known layers after it must still fit in what
+    the file holds beyond it."""
+    what = f"checkpoint {file}: model {key!r}"
+    shape = weight_shapes.example_shape(input_shape.tolist(), f"{what}, its recorded input_shape")
+    if model.input_shape is not None and tuple(model.input_shape[1:]) != shape:
+        raise ValueError(f"{what} takes examples of shape {tuple(model.input_shape[1:])}, the file records "
+                         f"{shape}: it was saved from another architecture.")
+    try:
+        plan = weight_shapes.of_chain(model.layers, shape)
+    except ValueError as err:
+        raise ValueError(f"{what}: the file records examples of shape {shape}, which this model's layers do "
+                         f"not take ({err}); it was saved from another architecture. Nothing was "
+                         f"built.") from err
+    cut = next((i for i, (_, shapes) in enumerate(plan) if shapes is None), len(plan))   # the first unknown
+    known = [s for _, shapes in plan[:cut] for _, s in shapes]
+    later = [s for _, shapes in plan[cut + 1:] if shapes for _, s in shapes]
+    got = [tuple(w.shape) for w in weights]
+    unknown = cut < len(plan)
+    if unknown:
+        fits = got[:len(known)] == known and \
+            sum(math.prod(s) for s in later) <= sum(w.size for w in weights[len(known):])
+    else:
+        fits = got == known
+    bad = [f"{i}: {w.dtype}" for i, w in enumerate(weights) if w.dtype.kind not in FLOAT_KINDS]
+    if not fits or bad:
+        found = f"arrays of dtypes {bad}" if fits else f"weights of shapes {got}"
+        raise ValueError(f"{what}, built for the examples of shape {shape} the file records, would have "
+                         f"weights of shapes {known}{' and more' if unknown else ''}; the file holds {found}: "
+                         f"it was saved from another architecture (or changed). Nothing was built: "
+                         f"restore it into the model that saved it.")
 
 
 def _optimizer_setter(opt, model, values, lr, file):

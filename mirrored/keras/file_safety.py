@@ -138,6 +138,30 @@ def read_attribute(attrs, name, filepath, path):
     return np.asarray(attrs[name])
 
 
+def declares_too_much(declared, stored):
+    """True when ``declared`` bytes are more than ``stored`` bytes can justify: over
+    ``ZIP_BOMB_FLOOR_BYTES`` and over ``ZIP_MAX_EXPANSION`` times what is stored."""
+    return declared > ZIP_BOMB_FLOOR_BYTES and declared > ZIP_MAX_EXPANSION * stored
+
+
+def check_stored(datasets, filepath, declared=None):
+    """The weights a model built from a file's config will have must be stored in that file,
+    not only declared: the ``datasets`` (checked ones, no data read) must store (HDF5's
+    ``get_storage_size``: the bytes written for them, compressed or not) enough bytes for
+    ``declared`` (default: what their shapes declare; ``declares_too_much`` is the rule).
+    A 20 KB file whose config says ``Dense(units=2**31)`` and whose kernel is a chunked
+    dataset never written is refused here, before the model is built. Reads no data."""
+    import h5py
+    datasets = [d for d in datasets if isinstance(d, h5py.Dataset)]
+    stored = sum(d.id.get_storage_size() for d in datasets)
+    if declared is None:
+        declared = sum(math.prod(d.shape or ()) * d.dtype.itemsize for d in datasets)
+    if declares_too_much(declared, stored):
+        raise Refused(f"Not allowed: {filepath} describes a model whose weights take {declared:,} bytes, and "
+                      f"stores {stored:,} bytes of weights: refusing to build it (a file justifies only "
+                      f"the weights it holds). Nothing was built. " + _hint())
+
+
 # -- zip archives: declared sizes, damaged members ----------------------------------------------
 def read_member(zf, name, filepath, what="archive"):
     """The bytes of member ``name`` of the open ``zipfile.ZipFile`` ``zf``: its declared size
@@ -147,7 +171,7 @@ def read_member(zf, name, filepath, what="archive"):
     method, an encryption flag...), raised as ``DataLossError`` naming the file and member.
     ``what``: the kind of file, for the message."""
     info = zf.getinfo(name)
-    if info.file_size > ZIP_BOMB_FLOOR_BYTES and info.file_size > ZIP_MAX_EXPANSION * info.compress_size:
+    if declares_too_much(info.file_size, info.compress_size):
         raise Refused(f"Not allowed: ZIP member '{name}' of {filepath} declares {info.file_size:,} bytes "
                          f"but only {info.compress_size:,} are stored; refusing to load a potential "
                          f"decompression bomb.")
