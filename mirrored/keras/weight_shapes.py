@@ -67,7 +67,7 @@ def of_layer(layer, input_shape):
     ``[]`` for a layer that shows none; ``None`` when unknown (a layer of the user's own)."""
     rule = _rule(layer)
     if rule is not None:
-        return [(f"{layer.name}/{suffix}", tuple(int(d) for d in shape))
+        return [(f"{layer.name}/{suffix}:0", tuple(int(d) for d in shape))   # Variable's name
                 for suffix, shape in rule(layer, tuple(input_shape))]
     if type(layer).trainable_weights is Layer.trainable_weights:
         return []
