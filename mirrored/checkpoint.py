@@ -10,7 +10,8 @@ What a checkpoint holds, and the format. TensorFlow writes a ``.index`` and a
 ``<prefix>-<n>.npz`` (``save``) or ``<prefix>.npz`` (``write``), with one array per entry:
 
     save_counter                 int64: how many times ``save`` was called
-    model:<key>/input_shape      one example's shape (the model is built from it on restore)
+    model:<key>/input_shape      one example's shape (an unbuilt model is built from it on
+                                 restore, once the weights it implies are the file's)
     model:<key>/<i>              the model's weights in Keras's order (``get_weights``)
     optimizer:<key>/<i>          Keras 3's ``optimizer.variables``: iteration, learning_rate,
                                  then each weight's slots (Adam's m and v), from
@@ -31,8 +32,13 @@ TensorFlow does, and restores nothing.
 Differences from TensorFlow: objects are matched by their keyword (not by TensorFlow's
 object graph), and a model that is not built yet is built on restore from the shape the
 file records (TensorFlow defers the restore until the variables exist; the result is the same).
+That shape is checked first: the weights it would give the model are worked out with
+nothing allocated (``keras/weight_shapes.py``) and must be the file's arrays, shape for
+shape, else restore raises and the model stays unbuilt (a few bytes recording an input of
+(100000, 100000, 1) in front of ``Flatten`` would otherwise make a gigantic kernel).
 Neighbours: ``keras/saving.py`` (``model.save``'s ``.keras`` files), ``keras/file_safety.py``
-(reading archive members; damage named), ``keras/optimizers.py``.
+(reading archive members; damage named), ``keras/weight_shapes.py`` (a model's weights
+from shapes alone), ``keras/optimizers.py``.
 """
 import io
 import math

@@ -20,7 +20,12 @@ so the loaders treat it as hostile. Three rules; Keras 3's loader has the first 
    declaration: a 20 KB file can declare a chunked, compressed 74.5 GiB dataset that was
    never written (reading it makes 74.5 GiB of zeros). ``check_dataset`` compares each
    dataset's shape and dtype with the model's variable before ``read_dataset`` reads it, so
-   what is read is at most the model's own size. A zip member declares its size too:
+   what is read is at most the model's own size. Where the model itself comes from the
+   file (``load_model`` builds what config.json describes; a checkpoint records the input
+   shape an unbuilt model is built for), the model's weights are worked out first with
+   nothing allocated (``weight_shapes.py``), must be the file's datasets, and those must
+   store the bytes they declare (``check_stored``): a file justifies only the weights it
+   holds. A zip member declares its size too:
    ``read_member`` refuses one that claims far more than it stores (Keras's rule against
    decompression bombs), and an attribute we read must be small (``read_attribute``).
 

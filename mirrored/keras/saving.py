@@ -49,6 +49,9 @@ Before any array is read, ``file_safety.py`` checks that nothing in the file poi
 it (links, external storage, virtual datasets: refused, as Keras 3 refuses them) and that
 every dataset has its variable's shape and dtype (a file cannot make us allocate what the
 model does not hold); a damaged archive member raises ``mirrored.errors.DataLossError``.
+``load_model`` builds the model the config describes only once the weights that config
+implies (``weight_shapes.py``, nothing allocated) are found in the file, stored
+(``_check_before_build``): a few bytes of config cannot make us build a huge layer.
 
 Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
 ``file_safety.py`` (what a file we load may not make us do),
