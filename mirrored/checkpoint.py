@@ -295,8 +295,7 @@ class Checkpoint:
                     continue
                 weights = _numbered(arrays, f"model:{key}/")
                 if not obj.built:                     # built only once the file is found to fit
-                    _check_planned(key, obj, arrays[shape_key], weights, file)
-                    obj.build((None,) + tuple(int(d) for d in arrays[shape_key]))
+                    obj.build((None,) + _check_planned(key, obj, arrays[shape_key], weights, file))
                 _check_weights(key, obj, weights, file)
                 plan.append((obj.set_weights, weights))
             elif isinstance(obj, Variable):
@@ -345,12 +344,12 @@ def _check_planned(key, model, input_shape, weights, file):
     bounded by the file's bytes), shape for shape, floats; else ``ValueError``, and the model
     stays unbuilt. A layer of the user's own (its weights unknown until it is built) ends
     the exact comparison; the weights of the known layers after it must still fit in what
-    the file holds beyond it."""
+    the file holds beyond it. Returns the shape to build for (one example's)."""
     what = f"checkpoint {file}: model {key!r}"
     shape = weight_shapes.example_shape(input_shape.tolist(), f"{what}, its recorded input_shape")
     if model.input_shape is not None and tuple(model.input_shape[1:]) != shape:
         raise ValueError(f"{what} takes examples of shape {tuple(model.input_shape[1:])}, the file records "
-                         f"{shape}: it was saved from another architecture.")
+                         f"{shape}: it was saved from another architecture. Nothing was built.")
     try:
         plan = weight_shapes.of_chain(model.layers, shape)
     except ValueError as err:
@@ -374,6 +373,7 @@ def _check_planned(key, model, input_shape, weights, file):
                          f"weights of shapes {known}{' and more' if unknown else ''}; the file holds {found}: "
                          f"it was saved from another architecture (or changed). Nothing was built: "
                          f"restore it into the model that saved it.")
+    return shape
 
 
 def _optimizer_setter(opt, model, values, lr, file):

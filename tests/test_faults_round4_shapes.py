@@ -67,7 +67,7 @@ def test_the_planned_weights_are_the_weights_build_makes(rng):
     for _ in range(12):
         units, features = int(rng.integers(1, 9)), int(rng.integers(1, 9))
         k = (int(rng.integers(1, 4)), int(rng.integers(1, 4)))
-        image = (int(rng.integers(k[0], 9)), int(rng.integers(k[1], 9)), int(rng.integers(1, 4)))
+        image = (int(rng.integers(max(k[0], 2), 9)), int(rng.integers(max(k[1], 2), 9)), int(rng.integers(1, 4)))
         for layer, shape in ((L.Dense(units), (features,)),
                              (L.Conv2D(units, k, use_bias=bool(rng.integers(2))), image),
                              (L.Flatten(), image), (L.MaxPooling2D(), image), (L.Dropout(0.5), image)):

@@ -95,7 +95,8 @@ def example_shape(shape, what):
         isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)
     if not ok:
         raise ValueError(f"{what}: an input shape is a list of positive integers (one example's "
-                         f"axes), got {shape!r}.")
+                         f"axes), got {shape!r}: the file was changed or not written for a model; "
+                         f"nothing was built from it.")
     return tuple(shape)
 
 
