@@ -10,7 +10,8 @@ What a checkpoint holds, and the format. TensorFlow writes a ``.index`` and a
 ``<prefix>-<n>.npz`` (``save``) or ``<prefix>.npz`` (``write``), with one array per entry:
 
     save_counter                 int64: how many times ``save`` was called
-    model:<key>/input_shape      one example's shape (the model is built from it on restore)
+    model:<key>/input_shape      one example's shape (an unbuilt model is built from it on
+                                 restore, once the weights it implies are the file's)
     model:<key>/<i>              the model's weights in Keras's order (``get_weights``)
     optimizer:<key>/<i>          Keras 3's ``optimizer.variables``: iteration, learning_rate,
                                  then each weight's slots (Adam's m and v), from
@@ -31,8 +32,13 @@ TensorFlow does, and restores nothing.
 Differences from TensorFlow: objects are matched by their keyword (not by TensorFlow's
 object graph), and a model that is not built yet is built on restore from the shape the
 file records (TensorFlow defers the restore until the variables exist; the result is the same).
+That shape is checked first: the weights it would give the model are worked out with
+nothing allocated (``keras/weight_shapes.py``) and must be the file's arrays, shape for
+shape, else restore raises and the model stays unbuilt (a few bytes recording an input of
+(100000, 100000, 1) in front of ``Flatten`` would otherwise make a gigantic kernel).
 Neighbours: ``keras/saving.py`` (``model.save``'s ``.keras`` files), ``keras/file_safety.py``
-(reading archive members; damage named), ``keras/optimizers.py``.
+(reading archive members; damage named), ``keras/weight_shapes.py`` (a model's weights
+from shapes alone), ``keras/optimizers.py``.
 """
 import io
 import math
@@ -43,7 +49,8 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras.file_safety import damaged, read_member, write_error
+from mirrored.keras import weight_shapes
+from mirrored.keras.file_safety import FLOAT_KINDS, damaged, read_member, write_error
 from mirrored.keras.models import Sequential
 from mirrored.keras.optimizers import Optimizer
 from mirrored.keras.saving import NEW_FILE_MODE, current_umask
@@ -286,9 +293,9 @@ class Checkpoint:
                 if shape_key not in arrays:
                     missing.append(key)
                     continue
-                if not obj.built:
-                    obj.build((None,) + tuple(int(d) for d in arrays[shape_key]))
                 weights = _numbered(arrays, f"model:{key}/")
+                if not obj.built:                     # built only once the file is found to fit
+                    obj.build((None,) + _check_planned(key, obj, arrays[shape_key], weights, file))
                 _check_weights(key, obj, weights, file)
                 plan.append((obj.set_weights, weights))
             elif isinstance(obj, Variable):
@@ -328,6 +335,45 @@ def _check_weights(key, model, weights, file):
     if got != shapes:
         raise ValueError(f"checkpoint {file}: model {key!r} has weights of shapes {shapes}, the file "
                          f"{got}: it was saved from another architecture.")
+
+
+def _check_planned(key, model, input_shape, weights, file):
+    """Before the unbuilt ``model`` is built from the file's ``input_shape`` (an array): the
+    weights that shape gives it, worked out with nothing allocated
+    (``keras/weight_shapes.py``), must be the file's ``weights`` (arrays already read, so
+    bounded by the file's bytes), shape for shape, floats; else ``ValueError``, and the model
+    stays unbuilt. A layer of the user's own (its weights unknown until it is built) ends
+    the exact comparison; the weights of the known layers after it must still fit in what
+    the file holds beyond it. Returns the shape to build for (one example's)."""
+    what = f"checkpoint {file}: model {key!r}"
+    shape = weight_shapes.example_shape(input_shape.tolist(), f"{what}, its recorded input_shape")
+    if model.input_shape is not None and tuple(model.input_shape[1:]) != shape:
+        raise ValueError(f"{what} takes examples of shape {tuple(model.input_shape[1:])}, the file records "
+                         f"{shape}: it was saved from another architecture. Nothing was built.")
+    try:
+        plan = weight_shapes.of_chain(model.layers, shape)
+    except ValueError as err:
+        raise ValueError(f"{what}: the file records examples of shape {shape}, which this model's layers do "
+                         f"not take ({err}); it was saved from another architecture. Nothing was "
+                         f"built.") from err
+    cut = next((i for i, (_, shapes) in enumerate(plan) if shapes is None), len(plan))   # the first unknown
+    known = [s for _, shapes in plan[:cut] for _, s in shapes]
+    later = [s for _, shapes in plan[cut + 1:] if shapes for _, s in shapes]
+    got = [tuple(w.shape) for w in weights]
+    unknown = cut < len(plan)
+    if unknown:
+        fits = got[:len(known)] == known and \
+            sum(math.prod(s) for s in later) <= sum(w.size for w in weights[len(known):])
+    else:
+        fits = got == known
+    bad = [f"{i}: {w.dtype}" for i, w in enumerate(weights) if w.dtype.kind not in FLOAT_KINDS]
+    if not fits or bad:
+        found = f"arrays of dtypes {bad}" if fits else f"weights of shapes {got}"
+        raise ValueError(f"{what}, built for the examples of shape {shape} the file records, would have "
+                         f"weights of shapes {known}{' and more' if unknown else ''}; the file holds {found}: "
+                         f"it was saved from another architecture (or changed). Nothing was built: "
+                         f"restore it into the model that saved it.")
+    return shape
 
 
 def _optimizer_setter(opt, model, values, lr, file):

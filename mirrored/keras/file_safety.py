@@ -20,7 +20,12 @@ so the loaders treat it as hostile. Three rules; Keras 3's loader has the first 
    declaration: a 20 KB file can declare a chunked, compressed 74.5 GiB dataset that was
    never written (reading it makes 74.5 GiB of zeros). ``check_dataset`` compares each
    dataset's shape and dtype with the model's variable before ``read_dataset`` reads it, so
-   what is read is at most the model's own size. A zip member declares its size too:
+   what is read is at most the model's own size. Where the model itself comes from the
+   file (``load_model`` builds what config.json describes; a checkpoint records the input
+   shape an unbuilt model is built for), the model's weights are worked out first with
+   nothing allocated (``weight_shapes.py``), must be the file's datasets, and those must
+   store the bytes they declare (``check_stored``): a file justifies only the weights it
+   holds. A zip member declares its size too:
    ``read_member`` refuses one that claims far more than it stores (Keras's rule against
    decompression bombs), and an attribute we read must be small (``read_attribute``).
 
@@ -138,6 +143,30 @@ def read_attribute(attrs, name, filepath, path):
     return np.asarray(attrs[name])
 
 
+def declares_too_much(declared, stored):
+    """True when ``declared`` bytes are more than ``stored`` bytes can justify: over
+    ``ZIP_BOMB_FLOOR_BYTES`` and over ``ZIP_MAX_EXPANSION`` times what is stored."""
+    return declared > ZIP_BOMB_FLOOR_BYTES and declared > ZIP_MAX_EXPANSION * stored
+
+
+def check_stored(datasets, filepath, declared=None):
+    """The weights a model built from a file's config will have must be stored in that file,
+    not only declared: the ``datasets`` (checked ones, no data read) must store (HDF5's
+    ``get_storage_size``: the bytes written for them, compressed or not) enough bytes for
+    ``declared`` (default: what their shapes declare; ``declares_too_much`` is the rule).
+    A 20 KB file whose config says ``Dense(units=2**31)`` and whose kernel is a chunked
+    dataset never written is refused here, before the model is built. Reads no data."""
+    import h5py
+    datasets = [d for d in datasets if isinstance(d, h5py.Dataset)]
+    stored = sum(d.id.get_storage_size() for d in datasets)
+    if declared is None:
+        declared = sum(math.prod(d.shape or ()) * d.dtype.itemsize for d in datasets)
+    if declares_too_much(declared, stored):
+        raise Refused(f"Not allowed: {filepath} describes a model whose weights take {declared:,} bytes, and "
+                      f"stores {stored:,} bytes of weights: refusing to build it (a file justifies only "
+                      f"the weights it holds). Nothing was built. " + _hint())
+
+
 # -- zip archives: declared sizes, damaged members ----------------------------------------------
 def read_member(zf, name, filepath, what="archive"):
     """The bytes of member ``name`` of the open ``zipfile.ZipFile`` ``zf``: its declared size
@@ -147,7 +176,7 @@ def read_member(zf, name, filepath, what="archive"):
     method, an encryption flag...), raised as ``DataLossError`` naming the file and member.
     ``what``: the kind of file, for the message."""
     info = zf.getinfo(name)
-    if info.file_size > ZIP_BOMB_FLOOR_BYTES and info.file_size > ZIP_MAX_EXPANSION * info.compress_size:
+    if declares_too_much(info.file_size, info.compress_size):
         raise Refused(f"Not allowed: ZIP member '{name}' of {filepath} declares {info.file_size:,} bytes "
                          f"but only {info.compress_size:,} are stored; refusing to load a potential "
                          f"decompression bomb.")

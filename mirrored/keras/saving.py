@@ -49,6 +49,9 @@ Before any array is read, ``file_safety.py`` checks that nothing in the file poi
 it (links, external storage, virtual datasets: refused, as Keras 3 refuses them) and that
 every dataset has its variable's shape and dtype (a file cannot make us allocate what the
 model does not hold); a damaged archive member raises ``mirrored.errors.DataLossError``.
+``load_model`` builds the model the config describes only once the weights that config
+implies (``weight_shapes.py``, nothing allocated) are found in the file, stored
+(``_check_before_build``): a few bytes of config cannot make us build a huge layer.
 
 Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
 ``file_safety.py`` (what a file we load may not make us do),
@@ -69,7 +72,7 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras import file_safety, functional_config, initializers
+from mirrored.keras import file_safety, functional_config, initializers, weight_shapes
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -251,6 +254,30 @@ def _not_weights(filepath, err):
                       f"model.save_weights('name.weights.h5') (or model.save('name.keras')).")
 
 
+@contextlib.contextmanager
+def _weights_file(source, filepath):
+    """The open Keras 3 weights file ``source`` (a path or a file object; ``filepath`` names
+    it in errors) once no link in it leads outside it (``file_safety.refuse_links``), as
+    ``(file, base group name, {layer key: its "vars" group or None})``. Any failure of h5py
+    inside, which can only be damage, is named as such (``_not_weights``); our refusals
+    (``file_safety.Refused``) pass as they are."""
+    h5py = _h5py()
+    try:
+        with h5py.File(source, "r") as f:
+            file_safety.refuse_links(f, filepath)
+            base = "layers" if "layers" in f else (
+                "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
+            if base is None or not isinstance(f[base], h5py.Group):
+                raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
+                                          f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
+            yield f, base, {key: group.get("vars") if isinstance(group, h5py.Group) else None
+                            for key, group in f[base].items()}
+    except (file_safety.Refused, MemoryError):
+        raise
+    except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
+        raise _not_weights(filepath, err) from err
+
+
 def _read_h5(source, filepath, model, force=False, training_state=False):
     """Read a Keras 3 weights file for ``model``, checking everything before reading any
     data (``file_safety.py`` says why): no link leads outside the file, then every dataset
@@ -261,43 +288,33 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     Returns (the weights in ``model.set_weights``'s order, the optimizer's values or None,
     {layer key: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
-    try:
-        with h5py.File(source, "r") as f:
-            file_safety.refuse_links(f, filepath)
-            base = "layers" if "layers" in f else (
-                "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
-            if base is None or not isinstance(f[base], h5py.Group):
-                raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
-                                          f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
-            groups = {key: group.get("vars") if isinstance(group, h5py.Group) else None
-                      for key, group in f[base].items()}
-            weights = _check_layers(model, groups, filepath)
-            opt = f.get("optimizer")
-            opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
-                                   filepath, force)
-            arrays = [file_safety.read_dataset(d) for d in weights]
-            values = None if opt is None else [file_safety.read_dataset(d) for d in opt]
-            states = {}
-            for key, group in (groups.items() if training_state else ()):
-                names = [n for n in (group.attrs if group is not None else ()) if n.startswith(STATE_PREFIX)]
-                if names:                             # the names only, so far: read_attribute checks sizes
-                    states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
-                        group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
-    except (file_safety.Refused, MemoryError):
-        raise
-    except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
-        raise _not_weights(filepath, err) from err
+    with _weights_file(source, filepath) as (f, base, groups):
+        weights = _check_layers([(layer, [(v.name, v.shape) for v in layer.trainable_weights])
+                                 for layer in model.layers], groups, filepath)
+        opt = f.get("optimizer")
+        opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
+                               filepath, force)
+        arrays = [file_safety.read_dataset(d) for d in weights]
+        values = None if opt is None else [file_safety.read_dataset(d) for d in opt]
+        states = {}
+        for key, group in (groups.items() if training_state else ()):
+            names = [n for n in (group.attrs if group is not None else ()) if n.startswith(STATE_PREFIX)]
+            if names:                             # the names only, so far: read_attribute checks sizes
+                states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
+                    group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
     return arrays, values, states
 
 
-def _check_layers(model, groups, filepath):
-    """The datasets ``model.set_weights`` takes, in its order, from ``groups`` ({layer key:
-    the file's ``vars`` group or None}), each checked against its variable; no data read."""
+def _check_layers(plan, groups, filepath):
+    """The datasets that a model's layers take, in ``set_weights``'s order, from ``groups``
+    ({layer key: the file's ``vars`` group or None}), each checked against its variable; no
+    data read. ``plan``: ``[(layer, [(variable name, shape)])]`` in the model's order: the
+    weights of a built model, or those a config will give it (``weight_shapes.py``)."""
     h5py = _h5py()
-    keys = layer_keys(model.layers)
+    layers = [layer for layer, _ in plan]
+    keys = layer_keys(layers)
     datasets = []
-    for key, layer in zip(keys, model.layers):
-        want = layer.trainable_weights
+    for key, (layer, want) in zip(keys, plan):
         group = groups.get(key)
         if group is not None and not isinstance(group, h5py.Group):
             raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a "
@@ -308,13 +325,30 @@ def _check_layers(model, groups, filepath):
                                       f"{len(want)} weight arrays in this model, the file has {have} for it "
                                       f"(the file's layers: {sorted(groups)}). Build the same model as the "
                                       f"one saved.")
-        datasets += [file_safety.check_dataset(group.get(str(i)), v.shape, file_safety.FLOAT_KINDS, filepath,
-                                               f"{v.name} (layer {key!r})") for i, v in enumerate(want)]
+        datasets += [file_safety.check_dataset(group.get(str(i)), shape, file_safety.FLOAT_KINDS, filepath,
+                                               f"{name} (layer {key!r})") for i, (name, shape) in enumerate(want)]
     extra = sorted(k for k, g in groups.items() if k not in keys and g is not None and len(g))
     if extra:
         raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
                                   f"(the model's layers: {keys}).")
     return datasets
+
+
+def _check_before_build(plan, source, filepath):
+    """Before ``load_model`` builds the model a config describes: the file's weights
+    (``source``) must be exactly the weights ``plan`` says that model will have
+    (``[(layer, [(name, shape)] or None)]``, ``weight_shapes.py``; nothing allocated yet),
+    and the file must store the bytes they declare (``file_safety.check_stored``). Where the
+    weights are unknown before the build (``None``: a subclassed model, rebuilt by its own
+    ``from_config``), the layers' least possible size (``weight_shapes.minimum_count``) is
+    held to the bytes the file stores. Raises ``file_safety.Refused``; reads no data."""
+    with _weights_file(source, filepath) as (_, _, groups):
+        if all(want is not None for _, want in plan):
+            file_safety.check_stored(_check_layers(plan, groups, filepath), filepath)
+            return
+        stored = [d for g in groups.values() if g is not None for d in g.values()]
+        least = sum(weight_shapes.minimum_count(layer) for layer, _ in plan) * np.dtype(np.float32).itemsize
+        file_safety.check_stored(stored, filepath, least)
 
 
 def _check_optimizer(model, group, filepath, force):
@@ -443,10 +477,13 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
         config = json.loads(config)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{filepath}: config.json is not valid JSON ({err}).") from err
-    model = model_from_config(config, custom_objects)
+    # what the config describes is checked against the weights the file stores before it is
+    # built (a few bytes of config can declare a huge layer); then the weights against the
+    # model built, before any is read
+    model = model_from_config(config, custom_objects, before_build=lambda plan: _check_before_build(
+        plan, io.BytesIO(weights), filepath))
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
-    # the weights are checked against the model the config built, before any is read
     arrays, values, states = _read_h5(io.BytesIO(weights), filepath, model, force=True, training_state=True)
     restore = _restore_optimizer(model, values)
     model.set_weights(arrays)
@@ -573,20 +610,37 @@ def subclassed_config(model):
     return config
 
 
-def model_from_config(config, custom_objects=None):
+def model_from_config(config, custom_objects=None, before_build=None):
     """A model from Keras's config: Sequential, Functional, or a subclass named in
-    ``custom_objects`` (rebuilt by its ``from_config``)."""
+    ``custom_objects`` (rebuilt by its ``from_config``).
+
+    ``before_build(plan)``, when given, is called once the layers exist and before any is
+    built (no weight allocated): ``plan`` is ``[(layer, [(variable name, shape)])]`` in the
+    model's order, the weights the config gives it (``weight_shapes.py``), or, for a
+    subclassed model, ``[(layer, None)]`` for its layers so far (their weights are unknown
+    until it is built). ``load_model`` checks there that the file holds those weights."""
     kind = config.get("class_name")
     custom = (custom_objects or {}).get(kind)
+    build = config.get("build_config") or {}
     if custom is not None:
         model = custom.from_config(config["config"])
-        build = config.get("build_config") or {}
         if not model.built and build.get("input_shape"):
+            if before_build is not None:
+                before_build([(layer, None) for layer in model.layers])
             model.build(tuple(build["input_shape"]))
         return model
     if functional_config.is_functional(config):
+        made = {}                       # one layer per entry, for the plan and for the model
+
+        def make_layer(entry):
+            key = id(entry)
+            if key not in made:
+                made[key] = _layer_from_config(entry)
+            return made[key]
+        if before_build is not None:
+            before_build(weight_shapes.of_functional(config, make_layer, _input_from_config))
         return functional_config.functional_from_config(
-            config, _layer_from_config, _input_from_config,
+            config, make_layer, _input_from_config,
             lambda inputs, outputs, name: MODEL_CLASSES["Functional"](inputs, outputs, name=name))
     Sequential = MODEL_CLASSES.get(kind) if kind == "Sequential" else None
     if Sequential is None:
@@ -594,16 +648,15 @@ def model_from_config(config, custom_objects=None):
                                   f"models load here, and a subclassed one given in custom_objects "
                                   f"(load_model(path, custom_objects={{{kind!r}: {kind}}})).")
     inner = config["config"]
-    layers = []
+    model = Sequential(name=inner.get("name"))        # not built until every layer is added
     for spec in inner["layers"]:
-        if spec["class_name"] == "InputLayer":
-            layers.append(_input_from_config(spec))
-        else:
-            layers.append(_layer_from_config(spec))
-    model = Sequential(layers, name=inner.get("name"))
-    build = config.get("build_config") or {}
-    if not model.built and build.get("input_shape"):
-        model.build(tuple(build["input_shape"]))
+        model.add(_input_from_config(spec) if spec["class_name"] == "InputLayer" else _layer_from_config(spec))
+    shape = model.input_shape or build.get("input_shape")
+    if shape and before_build is not None:
+        before_build(weight_shapes.of_chain(model.layers, weight_shapes.example_shape(
+            shape, f"the config of Sequential {model.name!r}")))
+    if shape:
+        model.build(tuple(shape))
     return model
 
 
