@@ -130,9 +130,12 @@ def _stack_arrays(arrays):
 
     Leaves are NumPy values (arrays or NumPy scalars), so .shape and .dtype are there.
     Fast path: when every leaf has the first one's dtype (the very object: one cheap test
-    each), ``np.array`` stacks the list in C, and refuses ragged shapes itself; ~0.7 µs an
-    MNIST image against the loop's ~1.2, ~0.06 µs a label against ~0.3. Anything else
-    (mixed dtypes, ragged shapes, object arrays) goes to the loop, which says what differs.
+    each), ``np.array`` stacks the list in C, and refuses ragged shapes itself. The cache's
+    stack of 60,000 MNIST images: ~1.4 µs an image against the loop's ~1.6 (~1.65 against
+    ~2.6 with nothing else running); a batch of 64 images fresh from a 10,000-element shuffle
+    buffer costs ~2 µs an image either way (reading them from memory is most of it).
+    Anything else (mixed dtypes, ragged shapes, object arrays) goes to the loop, which says
+    what differs.
     """
     shape, dtype = arrays[0].shape, arrays[0].dtype
     if not dtype.hasobject and all([getattr(array, "dtype", None) is dtype for array in arrays]):
