@@ -166,14 +166,15 @@ def compare(baseline, data_dir, limit, repeat, rounds):
     order every round; medians over every sample of every round."""
     trees = {"before": Path(baseline).resolve(), "after": ROOT}
     merged = {side: {s: {"wall_us": [], "cpu_us": []} for s in STAGES} for side in trees}
-    digests, codes = {side: set() for side in trees}, {}
+    digests, codes, log = {side: set() for side in trees}, {}, []
     order = np.random.default_rng(SEED)
     for r in range(rounds):
         for side in np.array(list(trees))[order.permutation(len(trees))]:
             result = _child(trees[side], data_dir, limit, repeat)
-            print(f"round {r + 1}/{rounds} {side}: batch "
-                  f"{statistics.median(result['samples']['batch']['cpu_us']):.2f} µs/element (CPU)",
-                  flush=True)
+            log.append({"round": r + 1, "side": str(side), "load_1min": os.getloadavg()[0],
+                        "batch_cpu_us": statistics.median(result["samples"]["batch"]["cpu_us"])})
+            print(f"round {r + 1}/{rounds} {side}: batch {log[-1]['batch_cpu_us']:.2f} µs/element "
+                  f"(CPU), load {log[-1]['load_1min']:.1f}", flush=True)
             for stage, s in result["samples"].items():
                 for clock, values in s.items():
                     merged[side][stage][clock] += values
@@ -181,7 +182,7 @@ def compare(baseline, data_dir, limit, repeat, rounds):
             codes[side], elements = result["code"], result["elements"]
     out = {side: {"code": codes[side], **summarise(merged[side]), "samples": merged[side]}
            for side in trees}
-    out["elements"] = elements
+    out["elements"], out["rounds_log"] = elements, log
     out["same_output"] = len(digests["before"] | digests["after"]) == 1
     out["speedup"] = {stage: {clock: out["before"]["median_us"][stage][clock] /
                               out["after"]["median_us"][stage][clock]
@@ -217,7 +218,8 @@ def main(argv=None):
     sys.path.insert(0, str(ROOT))
     from benchmarks import common
     load = [os.getloadavg()[0]]
-    payload = {"pipeline": "train.map(scale).cache().shuffle(10000).batch(64), epoch 1",
+    payload = {"command": " ".join(["python -m benchmarks.pipeline", *(argv or sys.argv[1:])]),
+               "pipeline": "train.map(scale).cache().shuffle(10000).batch(64), epoch 1",
                "source": "full MNIST" if args.data_dir else "bundled subset",
                "repeat": repeat, "mode": "smoke" if args.smoke else "full"}
     if args.baseline:

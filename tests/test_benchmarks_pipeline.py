@@ -58,3 +58,5 @@ def test_a_comparison_runs_both_sides_in_fresh_processes_and_checks_their_bits(t
     assert doc["same_output"] is True
     assert set(doc["speedup"]) == set(pipeline.STAGES)
     assert proc.stdout.count("round 1/1") == 2                  # one process per side
+    assert sorted(r["side"] for r in doc["rounds_log"]) == ["after", "before"]
+    assert doc["command"].startswith("python -m benchmarks.pipeline --smoke --baseline")
