@@ -140,7 +140,8 @@ def summarise(samples):
     median = {stage: {clock: statistics.median(values) for clock, values in s.items()}
               for stage, s in samples.items()}
     cost = {}
-    for before, stage in zip(STAGES, STAGES[1:4 + 1]):        # source .. batch: a chain
+    chain = STAGES[:STAGES.index("batch") + 1]                # source .. batch, each one more
+    for before, stage in zip(chain, chain[1:]):
         cost[stage] = {clock: median[stage][clock] - median[before][clock]
                        for clock in ("wall_us", "cpu_us")}
     return {"median_us": median, "stage_cost_us": cost}
