@@ -197,11 +197,12 @@ def _ragged(kind):
         "length": [(a, np.int64(0)), (a,)],
         "structure": [(a, np.int64(0)), {"x": a}],
         "namedtuple then tuple": [Pair(a, np.int64(0)), (a, np.int64(1))],
+        "nested later": [(a, np.int64(0)), (a, (np.int64(1), np.int64(2)))],
     }[kind]
 
 
 @pytest.mark.parametrize("kind", ["shape", "dtype", "label dtype", "rank", "length", "structure",
-                                  "namedtuple then tuple"])
+                                  "namedtuple then tuple", "nested later"])
 def test_a_batch_that_cannot_stack_fails_with_the_same_words(generic, kind):
     elements = _ragged(kind)
 
