@@ -87,6 +87,30 @@ def _describe(structures):
     return f"[{shown}{', ...' if len(structures) > 4 else ''}]"
 
 
+# The types _to_numpy hands back unchanged: NumPy's own arrays and scalars (np.float32(1.),
+# what indexing a 1-D array gives). An exact type test: a subclass may answer .numpy().
+_NUMPY_LEAF_TYPES = frozenset({np.ndarray, *np.sctypeDict.values()})
+
+
+def _is_numpy_tuple(element):
+    """True for a plain tuple of NumPy leaves, the usual (image, label): the fast paths below
+    (``_numpy_element``, ``_stack_elements``, ``_StackedRows.play``) take it whole, with no
+    ``_map_structure`` recursion (~4 µs an element in Python) and the same result."""
+    if type(element) is not tuple:
+        return False
+    for leaf in element:
+        if type(leaf) not in _NUMPY_LEAF_TYPES:
+            return False
+    return True
+
+
+def _numpy_element(element):
+    """``_map_structure(_to_numpy, element)``: what a map() function returned, as NumPy."""
+    if _is_numpy_tuple(element):         # every leaf would come back unchanged
+        return element
+    return _map_structure(_to_numpy, element)
+
+
 def _to_numpy(value):
     """A leaf as a NumPy value; Python numbers get TF's default dtypes (float32, int32)."""
     if hasattr(value, "numpy"):          # a mirrored.Tensor (or anything Tensor-like)
@@ -104,11 +128,23 @@ def _to_numpy(value):
 def _stack_arrays(arrays):
     """np.stack(arrays) for many small same-shape arrays, checked like TF's batch.
 
-    Filling a preallocated array is ~8x faster than np.stack for 60,000 MNIST images
-    (np.stack makes a reshaped view of every input first). Leaves are NumPy values
-    (arrays or NumPy scalars), so .shape and .dtype are there.
+    Leaves are NumPy values (arrays or NumPy scalars), so .shape and .dtype are there.
+    Fast path: when every leaf has the first one's dtype (the very object: one cheap test
+    each), ``np.array`` stacks the list in C, and refuses ragged shapes itself. The cache's
+    stack of 60,000 MNIST images: ~1.4 µs an image against the loop's ~1.6 (~1.65 against
+    ~2.6 with nothing else running); a batch of 64 images fresh from a 10,000-element shuffle
+    buffer costs ~2 µs an image either way (reading them from memory is most of it).
+    Anything else (mixed dtypes, ragged shapes, object arrays) goes to the loop, which says
+    what differs.
     """
     shape, dtype = arrays[0].shape, arrays[0].dtype
+    if not dtype.hasobject and all([getattr(array, "dtype", None) is dtype for array in arrays]):
+        try:
+            out = np.array(arrays)                        # out: (n, *shape)
+        except ValueError:                                # ragged: the loop names the shapes
+            out = None
+        if out is not None and out.shape == (len(arrays),) + shape and out.dtype == dtype:
+            return out
     out = np.empty((len(arrays),) + shape, dtype)        # out: (n, *shape)
     for i, array in enumerate(arrays):
         if array.shape != shape or array.dtype != dtype:
@@ -118,10 +154,20 @@ def _stack_arrays(arrays):
     return out
 
 
+def _stack_elements(elements):
+    """``_map_structure(lambda *xs: _stack_arrays(xs), *elements)``: one stacked array per
+    leaf. Plain tuples of NumPy leaves, all of one length, go column by column directly
+    (what the recursion would do, without checking 64 structures at every level)."""
+    first = elements[0]
+    if _is_numpy_tuple(first) and all([type(e) is tuple and len(e) == len(first) for e in elements]):
+        return tuple([_stack_arrays(column) for column in zip(*elements)])
+    return _map_structure(lambda *xs: _stack_arrays(xs), *elements)
+
+
 def _stack(elements):
     """Stack same-structure elements into one batch element (what batch() emits)."""
     try:
-        return _map_structure(lambda *xs: _stack_arrays(xs), *elements)
+        return _stack_elements(elements)
     except ValueError as error:
         raise ValueError(
             f"batch() stacks elements, so they must share structure, shape and dtype: "
@@ -150,6 +196,21 @@ class _StackedRows:
     def row(self, i):
         return _map_structure(lambda array: array[i], self.columns)
 
+    def play(self, chunks):
+        """The elements at an index plan's row numbers, one by one: ``self.row(i)`` for each.
+
+        Columns that are a plain tuple of arrays (the usual (images, labels)) are read by
+        ``zip`` over one ``map(column.__getitem__, ...)`` per column: the indexing, the tuple
+        and the loop all run in C, ~0.3 µs an element where ``row`` takes ~4."""
+        columns = self.columns
+        if isinstance(columns, np.ndarray):                   # one array: element i is its row i
+            return map(columns.__getitem__, _row_numbers(chunks))
+        if type(columns) is not tuple or not all(isinstance(c, np.ndarray) for c in columns):
+            return (self.row(i) for i in _row_numbers(chunks))  # namedtuples, dicts, nesting
+        return itertools.chain.from_iterable(
+            zip(*[map(column.__getitem__, numbers) for column in columns])
+            for numbers in (chunk.tolist() for chunk in chunks))
+
     def gather(self, rows):             # rows: (k,) int64 → structure of (k, ...) arrays
         return _map_structure(lambda array: array.take(rows, axis=0), self.columns)
 
@@ -164,6 +225,9 @@ class _ListRows:
     def row(self, i):
         return self.elements[i]
 
+    def play(self, chunks):
+        return map(self.elements.__getitem__, _row_numbers(chunks))
+
     def gather(self, rows):
         return _stack([self.elements[i] for i in rows.tolist()])
 
@@ -172,8 +236,7 @@ def _rows_from_elements(elements):
     """Store a finished cache: stacked when every element has one structure and shape."""
     if elements:
         try:
-            columns = _map_structure(lambda *xs: _stack_arrays(xs), *elements)
-            return _StackedRows(columns)
+            return _StackedRows(_stack_elements(elements))
         except ValueError:               # ragged shapes or mixed structures
             pass
     return _ListRows(elements)
@@ -485,7 +548,7 @@ class Dataset:
         if plan is None:
             return iter(self._generate())
         rows, chunks = plan
-        return (rows.row(i) for i in _row_numbers(chunks))
+        return rows.play(chunks)
 
     def as_numpy_iterator(self):
         """As TF: the elements as plain NumPy values."""
@@ -590,7 +653,7 @@ class _MapDataset(Dataset):
 
     def _generate(self):
         for element in self._input._elements():
-            yield _map_structure(_to_numpy, _call_unpacked(self._fn, element))
+            yield _numpy_element(_call_unpacked(self._fn, element))
 
     def _element_spec(self):             # TF traces the function; we look at its first result
         first = next(self._elements(), None)
