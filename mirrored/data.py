@@ -147,6 +147,9 @@ def _stack_arrays(arrays):
             return out
     out = np.empty((len(arrays),) + shape, dtype)        # out: (n, *shape)
     for i, array in enumerate(arrays):
+        if not isinstance(array, (np.ndarray, np.generic)):  # a later element nests deeper
+            raise ValueError(f"cannot stack a {type(array).__name__} where the first element has "
+                             f"a {dtype}{list(shape)} value (the elements differ in structure)")
         if array.shape != shape or array.dtype != dtype:
             raise ValueError(f"cannot stack a {array.dtype}{list(array.shape)} element "
                              f"onto {dtype}{list(shape)} elements")
