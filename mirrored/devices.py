@@ -483,7 +483,7 @@ class CudaDevice(Device):
                 any((tuple(d.shape), np.dtype(d.dtype)) != spec or memory_owner(d) is not owner
                     for d, spec in zip(dsts, specs))):
             return super().upload_parts(dsts, arrays)        # not the views of one empty_parts
-        arrays = [np.ascontiguousarray(a) for a in arrays]
+        arrays = [np.asarray(a, order="C") for a in arrays]        # (0-d stays 0-d)
         for dst, array in zip(dsts, arrays):
             if tuple(array.shape) != tuple(dst.shape) or array.dtype != np.dtype(dst.dtype):
                 raise ValueError(f"upload_parts: {array.dtype}{list(array.shape)} does not fit "

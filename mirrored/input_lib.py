@@ -199,6 +199,21 @@ def _to_device(leaf, dev):
         return Tensor(dev.from_numpy(arr), dev)
 
 
+def _share_to_device(share, dev):
+    """One replica's share of a batch (a structure of host arrays) on ``dev``, as Tensors in
+    the same structure. Numeric leaves are views of ONE allocation that one host-to-device
+    copy fills (``Device.empty_parts``/``upload_parts``): a custom loop's (image, label) step
+    made an allocation and a copy per leaf before. Fresh buffers every step: the caller may
+    keep the tensors, as TensorFlow's. Any other leaf (strings for a lookup layer) goes alone."""
+    leaves = [np.asarray(leaf, order="C") for leaf in nest.flatten(share)]
+    if len(leaves) < 2 or any(a.dtype.kind not in "biuf" for a in leaves):
+        return nest.pack_sequence_as(share, [_to_device(a, dev) for a in leaves])
+    with dev.activate():
+        bufs = dev.empty_parts([(a.shape, a.dtype) for a in leaves])
+        dev.upload_parts(bufs, leaves)
+    return nest.pack_sequence_as(share, [Tensor(buf, dev) for buf in bufs])
+
+
 # --- a data set kept on the devices ----------------------------------------------------
 
 class ResidentRows:
@@ -383,12 +398,9 @@ class DistributedDataset:
                              ".batch(GLOBAL_BATCH_SIZE) first.")
         b = sizes.pop()
         bounds = local_bounds(b, self.strategy.extended)
-        if n == 1:
-            (lo, hi), = bounds
-            return nest.map_structure(lambda leaf: _to_device(np.asarray(leaf)[lo:hi], devices[0]), batch)
-        return nest.map_structure(
-            lambda leaf: PerReplica([_to_device(np.asarray(leaf)[lo:hi], dev)
-                                     for (lo, hi), dev in zip(bounds, devices)]), batch)
+        per = [_share_to_device(nest.map_structure(lambda leaf, lo=lo, hi=hi: np.asarray(leaf)[lo:hi], batch), dev)
+               for (lo, hi), dev in zip(bounds, devices)]
+        return per[0] if n == 1 else nest.map_structure(lambda *c: PerReplica(c), *per)
 
     def __iter__(self):
         return DistributedIterator(self._batches(), lambda: self.element_spec)
@@ -444,9 +456,5 @@ class DistributedDatasetsFromFunction:
                     batches.append(next(it))
                 except StopIteration:
                     return          # a step needs one batch per replica
-            if n == 1:
-                yield nest.map_structure(lambda leaf: _to_device(leaf, devices[0]), batches[0])
-            else:
-                per = [nest.map_structure(lambda leaf, d=dev: _to_device(leaf, d), bt)
-                       for bt, dev in zip(batches, devices)]
-                yield nest.map_structure(lambda *c: PerReplica(c), *per)
+            per = [_share_to_device(bt, dev) for bt, dev in zip(batches, devices)]
+            yield per[0] if n == 1 else nest.map_structure(lambda *c: PerReplica(c), *per)

@@ -277,3 +277,45 @@ def test_upload_parts_fills_the_views_of_one_allocation_with_one_copy(devices, r
     assert np.array_equal(y_dev.copy_to_host(), y), "a refused upload changes nothing"
     del x_dev, y_dev, other
     assert dev.bytes_in_use == before, "the allocation goes with its views"
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_distributed_batch_goes_to_each_replica_in_one_copy(devices, rng, monkeypatch, replicas):
+    """A custom loop's input (``experimental_distribute_dataset``, and
+    ``distribute_datasets_from_function``): each replica's share of an (images, labels) batch
+    lands in ONE host-to-device copy, as views of one allocation (an allocation and a copy per
+    leaf before), with the host's values and dtypes, a short last batch included; a batch of
+    one leaf goes as before (``from_numpy``)."""
+    devs = [d for d in devices(gpus=replicas) if d.device_type == "GPU"]
+    strategy = tf.distribute.MirroredStrategy([f"GPU:{i}" for i in range(replicas)])
+    rows, batch = 10, 4
+    x = rng.standard_normal((rows, 3, 2)).astype(np.float32)
+    y = rng.integers(0, 7, rows).astype(np.int32)
+    copies, singles = [], []
+    copy = devices_mod.copy_host_to_device
+    monkeypatch.setattr(devices_mod, "copy_host_to_device",
+                        lambda dst, host, stream: (copies.append(host.nbytes), copy(dst, host, stream)))
+    for dev in devs:
+        monkeypatch.setattr(dev, "from_numpy", lambda a, original=dev.from_numpy:
+                            (singles.append(np.shape(a)), original(a))[1])
+
+    def local(value):
+        return [t.numpy() for t in strategy.experimental_local_results(value)]
+
+    pairs = tf.data.Dataset.from_tensor_slices((x, y))
+    for dist in (strategy.experimental_distribute_dataset(pairs.batch(batch)),
+                 strategy.distribute_datasets_from_function(lambda ctx: pairs.batch(batch // 2))):
+        copies.clear()
+        got_x, got_y = [], []
+        for step, (xb, yb) in enumerate(dist, start=1):
+            assert len(copies) == replicas * step and not singles, (step, copies, singles)
+            got_x += local(xb)
+            got_y += local(yb)
+        assert [a.dtype for a in got_x + got_y] == [np.float32] * len(got_x) + [np.int32] * len(got_y)
+        np.testing.assert_array_equal(np.concatenate(got_x), x[:len(np.concatenate(got_x))])
+        np.testing.assert_array_equal(np.concatenate(got_y), y[:len(np.concatenate(got_y))])
+        assert len(np.concatenate(got_x)) >= rows - batch // 2 * (replicas - 1)   # (a step needs one
+    alone = [t for b in strategy.experimental_distribute_dataset(                   #  batch per replica)
+        tf.data.Dataset.from_tensor_slices(x).batch(batch)) for t in local(b)]
+    np.testing.assert_array_equal(np.concatenate(alone), x)
+    assert len(singles) == replicas * -(-rows // batch)
