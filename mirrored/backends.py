@@ -17,6 +17,7 @@ above can reuse buffers step after step.
 When a kernel file gains a new op, it gets one method here in each class.
 """
 import threading
+import weakref
 
 import numpy as np
 
@@ -526,7 +527,11 @@ def blas_policy(environ=None):
 
 
 _POLICY_LOCK = threading.Lock()
-_POLICY_BLOCKS = [0]              # policy blocks of blas_threads open now, in any thread
+#: The policy blocks of ``blas_threads`` open now, in any thread. A set of weak references,
+#: not a count: a Ctrl-C that lands inside ``__enter__`` or ``__exit__`` skips the rest of
+#: it, and a count would then stay up for good (every later fit "nested", its policy never
+#: applied); a skipped block leaves this set when the block object goes, with its frame.
+_OPEN_BLOCKS = weakref.WeakSet()
 
 
 class blas_threads:
@@ -538,8 +543,8 @@ class blas_threads:
 
     Nested policy blocks (fit's validation pass; ``strategy.run`` inside a ``@function``
     or inside a loop the user wrapped in one block) keep the outer count and cost
-    nothing: no variable read, no call into the BLAS (``_POLICY_BLOCKS`` counts the
-    open ones). An explicit count (``blas_threads(4)``) always sets it, and restores."""
+    nothing: no variable read, no call into the BLAS (``_OPEN_BLOCKS`` holds the open
+    ones). An explicit count (``blas_threads(4)``) always sets it, and restores."""
 
     def __init__(self, threads="policy"):
         self.policy = threads == "policy"
@@ -550,8 +555,8 @@ class blas_threads:
     def __enter__(self):
         if self.policy:
             with _POLICY_LOCK:
-                self.inner = _POLICY_BLOCKS[0] > 0
-                _POLICY_BLOCKS[0] += 1
+                self.inner = len(_OPEN_BLOCKS) > 0
+                _OPEN_BLOCKS.add(self)
             if self.inner:
                 return self                     # the outer block's count is in force
             try:
@@ -574,4 +579,4 @@ class blas_threads:
 
     def _close(self):
         with _POLICY_LOCK:
-            _POLICY_BLOCKS[0] -= 1
+            _OPEN_BLOCKS.discard(self)

@@ -162,3 +162,41 @@ def test_the_custom_loop_runs_at_the_policys_thread_count_eagerly_and_replayed(m
     finally:
         monkeypatch.undo()
         backends.set_blas_threads(start)
+
+
+@pytest.mark.skipif(backends.blas_info()["threads"] is None, reason="no BLAS whose threads we can set")
+@pytest.mark.parametrize("where", ["in __enter__", "exit skipped"])
+def test_a_ctrl_c_inside_a_policy_block_does_not_switch_the_policy_off_for_later_fits(
+        monkeypatch, rng, where):
+    """A KeyboardInterrupt can land anywhere, inside the block's own ``__enter__`` (after it
+    counted itself open) or between its enter and its exit (a ``with`` it never reached). Found
+    by test_faults_round4_runtime's random Ctrl-C landing there: every later fit in the process
+    then took itself for nested and ran at whatever thread count the BLAS had. A block whose exit
+    never ran stops counting once it is gone."""
+    for var in backends.BLAS_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "2")
+    start = 3
+    backends.set_blas_threads(start)
+    try:
+        if where == "in __enter__":
+            original = backends.set_blas_threads
+            monkeypatch.setattr(backends, "set_blas_threads",
+                                lambda n: (_ for _ in ()).throw(KeyboardInterrupt()))
+            with pytest.raises(KeyboardInterrupt):
+                with backends.blas_threads():
+                    pass
+            monkeypatch.setattr(backends, "set_blas_threads", original)
+        else:
+            block = backends.blas_threads()
+            block.__enter__()                          # its __exit__ never runs
+            del block
+        backends.set_blas_threads(start)
+        model, spy = _model(rng), _Spy()
+        x = rng.standard_normal((10, 6)).astype(np.float32)
+        model.fit(x, rng.integers(0, 4, 10), batch_size=4, epochs=1, verbose=0, callbacks=[spy])
+        assert spy.seen == [2] * 3                     # the policy, not the 3 left in the BLAS
+        assert backends.blas_info()["threads"] == start
+    finally:
+        monkeypatch.delenv("MIRRORED_BLAS_THREADS")
+        backends.set_blas_threads(start)
