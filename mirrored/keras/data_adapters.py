@@ -398,8 +398,8 @@ class ResidentLoader:
     def load(self, p, idx, scalars=None):
         """Replica program ``p``'s rows ``idx`` (b,) into its input buffers, ``scalars`` (a
         training step's optimizer vector) up with the row numbers: (x_dev, y_dev, its buffer)."""
-        k = len(scalars) if scalars is not None and len(idx) else 0     # a copied step's buffers (its
-        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype, (), k)[:2]   # scalars' view unused here)
+        # a copied step's buffers (their scalars' view unused: the scalars go with the row numbers)
+        x_dev, y_dev = p.input_buffers(len(idx), self.y_dtype, (), scalars)[:2]
         wanted = [(self.kx, x_dev), (self.ky, y_dev)]
         landing = [(k, self._landing(p, k, len(idx), out)) for k, out in wanted]
         sent = self.resident.gather(p.r, idx, landing, scalars)  # one upload: row numbers, scalars

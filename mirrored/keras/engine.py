@@ -228,13 +228,14 @@ class ReplicaProgram:
                 if self.edges[t] > 1 and self.upstream[t]:
                     self.grad_sum(t, b)
 
-    def input_buffers(self, b, label_dtype, label_shape=(), scalars=0):
+    def input_buffers(self, b, label_dtype, label_shape=(), scalars=None):
         """Step 1's landing place, once per batch size: x (b, in_dim) float32, y (b,) + ``label_shape``
-        (labels, or MSE/BCE targets), a training step's optimizer ``scalars``: one allocation, one copy."""
-        key = (b, np.dtype(label_dtype), tuple(label_shape), scalars)
+        (labels, or MSE/BCE targets), room for a training step's optimizer ``scalars``: one copy."""
+        k = len(scalars) if scalars is not None and b else 0      # (a replica with no rows: none)
+        key = (b, np.dtype(label_dtype), tuple(label_shape), k)
         if key not in self.input_cache:
             specs = [((b, self.in_dim), FLOAT), ((b,) + tuple(label_shape), label_dtype)]
-            self.input_cache[key] = self.dev.empty_parts(specs + [((scalars,), FLOAT)] * bool(scalars))
+            self.input_cache[key] = self.dev.empty_parts(specs + [((k,), FLOAT)] * bool(k))
         return self.input_cache[key]
 
     # -- the program

@@ -168,14 +168,13 @@ class Step(InferencePasses):
 
     # -- the four steps ------------------------------------------------------------------
     def split(self, batch, shard=True):
-        """Each replica's share of a global batch by TensorFlow's rebatching rule, how to
-        put a share on its device (``load(program, share) -> (x_dev, y_dev)``), and the
-        loss scale 1/B (B: the GLOBAL batch).
+        """Each replica's share of a global batch by TensorFlow's rebatching rule, how to put a
+        share on its device (``load(program, share, scalars=None) -> (x_dev, y_dev, the scalars'
+        buffer or None)``), and the loss scale 1/B (B: the GLOBAL batch).
 
-        Across workers (``shard``) the batch is cut for every worker's replicas and
-        this worker keeps its own replicas' shares (``input_lib.local_bounds``);
-        ``shard=False`` cuts it over this worker's replicas only (``predict``, where
-        every worker computes every row)."""
+        Across workers (``shard``) the batch is cut for every worker's replicas and this worker
+        keeps its own replicas' shares (``input_lib.local_bounds``); ``shard=False`` cuts it over
+        this worker's replicas only (``predict``, where every worker computes every row)."""
         if isinstance(batch, ResidentBatch):
             idx = batch.idx                                            # (B,) row numbers
             bounds = self._bounds(len(idx), shard)
@@ -265,8 +264,8 @@ def check_compiled(model, what):
 def _upload(program, part, scalars=None):
     """A host share ``(x (b, in) float32, y (b,))`` into the program's (reused) input buffers,
     ``scalars`` with them (one copy on a GPU, ``devices.py``): (x_dev, y_dev, scalars' or None)."""
-    (x, y), k = part, len(scalars) if scalars is not None and len(part[0]) else 0
-    bufs = program.input_buffers(len(x), y.dtype, y.shape[1:], k)
+    x, y = part
+    bufs = program.input_buffers(len(x), y.dtype, y.shape[1:], scalars)
     if len(x):
         program.dev.upload_parts(bufs, (x, y, scalars)[:len(bufs)])
     return (bufs + (None,))[:3]
