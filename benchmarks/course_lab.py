@@ -25,7 +25,10 @@ as a student would, all 12 epochs, in a fresh Python process, and records:
 Cold and warm (issue 40): the lab runs twice in a row, each a fresh process, with one fresh
 ``NUMBA_CACHE_DIR`` (and ``CUDA_CACHE_PATH``, the driver's): "cold" finds the kernel cache
 empty and compiles, "warm" loads what cold wrote, as a student's second run does. Both are
-reported (``runs``).
+reported (``runs``). ``--serial-cold`` adds, first, "cold, compiled at launch": caches of its
+own, empty, and ``MIRRORED_COMPILE_AHEAD=0``, so its kernels compile one after the other at
+their first launch, as before ``kernels/compile_ahead.py``; each run's ``compile_ahead`` lists
+what compiling ahead did (kernels missing, child processes, seconds).
 
 PyTorch beside it (GPU only, where torch imports): the same ConvNet, initial weights, batch
 and Adam as ``benchmarks.training``'s rows, trained for the same epochs on the same training
@@ -129,7 +132,7 @@ model.fit(train_dataset, epochs=12)
 #: What the program appends after the lab's cells (timing and the test accuracy); a line
 #: starting with RESULT carries them back as JSON.
 _MEASURE = """
-import json as _json, time as _time
+import json as _json, sys, time as _time
 _fit_s = _time.perf_counter() - _fit_start
 _wall_s = _time.perf_counter() - _lab_start
 _loss, _accuracy = model.evaluate(eval_dataset, verbose=0)
@@ -138,7 +141,8 @@ print("RESULT " + _json.dumps({"wall_s": _wall_s, "fit_s": _fit_s, "test_loss": 
       "train_examples": num_train_examples, "source": info.source, "cells_s": _cells_s,
       "epochs_s": _epochs_s,
       "compile_s": {"cpu_loops": _cpu_compile.duration if _cpu_compile.done else 0.0,
-                    "cuda_kernels": _cuda_compile["s"], "cuda_compiles": _cuda_compile["kernels"]}}))
+                    "cuda_kernels": _cuda_compile["s"], "cuda_compiles": _cuda_compile["kernels"]},
+      "compile_ahead": getattr(sys.modules.get("kernels.compile_ahead"), "log", [])}))
 """
 
 
@@ -232,19 +236,24 @@ def run_lab(data_dir=None, epochs=12, timeout_s=900, env=None, smoke=False):
     return json.loads(lines[-1][len("RESULT "):]), run.stdout + run.stderr
 
 
-def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab):
+def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab, serial_cold=False):
     """The lab twice, with one fresh ``NUMBA_CACHE_DIR`` and one fresh ``CUDA_CACHE_PATH``
     (the driver's own cache of code it compiled, which a machine that ran the lab before
     keeps in ~/.nv): {"cold": RESULT, "warm": RESULT}, and the two logs. Each log is printed
-    as its run ends, so a run stopped later (a time limit) still shows the lab's figures."""
+    as its run ends, so a run stopped later (a time limit) still shows the lab's figures.
+    ``serial_cold``: first a "cold, compiled at launch" run, with empty caches of its own and
+    ``MIRRORED_COMPILE_AHEAD=0`` (kernels/compile_ahead.py off): what compiling ahead saves."""
     runs, logs = {}, []
     with tempfile.TemporaryDirectory() as scratch:
         env = {"NUMBA_CACHE_DIR": os.path.join(scratch, "numba"),
                "CUDA_CACHE_PATH": os.path.join(scratch, "cuda-driver")}
-        for folder in env.values():
+        serial = {"NUMBA_CACHE_DIR": os.path.join(scratch, "numba-serial"),
+                  "CUDA_CACHE_PATH": os.path.join(scratch, "cuda-driver-serial")}
+        for folder in list(env.values()) + list(serial.values()):
             os.mkdir(folder)
-        for name in ("cold", "warm"):
-            result, log = run(data_dir, epochs, env=env, smoke=smoke)
+        plan = [("cold, compiled at launch", dict(serial, MIRRORED_COMPILE_AHEAD="0"))] * serial_cold
+        for name, run_env in plan + [("cold", env), ("warm", env)]:
+            result, log = run(data_dir, epochs, env=run_env, smoke=smoke)
             runs[name] = result
             logs.append(f"--- {name} run ---\n{log}")
             print(logs[-1], flush=True)
@@ -305,6 +314,9 @@ def main(argv=None):
     parser.add_argument("--peer-epochs", type=int, default=None,
                         help="timed epochs of each PyTorch row (default: the lab's); their "
                              "ms/step is a median, so 3 give it in a quarter of the time")
+    parser.add_argument("--serial-cold", action="store_true",
+                        help="first a cold run with MIRRORED_COMPILE_AHEAD=0 (its own empty "
+                             "caches): what compiling the kernels ahead saves")
     parser.add_argument("--out", help="JSON file to write (default: nothing written)")
     args = parser.parse_args(argv)
     from benchmarks import common
@@ -313,7 +325,8 @@ def main(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     epochs = args.epochs or (1 if args.smoke else 12)
     peer_epochs = args.peer_epochs or epochs
-    runs, _ = cold_and_warm(args.data_dir, epochs, args.smoke)      # prints each run's log
+    runs, _ = cold_and_warm(args.data_dir, epochs, args.smoke,        # prints each run's log
+                            serial_cold=args.serial_cold)
     print(json.dumps(runs, indent=1))
     peers, skipped = [], []
     if args.no_peers:

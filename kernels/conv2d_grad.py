@@ -125,7 +125,8 @@ def dw_kernel(geo, with_bias):
         _kernels[key] = _make_dw(geo, bool(with_bias))
         register(_kernels[key], "conv2d_dw_partial_v2",
                  sig(vec("float32"), vec("float32"), mat("float32"), "uint32", "uint32"),
-                 block=(LANES, DW_WARPS), variant=shape_label(geo) + (" bias" if with_bias else ""))
+                 block=(LANES, DW_WARPS), variant=shape_label(geo) + (" bias" if with_bias else ""),
+                 made_by=(dw_kernel, key[1:]))
     return _kernels[key]
 
 
@@ -136,7 +137,7 @@ def dx_kernel(geo):
         _kernels[key] = _make_dx(geo)
         register(_kernels[key], "conv2d_dx_v2",
                  sig(vec("float32"), vec("float32"), vec("float32"), "uint32"),
-                 block=(LANES, DX_WARPS), variant=shape_label(geo))
+                 block=(LANES, DX_WARPS), variant=shape_label(geo), made_by=(dx_kernel, key[1:]))
     return _kernels[key]
 
 

@@ -171,12 +171,13 @@ def forward_kernel(geo, relu, pool):
         variant = shape_label(geo) + (" relu" if relu else "")
         if pool == 1:
             register(kernel, "conv2d_v3", sig(_F32, _F32, _F32, _F32, "uint32"),
-                     block=(LANES, ROWS_PER_BLOCK), variant=variant, outputs_per_pass=STEP)
+                     block=(LANES, ROWS_PER_BLOCK), variant=variant, outputs_per_pass=STEP,
+                     made_by=(forward_kernel, key))
         else:
             register(kernel, "conv2d_relu_pool", sig(_F32, _F32, _F32, _F32, vec("int8"),
                                                      "uint32"),
                      block=(LANES, ROWS_PER_BLOCK), variant=variant,
-                     outputs_per_pass=POOL * POOL * POOL_STEP)
+                     outputs_per_pass=POOL * POOL * POOL_STEP, made_by=(forward_kernel, key))
     return kernel
 
 

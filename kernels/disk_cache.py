@@ -152,6 +152,24 @@ def keep(kernel):
     return True
 
 
+def load(kernel, types):
+    """Load ``kernel``'s compiled code for argument ``types`` from the disk if it is kept
+    there, as its launch would first try (numba's ``compile``, without compiling on a miss);
+    True if it is in memory now. For ``kernels/compile_ahead.py``: what is on disk needs no
+    other process."""
+    if types in kernel.overloads:
+        return True
+    cache = getattr(kernel, "_cache", None)
+    if not _guarded_class or not isinstance(cache, _guarded_class[0]):
+        return False
+    loaded = cache.load_overload(types, kernel.targetctx)
+    if loaded is None:
+        return False
+    kernel._cache_hits[types] += 1                # numba's count, as its compile keeps it
+    kernel.add_overload(loaded, types)
+    return True
+
+
 def file_prefix(kernel):
     """The start of the names of ``kernel``'s files in its cache folder: numba names them
     ``<module file stem>.<qualified name without '<' '>'>-<line>.``."""

@@ -10,7 +10,9 @@ One place decides three things for all kernels:
   ``kernel[grid, block, stream](*args)``, until ``launch_cache.py`` holds a record
   of the launch, then one driver call;
 * which argument checks need not run again (``check_array``, ``check_no_alias``
-  remember what a device array passed: ``_facts``).
+  remember what a device array passed: ``_facts``);
+* a plan run (``planned``): the launches written down, not made, so that
+  ``compile_ahead.py`` can compile a step's kernels before its first launch.
 
 Why ``launch`` exists: on a real GPU ``kernel[grid, block, stream]`` returns a
 new *configured* kernel object, which is cheap to keep and call again. In the
@@ -66,6 +68,7 @@ MAX_THREADS_PER_BLOCK = 1024
 MAX_BLOCK_Z = 64
 
 _sim_lock = threading.Lock()
+_plans = threading.local()       # .launches: a list while this thread runs a plan (``planned``)
 #: [on?]: whether the simulator checks every launch's argument types against the kernel's
 #: registered signatures (``check_signatures``; off by default, as it costs a look-up per
 #: launch).
@@ -237,6 +240,10 @@ def launch(kernel, grid, block, stream, *args):
     Simulator: launches are serialised (see the module docstring), checked every
     time, and ``stream`` may be ``None`` or a simulated stream.
     """
+    plan = getattr(_plans, "launches", None)
+    if plan is not None:                  # a plan run (``planned``): written down, not made
+        plan.append((kernel, args))
+        return
     if SIMULATOR:
         check_launch(kernel, grid, block)
         if _check_types[0]:
@@ -255,6 +262,26 @@ def launch(kernel, grid, block, stream, *args):
         with _configure_lock:             # warnings.catch_warnings is process-wide state
             configured = _configured[key] = _configure(kernel, grid, block, stream)
     launch_cache.launch_and_record(cache_key, configured, stream, args)   # configured(*args)
+
+
+class planned:
+    """Context manager: inside it, this thread's launches are written down, not made:
+    ``with planned() as launches: device_part()`` leaves ``launches`` a list of
+    (kernel, args), in launch order, with nothing run and nothing compiled.
+
+    Why: a step's kernels compile at their first launch, one after the other (numba-cuda's
+    compiler lock). ``kernels/compile_ahead.py`` runs the step's device part once like this
+    to learn which kernels, for which argument types, its first real run will launch, and
+    compiles them ahead, in several processes at once. Other threads launch as usual."""
+
+    def __enter__(self):
+        self.before = getattr(_plans, "launches", None)
+        _plans.launches = launches = []
+        return launches
+
+    def __exit__(self, *exc):
+        _plans.launches = self.before
+        return False
 
 
 class check_signatures:

@@ -241,7 +241,8 @@ def backward_v2_kernel(geo, relu_mask, arg_dtype):
         register(_v2_kernels[key], "max_pool_backward_v2",
                  sig(f32, vec(key[2]), f32, f32, "uint32"), block=grid_1d(1)[1],
                  variant=f"{h}x{w}x{c} pool{ph}x{pw} p{pt},{pl} out{oh}x{ow} {key[2]}"
-                         + (" relu" if relu_mask else ""))
+                         + (" relu" if relu_mask else ""),
+                 made_by=(backward_v2_kernel, key))
     return _v2_kernels[key]
 
 

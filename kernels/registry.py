@@ -65,7 +65,8 @@ from kernels import disk_cache
 TENSOR_DTYPES = ("float32", "float64", "int32", "int64")
 
 #: Modules of this package that hold no kernels (skipped when importing them all).
-_NOT_KERNEL_MODULES = ("registry", "report", "launch", "launch_cache", "disk_cache")
+_NOT_KERNEL_MODULES = ("registry", "report", "launch", "launch_cache", "disk_cache",
+                       "compile_ahead")
 
 
 def vec(dtype):
@@ -106,6 +107,9 @@ class KernelSpec:
     outputs_per_pass  outputs one pass through the kernel's code computes (a kernel that
                unrolls 4 outputs per loop trip has 4): the report divides the kernel's
                static SASS instructions by it (``sass_per_output``)
+    made_by    for a kernel a factory made on first use (one per layer shape): (module,
+               factory function, its arguments), so another process can make the same
+               kernel again (``kernels/compile_ahead.py``); None for a kernel made at import
     """
     name: str
     variant: str
@@ -114,6 +118,7 @@ class KernelSpec:
     block: tuple
     module: str
     outputs_per_pass: int = 1
+    made_by: tuple = None
 
     @property
     def label(self):
@@ -127,14 +132,16 @@ class KernelSpec:
 
 _REGISTRY = []
 _LABELS = set()          # the labels in _REGISTRY (a look-up per register, not a scan)
+_BY_KERNEL = {}          # id(kernel) -> its KernelSpec (registered kernels live for good)
 
 
-def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
+def register(kernel, name, signatures, block, variant="", outputs_per_pass=1, made_by=None):
     """Declare that the library launches ``kernel`` with each of ``signatures`` and
     ``block`` threads per block (an int or a tuple). Returns ``kernel``.
     ``outputs_per_pass``: see ``KernelSpec``. A kernel factory that compiles per layer
     shape (kernels/conv2d_v3.py) registers each kernel it makes, with the shape as its
-    variant.
+    variant and ``made_by=(factory, arguments)``: calling ``factory(*arguments)`` (plain
+    numbers, strings and tuples of them) makes it again.
 
     Called at import time, right below the kernels, by every file in ``kernels/``.
     """
@@ -144,16 +151,32 @@ def register(kernel, name, signatures, block, variant="", outputs_per_pass=1):
         raise ValueError(f"register({name!r}): give at least one signature the kernel is "
                          f"launched with, e.g. sig(vec('float32'), vec('float32')).")
     block = tuple(block) if isinstance(block, (tuple, list)) else (int(block),)
+    if made_by is not None:
+        factory, arguments = made_by
+        made_by = (factory.__module__, factory.__qualname__, tuple(arguments))
     spec = KernelSpec(name, variant, kernel, tuple(signatures), block,
                       getattr(getattr(kernel, "py_func", None), "__module__", "?"),
-                      int(outputs_per_pass))
+                      int(outputs_per_pass), made_by)
     if spec.label in _LABELS:
         raise ValueError(f"register: {spec.label} is registered twice; give each compile-time "
                          f"variant its own variant string.")
     _REGISTRY.append(spec)
     _LABELS.add(spec.label)
+    _BY_KERNEL[id(kernel)] = spec
     keep_on_disk(kernel)
     return kernel
+
+
+def spec_of(kernel):
+    """The ``KernelSpec`` ``kernel`` was registered with, or None (imports nothing)."""
+    spec = _BY_KERNEL.get(id(kernel))
+    return spec if spec is not None and spec.kernel is kernel else None
+
+
+def by_label(label):
+    """The registered ``KernelSpec`` labelled ``label`` (``KernelSpec.label``), or None
+    (looks among the kernels registered so far: import their module first)."""
+    return next((s for s in _REGISTRY if s.label == label), None)
 
 
 #: ``MIRRORED_KERNEL_CACHE=0``: compile every kernel afresh in each process (read at each

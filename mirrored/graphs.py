@@ -58,6 +58,11 @@ and ``evaluate_steps`` put N steps in ONE graph, one replay per N batches. Each 
 host part writes the same input buffers, so what it wrote is copied on the device into
 a staging slot of its own, and the graph copies slot i back before step i's device part.
 
+Compiled ahead. Before a key's first (eager) run, ``CapturedStep`` has
+``StepGraphs.compile_first`` plan the device part and compile the kernels it will launch in
+several processes at once (``kernels/compile_ahead.py``): a first run on a machine compiles
+them at their launch otherwise, one after the other.
+
 When. ``compile(run_eagerly=False)``, Keras's default, runs fit, evaluate and predict
 through ``CapturedStep`` on a GPU; ``run_eagerly=True`` launches every kernel from
 Python (what labs 04 and 05 step through). The default stays silent where nothing can
@@ -67,6 +72,7 @@ request for graphs, warns there once. The weights come out bitwise the same eith
 Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``_trainer``) and ``keras/model_api.py`` (``compile``),
 ``ring.py`` (the ring: events between neighbours, captured as graph edges).
 """
+import contextlib
 import warnings
 
 from mirrored import devices as _dev
@@ -106,6 +112,17 @@ def why_not_capturable(devices, cross_device_ops=None):
     return None
 
 
+def _compile_ahead(devices, cross_device_ops):
+    """``kernels.compile_ahead`` where a step's first run compiles kernels and its device
+    part may be planned (real GPUs, one worker: that module's docstring), else None."""
+    if any(d.device_type != "GPU" for d in devices) or _dev.cuda_mode() != "real":
+        return None
+    if getattr(getattr(cross_device_ops, "workers", None), "size", 1) > 1:
+        return None
+    from kernels import compile_ahead
+    return compile_ahead if compile_ahead.wanted() else None
+
+
 class StepGraphs:
     """The captured device parts of a step, one graph per key (see the module docstring)."""
 
@@ -116,6 +133,8 @@ class StepGraphs:
         self._results = {}         # key -> what the device part returned the first time
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         self.last = None           # how the last run ran: "eager" or "replayed"
+        self.compile_ahead = _compile_ahead(self.devices, cross_device_ops)   # None: not here
+        self._planned = set()      # the keys whose kernels were compiled ahead
 
     @property
     def enabled(self):
@@ -137,6 +156,16 @@ class StepGraphs:
             self._results[key] = fn(*args)               # not kept if it raises
             return self._ran("eager", self._results[key])
         return self._replay(key, fn, args)
+
+    def compile_first(self, key, fn, args, undo):
+        """Before ``fn(*args)`` first runs under ``key``: compile the kernels it will launch,
+        several processes at once (``kernels/compile_ahead.py``; where kernels compile and
+        the device part may be planned, else nothing). ``undo``: a context manager that
+        drops every buffer made inside it when it is left by an exception (``Step.no_trace``):
+        the plan run makes buffers and launches nothing, so nothing it made may stay."""
+        if self.compile_ahead is not None and key not in self._planned:
+            self._planned.add(key)
+            self.compile_ahead.before_first_run(fn, args, self.devices[0].gpu_id, undo=undo)
 
     def run_captured(self, key, fn, *args):
         """``run`` for launches whose buffers already exist (every kernel compiled, every
@@ -198,18 +227,37 @@ class CapturedStep:
             inputs, scale = self.step.host_part(batch)
             mode = self.step.loss_mode()
             with _dev.every_device_or_none():  # a replay updates every copy: a Ctrl-C comes after it
-                self.graphs.run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
-                                inputs, mode, scale)
+                self._run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
+                          inputs, mode, scale)
                 self.step.model.optimizer.updates_done += 1   # the step is done (Step.no_trace)
 
     def evaluate(self, batch, mode):
         inputs = self.step.inputs(batch)
-        self.graphs.run(("evaluate", mode) + _addresses(inputs), self.step.evaluate_part, inputs, mode)
+        self._run(("evaluate", mode) + _addresses(inputs), self.step.evaluate_part, inputs, mode)
 
     def predict(self, xb):
         inputs = self.step.predict_inputs(xb)
-        outs = self.graphs.run(("predict",) + _addresses(inputs), self.step.predict_part, inputs)
+        outs = self._run(("predict",) + _addresses(inputs), self.step.predict_part, inputs)
         return self.step.read_outputs(outs)
+
+    def _run(self, key, fn, *args):
+        """``StepGraphs.run``, its kernels compiled ahead the first time ``key`` is seen."""
+        self.graphs.compile_first(key, fn, args, self._undo_plan)
+        return self.graphs.run(key, fn, *args)
+
+    @contextlib.contextmanager
+    def _undo_plan(self):
+        """Around a plan run (``kernels/compile_ahead.py``): the buffers it made are dropped
+        (``Step.no_trace``), and the optimizer's count of updates done goes back (the plan ran
+        the update's Python, not its launch)."""
+        opt = self.step.model.optimizer
+        done = opt.updates_done if opt is not None else None
+        with self.step.no_trace():
+            try:
+                yield
+            finally:
+                if opt is not None:
+                    opt.updates_done = done
 
     # -- compile(steps_per_execution=N): N steps, one graph ------------------------------------
     def train_steps(self, batches):
@@ -238,7 +286,10 @@ class CapturedStep:
         if self._first_time(("train", mode) + tuple(_rows(b) for b in batches)):
             for batch in batches:                            # N plain steps, each all or nothing
                 with step.no_trace():
-                    step.train(batch)
+                    inputs, scale = step.host_part(batch)    # step.train, its kernels compiled ahead
+                    self.graphs.compile_first(("train", mode, scale) + _addresses(inputs),
+                                              step.device_part, (inputs, mode, scale), self._undo_plan)
+                    step.device_part(inputs, mode, scale)
                 self.graphs._ran("eager", None)
             return
         with step.no_trace():
@@ -266,8 +317,11 @@ class CapturedStep:
         training (the inputs are all a host part writes here; the metrics add up on the devices)."""
         step = self.step
         if self._first_time(("evaluate", mode) + tuple(_rows(b) for b in batches)):
-            for batch in batches:
-                step.evaluate(batch, mode)
+            for batch in batches:                            # step.evaluate, compiled ahead
+                inputs = step.inputs(batch)
+                self.graphs.compile_first(("evaluate", mode) + _addresses(inputs),
+                                          step.evaluate_part, (inputs, mode), self._undo_plan)
+                step.evaluate_part(inputs, mode)
                 self.graphs._ran("eager", None)
             return
         work = []

@@ -57,6 +57,25 @@ def test_cold_and_warm_share_one_fresh_kernel_cache():
     assert "cold run" in log and "warm run" in log
 
 
+def test_a_serial_cold_run_comes_first_with_compiling_ahead_off_and_caches_of_its_own():
+    """``--serial-cold``: what compiling ahead (kernels/compile_ahead.py) saves a cold run."""
+    seen = []
+
+    def fake_lab(data_dir, epochs, env, smoke):
+        folders = [Path(env[name]) for name in ("NUMBA_CACHE_DIR", "CUDA_CACHE_PATH")]
+        seen.append((folders, [sorted(p.name for p in f.iterdir()) for f in folders],
+                     env.get("MIRRORED_COMPILE_AHEAD")))
+        for f in folders:
+            (f / f"kernel-{len(seen)}.bin").write_bytes(b"x")
+        return {"wall_s": float(len(seen))}, f"log {len(seen)}"
+
+    runs, _ = course_lab.cold_and_warm("data", 3, smoke=True, run=fake_lab, serial_cold=True)
+    assert list(runs) == ["cold, compiled at launch", "cold", "warm"]
+    assert [ahead for _, _, ahead in seen] == ["0", None, None]
+    assert seen[0][1] == seen[1][1] == [[], []]                 # both cold runs: empty caches
+    assert set(seen[0][0]).isdisjoint(seen[1][0]) and seen[1][0] == seen[2][0]
+
+
 def test_smoke_edits_apply_once_and_keep_the_lab_text_otherwise():
     full, smoke = course_lab.lab_script(2), course_lab.lab_script(2, smoke=True)
     assert "Conv2D(32, 3" in full and "Conv2D" not in smoke
@@ -103,8 +122,9 @@ def test_peer_epochs_time_the_pytorch_rows_apart_from_the_labs(tmp_path, monkeyp
     lab_epochs, peer_epochs = random.randint(2, 12), random.randint(1, 5)
     seen = {}
 
-    def fake_cold_and_warm(data_dir, epochs, smoke):
+    def fake_cold_and_warm(data_dir, epochs, smoke, serial_cold=False):
         seen["lab"] = epochs
+        seen.setdefault("serial", []).append(serial_cold)
         return {"cold": {"wall_s": 2.0}, "warm": {"wall_s": 1.0}}, "lab log"
 
     def fake_torch_rows(data_dir, epochs, smoke=False):
@@ -117,10 +137,12 @@ def test_peer_epochs_time_the_pytorch_rows_apart_from_the_labs(tmp_path, monkeyp
     assert course_lab.main(["--epochs", str(lab_epochs), "--peer-epochs", str(peer_epochs),
                             "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert seen == {"lab": lab_epochs, "peers": peer_epochs}
+    assert seen == {"lab": lab_epochs, "peers": peer_epochs, "serial": [False]}
     assert doc["epochs"] == lab_epochs and doc["peer_epochs"] == peer_epochs
     assert course_lab.main(["--epochs", str(lab_epochs), "--out", str(out)]) == 0
     assert seen["peers"] == lab_epochs and json.loads(out.read_text())["peer_epochs"] == lab_epochs
+    assert course_lab.main(["--epochs", str(lab_epochs), "--serial-cold", "--out", str(out)]) == 0
+    assert seen["serial"] == [False, False, True]
     import pytest
     with pytest.raises(SystemExit):
         course_lab.main(["--peer-epochs", "0"])

@@ -116,7 +116,7 @@ def test_the_three_commands_in_order_each_within_nine_minutes_and_eight_files(tm
     assert [c for c in calls if c.startswith("python")] == [
         "python -", training + " --no-resident --epochs 5",
         f"python -m benchmarks.course_lab --data-dir .gpudata/mnist --out {out / 'course_lab.json'}"
-        " --peer-epochs 3",
+        " --peer-epochs 3 --serial-cold",
         f"python -m benchmarks.breakdown --device gpu --out {out / 'breakdown.json'}"]
     assert set(limits(stdout)) == {"versions", "training", "course_lab", "breakdown"}
     assert sum(limits(stdout).values()) <= budget, limits(stdout)
@@ -187,7 +187,7 @@ def test_plan_40_runs_its_stages_in_order_within_its_budget_and_eight_files(tmp_
     assert files == PLAN40_FILES and len(files) <= MAX_FILES
     assert [c for c in calls if c.startswith("python")] == [
         "python -",                                                         # versions
-        f"python -m benchmarks.course_lab --data-dir {mnist} --out {out / 'course_lab.json'} --peer-epochs 3",
+        f"python -m benchmarks.course_lab --data-dir {mnist} --out {out / 'course_lab.json'} --peer-epochs 3 --serial-cold",
         f"python -m benchmarks.host_profile --json {out / 'host_profile.json'} --model conv "
         "--modes graph,eager --epochs 3",
         "python -c import pytest_timeout",                                  # --timeout if there

@@ -93,8 +93,24 @@ model.evaluate(x[:80], y[:80], batch_size=64, verbose=0)
 print(json.dumps(calls))
 """
 
+#: A compile-ahead child with the driver stubbed as in REPLAY (``kernels/compile_ahead.py``).
+AHEAD_CHILD = """
+from benchmarks.launch import stub_driver
+stub_driver()
+from numba.cuda import codegen
+stub_cufunc, link = codegen.CUDACodeLibrary.get_cufunc, codegen.CUDACodeLibrary.get_cubin
+def get_cubin(library, cc=None):  # REPLAY's: the cubin kept under the stand-in's (9, 0)
+    return link(library, cc or (9, 0))
+def get_cufunc(library):          # as numba's: the cubin (linked once, then kept), then loaded
+    library.get_cubin()
+    return stub_cufunc(library)
+codegen.CUDACodeLibrary.get_cubin, codegen.CUDACodeLibrary.get_cufunc = get_cubin, get_cufunc
+from kernels import compile_ahead
+compile_ahead.child_main(select_device=lambda i: None)
+"""
+
 REPLAY = r"""
-import hashlib, json, sys, warnings
+import hashlib, json, os, sys, warnings
 import numpy as np
 from benchmarks.launch import fake_array, fake_stream, stub_driver
 stub = stub_driver()
@@ -146,8 +162,25 @@ with warnings.catch_warnings(record=True) as caught:
         return v
 
     ops = backends.CudaOps(StandIn())
-    for name, args, kwargs in calls:
-        getattr(ops, name)(*[make(a) for a in args], **{k: make(v) for k, v in kwargs.items()})
+
+    def replay():
+        for name, args, kwargs in calls:
+            getattr(ops, name)(*[make(a) for a in args], **{k: make(v) for k, v in kwargs.items()})
+
+    ahead = None
+    if os.environ.get("AHEAD_CHILDREN"):          # kernels/compile_ahead.py, children stubbed too
+        from kernels import compile_ahead, launch
+        with launch.planned() as launches:
+            replay()
+        jobs = compile_ahead.missing(launches)
+        before = dict(counts)
+        ahead = compile_ahead.compile_all(jobs, 0, int(os.environ["AHEAD_CHILDREN"]),
+                                          command=[sys.executable, "-c", AHEAD_CHILD])
+        ahead.update(planned=len(launches), jobs=len(jobs),
+                     typed_here=counts["typed"] - before["typed"])
+    before = dict(counts)
+    replay()
+    replayed = {k: counts[k] - before[k] for k in counts}
 
 launched, kept = {}, {}
 for spec in registry.registered():
@@ -159,7 +192,8 @@ for spec in registry.registered():
         launched[label] = [stats.cache_hits[sig], stats.cache_misses[sig],
                            hashlib.sha256(bytes(cubin)).hexdigest()]
         kept[label] = stats.cache_path is not None
-print(json.dumps({"counts": counts, "launched": launched, "kept": kept,
+print(json.dumps({"counts": counts, "launched": launched, "kept": kept, "ahead": ahead,
+                  "replayed": replayed,
                   "held": sum(n for n, _ in disk_cache.contents(
                       [s.kernel for s in registry.registered()]).values()),
                   "warnings": [str(w.message) for w in caught
@@ -193,7 +227,7 @@ def lab_calls(tmp_path_factory):
 
 
 def _replay(calls, path=ROOT, **env):
-    return _run(REPLAY, [calls], path=path, **env)
+    return _run(f"AHEAD_CHILD = {AHEAD_CHILD!r}\n" + textwrap.dedent(REPLAY), [calls], path=path, **env)
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +336,29 @@ def test_damaged_cache_files_are_compiled_again_with_a_warning(lab_calls, first_
     # ... the very machine code the second compiled (a recompile links a different cubin)
     assert {k: v[2] for k, v in third["launched"].items()} == \
         {k: v[2] for k, v in second["launched"].items()}
+
+
+def test_children_compile_the_lab_steps_kernels_ahead_and_the_run_compiles_none(lab_calls,
+                                                                              first_process,
+                                                                              tmp_path):
+    """``kernels/compile_ahead.py`` on the lab's step, with the real compiler (no GPU: the driver
+    stubbed in this process and in its children): the plan run finds every kernel the run
+    launches; two child processes and this one compile them at once into an empty disk cache;
+    the run itself then compiles nothing, loading the children's kernels from the disk. With
+    every kernel on disk already, nothing is missing and no child starts."""
+    _, first = first_process
+    cache = tmp_path / "cache"
+    ahead = _replay(lab_calls, NUMBA_CACHE_DIR=str(cache), AHEAD_CHILDREN="2")
+    report = ahead["ahead"]
+    assert report["errors"] == [], report["errors"]
+    assert report["jobs"] == len(first["launched"]) and report["children"] == 2, report
+    assert 0 < report["here"] < report["jobs"] and report["typed_here"] == report["here"]
+    assert ahead["replayed"] == {"typed": 0, "nvvm": 0, "linked": 0}, ahead["replayed"]
+    assert sorted(ahead["launched"]) == sorted(first["launched"])
+    hits = sum(v[0] for v in ahead["launched"].values())
+    assert hits == report["jobs"] - report["here"]               # the children's, from the disk
+    # (the machine code is not compared with the first process's: two compiles of a kernel
+    # differ in the unique names numba mangles into it)
+    warm = _replay(lab_calls, NUMBA_CACHE_DIR=str(cache), AHEAD_CHILDREN="2")
+    assert warm["ahead"]["jobs"] == 0 and warm["ahead"]["children"] == 0, warm["ahead"]
+    assert warm["counts"] == {"typed": 0, "nvvm": 0, "linked": 0}

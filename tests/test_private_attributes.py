@@ -22,6 +22,7 @@ KNOWN = {
     ("kernels/launch_cache.py", "overload._codelibrary"),    # numba's dispatcher internals
     ("kernels/registry.py", "k._device"),                    # numba's kernel attribute
     ("kernels/disk_cache.py", "kernel._cache"),              # numba's dispatcher: its disk cache, guarded
+    ("kernels/disk_cache.py", "kernel._cache_hits"),         # ... and its count of loads from it
     ("mirrored/workers.py", "os._exit"),                     # the standard library's name
     ("mirrored/strategy.py", "MirroredVariable._build"),     # the strategy builds its variables
     ("mirrored/strategy.py", "comp._handle_name"),           # ... and names their copies

@@ -1,0 +1,215 @@
+"""Compiling a step's kernels ahead of its first launch (``kernels/compile_ahead.py``, issue 40).
+
+In the simulator (nothing compiles there, so ``graphs._compile_ahead`` is made to answer as on a
+GPU, with ``missing`` recording what the plan found instead of loading or compiling it):
+
+* the plan run of each pass's first device part writes down exactly the kernels, with the
+  argument types, that the real run then launches: the lab's ConvNet (fused conv, pooling,
+  dense), trained and evaluated, one and two replicas;
+* it changes nothing: the weights and the optimizer's slots after ``fit`` are bitwise those of
+  a fit without it, and its launches are written down, never run (the simulated kernels count);
+* a plan run that raises is left for the real run to raise; only the thread that plans records.
+
+Without the simulator, with the real compiler and the driver stubbed (no GPU needed):
+``tests/test_kernel_disk_cache.py``'s compile-ahead test (the children compile the lab's
+kernels into the disk cache, and the run after compiles none); the shares and the signature
+strings are checked here.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import mirrored as tf
+from kernels import compile_ahead, launch
+from mirrored import graphs
+
+L = tf.keras.layers
+
+
+def _describe(args):
+    return tuple((str(a.dtype), len(a.shape)) if hasattr(a, "shape") else type(a).__name__
+                 for a in args)
+
+
+class ReplayByRerun:
+    """``graphs._Graph`` where nothing can be captured: a replay runs the device part again."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    @classmethod
+    def capture(cls, devices, fn, args):
+        return cls(fn, args)
+
+    def launch(self):
+        self.fn(*self.args)
+
+    def close(self):
+        pass
+
+
+class Recorder:
+    """Stands in for what a GPU would do with the plan: the planned launches, per first run."""
+
+    def __init__(self, monkeypatch):
+        self.plans = []
+        monkeypatch.setattr(graphs, "_compile_ahead", lambda devices, ops=None: compile_ahead)
+        monkeypatch.setattr(compile_ahead, "missing", self.missing)
+
+    def missing(self, launches):
+        self.plans.append([(k, _describe(a)) for k, a in launches])
+        return []
+
+
+class LaunchLog:
+    """Every simulated kernel run, as (kernel, argument kinds)."""
+
+    def __init__(self, monkeypatch):
+        from numba.cuda.simulator.kernel import FakeCUDAKernel
+        self.runs = []
+        call = FakeCUDAKernel.__call__
+
+        def run(kernel, *args):
+            if not kernel._device:                   # a kernel, not a device function it calls
+                self.runs.append((kernel, _describe(args)))
+            return call(kernel, *args)
+        monkeypatch.setattr(FakeCUDAKernel, "__call__", run)
+
+
+def convnet(n_replicas, seed, steps_per_execution=1):
+    strategy = tf.distribute.MirroredStrategy([f"GPU:{i}" for i in range(n_replicas)])
+    tf.random.set_seed(seed)
+    with strategy.scope():
+        model = tf.keras.Sequential([
+            L.Conv2D(4, 3, activation="relu", input_shape=(8, 8, 1)), L.MaxPooling2D(),
+            L.Flatten(), L.Dense(6, activation="relu"), L.Dense(3)])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam(0.01), metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _fit(n_replicas, x, y, seed, steps_per_execution):
+    model = convnet(n_replicas, seed, steps_per_execution)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    model.evaluate(x, y, batch_size=4, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("n_replicas, steps_per_execution", [(1, 1), (2, 1), (1, 2)])
+def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
+        devices, rng, monkeypatch, n_replicas, steps_per_execution):
+    devices(gpus=n_replicas)
+    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)  # as on a GPU
+    monkeypatch.setattr(graphs, "_Graph", ReplayByRerun)
+    x = rng.standard_normal((10, 8, 8, 1)).astype(np.float32)   # batches of 4, 4 and 2
+    y = rng.integers(0, 3, 10)
+    seed = int(rng.integers(1 << 30))
+    log = LaunchLog(monkeypatch)
+    plain = _fit(n_replicas, x, y, seed, steps_per_execution)
+    plain_runs, log.runs = log.runs, []
+
+    recorder = Recorder(monkeypatch)
+    original = compile_ahead.before_first_run
+    firsts = []
+
+    def before_first_run(fn, args, device_id=0, children=None, undo=None):
+        result = original(fn, args, device_id, children=0, undo=undo)
+        firsts.append(len(log.runs))                  # the real run's launches start here
+        return result
+    monkeypatch.setattr(compile_ahead, "before_first_run", before_first_run)
+    planned = _fit(n_replicas, x, y, seed, steps_per_execution)
+
+    # a plan per first run of a pass: training's batch sizes 4 and 2, evaluate's 4 and 2
+    assert len(recorder.plans) == len(firsts) == 4, len(recorder.plans)
+    for plan, start in zip(recorder.plans, firsts):
+        assert plan, "a plan run wrote down no launch"
+        assert [(id(k), d) for k, d in plan] == [(id(k), d) for k, d in log.runs[start:start + len(plan)]]
+    names = {k.__name__ for plan in recorder.plans for k, _ in plan}
+    assert {"conv2d_relu_pool", "max_pool_backward_v2", "adam_kernel", "fill_kernel"} <= names, names
+    # nothing of the plans ran, and nothing changed: the launches, weights and slots of a plain fit
+    assert [(id(k), d) for k, d in log.runs] != [] and len(log.runs) == len(plain_runs)
+    assert [(k.__name__, d) for k, d in log.runs] == [(k.__name__, d) for k, d in plain_runs]
+    assert int(plain.optimizer.iterations) == int(planned.optimizer.iterations) == 3
+    assert plain.optimizer.updates_done == planned.optimizer.updates_done
+    for a, b in zip(plain.get_weights(), planned.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    slots = [m.optimizer.keras_variables(m.step.pack) for m in (plain, planned)]
+    assert len(slots[0]) == len(slots[1]) > len(plain.get_weights())
+    for a, b in zip(*slots):
+        np.testing.assert_array_equal(a, b)                 # Adam's m and v too
+
+
+def test_a_plan_run_that_raises_leaves_the_raise_to_the_real_run():
+    def device_part(what):
+        raise ValueError(what)
+    report = compile_ahead.before_first_run(device_part, ("bad buffers",))
+    assert report["planned"] is None and "ValueError: bad buffers" in report["error"]
+
+
+def test_only_the_planning_thread_writes_its_launches_down():
+    """Another thread's launch, made while this one plans, runs; the plan stays this thread's."""
+    from numba import cuda
+    from kernels import elementwise
+    out = cuda.to_device(np.zeros(5, np.float32))
+
+    def other():
+        elementwise.fill(out, np.float32(2.5))
+    with launch.planned() as launches:
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        elementwise.fill(out, np.float32(7.0))     # written down, not run
+        with launch.planned() as inner:               # a nested plan: its own list
+            elementwise.fill(out, np.float32(9.0))
+    assert np.array_equal(out.copy_to_host(), np.full(5, 2.5, np.float32))
+    assert len(launches) == 1 and len(inner) == 1
+    assert launches[0][0] is inner[0][0] and float(launches[0][1][1]) == 7.0
+
+
+class FakeKernel:
+    class stats:
+        cache_path = "/cache"
+
+    def __init__(self, line):
+        self.line = line
+
+
+def test_shares_keep_an_index_file_in_one_process_and_balance_the_rest(monkeypatch):
+    monkeypatch.setattr(compile_ahead.disk_cache, "file_prefix", lambda k: f"f-{k.line}.")
+    kernels = [FakeKernel(line) for line in (1, 1, 1, 2, 3, 3, 4, 5)]
+    jobs = [(k, (i,)) for i, k in enumerate(kernels)]
+    shares = compile_ahead._shares(jobs, 3)
+    assert sorted(len(s) for s in shares) == [2, 3, 3]
+    for share in shares:
+        lines = {k.line for k, _ in share}
+        for line in lines:                # every job of an index file is in this share
+            assert sum(1 for k, _ in jobs if k.line == line) == sum(1 for k, _ in share
+                                                                     if k.line == line)
+    assert sorted(t for s in shares for _, t in s) == sorted(t for _, t in jobs)
+
+
+def test_signature_strings_give_back_the_launch_types():
+    from numba.core import types as nt
+    cases = [(nt.Array(nt.float32, 1, "C"), nt.uint32),
+             (nt.Array(nt.int8, 1, "C"), nt.Array(nt.float32, 2, "C"), nt.int64, nt.float32),
+             (nt.Array(nt.float32, 4, "C"), nt.Array(nt.int32, 3, "A"), nt.boolean)]
+    for types in cases:
+        text = compile_ahead.signature_of(types)
+        assert text.startswith("void(") and compile_ahead.parse(text) == types, text
+    # a type it does not spell: None (that kernel compiles at its launch)
+    assert compile_ahead.signature_of((nt.Array(nt.float32, 1, "C", readonly=True),)) is None
+    assert compile_ahead.signature_of((nt.unicode_type,)) is None
+
+
+def test_a_factory_kernel_names_how_to_make_it_again():
+    from kernels import conv2d_v3, registry
+    geo = conv2d_v3.geometry((4, 8, 8, 1), (3, 3, 1, 4), (1, 1), "valid")
+    kernel = conv2d_v3.forward_kernel(geo, True, 2)
+    recipe = compile_ahead.recipe(kernel)
+    assert recipe[:2] == ["kernels.conv2d_v3", "forward_kernel"]
+    request = {"label": registry.spec_of(kernel).label, "module": "kernels.conv2d_v3",
+               "made_by": recipe, "signature": "void()"}
+    assert compile_ahead.make(request) is kernel           # made again: the same kernel
+    assert compile_ahead.recipe(registry.by_label("max_pool_v1").kernel) == []
