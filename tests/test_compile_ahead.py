@@ -213,3 +213,95 @@ def test_a_factory_kernel_names_how_to_make_it_again():
                "made_by": recipe, "signature": "void()"}
     assert compile_ahead.make(request) is kernel           # made again: the same kernel
     assert compile_ahead.recipe(registry.by_label("max_pool_v1").kernel) == []
+
+
+# --- what goes wrong in a child costs time, never the run ------------------------------------
+
+class CompilingHere(FakeKernel):
+    """A kernel this process compiles (its share): the compile is written down."""
+
+    def __init__(self, line, compiled):
+        super().__init__(line)
+        self.compiled = compiled
+
+    def compile(self, types):
+        self.compiled.append((self.line, types))
+
+
+def _jobs(monkeypatch, n):
+    monkeypatch.setattr(compile_ahead.disk_cache, "file_prefix", lambda k: f"f-{k.line}.")
+    monkeypatch.setattr(compile_ahead, "job", lambda kernel, types: {"label": f"k{kernel.line}",
+                                                                     "signature": "void()"})
+    compiled = []
+    return [(CompilingHere(line, compiled), (line,)) for line in range(n)], compiled
+
+
+@pytest.mark.parametrize("child, words", [
+    ("import sys; sys.exit(3)", "a child exited with code 3"),
+    ("import sys; print('not JSON'); sys.stderr.write('it broke\\n'); sys.exit(1)", "it broke"),
+    ("import json; print(json.dumps([{'label': 'k1', 'signature': 'void()', 'seconds': 0.1, "
+     "'error': 'LookupError: gone'}]))", "k1 void(): LookupError: gone"),
+])
+def test_a_failing_child_is_reported_and_this_process_still_compiles_its_share(monkeypatch, child,
+                                                                              words):
+    import sys
+    jobs, compiled = _jobs(monkeypatch, 4)
+    report = compile_ahead.compile_all(jobs, 0, 1, command=[sys.executable, "-c", child])
+    assert report["children"] == 1 and report["here"] == len(compiled) == 2
+    assert len(report["errors"]) == 1 and words in report["errors"][0], report["errors"]
+
+
+def test_a_child_that_hangs_is_stopped_at_the_time_limit(monkeypatch):
+    import sys
+    import time
+    jobs, compiled = _jobs(monkeypatch, 3)
+    monkeypatch.setattr(compile_ahead, "CHILD_TIMEOUT_S", 1)
+    start = time.monotonic()
+    report = compile_ahead.compile_all(jobs, 0, 1, command=[sys.executable, "-c",
+                                                            "import time; time.sleep(60)"])
+    assert time.monotonic() - start < 30
+    assert report["errors"] == ["a child was still compiling after 1 s and was stopped"]
+
+
+def test_before_first_run_warns_once_with_what_failed_and_how_to_turn_it_off(monkeypatch):
+    jobs, _ = _jobs(monkeypatch, 5)
+    monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs)
+    monkeypatch.setattr(compile_ahead, "compile_all", lambda jobs, device, children: {
+        "children": 2, "here": 2, "errors": ["a child exited with code 1: boom"]})
+    with pytest.warns(RuntimeWarning) as caught:
+        report = compile_ahead.before_first_run(lambda: None, (), children=2)
+    assert report["missing"] == 5 and report["children"] == 2 and compile_ahead.log[-1] is report
+    message = str(caught[0].message)
+    assert "boom" in message and "MIRRORED_COMPILE_AHEAD=0" in message and "first launch" in message
+
+
+def test_too_few_kernels_or_cores_start_no_child(monkeypatch):
+    jobs, _ = _jobs(monkeypatch, compile_ahead.MIN_KERNELS)
+    started = []
+    monkeypatch.setattr(compile_ahead, "compile_all", lambda *a: started.append(a) or
+                        {"children": 1, "here": 1, "errors": []})
+    monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs[:-1])
+    assert compile_ahead.before_first_run(lambda: None, (), children=4)["children"] == 0
+    monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs)
+    assert compile_ahead.before_first_run(lambda: None, (), children=0)["children"] == 0
+    assert started == []
+    assert compile_ahead.before_first_run(lambda: None, (), children=4)["children"] == 1
+
+
+def test_a_child_reports_a_kernel_it_cannot_make_and_goes_on():
+    import io
+    import json
+    request = {"device": 0, "jobs": [
+        {"label": "no_such_kernel", "module": "kernels.elementwise", "made_by": [],
+         "signature": "void(float32[::1])"},
+        {"label": "max_pool_backward_v2[made up]", "module": "kernels.pooling",
+         "made_by": ["kernels.pooling", "backward_v2_kernel",
+                     repr(((4, 4, 1, 2, 2, 0, 0, 2, 2), True, "int8"))],
+         "signature": "void(float32[::1])"}]}
+    out, selected = io.StringIO(), []
+    compile_ahead.child_main(json.dumps(request), out, select_device=selected.append)
+    report = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert selected == [0] and [r["label"] for r in report] == ["no_such_kernel",
+                                                               "max_pool_backward_v2[made up]"]
+    assert report[0]["error"].startswith("LookupError: no kernel labelled no_such_kernel")
+    assert report[1]["error"].startswith("LookupError: made max_pool_backward_v2[4x4x1")
