@@ -95,6 +95,22 @@ class _PlanDone(Exception):
     """Leaves a plan run's ``undo`` block by an exception, so that it drops what it made."""
 
 
+def note():
+    """One line for ``python -m mirrored info``: whether a first run compiles ahead, and with
+    how many child processes at most on this machine."""
+    if os.environ.get(AHEAD_VAR, "1") == "0":
+        return f"off ({AHEAD_VAR}=0): a first run compiles each kernel at its launch"
+    if launch.SIMULATOR:
+        return "off: the CUDA simulator compiles nothing"
+    if not disk_cache.wanted():
+        return f"off: nothing is kept on disk ({disk_cache.CACHE_VAR}=0) for a child to hand over"
+    children = min(MAX_CHILDREN, _free_cores() - 1)
+    if children < 1:
+        return "off here: one free core (a child would only wait for it)"
+    return (f"on: a pass's first run on GPUs compiles {MIN_KERNELS} or more missing kernels in up "
+            f"to {children} child process(es) and this one; {AHEAD_VAR}=0 turns it off")
+
+
 def before_first_run(fn, args, device_id=0, children=None, undo=None):
     """Compile what ``fn(*args)`` (a device part: launches only) will launch, before it runs
     for the first time; ``device_id``: the CUDA device the children compile on (the first

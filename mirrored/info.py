@@ -1,7 +1,9 @@
 """``python -m mirrored info``: what this machine offers, in one report.
 
 Versions of numba and numba-cuda, whether CUDA is real or Numba's simulator,
-whether compiled kernels are kept on disk (kernels/registry.py), the CPU backend's BLAS and its thread policy (mirrored/backends.py, ``blas_policy``),
+whether compiled kernels are kept on disk (kernels/registry.py) and a first run compiles
+them ahead (kernels/compile_ahead.py), the CPU backend's BLAS and its thread policy
+(mirrored/backends.py, ``blas_policy``),
 every physical and logical device with its memory, and which physical GPUs can
 read each other's memory directly (the peer-access matrix the ring all-reduce
 uses). Call ``report()`` for the text, e.g. from a notebook.
@@ -75,6 +77,8 @@ def report():
         "none": "no CUDA GPU found: everything runs on the CPU backend (NumPy; conv and "
                 "pooling as compiled Numba loops)"}[mode])
     lines.append(f"kernel cache {registry.disk_cache_note()}")
+    from kernels import compile_ahead
+    lines.append(f"compile      {compile_ahead.note()}")
     lines += _cpu_lines()
     lines += ["", "physical devices:"]
     for phys in _dev.list_physical():

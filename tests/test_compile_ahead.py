@@ -305,3 +305,19 @@ def test_a_child_reports_a_kernel_it_cannot_make_and_goes_on():
                                                                "max_pool_backward_v2[made up]"]
     assert report[0]["error"].startswith("LookupError: no kernel labelled no_such_kernel")
     assert report[1]["error"].startswith("LookupError: made max_pool_backward_v2[4x4x1")
+
+
+def test_info_says_whether_a_first_run_compiles_ahead(monkeypatch):
+    from mirrored import info
+    assert "compile      off: the CUDA simulator compiles nothing" in info.report()
+    monkeypatch.setattr(launch, "SIMULATOR", False)         # as on a GPU host
+    monkeypatch.setattr(compile_ahead, "_free_cores", lambda: 16)
+    assert compile_ahead.note().startswith(f"on: a pass's first run on GPUs compiles "
+                                           f"{compile_ahead.MIN_KERNELS} or more missing kernels "
+                                           f"in up to {compile_ahead.MAX_CHILDREN} child")
+    monkeypatch.setattr(compile_ahead, "_free_cores", lambda: 1)
+    assert compile_ahead.note().startswith("off here: one free core")
+    monkeypatch.setenv("MIRRORED_KERNEL_CACHE", "0")
+    assert "nothing is kept on disk" in compile_ahead.note()
+    monkeypatch.setenv("MIRRORED_COMPILE_AHEAD", "0")
+    assert compile_ahead.note().startswith("off (MIRRORED_COMPILE_AHEAD=0)")
