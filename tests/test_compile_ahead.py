@@ -15,7 +15,13 @@ Without the simulator, with the real compiler and the driver stubbed (no GPU nee
 kernels into the disk cache, and the run after compiles none); the shares and the signature
 strings are checked here.
 """
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +31,10 @@ from kernels import compile_ahead, launch
 from mirrored import graphs
 
 L = tf.keras.layers
+ROOT = Path(__file__).resolve().parent.parent
+#: Tests that count the simulator's kernel runs (on a GPU: ``test_a_gpu_fit_compiled_ahead...``).
+simulator_only = pytest.mark.skipif(not launch.SIMULATOR, reason="counts the CUDA simulator's "
+                                    "kernel runs; on a GPU the gpu-marked test below checks the same")
 
 
 def _describe(args):
@@ -97,6 +107,7 @@ def _fit(n_replicas, x, y, seed, steps_per_execution):
     return model
 
 
+@simulator_only
 @pytest.mark.parametrize("n_replicas, steps_per_execution", [(1, 1), (2, 1), (1, 2)])
 def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
         devices, rng, monkeypatch, n_replicas, steps_per_execution):
@@ -307,6 +318,7 @@ def test_a_child_reports_a_kernel_it_cannot_make_and_goes_on():
     assert report[1]["error"].startswith("LookupError: made max_pool_backward_v2[4x4x1")
 
 
+@simulator_only
 def test_info_says_whether_a_first_run_compiles_ahead(monkeypatch):
     from mirrored import info
     assert "compile      off: the CUDA simulator compiles nothing" in info.report()
@@ -321,3 +333,53 @@ def test_info_says_whether_a_first_run_compiles_ahead(monkeypatch):
     assert "nothing is kept on disk" in compile_ahead.note()
     monkeypatch.setenv("MIRRORED_COMPILE_AHEAD", "0")
     assert compile_ahead.note().startswith("off (MIRRORED_COMPILE_AHEAD=0)")
+
+
+GPU_FIT = """
+    import json, os
+    import numpy as np
+    import mirrored as tf
+    from kernels import compile_ahead
+    L = tf.keras.layers
+    tf.random.set_seed(7)
+    rng = np.random.default_rng(7)
+    x, y = rng.random((96, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, 96)
+    strategy = tf.distribute.MirroredStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([L.Conv2D(8, 3, activation="relu", input_shape=(28, 28, 1)),
+                                     L.MaxPooling2D(), L.Flatten(), L.Dense(16, activation="relu"),
+                                     L.Dense(10)])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    loss, accuracy = model.evaluate(x, y, batch_size=32, verbose=0)
+    print(json.dumps({"log": compile_ahead.log, "loss": loss,
+                      "weights": [w.tolist() for w in model.get_weights()]}))
+"""
+
+
+def _gpu_fit(**env):
+    environ = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", **env,
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(GPU_FIT)], cwd=ROOT, env=environ,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_a_gpu_fit_compiled_ahead_trains_as_one_compiled_at_launch(tmp_path):
+    """On a real GPU, a fresh process with an empty kernel cache: fit's first step compiles its
+    kernels in child processes (no error), and trains bitwise as a process that compiles each
+    kernel at its launch (MIRRORED_COMPILE_AHEAD=0, a cache of its own); a second process
+    finds nothing missing."""
+    ahead = _gpu_fit(NUMBA_CACHE_DIR=str(tmp_path / "ahead"))
+    serial = _gpu_fit(NUMBA_CACHE_DIR=str(tmp_path / "serial"), MIRRORED_COMPILE_AHEAD="0")
+    first = ahead["log"][0]
+    assert first["errors"] == [] and first["missing"] >= compile_ahead.MIN_KERNELS, first
+    assert first["children"] >= 1 or os.cpu_count() < 3, first
+    assert serial["log"] == []
+    assert ahead["weights"] == serial["weights"] and ahead["loss"] == serial["loss"]
+    again = _gpu_fit(NUMBA_CACHE_DIR=str(tmp_path / "ahead"))
+    assert all(entry["missing"] == 0 and entry["children"] == 0 for entry in again["log"]), again["log"]
+    assert again["weights"] == ahead["weights"]
