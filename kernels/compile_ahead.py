@@ -195,11 +195,21 @@ def compile_all(jobs, device_id, children, command=None):
             errors.append(f"a child could not start: {err}")
             continue
         procs.append(proc)
-    for kernel, types in mine:                        # this process's share, meanwhile
-        kernel.compile(types)
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    for proc in procs:
-        errors += _outcome(proc, deadline)
+    try:
+        for kernel, types in mine:                    # this process's share, meanwhile
+            try:
+                kernel.compile(types)
+            except Exception as err:  # noqa: BLE001 - its launch compiles it again, and raises
+                errors.append(f"{getattr(registry.spec_of(kernel), 'label', kernel)}: "
+                              f"{type(err).__name__}: {err}")
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        for proc in procs:
+            errors += _outcome(proc, deadline)
+    finally:                                          # a Ctrl-C while waiting: no child left behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     return {"children": len(procs), "here": len(mine), "errors": errors}
 
 

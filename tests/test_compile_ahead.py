@@ -274,6 +274,39 @@ def test_a_child_that_hangs_is_stopped_at_the_time_limit(monkeypatch):
     assert report["errors"] == ["a child was still compiling after 1 s and was stopped"]
 
 
+class Failing(CompilingHere):
+    def __init__(self, line, compiled, error):
+        super().__init__(line, compiled)
+        self.error = error
+
+    def compile(self, types):
+        raise self.error
+
+
+def test_a_compile_error_here_is_reported_and_a_ctrl_c_leaves_no_child_behind(monkeypatch):
+    import subprocess as sp
+    import sys
+    started = []
+
+    class Popen(sp.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+    monkeypatch.setattr(compile_ahead.subprocess, "Popen", Popen)
+    jobs, compiled = _jobs(monkeypatch, 2)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    # this process's share fails to compile: reported (its launch raises it), the rest goes on
+    jobs[0] = (Failing(0, compiled, TypeError("no such overload")), (0,))
+    report = compile_ahead.compile_all(jobs, 0, 1, command=[sys.executable, "-c", "print('[]')"])
+    assert len(report["errors"]) == 1 and report["errors"][0].endswith(": TypeError: no such overload")
+    assert report["children"] == 1 and report["here"] == 1
+    # a Ctrl-C while this process compiles its share: it propagates, and the child is stopped
+    jobs[0] = (Failing(0, compiled, KeyboardInterrupt()), (0,))
+    with pytest.raises(KeyboardInterrupt):
+        compile_ahead.compile_all(jobs, 0, 1, command=sleeper)
+    assert len(started) == 2 and started[-1].poll() is not None
+
+
 def test_before_first_run_warns_once_with_what_failed_and_how_to_turn_it_off(monkeypatch):
     jobs, _ = _jobs(monkeypatch, 5)
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs)
