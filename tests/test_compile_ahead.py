@@ -93,7 +93,7 @@ def convnet(n_replicas, seed, steps_per_execution=1):
     with strategy.scope():
         model = tf.keras.Sequential([
             L.Conv2D(4, 3, activation="relu", input_shape=(8, 8, 1)), L.MaxPooling2D(),
-            L.Flatten(), L.Dense(6, activation="relu"), L.Dense(3)])
+            L.Flatten(), L.Dense(6, activation="relu"), L.Dropout(0.3), L.Dense(3)])
     model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   optimizer=tf.keras.optimizers.Adam(0.01), metrics=["accuracy"],
                   steps_per_execution=steps_per_execution)
@@ -139,6 +139,7 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
         assert [(id(k), d) for k, d in plan] == [(id(k), d) for k, d in log.runs[start:start + len(plan)]]
     names = {k.__name__ for plan in recorder.plans for k, _ in plan}
     assert {"conv2d_relu_pool", "max_pool_backward_v2", "adam_kernel", "fill_kernel"} <= names, names
+    assert any("dropout" in name for name in names), names
     # nothing of the plans ran, and nothing changed: the launches, weights and slots of a plain fit
     assert [(id(k), d) for k, d in log.runs] != [] and len(log.runs) == len(plain_runs)
     assert [(k.__name__, d) for k, d in log.runs] == [(k.__name__, d) for k, d in plain_runs]
