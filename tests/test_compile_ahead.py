@@ -29,6 +29,7 @@ import pytest
 import mirrored as tf
 from kernels import compile_ahead, launch
 from mirrored import graphs
+from conftest import ReplayByRerun
 
 L = tf.keras.layers
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,23 +41,6 @@ simulator_only = pytest.mark.skipif(not launch.SIMULATOR, reason="counts the CUD
 def _describe(args):
     return tuple((str(a.dtype), len(a.shape)) if hasattr(a, "shape") else type(a).__name__
                  for a in args)
-
-
-class ReplayByRerun:
-    """``graphs._Graph`` where nothing can be captured: a replay runs the device part again."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    @classmethod
-    def capture(cls, devices, fn, args):
-        return cls(fn, args)
-
-    def launch(self):
-        self.fn(*self.args)
-
-    def close(self):
-        pass
 
 
 class Recorder:

@@ -32,28 +32,10 @@ import pytest
 import mirrored as tf
 from mirrored import devices as devices_mod
 from mirrored import graphs
+from conftest import ReplayByRerun
 
 L = tf.keras.layers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class ReplayByRerun:
-    """A stand-in for ``graphs._Graph`` where nothing can be captured: 'replaying' runs the
-    device part again from Python (the same launches a graph holds), so the step's own host
-    calls are counted as a captured step makes them."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    @classmethod
-    def capture(cls, devices, fn, args):
-        return cls(fn, args)
-
-    def launch(self):
-        self.fn(*self.args)
-
-    def close(self):
-        pass
 
 
 class CountingGpus:
