@@ -143,7 +143,10 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
     if children is None:
         children = min(MAX_CHILDREN, _free_cores() - 1)
     if len(jobs) >= MIN_KERNELS and children >= 1:
-        last.update(compile_all(jobs, device_id, children))
+        try:
+            last.update(compile_all(jobs, device_id, children))
+        except Exception as err:    # noqa: BLE001 - what is not compiled compiles at launch
+            last["errors"].append(f"{type(err).__name__}: {err}")
     last["seconds"] = time.perf_counter() - start
     log.append(last)
     if last["errors"]:
