@@ -88,6 +88,7 @@ def _fit(n_replicas, x, y, seed, steps_per_execution):
     model = convnet(n_replicas, seed, steps_per_execution)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
     model.evaluate(x, y, batch_size=4, verbose=0)
+    model.predicted = model.predict(x, batch_size=4, verbose=0)
     return model
 
 
@@ -116,8 +117,8 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
     monkeypatch.setattr(compile_ahead, "before_first_run", before_first_run)
     planned = _fit(n_replicas, x, y, seed, steps_per_execution)
 
-    # a plan per first run of a pass: training's batch sizes 4 and 2, evaluate's 4 and 2
-    assert len(recorder.plans) == len(firsts) == 4, len(recorder.plans)
+    # a plan per first run of a pass: training's batch sizes 4 and 2, evaluate's, predict's
+    assert len(recorder.plans) == len(firsts) == 6, len(recorder.plans)
     for plan, start in zip(recorder.plans, firsts):
         assert plan, "a plan run wrote down no launch"
         assert [(id(k), d) for k, d in plan] == [(id(k), d) for k, d in log.runs[start:start + len(plan)]]
@@ -135,6 +136,7 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
     assert len(slots[0]) == len(slots[1]) > len(plain.get_weights())
     for a, b in zip(*slots):
         np.testing.assert_array_equal(a, b)                 # Adam's m and v too
+    np.testing.assert_array_equal(plain.predicted, planned.predicted)
 
 
 def test_a_plan_run_that_raises_leaves_the_raise_to_the_real_run():
