@@ -78,8 +78,9 @@ AHEAD_VAR = "MIRRORED_COMPILE_AHEAD"
 MIN_KERNELS = 3
 #: At most this many children: each holds a CUDA context (hundreds of MB of GPU memory).
 MAX_CHILDREN = 8
-#: A child still compiling after this long is stopped; its kernels compile at launch.
-CHILD_TIMEOUT_S = 300
+#: A child still compiling after this long is stopped; its kernels compile at launch. A
+#: child's share is a few kernels, seconds of work even on a busy 2-core machine.
+CHILD_TIMEOUT_S = 120
 
 #: What the last ``before_first_run`` did: planned launches, kernels missing, children,
 #: kernels compiled here, seconds, errors (None before the first); ``log``: every one, in order.
