@@ -4,16 +4,22 @@ In the simulator (nothing compiles there, so ``graphs._compile_ahead`` is made t
 GPU, with ``missing`` recording what the plan found instead of loading or compiling it):
 
 * the plan run of each pass's first device part writes down exactly the kernels, with the
-  argument types, that the real run then launches: the lab's ConvNet (fused conv, pooling,
-  dense), trained and evaluated, one and two replicas;
-* it changes nothing: the weights and the optimizer's slots after ``fit`` are bitwise those of
-  a fit without it, and its launches are written down, never run (the simulated kernels count);
+  argument kinds, that the real run then launches: a small ConvNet (fused conv + pool, dense,
+  Dropout, Adam), trained, evaluated and predicted, one and two replicas, and with
+  ``steps_per_execution=2``;
+* it changes nothing: the launches, the weights, Adam's slots, the update count and predict's
+  outputs are bitwise those of a model without it (the simulated kernels are counted);
 * a plan run that raises is left for the real run to raise; only the thread that plans records.
 
-Without the simulator, with the real compiler and the driver stubbed (no GPU needed):
-``tests/test_kernel_disk_cache.py``'s compile-ahead test (the children compile the lab's
-kernels into the disk cache, and the run after compiles none); the shares and the signature
-strings are checked here.
+What goes wrong in a child (an exit code, no report, a kernel it cannot make, a hang) costs
+time, never the run: reported, this process compiles its own share, one warning; a Ctrl-C
+while waiting leaves no child behind. The shares, the signature strings, a factory kernel's
+recipe and the ``python -m mirrored info`` line are checked too.
+
+Without the simulator: ``tests/test_kernel_disk_cache.py``'s compile-ahead test (the real
+compiler, the driver stubbed: children compile the lab's kernels into the disk cache, and the
+run after compiles none); on a real GPU, the ``gpu``-marked test at the end (a fresh process
+trains bitwise as one that compiles at launch).
 """
 import json
 import os
