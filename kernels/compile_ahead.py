@@ -38,7 +38,8 @@ physical GPUs, which run eagerly: their kernels compile at launch, as before).
 
 What it costs. Each child is a new Python that imports numba-cuda (1-1.5 s) and makes its
 own CUDA context on the GPU; so it is used only where ``MIN_KERNELS`` or more kernels are
-missing and there are two free cores or more. A warm process (everything on disk) pays
+missing, there are two free cores or more, and the children's contexts fit in half the
+device's free memory. A warm process (everything on disk) pays
 the plan run (milliseconds) and loads each kernel from the disk a little earlier. A child
 that fails or runs past ``CHILD_TIMEOUT_S`` costs only time: its kernels compile at their
 launch, as before, and one ``RuntimeWarning`` says why. ``MIRRORED_COMPILE_AHEAD=0`` turns
@@ -78,6 +79,9 @@ AHEAD_VAR = "MIRRORED_COMPILE_AHEAD"
 MIN_KERNELS = 3
 #: At most this many children: each holds a CUDA context (hundreds of MB of GPU memory).
 MAX_CHILDREN = 8
+#: GPU memory counted per child (its context: about 300-500 MiB on recent GPUs); children
+#: take at most half of the device's free memory (a small laptop GPU gets fewer, or none).
+CHILD_CONTEXT_BYTES = 512 * 2**20
 #: A child still compiling after this long is stopped; its kernels compile at launch. A
 #: child's share is a few kernels, seconds of work even on a busy 2-core machine.
 CHILD_TIMEOUT_S = 120
@@ -119,7 +123,8 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
     """Compile what ``fn(*args)`` (a device part: launches only) will launch, before it runs
     for the first time; ``device_id``: the CUDA device the children compile on (the first
     replica's). ``children``: how many child processes at most (default: the free cores
-    less one, at most ``MAX_CHILDREN``). ``undo()``: a context manager that drops every
+    less one, at most ``MAX_CHILDREN``, and as many contexts as fit in half the device's free
+    memory: ``CHILD_CONTEXT_BYTES``). ``undo()``: a context manager that drops every
     buffer made inside it when an exception leaves it (``Step.no_trace``): a device part
     makes some buffers at its first run (an optimizer's slots, filled with zeros by a
     launch), and the plan run makes them without the launch, so they must not stay. Never
@@ -142,7 +147,7 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
     last = {"planned": planned, "missing": len(jobs), "children": 0, "here": 0,
             "errors": []}
     if children is None:
-        children = min(MAX_CHILDREN, _free_cores() - 1)
+        children = min(MAX_CHILDREN, _free_cores() - 1, _fit_in_memory())
     if len(jobs) >= MIN_KERNELS and children >= 1:
         try:
             last.update(compile_all(jobs, device_id, children))
@@ -289,6 +294,17 @@ def _shares(jobs, n):
         shares[i] += group
         heapq.heappush(heap, (size + len(group), i))
     return shares
+
+
+def _fit_in_memory():
+    """How many children's CUDA contexts fit in half the current device's free memory (no
+    limit where the driver cannot say)."""
+    try:
+        from numba import cuda
+        free, _ = cuda.current_context().get_memory_info()
+    except Exception:                      # noqa: BLE001 - a stand-in driver, no context
+        return MAX_CHILDREN
+    return int(free // 2 // CHILD_CONTEXT_BYTES)
 
 
 def _free_cores():

@@ -312,6 +312,23 @@ def test_before_first_run_warns_once_with_what_failed_and_how_to_turn_it_off(mon
     assert "boom" in message and "MIRRORED_COMPILE_AHEAD=0" in message and "first launch" in message
 
 
+def test_children_are_as_many_as_free_cores_and_gpu_memory_allow(monkeypatch):
+    jobs, _ = _jobs(monkeypatch, 12)
+    asked = []
+    monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs)
+    monkeypatch.setattr(compile_ahead, "compile_all", lambda jobs, device, children: asked.append(
+        children) or {"children": children, "here": 1, "errors": []})
+    gib = 2**30
+    for cores, free, want in [(16, 80 * gib, compile_ahead.MAX_CHILDREN), (4, 80 * gib, 3),
+                              (16, 2 * gib, 2), (16, 0.9 * gib, 0), (1, 80 * gib, 0)]:
+        monkeypatch.setattr(compile_ahead, "_free_cores", lambda: cores)
+        monkeypatch.setattr(compile_ahead, "_fit_in_memory",
+                            lambda: int(free // 2 // compile_ahead.CHILD_CONTEXT_BYTES))
+        report = compile_ahead.before_first_run(lambda: None, ())
+        assert report["children"] == want, (cores, free, report)
+    assert asked == [compile_ahead.MAX_CHILDREN, 3, 2]
+
+
 def test_too_few_kernels_or_cores_start_no_child(monkeypatch):
     jobs, _ = _jobs(monkeypatch, compile_ahead.MIN_KERNELS)
     started = []
