@@ -251,7 +251,7 @@ def cold_and_warm(data_dir=None, epochs=12, smoke=False, run=run_lab, serial_col
                   "CUDA_CACHE_PATH": os.path.join(scratch, "cuda-driver-serial")}
         for folder in list(env.values()) + list(serial.values()):
             os.mkdir(folder)
-        plan = [("cold, compiled at launch", dict(serial, MIRRORED_COMPILE_AHEAD="0"))] * serial_cold
+        plan = [("cold, compiled at launch", dict(serial, MIRRORED_COMPILE_AHEAD="0"))] if serial_cold else []
         for name, run_env in plan + [("cold", env), ("warm", env)]:
             result, log = run(data_dir, epochs, env=run_env, smoke=smoke)
             runs[name] = result

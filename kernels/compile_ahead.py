@@ -86,9 +86,8 @@ CHILD_CONTEXT_BYTES = 512 * 2**20
 #: child's share is a few kernels, seconds of work even on a busy 2-core machine.
 CHILD_TIMEOUT_S = 120
 
-#: What the last ``before_first_run`` did: planned launches, kernels missing, children,
-#: kernels compiled here, seconds, errors (None before the first); ``log``: every one, in order.
-last = None
+#: What each ``before_first_run`` did, in order: planned launches, kernels missing, children,
+#: kernels compiled here, seconds, errors.
 log = []
 
 
@@ -129,10 +128,9 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
     makes some buffers at its first run (an optimizer's slots, filled with zeros by a
     launch), and the plan run makes them without the launch, so they must not stay. Never
     raises: what is not compiled here compiles at its launch."""
-    global last
     start = time.perf_counter()
     try:
-        with (undo or _nothing_to_undo)():
+        with (undo or contextlib.nullcontext)():
             with launch.planned() as launches:
                 fn(*args)
             planned, jobs = len(launches), missing(launches)
@@ -141,31 +139,24 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
     except _PlanDone:
         pass
     except Exception as err:        # noqa: BLE001 - the real run raises it, in its words
-        last = {"planned": None, "error": f"the plan run raised {type(err).__name__}: {err}"}
-        log.append(last)
-        return last
-    last = {"planned": planned, "missing": len(jobs), "children": 0, "here": 0,
-            "errors": []}
+        log.append({"planned": None, "error": f"the plan run raised {type(err).__name__}: {err}"})
+        return log[-1]
+    report = {"planned": planned, "missing": len(jobs), "children": 0, "here": 0, "errors": []}
     if children is None:
         children = min(MAX_CHILDREN, _free_cores() - 1, _fit_in_memory())
     if len(jobs) >= MIN_KERNELS and children >= 1:
         try:
-            last.update(compile_all(jobs, device_id, children))
+            report.update(compile_all(jobs, device_id, children))
         except Exception as err:    # noqa: BLE001 - what is not compiled compiles at launch
-            last["errors"].append(f"{type(err).__name__}: {err}")
-    last["seconds"] = time.perf_counter() - start
-    log.append(last)
-    if last["errors"]:
-        warnings.warn(f"compiling kernels ahead in {last['children']} process(es) failed for "
-                      f"{len(last['errors'])} kernel(s) ({last['errors'][0]}); they compile at "
+            report["errors"].append(f"{type(err).__name__}: {err}")
+    report["seconds"] = time.perf_counter() - start
+    log.append(report)
+    if report["errors"]:
+        warnings.warn(f"compiling kernels ahead in {report['children']} process(es) failed for "
+                      f"{len(report['errors'])} kernel(s) ({report['errors'][0]}); they compile at "
                       f"their first launch instead (same results, slower start). "
                       f"{AHEAD_VAR}=0 turns compiling ahead off.", RuntimeWarning, stacklevel=2)
-    return last
-
-
-@contextlib.contextmanager
-def _nothing_to_undo():
-    yield
+    return report
 
 
 def missing(launches):
@@ -179,7 +170,7 @@ def missing(launches):
         if (id(kernel), types) in seen:
             continue
         seen.add((id(kernel), types))
-        if types in kernel.overloads or not _kept(kernel) or signature_of(types) is None:
+        if types in kernel.overloads or not disk_cache.kept(kernel) or signature_of(types) is None:
             continue
         if registry.spec_of(kernel) is None or recipe(kernel) is None:
             continue
@@ -276,10 +267,6 @@ def parse(signature):
     return tuple(sigutils.normalize_signature(signature)[0])
 
 
-def _kept(kernel):
-    return bool(getattr(getattr(kernel, "stats", None), "cache_path", None))
-
-
 def _shares(jobs, n):
     """``jobs`` in ``n`` shares of about equal count, each index file's jobs in one share;
     the largest group first, each to the share with the fewest jobs so far."""
@@ -308,10 +295,8 @@ def _fit_in_memory():
 
 
 def _free_cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:                 # not Linux
-        return os.cpu_count() or 1
+    from kernels.cpu_loops import usable_cores      # (numba's CPU side: not at a child's start)
+    return usable_cores()
 
 
 def _child_env():

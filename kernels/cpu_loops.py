@@ -138,12 +138,17 @@ def _other_runnable():
         return 0
 
 
+def usable_cores():
+    """The CPU cores this process may run on (its affinity where the OS says, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def product_threads():
     """The threads a large conv product is split over (``THREADS_VAR``). A bad value
     raises ValueError saying what is accepted."""
     raw = os.environ.get(THREADS_VAR, "").strip().lower()
     if raw in ("", "auto"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
         return max(1, min(cores, cores - _other_runnable()))
     if raw.isdigit() and int(raw) >= 1:
         return int(raw)

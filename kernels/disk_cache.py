@@ -152,6 +152,11 @@ def keep(kernel):
     return True
 
 
+def kept(kernel):
+    """True where ``keep`` put ``kernel``'s compiled code on disk (guarded)."""
+    return bool(_guarded_class) and isinstance(getattr(kernel, "_cache", None), _guarded_class[0])
+
+
 def load(kernel, types):
     """Load ``kernel``'s compiled code for argument ``types`` from the disk if it is kept
     there, as its launch would first try (numba's ``compile``, without compiling on a miss);
@@ -159,10 +164,9 @@ def load(kernel, types):
     other process."""
     if types in kernel.overloads:
         return True
-    cache = getattr(kernel, "_cache", None)
-    if not _guarded_class or not isinstance(cache, _guarded_class[0]):
+    if not kept(kernel):
         return False
-    loaded = cache.load_overload(types, kernel.targetctx)
+    loaded = kernel._cache.load_overload(types, kernel.targetctx)
     if loaded is None:
         return False
     kernel._cache_hits[types] += 1                # numba's count, as its compile keeps it

@@ -201,7 +201,7 @@ def disk_cache_note():
     """One line for ``python -m mirrored info``: whether compiled kernels are kept on disk,
     where, for how many of the registered kernels, and how many compiled ones it holds."""
     specs = registered()
-    kept = [s.kernel for s in specs if getattr(getattr(s.kernel, "stats", None), "cache_path", None)]
+    kept = [s.kernel for s in specs if disk_cache.kept(s.kernel)]
     return disk_cache.note(specs, kept)
 
 

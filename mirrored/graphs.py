@@ -226,9 +226,11 @@ class CapturedStep:
         with self.step.devices[0].activate():
             inputs, scale = self.step.host_part(batch)
             mode = self.step.loss_mode()
+            key = ("train", mode, scale) + _addresses(inputs)
+            self.graphs.compile_first(key, self.step.device_part, (inputs, mode, scale),
+                                      self._undo_plan)   # launches nothing: a Ctrl-C need not wait
             with _dev.every_device_or_none():  # a replay updates every copy: a Ctrl-C comes after it
-                self._run(("train", mode, scale) + _addresses(inputs), self.step.device_part,
-                          inputs, mode, scale)
+                self.graphs.run(key, self.step.device_part, inputs, mode, scale)
                 self.step.model.optimizer.updates_done += 1   # the step is done (Step.no_trace)
 
     def evaluate(self, batch, mode):

@@ -260,7 +260,8 @@ def _share_cores(devices, workers_here):
         return ""
     if any(os.environ.get(var) for var in BLAS_THREAD_VARS):
         return ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from kernels.cpu_loops import usable_cores
+    cores = usable_cores()
     threads = max(1, cores // workers_here)
     if backends.set_blas_threads(threads) is None:
         return ""
