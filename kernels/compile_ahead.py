@@ -142,7 +142,7 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
         log.append({"planned": None, "error": f"the plan run raised {type(err).__name__}: {err}"})
         return log[-1]
     report = {"planned": planned, "missing": len(jobs), "children": 0, "here": 0, "errors": []}
-    if children is None:
+    if len(jobs) >= MIN_KERNELS and children is None:   # (a warm run asks nothing more)
         children = min(MAX_CHILDREN, _free_cores() - 1, _fit_in_memory())
     if len(jobs) >= MIN_KERNELS and children >= 1:
         try:
@@ -289,9 +289,9 @@ def _fit_in_memory():
     try:
         from numba import cuda
         free, _ = cuda.current_context().get_memory_info()
-    except Exception:                      # noqa: BLE001 - a stand-in driver, no context
+        return int(free // 2 // CHILD_CONTEXT_BYTES)
+    except Exception:                      # noqa: BLE001 - a stand-in driver (no context, NaN)
         return MAX_CHILDREN
-    return int(free // 2 // CHILD_CONTEXT_BYTES)
 
 
 def _free_cores():

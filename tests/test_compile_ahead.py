@@ -329,6 +329,16 @@ def test_children_are_as_many_as_free_cores_and_gpu_memory_allow(monkeypatch):
     assert asked == [compile_ahead.MAX_CHILDREN, 3, 2]
 
 
+def test_a_run_with_nothing_missing_asks_nothing_of_the_device_and_an_odd_answer_is_no_limit(
+        monkeypatch):
+    monkeypatch.setattr(compile_ahead, "missing", lambda launches: [])
+    monkeypatch.setattr(compile_ahead, "_fit_in_memory", lambda: pytest.fail("asked the device"))
+    assert compile_ahead.before_first_run(lambda: None, ())["children"] == 0
+    monkeypatch.undo()
+    # the simulator's context answers NaN for its free memory: no limit from it, no error
+    assert compile_ahead._fit_in_memory() == compile_ahead.MAX_CHILDREN
+
+
 def test_too_few_kernels_or_cores_start_no_child(monkeypatch):
     jobs, _ = _jobs(monkeypatch, compile_ahead.MIN_KERNELS)
     started = []
