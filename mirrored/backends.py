@@ -25,6 +25,8 @@ from kernels import (activations, allreduce, categorical_xent, conv2d, conv2d_gr
                      elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
 from kernels import merge   # the merge layers' column copy (Concatenate; the blocks marked below)
+# TensorFlow's ops (mirrored/ops.py; the block marked below in each class)
+from kernels import broadcast, random_fill, reduce_axis, strided_copy, unary_math
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
 #: by the output's shape (v3 for outputs that fill the GPU, v2 for small ones).
@@ -247,6 +249,38 @@ class CpuOps:
     def copy_columns(self, src, dst, src_col, dst_col, width):
         return merge.copy_columns_ref(src, dst, src_col, dst_col, width)
     # --- end of the merge layers' block ---------------------------------------------------
+
+    # --- TensorFlow's ops (mirrored/ops.py): broadcasting, math, reductions, copies, random --
+    def broadcast_binary(self, op, x, y, out):
+        out[...] = broadcast.broadcast_binary_ref(op, x, y)
+        return out
+
+    def where(self, cond, x, y, out):
+        out[...] = broadcast.where_ref(cond, x, y)
+        return out
+
+    def unary_math(self, op, x, out, alpha=0.0):
+        out[...] = unary_math.unary_math_ref(op, x, alpha)
+        return out
+
+    def reduce_axis(self, op, x3, out):
+        out[...] = reduce_axis.reduce_axis_ref(op, x3)
+        return out
+
+    def arg_reduce_axis(self, op, x3, out):
+        out[...] = reduce_axis.arg_reduce_axis_ref(op, x3)
+        return out
+
+    def strided_copy(self, src, dst, shape, src_offset, src_strides, dst_offset, dst_strides):
+        return strided_copy.strided_copy_ref(src, dst, shape, src_offset, src_strides,
+                                             dst_offset, dst_strides)
+
+    def random_fill(self, dist, out, state):
+        return random_fill.random_fill_ref(dist, out, state)
+
+    def random_advance(self, state, n):
+        return random_fill.random_advance_ref(state, n)
+    # --- end of TensorFlow's ops ----------------------------------------------------------
 
 
 class CudaOps:
