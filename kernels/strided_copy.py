@@ -26,8 +26,10 @@ MAX_DIMS = 6
 def flat_indices(shape, offset, strides):
     """The flat position of every element of the view (offset, strides, shape), in row-major
     order of ``shape``: the kernel's index arithmetic, written with NumPy."""
+    if not shape:
+        return np.array([int(offset)])
     idx = np.indices(shape, dtype=np.int64).reshape(len(shape), -1)     # (d, count)
-    return int(offset) + np.asarray(strides, np.int64) @ idx if shape else np.array([int(offset)])
+    return int(offset) + np.asarray(strides, np.int64) @ idx
 
 
 def strided_copy_ref(src, dst, shape, src_offset, src_strides, dst_offset, dst_strides):

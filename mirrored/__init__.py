@@ -75,9 +75,20 @@ from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirr
                                  in_cross_replica_context)
 from mirrored.keras.tape import GradientTape
 from mirrored.values import Variable, VariableAggregation, VariableSynchronization
-from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, bool_, cast, constant,
+from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, bool_, constant,
                              convert_to_tensor, float16, float32, float64, identity, int8, int16, int32,
-                             int64, ones, reduce_mean, reduce_sum, reshape, uint8, zeros)
+                             int64, uint8)
+# TensorFlow's ops (tf.square, tf.where, tf.matmul, ...): mirrored/ops.py, each with its gradient
+from mirrored import image, ops
+from mirrored import ops as math   # tf.math: the same functions
+from mirrored.ops import (abs, add, argmax, argmin, broadcast_to, cast, ceil, clip_by_value, concat,  # noqa: A004
+                          cos, divide, equal, exp, expand_dims, eye, fill, floor, greater, greater_equal,
+                          less, less_equal, log, logical_and, logical_not, logical_or, logical_xor, matmul,
+                          maximum, minimum, multiply, negative, newaxis, not_equal, one_hot, ones, ones_like,
+                          pow, rank, reduce_all, reduce_any, reduce_max, reduce_mean, reduce_min, reduce_prod,
+                          reduce_sum, reshape, round, shape, sigmoid, sign, sin, size, sqrt, square, squeeze,
+                          stack, stop_gradient, subtract, tanh, transpose, unstack, where, zeros, zeros_like)
+bool = bool_  # noqa: A001 (tf.bool)
 from mirrored.traced_function import function  # @tf.function: trace once per signature, then replay
 from mirrored.tensor import print_ as print  # noqa: A001 (tf.print: to stderr, as TensorFlow's)
 from mirrored.tensor import range_ as range  # noqa: A001 (tf.range)

@@ -146,40 +146,128 @@ class Tensor:
                              f"reduce it first (mirrored.reduce_sum, .numpy().any()).")
         return bool(self.numpy())
 
-    # -- arithmetic: + - * / with scalars and same-shape tensors, unary minus
+    # -- operators: TensorFlow's ops (mirrored/ops.py fills OPERATORS when it is imported)
+    # ``==`` and ``!=`` compare elementwise, as TF 2's tensors do, so a Tensor is not hashable
+    # (TF's rule too: key a dict by ``t.ref()`` or ``id(t)``).
     def __add__(self, other):
-        return _binary("add", self, other)
+        return OPERATORS["add"](self, other)
 
     def __radd__(self, other):
-        return _binary("add", self, other)
+        return OPERATORS["radd"](self, other)
 
     def __sub__(self, other):
-        return _binary("sub", self, other)
+        return OPERATORS["sub"](self, other)
 
     def __rsub__(self, other):
-        return _binary("rsub", self, other)
+        return OPERATORS["rsub"](self, other)
 
     def __mul__(self, other):
-        return _binary("mul", self, other)
+        return OPERATORS["mul"](self, other)
 
     def __rmul__(self, other):
-        return _binary("mul", self, other)
+        return OPERATORS["rmul"](self, other)
 
     def __truediv__(self, other):
-        return _binary("div", self, other)
+        return OPERATORS["truediv"](self, other)
 
     def __rtruediv__(self, other):
-        return _binary("rdiv", self, other)
+        return OPERATORS["rtruediv"](self, other)
+
+    def __floordiv__(self, other):
+        return OPERATORS["floordiv"](self, other)
+
+    def __rfloordiv__(self, other):
+        return OPERATORS["rfloordiv"](self, other)
+
+    def __mod__(self, other):
+        return OPERATORS["mod"](self, other)
+
+    def __rmod__(self, other):
+        return OPERATORS["rmod"](self, other)
+
+    def __pow__(self, other):
+        return OPERATORS["pow"](self, other)
+
+    def __rpow__(self, other):
+        return OPERATORS["rpow"](self, other)
+
+    def __matmul__(self, other):
+        return OPERATORS["matmul"](self, other)
+
+    def __rmatmul__(self, other):
+        return OPERATORS["rmatmul"](self, other)
+
+    def __lt__(self, other):
+        return OPERATORS["lt"](self, other)
+
+    def __le__(self, other):
+        return OPERATORS["le"](self, other)
+
+    def __gt__(self, other):
+        return OPERATORS["gt"](self, other)
+
+    def __ge__(self, other):
+        return OPERATORS["ge"](self, other)
+
+    def __eq__(self, other):
+        return OPERATORS["eq"](self, other)
+
+    def __ne__(self, other):
+        return OPERATORS["ne"](self, other)
+
+    def __and__(self, other):
+        return OPERATORS["and"](self, other)
+
+    def __or__(self, other):
+        return OPERATORS["or"](self, other)
+
+    def __xor__(self, other):
+        return OPERATORS["xor"](self, other)
 
     def __neg__(self):
-        out = _empty(self._device, self.shape, self.dtype)
-        with self._device.activate():
-            self._device.ops.unary("neg", self._buf, out)
-        return Tensor(out, self._device, self._node.scaled(-1.0) if self._node is not None else None)
+        return OPERATORS["neg"](self)
+
+    def __abs__(self):
+        return OPERATORS["abs"](self)
+
+    def __invert__(self):
+        return OPERATORS["invert"](self)
+
+    def __getitem__(self, key):
+        return OPERATORS["getitem"](self, key)
+
+    __hash__ = None
+
+    def ref(self):
+        """A hashable reference to this tensor (TensorFlow's ``Tensor.ref()``)."""
+        return _Ref(self)
 
     def get_shape(self):
         """The shape as a ``TensorShape`` (TensorFlow's ``Tensor.get_shape``)."""
         return TensorShape(self.shape)
+
+
+#: What Tensor's operators call: ``mirrored/ops.py`` (the op table) fills it when imported
+#: (``import mirrored`` imports it), so this file need not import the ops above it.
+OPERATORS = {}
+
+
+class _Ref:
+    """``Tensor.ref()``: hashable, equal for the same tensor; ``.deref()`` gives it back."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, t):
+        self._t = t
+
+    def deref(self):
+        return self._t
+
+    def __hash__(self):
+        return id(self._t)
+
+    def __eq__(self, other):
+        return isinstance(other, _Ref) and other.deref() is self._t
 
 
 def numpy_text(value, is_repr=False):
@@ -261,8 +349,11 @@ def _is_scalar(value):
     return isinstance(value, numbers.Number) or (isinstance(value, np.ndarray) and value.ndim == 0)
 
 
-def _binary(op, x, other):
-    """x <op> other, where other is a Python/NumPy scalar, a NumPy array or a Tensor."""
+def elementwise(op, x, other):
+    """x <op> other for a Python/NumPy scalar or a same-shape Tensor ``other`` (``op``: add,
+    sub, mul, div, rsub, rdiv): the same-shape kernels the engine uses, keeping the node of
+    a loss (below). ``mirrored/ops.py`` calls this for the fused loss path and for numbers;
+    every other case (broadcasting, the tape's graph) is there."""
     if x.dtype.kind in "iub" and op in ("div", "rdiv"):
         # TensorFlow's truediv on integers answers in floating point.
         x = cast(x, float64 if x.dtype.itemsize >= 4 else float32)
@@ -305,7 +396,13 @@ def _binary(op, x, other):
 # is a constant to the tape (as a value TensorFlow's tape did not watch); an operation the
 # tape cannot follow gives no node, and ``tape.gradient`` then says what it supports.
 
+def _legacy(node):
+    """A node of the fused loss path (``keras/tape.py``), which knows ``scaled`` and ``plus``."""
+    return node if hasattr(node, "scaled") else None
+
+
 def _scalar_node(op, node, s):
+    node = _legacy(node)
     if node is None:
         return None
     s = float(s)
@@ -321,7 +418,7 @@ def _scalar_node(op, node, s):
 
 
 def _tensor_node(op, x, y):
-    a, b = x._node, y._node
+    a, b = _legacy(x._node), _legacy(y._node)
     if a is None and b is None:
         return None
     if op in ("add", "sub"):
@@ -447,7 +544,8 @@ def reduce_sum(x, axis=None, keepdims=False):
             out = _empty(dev, (1,), x.dtype)
             dev.ops.sum_all(x._buf, out)
             shape = (1,) * x.ndim if keepdims else ()
-            return Tensor(out.reshape(shape), dev, x._node.summed() if x._node is not None else None)
+            node = _legacy(x._node)
+            return Tensor(out.reshape(shape), dev, node.summed() if node is not None else None)
         else:
             outer = int(np.prod(x.shape[:axis], dtype=np.int64))
             inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))

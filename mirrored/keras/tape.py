@@ -19,13 +19,16 @@ variable. ``optimizer.apply_gradients`` recognises them (``ParameterPack.matches
 and makes fit's two calls: ``all_reduce`` of the packed buffer, then ``update``. Anything else raises an error that says
 what is supported.
 """
+import contextlib
+
 import numpy as np
 
 from kernels.elementwise import CAST_DTYPES      # the dtypes the device cast is compiled for
 from kernels.softmax_xent import LABEL_DTYPE      # the one label type the loss kernels take
-from mirrored import context
+from mirrored import autodiff, context, ops
 from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor, add_n
+from mirrored.values import Variable
 
 
 class ModelOutput:
@@ -182,89 +185,258 @@ def _scaled_sum(per_example, scale):
 
 
 class GradientTape:
-    """Records our models' forward passes and losses; ``gradient`` runs the backward kernels."""
+    """TensorFlow's ``tf.GradientTape``: records ops while open, differentiates any composition.
+
+    Two ways to the gradient, the same answer:
+    * the course's loop, ``loss_object(labels, model(x))`` (through ``compute_average_loss``,
+      sums and products with numbers): the fused path above, one loss kernel and the
+      model's backward kernels, as fast as ``fit``;
+    * anything else made of ops (``mirrored/ops.py``): the tape's graph (``mirrored/autodiff.py``)
+      is walked back, and a model's output met on the way is ONE node, whose backward is
+      the model's own (the gradient of its output into its backward kernels).
+    """
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
         self.persistent = persistent
+        self.watch_accessed_variables = watch_accessed_variables
+        self.recording = False
+        self._watched = {}              # id -> the watched tensor or variable (kept alive)
         self._used = False
 
     def __enter__(self):
+        self.recording = True
+        autodiff.push(self)
         return self
 
     def __exit__(self, *exc):
+        self.recording = False
+        autodiff.pop(self)
         return False
 
+    # -- what it follows
     def watch(self, tensor):
-        """Accepted for compatibility: model variables are always watched."""
+        """Follow ``tensor`` (a Tensor, a variable, or a list/tuple of them)."""
+        for t in tensor if isinstance(tensor, (list, tuple)) else [tensor]:
+            if isinstance(t, Variable):
+                self.watch_variable(t)
+            elif isinstance(t, Tensor):
+                self._watched[id(t)] = t
+            else:
+                raise ValueError(f"tape.watch takes tensors or variables, got {type(t).__name__}.")
 
-    def gradient(self, target, sources, output_gradients=None):
+    def watch_variable(self, variable):
+        self._watched[id(variable)] = variable
+
+    def is_watched(self, obj):
+        return self._watched.get(id(obj)) is obj
+
+    def watched_variables(self):
+        return tuple(v for v in self._watched.values() if isinstance(v, Variable))
+
+    @contextlib.contextmanager
+    def stop_recording(self):
+        """Ops inside are not recorded by this tape (``tape.stop_recording()``)."""
+        was, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = was
+
+    def reset(self):
+        self._watched.clear()
+
+    # -- the gradient
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients="none"):
         if self._used and not self.persistent:
             raise RuntimeError("A non-persistent GradientTape can only be used to compute one set "
                                "of gradients; create it with persistent=True for more.")
         self._used = True
+        unconnected = str(getattr(unconnected_gradients, "value", unconnected_gradients)).lower()
+        if unconnected not in ("none", "zero"):
+            raise ValueError(f"unconnected_gradients must be 'none' or 'zero', got {unconnected_gradients!r}.")
+        structure = sources
+        flat = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+        if isinstance(sources, dict):
+            flat = list(sources.values())
         node = getattr(target, "_node", None)
-        node = node.summed() if node is not None else None     # a vector's gradient is its sum's
-        if not isinstance(node, _Scaled):
-            raise TypeError(
-                "GradientTape here differentiates losses computed from a mirrored.keras model: "
-                "loss = loss_object(labels, model(x, training=True)) (optionally through "
-                "mirrored.nn.compute_average_loss, sums, products with numbers, and "
-                "model.losses). Got a target that was not made that way.")
+        legacy = node is not None and hasattr(node, "summed") and output_gradients is None
+        if legacy and isinstance(node.summed(), _Scaled) and all(not isinstance(s, Tensor) for s in flat):
+            result = self._fused_gradient(node.summed(), flat)
+        else:
+            result = self._graph_gradient(target, flat, output_gradients)
+        if unconnected == "zero":
+            result = [ops.zeros_like(s) if g is None else g for s, g in zip(flat, result)]
+        if isinstance(structure, dict):
+            return dict(zip(structure.keys(), result))
+        if isinstance(structure, (list, tuple)):
+            return type(structure)(result) if isinstance(structure, list) else tuple(result)
+        return result[0]
+
+    def _fused_gradient(self, node, flat):
+        """The course's loop: one loss kernel and the model's backward kernels."""
         r, pack = self._backward(node)
         if pack is None:
             raise TypeError("this loss has no model output and no model.losses term: nothing to "
                             "differentiate here.")
-        single = not isinstance(sources, (list, tuple))
-        wanted = [sources] if single else list(sources)
         grads = custom_loop.grad_tensors(pack, r)
-        result = []
-        for var in wanted:
+        out = []
+        for var in flat:
             k = custom_loop.index_of(pack, var)
-            result.append(grads[k] if k is not None else None)
-        return result[0] if single else result
+            out.append(grads[k] if k is not None else None)
+        return out
 
-    @staticmethod
-    def _backward(node):
-        """Run the backward kernels for ``node``; returns (replica index, ParameterPack)."""
-        outputs = {id(l.output): l.output for l, _ in node.losses}
-        if len(outputs) > 1:
-            raise NotImplementedError("this loss combines several model calls; the tape here "
-                                      "differentiates the loss of one model(x) call at a time.")
-        terms = {}
-        for l, s in node.losses:                    # the same loss twice: scales add up
-            key = (id(l.labels), l.mode)
-            prev = terms.get(key)
-            terms[key] = (l, (prev[1] if prev else 0.0) + s * l.weight)
-        if len(terms) > 1:
-            raise NotImplementedError("two different losses of one model output in one target "
-                                      "are not supported here; use one loss object.")
-        r, pack = None, None
-        if terms:
-            (l, scale), = terms.values()
-            out = l.output
-            program = out.program
-            if program.x is not out.x:
-                raise RuntimeError("the model was called again after this loss's predictions were "
-                                   "computed; compute the loss and its gradient right after the call.")
-            with program.dev.activate():
-                program.loss(l.labels, l.mode, scale, with_grad=True)
-                program.backward()
-            r, pack = program.r, program.pack
-        for regularizer, p_pack, k, p_r, factor in node.penalties:
-            if pack is not None and (p_pack is not pack or p_r != r):
-                raise NotImplementedError(
-                    f"this loss adds model.losses of {'another model' if p_pack is not pack else f'replica {p_r}'} "
-                    f"to a loss computed on replica {r}: compute the penalties where the predictions "
-                    f"are (model.losses inside the same strategy.run call).")
-            r, pack = p_r, p_pack
-            dev = pack.devices[r]
-            if not node.losses:                     # penalties alone: start from zero
-                with dev.activate():
-                    dev.ops.fill(pack.grads[r], 0.0)
-        for regularizer, p_pack, k, p_r, factor in node.penalties:
-            with pack.devices[r].activate():
-                regularizer.add_gradient(pack.devices[r], pack.param_views[r][k], pack.grad_views[r][k], factor)
-        return r, pack
+    def _graph_gradient(self, target, flat, output_gradients):
+        """Any composition: the tape's graph walked back (``autodiff.gradient``)."""
+        targets = list(target) if isinstance(target, (list, tuple)) else [target]
+        seeds = (list(output_gradients) if isinstance(output_gradients, (list, tuple))
+                 else [output_gradients] * len(targets))
+        was, self.recording = self.recording, False      # the walk is not recorded by this tape
+        try:
+            kept, var_grads, models = {}, {}, {}
+            for t, seed in zip(targets, seeds):
+                t = ops.as_tensor(t)
+                g0 = ops.ones_like(t) if seed is None else ops.as_tensor(seed, dtype=t.dtype, device=t.dev)
+                keep = {id(s) for s in flat if isinstance(s, Tensor)}
+                k, v, leaves = autodiff.gradient(self, t, g0, ops.add, keep)
+                for key, g in k.items():
+                    kept[key] = g if key not in kept else kept[key] + g
+                for key, (var, g) in v.items():
+                    var_grads[key] = (var, g if key not in var_grads else var_grads[key][1] + g)
+                for leaf, g in leaves:
+                    _model_output_gradients(leaf, g, models)
+            model_grads = _run_model_backwards(models)
+        finally:
+            self.recording = was
+        out = []
+        for s in flat:
+            if isinstance(s, Tensor):
+                out.append(kept.get(id(s)))
+                continue
+            g = var_grads.get(id(s), (None, None))[1]
+            for pack, r, grads in model_grads:
+                k = custom_loop.index_of(pack, s)
+                if k is not None:
+                    g = grads[k] if g is None else g + grads[k]
+            out.append(g)
+        return out
+
+    _backward = staticmethod(lambda node: _fused_backward(node))
+
+
+def _fused_backward(node):
+    """Run the backward kernels for ``node``; returns (replica index, ParameterPack)."""
+    outputs = {id(l.output): l.output for l, _ in node.losses}
+    if len(outputs) > 1:
+        raise NotImplementedError("this loss combines several model calls; the tape here "
+                                  "differentiates the loss of one model(x) call at a time.")
+    terms = {}
+    for l, s in node.losses:                    # the same loss twice: scales add up
+        key = (id(l.labels), l.mode)
+        prev = terms.get(key)
+        terms[key] = (l, (prev[1] if prev else 0.0) + s * l.weight)
+    if len(terms) > 1:
+        raise NotImplementedError("two different losses of one model output in one target "
+                                  "are not supported here; use one loss object.")
+    r, pack = None, None
+    if terms:
+        (l, scale), = terms.values()
+        out = l.output
+        program = out.program
+        if program.x is not out.x:
+            raise RuntimeError("the model was called again after this loss's predictions were "
+                               "computed; compute the loss and its gradient right after the call.")
+        with program.dev.activate():
+            program.loss(l.labels, l.mode, scale, with_grad=True)
+            program.backward()
+        r, pack = program.r, program.pack
+    for regularizer, p_pack, k, p_r, factor in node.penalties:
+        if pack is not None and (p_pack is not pack or p_r != r):
+            raise NotImplementedError(
+                f"this loss adds model.losses of {'another model' if p_pack is not pack else f'replica {p_r}'} "
+                f"to a loss computed on replica {r}: compute the penalties where the predictions "
+                f"are (model.losses inside the same strategy.run call).")
+        r, pack = p_r, p_pack
+        dev = pack.devices[r]
+        if not node.losses:                     # penalties alone: start from zero
+            with dev.activate():
+                dev.ops.fill(pack.grads[r], 0.0)
+    for regularizer, p_pack, k, p_r, factor in node.penalties:
+        with pack.devices[r].activate():
+            regularizer.add_gradient(pack.devices[r], pack.param_views[r][k], pack.grad_views[r][k], factor)
+    return r, pack
+
+
+def _unit_loss_gradient(loss_node):
+    """d (per-example loss) / d the model's output, one row per example, for a loss of the
+    fused path met inside a composition (its kernel run again, with gradient, scale 1)."""
+    program = loss_node.output.program
+    dev, b = program.dev, program.last_b
+    with dev.activate():
+        grad = dev.empty((b, program.classes), np.float32)
+        loss, correct = dev.empty((b,), np.float32), dev.empty((b,), np.float32)
+        if b and loss_node.mode in ("logits", "probs"):
+            op = dev.ops.prob_xent if loss_node.mode == "probs" else dev.ops.softmax_xent
+            op(program.logits, loss_node.labels, loss, grad, correct, 1.0)
+        elif b:
+            dev.ops.target_loss(loss_node.mode, program.logits, loss_node.labels, loss, grad, correct, 1.0)
+    return Tensor(grad, dev)          # d loss_i / d logits_i (pre-softmax for the xent modes)
+
+
+def _model_output_gradients(t, g, models):
+    """Add what ``g`` (d target / d ``t``) gives each model output's logits into ``models``
+    ({id(program): [program, ModelOutput, d logits]}). ``t``: a model's output, or a loss of
+    the fused path (per-example ``_Loss`` or scalar ``_Scaled``) met inside a composition."""
+    node = t.node
+    if isinstance(node, ModelOutput):
+        program = node.program
+        dlogits = g
+        if program.softmax_output:                  # the output is softmax(logits)
+            p = t
+            dlogits = p * (g - ops.reduce_sum(g * p, axis=-1, keepdims=True))
+        parts = [(node, dlogits)]
+    elif isinstance(node, (_Loss, _Scaled)):
+        terms = [(node, 1.0)] if isinstance(node, _Loss) else list(node.losses)
+        if isinstance(node, _Scaled) and node.penalties:
+            raise NotImplementedError("model.losses (weight penalties) inside a composition of ops are "
+                                      "not differentiated here: add tf.reduce_sum(model.losses) to the "
+                                      "loss outside the composition, or write the penalty with ops.")
+        parts = []
+        for loss, scale in terms:
+            unit = _unit_loss_gradient(loss)
+            weight = g if isinstance(node, _Loss) else g * (scale * loss.weight)
+            if isinstance(node, _Loss):
+                weight = ops.reshape(weight * loss.weight, (-1, 1))
+            parts.append((loss.output, unit * weight))
+    else:
+        raise TypeError(f"the tape met a tensor made by {type(node).__name__}, which it cannot differentiate.")
+    for out, d in parts:
+        entry = models.get(id(out.program))
+        if entry is None:
+            models[id(out.program)] = [out.program, out, d]
+        else:
+            if entry[1].x is not out.x:
+                raise NotImplementedError("the target uses two calls of one model; the tape here "
+                                          "differentiates one call of each model per gradient.")
+            entry[2] = entry[2] + d
+
+
+def _run_model_backwards(models):
+    """Each model's backward kernels from its output's gradient: [(pack, replica, grads)]."""
+    out = []
+    for program, node, dlogits in models.values():
+        if program.x is not node.x:
+            raise RuntimeError("the model was called again after this output was computed; take the "
+                               "gradient right after the call it belongs to.")
+        b = program.last_b
+        with program.dev.activate():
+            if b:
+                dst = program.loss_buffers(b).dlogits
+                src = ops.cast(ops.reshape(dlogits, tuple(dst.shape)), np.float32)
+                program.dev.copy_into(dst, src.buf)
+            program.backward()
+        out.append((program.pack, program.r, custom_loop.grad_tensors(program.pack, program.r)))
+    return out
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None,
