@@ -85,7 +85,7 @@ def tracked_by(tape, t):
     from the model's variables, which every tape watches)."""
     if tape.is_watched(t):
         return True
-    node = getattr(t, "_node", None)
+    node = getattr(t, "node", None)
     if node is None:
         return False
     tapes = getattr(node, "tapes", None)
@@ -102,7 +102,7 @@ def record(op, inputs, output, grad_fn):
                       any(x is not None and differentiable(x.dtype) and tracked_by(tape, x)
                           for x in inputs))
     if following:
-        output._node = Node(op, inputs, grad_fn, frozenset(following))
+        output.node = Node(op, inputs, grad_fn, frozenset(following))
     return output
 
 
@@ -123,7 +123,7 @@ def read_variable(variable, tensor):
     if not following:
         return tensor
     read = type(tensor)(tensor.buf, tensor.dev)
-    read._node = ReadNode(variable, frozenset(following))
+    read.node = ReadNode(variable, frozenset(following))
     return read
 
 
@@ -142,7 +142,7 @@ def _order(tape, target):
             continue
         seen.add(id(t))
         stack.append((t, True))
-        node = getattr(t, "_node", None)
+        node = getattr(t, "node", None)
         if isinstance(node, Node) and tape in node.tapes:
             for x in node.inputs:
                 if x is not None and id(x) not in seen:
@@ -167,7 +167,7 @@ def gradient(tape, target, output_gradient, add, keep=()):
             continue
         if id(t) in keep:
             kept[id(t)] = g
-        node = getattr(t, "_node", None)
+        node = getattr(t, "node", None)
         if isinstance(node, ReadNode):
             key = id(node.variable)
             prev = var_grads.get(key)

@@ -72,7 +72,7 @@ newaxis = None
 
 def _is_legacy(t):
     """A tensor made by our losses or a model call (``keras/tape.py``'s nodes): the fused path."""
-    node = t._node
+    node = t.node
     return node is not None and not isinstance(node, (autodiff.Node, autodiff.ReadNode))
 
 
@@ -139,8 +139,16 @@ def flat(t):
 
 # --- elementwise between two tensors (broadcasting) -----------------------------------------
 
+def _shape_of(op, *shapes):
+    """The broadcast shape, or TensorFlow's InvalidArgumentError naming the shapes."""
+    try:
+        return broadcast.broadcast_shape(*shapes)
+    except ValueError as e:
+        raise InvalidArgumentError(f"{op}: {e}") from None
+
+
 def _broadcast_op(op, x, y, name=None):
-    out_shape = broadcast.broadcast_shape(x.shape, y.shape)
+    out_shape = _shape_of(op, x.shape, y.shape)
     dev = x.dev
     out = empty(dev, out_shape, broadcast.result_dtype(op, x.dtype))
     if out.buf.size:
@@ -163,6 +171,13 @@ def unbroadcast(g, shape):
 #: Ops with a same-shape/scalar kernel (``kernels/elementwise.py``): a Python number
 #: operand goes in as a kernel argument (nothing uploaded), and our losses keep their node.
 _SCALAR_OPS = {"add": ("add", "add"), "sub": ("sub", "rsub"), "mul": ("mul", "mul"), "div": ("div", "rdiv")}
+#: Their gradient rules with a number ``s`` on one side: (t <op> s, s <op> t) -> d/dt.
+_SCALAR_GRADS = {
+    "add": (lambda g, t, s: g, lambda g, t, s: g),
+    "sub": (lambda g, t, s: g, lambda g, t, s: negative(g)),
+    "mul": (lambda g, t, s: g * s, lambda g, t, s: g * s),
+    "div": (lambda g, t, s: g / s, lambda g, t, s: negative(g) * s / square(t)),
+}
 
 
 def _scalar_path(op, x, y, grad):
@@ -175,13 +190,13 @@ def _scalar_path(op, x, y, grad):
             continue
         number = _number(other)
         same = isinstance(other, Tensor) and other.dev is t.dev and other.dtype == t.dtype and (
-            other.shape in ((), t.shape)) and (other._node is None or _is_legacy(other))
+            other.shape in ((), t.shape)) and (other.node is None or _is_legacy(other))
         if _is_legacy(t) and (number or same):
             return tensor.elementwise(_SCALAR_OPS[op][k], t, other)      # the fused loss path
         if number and (t.dtype.kind == "f" or k == 0 or op in ("add", "mul")):
             out = tensor.elementwise(_SCALAR_OPS[op][k], t, other)
-            xs, ys = (t, other) if k == 0 else (other, t)
-            return autodiff.record(op, (t,), out, lambda g: (grad(g, xs, ys, out)[k],))
+            rule = _SCALAR_GRADS[op][k]
+            return autodiff.record(op, (t,), out, lambda g: (rule(g, t, other),))
     return None
 
 
@@ -303,7 +318,7 @@ def where(condition, x=None, y=None, name=None):
     x, y = _pair("where", x, y)
     if cond.dev is not x.dev:
         raise InvalidArgumentError(f"where: condition on {cond.device}, values on {x.device}.")
-    shape = broadcast.broadcast_shape(cond.shape, x.shape, y.shape)
+    shape = _shape_of("where", cond.shape, x.shape, y.shape)
     out = empty(x.dev, shape, x.dtype)
     if out.buf.size:
         with x.dev.activate():
@@ -671,7 +686,7 @@ def transpose(a, perm=None, conjugate=False, name=None):
 def broadcast_to(input, shape, name=None):  # noqa: A002
     x = as_tensor(input)
     shape = tuple(int(n) for n in shape)
-    if broadcast.broadcast_shape(x.shape, shape) != shape:
+    if _shape_of("broadcast_to", x.shape, shape) != shape:
         raise InvalidArgumentError(f"broadcast_to: cannot broadcast {x.shape} to {shape}.")
     if shape == x.shape:
         return x

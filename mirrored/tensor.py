@@ -96,8 +96,12 @@ class Tensor:
 
     @property
     def node(self):
-        """How it was computed, for ``GradientTape`` (``keras/tape.py``), or None."""
+        """How it was computed, for ``GradientTape`` (``keras/tape.py``, ``autodiff.py``), or None."""
         return self._node
+
+    @node.setter
+    def node(self, node):
+        self._node = node
 
     def numpy(self):
         """A NumPy copy on the host (a NumPy scalar for shape ``()``, as TF)."""
@@ -237,6 +241,8 @@ class Tensor:
         return OPERATORS["getitem"](self, key)
 
     __hash__ = None
+    #: NumPy defers to our operators (``np_array - tensor`` is a tensor, as in TensorFlow)
+    __array_priority__ = 100
 
     def ref(self):
         """A hashable reference to this tensor (TensorFlow's ``Tensor.ref()``)."""

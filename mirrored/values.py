@@ -243,6 +243,7 @@ class Variable:
         return self._update("sub", delta)
 
     # -- operators read the value, through TensorFlow's ops (mirrored/ops.py: a tape watches it)
+    __array_priority__ = 100           # NumPy defers to them (``np_array * v`` is a tensor)
     def __add__(self, o): return OPERATORS["add"](self, o)
     def __radd__(self, o): return OPERATORS["radd"](self, o)
     def __sub__(self, o): return OPERATORS["sub"](self, o)

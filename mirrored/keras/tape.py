@@ -259,7 +259,7 @@ class GradientTape:
         flat = list(sources) if isinstance(sources, (list, tuple)) else [sources]
         if isinstance(sources, dict):
             flat = list(sources.values())
-        node = getattr(target, "_node", None)
+        node = getattr(target, "node", None)
         legacy = node is not None and hasattr(node, "summed") and output_gradients is None
         if legacy and isinstance(node.summed(), _Scaled) and all(not isinstance(s, Tensor) for s in flat):
             result = self._fused_gradient(node.summed(), flat)
