@@ -43,6 +43,11 @@ Map of the rest:
     devices.py    devices: physical, logical, CPU and CUDA backends
     config.py     mirrored.config (TF's device functions)
     tensor.py     mirrored.Tensor and tensor functions
+    ops.py        TensorFlow's ops as one table: each op's kernel and its gradient rule
+                  (tf.square, tf.where, broadcasting +, slicing, matmul, reductions, tf.nn's)
+    autodiff.py   the tape's graph: what each op records, and the walk back (any composition,
+                  nested tapes); GradientTape itself is keras/tape.py
+    image.py      tf.image.resize
     errors.py     TF-named errors
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
     multi_worker.py  MultiWorkerMirroredStrategy: workers are MPI ranks (mpiexec -n N)
@@ -60,8 +65,8 @@ Map of the rest:
                   custom_loop (which model's packed gradients a tape returned),
                   functional_config (Keras 3's "Functional" config),
                   GradientTape (tape.py), progbar
-    nn.py         compute_average_loss, scale_regularization_loss
-    random.py     set_seed
+    nn.py         compute_average_loss, scale_regularization_loss, activations, cross entropies
+    random.py     set_seed, random tensors (normal, uniform)
     checkpoint.py mirrored.train: Checkpoint, CheckpointManager, latest_checkpoint
     lab/workflow.py  the command-line lab (``python -m mirrored``) and the lab's model
     lab/labs.py   the lab notebooks' first cell (``labs.setup``)
