@@ -12,7 +12,8 @@ before its fix (item 3's already passed: see its test).
    file, then takes each path that reads the cache: ``compile_ahead.missing`` (the check
    compiling ahead makes), ``disk_cache.load``, numba's own compile (what a kernel's first
    launch calls) and, for the CPU loops' ``@njit(cache=...)``, a loop's first call. The
-   marker must never appear. (The simulator's kernels read no cache: nothing to check there.)
+   marker must never appear. (The CPU loops' files are checked when their module is imported,
+   so the index file of another user is planted before that import.) (The simulator's kernels read no cache: nothing to check there.)
 2. **The compile-ahead child imports from the working directory.** ``python -m`` puts the
    working directory first on ``sys.path``; a ``kernels/`` folder there was imported instead
    of ours. The child now starts with ``-P``; a planted ``kernels`` and ``mirrored`` that
@@ -69,6 +70,8 @@ if case == "a world-writable folder":
     os.chmod(folder, 0o777)
 elif case == "a folder of another user":
     os.chown(folder, OTHER_UID, -1)
+else:                               # the CPU loops' files are checked at import: one there now
+    plant(os.path.join(folder, "optimizers.planted-1.py311.nbi"))
 
 warnings.simplefilter("always")
 ran = {}
@@ -90,11 +93,10 @@ with warnings.catch_warnings(record=True) as caught:
     took("compile_ahead.missing", lambda: compile_ahead.missing([(kernel, args)]))
     took("disk_cache.load", lambda: disk_cache.load(kernel, types_))
     took("numba's compile (a first launch)", lambda: kernel.compile(types_))
-    if case != "an index file of another user":   # the CPU loops are checked at import
-        loop = optimizers._adam_loop
-        plant(FunctionCache(loop.py_func)._cache_file._index_path)
-        hyper = np.zeros(8, np.float32)
-        took("a CPU loop's first call", lambda: loop(*[np.zeros(3, np.float32)] * 4, hyper))
+    loop = optimizers._adam_loop
+    plant(FunctionCache(loop.py_func)._cache_file._index_path)
+    hyper = np.zeros(8, np.float32)
+    took("a CPU loop's first call", lambda: loop(*[np.zeros(3, np.float32)] * 4, hyper))
 print(json.dumps({"folder": folder, "ran": ran,
                   "warnings": [str(w.message) for w in caught
                                if issubclass(w.category, disk_cache.KernelCacheWarning)]}))
@@ -129,7 +131,7 @@ def test_a_planted_cache_index_never_runs_and_the_warning_names_the_folder(tmp_p
     assert out["folder"] in words and "not trusted" in words and "chmod go-w" in words, words
     assert {"a world-writable folder": "writable by its group and everyone", "a folder of another user":
             f"owned by user id {OTHER_UID}", "an index file of another user":
-            f"file optimizers.sgd_kernel"}[case] in words, words
+            "its file optimizers.planted-1.py311.nbi is owned by user id"}[case] in words, words
 
 
 def test_distrust_says_what_is_wrong_and_a_private_folder_is_trusted(tmp_path):
