@@ -15,7 +15,8 @@ in milliseconds (``kernels/disk_cache.py``). So, at a step's first run:
     2. missing    keep those neither compiled in this process nor on disk (a kernel on disk
                   is loaded now, as its launch would load it)
     3. at once    start up to ``MAX_CHILDREN`` processes (one per free core, less one for this
-                  one), ``python -m kernels.compile_ahead '<request, JSON>'``; each compiles
+                  one), ``python -P -m kernels.compile_ahead '<request, JSON>'`` (``-P``: not
+                  the working directory's ``kernels``, ``child_command``); each compiles
                   its share into the disk cache, while this process compiles a share of its own
     4. run        the real run launches; each kernel is in memory or loaded from the disk
 
@@ -162,15 +163,16 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
 def missing(launches):
     """The (kernel, argument types) among ``launches`` (kernel, args) that would compile at
     their launch: not in memory, not on disk (those on disk are loaded now), each once. Only
-    registered kernels kept on disk whose types have a signature string; the rest compile
-    at launch as ever."""
+    registered kernels kept on disk in a folder that may be read (``disk_cache.trusted``:
+    a child's work could not be handed over through any other) whose types have a signature
+    string; the rest compile at launch as ever."""
     jobs, seen = [], set()
     for kernel, args in launches:
         types = tuple(kernel.typeof_pyval(a) for a in args)
         if (id(kernel), types) in seen:
             continue
         seen.add((id(kernel), types))
-        if types in kernel.overloads or not disk_cache.kept(kernel) or signature_of(types) is None:
+        if types in kernel.overloads or not disk_cache.trusted(kernel) or signature_of(types) is None:
             continue
         if registry.spec_of(kernel) is None or recipe(kernel) is None:
             continue
@@ -182,7 +184,7 @@ def missing(launches):
 def compile_all(jobs, device_id, children, command=None):
     """Compile ``jobs`` [(kernel, types)]: shares of whole index files to ``children`` child
     processes and one to this process, at once. ``command``: how to start a child (default
-    ``python -m kernels.compile_ahead``; tests start one with a stubbed driver). Returns
+    ``child_command()``; tests start one with a stubbed driver). Returns
     {"children", "here", "errors"}."""
     shares = _shares(jobs, children + 1)
     mine, theirs = shares[0], [s for s in shares[1:] if s]
@@ -190,8 +192,8 @@ def compile_all(jobs, device_id, children, command=None):
     for share in theirs:
         request = {"device": device_id, "jobs": [job(kernel, types) for kernel, types in share]}
         try:
-            proc = subprocess.Popen((command or [sys.executable, "-m", "kernels.compile_ahead"])
-                                    + [json.dumps(request)], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen((command or child_command()) + [json.dumps(request)],
+                                    stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=_child_env())
         except OSError as err:
@@ -214,6 +216,16 @@ def compile_all(jobs, device_id, children, command=None):
                 proc.kill()
                 proc.communicate()
     return {"children": len(procs), "here": len(mine), "errors": errors}
+
+
+def child_command():
+    """``python -P -m kernels.compile_ahead``: ``-P`` keeps the working directory off the
+    child's ``sys.path``, where ``-m`` would put it first, so that a folder named ``kernels``
+    (or ``mirrored``) there, planted or a student's own, is never imported in place of ours
+    (issue 51, item 2). Ours is found through ``PYTHONPATH``, which ``_child_env`` starts with
+    the folder holding this package. (Not ``-I``: it also drops ``PYTHONPATH`` and the user's
+    site-packages, where a venv or an editable install may have put numba or us.)"""
+    return [sys.executable, "-P", "-m", "kernels.compile_ahead"]
 
 
 def job(kernel, types):
@@ -328,7 +340,7 @@ def _outcome(proc, deadline):
     return [f"{r['label']} {r['signature']}: {r['error']}" for r in report if r["error"]]
 
 
-# --- the child: python -m kernels.compile_ahead '{"device": 0, "jobs": [...]}' -------------
+# --- the child: python -P -m kernels.compile_ahead '{"device": 0, "jobs": [...]}' -------------
 
 def make(request_job):
     """The kernel a job names: its factory called again, or the registered one."""

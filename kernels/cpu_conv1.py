@@ -73,7 +73,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kernels import cpu_loops
+from kernels import cpu_loops, disk_cache
 from kernels.cpu_conv_pool import conv_pool_geometry
 from kernels.cpu_loops import add_in_order, check_out, image_blocks, outputs_touching, run_parts, taps_inside
 
@@ -88,7 +88,10 @@ from kernels.cpu_loops import add_in_order, check_out, image_blocks, outputs_tou
 #: memory between them (3.6 ms); sums in registers, one pixel at a time (0.69 ms: each
 #: pixel's 9 taps wait on each other); 4 pixels at a time (0.57 ms).
 CHUNK = 32
-_JIT = dict(cache=True, nogil=True)
+#: cache=: numba keeps each compiled loop on disk, where that folder is ours alone
+#: (kernels/disk_cache.py, trusted_for: its files are pickles).
+_CACHE = disk_cache.trusted_for(__file__)
+_JIT = dict(cache=_CACHE, nogil=True)
 
 
 def pays(kernel_shape, dx_needed):

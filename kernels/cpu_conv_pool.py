@@ -46,7 +46,7 @@ and the geometry), mirrored/backends.py (``CpuOps`` calls ``backward`` where ``p
 import numpy as np
 from numba import njit
 
-from kernels import cpu_loops
+from kernels import cpu_loops, disk_cache
 from kernels.conv2d import conv2d_output_shape
 from kernels.cpu_loops import add_in_order, check_out, image_blocks, run_parts, strides_pads, taps_inside
 from kernels.pooling import pool_geometry
@@ -59,7 +59,10 @@ SMALL_RUN = 16
 #: image's windows: the block's rows of dW^T (16 x 288 floats for Cin = 32: 18 KB)
 #: and the image stay in the L1 cache while it runs.
 CHANNEL_BLOCK = 16
-_JIT = dict(cache=True, nogil=True)
+#: cache=: numba keeps each compiled loop on disk, where that folder is ours alone
+#: (kernels/disk_cache.py, trusted_for: its files are pickles).
+_CACHE = disk_cache.trusted_for(__file__)
+_JIT = dict(cache=_CACHE, nogil=True)
 
 
 # --- geometry ------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def pays(kernel_shape, pool_size, pool_strides):
             and kernel_shape[1] * kernel_shape[2] >= SMALL_RUN)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=_CACHE, inline="always")
 def _axpy(dst, d0, src, s0, count, g):
     """dst[d0:d0 + count] += src[s0:s0 + count] * g in SIMD lanes (no FMA: two roundings).
     The loops index flat 1-D arrays by computed offsets: a view made inside a loop
@@ -110,7 +113,7 @@ def _axpy(dst, d0, src, s0, count, g):
 
 # --- the backward: only the surviving terms ------------------------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=_CACHE, inline="always")
 def _window_runs(n, qh, qw, shape, kh_lo, kh_hi, x_run, w_run, count):
     """For each position pos = a*PW + b of pooled pixel (n, qh, qw)'s window, the conv
     pixel's taps inside x: kernel rows [kh_lo[pos], kh_hi[pos]), and for row kh_lo the

@@ -71,7 +71,8 @@ own outputs, and partial sums are combined in a fixed order. So the result is th
 count, and on every replica (the replicas of a MirroredStrategy stay bitwise equal).
 
 Numba compiles each loop on its first call (seconds; ``cache=True`` keeps the machine
-code in ``__pycache__`` for the next process).
+code in ``__pycache__`` for the next process, where that folder is ours alone:
+``disk_cache.trusted_for``, as numba's files are pickles).
 
 Neighbours: kernels/conv2d.py and kernels/pooling.py (the references, the geometry and
 the CUDA kernels these loops mirror), kernels/cpu_conv_pool.py (the pair's backward by
@@ -86,6 +87,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numba import njit, prange
 
+from kernels import disk_cache
 from kernels.conv2d import conv2d_output_shape, window_geometry
 from kernels.pooling import pool_geometry
 
@@ -98,7 +100,10 @@ from kernels.pooling import pool_geometry
 #: OPENBLAS_NUM_THREADS=1 (README, "The course lab's ConvNet on the CPU"). Parallel
 #: loops are not cached (a cache entry does not record how its code was compiled).
 PARALLEL = os.environ.get("MIRRORED_CPU_PARALLEL", "0") == "1"
-_JIT = dict(cache=True, nogil=True)
+#: cache=: numba keeps each compiled loop on disk, where that folder is ours alone
+#: (kernels/disk_cache.py, trusted_for: its files are pickles).
+_CACHE = disk_cache.trusted_for(__file__)
+_JIT = dict(cache=_CACHE, nogil=True)
 _PAR = dict(nogil=True, parallel=True) if PARALLEL else _JIT
 #: Calls are serialised by ``_LOCK``: Numba's fallback threading layer (workqueue, where
 #: OpenMP is missing) must not be entered by two threads at once, and a custom loop's
@@ -258,7 +263,7 @@ def _run(loop, *args):
 
 # --- Windows --------------------------------------------------------------------------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=_CACHE, inline="always")
 def taps_inside(o, stride, pad, taps, size):
     """The taps ``[lo, hi)`` of output position ``o``'s window that land inside the input:
     0 <= o*stride - pad + t < size (the rest is padding). The loops below walk
@@ -300,7 +305,7 @@ def _im2col(x, cols, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
 SHORT_RUN = 8
 
 
-@njit(cache=True, inline="always")
+@njit(cache=_CACHE, inline="always")
 def _copy_run(dst, d0, src, s0, count):
     """dst[d0:d0 + count] = src[s0:s0 + count] by unsigned offsets: a signed index makes
     Numba test each for a negative one (Python's wrap-around), which keeps LLVM from
@@ -338,7 +343,7 @@ def _col2im(dcols, dx, out_h, out_w, kh_n, kw_n, sh, sw, pt, pl):
                             dst[ci] += src[t + ci]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=_CACHE, inline="always")
 def outputs_touching(tap, stride, pad, n_out, size):
     """The outputs ``[lo, hi)`` whose tap ``tap`` lands inside the input:
     0 <= o*stride - pad + tap < size."""

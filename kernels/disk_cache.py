@@ -46,12 +46,26 @@ is Python, so two kernels never compile at once in one process (1.21 s one after
 1.18 s in two threads). A thread can overlap compiling with other host work; two compiles
 would need two processes. A second process compiles nothing: this cache.
 
+Whose folder. numba's files are pickles: loading one runs whatever it was made to run. So
+the cache is read only from a folder that this process's user owns and no one else can write
+(group and other write bits off, as OpenSSH treats ``~/.ssh``), and only files there that are
+the user's own and writable by no one else (``distrust``). Anywhere else, a planted index would
+run its payload as the next user to launch a kernel (issue 51, item 1). An untrusted folder is
+named once (``KernelCacheWarning``, with the fix) and neither read nor written: kernels compile
+in memory, as with ``MIRRORED_KERNEL_CACHE=0``. It is checked at every read (``load``,
+``compile_ahead.missing`` and numba's own load at a kernel's first launch all go through
+``GuardedCache.load_overload``), and by ``trusted_for`` for numba's CPU loops
+(``@njit(cache=True)`` in ``kernels/cpu_*.py``, ``kernels/optimizers.py``), which keep their
+files in the same folder. ``python -m mirrored info`` says which (``note``).
+
 Neighbours: ``kernels/registry.py`` (``keep_on_disk``: which kernels are kept, calls
 ``keep``), ``mirrored/info.py`` (``python -m mirrored info`` prints ``note()``),
 ``tests/test_kernel_disk_cache.py`` (a second process compiles none of the lab's kernels;
 damaged files are rebuilt), ``tests/test_kernel_cache.py`` (which kernels may be kept).
 """
 import os
+import stat
+import types
 import warnings
 
 #: ``MIRRORED_KERNEL_CACHE=0``: compile every kernel afresh in each process (read at each
@@ -60,7 +74,8 @@ CACHE_VAR = "MIRRORED_KERNEL_CACHE"
 
 
 class KernelCacheWarning(RuntimeWarning):
-    """A kernel's file in numba's disk cache could not be read or written: compiled instead."""
+    """A kernel's file in numba's disk cache could not be read or written, or its folder is not
+    trusted (``distrust``): compiled instead."""
 
 
 def wanted():
@@ -106,8 +121,15 @@ def _guarded():
             self._set_up()
             super().disable()
 
-        def load_overload(self, sig, target_context):
+        def trusted(self):
+            """False (warned once) where the folder or this kernel's files are not only this
+            user's (``distrust``): then nothing of them is unpickled, nor written."""
             self._set_up()
+            return _trusted(self.cache_path, _prefix(self._py_func))
+
+        def load_overload(self, sig, target_context):
+            if not self.trusted():                 # a pickle from there could run anything
+                return None
             try:
                 with numba_target_override():      # as CUDACache.load_overload, but ...
                     return self._load_overload(sig, target_context)   # ... no refresh()
@@ -117,7 +139,8 @@ def _guarded():
                 return None
 
         def save_overload(self, sig, data):
-            self._set_up()
+            if not self.trusted():                 # kept in memory only
+                return
             try:
                 super().save_overload(sig, data)
                 return
@@ -142,6 +165,80 @@ def _warn(func, folder, what, err, then):
         KernelCacheWarning, stacklevel=3)
 
 
+#: Permission bits that let someone other than the owner change a file or a folder's entries.
+OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_warned_folders = set()      # each untrusted folder is named once per process
+
+
+def distrust(folder, prefix=None):
+    """Why numba's cache ``folder`` must not be read: "" where it may. It must be owned by this
+    process's user and writable by no one else, and so must each file in it whose name starts
+    with ``prefix`` (a kernel's ``file_prefix``; every file where None) and ends ``.nbi`` or
+    ``.nbc`` (what numba unpickles). A folder not made yet holds nothing to read: ""."""
+    if not hasattr(os, "geteuid"):               # no POSIX owners (Windows): numba's behaviour
+        return ""
+    try:
+        why = _not_own("the folder", os.stat(folder))
+        if why:
+            return why
+        for name in sorted(os.listdir(folder)):
+            if name.endswith((".nbi", ".nbc")) and name.startswith(prefix or ""):
+                info = os.lstat(os.path.join(folder, name))
+                if stat.S_ISLNK(info.st_mode):
+                    return f"its file {name} is a symbolic link"
+                why = _not_own(f"its file {name}", info)
+                if why:
+                    return why
+    except FileNotFoundError:
+        return ""
+    except OSError as err:
+        return f"could not be checked ({type(err).__name__}: {err})"
+    return ""
+
+
+def _not_own(what, info):
+    if info.st_uid != os.geteuid():
+        return f"{what} is owned by user id {info.st_uid}, not by this process's user ({os.geteuid()})"
+    if info.st_mode & OTHERS_WRITE:
+        who = " and ".join(w for bit, w in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "everyone"))
+                           if info.st_mode & bit)
+        return f"{what} is writable by {who} (mode {stat.S_IMODE(info.st_mode):o})"
+    return ""
+
+
+def _trusted(folder, prefix=None):
+    """True where ``distrust`` finds nothing; else False, and a warning the first time
+    ``folder`` is refused in this process."""
+    why = distrust(folder, prefix)
+    if why and folder not in _warned_folders:
+        _warned_folders.add(folder)
+        warnings.warn(
+            f"the kernel cache folder {folder} is not trusted: {why}. numba's cache files are "
+            f"pickles, and anyone who can write them can make this process run their code, so "
+            f"nothing there is read or written: kernels compile in memory instead (seconds at a "
+            f"first launch). The folder and its files must be yours and writable by you alone: "
+            f"chmod go-w {folder} (and chown it, or delete it so that it is made again), or set "
+            f"NUMBA_CACHE_DIR to a folder of your own; {CACHE_VAR}=0 keeps nothing on disk.",
+            KernelCacheWarning, stacklevel=4)
+    return not why
+
+
+def trusted_for(module_file):
+    """For numba's CPU loops: what to pass as ``cache=`` to ``@njit`` in ``module_file`` (a
+    module's ``__file__``). True where numba's cache folder for that file, and each file of
+    that module's loops there, are this user's alone (``distrust``); else False (warned once):
+    the loops compile in memory and nothing is unpickled. numba is asked where the files go
+    (its ``FunctionCache`` of a stand-in function of that file: a few ms, once a module)."""
+    from numba.core.caching import FunctionCache
+    stem = os.path.splitext(os.path.basename(module_file))[0]
+    stand_in = types.FunctionType(compile("", module_file, "exec"), {"__name__": stem}, "stand_in")
+    try:
+        folder = FunctionCache(stand_in).cache_path
+    except RuntimeError:                # numba finds no folder it can write: it caches nothing
+        return True
+    return _trusted(folder, stem + ".")
+
+
 def keep(kernel):
     """Keep ``kernel``'s compiled code on disk, guarded (what ``enable_caching()`` does, with
     ``GuardedCache`` for numba's ``CUDACache``). False for an object with no disk cache (the
@@ -155,6 +252,12 @@ def keep(kernel):
 def kept(kernel):
     """True where ``keep`` put ``kernel``'s compiled code on disk (guarded)."""
     return bool(_guarded_class) and isinstance(getattr(kernel, "_cache", None), _guarded_class[0])
+
+
+def trusted(kernel):
+    """True where ``kept(kernel)`` and its folder and files may be read (``distrust``; an
+    untrusted folder is warned about once)."""
+    return kept(kernel) and kernel._cache.trusted()
 
 
 def load(kernel, types):
@@ -177,7 +280,10 @@ def load(kernel, types):
 def file_prefix(kernel):
     """The start of the names of ``kernel``'s files in its cache folder: numba names them
     ``<module file stem>.<qualified name without '<' '>'>-<line>.``."""
-    func = kernel.py_func
+    return _prefix(kernel.py_func)
+
+
+def _prefix(func):
     stem = os.path.splitext(os.path.basename(func.__code__.co_filename))[0]
     qualname = func.__qualname__.replace("<", "").replace(">", "")
     return f"{stem}.{qualname}-{func.__code__.co_firstlineno}."
@@ -212,7 +318,7 @@ def _size(path):
 def note(kernels, kept):
     """One line for ``python -m mirrored info``: whether compiled kernels are kept on disk,
     for how many of ``kernels`` (``kept`` of them), where, and how many compiled kernels the
-    folder holds now."""
+    folder holds now; or that the folder is not trusted, why, and the fix (``distrust``)."""
     if not wanted():
         return f"off ({CACHE_VAR}=0): every process compiles the kernels it launches"
     if not kept:
@@ -220,6 +326,13 @@ def note(kernels, kept):
     held = contents(kept)
     folders = sorted(held)
     where = folders[0] if len(folders) == 1 else f"{folders[0]} and {len(folders) - 1} more"
+    refused = [(f, distrust(f)) for f in folders if distrust(f)]
+    if refused:
+        folder, why = refused[0]
+        return (f"off, folder not trusted: {folder}: {why}; every process compiles the kernels "
+                f"it launches (numba's files are pickles: run only if yours alone). Fix: chmod "
+                f"go-w {folder} (and chown it to you), or set NUMBA_CACHE_DIR to a folder of "
+                f"your own; {CACHE_VAR}=0 turns the cache off")
     count = sum(n for n, _ in held.values())
     size = sum(b for _, b in held.values())
     return (f"on for {len(kept)} of {len(kernels)} kernels (the rest call device functions of "

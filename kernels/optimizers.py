@@ -34,6 +34,7 @@ import math
 import numpy as np
 from numba import cuda, njit
 
+from kernels import disk_cache
 from kernels.launch import check_array, check_no_alias, flat, grid_1d, launch
 from kernels.registry import register, sig, vec
 
@@ -93,7 +94,7 @@ def adam_ref(w, g, m, v, hyper):
 
 # --- the CPU backend's Adam: the reference's float32 operations, in its order, in one pass ----------
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=disk_cache.trusted_for(__file__), nogil=True, error_model="numpy")
 def _adam_loop(w, g, m, v, hyper):
     """for i in range(size): the reference's three lines for element i, each operation in
     float32 and in the reference's order (m's update, v's, then w's), no FMA (Numba does

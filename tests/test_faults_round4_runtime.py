@@ -39,6 +39,10 @@ import mirrored as tf
 from mirrored import launcher, mirrored_run
 from mirrored.values import components
 
+#: A Ctrl-C must raise KeyboardInterrupt here even where pytest was started with SIGINT
+#: ignored (nohup, some CI runners): conftest's ``sigint_raises`` installs Python's handler.
+pytestmark = pytest.mark.usefixtures("sigint_raises")
+
 FEATURES, HIDDEN, CLASSES = 12, 8, 10
 BATCH, BATCHES = 8, 4                    # an epoch: 4 global batches of 8
 EPOCHS = 6                               # the interrupt comes within this many epochs' time ...
