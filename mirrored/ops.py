@@ -180,9 +180,16 @@ def _scalar_path(op, x, y, grad):
             return tensor.elementwise(_SCALAR_OPS[op][k], t, other)      # the fused loss path
         if number and (t.dtype.kind == "f" or k == 0 or op in ("add", "mul")):
             out = tensor.elementwise(_SCALAR_OPS[op][k], t, other)
-            xs, ys = (t, other) if k == 0 else (other, t)
-            return autodiff.record(op, (t,), out, lambda g: (grad(g, xs, ys, out)[k],))
+            return autodiff.record(op, (t,), out, lambda g, t=t, other=other, k=k: (
+                grad(g, *_number_operands(t, other, k), out)[k],))
     return None
+
+
+def _number_operands(t, number, k):
+    """(x, y) for a gradient rule, the number a constant of ``t``'s dtype (both parts of a
+    rule are computed: ``x / 2``'s would otherwise meet a float64 2)."""
+    const = tensor.constant(np.asarray(number, t.dtype), device=t.dev)
+    return (t, const) if k == 0 else (const, t)
 
 
 def _binary(op, x, y, grad):
