@@ -278,7 +278,8 @@ def unsupported(name):
 
 
 SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout",
-             "Add", "Subtract", "Multiply", "Average", "Concatenate")   # the merge layers: merging.py
+             "Add", "Subtract", "Multiply", "Average", "Concatenate",   # the merge layers: merging.py
+             "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda")  # composed_layers.py
 Conv1D = unsupported("Conv1D")
 AveragePooling2D = unsupported("AveragePooling2D")
 BatchNormalization = unsupported("BatchNormalization")
