@@ -71,9 +71,10 @@ newaxis = None
 # --- inputs ---------------------------------------------------------------------------------
 
 def _is_legacy(t):
-    """A tensor made by our losses or a model call (``keras/tape.py``'s nodes): the fused path."""
-    node = t.node
-    return node is not None and not isinstance(node, (autodiff.Node, autodiff.ReadNode))
+    """A loss made by our loss objects from a model's output (``keras/tape.py``'s ``_Loss`` and
+    ``_Scaled``, which know ``scaled`` and ``plus``): arithmetic keeps the fused loss path.
+    A model's output itself is not: ops on it are recorded, it is a leaf of the graph."""
+    return hasattr(t.node, "scaled")
 
 
 def as_tensor(value, dtype=None, device=None):
@@ -196,7 +197,7 @@ def _scalar_path(op, x, y, grad):
         if number and (t.dtype.kind == "f" or k == 0 or op in ("add", "mul")):
             out = tensor.elementwise(_SCALAR_OPS[op][k], t, other)
             rule = _SCALAR_GRADS[op][k]
-            return autodiff.record(op, (t,), out, lambda g: (rule(g, t, other),))
+            return autodiff.record(op, (t,), out, lambda g, t=t, other=other, rule=rule: (rule(g, t, other),))
     return None
 
 

@@ -18,12 +18,30 @@ TensorFlow.
 Neighbours: ``strategy.py`` (creates them), ``cross_device_ops.py`` (reduces
 them), ``context.py`` (which replica is running), ``tensor.py`` (components).
 """
+import contextlib
 import enum
-
+import threading
 
 from mirrored import context, nest, recording
 from mirrored import devices as _dev
 from mirrored.tensor import OPERATORS, Tensor, infer_host_array, as_dtype, numpy_repr
+
+
+_bound = threading.local()        # .replica: the copy every MirroredVariable reads in this thread
+
+
+@contextlib.contextmanager
+def replica_copies(replica_id):
+    """Inside the block, this thread's reads of any MirroredVariable see replica
+    ``replica_id``'s copy, whatever the context: a layer written with ops
+    (``keras/call_layers.py``) runs on replica r's device inside fit's step, where no
+    ``strategy.run`` says which replica is running."""
+    was = getattr(_bound, "replica", None)
+    _bound.replica = replica_id
+    try:
+        yield
+    finally:
+        _bound.replica = was
 
 
 class VariableAggregation(enum.Enum):
@@ -293,7 +311,11 @@ class MirroredVariable(Variable, Mirrored):
                             "strategy.scope(), not directly.")
 
     def _local(self):
-        """The copy this thread should see: its replica's inside run, else the first."""
+        """The copy this thread should see: its replica's inside run (or ``replica_copies``),
+        else the first."""
+        bound = getattr(_bound, "replica", None)
+        if bound is not None and bound < len(self._values):
+            return self._values[bound]
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
             return self._values[replica_ctx.local_replica_id]

@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 from kernels.conv2d import PADDINGS
-from mirrored.keras import functional
+from mirrored.keras import call_layers, functional, regularizers
 from mirrored.keras.preprocessing import IntegerLookup, StringLookup  # noqa: F401 (keras.layers' host-side lookups)
 
 
@@ -35,6 +35,22 @@ class Layer:
     """
 
     _counts = {}
+
+    def __init_subclass__(cls, **kwargs):
+        """A layer written with ``call`` (Keras's way): its ``build`` also sets what the engine
+        needs (``call_layers.wrap_build``)."""
+        super().__init_subclass__(**kwargs)
+        if "build" in cls.__dict__ and callable(getattr(cls, "call", None)):
+            cls.build = call_layers.wrap_build(cls.__dict__["build"])
+
+    def __setattr__(self, name, value):
+        """Layers set as attributes of a layer written with ``call`` are its sublayers: their
+        weights are its own, after its ``add_weight``s (Keras's order)."""
+        found = value if isinstance(value, (list, tuple)) else [value]
+        if not name.startswith("_") and found and all(isinstance(v, Layer) for v in found):
+            tracked = self.__dict__.setdefault("_sublayers", [])
+            tracked += [v for v in found if all(v is not t for t in tracked)]
+        super().__setattr__(name, value)
 
     def __init__(self, input_shape=None, name=None, **kwargs):
         if "batch_input_shape" in kwargs and input_shape is None:
@@ -59,6 +75,8 @@ class Layer:
         """Keras's ``layer(x)`` on symbolic tensors (``keras.Input``, or the input of a
         subclassed model's traced ``call``): builds the layer, records a node and returns its
         symbolic output (``keras/functional.py``). Data goes through a model, not a layer."""
+        if call_layers.is_call_layer(self) and not functional.is_symbolic(inputs):
+            return call_layers.eager_call(self, inputs, kwargs)      # layer(x) on data
         return functional.call_layer(self, inputs, kwargs)
 
     @property
@@ -76,9 +94,26 @@ class Layer:
 
     @property
     def weights(self):
-        return []
+        """The weights of ``add_weight``, in order, then those of the sublayers (a layer
+        written with ``call``); the library's layers list their own."""
+        own = [v for v, _ in self.__dict__.get("_added", ())]
+        return own + [w for layer in self.__dict__.get("_sublayers", ()) for w in layer.weights]
 
     trainable_weights = weights
+
+    def add_weight(self, shape=None, initializer=None, dtype=None, trainable=True, autocast=True,
+                   regularizer=None, constraint=None, aggregation="none", name=None):
+        """Keras's ``add_weight``: a new variable of this layer (a MirroredVariable under a
+        strategy's scope), listed in ``weights`` in the order made, packed with the model's."""
+        reg = regularizers.get(regularizer)
+        var = call_layers.make_weight(self, shape, initializer, dtype, trainable, reg, constraint, name)
+        self.__dict__.setdefault("_added", []).append((var, reg))
+        return var
+
+    def add_loss(self, loss):
+        raise NotImplementedError(f"{type(self).__name__} {self.name!r}: add_loss is not implemented here; "
+                                  f"add the term to the loss function instead (a custom loss, or the "
+                                  f"GradientTape loop's loss), or use add_weight(regularizer=...).")
 
     # -- weight penalties (keras/regularizers.py): Dense and Conv2D take kernel_regularizer=
     kernel_regularizer = None
@@ -86,9 +121,16 @@ class Layer:
     @property
     def regularized(self):
         """[(regularizer, index of the weight in ``weights``)] for this layer's penalties."""
-        if self.kernel_regularizer is None or not self.built:
+        if not self.built:
             return []
-        return [(self.kernel_regularizer, 0)]
+        if self.kernel_regularizer is not None:
+            return [(self.kernel_regularizer, 0)]
+        found = [(reg, i) for i, (_, reg) in enumerate(self.__dict__.get("_added", ())) if reg is not None]
+        offset = len(self.__dict__.get("_added", ()))
+        for layer in self.__dict__.get("_sublayers", ()):
+            found += [(reg, offset + i) for reg, i in layer.regularized]
+            offset += len(layer.weights)
+        return found
 
     @property
     def losses(self):
@@ -96,6 +138,8 @@ class Layer:
         return [reg(self.weights[i]) for reg, i in self.regularized]
 
     def output_shape_for(self, input_shape):
+        if call_layers.is_call_layer(self):
+            return call_layers.output_shape_for(self, input_shape)
         return input_shape
 
     def base_config(self):
@@ -104,13 +148,18 @@ class Layer:
 
     def get_config(self):
         """Keras's config of this layer: its constructor's arguments under Keras's keys
-        (``keras/saving.py`` writes it into a .keras archive and rebuilds the layer from it)."""
+        (``keras/saving.py`` writes it into a .keras archive and rebuilds the layer from it).
+        A layer written with ``call`` gets the base keys, which its own get_config extends."""
+        if call_layers.is_call_layer(self):
+            return self.base_config()
         raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no config: saving a "
                                   f"whole model needs the library's layers ({', '.join(SUPPORTED)}); "
                                   f"save_weights works for any layer.")
 
     def build(self, input_shape):
         """Create the weights for examples of ``input_shape`` (under the model's strategy)."""
+        if call_layers.is_call_layer(self):
+            return call_layers.build(self, input_shape)
         self.input_shape = tuple(input_shape)
         self.output_shape = tuple(self.output_shape_for(self.input_shape))
         self.built = True
@@ -132,10 +181,15 @@ class Layer:
     # -- the protocol (see the module docstring)
     def make_buffers(self, state, b):
         """What this layer keeps on ``state.dev`` for batches of ``b``: made once, reused."""
+        if call_layers.is_call_layer(self):
+            return call_layers.make_buffers(self, state, b)
         return None
 
     def forward(self, state, x, training=False):
-        """x: (b,) + input_shape on ``state.dev`` -> y: (b,) + output_shape (launches only)."""
+        """x: (b,) + input_shape on ``state.dev`` -> y: (b,) + output_shape (launches only).
+        A layer written with ``call``: ``call`` under a tape (``call_layers.py``)."""
+        if call_layers.is_call_layer(self):
+            return call_layers.forward(self, state, x, training)
         raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no forward: a layer "
                                   f"defines forward(state, x, training) and backward(state, dy), see "
                                   f"the protocol in mirrored/keras/layers.py.")
@@ -143,6 +197,8 @@ class Layer:
     def backward(self, state, dy):
         """dy: d loss / d y -> the weights' gradients into ``state.grads``; returns d loss / d x,
         or None when ``state.need_dx`` is False."""
+        if call_layers.is_call_layer(self):
+            return call_layers.backward(self, state, dy)
         raise NotImplementedError(f"layer {self.name!r} ({type(self).__name__}) has no backward: a layer "
                                   f"defines forward(state, x, training) and backward(state, dy), see "
                                   f"the protocol in mirrored/keras/layers.py.")
@@ -222,7 +278,8 @@ def unsupported(name):
 
 
 SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout",
-             "Add", "Subtract", "Multiply", "Average", "Concatenate")   # the merge layers: merging.py
+             "Add", "Subtract", "Multiply", "Average", "Concatenate",   # the merge layers: merging.py
+             "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda")  # composed_layers.py
 Conv1D = unsupported("Conv1D")
 AveragePooling2D = unsupported("AveragePooling2D")
 BatchNormalization = unsupported("BatchNormalization")

@@ -260,10 +260,9 @@ class ReplicaProgram:
         """Per-example loss of the last forward (added to the metrics on the device)
         and, ``with_grad``, its gradient with respect to the logits.
 
-        ``mode``: "logits" (softmax cross-entropy on the last layer's pre-softmax
-        output), "probs" (Keras's ``from_logits=False`` with no softmax layer), or a loss
-        against float targets (``ops.target_loss``: one-hot, MSE, BCE). ``scale``: 1/global batch.
-        """
+        ``mode``: "logits" (softmax cross-entropy of the pre-softmax output), "probs" (no softmax
+        layer, ``from_logits=False``), float targets (``ops.target_loss``: one-hot, MSE, BCE), or a
+        loss written in ops (``custom_losses.Loss.run_in``). ``scale``: 1/global batch."""
         b = self.last_b
         if not b:
             return
@@ -273,8 +272,9 @@ class ReplicaProgram:
             self.ops.prob_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
         elif mode == "logits":
             self.ops.softmax_xent(self.logits, labels, buf.loss, grad, buf.correct, scale)
-        else:                        # float targets (b, classes): one-hot, MSE, BCE (backends.target_loss;
-            # the one-hot loss counts correct predictions, MSE and BCE have no accuracy: zeros)
+        elif hasattr(mode, "run_in"):                           # written in ops (keras/custom_losses.py)
+            mode.run_in(self, labels, buf, grad, scale)
+        else:                                                    # float targets (b, classes)
             self.ops.target_loss(mode, self.logits, labels, buf.loss, grad, buf.correct, scale)
         self._accumulate(buf)
         self._accumulate_penalties(b)

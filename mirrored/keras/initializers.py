@@ -39,11 +39,23 @@ def he_uniform(shape, rng=None):
     return (rng or _random.generator()).uniform(-limit, limit, size=shape).astype(np.float32)
 
 
+def random_normal(shape, rng=None):
+    """N(0, 0.05**2), Keras's ``RandomNormal()`` defaults (``add_weight(initializer="random_normal")``)."""
+    return (rng or _random.generator()).normal(0.0, 0.05, size=shape).astype(np.float32)
+
+
+def random_uniform(shape, rng=None):
+    """U(-0.05, 0.05), Keras's ``RandomUniform()`` defaults."""
+    return (rng or _random.generator()).uniform(-0.05, 0.05, size=shape).astype(np.float32)
+
+
 INITIALIZERS = {
     "glorot_uniform": glorot_uniform,
     "zeros": lambda shape, rng=None: np.zeros(shape, np.float32),
     "ones": lambda shape, rng=None: np.ones(shape, np.float32),
     "he_uniform": he_uniform,
+    "random_normal": random_normal,
+    "random_uniform": random_uniform,
 }
 
 

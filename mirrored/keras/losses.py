@@ -26,6 +26,7 @@ where it came from, so ``tape.gradient`` can run the backward kernels.
 """
 import enum
 
+from mirrored.keras.custom_losses import Loss, LossFunctionWrapper  # noqa: F401 (keras.losses.Loss)
 from mirrored.keras.tape import loss_from_model_output
 from mirrored.tensor import Tensor
 
@@ -168,8 +169,8 @@ class CategoricalCrossentropy(_TargetLoss):
 
 def takes_targets(loss):
     """True for losses against float targets of the output's shape (MSE, BCE, categorical
-    cross-entropy), False for class-index losses."""
-    return isinstance(loss, _TargetLoss)
+    cross-entropy, losses written in ops), False for class-index losses."""
+    return isinstance(loss, (_TargetLoss, Loss))
 
 
 def counts_accuracy(loss):
@@ -182,7 +183,10 @@ def kernel_mode(loss, softmax_output):
     """Which fused loss kernel a model's output takes: "logits" (softmax cross-entropy),
     "probs" (cross-entropy of probabilities), (CATEGORICAL, label_smoothing) (one-hot
     targets), or a regression kind ("mse", "bce_logits", "bce_probs"). ``softmax_output``:
-    the model's last layer has activation='softmax' (its logits are used, as Keras does)."""
+    the model's last layer has activation='softmax' (its logits are used, as Keras does); a
+    loss written in ops is its own mode (``custom_losses.Loss.run_in``)."""
+    if isinstance(loss, Loss):
+        return loss
     if isinstance(loss, CategoricalCrossentropy):
         if softmax_output and loss.from_logits:
             raise NotImplementedError(
@@ -219,10 +223,13 @@ _BY_NAME = {"sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
 
 def get(identifier):
     """A loss object from Keras's string names or the object itself."""
-    if isinstance(identifier, (SparseCategoricalCrossentropy, _TargetLoss)):
+    if isinstance(identifier, (SparseCategoricalCrossentropy, _TargetLoss, Loss)):
         return identifier
     if isinstance(identifier, str) and identifier in _BY_NAME:
         return _BY_NAME[identifier]()
+    if callable(identifier) and not isinstance(identifier, (str, type)):
+        return LossFunctionWrapper(identifier)          # fn(y_true, y_pred), written in ops
     raise NotImplementedError(f"loss {identifier!r} is not implemented; use one of {sorted(_BY_NAME)} "
                               f"or the classes losses.SparseCategoricalCrossentropy, CategoricalCrossentropy, "
-                              f"MeanSquaredError, BinaryCrossentropy.")
+                              f"MeanSquaredError, BinaryCrossentropy, or a function fn(y_true, y_pred) "
+                              f"or keras.losses.Loss subclass written in ops.")

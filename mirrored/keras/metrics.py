@@ -13,7 +13,9 @@ import threading
 import numpy as np
 
 from mirrored import recording
+from mirrored.keras import initializers
 from mirrored.tensor import Tensor
+from mirrored.values import Variable
 
 
 def _host(value):
@@ -22,15 +24,44 @@ def _host(value):
     return np.asarray(value)
 
 
+class MetricVariable(Variable):
+    """A metric's state (``Metric.add_weight``): one copy, on the device it was made on, even
+    inside a strategy's scope (the metric accumulates what the replicas give it)."""
+
+
 class Metric:
+    """Keras's ``keras.metrics.Metric``. A subclass makes its state with ``add_weight`` in
+    ``__init__``, adds to it in ``update_state(y_true, y_pred, sample_weight=None)`` (with ops:
+    ``self.tp.assign_add(...)``) and returns it from ``result()``; ``reset_state`` puts every
+    ``add_weight`` variable back to its initial value."""
+
     def __init__(self, name=None, dtype=None):
         self.name = name or type(self).__name__.lower()
         self._lock = threading.Lock()
-        self.reset_state()
+        self._state = []                 # [(variable, initial value)] made by add_weight
+        Metric.reset_state(self)         # a subclass's own reset_state needs its weights, made later
+
+    def add_weight(self, name=None, shape=(), dtype=None, initializer="zeros", aggregation="sum",
+                   synchronization="on_read"):
+        """A new state variable (float32), initialised by ``initializer`` (a name or a callable)."""
+        if dtype is not None and np.dtype(getattr(dtype, "as_numpy_dtype", dtype)) != np.float32:
+            raise NotImplementedError(f"metric {self.name!r}: add_weight(dtype={dtype!r}); metric state is "
+                                      f"float32 here: leave dtype out.")
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+        value = np.asarray(initializers.get(initializer, f"metric {self.name!r} initializer")(shape), np.float32)
+        var = MetricVariable(value, trainable=False, name=f"{self.name}/{name or 'variable'}")
+        self._state.append((var, value))
+        return var
+
+    @property
+    def variables(self):
+        return [v for v, _ in self._state]
 
     def reset_state(self):
         self._total = 0.0
         self._count = 0.0
+        for var, value in getattr(self, "_state", ()):
+            var.assign(value)
 
     reset_states = reset_state
 

@@ -1,0 +1,280 @@
+"""Layers written as Keras writes them: ``build`` with ``add_weight``, and a ``call`` made of ops.
+
+    class SimpleDense(keras.layers.Layer):
+        def __init__(self, units=32):
+            super().__init__()
+            self.units = units
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="random_normal")
+            self.b = self.add_weight(shape=(self.units,), initializer="zeros")
+        def call(self, inputs):
+            return tf.matmul(inputs, self.w) + self.b
+
+Such a layer follows the engine's protocol (``layers.py``) with no forward or backward of
+its own; the base ``Layer`` hands those to this module:
+
+    forward(state, x)    x wrapped as a Tensor on the replica's device; ``call`` run under a
+                         private GradientTape that watches x and the layer's variables;
+                         every variable read there is replica r's copy (``values.replica_copies``:
+                         the views into r's packed buffer, ``engine.ParameterPack``); the tape
+                         and the output kept for the backward; y's buffer returned
+    backward(state, dy)  tape.gradient(y, [x] + weights, output_gradients=dy): the weights'
+                         gradients copied into ``state.grads`` (r's packed gradient buffer, so
+                         still one ring and one optimizer launch a step), dx's buffer returned
+
+The tapes of the caller (a custom loop's ``GradientTape``) are paused meanwhile: the model
+call is one node to them, whose backward is the engine's. Called on a Tensor outside a model
+(``layer(x)``), the layer builds on first use and runs ``call`` as it is, recorded by any
+tape that is open. The output shape for a model: Keras's ``compute_output_shape`` if the
+layer defines it, else ``call`` run once on a batch of one example of zeros.
+
+Neighbours: ``base_layer.py`` (``Layer.add_weight``, the protocol's defaults that call
+here), ``composed_layers.py`` (Activation, ReLU, Reshape, ... written this way),
+``mirrored/ops.py`` (the ops), ``keras/tape.py`` (the tape).
+"""
+import contextlib
+import functools
+import inspect
+from types import SimpleNamespace
+
+import numpy as np
+
+from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
+from mirrored import autodiff, context, devices, ops, values
+from mirrored.keras import initializers
+from mirrored.keras.tape import GradientTape
+from mirrored.tensor import Tensor
+
+FLOAT = np.dtype(np.float32)
+
+
+def is_call_layer(layer):
+    """A layer whose computation is its ``call`` (no forward/backward of its own)."""
+    return callable(getattr(layer, "call", None))
+
+
+@contextlib.contextmanager
+def private_tapes():
+    """Inside, only the tapes opened inside record in this thread: the caller's are paused."""
+    tapes = autodiff.recording_tapes()
+    saved = list(tapes)
+    tapes.clear()
+    try:
+        yield
+    finally:
+        tapes[:] = saved
+
+
+# --- weights -------------------------------------------------------------------------------
+
+def make_weight(layer, shape, initializer, dtype, trainable, regularizer, constraint, name):
+    """A new variable for ``layer.add_weight`` (a MirroredVariable under a strategy's scope)."""
+    what = f"{type(layer).__name__} {layer.name!r}: add_weight"
+    if shape is None:
+        raise ValueError(f"{what} needs a shape, e.g. add_weight(shape=(input_shape[-1], units)).")
+    shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    if dtype is not None and np.dtype(getattr(dtype, "as_numpy_dtype", dtype)) != FLOAT:
+        raise NotImplementedError(f"{what}(dtype={dtype!r}): weights are float32 here (every layer "
+                                  f"computes in float32); leave dtype out.")
+    if not trainable:
+        raise NotImplementedError(
+            f"{what}(trainable=False) is not implemented: every weight of a model is packed into the "
+            f"one buffer the optimizer updates. Keep state that is not trained outside the layer.")
+    if constraint is not None:
+        raise NotImplementedError(f"{what}(constraint=...) is not implemented; leave it out.")
+    if initializer is None:
+        initializer = "glorot_uniform" if len(shape) > 1 else "zeros"     # Keras's default
+    init = initializers.get(initializer, f"{what} initializer")
+    value = np.asarray(init(shape), FLOAT)
+    if value.shape != shape:
+        raise ValueError(f"{what}: the initializer gave an array of shape {value.shape} for a weight "
+                         f"of shape {shape}.")
+    return values.Variable(value, name=f"{layer.name}/{name or 'variable'}")
+
+
+# --- build and shapes ----------------------------------------------------------------------
+
+def _without_batch(input_shape):
+    """The engine's shape of one example (or a list of them) from Keras's or the engine's."""
+    if isinstance(input_shape, list) or (input_shape and isinstance(input_shape[0], (tuple, list))):
+        return [_without_batch(tuple(s)) for s in input_shape]
+    shape = tuple(input_shape)
+    return shape[1:] if shape and shape[0] is None else shape
+
+
+def _with_batch(shape):
+    if isinstance(shape, list):
+        return [_with_batch(s) for s in shape]
+    return (None,) + tuple(shape)
+
+
+def build(layer, input_shape, user_build=None):
+    """Build ``layer`` for examples of ``input_shape`` (once): the user's ``build`` with
+    Keras's shape (batch axis ``None`` first), then the output shape."""
+    shape = _without_batch(input_shape)
+    if layer.built and layer.input_shape is not None:
+        if _key(shape) != _key(layer.input_shape):
+            raise ValueError(f"{type(layer).__name__} {layer.name!r} was built for examples of shape "
+                             f"{layer.input_shape} and is now given {shape}: use a new layer for the new shape.")
+        return
+    if user_build is not None:
+        user_build(layer, _with_batch(shape))
+    layer.input_shape = shape
+    layer.output_shape = output_shape(layer, shape)
+    layer.built = True
+
+
+def _key(shape):
+    return [tuple(s) for s in shape] if isinstance(shape, list) else tuple(shape)
+
+
+def wrap_build(user_build):
+    """``cls.build`` of a layer written with ``call``: the user's build, then what the
+    engine needs (``build`` above); a subclass's ``super().build(...)`` runs the user's only."""
+    @functools.wraps(user_build)
+    def wrapper(self, input_shape):
+        if getattr(self, "user_building", False):
+            return user_build(self, input_shape)
+        self.user_building = True
+        try:
+            return build(self, input_shape, user_build)
+        finally:
+            self.user_building = False
+    return wrapper
+
+
+def output_shape_for(layer, input_shape):
+    """The engine's output shape of one example: built here on first use (Keras builds on
+    the first call), then ``compute_output_shape`` or one call on zeros."""
+    shape = _without_batch(input_shape)
+    if not layer.built:
+        layer.build(shape)
+    if _key(shape) == _key(layer.input_shape):
+        return layer.output_shape
+    return output_shape(layer, shape)
+
+
+def output_shape(layer, shape):
+    compute = getattr(layer, "compute_output_shape", None)
+    if compute is not None:
+        return tuple(compute(_with_batch(shape)))[1:]
+    dev = _device_for(layer)
+    shapes = shape if isinstance(shape, list) else [shape]
+    with private_tapes(), values.replica_copies(0), dev.activate():
+        xs = [ops.zeros((1,) + tuple(s), device=dev) for s in shapes]
+        y = run_call(layer, xs if isinstance(shape, list) else xs[0], False)
+    return tuple(y.shape[1:])
+
+
+def _device_for(layer):
+    """Where to try ``call`` on zeros: the weights' (first) device, else the first device of
+    the strategy whose scope the model is built in, else the current device."""
+    weights = layer.weights
+    if weights:
+        return values.components(weights[0])[0].value().dev
+    strategy, _ = context.top()
+    if strategy is not None:
+        return strategy.extended.devices[0]
+    return devices.current_device()
+
+
+def run_call(layer, inputs, training):
+    """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor."""
+    kwargs = {"training": bool(training)} if _takes_training(type(layer).call) else {}
+    y = layer.call(inputs, **kwargs)
+    if isinstance(y, (list, tuple, dict)):
+        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a "
+                                  f"{type(y).__name__}; a layer in a model returns one tensor here.")
+    y = ops.as_tensor(y)
+    if y.dtype != FLOAT:
+        raise TypeError(f"{type(layer).__name__} {layer.name!r}: call returned a {y.dtype} tensor; "
+                        f"layers compute in float32 here: cast it, tf.cast(y, tf.float32).")
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_training(call):
+    try:
+        params = inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+    return "training" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+# --- the engine's protocol ----------------------------------------------------------------
+
+def make_buffers(layer, state, b):
+    """What the forward keeps for the backward, per batch size: its tape, inputs and output."""
+    return SimpleNamespace(tape=None, xs=None, y=None)
+
+
+def forward(layer, state, x, training=False):
+    """x: (b,) + input shape (a list for a layer called on several) -> y's buffer."""
+    multi = isinstance(x, (list, tuple))
+    parts = list(x) if multi else [x]
+    shapes = layer.input_shape if multi else [layer.input_shape]
+    b = parts[0].shape[0]
+    dev = state.dev
+    if b == 0:                                   # a replica with no rows this step
+        return dev.empty((0,) + tuple(layer.output_shape), FLOAT)
+    buf = state.buffers(b)
+    xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]
+    tape = GradientTape()
+    with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
+        with tape:
+            tape.watch(xs)
+            tape.watch(list(layer.trainable_weights))
+            y = run_call(layer, xs if multi else xs[0], training)
+    want = (b,) + tuple(layer.output_shape)
+    if y.shape != want:
+        raise ValueError(f"{type(layer).__name__} {layer.name!r}: call returned shape {y.shape} for a "
+                         f"batch of {b}, expected {want} (the output shape it gave when built).")
+    buf.tape, buf.xs, buf.y = tape, xs, y
+    return y.buf
+
+
+def backward(layer, state, dy):
+    """dy: d loss / d y -> the weights' gradients into ``state.grads``; dx's buffer (or a
+    tuple of them), None when no earlier layer needs it (``state.need_dx``)."""
+    b = dy.shape[0]
+    buf = state.buffers(b)
+    dev = state.dev
+    weights = list(layer.trainable_weights)
+    with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
+        seed = Tensor(view(dy, buf.y.shape), dev)
+        grads = buf.tape.gradient(buf.y, buf.xs + weights, output_gradients=seed)
+        n = len(buf.xs)
+        for dst, g in zip(state.grads, grads[n:]):
+            if g is None:                        # the output does not depend on this weight
+                state.ops.fill(dst, 0.0)
+            else:
+                dev.copy_into(dst, ops.cast(g, FLOAT).buf)
+        need = state.need_dx if isinstance(state.need_dx, tuple) else (state.need_dx,)
+        if not any(need):
+            return None
+        dxs = [(g if g is not None else ops.zeros_like(x)).buf if wanted else None
+               for x, g, wanted in zip(buf.xs, grads[:n], need)]
+    buf.tape = None                              # one backward per forward
+    return tuple(dxs) if isinstance(state.need_dx, tuple) else dxs[0]
+
+
+# --- outside a model -------------------------------------------------------------------------
+
+def eager_call(layer, inputs, kwargs):
+    """``layer(x)`` on tensors or arrays: build on first use (Keras does), then ``call``,
+    recorded by any open tape."""
+    unknown = sorted(k for k in kwargs if k != "training")
+    if unknown:
+        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r} called with {unknown}: only "
+                                  f"the inputs and training= are taken here.")
+    multi = isinstance(inputs, (list, tuple))
+    xs = [_as_float_tensor(x) for x in (inputs if multi else [inputs])]
+    if not layer.built:
+        layer.build([x.shape[1:] for x in xs] if multi else xs[0].shape[1:])
+    return run_call(layer, xs if multi else xs[0], kwargs.get("training") or False)
+
+
+def _as_float_tensor(x):
+    if isinstance(x, (Tensor, values.Variable)):
+        return ops.as_tensor(x)
+    return ops.as_tensor(np.asarray(x, FLOAT))
