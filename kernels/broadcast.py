@@ -177,10 +177,30 @@ def _floor_div(a, b):
     return a // b
 
 
-def _make_arithmetic(div):
-    """The ARITHMETIC switch; ``div`` is its DIV branch: ``a / b`` for floats. Integers
-    never reach DIV (the launcher refuses them, as TF's truediv casts first), so their
-    kernel is compiled with ``a // b`` there: ``a / b`` on integers is float64 in Numba."""
+@cuda.jit(device=True, inline="always")
+def _float_pow(a, b):
+    return a ** b
+
+
+@cuda.jit(device=True, inline="always")
+def _int_pow(a, b):
+    """a ** b for integers by repeated squaring, wrapping as NumPy's integer power does
+    (Numba's own ``**`` on integers goes through float64 pow). A negative exponent, which
+    NumPy and TensorFlow refuse, gives 1 here (the kernel does not check elements)."""
+    result = a - a + 1
+    while b > 0:
+        if b & 1:
+            result *= a
+        a *= a
+        b >>= 1
+    return result
+
+
+def _make_arithmetic(div, power):
+    """The ARITHMETIC switch; ``div`` and ``power`` are its DIV and POW branches: ``a / b``
+    and ``a ** b`` for floats. Integers never reach DIV (the launcher refuses them, as TF's
+    truediv casts first), so their kernel is compiled with ``a // b`` there: ``a / b`` on
+    integers is float64 in Numba; their POW is ``_int_pow``."""
     @cuda.jit(device=True, inline="always")
     def arithmetic(op, a, b):
         """ARITHMETIC[op](a, b). ``//`` and ``%`` are Numba's, which follow Python (and
@@ -200,7 +220,7 @@ def _make_arithmetic(div):
         if op == MOD:
             return a % b
         if op == POW:
-            return a ** b
+            return power(a, b)
         if op == MAXIMUM:
             return a if (a >= b or a != a) else b
         if op == MINIMUM:
@@ -210,8 +230,8 @@ def _make_arithmetic(div):
     return arithmetic
 
 
-_arithmetic_float = _make_arithmetic(_true_div)
-_arithmetic_int = _make_arithmetic(_floor_div)
+_arithmetic_float = _make_arithmetic(_true_div, _float_pow)
+_arithmetic_int = _make_arithmetic(_floor_div, _int_pow)
 
 
 @cuda.jit(device=True, inline="always")

@@ -7,7 +7,9 @@ Layout (as every file in ``kernels/``):
     table             ``UNARY_MATH``: op -> NumPy function (the definition)
     NumPy reference   ``unary_math_ref``
     device functions  one switch over the table per dtype (constants in that dtype)
-    kernels           ``unary_math_kernel`` (one build per dtype), ``logical_not_kernel``
+    kernels           ``unary_math_kernel`` (one build per dtype), ``sin_cos_kernel``
+                      (libdevice's trig reduction needs a stack frame: kept apart),
+                      ``logical_not_kernel``
     launcher          ``unary_math``: check, launch
 (the CPU backend calls the reference, the GPU backend the launcher)
 
@@ -150,10 +152,6 @@ def _make_float_math(dtype):
             return one / math.sqrt(a)
         if op == RECIPROCAL:
             return one / a
-        if op == SIN:
-            return math.sin(a)
-        if op == COS:
-            return math.cos(a)
         if op == TANH:
             return math.tanh(a)
         if op == SIGMOID:                           # exp of -|a| only: never overflows
@@ -212,6 +210,17 @@ UNARY_MATH_KERNELS = {**{t: _make_unary_math_kernel(_make_float_math(t)) for t i
 
 
 @cuda.jit
+def sin_cos_kernel(x, out, op):
+    """One thread per element i (grid-stride): out[i] = sin(x[i]) (op SIN) or cos(x[i]).
+    Its own kernel because libdevice's sinf/cos reduce a huge argument (|x| > 105,615 in
+    float32) by Payne-Hanek, with a small array in local memory (a stack frame) and, for
+    float32, a few float64 multiplications: allowed here, and only here
+    (tests/test_kernels_compile.py), so that the other operators' kernel stays free of both."""
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = math.sin(x[i]) if op == SIN else math.cos(x[i])
+
+
+@cuda.jit
 def logical_not_kernel(x, out):
     """One thread per element i (grid-stride): out[i] = not x[i] (bool)."""
     for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
@@ -224,6 +233,8 @@ _BLOCK = grid_1d(1)[1]
 for _t, _kernel in UNARY_MATH_KERNELS.items():
     register(_kernel, "unary_math_kernel", sig(vec(_t), vec(_t), "int64", _t), block=_BLOCK,
              variant=_t)
+register(sin_cos_kernel, "sin_cos_kernel", [sig(vec(t), vec(t), "int64") for t in FLOAT_DTYPES],
+         block=_BLOCK)
 register(logical_not_kernel, "logical_not_kernel", sig(vec("boolean"), vec("boolean")), block=_BLOCK)
 
 
@@ -251,7 +262,11 @@ def unary_math(op, x, out, alpha=0.0, stream=None):
     if dtype.name not in UNARY_MATH_KERNELS:
         raise TypeError(f"{op}: tensors of {dtype} are not supported on the GPU; expected one of "
                         f"{tuple(UNARY_MATH_KERNELS)}.")
-    if out.size:
+    if out.size == 0:
+        return out
+    if op in ("sin", "cos"):
+        launch(sin_cos_kernel, *grid_1d(out.size), stream, flat(x), flat(out), OP_CODE[op])
+    else:
         launch(UNARY_MATH_KERNELS[dtype.name], *grid_1d(out.size), stream, flat(x), flat(out),
                OP_CODE[op], dtype.type(alpha))
     return out
