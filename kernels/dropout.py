@@ -104,6 +104,9 @@ keep_unit = _make_keep_unit(mix64)
 #: The same two functions compiled for the kernel (inline: see kernels/registry.py).
 _mix64_device = cuda.jit(device=True, inline="always")(mix64)
 _keep_unit_device = cuda.jit(device=True, inline="always")(_make_keep_unit(_mix64_device))
+#: The device-compiled ``mix64`` for other kernels built on the same generator
+#: (kernels/random_fill.py): one compiled copy of the hash in the library.
+mix64_device = _mix64_device
 
 
 def dropout_key(seed, step, replica):

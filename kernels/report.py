@@ -168,6 +168,10 @@ _PTXAS_FIELDS = {
     "spill_loads_bytes": re.compile(r"(\d+) bytes spill loads"),
 }
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+#: "Function properties for NAME" starts each function's block in ptxas -v's output.
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
+#: The prefix of libdevice's internal functions, which ptxas may keep as calls.
+_LIBDEVICE_INTERNAL = "__internal_"
 
 #: SASS instructions are 16 bytes each on every architecture the report knows (Volta,
 #: sm_70, on): the instruction count of a kernel is its ``.text.<kernel>`` section's size
@@ -206,15 +210,29 @@ def count_sass_instructions(cubin):
 def parse_ptxas(text):
     """The numbers of ``ptxas -v`` for a module with ONE entry function: registers,
     stack_bytes, spill_stores_bytes, spill_loads_bytes, shared_bytes (0 when ptxas
-    prints no smem). Raises ValueError when a number is missing or appears twice."""
+    prints no smem). Raises ValueError when a number is missing or appears twice.
+
+    One exception: libdevice's own slow paths, which ptxas keeps as called functions
+    (``__internal_accurate_pow`` for float64 ``**``, ``__internal_trig_reduction_slowpathd``
+    for float64 sin/cos of huge arguments), print a second "Function properties" block.
+    Those blocks are NVIDIA's, not ours: their stack and spill bytes are added to the
+    kernel's (a call's frame is the thread's stack too), and only our own functions must
+    be one."""
+    blocks = _PTXAS_FUNCTION.split(text)        # [before, name, body, name, body, ...]
+    internal = [body for name, body in zip(blocks[1::2], blocks[2::2])
+                if name.startswith(_LIBDEVICE_INTERNAL)]
+    ours = text
+    for body in internal:
+        ours = ours.replace(body, "", 1)
     out = {}
     for key, pattern in _PTXAS_FIELDS.items():
-        found = pattern.findall(text)
+        found = pattern.findall(ours)
         if len(found) != 1:
             raise ValueError(f"ptxas -v printed {len(found)} '{pattern.pattern}' values, "
                              f"expected 1 (one kernel per module, no separate device "
                              f"functions: keep device functions inline). Output:\n{text}")
-        out[key] = int(found[0])
+        out[key] = int(found[0]) + (0 if key == "registers" else
+                                    sum(int(v) for body in internal for v in pattern.findall(body)))
     smem = _PTXAS_SMEM.findall(text)
     out["shared_bytes"] = int(smem[0]) if smem else 0
     return out

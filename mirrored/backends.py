@@ -26,7 +26,7 @@ from kernels import (activations, allreduce, categorical_xent, conv2d, conv2d_gr
 from kernels.launch import SIMULATOR
 from kernels import merge   # the merge layers' column copy (Concatenate; the blocks marked below)
 # TensorFlow's ops (mirrored/ops.py; the block marked below in each class)
-from kernels import broadcast, random_fill, reduce_axis, strided_copy, unary_math
+from kernels import broadcast, random_fill, reduce_axis, resize, strided_copy, unary_math
 
 #: The GEMM version the library uses: on a GPU, None lets ``gemm.choose_version`` pick
 #: by the output's shape (v3 for outputs that fill the GPU, v2 for small ones).
@@ -280,6 +280,10 @@ class CpuOps:
 
     def random_advance(self, state, n):
         return random_fill.random_advance_ref(state, n)
+
+    def resize(self, x, out, method):
+        out[...] = resize.resize_ref(x, out.shape[1], out.shape[2], method)
+        return out
     # --- end of TensorFlow's ops ----------------------------------------------------------
 
 
@@ -413,6 +417,36 @@ class CudaOps:
     def copy_columns(self, src, dst, src_col, dst_col, width):
         return merge.copy_columns(src, dst, src_col, dst_col, width, self.stream)
     # --- end of the merge layers' block ---------------------------------------------------
+
+    # --- TensorFlow's ops (mirrored/ops.py): broadcasting, math, reductions, copies, random --
+    def broadcast_binary(self, op, x, y, out):
+        return broadcast.broadcast_binary(op, x, y, out, self.stream)
+
+    def where(self, cond, x, y, out):
+        return broadcast.where(cond, x, y, out, self.stream)
+
+    def unary_math(self, op, x, out, alpha=0.0):
+        return unary_math.unary_math(op, x, out, alpha, self.stream)
+
+    def reduce_axis(self, op, x3, out):
+        return reduce_axis.reduce_axis(op, x3, out, self.stream)
+
+    def arg_reduce_axis(self, op, x3, out):
+        return reduce_axis.arg_reduce_axis(op, x3, out, self.stream)
+
+    def strided_copy(self, src, dst, shape, src_offset, src_strides, dst_offset, dst_strides):
+        return strided_copy.strided_copy(src, dst, shape, src_offset, src_strides, dst_offset,
+                                         dst_strides, self.stream)
+
+    def random_fill(self, dist, out, state):
+        return random_fill.random_fill(dist, out, state, self.stream)
+
+    def random_advance(self, state, n):
+        return random_fill.random_advance(state, n, self.stream)
+
+    def resize(self, x, out, method):
+        return resize.resize(x, out, method, self.stream)
+    # --- end of TensorFlow's ops ----------------------------------------------------------
 
 
 # --- the CPU backend's BLAS, and how many threads it may use --------------------------------

@@ -120,17 +120,26 @@ def test_every_registered_kernel_compiles_and_assembles(rows, request):
                          f"{sorted(got - want)[:5]}")
 
 
+#: Kernels whose libdevice functions need a small stack frame, with the most bytes allowed:
+#: sinf/cos reduce a huge argument (Payne-Hanek) through a local array (kernels/unary_math.py
+#: keeps them in their own kernel so that nothing else hides behind this exception).
+LIBDEVICE_STACK_BYTES = {"sin_cos_kernel": 64}
+#: ... and whose float32 build has a few float64 instructions from libdevice (sinf's and
+#: cosf's reduction of huge arguments; the normal draws' Box-Muller calls cosf).
+LIBDEVICE_F64 = {"sin_cos_kernel": 16, "random_normal_kernel": 16}
+
+
 def test_no_spills_and_no_stack_frame(rows):
     bad = [f"{_where(r)}: {r['spill_stores_bytes']} B spill stores, {r['spill_loads_bytes']} B "
            f"spill loads, {r['stack_bytes']} B stack" for r in _good(rows)
-           if r["spill_bytes"] or r["stack_bytes"]]
+           if r["spill_bytes"] or r["stack_bytes"] > LIBDEVICE_STACK_BYTES.get(r["kernel"], 0)]
     assert not bad, ("kernels that use local memory (a local array indexed at run time, or "
                      "more registers than ptxas allows):\n" + "\n".join(bad))
 
 
 def test_float32_kernels_have_no_float64_instructions(rows):
     bad = [f"{_where(r)}: {r['f64_instructions']} float64 instruction(s)" for r in _good(rows)
-           if not r["float64_allowed"] and r["f64_instructions"]]
+           if not r["float64_allowed"] and r["f64_instructions"] > LIBDEVICE_F64.get(r["kernel"], 0)]
     assert not bad, ("float64 arithmetic in kernels with no float64 argument: look for a "
                      "Python float (0.0, 1e-7, math.nan) mixed into float32 math, or ``/`` "
                      "on integers; write float32(...) instead:\n" + "\n".join(bad))
@@ -272,6 +281,12 @@ def test_ptxas_output_is_read():
         "shared_bytes": 2176}
     with pytest.raises(ValueError, match="printed 0"):
         report.parse_ptxas("ptxas info    : 0 bytes gmem\n")
+    # libdevice's slow path kept as a called function (float64 pow): its frame is added
+    internal = ("ptxas info    : Function properties for __internal_accurate_pow\n"
+                "    8 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert report.parse_ptxas(_PTXAS_V2 + internal)["stack_bytes"] == 8
+    with pytest.raises(ValueError, match="printed 2"):      # but a second function of ours is not
+        report.parse_ptxas(_PTXAS_V2 + internal.replace("__internal_accurate_pow", "_ZN7kernels3f"))
 
 
 def test_float64_instructions_are_counted():
