@@ -598,8 +598,12 @@ def matmul(a, b, transpose_a=False, transpose_b=False, name=None):
     if k != k2:
         raise InvalidArgumentError(f"matmul: inner dimensions differ: {a.shape}{'^T' if transpose_a else ''} "
                                    f"@ {b.shape}{'^T' if transpose_b else ''} ({k} vs {k2}).")
-    if a.dtype.kind != "f":
-        raise InvalidArgumentError(f"matmul of {a.dtype} tensors is not implemented here; cast to float32.")
+    if a.dtype != np.float32:
+        # our GEMM kernel is float32; other dtypes (float64, int32) as a broadcast product
+        # summed over k: m*k*n elements, the same answer on every backend
+        a2 = transpose(a) if transpose_a else a
+        b2 = transpose(b) if transpose_b else b
+        return reduce_sum(expand_dims(a2, 2) * expand_dims(b2, 0), axis=1)
     out = empty(a.dev, (m, n), a.dtype)
     with a.dev.activate():
         if out.buf.size and k:
