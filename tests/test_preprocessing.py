@@ -258,6 +258,8 @@ def test_bytes_that_are_not_utf8_are_tokens_like_any_other(rng):
     inverse = tf.keras.layers.StringLookup(vocabulary=shown, invert=True)
     assert inverse(layer(tokens)).tolist() == [t if t in known else b"[UNK]" for t in tokens]
     assert tf.keras.layers.StringLookup(vocabulary=shown)(tokens).tolist() == want
+    with pytest.raises(ValueError, match="different lengths"):      # ragged: refused, as before
+        layer([[b"\xff", "a"], ["a"]])
     adapted = tf.keras.layers.StringLookup()
     adapted.adapt(np.array([b"\xff", b"\xff", b"a"], dtype=object))
     assert adapted.get_vocabulary() == ["[UNK]", b"\xff", "a"]

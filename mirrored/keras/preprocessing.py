@@ -203,7 +203,12 @@ class _IndexLookup:
         if hasattr(inputs, "numpy"):
             inputs = inputs.numpy()
         if isinstance(inputs, (list, tuple)):           # (np.asarray fails on bytes beside str)
-            return np.array(inputs, dtype=object)
+            values = np.array(inputs, dtype=object)
+            if any(isinstance(v, (list, tuple, np.ndarray)) for v in values.reshape(-1).tolist()):
+                raise ValueError(f"lookup layers take a rectangular array of tokens; got nested lists of "
+                                 f"different lengths (shape {values.shape} of lists). Pad the rows to one "
+                                 f"length (e.g. with the mask_token) or look each row up on its own.")
+            return values
         return np.asarray(inputs)
 
 
