@@ -84,6 +84,9 @@ def test_bad_arguments_are_refused():
         tf.keras.layers.StringLookup(vocabulary=VOCAB, output_mode="tf_idf")
     with pytest.raises(ValueError, match="invert"):
         tf.keras.layers.StringLookup(vocabulary=VOCAB, invert=True, output_mode="one_hot")
+    with pytest.raises(ValueError, match="encoding='no-such-codec'"):
+        tf.keras.layers.StringLookup(vocabulary=VOCAB, encoding="no-such-codec")
+    assert tf.keras.layers.StringLookup(vocabulary=[b"\xe9"], encoding="latin-1").get_vocabulary() == ["[UNK]", "\u00e9"]
 
 
 def test_the_distributed_input_tutorials_preprocessing_cell(devices, monkeypatch):

@@ -43,6 +43,7 @@ default), and the bytes themselves for a token that does not decode (Keras raise
 Neighbours: ``mirrored/data.py`` (``Dataset.map``, where these run), ``base_layer.py`` and
 ``layers.py`` (export them as ``keras.layers.StringLookup`` / ``IntegerLookup``), ``utils.py`` (``to_categorical``).
 """
+import codecs
 import collections
 import zlib
 
@@ -72,6 +73,11 @@ class _IndexLookup:
             raise ValueError(f"num_oov_indices must be an integer >= 0, got {num_oov_indices!r}.")
         self.max_tokens, self.num_oov_indices, self.invert = max_tokens, num_oov_indices, bool(invert)
         self.encoding = kwargs.get("encoding") or "utf-8"          # StringLookup's get_vocabulary
+        try:
+            codecs.lookup(self.encoding)
+        except (LookupError, TypeError):
+            raise ValueError(f"{type(self).__name__}: encoding={self.encoding!r} is not a text encoding "
+                             f"Python knows; use e.g. 'utf-8' (Keras's default).") from None
         self.mask_token, self.oov_token = mask_token, oov_token    # as given (Keras's attributes)
         self._mask = None if mask_token is None else self._token(mask_token)   # as looked up
         self._oov = self._token(oov_token)
