@@ -138,7 +138,18 @@ class BundledSubsetWarning(UserWarning):
 
 
 class DownloadError(OSError):
-    """The full MNIST set was required (download='force') but could not be had."""
+    """Files were required (MNIST with download='force', or a data set with no bundled copy)
+    but could not be had. ``problems``: {file name: what is wrong with it} (from
+    ``fetch_files``; empty where not known)."""
+
+    def __init__(self, *args, problems=None):
+        super().__init__(*args)
+        self.problems = dict(problems or {})
+
+
+class DamagedFileWarning(UserWarning):
+    """A cached data file failed its size or SHA-256 check and was not used (the warning
+    names it, with both hashes, and what to do)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -262,7 +273,7 @@ def _verify_or_download(directory, files, mirrors, mode, local_copy=None):
             copy, rejected = local_copy(directory, name)
             if copy is not None:
                 path, problem = copy, None
-            elif rejected and "is missing" in problem:
+            elif rejected and is_missing(problem):
                 problem = rejected[0]    # say what is wrong with the copy that IS there
         paths[name] = path
         if problem and not network_down and not_writable is None:
@@ -299,7 +310,8 @@ def fetch_files(what, directory, files, mirrors, download=True):
             f"{what} needs {len(files)} file(s) in {directory}, and {why}:\n{lines}\n"
             f"What to do: load with network access, or copy the original files "
             f"({', '.join(files)}) from {mirrors[0]} into {directory}; a damaged file named "
-            f"above can be deleted. (This data set has no bundled copy, and no other is used.)")
+            f"above can be deleted. (This data set has no bundled copy, and no other is used.)",
+            problems=problems)
     return paths
 
 
@@ -309,12 +321,19 @@ def check_file(path, size, sha256):
     if not path.exists():
         return f"{path} is missing"
     actual_size = path.stat().st_size
-    if actual_size != size:
-        return f"{path} has {actual_size} bytes, expected {size} (truncated or another file)"
+    if actual_size != size:       # both hashes too: the one a user compares with the origin's
+        return (f"{path} has {actual_size} bytes, expected {size}, and SHA-256 {_sha256(path)}, "
+                f"expected {sha256} (truncated or another file)")
     actual = _sha256(path)
     if actual != sha256:
         return f"{path} has SHA-256 {actual}, expected {sha256} (corrupt)"
     return None
+
+
+def is_missing(problem):
+    """True if ``problem`` (from ``check_file``) says the file is not there at all (rather
+    than there and wrong: a file worth naming to the user)."""
+    return problem.endswith(" is missing")
 
 
 def _local_names(name):
@@ -379,8 +398,9 @@ def _fallback_message(directory, problems, mode, not_writable=None):
                f"write, or make this one writable")
     else:
         why = "the full set could not be downloaded (no network?)"
-    bad = [p for p in problems.values() if "is missing" not in p]
-    details = f" Bad cached file(s): {'; '.join(bad)}." if bad else ""
+    bad = [p for p in problems.values() if not is_missing(p.split("; ")[0])]
+    details = (f" Bad cached file(s), not used: {'; '.join(bad)}; delete them (a download "
+               f"replaces them)." if bad else "")
     # Short: a notebook shows it in every run that has no full set (the classroom's usual
     # case). The ways to get the full set are in load()'s docstring and the README.
     return (f"load('mnist'): the bundled subset {BUNDLED_NAME}, {counts['train']:,} train / "

@@ -6,7 +6,8 @@ only row numbers, with bitwise the weights of the copied batches (the switch
 ``input_lib.AUTO_PLACE_ON_GPUS = False``). Otherwise it copies, silently: over the
 budget, out of device memory, on CPUs, for a pipeline it cannot plan, or when the
 dataset was distributed with options that do not ask for it. The copy leaves the
-devices when fit returns, also when a step ran out of memory.
+devices when fit returns, also when a step ran out of memory. It goes to the devices the
+model's weights are on, whatever device scope ``fit`` is called in (issue 51).
 """
 import contextlib
 import warnings
@@ -251,3 +252,47 @@ def test_an_out_of_memory_step_leaves_the_memory_as_before(rng, monkeypatch):
             model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(256), verbose=0)
         assert len(placed) == 1                                  # the rows (6 KiB) were placed first
         assert_same_state(before, state_of(model))
+
+
+def plain_model(shape):
+    """``small_model`` with no strategy: where its weights go is the current device's business."""
+    model = tf.keras.Sequential([tf.keras.layers.Flatten(input_shape=shape),
+                                 tf.keras.layers.Dense(5, activation="relu"),
+                                 tf.keras.layers.Dense(4)])
+    model.compile(optimizer=tf.keras.optimizers.Adam(0.01), metrics=["accuracy"],
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("model_on,fit_under", [("CPU:0", None), ("GPU:0", "CPU:0")])
+def test_the_data_goes_where_the_model_runs_not_where_fit_is_called(devices, rng, monkeypatch,
+                                                                     model_on, fit_under):
+    """Issue 51: lab 01's "no strategy" model is built under ``tf.device(devices[0])``, a CPU
+    in the simulator, on a machine with a GPU; ``fit`` is called outside that scope, where
+    the current device is GPU:0. The cached data set was uploaded to GPU:0 unasked and the
+    step refused it ("the resident data set lives on ...GPU:0 but replica 0 runs on
+    ...CPU:0"). The data goes where the model's weights are: nowhere for a CPU model (a
+    gather on a CPU costs what a copy costs), to GPU:0 for a GPU model fitted under a CPU
+    scope. Either way bitwise the weights of the copied batches. (The lab's cached pipeline,
+    resident from its second epoch, for the CPU model; on the simulated GPU, slices, resident
+    from the first: one epoch, a few seconds less.)"""
+    devs = devices(cpus=1, gpus=1)
+    x, y = data(rng, n=ROWS)
+    pipeline, epochs = (lab_pipeline, 2) if model_on == "CPU:0" else (slices, 1)
+    with tf.device(model_on):
+        copied, kept = plain_model(x.shape[1:]), plain_model(x.shape[1:])
+    kept.set_weights(copied.get_weights())
+    assert kept.trainable_variables[0].device.endswith(model_on)
+
+    def scope():
+        return tf.device(fit_under) if fit_under else contextlib.nullcontext()
+    with scope():
+        fit_copied(copied, pipeline(x, y), monkeypatch, epochs=epochs)
+    placed, original = [], input_lib.ResidentRows
+    monkeypatch.setattr(input_lib, "ResidentRows", lambda rows, where: placed.append(where) or original(rows, where))
+    with scope(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        kept.fit(pipeline(x, y), epochs=epochs, verbose=0)
+    assert_same_weights(copied, kept)
+    want = [] if model_on == "CPU:0" else [[d.name for d in gpus_of(devs)]]
+    assert [[d.name for d in where] for where in placed] == want

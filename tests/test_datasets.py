@@ -562,7 +562,7 @@ def test_a_corrupt_compressed_stream_names_the_file_and_falls_back(tmp_path, ful
     bad.write_bytes(bytes(blob))
     with pytest.raises(ValueError, match=rf"{name}: not a readable gzip file .*Error -3.*[Dd]elete it"):
         datasets.read_idx(bad)
-    with pytest.warns(BundledSubsetWarning, match=rf"{name} has SHA-256 \w+, expected \w+ \(corrupt\)"):
+    with pytest.warns(BundledSubsetWarning, match=rf"{name} has SHA-256 \w+, expected \w+ \(corrupt\); delete"):
         _, info = datasets.load("mnist", data_dir=tmp_path, with_info=True, download=False)
     assert "bundled" in info.source and list(info.problems) == [name]
     with pytest.raises(DownloadError, match=rf"(?s){name} has SHA-256 .*corrupt.*[Dd]elete"):

@@ -154,6 +154,44 @@ def test_mnist_npz_in_the_cache_or_at_path_is_used(keras_home, tmp_path, monkeyp
             np.testing.assert_array_equal(yt, arrays["y_test"])
 
 
+@pytest.mark.parametrize("damage,where", [("one byte changed", "mnist.npz"), ("truncated", "mnist.npz"),
+                                          ("one byte changed", "elsewhere")])
+def test_a_tampered_mnist_npz_is_named_with_both_hashes_and_not_used(keras_home, tmp_path, monkeypatch, rng,
+                                                                       damage, where):
+    """Issue 51: offline, a tampered ``mnist.npz`` was (rightly) not used, but the only message
+    was the bundled subset's, which never named the file. Keras names the file whose hash
+    does not match: so do we, with its SHA-256 and the expected one, and what to do; the file
+    itself is left as it was (it is the user's), and the subset is what comes back."""
+    arrays = {k: rng.integers(0, 256, (3, 28, 28) if k[0] == "x" else 3, dtype=np.uint8)
+              for k in ("x_train", "y_train", "x_test", "y_test")}
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    good = buffer.getvalue()
+    expected = hashlib.sha256(good).hexdigest()
+    monkeypatch.setattr(kd, "MNIST_NPZ", ("mnist.npz", len(good), expected))
+    at = int(rng.integers(0, len(good)))
+    bad = good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1:] if damage == "one byte changed" else good[:at]
+    actual = hashlib.sha256(bad).hexdigest()
+    path = keras_home / "mnist.npz" if where == "mnist.npz" else tmp_path / "my-mnist.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bad)
+    monkeypatch.setenv("MIRRORED_OFFLINE", "1")
+    monkeypatch.setenv("MIRRORED_DATA_DIR", str(tmp_path / "tfds"))    # no full IDX set to fall back on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (x, _), _ = tf.keras.datasets.mnist.load_data(path="mnist.npz" if where == "mnist.npz" else str(path))
+    named = [str(w.message) for w in caught if issubclass(w.category, datasets.DamagedFileWarning)]
+    assert len(named) == 1, [str(w.message) for w in caught]
+    message = named[0]
+    assert str(path) in message and f"SHA-256 {actual}, expected {expected}" in message, message
+    assert "not used" in message and "delete it" in message and "network access" in message, message
+    if damage == "truncated":
+        assert f"has {at} bytes, expected {len(good)}" in message, message
+    assert any(issubclass(w.category, datasets.BundledSubsetWarning) for w in caught)
+    assert x.shape == (8000, 28, 28)                                # the bundled subset, not the file
+    assert path.read_bytes() == bad                                 # left as it was
+
+
 def _cifar_archive(rng, per_batch=3, test=2):
     """A CIFAR-10 binary archive of random records; returns (bytes, train (x, y), test (x, y))
     with x in the archive's (n, 3, 32, 32) planes."""

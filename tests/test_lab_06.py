@@ -1,6 +1,7 @@
 """Lab 06 (Beyond one machine) runs top to bottom: it starts 2 workers with mpiexec itself.
 
-Executed by the ``run_lab`` fixture (tests/conftest.py) with MIRRORED_QUICK=1.
+Executed by the ``run_lab`` fixture (tests/conftest.py) with MIRRORED_QUICK=1, twice: on
+this machine's devices and in the CUDA simulator (the workers inherit it).
 
     python -m pytest tests/test_lab_06.py
 """

@@ -1,9 +1,10 @@
 """Labs 01 (Mirrored Strategy: Basic) and 05 (single- vs multi-device timing) run top to bottom.
 
 Executed by the ``run_lab`` fixture (tests/conftest.py): MIRRORED_QUICK=1, the bundled
-MNIST subset, CPU devices where there is no GPU.
+MNIST subset, each lab twice: on this machine's devices (CPU devices where there is no GPU)
+and in the CUDA simulator (a machine with a GPU: lab 01's CPU model beside it, issue 51).
 
-    python -m pytest tests/test_labs_01_05.py            # ~20 s on a 2-core laptop (the ConvNet)
+    python -m pytest tests/test_labs_01_05.py            # ~25 s on a 2-core laptop (the ConvNet)
 """
 import re
 

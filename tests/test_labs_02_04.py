@@ -1,10 +1,10 @@
 """Labs 02-04 run top to bottom, with small settings, as the course runs them.
 
 Executed by the ``run_lab`` fixture (tests/conftest.py): MIRRORED_QUICK=1, the bundled
-MNIST subset, CPU devices where there is no GPU (lab 04 starts its own simulator
-process for the kernel demos).
+MNIST subset, each lab twice: on this machine's devices (CPU devices where there is no GPU;
+lab 04 starts its own simulator process for the kernel demos) and in the CUDA simulator.
 
-    python -m pytest tests/test_labs_02_04.py            # ~30 s on a 2-core laptop
+    python -m pytest tests/test_labs_02_04.py            # ~75 s on a 2-core laptop
     python -m pytest -m "not notebook"                    # everything else
 """
 import re

@@ -272,7 +272,8 @@ class ArrayBatches:
 class DatasetBatches:
     """The elements of a batched ``mirrored.data.Dataset``, one epoch per iteration.
 
-    On GPUs, an epoch that the data set can plan by row number (``data.index_batches``:
+    When the model's replicas run on GPUs (``replica_devices``: its weights' devices, not
+    the current device's), an epoch that the data set can plan by row number (``data.index_batches``:
     ``from_tensor_slices``, or a filled ``cache()``, then shuffle/repeat/take, then
     batch) is played from a copy of its rows kept on the devices (``ResidentBatch``es),
     when the rows fit (``input_lib.fits_on_devices``) and are an (x, y) pair the
@@ -289,7 +290,7 @@ class DatasetBatches:
     def __init__(self, dataset, model, dist=None):
         self.dataset, self.dist = dataset, dist
         self.residence = None            # input_lib.Residence when fit may place the data unasked
-        devices = model.distribute_strategy.extended.devices
+        devices = replica_devices(model)
         # Never on CPUs, where a gather costs what a copy costs (read here, not asked of
         # input_lib: a CPU fit's step stays out of that file, tests/test_trace_step.py)
         on_gpus = input_lib.AUTO_PLACE_ON_GPUS and all(dev.device_type == "GPU" for dev in devices)
@@ -307,6 +308,17 @@ class DatasetBatches:
         if resident is not None:
             return resident_batches(resident, batches)
         return iter(self.dataset) if batches is None else batches    # host batches, already planned
+
+
+def replica_devices(model):
+    """The devices ``model``'s replicas run on: those of its weights once it is built
+    (a model made under ``tf.device("/cpu:0")`` with no strategy runs there, wherever
+    ``fit`` is called), else those its strategy will build it on. A data set kept on the
+    devices goes exactly there (issue 51: lab 01's CPU model on a machine with a GPU
+    once found its data uploaded to GPU:0 and could not train)."""
+    if model.step is not None:
+        return model.step.devices
+    return model.distribute_strategy.extended.devices
 
 
 def resident_batches(resident, batches):

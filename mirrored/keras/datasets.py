@@ -18,7 +18,9 @@ only when its digest matches, a clear error naming the file and the fix.
 Offline (no network, or ``MIRRORED_OFFLINE=1``):
 * ``mnist``: ``mnist.npz`` if it is there, else what ``mirrored.datasets.load('mnist')``
   finds (MNIST's IDX files in ``~/tensorflow_datasets``) or its bundled 8,000 / 2,000
-  subset, with its one warning.
+  subset, with its one warning. An ``mnist.npz`` that is there but fails its check (size,
+  SHA-256) is never read: a ``DamagedFileWarning`` names it, with its SHA-256 and the
+  expected one, and says what to do (as Keras names the file whose hash does not match).
 * ``fashion_mnist``, ``cifar10``: not bundled. With no cached copy, ``load_data()`` raises
   ``DownloadError`` naming the folder to put the files in; another data set is never
   substituted.
@@ -29,6 +31,7 @@ Neighbours: ``mirrored/datasets.py`` (the tfds-style loader and the download mac
 """
 import os
 import tarfile
+import warnings
 import zlib
 from pathlib import Path
 
@@ -70,18 +73,23 @@ def _mnist_load_data(path="mnist.npz"):
     the bundled subset, with its warning)."""
     name, size, sha256 = MNIST_NPZ
     target = cache_dir() / Path(path).expanduser()
+    found = problem = None
     try:
         if target.name == name:
             found = _datasets.fetch_files("keras.datasets.mnist.load_data()", target.parent,
                                           {name: (size, sha256)}, KERAS_ORIGINS)[name]
-        elif _datasets.check_file(target, size, sha256) is None:
-            found = target
         else:
-            found = None
-    except DownloadError:
-        found = None
+            problem = _datasets.check_file(target, size, sha256)
+            found = None if problem else target
+    except DownloadError as error:
+        problem = error.problems.get(name)
     if found is not None:
         return _read_mnist_npz(found)
+    if problem and not _datasets.is_missing(problem.split("; ")[0]):   # there, and not Keras's file
+        warnings.warn(f"keras.datasets.mnist.load_data(): {problem}, so it is not used. What to do: "
+                      f"delete it and load with network access (Keras's copy, {KERAS_ORIGINS[0]}{name}, "
+                      f"is downloaded and checked), or put that file there. Loading "
+                      f"mirrored.datasets.load('mnist') instead.", _datasets.DamagedFileWarning, stacklevel=2)
     splits = _datasets.load("mnist", split=["train", "test"], as_supervised=True, batch_size=-1)
     return tuple((images[..., 0], labels.astype(np.uint8)) for images, labels in splits)
 
