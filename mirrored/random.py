@@ -88,9 +88,20 @@ def _stream(dev, seed):
 
 def _draw(dist, shape, dtype, seed):
     dev = devices.current_device()
+    return draw(dist, shape, dtype, dev, _stream(dev, seed))
+
+
+def new_state(dev, seed):
+    """A fresh random state on ``dev`` for an integer ``seed`` (``keras.random``'s seeds)."""
+    with recording.initialization(), dev.activate():
+        return dev.from_numpy(random_fill.state_init(int(seed) % 2**64))
+
+
+def draw(dist, shape, dtype, dev, state):
+    """``shape`` draws of ``dist`` ("uniform" in [0, 1), "normal") on ``dev`` from ``state``,
+    which then advances (on the device: a replay draws the next numbers)."""
     shape = tuple(int(n) for n in shape)
     out = ops.empty(dev, shape, np.float32)
-    state = _stream(dev, seed)
     if out.buf.size:
         with dev.activate():
             dev.ops.random_fill(dist, ops.flat(out), state)

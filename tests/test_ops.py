@@ -331,3 +331,19 @@ def test_random_tensors_repeat_under_set_seed_and_differ_between_calls(cpu):
     assert abs(a.mean()) < 0.15 and abs(a.std() - 1) < 0.1 and b.min() >= -1 and b.max() < 1
     s1, s2 = tf.random.normal((4,), seed=3).numpy(), tf.random.normal((4,), seed=3).numpy()
     assert not np.array_equal(s1, s2)                      # one op seed: a stream, advanced
+
+
+def test_keras_random_seeds_as_keras_3(cpu):
+    """seed=int: the same numbers each call; a SeedGenerator: new numbers, repeatable from its seed."""
+    a = tf.keras.random.normal((50,), seed=5).numpy()
+    np.testing.assert_array_equal(tf.keras.random.normal((50,), seed=5).numpy(), a)
+    g1, g2 = tf.keras.random.SeedGenerator(11), tf.keras.random.SeedGenerator(11)
+    first = tf.keras.random.uniform((20,), seed=g1).numpy()
+    second = tf.keras.random.uniform((20,), seed=g1).numpy()
+    assert not np.array_equal(first, second)
+    np.testing.assert_array_equal(tf.keras.random.uniform((20,), seed=g2).numpy(), first)
+    u = tf.keras.random.uniform((1000,), minval=-2.0, maxval=3.0, seed=1).numpy()
+    assert u.min() >= -2.0 and u.max() < 3.0 and abs(u.mean() - 0.5) < 0.2
+    x = tf.ones((1000,))
+    d = tf.keras.random.dropout(x, 0.25, seed=g1).numpy()
+    assert set(np.unique(d)) <= {0.0, np.float32(1 / 0.75)} and 0.15 < (d == 0).mean() < 0.35

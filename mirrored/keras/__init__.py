@@ -23,10 +23,10 @@ data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
 losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
 mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
-(GradientTape), progbar.py.
+(GradientTape), progbar.py, random.py (keras.random: normal, uniform, SeedGenerator).
 """
-from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, regularizers, saving,
-                            utils)
+from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, random, regularizers,
+                            saving, utils)
 from mirrored.keras.functional import KerasTensor
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Functional, Model, Sequential
