@@ -41,9 +41,13 @@ class Linear(tf.keras.layers.Layer):
         return tf.matmul(inputs, self.w) + self.b
 
 
-def _strategy(devices, n):
-    devices(cpus=n)
-    return tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+def _strategy(devices, n, kind="CPU"):
+    """n replicas on logical CPUs, or on simulated logical GPUs (the CUDA path end to end)."""
+    if kind == "GPU":
+        devices(cpus=1, gpus=n)
+    else:
+        devices(cpus=n)
+    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
 
 
 def _models(strategy, din, hidden, classes, lr):
@@ -84,10 +88,10 @@ def _numpy_sgd(weights, xs, ys, lr):
     return [w1, b1, w2, b2]
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_simple_dense_trains_like_dense_and_a_float64_oracle(devices, rng, n):
+@pytest.mark.parametrize("n,kind", [(1, "CPU"), (2, "CPU"), (2, "GPU")])
+def test_simple_dense_trains_like_dense_and_a_float64_oracle(devices, rng, n, kind):
     din, hidden, classes, batch, steps, lr = 6, 5, 4, 9, 4, 0.5
-    custom, builtin = _models(_strategy(devices, n), din, hidden, classes, lr)
+    custom, builtin = _models(_strategy(devices, n, kind), din, hidden, classes, lr)
     start = custom.get_weights()
     assert [w.shape for w in start] == [(din, hidden), (hidden,), (hidden, classes), (classes,)]
     assert [v.name for v in custom.trainable_variables][:2] == [
@@ -232,3 +236,28 @@ def test_clear_errors(devices):
 
     with tf.device("CPU:0"), pytest.raises(TypeError, match="float32"):
         tf.keras.Sequential([Wrong(input_shape=(2,)), tf.keras.layers.Dense(1)])
+
+
+def test_fit_on_simulated_gpus_replays_a_custom_layer_like_the_cpu(devices, rng):
+    """fit's compiled step (captured or replayed per batch size) runs the layer's ops anew on
+    each batch: 2 simulated GPUs end where 2 logical CPUs do, from the same weights."""
+    x = rng.random((16, 3)).astype(np.float32)
+    y = rng.random((16, 2)).astype(np.float32)
+    results = []
+    for kind in ("CPU", "GPU"):
+        strategy = _strategy(devices, 2, kind)
+        with strategy.scope():
+            model = tf.keras.Sequential([SimpleDense(4, activation="relu", input_shape=(3,)), SimpleDense(2)])
+        model.compile(loss="mse", optimizer=tf.keras.optimizers.SGD(0.1))
+        if results:
+            model.set_weights(results[0][0])
+        start = model.get_weights()
+        history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+        _assert_replicas_equal(model)
+        results.append((start, model.get_weights(), history.history["loss"]))
+    (_, cpu, cpu_loss), (_, gpu, gpu_loss) = results
+    for a, b, w0 in zip(cpu, gpu, results[0][0]):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-6)
+        assert not np.allclose(a, w0)
+    np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-5)
+    assert gpu_loss[-1] < gpu_loss[0]

@@ -26,9 +26,13 @@ class MyCrossentropy(tf.keras.losses.Loss):
         return -tf.reduce_sum(y_true * tf.math.log(y_pred), axis=-1)
 
 
-def _strategy(devices, n):
-    devices(cpus=n)
-    return tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+def _strategy(devices, n, kind="CPU"):
+    """n replicas on logical CPUs, or on simulated logical GPUs (the CUDA path end to end)."""
+    if kind == "GPU":
+        devices(cpus=1, gpus=n)
+    else:
+        devices(cpus=n)
+    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
 
 
 def _linear(strategy, din, dout, loss, lr, activation=None):
@@ -49,10 +53,10 @@ def _huber64(e):
     return np.where(np.abs(e) <= 1, e * e / 2, np.abs(e) - 0.5)
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_custom_huber_trains_like_a_float64_oracle(devices, rng, n):
+@pytest.mark.parametrize("n,kind", [(1, "CPU"), (2, "CPU"), (2, "GPU")])
+def test_custom_huber_trains_like_a_float64_oracle(devices, rng, n, kind):
     din, batch, steps, lr = 3, 10, 5, 0.2
-    model = _linear(_strategy(devices, n), din, 1, my_huber, lr)
+    model = _linear(_strategy(devices, n, kind), din, 1, my_huber, lr)
     w, b = (a.astype(np.float64) for a in model.get_weights())
     xs = rng.standard_normal((steps, batch, din)).astype(np.float32)
     ys = (3 * rng.standard_normal((steps, batch))).astype(np.float32)     # some errors beyond 1
