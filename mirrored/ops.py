@@ -59,7 +59,7 @@ import numbers
 import numpy as np
 
 from kernels import broadcast, unary_math
-from mirrored import autodiff, devices
+from mirrored import autodiff, devices, recording
 from mirrored import tensor
 from mirrored.errors import InvalidArgumentError
 from mirrored.tensor import Tensor, as_dtype, cast as _cast_no_grad
@@ -94,6 +94,26 @@ def _number(value):
     return isinstance(value, (numbers.Number, np.number, np.bool_)) and not isinstance(value, Tensor)
 
 
+_constants = {}                    # (id(device), dtype, bytes) -> (device, Tensor): numbers met in ops
+_CONSTANTS_KEPT = 256
+
+
+def _constant(arr, dev):
+    """``arr`` (a NumPy value, usually a 0-d number such as the 0 of ``x > 0``) as a tensor on
+    ``dev``, uploaded once and kept: ops never write their inputs, so one copy serves every
+    step (a training step would otherwise upload its numbers every time)."""
+    if arr.size > 16:
+        return tensor.constant(arr, device=dev)
+    key = (id(dev), arr.dtype.str, arr.shape, arr.tobytes())
+    entry = _constants.get(key)
+    if entry is None or entry[0] is not dev:
+        if len(_constants) >= _CONSTANTS_KEPT:
+            _constants.clear()
+        with recording.initialization():           # made once: a replay never redoes it
+            entry = _constants[key] = (dev, tensor.constant(arr, device=dev))
+    return entry[1]
+
+
 def _pair(op, x, y):
     """Both operands as Tensors of one dtype on one device (TensorFlow's conversion rules)."""
     first = x if isinstance(x, (Tensor, Variable)) else y
@@ -115,7 +135,7 @@ def _pair(op, x, y):
             if dtype.kind in "iu" and arr.dtype.kind == "f" and np.any(arr != np.floor(arr)):
                 raise TypeError(f"{op}: cannot combine a {dtype} tensor with the non-integer value "
                                 f"{v!r}; cast the tensor first: mirrored.cast(x, mirrored.float32).")
-            out.append(tensor.constant(arr.astype(dtype), device=dev))
+            out.append(_constant(arr.astype(dtype), dev))
     a, b = out
     if a.dev is not b.dev:
         raise InvalidArgumentError(
@@ -363,11 +383,23 @@ UNARY_GRAD = {
     "tanh": lambda g, x, y, a: g * (1.0 - y * y),
     "sigmoid": lambda g, x, y, a: g * y * (1.0 - y),
     "softplus": lambda g, x, y, a: g * sigmoid(x),
-    "relu": lambda g, x, y, a: where(greater(y, 0), g, zeros_like(g)),
+    "relu": lambda g, x, y, a: _relu_grad(g, y),
     "leaky_relu": lambda g, x, y, a: where(greater(x, 0), g, g * a),
     "elu": lambda g, x, y, a: where(greater(x, 0), g, g * (y + a)),
     "round": None, "floor": None, "ceil": None, "logical_not": None,
 }
+
+
+def _relu_grad(g, y):
+    """``g`` where the ReLU's output ``y`` > 0, else 0: the engine's fused kernel (float32),
+    itself differentiable in ``g`` (the same mask), so nested tapes go through it."""
+    if g.dtype != np.float32 or y.dtype != np.float32 or g.shape != y.shape:
+        return where(greater(y, 0), g, zeros_like(g))
+    out = empty(g.dev, g.shape, g.dtype)
+    if out.buf.size:
+        with g.dev.activate():
+            g.dev.ops.relu_backward(flat(g), flat(y), flat(out))
+    return autodiff.record("relu_grad", (g,), out, lambda gg: (_relu_grad(gg, y),))
 
 
 def _unary(op, doc):
