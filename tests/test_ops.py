@@ -347,3 +347,32 @@ def test_keras_random_seeds_as_keras_3(cpu):
     x = tf.ones((1000,))
     d = tf.keras.random.dropout(x, 0.25, seed=g1).numpy()
     assert set(np.unique(d)) <= {0.0, np.float32(1 / 0.75)} and 0.15 < (d == 0).mean() < 0.35
+
+
+def test_builtin_losses_on_any_tensors_as_tf_quickstart_calls_them(cpu, rng):
+    """``loss_fn(y_train[:1], predictions).numpy()`` on NumPy predictions (TF's quickstart),
+    and each built-in loss on tensors made by ops, against float64 NumPy; differentiable."""
+    logits = rng.normal(size=(5, 4))
+    labels = rng.integers(0, 4, 5)
+    onehot = np.eye(4)[labels]
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    probs = np.exp(logp)
+    cases = [
+        (tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), labels, logits, -logp[np.arange(5), labels]),
+        (tf.keras.losses.SparseCategoricalCrossentropy(), labels, probs, -logp[np.arange(5), labels]),
+        (tf.keras.losses.CategoricalCrossentropy(from_logits=True), onehot, logits, -(onehot * logp).sum(1)),
+        (tf.keras.losses.MeanSquaredError(), onehot, logits, ((logits - onehot) ** 2).mean(1)),
+        (tf.keras.losses.BinaryCrossentropy(from_logits=True), onehot, logits,
+         (np.maximum(logits, 0) - logits * onehot + np.log1p(np.exp(-np.abs(logits)))).mean(1)),
+    ]
+    for loss, y, pred, want in cases:
+        got = loss(y, pred.astype(np.float32))
+        assert isinstance(got, tf.Tensor) and got.shape == ()
+        np.testing.assert_allclose(got.numpy(), want.mean(), rtol=1e-5, err_msg=type(loss).__name__)
+    none = tf.keras.losses.MeanSquaredError(reduction="none")(onehot, logits.astype(np.float32))
+    np.testing.assert_allclose(none.numpy(), ((logits - onehot) ** 2).mean(1), rtol=1e-5)
+    x = tf.constant(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        value = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, x)
+    np.testing.assert_allclose(tape.gradient(value, x).numpy(), (probs - onehot) / 5, rtol=1e-10)

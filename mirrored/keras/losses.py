@@ -22,12 +22,18 @@ loop under a strategy wants, to divide by the GLOBAL batch with
 ``mirrored.nn.compute_average_loss``).
 
 Called on a model's output inside a ``GradientTape``, the result remembers
-where it came from, so ``tape.gradient`` can run the backward kernels.
+where it came from, so ``tape.gradient`` can run the backward kernels. Called on anything
+else (NumPy predictions, as TF's quickstart does: ``loss_fn(y_train[:1], predictions)``, or
+tensors made by ops), the same math is written in ops (``per_example_in_ops``) and returns a
+tensor, differentiable by the tape.
 """
 import enum
 
+import numpy as np
+
+from mirrored import ops
 from mirrored.keras.custom_losses import Loss, LossFunctionWrapper  # noqa: F401 (keras.losses.Loss)
-from mirrored.keras.tape import loss_from_model_output
+from mirrored.keras.tape import ModelOutput, loss_from_model_output
 from mirrored.tensor import Tensor
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
@@ -71,9 +77,8 @@ class SparseCategoricalCrossentropy:
     def __call__(self, y_true, y_pred, sample_weight=None):
         if sample_weight is not None:
             raise NotImplementedError("sample_weight is not implemented for this loss.")
-        if not isinstance(y_pred, Tensor) or y_pred.node is None:
-            raise TypeError("SparseCategoricalCrossentropy here is computed from a mirrored.keras "
-                            "model's output: call it as loss(labels, model(images, training=True)).")
+        if not from_model(y_pred):
+            return reduce_in_ops(self, per_example_in_ops(self, y_true, y_pred))
         return loss_from_model_output(self, y_true, y_pred, kernel_mode)
 
     def get_config(self):
@@ -93,9 +98,8 @@ class _TargetLoss:
     def __call__(self, y_true, y_pred, sample_weight=None):
         if sample_weight is not None:
             raise NotImplementedError(f"sample_weight is not implemented for {type(self).__name__}.")
-        if not isinstance(y_pred, Tensor) or y_pred.node is None:
-            raise TypeError(f"{type(self).__name__} here is computed from a mirrored.keras model's "
-                            f"output: call it as loss(targets, model(x, training=True)).")
+        if not from_model(y_pred):
+            return reduce_in_ops(self, per_example_in_ops(self, y_true, y_pred))
         return loss_from_model_output(self, y_true, y_pred, kernel_mode)
 
     def get_config(self):
@@ -165,6 +169,62 @@ class CategoricalCrossentropy(_TargetLoss):
     def get_config(self):
         return dict(super().get_config(), from_logits=self.from_logits,
                     label_smoothing=self.label_smoothing, axis=-1)
+
+
+# --- the same losses written in ops: for predictions that are not a model's output ----------
+
+#: Keras's clip of probabilities before a log (``backend.epsilon()``).
+EPSILON = 1e-7
+
+
+def from_model(y_pred):
+    """True when ``y_pred`` is a model's output (the fused kernels' path, keras/tape.py)."""
+    return isinstance(y_pred, Tensor) and isinstance(y_pred.node, ModelOutput)
+
+
+def per_example_in_ops(loss, y_true, y_pred):
+    """Keras's per-example values of ``loss`` (a vector over the batch), in ops."""
+    p = ops.as_tensor(y_pred)
+    if p.dtype.kind != "f":
+        p = ops.cast(p, np.float32)
+    if isinstance(loss, SparseCategoricalCrossentropy):
+        labels = ops.reshape(ops.as_tensor(np.asarray(y_true, np.int64) if not isinstance(y_true, Tensor)
+                                           else y_true, device=p.dev), (-1,))
+        if labels.dtype.kind not in "iu":
+            labels = ops.cast(labels, np.int64)
+        if loss.from_logits:
+            return ops.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=p)
+        q = ops.clip_by_value(p / ops.reduce_sum(p, axis=-1, keepdims=True), EPSILON, 1 - EPSILON)
+        return ops.negative(ops.reduce_sum(ops.one_hot(labels, p.shape[-1], dtype=p.dtype) * ops.log(q), axis=-1))
+    y = ops.as_tensor(y_true, dtype=p.dtype, device=p.dev)
+    if y.shape != p.shape and y.ndim == 1 and p.ndim == 2 and p.shape[1] == 1:
+        y = ops.reshape(y, p.shape)
+    if isinstance(loss, MeanSquaredError):
+        return ops.reduce_mean(ops.square(p - y), axis=-1)
+    if isinstance(loss, BinaryCrossentropy):
+        if loss.from_logits:
+            return ops.reduce_mean(ops.sigmoid_cross_entropy_with_logits(labels=y, logits=p), axis=-1)
+        q = ops.clip_by_value(p, EPSILON, 1 - EPSILON)
+        return ops.negative(ops.reduce_mean(y * ops.log(q) + (1.0 - y) * ops.log(1.0 - q), axis=-1))
+    if isinstance(loss, CategoricalCrossentropy):
+        if loss.label_smoothing:
+            y = y * (1.0 - loss.label_smoothing) + loss.label_smoothing / p.shape[-1]
+        if loss.from_logits:
+            return ops.softmax_cross_entropy_with_logits(y, p)
+        q = ops.clip_by_value(p / ops.reduce_sum(p, axis=-1, keepdims=True), EPSILON, 1 - EPSILON)
+        return ops.negative(ops.reduce_sum(y * ops.log(q), axis=-1))
+    raise TypeError(f"{type(loss).__name__} has no ops form.")
+
+
+def reduce_in_ops(loss, per_example):
+    """Keras's reduction of the per-example values: 'none', 'sum', or their mean."""
+    if loss.reduction == "none":
+        return per_example
+    total = ops.reduce_sum(per_example)
+    if loss.reduction == "sum":
+        return total
+    n = int(np.prod(per_example.shape))
+    return total / float(n) if n else total
 
 
 def takes_targets(loss):
