@@ -261,3 +261,32 @@ def test_fit_on_simulated_gpus_replays_a_custom_layer_like_the_cpu(devices, rng)
         assert not np.allclose(a, w0)
     np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-5)
     assert gpu_loss[-1] < gpu_loss[0]
+
+
+class ConfiguredDense(SimpleDense):
+    """SimpleDense with Keras's get_config, so model.save can write its arguments."""
+
+    def get_config(self):
+        return dict(super().get_config(), units=self.units, activation=self.activation_name)
+
+
+def test_keras_file_round_trip_through_custom_objects(devices, rng, tmp_path):
+    """.keras files name a custom layer by class; load_model rebuilds it only from the class the
+    caller passes (custom_objects), with the saved arguments and weights; without it, refused."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        model = tf.keras.Sequential([ConfiguredDense(4, activation="relu", input_shape=(3,)),
+                                     tf.keras.layers.Dense(2)])
+        model.compile(loss="mse", optimizer="adam")
+        x = rng.random((6, 3)).astype(np.float32)
+        model.fit(x, rng.random((6, 2)).astype(np.float32), verbose=0)
+        path = tmp_path / "custom.keras"
+        model.save(path)
+        with pytest.raises(NotImplementedError, match="custom_objects"):
+            tf.keras.models.load_model(path)
+        loaded = tf.keras.models.load_model(path, custom_objects={"ConfiguredDense": ConfiguredDense})
+        assert isinstance(loaded.layers[0], ConfiguredDense) and loaded.layers[0].units == 4
+        assert loaded.layers[0].activation_name == "relu"
+        for a, b in zip(loaded.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))

@@ -156,6 +156,17 @@ class Layer:
                                   f"whole model needs the library's layers ({', '.join(SUPPORTED)}); "
                                   f"save_weights works for any layer.")
 
+    @classmethod
+    def from_config(cls, config):
+        """The layer again from what ``get_config`` wrote (Keras's default: ``cls(**config)``;
+        ``load_model(path, custom_objects={...})`` calls it for a layer of the user's own).
+        A dtype policy written by Keras 3 as a dict is read as its name."""
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = config["dtype"].get("config", {}).get("name", "float32")
+        config.pop("batch_input_shape", None)
+        return cls(**config)
+
     def build(self, input_shape):
         """Create the weights for examples of ``input_shape`` (under the model's strategy)."""
         if call_layers.is_call_layer(self):

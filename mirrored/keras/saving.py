@@ -581,13 +581,22 @@ def _input_from_config(spec):
     return L.Input(shape=tuple(shape[1:]), name=cfg.get("name"))
 
 
-def _layer_from_config(spec):
-    """A new layer from its entry in a model's config (the layers this library has)."""
+def _layer_from_config(spec, custom_objects=None):
+    """A new layer from its entry in a model's config: the layers this library has, or a
+    class of the user's own passed in ``custom_objects`` (rebuilt by its ``from_config``:
+    code is never read from the file, only the arguments its ``get_config`` wrote)."""
     name, cfg = spec["class_name"], dict(spec["config"])
+    custom = (custom_objects or {}).get(name)
+    if custom is not None:
+        layer = custom.from_config(cfg)
+        if cfg.get("batch_input_shape") and getattr(layer, "input_shape_arg", None) is None:
+            layer.input_shape_arg = tuple(cfg["batch_input_shape"][1:])
+        return layer
     cls = getattr(L, name, None) if name in L.SUPPORTED else None
     if cls is None:
         raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
-                                  f"{', '.join(L.SUPPORTED)}.")
+                                  f"{', '.join(L.SUPPORTED)}; a layer of your own loads when you pass "
+                                  f"its class: load_model(path, custom_objects={{{name!r}: {name}}}).")
     kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
     if cfg.get("batch_input_shape"):
         kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
@@ -635,7 +644,7 @@ def model_from_config(config, custom_objects=None, before_build=None):
         def make_layer(entry):
             key = id(entry)
             if key not in made:
-                made[key] = _layer_from_config(entry)
+                made[key] = _layer_from_config(entry, custom_objects)
             return made[key]
         if before_build is not None:
             before_build(weight_shapes.of_functional(config, make_layer, _input_from_config))
@@ -650,7 +659,8 @@ def model_from_config(config, custom_objects=None, before_build=None):
     inner = config["config"]
     model = Sequential(name=inner.get("name"))        # not built until every layer is added
     for spec in inner["layers"]:
-        model.add(_input_from_config(spec) if spec["class_name"] == "InputLayer" else _layer_from_config(spec))
+        model.add(_input_from_config(spec) if spec["class_name"] == "InputLayer"
+                  else _layer_from_config(spec, custom_objects))
     shape = model.input_shape or build.get("input_shape")
     if shape and before_build is not None:
         before_build(weight_shapes.of_chain(model.layers, weight_shapes.example_shape(

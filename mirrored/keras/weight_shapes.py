@@ -17,8 +17,9 @@ the shapes each layer is called on and build nothing). Then each layer's weights
 
     Dense(units)                      kernel (in, units), bias (units,)
     Conv2D(filters, (KH, KW))         kernel (KH, KW, Cin, filters), bias (filters,) unless use_bias=False
-    a layer that shows no weights     none (Flatten, MaxPooling2D, Dropout, the merge layers)
-    a layer of the user's own         unknown (None): its own ``build`` decides
+    a library layer showing none      none (Flatten, MaxPooling2D, Dropout, the merge layers,
+                                      Activation, Reshape...)
+    a layer of the user's own         unknown (None): its own ``build`` (``add_weight``) decides
 
 These are the shapes ``layers.py``'s ``build`` makes (tests/test_faults_round4_shapes.py
 builds random layers and checks that the two agree). Where a layer is unknown,
@@ -69,9 +70,11 @@ def of_layer(layer, input_shape):
     if rule is not None:
         return [(f"{layer.name}/{suffix}:0", tuple(int(d) for d in shape))   # Variable's name
                 for suffix, shape in rule(layer, tuple(input_shape))]
-    if type(layer).trainable_weights is Layer.trainable_weights:
-        return []
-    return None
+    cls = type(layer)
+    if cls.trainable_weights is Layer.trainable_weights and cls.__module__.startswith("mirrored."):
+        return []                    # one of the library's layers that makes no weight (a library
+        #                              layer that makes them with add_weight needs a rule in RULES)
+    return None                      # a layer of the user's own (add_weight in its build)
 
 
 def minimum_count(layer):
