@@ -120,8 +120,6 @@ class Dense(Layer):
     def weights(self):
         return [self.kernel, self.bias] if self.built else []
 
-    trainable_weights = weights
-
     def make_buffers(self, state, b):
         dev = state.dev
         return SimpleNamespace(y=dev.empty((b, self.units), FLOAT),                                # (b, units)
@@ -239,8 +237,6 @@ class Conv2D(Layer):
         if not self.built:
             return []
         return [self.kernel, self.bias] if self.use_bias else [self.kernel]
-
-    trainable_weights = weights
 
     def make_buffers(self, state, b):
         dev = state.dev
