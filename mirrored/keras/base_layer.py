@@ -85,9 +85,14 @@ class Layer:
         and no optimizer slot: ``non_trainable.py``). Set it before ``compile``, as Keras asks."""
         return self.__dict__.get("trainable_flag", True)
 
+    #: how many times any layer's ``trainable`` was set: ``fit`` re-checks its pack only when
+    #: this moved since the pack was made (a check of every weight would cost each fit)
+    trainable_changes = 0
+
     @trainable.setter
     def trainable(self, value):
         self.__dict__["trainable_flag"] = bool(value)
+        Layer.trainable_changes += 1
         for layer in self.__dict__.get("_sublayers", ()):
             layer.trainable = value
 
@@ -291,10 +296,10 @@ def unsupported(name):
 
 SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout",
              "Add", "Subtract", "Multiply", "Average", "Concatenate",   # the merge layers: merging.py
-             "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda")  # composed_layers.py
+             "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda",  # composed_layers.py
+             "BatchNormalization", "LayerNormalization",                                   # normalization.py
+             "GlobalAveragePooling2D", "GlobalMaxPooling2D", "AveragePooling2D", "UpSampling2D",  # pooling_layers.py
+             "Embedding")                                                                  # embedding.py
 Conv1D = unsupported("Conv1D")
-AveragePooling2D = unsupported("AveragePooling2D")
-BatchNormalization = unsupported("BatchNormalization")
-Embedding = unsupported("Embedding")
 LSTM = unsupported("LSTM")
 

@@ -63,7 +63,7 @@ class ParameterPack:
     def __init__(self, variables, devices, state=()):
         self.variables = list(variables)
         self.devices = list(devices)
-        self.averaged = non_trainable.AveragedState(state, self.devices)   # per-replica state, outside
+        self.averaged = non_trainable.AveragedState(state, self.devices) or None   # per-replica state
         self.shapes = [v.shape for v in self.variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
@@ -97,7 +97,7 @@ def all_reduce(pack, cross_device_ops):
     ops know: across workers, one local device is still one replica of many).
     """
     cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
-    if pack.averaged:                          # BatchNormalization's moving statistics: their mean
+    if pack.averaged is not None:              # BatchNormalization's moving statistics: their mean
         pack.averaged.average(cross_device_ops)
 
 

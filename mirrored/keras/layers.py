@@ -36,7 +36,7 @@ from kernels import conv2d as conv2d_kernels, pooling   # shape rules (the math 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored.keras import initializers, regularizers
 from mirrored.keras.base_layer import (  # noqa: F401 (tf.keras.layers' names, defined there)
-    SUPPORTED, AveragePooling2D, BatchNormalization, Conv1D, Embedding, Input, InputLayer, Layer, LSTM,
+    SUPPORTED, Conv1D, Input, InputLayer, Layer, LSTM,
     IntegerLookup, StringLookup, channels_last, image_shape, padding_arg, snake_case)
 from mirrored.keras.dropout import Dropout  # noqa: F401 (tf.keras.layers.Dropout, defined there)
 from mirrored.values import Variable

@@ -117,6 +117,8 @@ class ModelAPI:
         weights are no longer the packed ones."""
         if self.built and [id(v) for v in self.step.pack.variables] != [id(v) for v in self.trainable_variables]:
             self.step = type(self.step)(self, self.step.devices, self.step.cross_device_ops)
+        if self.built:
+            self.step.packed_at = type(self.layers[0]).trainable_changes if self.layers else 0
 
     @property
     def losses(self):

@@ -204,6 +204,7 @@ class Model(ModelAPI):
         self._output_shape = nodes[-1].layer.output_shape
         with recording.initialization():     # built inside a @function's trace: never replayed
             self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
+            self.step.packed_at = Layer.trainable_changes   # what fit compares (check_trainable)
         self.built = True
 
     def _program(self, input_shape):
@@ -358,7 +359,8 @@ class Model(ModelAPI):
         """One training step on a host batch x (B, ...), y (B,): split, forward/backward on
         every replica, all-reduce, update (``step.py``). ``fit`` runs this for every batch."""
         check_compiled(self, "training")
-        self.check_trainable("train_step")
+        if self.built and self.step.packed_at != Layer.trainable_changes:
+            self.check_trainable("train_step")
         self._check_strategy()
         self._train_on((x, y))
 
@@ -407,7 +409,8 @@ class Model(ModelAPI):
         with the batch callbacks called once per execution, as Keras 3 calls them.
         """
         check_compiled(self, "training")
-        self.check_trainable("fit")
+        if self.built and self.step.packed_at != Layer.trainable_changes:   # a layer's trainable was set
+            self.check_trainable("fit")
         if kwargs:                                   # Keras's arguments not implemented here
             check_keras_arguments("fit", kwargs)
         self._check_strategy()
