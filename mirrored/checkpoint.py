@@ -330,7 +330,7 @@ def _numbered(arrays, prefix):
 
 
 def _check_weights(key, model, weights, file):
-    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    shapes = [tuple(v.shape) for v in model.weights]
     got = [w.shape for w in weights]
     if got != shapes:
         raise ValueError(f"checkpoint {file}: model {key!r} has weights of shapes {shapes}, the file "

@@ -310,16 +310,22 @@ class MirroredVariable(Variable, Mirrored):
             raise TypeError("MirroredVariables are created by mirrored.Variable(...) inside "
                             "strategy.scope(), not directly.")
 
-    def _local(self):
-        """The copy this thread should see: its replica's inside run (or ``replica_copies``),
-        else the first."""
+    def replica_copy(self):
+        """The copy of the replica this thread runs (inside ``strategy.run``, or a layer under
+        ``replica_copies`` in fit's step), or None in cross-replica context."""
         bound = getattr(_bound, "replica", None)
         if bound is not None and bound < len(self._values):
             return self._values[bound]
         strategy, replica_ctx = context.top()
         if replica_ctx is not None and strategy is self._strategy:
             return self._values[replica_ctx.local_replica_id]
-        return self._values[0]
+        return None
+
+    def _local(self):
+        """The copy this thread should see: its replica's inside run (or ``replica_copies``),
+        else the first."""
+        own = self.replica_copy()
+        return self._values[0] if own is None else own
 
     name = property(lambda self: self._values[0].name)
     trainable = property(lambda self: self._values[0].trainable)

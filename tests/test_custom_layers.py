@@ -227,8 +227,10 @@ def test_clear_errors(devices):
         def call(self, x):
             return x
 
-    with tf.device("CPU:0"), pytest.raises(NotImplementedError, match="trainable=False"):
-        Frozen()(np.zeros((1, 2), np.float32))
+    with tf.device("CPU:0"):                     # add_weight(trainable=False): state, now taken
+        frozen = Frozen()
+        frozen(np.zeros((1, 2), np.float32))
+    assert not frozen.trainable_weights and len(frozen.non_trainable_weights) == 1
 
     class Wrong(tf.keras.layers.Layer):
         def call(self, x):

@@ -55,7 +55,7 @@ class Layer:
     def __init__(self, input_shape=None, name=None, **kwargs):
         if "batch_input_shape" in kwargs and input_shape is None:
             input_shape = tuple(kwargs.pop("batch_input_shape"))[1:]
-        self.trainable = kwargs.pop("trainable", True)            # refused unless True (below)
+        self.trainable = kwargs.pop("trainable", True)            # False: frozen (non_trainable.py)
         dtype = kwargs.pop("dtype", None)
         if dtype is not None and not _is_float32(dtype):
             raise NotImplementedError(f"{type(self).__name__}(dtype={dtype!r}): every layer computes in "
@@ -81,32 +81,49 @@ class Layer:
 
     @property
     def trainable(self):
-        """Always True: every layer's weights train here."""
-        return True
+        """Keras's flag: False freezes the layer (its weights, and its sublayers', get no update
+        and no optimizer slot: ``non_trainable.py``). Set it before ``compile``, as Keras asks."""
+        return self.__dict__.get("trainable_flag", True)
+
+    #: how many times any layer's ``trainable`` was set: ``fit`` re-checks its pack only when
+    #: this moved since the pack was made (a check of every weight would cost each fit)
+    trainable_changes = 0
 
     @trainable.setter
     def trainable(self, value):
-        if value is not True:
-            raise NotImplementedError(
-                f"{type(self).__name__}: trainable={value!r} (a frozen layer) is not implemented here: "
-                f"every layer's weights are packed into the one buffer the optimizer updates. Train "
-                f"every layer, or freeze it in TensorFlow.")
+        self.__dict__["trainable_flag"] = bool(value)
+        Layer.trainable_changes += 1
+        for layer in self.__dict__.get("_sublayers", ()):
+            layer.trainable = value
 
     @property
     def weights(self):
-        """The weights of ``add_weight``, in order, then those of the sublayers (a layer
-        written with ``call``); the library's layers list their own."""
+        """Keras 3's order: the weights made trainable (``add_weight``), then those made
+        non-trainable, then the sublayers' (a layer written with ``call``); the library's
+        layers list their own."""
         own = [v for v, _ in self.__dict__.get("_added", ())]
+        own = [v for v in own if v.trainable] + [v for v in own if not v.trainable]
         return own + [w for layer in self.__dict__.get("_sublayers", ()) for w in layer.weights]
 
-    trainable_weights = weights
+    @property
+    def trainable_weights(self):
+        """The weights the optimizer updates: none when the layer is frozen."""
+        return [w for w in self.weights if w.trainable] if self.trainable else []
+
+    @property
+    def non_trainable_weights(self):
+        """The rest of ``weights`` (Keras's): a frozen layer's, and state (moving statistics)."""
+        trainable = {id(w) for w in self.trainable_weights}
+        return [w for w in self.weights if id(w) not in trainable]
 
     def add_weight(self, shape=None, initializer=None, dtype=None, trainable=True, autocast=True,
                    regularizer=None, constraint=None, aggregation="none", name=None):
         """Keras's ``add_weight``: a new variable of this layer (a MirroredVariable under a
-        strategy's scope), listed in ``weights`` in the order made, packed with the model's."""
+        strategy's scope), listed in ``weights`` in Keras's order, packed with the model's when
+        trainable; ``trainable=False, aggregation="mean"``: per-replica state (``non_trainable.py``)."""
         reg = regularizers.get(regularizer)
-        var = call_layers.make_weight(self, shape, initializer, dtype, trainable, reg, constraint, name)
+        var = call_layers.make_weight(self, shape, initializer, dtype, trainable, reg, constraint, name,
+                                      aggregation)
         self.__dict__.setdefault("_added", []).append((var, reg))
         return var
 
@@ -144,7 +161,7 @@ class Layer:
 
     def base_config(self):
         """The keys of Keras's config that every layer has; ``get_config`` adds the layer's own."""
-        return {"name": self.name, "trainable": True, "dtype": "float32"}
+        return {"name": self.name, "trainable": self.trainable, "dtype": "float32"}
 
     def get_config(self):
         """Keras's config of this layer: its constructor's arguments under Keras's keys
@@ -290,10 +307,10 @@ def unsupported(name):
 
 SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout",
              "Add", "Subtract", "Multiply", "Average", "Concatenate",   # the merge layers: merging.py
-             "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda")  # composed_layers.py
+             "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda",  # composed_layers.py
+             "BatchNormalization", "LayerNormalization",                                   # normalization.py
+             "GlobalAveragePooling2D", "GlobalMaxPooling2D", "AveragePooling2D", "UpSampling2D",  # pooling_layers.py
+             "Embedding")                                                                  # embedding.py
 Conv1D = unsupported("Conv1D")
-AveragePooling2D = unsupported("AveragePooling2D")
-BatchNormalization = unsupported("BatchNormalization")
-Embedding = unsupported("Embedding")
 LSTM = unsupported("LSTM")
 

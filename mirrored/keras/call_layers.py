@@ -41,7 +41,7 @@ import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import autodiff, context, devices, ops, values
-from mirrored.keras import initializers
+from mirrored.keras import initializers, non_trainable
 from mirrored.keras.tape import GradientTape
 from mirrored.tensor import Tensor
 
@@ -67,7 +67,8 @@ def private_tapes():
 
 # --- weights -------------------------------------------------------------------------------
 
-def make_weight(layer, shape, initializer, dtype, trainable, regularizer, constraint, name):
+def make_weight(layer, shape, initializer, dtype, trainable, regularizer, constraint, name,
+                aggregation="none"):
     """A new variable for ``layer.add_weight`` (a MirroredVariable under a strategy's scope)."""
     what = f"{type(layer).__name__} {layer.name!r}: add_weight"
     if shape is None:
@@ -76,10 +77,7 @@ def make_weight(layer, shape, initializer, dtype, trainable, regularizer, constr
     if dtype is not None and np.dtype(getattr(dtype, "as_numpy_dtype", dtype)) != FLOAT:
         raise NotImplementedError(f"{what}(dtype={dtype!r}): weights are float32 here (every layer "
                                   f"computes in float32); leave dtype out.")
-    if not trainable:
-        raise NotImplementedError(
-            f"{what}(trainable=False) is not implemented: every weight of a model is packed into the "
-            f"one buffer the optimizer updates. Keep state that is not trained outside the layer.")
+    aggregation = non_trainable.aggregation(aggregation, what)
     if constraint is not None:
         raise NotImplementedError(f"{what}(constraint=...) is not implemented; leave it out.")
     if initializer is None:
@@ -89,7 +87,8 @@ def make_weight(layer, shape, initializer, dtype, trainable, regularizer, constr
     if value.shape != shape:
         raise ValueError(f"{what}: the initializer gave an array of shape {value.shape} for a weight "
                          f"of shape {shape}.")
-    return values.Variable(value, name=f"{layer.name}/{name or 'variable'}")
+    return values.Variable(value, trainable=bool(trainable), name=f"{layer.name}/{name or 'variable'}",
+                           aggregation=aggregation)
 
 
 # --- build and shapes ----------------------------------------------------------------------
@@ -240,11 +239,12 @@ def backward(layer, state, dy):
     buf = state.buffers(b)
     dev = state.dev
     weights = list(layer.trainable_weights)
+    slots = {id(w): i for i, w in enumerate(layer.weights)}        # state.grads: every weight's
     with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
         seed = Tensor(view(dy, buf.y.shape), dev)
         grads = buf.tape.gradient(buf.y, buf.xs + weights, output_gradients=seed)
         n = len(buf.xs)
-        for dst, g in zip(state.grads, grads[n:]):
+        for dst, g in zip([state.grads[slots[id(w)]] for w in weights], grads[n:]):
             if g is None:                        # the output does not depend on this weight
                 state.ops.fill(dst, 0.0)
             else:

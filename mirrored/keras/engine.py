@@ -41,7 +41,7 @@ from collections import namedtuple
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
-from mirrored.keras import custom_loop
+from mirrored.keras import custom_loop, non_trainable
 from mirrored.tensor import Tensor
 from mirrored.values import components
 
@@ -57,12 +57,13 @@ class ParameterPack:
 
     After packing, ``variables[k]``'s copy on device r is the view
     ``params[r][offsets[k]:offsets[k] + sizes[k]]`` reshaped; its gradient is the
-    same slice of ``grads[r]``.
+    same slice of ``grads[r]``. Non-trainable weights stay outside (``non_trainable.py``).
     """
 
-    def __init__(self, variables, devices):
+    def __init__(self, variables, devices, state=()):
         self.variables = list(variables)
         self.devices = list(devices)
+        self.averaged = non_trainable.AveragedState(state, self.devices) or None   # per-replica state
         self.shapes = [v.shape for v in self.variables]
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
@@ -96,6 +97,8 @@ def all_reduce(pack, cross_device_ops):
     ops know: across workers, one local device is still one replica of many).
     """
     cross_device_ops.all_reduce_flat("SUM", pack.grads, pack.devices)
+    if pack.averaged is not None:              # BatchNormalization's moving statistics: their mean
+        pack.averaged.average(cross_device_ops)
 
 
 class LayerState:
@@ -160,18 +163,14 @@ class ReplicaProgram:
         #: edges[t]: how many inputs of nodes tensor t feeds (fan-out when > 1)
         self.edges = [sum(node.inputs.count(t) for node in self.nodes) for t in range(len(self.nodes) + 1)]
         last = {id(node.layer): i for i, node in enumerate(self.nodes)}   # a shared layer's last node
-        first_weight = {id(v): k for k, v in enumerate(pack.variables)}      # its slice of the pack
         self.upstream = upstream = [False]        # upstream[t]: a node before tensor t has weights
         self.states = []
         for i, node in enumerate(self.nodes):
             layer, n = node.layer, len(node.layer.trainable_weights)
-            k = first_weight[id(layer.trainable_weights[0])] if n else 0
-            packed = pack.grad_views[replica_id][k:k + n]
             need_dx = tuple(upstream[t] for t in node.inputs)
             own = last[id(layer)] == i            # the last node writes the packed gradients
-            with self.dev.activate():
-                grads = packed if own else [self.dev.empty(g.shape, FLOAT) for g in packed]
-            self.states.append(LayerState(layer, self.dev, replica_id, pack.param_views[replica_id][k:k + n],
+            weights, grads, packed = non_trainable.layer_views(layer, pack, replica_id, own)  # + frozen ones'
+            self.states.append(LayerState(layer, self.dev, replica_id, weights,
                                           grads, need_dx if node.multi else need_dx[0],
                                           replica_offset + replica_id, None if own else packed))
             upstream.append(n > 0 or any(need_dx))

@@ -69,7 +69,7 @@ def functional_config(model, layer_entry):
             for n in layer.inbound_nodes if id(n) in own_ids]
         entries.append(entry)
     return {"module": MODULE, "class_name": "Functional", "registered_name": "Functional",
-            "config": {"name": model.name, "trainable": True, "layers": entries,
+            "config": {"name": model.name, "trainable": model.trainable, "layers": entries,
                        "input_layers": history(x), "output_layers": history(model.outputs[0])}}
 
 

@@ -36,7 +36,7 @@ from kernels import conv2d as conv2d_kernels, pooling   # shape rules (the math 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored.keras import initializers, regularizers
 from mirrored.keras.base_layer import (  # noqa: F401 (tf.keras.layers' names, defined there)
-    SUPPORTED, AveragePooling2D, BatchNormalization, Conv1D, Embedding, Input, InputLayer, Layer, LSTM,
+    SUPPORTED, Conv1D, Input, InputLayer, Layer, LSTM,
     IntegerLookup, StringLookup, channels_last, image_shape, padding_arg, snake_case)
 from mirrored.keras.dropout import Dropout  # noqa: F401 (tf.keras.layers.Dropout, defined there)
 from mirrored.values import Variable
@@ -119,8 +119,6 @@ class Dense(Layer):
     @property
     def weights(self):
         return [self.kernel, self.bias] if self.built else []
-
-    trainable_weights = weights
 
     def make_buffers(self, state, b):
         dev = state.dev
@@ -239,8 +237,6 @@ class Conv2D(Layer):
         if not self.built:
             return []
         return [self.kernel, self.bias] if self.use_bias else [self.kernel]
-
-    trainable_weights = weights
 
     def make_buffers(self, state, b):
         dev = state.dev

@@ -93,19 +93,32 @@ class ModelAPI:
     # -- weights -------------------------------------------------------------------------
     @property
     def trainable(self):
-        """Always True: every layer's weights train here (``model.trainable = False``, Keras's
-        way to freeze a whole model, is refused rather than ignored)."""
-        return True
+        """Keras's flag: ``model.trainable = False`` freezes every layer (each layer's
+        ``trainable`` is set, as Keras 3 does); call ``compile`` after changing it, as Keras asks:
+        ``compile`` repacks the weights the optimizer updates (``non_trainable.py``)."""
+        return self.__dict__.get("trainable_flag", True)
 
     @trainable.setter
     def trainable(self, value):
-        if value is not True:
-            raise NotImplementedError(f"model.trainable = {value!r} (a frozen model) is not implemented here: "
-                                      f"every layer's weights are packed into the buffer the optimizer updates.")
+        self.__dict__["trainable_flag"] = bool(value)
+        for layer in self.layers:
+            layer.trainable = value
 
-    @property
-    def non_trainable_variables(self):
-        return []
+    def check_trainable(self, what):
+        """Refuse to train with weights packed for another ``trainable`` setting: a layer frozen
+        (or unfrozen) after ``compile`` would train as before, silently."""
+        if self.built and [id(v) for v in self.step.pack.variables] != [id(v) for v in self.trainable_variables]:
+            raise RuntimeError(f"{what}: a layer's trainable flag changed since the model was compiled: "
+                               f"call model.compile(...) again after setting trainable (Keras asks the "
+                               f"same), so that the optimizer updates the weights that are trainable now.")
+
+    def repack_if_trainable_changed(self):
+        """``compile``: a new step (weights repacked, new optimizer slots) when the trainable
+        weights are no longer the packed ones."""
+        if self.built and [id(v) for v in self.step.pack.variables] != [id(v) for v in self.trainable_variables]:
+            self.step = type(self.step)(self, self.step.devices, self.step.cross_device_ops)
+        if self.built:
+            self.step.packed_at = type(self.layers[0]).trainable_changes if self.layers else 0
 
     @property
     def losses(self):
@@ -114,16 +127,18 @@ class ModelAPI:
         return [loss for layer in self.layers for loss in layer.losses]
 
     def count_params(self):
-        return int(sum(np.prod(v.shape) for v in self.trainable_variables))
+        """Every weight's numbers, trainable or not (Keras's)."""
+        return int(sum(np.prod(v.shape) for v in self.weights))
 
     @serialised
     def get_weights(self):
-        """NumPy copies in Keras's order: kernel (in, out), bias, layer by layer."""
-        return [v.numpy() for v in self.trainable_variables]
+        """NumPy copies in Keras's order: layer by layer, each layer's trainable weights
+        (kernel (in, out), bias), then its non-trainable ones (moving mean, variance)."""
+        return [v.numpy() for v in self.weights]
 
     @serialised
     def set_weights(self, weights):
-        variables = self.trainable_variables
+        variables = self.weights
         weights = list(weights)
         if len(weights) != len(variables):
             raise ValueError(f"set_weights: the model has {len(variables)} weight arrays, got {len(weights)}.")
@@ -248,6 +263,7 @@ class ModelAPI:
                                       f"accuracy metric here counts class indices; compile without metrics "
                                       f"(the loss is reported).")
         if self.built:
+            self.repack_if_trainable_changed()      # a layer frozen since the model was built
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         self.steps_per_execution = per_execution
         self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
@@ -456,7 +472,7 @@ class ModelAPI:
         lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
         for i, (layer, inputs) in enumerate(rows):
             shape = (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg)
-            params = int(sum(np.prod(w.shape) for w in layer.trainable_weights))
+            params = int(sum(np.prod(w.shape) for w in layer.weights))
             cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]
             extra = []
             if connected is not None:
@@ -466,7 +482,9 @@ class ModelAPI:
             lines += [" " * (width - widths[-1]) + f"{more:<{widths[-1]}}" for more in extra]
             lines.append(" " * width if i < len(rows) - 1 else thick)
         total = self.count_params()
-        lines += [f"Total params: {total:,}", f"Trainable params: {total:,}", "Non-trainable params: 0", rule]
+        trainable = int(sum(np.prod(v.shape) for v in self.trainable_variables))
+        lines += [f"Total params: {total:,}", f"Trainable params: {trainable:,}",
+                  f"Non-trainable params: {total - trainable:,}", rule]
         for line in lines:
             print_fn(line)
 

@@ -86,8 +86,10 @@ class Model(ModelAPI):
                 f"{type(self).__name__}: a subclass of keras.Model made with inputs and outputs (a "
                 f"functional subclass) is not implemented here; use keras.Model(inputs, outputs), or "
                 f"define call(self, inputs, training=None).")
-        _keras_defaults(type(self).__name__, kwargs)
+        trainable = _keras_defaults(type(self).__name__, kwargs)
         self._setup(name or snake_case(type(self).__name__))
+        if not trainable:
+            self.trainable = False
 
     def _setup(self, name):
         self._lock = threading.RLock()          # one caller at a time (module docstring)
@@ -188,7 +190,7 @@ class Model(ModelAPI):
                     f"layer that keeps training state (Dropout's mask counter) is called once per model "
                     f"here. Use a new layer for each call.")
         self.nodes = nodes
-        variables = self.trainable_variables
+        variables = self.weights
         if not variables:
             raise ValueError(f"a model here needs at least one layer with weights (a Dense layer); "
                              f"{self.name!r} has none.")
@@ -202,6 +204,7 @@ class Model(ModelAPI):
         self._output_shape = nodes[-1].layer.output_shape
         with recording.initialization():     # built inside a @function's trace: never replayed
             self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
+            self.step.packed_at = Layer.trainable_changes   # what fit compares (check_trainable)
         self.built = True
 
     def _program(self, input_shape):
@@ -293,14 +296,28 @@ class Model(ModelAPI):
 
     # -- weights -------------------------------------------------------------------------
     @property
-    def trainable_variables(self):
-        """The layers' weights in Keras's order. A model whose input shape is known (the
-        first layer's ``input_shape``, or ``layers.Input``) but not yet built is built here,
-        on first use: Keras 3 builds it as soon as the shape is given, so ``summary()``,
-        ``get_weights()`` or a custom loop's ``model.trainable_variables`` after ``add``
-        find the weights there."""
+    def weights(self):
+        """The layers' weights in Keras's order (layer by layer, each layer's ``weights``:
+        trainable then non-trainable). A model whose input shape is known (the first layer's
+        ``input_shape``, or ``layers.Input``) but not yet built is built here, on first use:
+        Keras 3 builds it as soon as the shape is given, so ``summary()``, ``get_weights()``
+        or a custom loop's ``model.trainable_variables`` after ``add`` find the weights there."""
         self.build_if_shape_known()
+        return [w for layer in self.layers for w in layer.weights]
+
+    @property
+    def trainable_variables(self):
+        """The weights the optimizer updates (those of layers not frozen), in Keras's order."""
+        self.build_if_shape_known()
+        if not self.trainable:
+            return []
         return [w for layer in self.layers for w in layer.trainable_weights]
+
+    @property
+    def non_trainable_variables(self):
+        """Frozen layers' weights and layers' state (moving statistics), in Keras's order."""
+        trainable = {id(w) for w in self.trainable_variables}
+        return [w for w in self.weights if id(w) not in trainable]
 
     def build_if_shape_known(self):
         """Build the model now if its input shape is known and it is not built (nor being
@@ -308,7 +325,9 @@ class Model(ModelAPI):
         if not self.built and not self._building and self._input_shape is not None:
             self.build()
 
-    weights = trainable_weights = variables = trainable_variables
+    variables = weights
+    trainable_weights = trainable_variables
+    non_trainable_weights = non_trainable_variables
 
     @property
     def _step_graphs(self):
@@ -340,6 +359,8 @@ class Model(ModelAPI):
         """One training step on a host batch x (B, ...), y (B,): split, forward/backward on
         every replica, all-reduce, update (``step.py``). ``fit`` runs this for every batch."""
         check_compiled(self, "training")
+        if self.built and self.step.packed_at != Layer.trainable_changes:
+            self.check_trainable("train_step")
         self._check_strategy()
         self._train_on((x, y))
 
@@ -388,6 +409,8 @@ class Model(ModelAPI):
         with the batch callbacks called once per execution, as Keras 3 calls them.
         """
         check_compiled(self, "training")
+        if self.built and self.step.packed_at != Layer.trainable_changes:   # a layer's trainable was set
+            self.check_trainable("fit")
         if kwargs:                                   # Keras's arguments not implemented here
             check_keras_arguments("fit", kwargs)
         self._check_strategy()
@@ -487,11 +510,13 @@ class Sequential(Model):
     nodes, node i reading node i - 1's output."""
 
     def __init__(self, layers=None, name=None, **kwargs):
-        _keras_defaults("Sequential", kwargs)
+        trainable = _keras_defaults("Sequential", kwargs)
         self._setup(name or "sequential")
         self._layers = []
         for layer in layers or []:
             self.add(layer)
+        if not trainable:
+            self.trainable = False
         if self._input_shape is not None:
             self.build()
 
@@ -528,10 +553,12 @@ class Functional(Model):
     as ``functional.program`` orders them. The layers are built (they were called)."""
 
     def __init__(self, inputs, outputs, name=None, **kwargs):
-        _keras_defaults("Model", kwargs)
+        trainable = _keras_defaults("Model", kwargs)
         nodes, layers, symbolic = functional.program(inputs, outputs)
         self._setup(name or "functional")
         self._layers = layers
+        if not trainable:
+            self.trainable = False
         self.symbolic_nodes = symbolic           # the recorded calls (saving, summary)
         self.inputs = [functional.single(inputs, "inputs")]
         self.outputs = [functional.single(outputs, "outputs")]
@@ -574,15 +601,16 @@ class Functional(Model):
 
 
 def _keras_defaults(what, kwargs):
-    """Keras's model arguments that change nothing here (trainable=True, dtype float32) are
-    accepted; any other refused by name."""
-    if kwargs.pop("trainable", True) is not True:
-        raise NotImplementedError(f"{what}(trainable=False) (a frozen model) is not implemented here.")
+    """Keras's model arguments that change nothing here (dtype float32) are accepted; any
+    other refused by name. ``trainable`` is taken out (``Model._setup`` reads it back)."""
+    kwargs["trainable_arg"] = kwargs.pop("trainable", True)
     dtype = kwargs.pop("dtype", None)
     if dtype not in (None, "float32"):
         raise NotImplementedError(f"{what}(dtype={dtype!r}): models compute in float32 here.")
+    trainable = kwargs.pop("trainable_arg")
     if kwargs:
         raise TypeError(f"{what}: unexpected arguments {sorted(kwargs)}.")
+    return trainable
 
 
 def _is_default(strategy):

@@ -235,7 +235,7 @@ def _write_h5(model, target, training_state=False):
         for key, layer in zip(layer_keys(layers), layers):
             group = f.create_group(f"layers/{key}/vars")
             group.attrs["name"] = layer.name
-            for i, w in enumerate(layer.trainable_weights):
+            for i, w in enumerate(layer.weights):              # Keras's: trainable, then not
                 group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
             for name, value in ((layer.training_state() or {}).items() if training_state else ()):
                 group.attrs[STATE_PREFIX + name] = value
@@ -289,7 +289,7 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     {layer key: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
     with _weights_file(source, filepath) as (f, base, groups):
-        weights = _check_layers([(layer, [(v.name, v.shape) for v in layer.trainable_weights])
+        weights = _check_layers([(layer, [(v.name, v.shape) for v in layer.weights])
                                  for layer in model.layers], groups, filepath)
         opt = f.get("optimizer")
         opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
@@ -528,7 +528,7 @@ def model_config(model):
                        {"batch_shape": list(model.input_shape), "dtype": "float32", "sparse": False,
                         "name": "input_layer"})]
         layers += [_layer_entry(l) for l in model.layers]
-        config = _ser("keras", "Sequential", {"name": model.name, "trainable": True, "dtype": "float32",
+        config = _ser("keras", "Sequential", {"name": model.name, "trainable": model.trainable, "dtype": "float32",
                                               "layers": layers})
         config["build_config"] = {"input_shape": list(model.input_shape)}
     config["compile_config"] = compile_config(model)
@@ -555,9 +555,6 @@ def _kwargs_for(cls, config, what):
     ``trainable``, ``dtype`` or regularizers left at None, have no counterpart here)."""
     params = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in config.items() if k in params and k != "self"}
-    if config.get("trainable") is False:
-        raise NotImplementedError(f"{what} {config.get('name', '')!r}: trainable=False (a frozen layer) is "
-                                  f"not implemented here; every layer's weights train.")
     for key in ("kernel_initializer", "bias_initializer"):
         spec = kwargs.get(key)
         if isinstance(spec, dict) or spec is None:
@@ -600,7 +597,9 @@ def _layer_from_config(spec, custom_objects=None):
     kwargs = _kwargs_for(cls, cfg, f"{name} {cfg.get('name')!r}")
     if cfg.get("batch_input_shape"):
         kwargs["input_shape"] = tuple(cfg["batch_input_shape"][1:])
-    return cls(**kwargs)
+    layer = cls(**kwargs)
+    layer.trainable = cfg.get("trainable", True) is not False    # a frozen layer stays frozen
+    return layer
 
 
 def subclassed_config(model):

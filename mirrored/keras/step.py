@@ -62,7 +62,7 @@ class Step(InferencePasses):
 
     def __init__(self, model, devices, cross_device_ops):
         self.model = model
-        self.pack = ParameterPack(model.trainable_variables, devices)
+        self.pack = ParameterPack(model.trainable_variables, devices, model.non_trainable_variables)
         custom_loop.register(self.pack, self)                          # for apply_gradients
         self.devices = self.pack.devices
         self.in_dim = int(np.prod(model.input_shape[1:], dtype=np.int64))   # inputs are (b, in_dim)

@@ -17,6 +17,7 @@ the shapes each layer is called on and build nothing). Then each layer's weights
 
     Dense(units)                      kernel (in, units), bias (units,)
     Conv2D(filters, (KH, KW))         kernel (KH, KW, Cin, filters), bias (filters,) unless use_bias=False
+    BatchNormalization, LayerNormalization, Embedding: their ``weight_specs`` (the shapes build makes)
     a library layer showing none      none (Flatten, MaxPooling2D, Dropout, the merge layers,
                                       Activation, Reshape...)
     a layer of the user's own         unknown (None): its own ``build`` (``add_weight``) decides
@@ -67,13 +68,15 @@ def of_layer(layer, input_shape):
     examples of ``input_shape`` (a list of shapes for a merge layer), in its weights' order;
     ``[]`` for a layer that shows none; ``None`` when unknown (a layer of the user's own)."""
     rule = _rule(layer)
+    if rule is None and hasattr(layer, "weight_specs") and type(layer).__module__.startswith("mirrored.keras."):
+        rule = type(layer).weight_specs       # the library's call layers (normalization.py, embedding.py)
     if rule is not None:
         return [(f"{layer.name}/{suffix}:0", tuple(int(d) for d in shape))   # Variable's name
                 for suffix, shape in rule(layer, tuple(input_shape))]
     cls = type(layer)
-    if cls.trainable_weights is Layer.trainable_weights and cls.__module__.startswith("mirrored."):
-        return []                    # one of the library's layers that makes no weight (a library
-        #                              layer that makes them with add_weight needs a rule in RULES)
+    if cls.weights is Layer.weights and cls.__module__.startswith("mirrored."):
+        return []                    # one of the library's layers that makes no weight (one that
+        #                              makes them with add_weight says so in ``weight_specs``)
     return None                      # a layer of the user's own (add_weight in its build)
 
 
