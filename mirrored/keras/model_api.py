@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context
-from mirrored.keras import data_adapters, functional
+from mirrored.keras import custom_loop, data_adapters, functional
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
@@ -112,6 +112,13 @@ class ModelAPI:
         """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
         ``model.losses``), on this replica's copies inside ``strategy.run``."""
         return [loss for layer in self.layers for loss in layer.losses]
+
+    def use_own_weights(self):
+        """Make this model's packed buffers the storage of its weights again, where a model
+        sharing a layer with it took them since (``custom_loop.claim``); every pass that
+        runs the model's program calls it first."""
+        if self.built and self._claimed != custom_loop.MOVES[0]:
+            self._claimed = custom_loop.claim(self.step.pack)
 
     def count_params(self):
         return int(sum(np.prod(v.shape) for v in self.trainable_variables))
@@ -295,6 +302,7 @@ class ModelAPI:
             if not chunk:
                 break
             mode, trainer = self.step.loss_mode(), self._trainer()   # the model is built by now
+            self.use_own_weights()
             if len(chunk) > 1 and trainer is not self.step:
                 with self.step.no_trace():              # out of memory: nothing stays charged
                     trainer.evaluate_steps(chunk, mode)   # one graph (graphs.py)
@@ -375,6 +383,7 @@ class ModelAPI:
             xb = batch[0] if isinstance(batch, (tuple, list)) else batch
             xb = xb.numpy() if isinstance(xb, Tensor) else np.asarray(xb)
             self.accept_inputs(xb.shape, xb.dtype)
+            self.use_own_weights()                      # a model sharing a layer may hold its weights
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
             with self.step.no_trace():                  # out of memory: nothing stays charged
                 outs.extend(self._trainer().predict(xb))
@@ -420,6 +429,7 @@ class ModelAPI:
         shape = inputs.shape
         self.accept_inputs(shape, inputs.dtype, "inputs")
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
+        self.use_own_weights()
         p = self.step.programs[r]
         dev = p.dev
         with dev.activate():

@@ -49,7 +49,7 @@ import numpy as np
 from mirrored import backends, recording, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
-from mirrored.keras import data_adapters
+from mirrored.keras import custom_loop, data_adapters
 from mirrored.keras import saving
 from mirrored.keras import functional
 from mirrored.keras.base_layer import snake_case
@@ -100,6 +100,8 @@ class Model(ModelAPI):
         self._input_shape = None
         self.built = False
         self.step = None                 # the training step (step.Step), made by build
+        self._claimed = None             # custom_loop.MOVES when this model last claimed its weights
+        self.inbound_nodes = []          # this model's calls on symbolic tensors, as a layer's (functional.py)
         self.optimizer = self.loss = None
         self._metric_names = []
         # compile(run_eagerly=...): False (Keras's default) replays each pass as CUDA graphs
@@ -346,6 +348,8 @@ class Model(ModelAPI):
     def _train_on(self, batch):
         """One training step on a batch from ``data_adapters.batches``."""
         batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
+        if self._claimed != custom_loop.MOVES[0]:    # a model sharing a layer may hold its weights
+            self.use_own_weights()
         with self.step.no_trace():                   # a step that raises changes nothing
             self._trainer().train(batch)
 
@@ -355,6 +359,8 @@ class Model(ModelAPI):
         (``CapturedStep.train_steps``); elsewhere they run one after the other, each all or
         nothing, so a failure keeps the steps before it (counted, every copy updated)."""
         trainer = self._trainer() if self.built else None       # the first batch builds the model
+        if trainer is not None and self._claimed != custom_loop.MOVES[0]:
+            self.use_own_weights()
         if len(batches) > 1 and trainer is not None and trainer is not self.step:
             trainer.train_steps([data_adapters.prepare(self, batch) for batch in batches])
             return
