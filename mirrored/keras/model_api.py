@@ -412,16 +412,10 @@ class ModelAPI:
             return self._call(inputs, training, 0)
 
     def call_symbolic(self, inputs):
-        """A Sequential called on a symbolic tensor (a block of a functional or subclassed model):
-        its layers called in turn, each recording its node. Other models are refused by name."""
-        if type(self).__name__ != "Sequential":
-            raise NotImplementedError(f"{functional.user_line()}: the model {self.name!r} called on a symbolic "
-                                      f"tensor: a functional or subclassed model used as a layer is not "
-                                      f"implemented here (a Sequential is); call its layers instead.")
-        x = inputs
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        """The model called on a symbolic tensor (inside another model's definition or a
+        subclassed model's ``call``): ONE node of the outer model, as Keras records it, whose
+        layers run in the outer model's program with the same weights (``functional.expand``)."""
+        return functional.call_layer(self, inputs, {})
 
     def _call(self, inputs, training, r):
         if not isinstance(inputs, Tensor):
@@ -465,7 +459,8 @@ class ModelAPI:
         head = ("Layer (type)", "Output Shape", "Param #", "Connected to")[:len(widths)]
         lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
         for i, (layer, inputs) in enumerate(rows):
-            shape = (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg)
+            shape = (layer.output_shape if hasattr(layer, "nested_nodes") else   # a model: one row, as Keras
+                     (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg))
             params = int(sum(np.prod(w.shape) for w in layer.trainable_weights))
             cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]
             extra = []

@@ -112,10 +112,10 @@ class Model(ModelAPI):
         self.stop_training = False
 
     def __setattr__(self, name, value):
-        """Layers set as attributes (one, or a list of them) are the model's, in the order set
-        (Keras tracks them so: ``model.layers`` of a subclassed model)."""
+        """Layers and models set as attributes (one, or a list of them) are the model's, in the
+        order set (Keras tracks them so: ``model.layers`` of a subclassed model)."""
         found = value if isinstance(value, (list, tuple)) else [value]
-        if not name.startswith("_") and found and all(isinstance(v, Layer) for v in found):
+        if not name.startswith("_") and found and all(isinstance(v, (Layer, ModelAPI)) for v in found):
             tracked = self.__dict__.setdefault("_tracked", [])
             tracked += [v for v in found if all(v is not t for t in tracked)]
         super().__setattr__(name, value)
@@ -228,6 +228,30 @@ class Model(ModelAPI):
     def call(self, inputs, training=None):
         """Subclasses define it: the layers applied to ``inputs`` (traced, see ``_program``)."""
         raise NotImplementedError
+
+    # -- a model used as a layer (Sequential([model, Softmax()]), model(keras.Input), in call())
+    def nested_output_shape(self, input_shape):
+        """Build for examples of ``input_shape`` (if need be) and check them; the shape of one
+        output example. ``functional.call_layer`` records the call as one node."""
+        input_shape = tuple(input_shape)
+        if self._input_shape is None:
+            self._input_shape = input_shape
+        if tuple(self._input_shape) != input_shape:
+            raise ValueError(f"{functional.user_line()}: the model {self.name!r} takes examples of shape "
+                             f"{tuple(self._input_shape)}, and is called on {input_shape}: a model used "
+                             f"as a layer takes the shape it was built for.")
+        self.build()
+        return tuple(self._output_shape)
+
+    def nested_nodes(self):
+        """This model's program, for the model it is used in (``functional.expand``): its
+        layers run there with the same weights, which both models pack (``custom_loop.claim``)."""
+        self.build()
+        return list(self.nodes)
+
+    def training_state(self):
+        """A model used as a layer keeps its layers' state in its layers (saving reads them)."""
+        return None
 
     def accept_inputs(self, shape, dtype, what="x"):
         """Check a batch of inputs of ``shape`` (batch axis first) and ``dtype``, build the
@@ -509,10 +533,11 @@ class Sequential(Model):
         if isinstance(layer, InputLayer):
             self._input_shape = layer.input_shape_arg
             return
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential takes mirrored.keras layers, got {layer!r}.")
-        if not self._layers and layer.input_shape_arg is not None:
-            self._input_shape = layer.input_shape_arg
+        if not isinstance(layer, (Layer, Model)):
+            raise TypeError(f"Sequential takes mirrored.keras layers and models, got {layer!r}.")
+        first_shape = layer.input_shape if isinstance(layer, Model) else layer.input_shape_arg
+        if not self._layers and first_shape is not None:
+            self._input_shape = tuple(first_shape[1:] if isinstance(layer, Model) else first_shape)
         self._layers.append(layer)
 
     def _program(self, input_shape):
@@ -520,12 +545,19 @@ class Sequential(Model):
         layer leaves nothing half-built); the chain of their nodes."""
         shape = input_shape
         for layer in self._layers:
+            if isinstance(layer, Model):            # a model used as a layer: built here, its nodes inlined
+                shape = layer.nested_output_shape(shape)
+                continue
             shape = layer.output_shape_for(shape)
-        shape = input_shape
+        shape, nodes = input_shape, []
         for layer in self._layers:
-            layer.build(shape)
-            shape = layer.output_shape
-        return [Node(layer, (i,), False) for i, layer in enumerate(self._layers)]
+            if not isinstance(layer, Model):
+                layer.build(shape)
+                shape = layer.output_shape
+            else:
+                shape = layer.nested_output_shape(shape)
+            nodes += functional.expand(layer, (len(nodes),), False, len(nodes))
+        return nodes
 
 
 @saving.register_model_class
