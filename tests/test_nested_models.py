@@ -212,3 +212,149 @@ def test_a_nested_model_trains_like_the_flat_model_and_a_float64_oracle(devices,
     w = model.get_weights()
     _close(inner.predict(x, verbose=0), np.maximum(x @ w[0].astype(np.float64) + w[1], 0) @ w[2] + w[3],
            "the inner model after the outer's fit")
+
+
+# --- gradients across models: keras.io's GAN loop ---------------------------------------------------
+LATENT, DATA, HIDDEN, SLOPE = 3, 2, 4, 0.2
+
+
+def _gan(strategy):
+    with strategy.scope():
+        generator = keras.Sequential([keras.Input((LATENT,)), L.Dense(HIDDEN), L.LeakyReLU(negative_slope=SLOPE),
+                                      L.Dense(DATA)], name="generator")
+        discriminator = keras.Sequential([keras.Input((DATA,)), L.Dense(HIDDEN),
+                                          L.LeakyReLU(negative_slope=SLOPE), L.Dense(1)], name="discriminator")
+    return generator, discriminator
+
+
+def _net(w, x):
+    """float64: Dense -> LeakyReLU -> Dense, with what its backward needs."""
+    h = x @ w[0] + w[1]
+    a = np.where(h > 0, h, SLOPE * h)
+    return a @ w[2] + w[3], (x, h, a)
+
+
+def _net_backward(w, saved, dout):
+    """(weight gradients, d input) of ``_net`` for d output ``dout``."""
+    x, h, a = saved
+    da = dout @ w[2].T
+    dh = da * np.where(h > 0, 1.0, SLOPE)
+    return [x.T @ dh, dh.sum(0), a.T @ dout, dout.sum(0)], dh @ w[0].T
+
+
+def _bce_logits(lo, y):
+    """Mean binary cross-entropy on logits, and its gradient (float64)."""
+    loss = np.mean(np.maximum(lo, 0) - lo * y + np.log1p(np.exp(-np.abs(lo))))
+    return loss, (1 / (1 + np.exp(-lo)) - y) / lo.size
+
+
+def test_gradients_flow_from_a_discriminator_into_a_generator_and_its_input(devices, rng):
+    strategy = _strategy(devices, 1)
+    generator, discriminator = _gan(strategy)
+    z = rng.normal(size=(5, LATENT)).astype(np.float32)
+    loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+    with tf.device("CPU:0"):                      # the strategy's device (not the simulated GPU)
+        zt = tf.constant(z)
+        with tf.GradientTape() as tape:
+            tape.watch(zt)                        # the generator's input too: dx through both models
+            predictions = discriminator(generator(zt, training=True), training=True)
+            g_loss = loss_fn(tf.zeros((5, 1)), predictions)
+        grads = tape.gradient(g_loss, [zt] + generator.trainable_weights)
+    gw = [w.astype(np.float64) for w in generator.get_weights()]
+    dw = [w.astype(np.float64) for w in discriminator.get_weights()]
+
+    def loss(gw, z):
+        return _bce_logits(_net(dw, _net(gw, z)[0])[0], 0.0)[0]
+    eps = 1e-6                                    # central differences of the composed float64 loss
+    for i, (g, w) in enumerate(zip(grads, [z.astype(np.float64)] + gw)):
+        numeric = np.zeros_like(w)
+        for idx in np.ndindex(w.shape):
+            up, down = w.copy(), w.copy()
+            up[idx] += eps
+            down[idx] -= eps
+            args_up = (gw, up) if i == 0 else (gw[:i - 1] + [up] + gw[i:], z.astype(np.float64))
+            args_down = (gw, down) if i == 0 else (gw[:i - 1] + [down] + gw[i:], z.astype(np.float64))
+            numeric[idx] = (loss(*args_up) - loss(*args_down)) / (2 * eps)
+        assert g is not None, f"no gradient for source {i}"
+        np.testing.assert_allclose(g.numpy(), numeric, rtol=1e-4, atol=1e-6, err_msg=f"source {i}")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_keras_io_gan_loop_trains_to_a_float64_oracle_and_replicas_stay_equal(devices, rng, n):
+    strategy = _strategy(devices, n)
+    generator, discriminator = _gan(strategy)
+    lr, batch, steps = 0.2, 6, 3                     # 6 rows: 3 per replica on 2
+    with strategy.scope():
+        d_optimizer = keras.optimizers.SGD(lr)
+        g_optimizer = keras.optimizers.SGD(lr)
+        loss_fn = keras.losses.BinaryCrossentropy(from_logits=True, reduction="none")
+    gw = [w.astype(np.float64) for w in generator.get_weights()]
+    dw = [w.astype(np.float64) for w in discriminator.get_weights()]
+    latent = rng.normal(size=(steps * batch, LATENT)).astype(np.float32)
+    real = rng.normal(size=(steps * batch, DATA)).astype(np.float32)
+
+    def step(z, real_images):
+        b = z.shape[0]
+        generated = generator(z)                                   # outside the tape, as keras.io
+        combined = tf.concat([generated, real_images], axis=0)
+        labels = tf.concat([tf.ones((b, 1)), tf.zeros((b, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            predictions = discriminator(combined, training=True)
+            d_loss = tf.nn.compute_average_loss(loss_fn(labels, predictions), global_batch_size=2 * batch)
+        grads = tape.gradient(d_loss, discriminator.trainable_weights)
+        d_optimizer.apply_gradients(zip(grads, discriminator.trainable_weights))
+        with tf.GradientTape() as tape:
+            predictions = discriminator(generator(z, training=True), training=True)
+            g_loss = tf.nn.compute_average_loss(loss_fn(tf.zeros((b, 1)), predictions), global_batch_size=batch)
+        grads = tape.gradient(g_loss, generator.trainable_weights)
+        g_optimizer.apply_gradients(zip(grads, generator.trainable_weights))
+
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((latent, real)).batch(batch))
+    for s, (z, real_images) in enumerate(data):
+        strategy.run(step, args=(z, real_images))
+        # the oracle: the same two SGD steps in float64
+        zs, rs = latent[s * batch:(s + 1) * batch].astype(np.float64), real[s * batch:(s + 1) * batch]
+        fake = _net(gw, zs)[0]
+        lo, saved = _net(dw, np.concatenate([fake, rs]))
+        _, dlo = _bce_logits(lo, np.concatenate([np.ones((batch, 1)), np.zeros((batch, 1))]))
+        dgrads, _ = _net_backward(dw, saved, dlo)
+        dw = [w - lr * g for w, g in zip(dw, dgrads)]
+        fake, gsaved = _net(gw, zs)
+        lo, dsaved = _net(dw, fake)
+        _, dlo = _bce_logits(lo, np.zeros((batch, 1)))
+        _, dfake = _net_backward(dw, dsaved, dlo)
+        ggrads, _ = _net_backward(gw, gsaved, dfake)
+        gw = [w - lr * g for w, g in zip(gw, ggrads)]
+    for model, oracle in ((discriminator, dw), (generator, gw)):
+        for v, want in zip(model.trainable_weights, oracle):
+            copies = [c.numpy() for c in v.values] if hasattr(v, "values") else [v.numpy()]
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0])       # replicas: bitwise equal
+            np.testing.assert_allclose(copies[0], want, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{model.name} {v.name} after {steps} steps")
+
+
+def test_the_course_loop_keeps_the_fused_path(devices, rng, monkeypatch):
+    """``loss_object(labels, model(x))`` on data (no tape follows x): one loss kernel and the
+    model's backward kernels (``GradientTape._fused_gradient``), never the graph walk."""
+    strategy = _strategy(devices, 2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), L.Dense(4, activation="relu"), L.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def no_walk(*args):
+        raise AssertionError("the course loop left the fused path")
+    monkeypatch.setattr(tf.GradientTape, "_graph_gradient", no_walk)
+    x, y = rng.normal(size=(8, 5)).astype(np.float32), rng.integers(0, 3, 8)
+
+    def step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(labels, model(images, training=True)),
+                                              global_batch_size=8)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    for inputs in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(8)):
+        strategy.run(step, args=(inputs,))

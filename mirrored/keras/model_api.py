@@ -32,7 +32,8 @@ from mirrored.keras import saving
 from mirrored.keras.metrics import accuracy_name
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import check_compiled
-from mirrored.keras.tape import ModelOutput
+from mirrored.keras.engine import ReplicaProgram
+from mirrored.keras.tape import ModelOutput, input_link
 from mirrored.tensor import Tensor
 from mirrored.values import components
 
@@ -424,7 +425,8 @@ class ModelAPI:
         self.accept_inputs(shape, inputs.dtype, "inputs")
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         self.use_own_weights()
-        p = self.step.programs[r]
+        link = input_link(inputs)                  # tapes that follow the input: they want d loss / d x
+        p = self.step.programs[r] if not link else self._input_grad_program(r)
         dev = p.dev
         with dev.activate():
             if isinstance(inputs, Tensor):
@@ -437,7 +439,19 @@ class ModelAPI:
                 x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], features))
             out = p.forward(x, training=training, probabilities=True)
             result = dev.copy_from(out, dev)           # the program reuses `out` next call
-        return Tensor(result, dev, ModelOutput(self, p, x))
+        return Tensor(result, dev, ModelOutput(self, p, x, inputs, link))
+
+    def _input_grad_program(self, r):
+        """Replica ``r``'s program whose backward also gives d loss / d input (``input_grad``),
+        made on first use: a model called in a GradientTape on a tensor the tape follows (a
+        generator's output into a discriminator). The same nodes and packed weights as
+        ``step.programs[r]``, buffers of its own; ``fit`` never runs it."""
+        programs = self.__dict__.setdefault("_input_grad_programs", {})
+        if r not in programs:
+            ext = self._strategy.extended
+            programs[r] = ReplicaProgram(self.nodes, self.step.pack, r, self.step.in_dim, ext.replica_offset,
+                                         self._strategy.num_replicas_in_sync, input_grad=True)
+        return programs[r]
 
     # -- summary ------------------------------------------------------------------------------------
     def summary(self, print_fn=None):
