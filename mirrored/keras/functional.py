@@ -21,7 +21,10 @@ A ``KerasTensor`` holds a shape (batch axis ``None``), a dtype and ``keras_histo
 layer on one (``Layer.__call__`` -> ``call_layer``) builds the layer for that input shape
 (its weights exist from then on, under the strategy in scope) and records a
 ``SymbolicNode`` in ``layer.inbound_nodes``. A layer called twice has two nodes and one set
-of weights (shared).
+of weights (shared). A model called on one (``Sequential([model, Softmax()])``,
+``model(keras.Input(...))``, inside a subclassed ``call``) records ONE node too, as Keras does
+(``model.layers``, summary and saving see the model); ``program`` then puts the model's own
+nodes in its place (``expand``), so the engine runs one flat program.
 
 ``program(inputs, outputs)`` walks back from the output as Keras's ``map_graph`` does: a
 depth-first search gives each layer its first-visit index, each node its depth (the longest

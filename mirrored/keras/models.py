@@ -243,6 +243,8 @@ class Model(ModelAPI):
         self.build()
         return tuple(self._output_shape)
 
+    output_shape_for = nested_output_shape          # a model in a Sequential, as a layer answers
+
     def nested_nodes(self):
         """This model's program, for the model it is used in (``functional.expand``): its
         layers run there with the same weights, which both models pack (``custom_loop.claim``)."""

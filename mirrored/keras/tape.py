@@ -15,7 +15,12 @@ entropies of the model's last forward pass on this replica. It then runs the
 replica program's fused loss gradient (scaled by the same factor) and its
 layers' backward kernels (``engine.ReplicaProgram.loss`` and ``backward``), and
 returns the model's packed gradient buffers as tensors, one per requested
-variable. ``optimizer.apply_gradients`` recognises them (``ParameterPack.matches``)
+variable.
+
+Across models (keras.io's GAN: ``discriminator(generator(z))``): a model called on a tensor the
+tape follows (``input_link``) runs a program whose backward also gives d loss / d its input
+(``ReplicaProgram(input_grad=True)``); the walk runs the models it meets last call first and
+walks each such input gradient back into whatever made the input, another model included. ``optimizer.apply_gradients`` recognises them (``ParameterPack.matches``)
 and makes fit's two calls: ``all_reduce`` of the packed buffer, then ``update``. Anything else raises an error that says
 what is supported.
 """
