@@ -148,11 +148,11 @@ class _LossBuffers:
 class ReplicaProgram:
     """The model's layer nodes on one device: forward, loss, backward (the module docstring).
 
-    ``nodes``: ``Node``s in topological order; tensor 0 is the model's input, tensor i + 1
-    node i's output, the last node's output the model's (``keras/functional.py`` sorts them).
+    ``nodes``: ``Node``s in topological order (``functional.py``); tensor 0 the model's input, tensor
+    i + 1 node i's output. ``input_grad``: backward leaves d loss / d input in ``grads[0]`` (tape.py)
     """
 
-    def __init__(self, nodes, pack, replica_id, in_dim, replica_offset=0, num_replicas=1):
+    def __init__(self, nodes, pack, replica_id, in_dim, replica_offset=0, num_replicas=1, input_grad=False):
         self.nodes = list(nodes)
         self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
         self.pack = pack
@@ -163,7 +163,7 @@ class ReplicaProgram:
         #: edges[t]: how many inputs of nodes tensor t feeds (fan-out when > 1)
         self.edges = [sum(node.inputs.count(t) for node in self.nodes) for t in range(len(self.nodes) + 1)]
         last = {id(node.layer): i for i, node in enumerate(self.nodes)}   # a shared layer's last node
-        self.upstream = upstream = [False]        # upstream[t]: a node before tensor t has weights
+        self.upstream = upstream = [input_grad]   # upstream[t]: a node before tensor t has weights (t=0: dx asked)
         self.states = []
         for i, node in enumerate(self.nodes):
             layer, n = node.layer, len(node.layer.trainable_weights)
@@ -212,7 +212,7 @@ class ReplicaProgram:
         """The engine's own buffer for d loss / d tensor ``t``, batches of ``b``: (b,) + its shape."""
         buf = self._grad_sums.get((t, b, use))
         if buf is None:
-            shape = (b,) + tuple(self.nodes[t - 1].layer.output_shape)
+            shape = (b,) + (tuple(self.nodes[t - 1].layer.output_shape) if t else (self.in_dim,))
             buf = self._grad_sums[(t, b, use)] = self.dev.empty(shape, FLOAT)
         return buf
 
@@ -303,7 +303,7 @@ class ReplicaProgram:
         if not b:
             self.ops.fill(self.pack.grads[self.r], 0.0)
             return
-        grads = [None] * len(self.edges)                         # grads[t]: d loss / d tensor t
+        self.grads = grads = [None] * len(self.edges)            # grads[t]: d loss / d tensor t
         arrived = [0] * len(self.edges)
         grads[-1] = self.loss_buffers(b).dlogits                 # (b, classes)
         for i in reversed(range(len(self.nodes))):

@@ -21,7 +21,10 @@ A ``KerasTensor`` holds a shape (batch axis ``None``), a dtype and ``keras_histo
 layer on one (``Layer.__call__`` -> ``call_layer``) builds the layer for that input shape
 (its weights exist from then on, under the strategy in scope) and records a
 ``SymbolicNode`` in ``layer.inbound_nodes``. A layer called twice has two nodes and one set
-of weights (shared).
+of weights (shared). A model called on one (``Sequential([model, Softmax()])``,
+``model(keras.Input(...))``, inside a subclassed ``call``) records ONE node too, as Keras does
+(``model.layers``, summary and saving see the model); ``program`` then puts the model's own
+nodes in its place (``expand``), so the engine runs one flat program.
 
 ``program(inputs, outputs)`` walks back from the output as Keras's ``map_graph`` does: a
 depth-first search gives each layer its first-visit index, each node its depth (the longest
@@ -186,17 +189,24 @@ def call_layer(layer, inputs, kwargs):
             f"y = layer(x); model = keras.Model(x, y); then model(data) or model.predict(data).")
     multi = isinstance(inputs, (list, tuple))
     shapes = [tuple(x.shape[1:]) for x in inputs] if multi else tuple(inputs.shape[1:])
-    if layer.built:
+    if hasattr(layer, "nested_nodes"):          # a model used as a layer: one node, expanded by program
+        if multi:
+            raise NotImplementedError(f"{user_line()}: the model {layer.name!r} was called on a list of "
+                                      f"{len(inputs)} tensors: a model takes one input here.")
+        out_shape = layer.nested_output_shape(shapes)
+    elif layer.built:
         if _shape_key(shapes) != _shape_key(layer.input_shape):
             raise ValueError(f"{user_line()}: {name} was built for inputs of shape {layer.input_shape} and is "
                              f"now called on {shapes}: a layer called twice shares its weights and takes "
                              f"the same shape each time here. Use a new layer for the new shape.")
+        out_shape = layer.output_shape
     else:
         layer.output_shape_for(shapes)           # checks the shapes before any weight exists
         layer.build(shapes)
+        out_shape = layer.output_shape
     node = SymbolicNode(layer, list(inputs) if multi else inputs, multi)
     layer.inbound_nodes.append(node)
-    node.output = KerasTensor(layer.output_shape, node, len(layer.inbound_nodes) - 1)
+    node.output = KerasTensor(out_shape, node, len(layer.inbound_nodes) - 1)
     return node.output
 
 
@@ -274,8 +284,8 @@ def program(inputs, outputs):
                                  f"which is not computed from the model's input {x.name}: every branch "
                                  f"must start at the keras.Input given to keras.Model.")
             ids.append(tensor_ids[id(t)])
-        nodes.append(Node(node.layer, tuple(ids), node.multi))
-        tensor_ids[id(node.output)] = i + 1
+        nodes += expand(node.layer, tuple(ids), node.multi, len(nodes))
+        tensor_ids[id(node.output)] = len(nodes)
     by_layer = {}
     for node in order:
         by_layer.setdefault(id(node.layer), node.layer)
@@ -286,6 +296,19 @@ def program(inputs, outputs):
         raise ValueError(f"The name(s) {duplicated} are used by several layers of the model. All layer "
                          f"names should be unique (they key the saved weights and the config).")
     return nodes, layers, order
+
+
+def expand(layer, inputs, multi, before):
+    """The engine nodes of one call of ``layer`` on the tensors numbered ``inputs``, placed
+    after ``before`` nodes: the call itself, or, for a model used as a layer, its own nodes
+    (``model.nested_nodes()``: models within models expanded already), their tensor 0 read
+    from ``inputs[0]`` and their tensor t > 0 renumbered ``before + t``. So the engine runs
+    a nested model's layers as the outer model's, with the same weights (one program)."""
+    nested = getattr(layer, "nested_nodes", None)
+    if nested is None:
+        return [Node(layer, inputs, multi)]
+    return [Node(n.layer, tuple(inputs[0] if t == 0 else before + t for t in n.inputs), n.multi)
+            for n in nested()]
 
 
 def trace(model, input_shape, training, input_layer):

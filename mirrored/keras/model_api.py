@@ -25,14 +25,15 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context
-from mirrored.keras import data_adapters, functional
+from mirrored.keras import custom_loop, data_adapters, functional
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
 from mirrored.keras.metrics import accuracy_name
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import check_compiled
-from mirrored.keras.tape import ModelOutput
+from mirrored.keras.engine import ReplicaProgram
+from mirrored.keras.tape import ModelOutput, input_link
 from mirrored.tensor import Tensor
 from mirrored.values import components
 
@@ -125,6 +126,13 @@ class ModelAPI:
         """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
         ``model.losses``), on this replica's copies inside ``strategy.run``."""
         return [loss for layer in self.layers for loss in layer.losses]
+
+    def use_own_weights(self):
+        """Make this model's packed buffers the storage of its weights again, where a model
+        sharing a layer with it took them since (``custom_loop.claim``); every pass that
+        runs the model's program calls it first."""
+        if self.built and self._claimed != custom_loop.MOVES[0]:
+            self._claimed = custom_loop.claim(self.step.pack)
 
     def count_params(self):
         """Every weight's numbers, trainable or not (Keras's)."""
@@ -311,6 +319,7 @@ class ModelAPI:
             if not chunk:
                 break
             mode, trainer = self.step.loss_mode(), self._trainer()   # the model is built by now
+            self.use_own_weights()
             if len(chunk) > 1 and trainer is not self.step:
                 with self.step.no_trace():              # out of memory: nothing stays charged
                     trainer.evaluate_steps(chunk, mode)   # one graph (graphs.py)
@@ -391,6 +400,7 @@ class ModelAPI:
             xb = batch[0] if isinstance(batch, (tuple, list)) else batch
             xb = xb.numpy() if isinstance(xb, Tensor) else np.asarray(xb)
             self.accept_inputs(xb.shape, xb.dtype)
+            self.use_own_weights()                      # a model sharing a layer may hold its weights
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
             with self.step.no_trace():                  # out of memory: nothing stays charged
                 outs.extend(self._trainer().predict(xb))
@@ -419,16 +429,10 @@ class ModelAPI:
             return self._call(inputs, training, 0)
 
     def call_symbolic(self, inputs):
-        """A Sequential called on a symbolic tensor (a block of a functional or subclassed model):
-        its layers called in turn, each recording its node. Other models are refused by name."""
-        if type(self).__name__ != "Sequential":
-            raise NotImplementedError(f"{functional.user_line()}: the model {self.name!r} called on a symbolic "
-                                      f"tensor: a functional or subclassed model used as a layer is not "
-                                      f"implemented here (a Sequential is); call its layers instead.")
-        x = inputs
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        """The model called on a symbolic tensor (inside another model's definition or a
+        subclassed model's ``call``): ONE node of the outer model, as Keras records it, whose
+        layers run in the outer model's program with the same weights (``functional.expand``)."""
+        return functional.call_layer(self, inputs, {})
 
     def _call(self, inputs, training, r):
         if not isinstance(inputs, Tensor):
@@ -436,7 +440,9 @@ class ModelAPI:
         shape = inputs.shape
         self.accept_inputs(shape, inputs.dtype, "inputs")
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
-        p = self.step.programs[r]
+        self.use_own_weights()
+        link = input_link(inputs)                  # tapes that follow the input: they want d loss / d x
+        p = self.step.programs[r] if not link else self._input_grad_program(r)
         dev = p.dev
         with dev.activate():
             if isinstance(inputs, Tensor):
@@ -449,7 +455,19 @@ class ModelAPI:
                 x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], features))
             out = p.forward(x, training=training, probabilities=True)
             result = dev.copy_from(out, dev)           # the program reuses `out` next call
-        return Tensor(result, dev, ModelOutput(self, p, x))
+        return Tensor(result, dev, ModelOutput(self, p, x, inputs, link))
+
+    def _input_grad_program(self, r):
+        """Replica ``r``'s program whose backward also gives d loss / d input (``input_grad``),
+        made on first use: a model called in a GradientTape on a tensor the tape follows (a
+        generator's output into a discriminator). The same nodes and packed weights as
+        ``step.programs[r]``, buffers of its own; ``fit`` never runs it."""
+        programs = self.__dict__.setdefault("_input_grad_programs", {})
+        if r not in programs:
+            ext = self._strategy.extended
+            programs[r] = ReplicaProgram(self.nodes, self.step.pack, r, self.step.in_dim, ext.replica_offset,
+                                         self._strategy.num_replicas_in_sync, input_grad=True)
+        return programs[r]
 
     # -- summary ------------------------------------------------------------------------------------
     def summary(self, print_fn=None):
@@ -471,7 +489,8 @@ class ModelAPI:
         head = ("Layer (type)", "Output Shape", "Param #", "Connected to")[:len(widths)]
         lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
         for i, (layer, inputs) in enumerate(rows):
-            shape = (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg)
+            shape = (layer.output_shape if hasattr(layer, "nested_nodes") else   # a model: one row, as Keras
+                     (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg))
             params = int(sum(np.prod(w.shape) for w in layer.weights))
             cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]
             extra = []

@@ -49,7 +49,7 @@ import numpy as np
 from mirrored import backends, recording, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
-from mirrored.keras import data_adapters
+from mirrored.keras import custom_loop, data_adapters
 from mirrored.keras import saving
 from mirrored.keras import functional
 from mirrored.keras.base_layer import snake_case
@@ -102,6 +102,8 @@ class Model(ModelAPI):
         self._input_shape = None
         self.built = False
         self.step = None                 # the training step (step.Step), made by build
+        self._claimed = None             # custom_loop.MOVES when this model last claimed its weights
+        self.inbound_nodes = []          # this model's calls on symbolic tensors, as a layer's (functional.py)
         self.optimizer = self.loss = None
         self._metric_names = []
         # compile(run_eagerly=...): False (Keras's default) replays each pass as CUDA graphs
@@ -112,10 +114,10 @@ class Model(ModelAPI):
         self.stop_training = False
 
     def __setattr__(self, name, value):
-        """Layers set as attributes (one, or a list of them) are the model's, in the order set
-        (Keras tracks them so: ``model.layers`` of a subclassed model)."""
+        """Layers and models set as attributes (one, or a list of them) are the model's, in the
+        order set (Keras tracks them so: ``model.layers`` of a subclassed model)."""
         found = value if isinstance(value, (list, tuple)) else [value]
-        if not name.startswith("_") and found and all(isinstance(v, Layer) for v in found):
+        if not name.startswith("_") and found and all(isinstance(v, (Layer, ModelAPI)) for v in found):
             tracked = self.__dict__.setdefault("_tracked", [])
             tracked += [v for v in found if all(v is not t for t in tracked)]
         super().__setattr__(name, value)
@@ -229,6 +231,32 @@ class Model(ModelAPI):
     def call(self, inputs, training=None):
         """Subclasses define it: the layers applied to ``inputs`` (traced, see ``_program``)."""
         raise NotImplementedError
+
+    # -- a model used as a layer (Sequential([model, Softmax()]), model(keras.Input), in call())
+    def nested_output_shape(self, input_shape):
+        """Build for examples of ``input_shape`` (if need be) and check them; the shape of one
+        output example. ``functional.call_layer`` records the call as one node."""
+        input_shape = tuple(input_shape)
+        if self._input_shape is None:
+            self._input_shape = input_shape
+        if tuple(self._input_shape) != input_shape:
+            raise ValueError(f"{functional.user_line()}: the model {self.name!r} takes examples of shape "
+                             f"{tuple(self._input_shape)}, and is called on {input_shape}: a model used "
+                             f"as a layer takes the shape it was built for.")
+        self.build()
+        return tuple(self._output_shape)
+
+    output_shape_for = nested_output_shape          # a model in a Sequential, as a layer answers
+
+    def nested_nodes(self):
+        """This model's program, for the model it is used in (``functional.expand``): its
+        layers run there with the same weights, which both models pack (``custom_loop.claim``)."""
+        self.build()
+        return list(self.nodes)
+
+    def training_state(self):
+        """A model used as a layer keeps its layers' state in its layers (saving reads them)."""
+        return None
 
     def accept_inputs(self, shape, dtype, what="x"):
         """Check a batch of inputs of ``shape`` (batch axis first) and ``dtype``, build the
@@ -367,6 +395,8 @@ class Model(ModelAPI):
     def _train_on(self, batch):
         """One training step on a batch from ``data_adapters.batches``."""
         batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
+        if self._claimed != custom_loop.MOVES[0]:    # a model sharing a layer may hold its weights
+            self.use_own_weights()
         with self.step.no_trace():                   # a step that raises changes nothing
             self._trainer().train(batch)
 
@@ -376,6 +406,8 @@ class Model(ModelAPI):
         (``CapturedStep.train_steps``); elsewhere they run one after the other, each all or
         nothing, so a failure keeps the steps before it (counted, every copy updated)."""
         trainer = self._trainer() if self.built else None       # the first batch builds the model
+        if trainer is not None and self._claimed != custom_loop.MOVES[0]:
+            self.use_own_weights()
         if len(batches) > 1 and trainer is not None and trainer is not self.step:
             trainer.train_steps([data_adapters.prepare(self, batch) for batch in batches])
             return
@@ -528,10 +560,11 @@ class Sequential(Model):
         if isinstance(layer, InputLayer):
             self._input_shape = layer.input_shape_arg
             return
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential takes mirrored.keras layers, got {layer!r}.")
-        if not self._layers and layer.input_shape_arg is not None:
-            self._input_shape = layer.input_shape_arg
+        if not isinstance(layer, (Layer, Model)):
+            raise TypeError(f"Sequential takes mirrored.keras layers and models, got {layer!r}.")
+        first_shape = layer.input_shape if isinstance(layer, Model) else layer.input_shape_arg
+        if not self._layers and first_shape is not None:
+            self._input_shape = tuple(first_shape[1:] if isinstance(layer, Model) else first_shape)
         self._layers.append(layer)
 
     def _program(self, input_shape):
@@ -539,12 +572,19 @@ class Sequential(Model):
         layer leaves nothing half-built); the chain of their nodes."""
         shape = input_shape
         for layer in self._layers:
+            if isinstance(layer, Model):            # a model used as a layer: built here, its nodes inlined
+                shape = layer.nested_output_shape(shape)
+                continue
             shape = layer.output_shape_for(shape)
-        shape = input_shape
+        shape, nodes = input_shape, []
         for layer in self._layers:
-            layer.build(shape)
-            shape = layer.output_shape
-        return [Node(layer, (i,), False) for i, layer in enumerate(self._layers)]
+            if not isinstance(layer, Model):
+                layer.build(shape)
+                shape = layer.output_shape
+            else:
+                shape = layer.nested_output_shape(shape)
+            nodes += functional.expand(layer, (len(nodes),), False, len(nodes))
+        return nodes
 
 
 @saving.register_model_class

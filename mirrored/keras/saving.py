@@ -512,6 +512,10 @@ def register_model_class(cls):
 
 
 def _layer_entry(layer):
+    if type(layer).__name__ in ("Sequential", "Functional") and MODEL_CLASSES.get(type(layer).__name__) is type(layer):
+        entry = model_config(layer)                      # a model used as a layer: its own config, as Keras
+        entry.pop("compile_config", None)
+        return entry
     return _ser("keras.layers", type(layer).__name__, layer.get_config())
 
 
@@ -589,6 +593,8 @@ def _layer_from_config(spec, custom_objects=None):
         if cfg.get("batch_input_shape") and getattr(layer, "input_shape_arg", None) is None:
             layer.input_shape_arg = tuple(cfg["batch_input_shape"][1:])
         return layer
+    if name in ("Sequential", "Functional") and isinstance(cfg.get("layers"), list):
+        return model_from_config(spec, custom_objects)     # a model used as a layer (issue 49)
     cls = getattr(L, name, None) if name in L.SUPPORTED else None
     if cls is None:
         raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "

@@ -15,11 +15,17 @@ entropies of the model's last forward pass on this replica. It then runs the
 replica program's fused loss gradient (scaled by the same factor) and its
 layers' backward kernels (``engine.ReplicaProgram.loss`` and ``backward``), and
 returns the model's packed gradient buffers as tensors, one per requested
-variable. ``optimizer.apply_gradients`` recognises them (``ParameterPack.matches``)
+variable.
+
+Across models (keras.io's GAN: ``discriminator(generator(z))``): a model called on a tensor the
+tape follows (``input_link``) runs a program whose backward also gives d loss / d its input
+(``ReplicaProgram(input_grad=True)``); the walk runs the models it meets last call first and
+walks each such input gradient back into whatever made the input, another model included. ``optimizer.apply_gradients`` recognises them (``ParameterPack.matches``)
 and makes fit's two calls: ``all_reduce`` of the packed buffer, then ``update``. Anything else raises an error that says
 what is supported.
 """
 import contextlib
+import itertools
 
 import numpy as np
 
@@ -32,10 +38,29 @@ from mirrored.values import Variable
 
 
 class ModelOutput:
-    """``model(x)`` on one replica: which program ran, on which input."""
+    """``model(x)`` on one replica: which program ran, on which input.
 
-    def __init__(self, model, program, x):
+    ``x``: the input buffer the program read; ``inputs``: the Tensor the caller gave;
+    ``link``: the tapes that followed ``inputs`` when the model was called (``input_link``:
+    it was computed by a recorded op or by another model, a generator's output into a
+    discriminator), for which the model's backward also gives d loss / d ``inputs`` and the
+    walk goes on into ``inputs``'s graph; ``seq``: the calls' order (the walk runs the models
+    backward last call first, so each gets all of its output's gradient before it runs)."""
+
+    def __init__(self, model, program, x, inputs=None, link=frozenset()):
         self.model, self.program, self.x = model, program, x
+        self.inputs, self.link, self.seq = inputs, link, next(_CALLS)
+
+
+_CALLS = itertools.count()          # ModelOutput.seq
+
+
+def input_link(inputs):
+    """The tapes of this thread recording now that follow ``inputs`` (a Tensor): a model
+    called on it must give them d loss / d ``inputs`` (its program with ``input_grad``)."""
+    if not isinstance(inputs, Tensor):
+        return frozenset()
+    return frozenset(t for t in autodiff.recording_tapes() if t.recording and autodiff.tracked_by(t, inputs))
 
 
 class _Loss:
@@ -261,7 +286,8 @@ class GradientTape:
             flat = list(sources.values())
         node = getattr(target, "node", None)
         legacy = node is not None and hasattr(node, "summed") and output_gradients is None
-        if legacy and isinstance(node.summed(), _Scaled) and all(not isinstance(s, Tensor) for s in flat):
+        if legacy and isinstance(node.summed(), _Scaled) and all(not isinstance(s, Tensor) for s in flat) \
+                and not any(self in l.output.link for l, _ in node.summed().losses):   # no model upstream
             result = self._fused_gradient(node.summed(), flat)
         else:
             result = self._graph_gradient(target, flat, output_gradients)
@@ -292,20 +318,34 @@ class GradientTape:
         seeds = (list(output_gradients) if isinstance(output_gradients, (list, tuple))
                  else [output_gradients] * len(targets))
         was, self.recording = self.recording, False      # the walk is not recorded by this tape
+        keep = {id(s) for s in flat if isinstance(s, Tensor)}
+        kept, var_grads, models = {}, {}, {}
+
+        def walk(t, g0):                              # one walk back from t; what it meets, added up
+            k, v, leaves = autodiff.gradient(self, t, g0, ops.add, keep)
+            for key, g in k.items():
+                kept[key] = g if key not in kept else kept[key] + g
+            for key, (var, g) in v.items():
+                var_grads[key] = (var, g if key not in var_grads else var_grads[key][1] + g)
+            for leaf, g in leaves:
+                _model_output_gradients(leaf, g, models)
         try:
-            kept, var_grads, models = {}, {}, {}
             for t, seed in zip(targets, seeds):
                 t = ops.as_tensor(t)
-                g0 = ops.ones_like(t) if seed is None else ops.as_tensor(seed, dtype=t.dtype, device=t.dev)
-                keep = {id(s) for s in flat if isinstance(s, Tensor)}
-                k, v, leaves = autodiff.gradient(self, t, g0, ops.add, keep)
-                for key, g in k.items():
-                    kept[key] = g if key not in kept else kept[key] + g
-                for key, (var, g) in v.items():
-                    var_grads[key] = (var, g if key not in var_grads else var_grads[key][1] + g)
-                for leaf, g in leaves:
-                    _model_output_gradients(leaf, g, models)
-            model_grads = _run_model_backwards(models)
+                walk(t, ops.ones_like(t) if seed is None else ops.as_tensor(seed, dtype=t.dtype, device=t.dev))
+            # the models met, last call first: each runs backward once, with all of its output's
+            # gradient (every later call and op has given its share by then); a model whose input
+            # came from recorded ops or another model gives d loss / d input, walked back in turn
+            model_grads, done = [], set()
+            while len(done) < len(models):
+                key = max((k for k in models if k not in done), key=lambda k: models[k][1].seq)
+                done.add(key)
+                program, node, dlogits = models[key]
+                want_dx = self in node.link and _reaches(self, node.inputs, flat)
+                pack, r, grads, dx = _run_model_backward(program, node, dlogits, want_dx)
+                model_grads.append((pack, r, grads))
+                if dx is not None:
+                    walk(node.inputs, dx)
         finally:
             self.recording = was
         out = []
@@ -411,32 +451,68 @@ def _model_output_gradients(t, g, models):
     else:
         raise TypeError(f"the tape met a tensor made by {type(node).__name__}, which it cannot differentiate.")
     for out, d in parts:
-        entry = models.get(id(out.program))
+        key = (id(out.program.pack), out.program.r)          # one model on one replica
+        entry = models.get(key)
         if entry is None:
-            models[id(out.program)] = [out.program, out, d]
+            models[key] = [out.program, out, d]
         else:
-            if entry[1].x is not out.x:
+            if entry[1] is not out:
                 raise NotImplementedError("the target uses two calls of one model; the tape here "
-                                          "differentiates one call of each model per gradient.")
+                                          "differentiates one call of each model per gradient (join "
+                                          "the inputs with tf.concat and call the model once).")
             entry[2] = entry[2] + d
 
 
-def _run_model_backwards(models):
-    """Each model's backward kernels from its output's gradient: [(pack, replica, grads)]."""
-    out = []
-    for program, node, dlogits in models.values():
-        if program.x is not node.x:
-            raise RuntimeError("the model was called again after this output was computed; take the "
-                               "gradient right after the call it belongs to.")
-        b = program.last_b
-        with program.dev.activate():
+def _run_model_backward(program, node, dlogits, want_dx):
+    """The model's backward kernels from its output's gradient: (pack, replica, weight
+    gradients, d loss / d the call's input or None). ``want_dx``: the program was made with
+    ``input_grad`` (``input_link``), so its backward leaves dx in ``program.grads[0]``."""
+    if program.x is not node.x:
+        raise RuntimeError("the model was called again after this output was computed; take the "
+                           "gradient right after the call it belongs to.")
+    b, dev = program.last_b, program.dev
+    dx = None
+    with dev.activate():
+        if b:
+            dst = program.loss_buffers(b).dlogits
+            src = ops.cast(ops.reshape(dlogits, tuple(dst.shape)), np.float32)
+            dev.copy_into(dst, src.buf)
+        program.backward()
+        if want_dx:
+            inputs = node.inputs
             if b:
-                dst = program.loss_buffers(b).dlogits
-                src = ops.cast(ops.reshape(dlogits, tuple(dst.shape)), np.float32)
-                program.dev.copy_into(dst, src.buf)
-            program.backward()
-        out.append((program.pack, program.r, custom_loop.grad_tensors(program.pack, program.r)))
-    return out
+                flat = dev.copy_from(program.grads[0], dev).reshape(inputs.shape)   # the program reuses its own
+            else:
+                flat = dev.from_numpy(np.zeros(inputs.shape, np.float32))
+            dx = Tensor(flat if inputs.dev is dev else inputs.dev.copy_from(flat, dev), inputs.dev)
+    return program.pack, program.r, custom_loop.grad_tensors(program.pack, program.r), dx
+
+
+def _reaches(tape, start, sources):
+    """Whether ``tape``'s graph leads from tensor ``start`` to one of ``sources`` (watched
+    tensors, variables, or the variables of a model met on the way): only then is a model's
+    d loss / d input worth walking (a discriminator's input made by a generator called before
+    the tape, or for a loss of the discriminator's weights alone, is not)."""
+    tensors = {id(s) for s in sources if isinstance(s, Tensor)}
+    variables = [s for s in sources if not isinstance(s, Tensor)]
+    stack, seen = [start], set()
+    while stack:
+        t = stack.pop()
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        node = getattr(t, "node", None)
+        if id(t) in tensors or (isinstance(node, autodiff.ReadNode) and
+                                any(node.variable is v for v in variables)):
+            return True
+        if isinstance(node, autodiff.Node) and tape in node.tapes:
+            stack += list(node.inputs)
+        elif isinstance(node, ModelOutput):
+            if any(custom_loop.index_of(node.program.pack, v) is not None for v in variables):
+                return True
+            if tape in node.link:
+                stack.append(node.inputs)
+    return False
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None,
