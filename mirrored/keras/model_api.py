@@ -29,6 +29,7 @@ from mirrored.keras import custom_loop, data_adapters, functional
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
+from mirrored.keras.base_layer import Layer
 from mirrored.keras.metrics import accuracy_name
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import check_compiled
@@ -119,7 +120,7 @@ class ModelAPI:
         if self.built and [id(v) for v in self.step.pack.variables] != [id(v) for v in self.trainable_variables]:
             self.step = type(self.step)(self, self.step.devices, self.step.cross_device_ops)
         if self.built:
-            self.step.packed_at = type(self.layers[0]).trainable_changes if self.layers else 0
+            self.step.packed_at = Layer.trainable_changes
 
     @property
     def losses(self):
