@@ -376,3 +376,27 @@ def test_builtin_losses_on_any_tensors_as_tf_quickstart_calls_them(cpu, rng):
         tape.watch(x)
         value = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, x)
     np.testing.assert_allclose(tape.gradient(value, x).numpy(), (probs - onehot) / 5, rtol=1e-10)
+
+
+def test_ops_and_gradients_equal_tensorflows_where_it_is_installed(cpu, rng):
+    """The same compositions in TensorFlow (skipped where it is not installed)."""
+    real = pytest.importorskip("tensorflow")
+    x = rng.normal(size=(3, 4)).astype(np.float32)
+    w = rng.normal(size=(4, 2)).astype(np.float32)
+    b = rng.normal(size=(2,)).astype(np.float32)
+    programs = [
+        lambda t, x, w, b: t.reduce_sum(t.square(t.matmul(x, w) + b)),
+        lambda t, x, w, b: t.reduce_mean(t.where(x > 0, t.exp(-x), x * x)) + t.reduce_max(t.matmul(x, w)),
+        lambda t, x, w, b: t.reduce_sum(t.nn.softmax(t.matmul(x, w)) * b) + t.reduce_sum(t.nn.relu(x[:, 1:3])),
+        lambda t, x, w, b: t.reduce_sum(t.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=t.constant([0, 1, 1]), logits=t.matmul(x, w) - b)),
+    ]
+    for program in programs:
+        results = []
+        for t in (tf, real):
+            xs = [t.Variable(a) for a in (x, w, b)]
+            with t.GradientTape() as tape:
+                y = program(t, *xs)
+            results.append([y.numpy()] + [g.numpy() for g in tape.gradient(y, xs)])
+        for ours, theirs in zip(*results):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
