@@ -57,10 +57,13 @@ class Node:
     """How a tensor was computed: ``op`` on ``inputs`` (tensors, or None where the rule
     gives nothing), ``grad_fn(dy) -> (d input_0, d input_1, ...)``, and which tapes saw it."""
 
-    __slots__ = ("op", "inputs", "grad_fn", "tapes")
+    __slots__ = ("op", "inputs", "grad_fn", "tapes", "partial")
 
-    def __init__(self, op, inputs, grad_fn, tapes):
+    def __init__(self, op, inputs, grad_fn, tapes, partial=False):
         self.op, self.inputs, self.grad_fn, self.tapes = op, tuple(inputs), grad_fn, tapes
+        #: the rule takes ``wanted`` (a bool per input) and computes only those parts
+        #: (``matmul``: a GEMM saved for the input of a first layer, which nothing needs)
+        self.partial = partial
 
 
 class ReadNode:
@@ -92,9 +95,10 @@ def tracked_by(tape, t):
     return tapes is None or tape in tapes
 
 
-def record(op, inputs, output, grad_fn):
+def record(op, inputs, output, grad_fn, partial=False):
     """Give ``output`` a Node when a tape of this thread follows one of ``inputs``.
-    Returns ``output``. ``inputs``: tensors (others are constants to the tape)."""
+    Returns ``output``. ``inputs``: tensors (others are constants to the tape).
+    ``partial``: ``grad_fn(dy, wanted)`` computes only the inputs' parts that are wanted."""
     tapes = recording_tapes()
     if not tapes or not differentiable(output.dtype):
         return output
@@ -102,7 +106,7 @@ def record(op, inputs, output, grad_fn):
                       any(x is not None and differentiable(x.dtype) and tracked_by(tape, x)
                           for x in inputs))
     if following:
-        output.node = Node(op, inputs, grad_fn, frozenset(following))
+        output.node = Node(op, inputs, grad_fn, frozenset(following), partial)
     return output
 
 
@@ -151,19 +155,43 @@ def _order(tape, target):
     return order
 
 
-def gradient(tape, target, output_gradient, add, keep=()):
+def _needed(tape, order, keep, variables):
+    """The ids of the tensors whose gradient leads somewhere: a kept source, a variable read
+    among ``variables`` (None: any), a model's output (the caller decides), or an input of
+    one of those. A rule is asked only for these parts."""
+    needed = set()
+    for t in reversed(order):                    # inputs before what is computed from them
+        node = getattr(t, "node", None)
+        if id(t) in keep:
+            needed.add(id(t))
+        elif isinstance(node, ReadNode):
+            if variables is None or id(node.variable) in variables:
+                needed.add(id(t))
+        elif isinstance(node, Node) and tape in node.tapes:
+            if any(x is not None and id(x) in needed for x in node.inputs):
+                needed.add(id(t))
+        elif node is not None:
+            needed.add(id(t))
+    return needed
+
+
+def gradient(tape, target, output_gradient, add, keep=(), variables=None):
     """d target / d every tensor ``tape`` followed, starting from ``output_gradient``.
 
     Returns (kept, var_grads, leaves): ``kept`` {id(tensor): gradient} for the tensors whose
-    ids are in ``keep`` (watched sources); ``var_grads`` {id(variable): (variable, gradient)};
-    ``leaves`` [(tensor, gradient)] for the tensors reached whose node is not an autodiff one
-    (a model's output, our losses' nodes): the caller (``keras/tape.py``) runs their fused
-    backward. ``add(a, b)``: the op that sums two gradients."""
+    ids are in ``keep`` (watched sources); ``var_grads`` {id(variable): (variable, gradient)}
+    for the variables whose ids are in ``variables`` (None: every one read); ``leaves``
+    [(tensor, gradient)] for the tensors reached whose node is not an autodiff one (a
+    model's output, our losses' nodes): the caller (``keras/tape.py``) runs their fused
+    backward. ``add(a, b)``: the op that sums two gradients. Only the parts on a way to
+    one of these are computed."""
+    order = _order(tape, target)
+    needed = _needed(tape, order, keep, variables)
     grads = {id(target): output_gradient}
     kept, var_grads, leaves = {}, {}, []
-    for t in _order(tape, target):
+    for t in order:
         g = grads.pop(id(t), None)
-        if g is None:
+        if g is None or id(t) not in needed:
             continue
         if id(t) in keep:
             kept[id(t)] = g
@@ -173,8 +201,10 @@ def gradient(tape, target, output_gradient, add, keep=()):
             prev = var_grads.get(key)
             var_grads[key] = (node.variable, g if prev is None else add(prev[1], g))
         elif isinstance(node, Node) and tape in node.tapes:
-            for x, gx in zip(node.inputs, node.grad_fn(g)):
-                if x is None or gx is None or not differentiable(x.dtype):
+            wanted = tuple(x is not None and id(x) in needed and differentiable(x.dtype) for x in node.inputs)
+            parts = node.grad_fn(g, wanted) if node.partial else node.grad_fn(g)
+            for x, gx, w in zip(node.inputs, parts, wanted):
+                if not w or gx is None:
                     continue
                 prev = grads.get(id(x))
                 grads[id(x)] = gx if prev is None else add(prev, gx)

@@ -230,8 +230,9 @@ def _binary(op, x, y, grad):
     out = _broadcast_op(op, x, y)
     if grad is None:
         return out
-    return autodiff.record(op, (x, y), out, lambda g: tuple(
-        None if d is None else unbroadcast(d, t.shape) for d, t in zip(grad(g, x, y, out), (x, y))))
+    return autodiff.record(op, (x, y), out, lambda g, wanted: tuple(
+        None if d is None or not w else unbroadcast(d, t.shape)
+        for d, t, w in zip(grad(g, x, y, out), (x, y), wanted)), partial=True)
 
 
 def add(x, y, name=None):
@@ -643,13 +644,16 @@ def matmul(a, b, transpose_a=False, transpose_b=False, name=None):
         elif out.buf.size:
             a.dev.ops.fill(out.buf, 0)
 
-    def grad(g):
-        ga = matmul(b, g, transpose_a=transpose_b, transpose_b=True) if transpose_a else \
-            matmul(g, b, transpose_b=not transpose_b)
-        gb = matmul(g, a, transpose_a=True, transpose_b=transpose_a) if transpose_b else \
-            matmul(a, g, transpose_a=not transpose_a)
+    def grad(g, wanted):
+        ga = gb = None
+        if wanted[0]:
+            ga = matmul(b, g, transpose_a=transpose_b, transpose_b=True) if transpose_a else \
+                matmul(g, b, transpose_b=not transpose_b)
+        if wanted[1]:
+            gb = matmul(g, a, transpose_a=True, transpose_b=transpose_a) if transpose_b else \
+                matmul(a, g, transpose_a=not transpose_a)
         return ga, gb
-    return autodiff.record("matmul", (a, b), out, grad)
+    return autodiff.record("matmul", (a, b), out, grad, partial=True)
 
 
 # --- shapes, slicing, joining ---------------------------------------------------------------

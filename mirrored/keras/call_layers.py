@@ -240,20 +240,23 @@ def backward(layer, state, dy):
     dev = state.dev
     weights = list(layer.trainable_weights)
     slots = {id(w): i for i, w in enumerate(layer.weights)}        # state.grads: every weight's
+    need = state.need_dx if isinstance(state.need_dx, tuple) else (state.need_dx,)
+    asked = [x for x, wanted in zip(buf.xs, need) if wanted]     # dx only where a layer before needs it
     with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
         seed = Tensor(view(dy, buf.y.shape), dev)
-        grads = buf.tape.gradient(buf.y, buf.xs + weights, output_gradients=seed)
-        n = len(buf.xs)
+        grads = buf.tape.gradient(buf.y, asked + weights, output_gradients=seed)
+        n = len(asked)
         for dst, g in zip([state.grads[slots[id(w)]] for w in weights], grads[n:]):
             if g is None:                        # the output does not depend on this weight
                 state.ops.fill(dst, 0.0)
             else:
                 dev.copy_into(dst, ops.cast(g, FLOAT).buf)
-        need = state.need_dx if isinstance(state.need_dx, tuple) else (state.need_dx,)
         if not any(need):
+            buf.tape = None
             return None
-        dxs = [(g if g is not None else ops.zeros_like(x)).buf if wanted else None
-               for x, g, wanted in zip(buf.xs, grads[:n], need)]
+        given = iter(grads[:n])
+        dxs = [None if not wanted else (lambda g: (g if g is not None else ops.zeros_like(x)).buf)(next(given))
+               for x, wanted in zip(buf.xs, need)]
     buf.tape = None                              # one backward per forward
     return tuple(dxs) if isinstance(state.need_dx, tuple) else dxs[0]
 

@@ -319,10 +319,11 @@ class GradientTape:
                  else [output_gradients] * len(targets))
         was, self.recording = self.recording, False      # the walk is not recorded by this tape
         keep = {id(s) for s in flat if isinstance(s, Tensor)}
+        variables = {id(s) for s in flat if isinstance(s, Variable)}
         kept, var_grads, models = {}, {}, {}
 
         def walk(t, g0):                              # one walk back from t; what it meets, added up
-            k, v, leaves = autodiff.gradient(self, t, g0, ops.add, keep)
+            k, v, leaves = autodiff.gradient(self, t, g0, ops.add, keep, variables)
             for key, g in k.items():
                 kept[key] = g if key not in kept else kept[key] + g
             for key, (var, g) in v.items():
