@@ -232,6 +232,7 @@ class Recording:
         self._made = {}                # id(memory owner) -> owner: buffers made by this trace
         self._kept = {}                # id(buffer) -> (buffer, its host copy before the trace wrote it)
         self._undo = []                # host state to put back, in order
+        self.not_kept = []             # buffers whose copy failed: a roll-back cannot restore them
 
     def __enter__(self):
         if backends.BOUNDARY.recorder is not None:
@@ -281,7 +282,10 @@ class Recording:
             with self._lock:
                 if id(buf) in self._kept or id(devices.memory_owner(buf)) in self._made:
                     continue
-                self._kept[id(buf)] = (buf, _host_copy(buf))
+                try:
+                    self._kept[id(buf)] = (buf, _host_copy(buf))
+                except Exception as err:  # noqa: BLE001 (a view numba cannot copy: the trace goes on)
+                    self.not_kept.append((type(buf).__name__, tuple(getattr(buf, "shape", ())), repr(err)))
 
     def keep_host_state(self, owner):
         """Before a host call: the numbers ``owner`` holds (its step count, its sums)."""

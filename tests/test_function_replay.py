@@ -356,9 +356,9 @@ def traced_function_traces(fn):
 
 
 def test_recording_catches_launches_made_by_code_holding_ops_from_before(devices):
-    """The boundary's methods are wrapped on the classes while a trace records, so an
-    ``ops`` object taken before the trace (a layer program keeps one) is recorded too;
-    and they are put back after."""
+    """The boundary's methods are wrapped once, on the classes, and consult the calling
+    thread's recorder, so an ``ops`` object taken before the trace (a layer program keeps
+    one) is recorded too."""
     dev = devices(cpus=1)[0]
     ops = dev.ops
     a = dev.from_numpy(np.arange(4, dtype=np.float32))
