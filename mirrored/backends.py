@@ -16,7 +16,9 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
+import functools
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -447,6 +449,62 @@ class CudaOps:
     def resize(self, x, out, method):
         return resize.resize(x, out, method, self.stream)
     # --- end of TensorFlow's ops ----------------------------------------------------------
+
+
+# --- the device boundary: where a trace sees each call ----------------------------------------
+# A ``@function``'s trace (recording.py) writes down every call that crosses into a device.
+# Which calls a thread makes belongs to that thread alone: a data loader, a notebook's timer
+# or a second caller of the same function must never land in someone else's trace. So each
+# boundary method is wrapped ONCE, when its class is made (the two ops classes here, the
+# devices' methods in devices.py), and the wrapper asks the calling thread whether it
+# records: ``BOUNDARY.recorder``, a ``threading.local`` slot that recording.py sets for the
+# tracing thread and for the replica threads its ``strategy.run`` starts (mirrored_run.py
+# hands the recorder on explicitly), and nobody else. Not recording: the method, one extra
+# call. Recording: ``recorder.device_call(kind, ...)`` decides what to write down.
+
+#: Ops methods that only answer a question (nothing to record).
+OPS_QUERIES = ("fuses_conv_relu_pool",)
+
+
+class Boundary(threading.local):
+    """Per thread: ``recorder``, the ``recording.ThreadRecorder`` this thread's device calls
+    go to, or None (the thread does not record)."""
+
+    recorder = None
+
+
+#: The calling thread's side of the boundary (``BOUNDARY.recorder``).
+BOUNDARY = Boundary()
+
+
+def at_boundary(kind, method, info=None):
+    """``method`` (a function ``method(self, *args, **kwargs)``) as a boundary call of
+    ``kind`` ("op", "write", "read", "made", "from_numpy", "copy_from", "ordering", "host"):
+    it runs as it is unless the calling thread records, and then goes to its recorder."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def boundary(self, *args, **kwargs):
+        recorder = BOUNDARY.recorder
+        if recorder is None:
+            return method(self, *args, **kwargs)
+        return recorder.device_call(kind, self, name, method, args, kwargs, info)
+    boundary.boundary_kind = kind
+    return boundary
+
+
+def op_methods(cls):
+    """The names of ``cls``'s op methods: public functions (not a constant such as a dtype,
+    not a static question)."""
+    return [name for name, value in vars(cls).items()
+            if not name.startswith("_") and isinstance(value, types.FunctionType)
+            and name not in OPS_QUERIES]
+
+
+for _ops_class in (CpuOps, CudaOps):
+    for _name in op_methods(_ops_class):
+        setattr(_ops_class, _name, at_boundary("op", vars(_ops_class)[_name]))
+del _ops_class, _name
 
 
 # --- the CPU backend's BLAS, and how many threads it may use --------------------------------

@@ -36,6 +36,7 @@ from collections import namedtuple
 
 import numpy as np
 
+from mirrored.backends import at_boundary
 from mirrored.errors import ResourceExhaustedError
 
 PhysicalDevice = namedtuple("PhysicalDevice", ["name", "device_type"])
@@ -101,10 +102,33 @@ def cuda_mode():
 
 # --- devices ----------------------------------------------------------------------
 
+#: The device methods a ``@function``'s trace sees (``backends.at_boundary``), by what they
+#: do: write device memory, hand a device value to the host (a trace cannot replay that),
+#: make a buffer, order two streams. Every class of device has them wrapped when it is
+#: made (``Device.__init_subclass__``), so a trace sees them whoever calls them.
+BOUNDARY_METHODS = {"upload_into": "write", "copy_into": "write", "copy_peer_into": "write",
+                    "synchronize": "write", "to_numpy": "read", "download_into": "read",
+                    "mpi_buffer": "read", "from_numpy": "from_numpy", "copy_from": "copy_from",
+                    "empty": "made", "empty_parts": "made", "record_event": "ordering",
+                    "wait_event": "ordering"}
+
+
+def _at_boundary(cls):
+    """Wrap the boundary methods ``cls`` defines itself (once, as the class is made)."""
+    for name, kind in BOUNDARY_METHODS.items():
+        method = vars(cls).get(name)
+        if method is not None and not hasattr(method, "boundary_kind"):
+            setattr(cls, name, at_boundary(kind, method))
+
+
 class Device:
     """A logical device: where arrays live and kernels run. Subclassed per backend."""
 
     device_type = None  # "CPU" or "GPU"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _at_boundary(cls)
 
     def __init__(self, index, physical, memory_limit_mib=None):
         self.index = index                  # logical index among devices of this type
@@ -260,6 +284,17 @@ class Device:
     def synchronize(self):
         """Wait until every kernel and copy queued on this device has finished."""
 
+    def record_event(self, event):
+        """Mark ``event`` done once this device's stream reaches this point (None: a CPU,
+        nothing to do). ``ring.py`` orders its transfers with these two."""
+        if event is not None:
+            event.record(self.stream)
+
+    def wait_event(self, event):
+        """Make this device's stream wait, on the GPU, for ``event`` (None: nothing to do)."""
+        if event is not None:
+            event.wait(self.stream)
+
     def activate(self):
         """Context manager binding the calling thread to this device (CUDA context)."""
         return contextlib.nullcontext()
@@ -267,6 +302,9 @@ class Device:
     def memory_info(self):
         """(free, total) bytes as far as we know; ``None`` where unknown."""
         return None, self.memory_limit
+
+
+_at_boundary(Device)
 
 
 def memory_owner(buf):
@@ -689,9 +727,9 @@ def wait_for(src, dst):
     cuda = numba_cuda()
     with src.activate():
         event = cuda.event(timing=False) if cuda_mode() == "real" else cuda.event()
-        event.record(src.stream)
+        src.record_event(event)
     with dst.activate():
-        event.wait(dst.stream)
+        dst.wait_event(event)
 
 
 # --- the registry: physical devices, logical configuration, logical devices ------

@@ -25,6 +25,9 @@ point and replica 1 to another's), and a replica waits at a merge point at most
 ``MERGE_TIMEOUT_S`` before the merge point is broken with an error naming the
 replicas that arrived and those that did not.
 
+Inside a ``@function``'s trace the replica threads record into their caller's recording
+(``recording.joined``): the recorder is per thread, so it is handed on explicitly.
+
 The worker threads hold no reference to their strategy (only to their job queue),
 so a strategy that goes out of use is freed, and a finalizer then ends its threads.
 
@@ -36,7 +39,7 @@ import queue
 import threading
 import weakref
 
-from mirrored import context
+from mirrored import context, recording
 from mirrored import devices as _dev
 from mirrored.errors import DeadlineExceededError
 from mirrored.values import select_replica
@@ -175,12 +178,13 @@ class ReplicaWorkers:
         results, errors = [None] * n, [None] * n
         done = Countdown(n)
         strategy = self._strategy()
+        trace = recording.active()           # a @function's trace on the caller: the replicas join it
 
         def job(i):
             dev = strategy.extended.devices[i]
             context.set_stack(outer_stack + [(strategy, replica_context(strategy, i, merge_point))])
             try:
-                with _dev.device_scope(dev):
+                with _dev.device_scope(dev), recording.joined(trace):
                     results[i] = fn(*select_replica(i, args), **select_replica(i, kwargs))
                 merge_point.finish(i)
             except BaseException as err:  # noqa: BLE001 (handed to the caller)

@@ -31,22 +31,30 @@ initial value) is made under ``initialization()``: done once, never replayed.
 A call made *inside* a recorded call (an op asking its device for a scratch buffer,
 ``copy_from`` reading its source, a host callback's own uploads and reads) belongs
 to that call: it runs again when the outer one does, so it is not written down twice.
-``_local.depth`` tracks that, per thread (``strategy.run``'s replica threads record
-into the same recording, each in its own program order; the merge points order them
-between each other, and the list keeps the order the calls really happened in).
+``ThreadRecorder.depth`` tracks that.
 
-How the calls are caught: while a recording is open, the device classes' and the ops
-classes' methods are wrapped (``_instrument``), and put back when it closes. The
-classes, not the instances, so that code holding a device's ``ops`` object since
-before (a layer program) is recorded too, and nothing in the engine needs to know.
+Who records: the thread that traces, and nobody else. The boundary's methods (the ops
+classes' in ``backends.py``, the devices' in ``devices.py``) are wrapped once, when their
+classes are made; each wrapper asks the calling thread's slot (``backends.BOUNDARY``, a
+``threading.local``) for its ``ThreadRecorder``. ``with Recording():`` fills that slot for
+the calling thread only; ``strategy.run``'s replica threads join their caller's recording
+explicitly (``joined``, from ``mirrored_run.py``), each in its own program order (the merge
+points order them between each other, and the list keeps the order the calls really
+happened in). A data loader, a timer or a second caller of the same function, on another
+thread, is never recorded: TensorFlow's rule (another thread's ``v.assign_add(1)`` is not
+part of the function). Two threads can trace two functions at once.
+
+What a trace changed is kept to be put back (``Recording.roll_back``): a trace runs
+eagerly, so unlike TensorFlow's symbolic one it has effects, and one that raises must
+leave none.
 
 Neighbours: ``traced_function.py`` (the tracer and the replay), ``devices.py`` and
 ``backends.py`` (the boundary), ``graphs.py`` (a replay's launches as a CUDA graph).
 """
+import contextlib
 import functools
 import inspect
 import os
-import sys
 import sysconfig
 import threading
 import traceback
@@ -55,34 +63,53 @@ import numpy as np
 
 from mirrored import backends, devices
 
-#: Device methods that write device memory from the host or from another device buffer.
-DEVICE_WRITES = ("upload_into", "copy_into", "copy_peer_into", "synchronize")
 #: Device methods that hand a device value to the host: a trace cannot replay them.
 DEVICE_READS = {"to_numpy": "reads a device value on the host (.numpy(), float(), int(), "
                             "bool(), an `if` or `while` on a tensor, NumPy on a tensor)",
                 "download_into": "reads a device value on the host",
                 "mpi_buffer": "hands a device buffer to MPI (the ring across workers is driven "
                               "from the host)"}
-#: Functions that order two GPU streams (an event recorded on one, waited for on the
-#: other): recorded where a GPU is involved, so a replay keeps the ring's ordering.
-STREAM_ORDERING = (("mirrored.ring", "record_event"), ("mirrored.ring", "wait_event"),
-                   ("mirrored.devices", "wait_for"))
-#: Ops methods that only answer a question (nothing to replay).
-OPS_QUERIES = ("fuses_conv_relu_pool",)
+#: Device writes whose first argument is the only buffer they write.
+WRITES_FIRST = ("upload_into", "copy_into", "copy_peer_into")
+#: TensorFlow's words when a function makes a ``tf.Variable`` on a call where it may not.
+SINGLETON_VARIABLES = ("tf.function only supports singleton tf.Variables created on the first call. "
+                       "Make sure the tf.Variable is only created once or created outside tf.function "
+                       "(e.g. `if self.v is None: self.v = mirrored.Variable(...)`, or make it before "
+                       "the first call).")
 
-_lock = threading.Lock()          # one recording at a time (opening, closing, adding)
-_current = None                   # the open Recording, or None
-_local = threading.local()        # .depth: > 0 inside a recorded call (see the docstring)
+
+def thread_recorder():
+    """The calling thread's ``ThreadRecorder``, or None (it records nothing)."""
+    return backends.BOUNDARY.recorder
 
 
 def active():
-    """The open ``Recording``, or None (no trace is running)."""
-    return _current
+    """The ``Recording`` the calling thread records into, or None (no trace on this thread)."""
+    recorder = backends.BOUNDARY.recorder
+    return None if recorder is None else recorder.recording
 
 
 def in_host_code():
-    """True inside a recorded call or a host callback on this thread (its reads are its own)."""
-    return getattr(_local, "depth", 0) > 0
+    """True inside a recorded call, a host callback or ``initialization()`` on a recording
+    thread (its device calls and reads are its own)."""
+    recorder = backends.BOUNDARY.recorder
+    return recorder is not None and recorder.depth > 0
+
+
+@contextlib.contextmanager
+def joined(recording):
+    """``with recording.joined(rec):`` the calling thread records into ``rec`` too (None:
+    nothing changes). ``strategy.run``'s replica threads join their caller's trace this way
+    (``mirrored_run.py``): each with its own depth, into the one list of entries."""
+    if recording is None:
+        yield
+        return
+    previous = backends.BOUNDARY.recorder
+    backends.BOUNDARY.recorder = ThreadRecorder(recording)
+    try:
+        yield
+    finally:
+        backends.BOUNDARY.recorder = previous
 
 
 class Launch:
@@ -169,11 +196,7 @@ class HostCall:
     def run(self):
         """Run it; returns a function that undoes its host-side effect (or None)."""
         undo = self.undo_with(*self.args, **self.kwargs) if self.undo_with is not None else None
-        _local.depth = getattr(_local, "depth", 0) + 1
-        try:
-            self.fn(*self.args, **self.kwargs)
-        finally:
-            _local.depth -= 1
+        self.fn(*self.args, **self.kwargs)
         return undo
 
     def buffers(self):
@@ -187,51 +210,193 @@ class Recording:
     """The entries of one trace, in the order they ran; ``refused``: (why, where) of the
     first thing in it that cannot be replayed, or None.
 
-    ``with Recording() as rec:`` opens it (the device classes' methods are wrapped while
-    it is open); it closes whatever happens inside."""
+    ``with Recording() as rec:`` makes the calling thread record into it (and only that
+    thread: ``joined`` adds a replica thread); it stops whatever happens inside.
 
-    def __init__(self):
+    What the trace changed can be put back (``roll_back``): before the first call that may
+    write a buffer the trace did not make, a host copy of that buffer is kept; the host
+    state of its host calls (the optimizer's step count, a metric's sums: numbers on the
+    object) too. A trace that raises leaves no effect, as TensorFlow's symbolic trace has
+    none. ``forget`` drops the copies once the trace has succeeded.
+
+    ``variables_made``: how many ``Variable``s the function's own code made while tracing
+    (not the library's first-use state); ``no_variables``: making one raises TensorFlow's
+    ``ValueError`` (``traced_function.py``: variables on the first call only)."""
+
+    def __init__(self, no_variables=False):
         self.entries = []
         self.refused = None           # (reason, (filename, line, text)) of the first refusal
-        self._open_host_calls = []    # the HostCalls running now (their reads and writes)
+        self.variables_made = 0
+        self.no_variables = no_variables
+        self._lock = threading.Lock()  # the replica threads add to one recording
+        self._made = {}                # id(memory owner) -> owner: buffers made by this trace
+        self._kept = {}                # id(buffer) -> (buffer, its host copy before the trace wrote it)
+        self._undo = []                # host state to put back, in order
+        self.not_kept = []             # buffers whose copy failed: a roll-back cannot restore them
 
     def __enter__(self):
-        global _current
-        _lock.acquire()
-        if _current is not None:
-            _lock.release()
-            raise RuntimeError("a trace is already being recorded; a @function called inside "
+        if backends.BOUNDARY.recorder is not None:
+            raise RuntimeError("this thread is already recording a trace; a @function called inside "
                                "another one's trace runs inside it (traced_function.py checks first).")
-        _instrument()
-        _current = self
-        _lock.release()
+        backends.BOUNDARY.recorder = ThreadRecorder(self)
         return self
 
     def __exit__(self, *exc):
-        global _current
-        with _lock:
-            _current = None
-            _uninstrument()
+        backends.BOUNDARY.recorder = None
         return False
 
     def add(self, entry):
-        with _lock:
+        with self._lock:
             self.entries.append(entry)
 
     def refuse(self, reason, where=None):
         """Mark the recording as one that cannot be replayed (the first reason is kept)."""
-        with _lock:
+        with self._lock:
             if self.refused is None:
                 self.refused = (reason, where if where is not None else user_line())
+
+    # -- what the trace changed, and putting it back
+    def made(self, bufs):
+        """Note buffers this trace made: their old contents are nobody's, nothing to keep."""
+        for buf in (bufs if isinstance(bufs, (tuple, list)) else (bufs,)):
+            if _is_buffer(buf):
+                owner = devices.memory_owner(buf)
+                with self._lock:
+                    self._made[id(owner)] = owner
+
+    def unmade(self, values):
+        """``values`` hold state from now on (first-use state filled inside the trace):
+        a later write in the trace keeps a copy of them first, as of buffers from before."""
+        if self._made:
+            for buf in values:
+                if _is_buffer(buf):
+                    with self._lock:
+                        self._made.pop(id(devices.memory_owner(buf)), None)
+
+    def keep_before(self, values):
+        """Before a call that may write ``values``: a host copy of each buffer among them
+        that the trace did not make and has not kept yet."""
+        for buf in values:
+            if not _is_buffer(buf):
+                continue
+            with self._lock:
+                if id(buf) in self._kept or id(devices.memory_owner(buf)) in self._made:
+                    continue
+                try:
+                    self._kept[id(buf)] = (buf, _host_copy(buf))
+                except Exception as err:  # noqa: BLE001 (a view numba cannot copy: the trace goes on)
+                    self.not_kept.append((type(buf).__name__, tuple(getattr(buf, "shape", ())), repr(err)))
+
+    def keep_host_state(self, owner):
+        """Before a host call: the numbers ``owner`` holds (its step count, its sums)."""
+        state = getattr(owner, "__dict__", None)
+        if state:
+            numbers = {k: v for k, v in state.items() if isinstance(v, (int, float, np.number))}
+            with self._lock:
+                self._undo.append(lambda: state.update(numbers))
+
+    def roll_back(self):
+        """Put back every buffer and host number the trace changed (latest copies first, so
+        where two kept buffers overlap, the earlier copy, from before the trace, wins)."""
+        with self._lock:
+            kept, undo = list(self._kept.values()), list(self._undo)
+        for buf, host in reversed(kept):
+            _put_back(buf, host)
+        for restore in reversed(undo):
+            restore()
+        self.forget()
+
+    def forget(self):
+        with self._lock:
+            self._kept, self._made, self._undo = {}, {}, []
+
+
+class ThreadRecorder:
+    """One thread's side of a ``Recording``: the boundary's wrappers (``backends.at_boundary``)
+    hand it every device call this thread makes while it records.
+
+    ``depth`` > 0 inside a recorded call, a host callback or ``initialization()``: a call
+    made there belongs to the outer one (an op asking its device for a scratch buffer,
+    ``copy_from`` reading its source, a host callback's own uploads and reads) and runs
+    again when the outer one does, so it is not written down twice. ``call``: the host
+    callback running now (its reads and writes are noted on it)."""
+
+    __slots__ = ("recording", "depth", "call")
+
+    def __init__(self, recording):
+        self.recording, self.depth, self.call = recording, 0, None
+
+    def device_call(self, kind, target, name, method, args, kwargs, info=None):
+        """``method(target, *args, **kwargs)``, a boundary call of ``kind``, run and written down."""
+        if self.depth:
+            if kind in ("op", "write"):
+                # state the trace made and now fills (an optimizer's slots zeroed under
+                # ``initialization()``): kept from here on, like state from before the trace
+                self.recording.unmade(list(args) + list(kwargs.values()))
+            if self.call is not None and args:
+                if kind == "write" and name == "upload_into":
+                    _note(self.call.writes, args[0])            # a host callback's upload
+                elif kind == "read":
+                    _note(self.call.reads, args[-1] if name == "download_into" else args[0])
+            return method(target, *args, **kwargs)
+        rec = self.recording
+        if kind == "read":
+            rec.refuse(f"it {DEVICE_READS[name]}")
+            return method(target, *args, **kwargs)
+        if kind == "made":
+            made = method(target, *args, **kwargs)
+            rec.made(made)
+            return made
+        if kind == "ordering":                        # (event): recorded where it orders GPU streams
+            method(target, *args, **kwargs)
+            if args[0] is not None and getattr(target, "stream", None) is not None:
+                rec.add(Launch(target, name, args, {}))
+            return None
+        if kind == "host":
+            return self.host_call(method, (target,) + tuple(args), kwargs,
+                                  None if info is None else functools.partial(_restorer, info))
+        if kind == "op":
+            rec.keep_before(list(args) + list(kwargs.values()))
+        elif kind == "write" and name in WRITES_FIRST:
+            rec.keep_before(args[:1])
+        self.depth = 1
+        try:
+            result = method(target, *args, **kwargs)
+        finally:
+            self.depth = 0
+        if name == "upload_into":                     # a host value: keep a copy of it
+            rec.add(Upload(target, args[0], np.array(args[1], copy=True)))
+        elif kind == "from_numpy":
+            rec.add(Upload(target, result, np.array(args[0], copy=True, order="C")))
+            rec.made(result)
+        elif kind == "copy_from":
+            rec.add(PeerCopy(target, result, args[0], args[1]))
+            rec.made(result)
+        else:
+            rec.add(Launch(target, name, args, kwargs))
+        return result
+
+    def host_call(self, fn, args, kwargs, undo_with=None, stays=False):
+        """Run host work now and write it down as a ``HostCall`` (see ``host_work``)."""
+        call = HostCall(fn, args, kwargs, undo_with, stays)
+        if args:
+            self.recording.keep_host_state(args[0])
+        self.depth, self.call = 1, call
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self.depth, self.call = 0, None
+        self.recording.add(call)
+        return result
 
 
 def unrecordable(reason):
     """Called by library code that cannot be replayed (``next()`` on a data set's
-    iterator inside a trace...): the open recording, if any, is refused with ``reason``
-    and the user's line. Outside a trace it does nothing."""
-    rec = _current
-    if rec is not None and not in_host_code():
-        rec.refuse(reason)
+    iterator inside a trace...): the calling thread's recording, if any, is refused with
+    ``reason`` and the user's line. Outside a trace it does nothing."""
+    recorder = backends.BOUNDARY.recorder
+    if recorder is not None and not recorder.depth:
+        recorder.recording.refuse(reason)
 
 
 def host_work(fn=None, *, restores=None, stays=False):
@@ -253,19 +418,10 @@ def host_work(fn=None, *, restores=None, stays=False):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        rec = _current
-        if rec is None or in_host_code():
+        recorder = backends.BOUNDARY.recorder
+        if recorder is None or recorder.depth:
             return fn(*args, **kwargs)
-        call = HostCall(fn, args, kwargs, undo_with, stays)
-        _local.depth = 1
-        _local.call = call
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            _local.depth = 0
-            _local.call = None
-        rec.add(call)
-        return result
+        return recorder.host_call(fn, args, kwargs, undo_with, stays)
     return run
 
 
@@ -276,25 +432,37 @@ class initialization:
     A trace is often the first call of a step, so it is where such state is made; a
     replay that zeroed Adam's moments again every step would train something else.
     TensorFlow lifts variable creation out of a traced function the same way
-    (``tf.init_scope``). Outside a trace it does nothing."""
+    (``tf.init_scope``). Outside a trace it does nothing.
+
+    ``variable``: a ``Variable`` is being made. Made by the function's own code (not
+    inside the library's first-use state) it is counted on the recording, or refused
+    with TensorFlow's ``ValueError`` where the recording allows none."""
+
+    def __init__(self, variable=False):
+        self.variable = variable
+        self.recorder = None
 
     def __enter__(self):
-        _local.depth = getattr(_local, "depth", 0) + 1
+        recorder = self.recorder = backends.BOUNDARY.recorder
+        if recorder is not None:
+            if self.variable and not recorder.depth:
+                if recorder.recording.no_variables:
+                    raise ValueError(SINGLETON_VARIABLES)
+                recorder.recording.variables_made += 1
+            recorder.depth += 1
         return self
 
     def __exit__(self, *exc):
-        _local.depth -= 1
+        if self.recorder is not None:
+            self.recorder.depth -= 1
         return False
 
 
-_HOST_METHODS = []                # (class, method name, restores): see host_method
-
-
 def host_method(cls, name, restores=None):
-    """``host_work`` for a method on a hot path: ``cls.<name>`` is wrapped only while a
-    recording is open (``_instrument``), so ``fit``'s every step calls the plain method
-    and never passes through this file (``Optimizer.begin_step``)."""
-    _HOST_METHODS.append((cls, name, restores))
+    """``host_work`` for a method on a hot path (``Optimizer.begin_step``): wrapped once,
+    now, at the device boundary (``backends.at_boundary``), so ``fit``'s every step calls
+    it through one plain wrapper there and never passes through this file."""
+    setattr(cls, name, backends.at_boundary("host", vars(cls)[name], restores))
 
 
 def _restorer(name, owner, *args, **kwargs):
@@ -303,156 +471,28 @@ def _restorer(name, owner, *args, **kwargs):
     return lambda: setattr(owner, name, value)
 
 
-# --- catching the device calls ---------------------------------------------------------
-
-_patched = []                     # (class, name, what its __dict__ held or _MISSING)
-_MISSING = object()
-
-
-def _device_classes():
-    found, todo = [], [devices.Device]
-    while todo:
-        cls = todo.pop()
-        found.append(cls)
-        todo.extend(cls.__subclasses__())
-    return found
-
-
-def _ops_methods(cls):
-    return [name for name, value in vars(cls).items()
-            if not name.startswith("_") and callable(value) and name not in OPS_QUERIES
-            and not isinstance(value, (staticmethod, classmethod))]
-
-
-def _instrument():
-    """Wrap the boundary's methods (called with ``_lock`` held)."""
-    for cls in (backends.CpuOps, backends.CudaOps):
-        for name in _ops_methods(cls):
-            _patch(cls, name, _recorded)
-    for cls in _device_classes():
-        for name in DEVICE_WRITES:
-            _patch(cls, name, _recorded)
-        for name in DEVICE_READS:
-            _patch(cls, name, _read)
-        _patch(cls, "from_numpy", _from_numpy)
-        _patch(cls, "copy_from", _copy_from)
-    for cls, name, restores in _HOST_METHODS:
-        _patch(cls, name, lambda _, original, r=restores: host_work(original, restores=r))
-    for module, name in STREAM_ORDERING:       # the ring's events, if the ring is loaded
-        if module in sys.modules:
-            _patch(sys.modules[module], name, _ordering)
-
-
-def _uninstrument():
-    while _patched:
-        cls, name, before = _patched.pop()
-        if before is _MISSING:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, before)
-
-
-def _patch(cls, name, wrapper):
-    original = getattr(cls, name, None)
-    if original is None:
-        return
-    _patched.append((cls, name, vars(cls).get(name, _MISSING)))
-    setattr(cls, name, wrapper(name, original))
-
-
-def _recorded(name, original):
-    """An op or a device write: run it, then (outermost calls only) write it down."""
-    @functools.wraps(original)
-    def call(self, *args, **kwargs):
-        rec = _current
-        if rec is None or in_host_code():
-            if rec is not None and name == "upload_into":
-                _note(rec, "writes", args[0])        # a host callback's upload
-            return original(self, *args, **kwargs)
-        _local.depth = 1
-        try:
-            result = original(self, *args, **kwargs)
-        finally:
-            _local.depth = 0
-        if name == "upload_into":                    # a host value: keep a copy of it
-            rec.add(Upload(self, args[0], np.array(args[1], copy=True)))
-        else:
-            rec.add(Launch(self, name, args, kwargs))
-        return result
-    return call
-
-
-def _read(name, original):
-    """A host read: allowed inside host code, refuses the recording anywhere else."""
-    @functools.wraps(original)
-    def read(self, *args, **kwargs):
-        rec = _current
-        if rec is not None:
-            if in_host_code():
-                if args:
-                    _note(rec, "reads", args[-1] if name == "download_into" else args[0])
-            else:
-                rec.refuse(f"it {DEVICE_READS[name]}")
-        return original(self, *args, **kwargs)
-    return read
-
-
-def _from_numpy(name, original):
-    @functools.wraps(original)
-    def from_numpy(self, array):
-        rec = _current
-        if rec is None or in_host_code():
-            return original(self, array)
-        _local.depth = 1
-        try:
-            buf = original(self, array)
-        finally:
-            _local.depth = 0
-        rec.add(Upload(self, buf, np.array(array, copy=True, order="C")))
-        return buf
-    return from_numpy
-
-
-def _copy_from(name, original):
-    @functools.wraps(original)
-    def copy_from(self, buf, src):
-        rec = _current
-        if rec is None or in_host_code():
-            return original(self, buf, src)
-        _local.depth = 1
-        try:
-            out = original(self, buf, src)
-        finally:
-            _local.depth = 0
-        rec.add(PeerCopy(self, out, buf, src))
-        return out
-    return copy_from
-
-
-def _ordering(name, original):
-    """``record_event(dev, event)``, ``wait_event(dev, event)``, ``wait_for(src, dst)``:
-    recorded (as a ``Launch`` on their module) only where they do something, on GPUs."""
-    module = sys.modules[original.__module__]
-
-    @functools.wraps(original)
-    def order(*args):
-        original(*args)
-        rec = _current
-        if rec is not None and not in_host_code() and all(
-                getattr(a, "stream", 0) is not None for a in args) and None not in args:
-            rec.add(Launch(module, name, args, {}))
-    return order
-
-
-def _note(rec, which, buf):
-    call = getattr(_local, "call", None)
-    if call is not None and _is_buffer(buf):
-        getattr(call, which).append(buf)
+def _note(where, buf):
+    if _is_buffer(buf):
+        where.append(buf)
 
 
 def _is_buffer(value):
     return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__") \
         or hasattr(value, "_ary")
+
+
+def _host_copy(buf):
+    """A host copy of a device buffer's values (waits for the work queued on it)."""
+    if isinstance(buf, np.ndarray):
+        return np.array(buf, copy=True)
+    return buf.copy_to_host()
+
+
+def _put_back(buf, host):
+    if isinstance(buf, np.ndarray):
+        np.copyto(buf, host)
+    else:
+        buf.copy_to_device(host)
 
 
 # --- where in the user's code ----------------------------------------------------------

@@ -281,10 +281,10 @@ class RingAllReduce(CrossDeviceOps):
 def record_event(dev, event):
     """Mark ``event`` done once ``dev``'s stream reaches this point (None: a CPU, nothing to do)."""
     if event is not None:
-        event.record(dev.stream)
+        dev.record_event(event)                   # a device call: a @function's trace sees it
 
 
 def wait_event(dev, event):
     """Make ``dev``'s stream wait, on the GPU, for ``event`` (None: a CPU, nothing to do)."""
     if event is not None:
-        event.wait(dev.stream)
+        dev.wait_event(event)

@@ -4,8 +4,14 @@ What TensorFlow does, and what this file does in its place:
 
 1. **Key.** Each call is keyed by its *input signature*: the nesting of the arguments,
    each tensor's shape, dtype and device (a ``PerReplica`` batch: each replica's), and
-   Python values by value (other objects by identity). A new key (the short last
-   batch of an epoch) traces again (``experimental_get_tracing_count``).
+   Python values by value (other objects by identity). A NumPy array (a data set's
+   batch: ``for images, labels in train_ds: train_step(images, labels)``) is a tensor,
+   as TensorFlow converts it: keyed by shape and dtype, uploaded into its input slot on
+   the current device at each call (one copy). A new key (the short last batch of an
+   epoch) traces again (``experimental_get_tracing_count``); when 5 of the last 10
+   calls traced, each trace warns as TensorFlow does (``RetracingWarning``).
+   ``input_signature`` is checked against every argument, whatever its kind (a
+   mismatch: TensorFlow's ``TypeError``, and nothing runs).
 2. **Trace.** The first call for a key runs the Python once, eagerly, inside a
    ``recording.Recording``: every device call the library makes on the way (each
    ``dev.ops.<op>`` launch, copy and upload: ``recording.py``) is written down, with
@@ -28,12 +34,29 @@ What TensorFlow does, and what this file does in its place:
    kept result (``losses.append(step(x))``) keeps its own step's value, and a loop that
    keeps nothing allocates nothing per step.
 
+   A returned variable is its value at that call (a copy: later assigns do not reach it).
+
 What cannot be recorded is run eagerly, with one warning naming the user's line and
 why (``EagerFallbackWarning``): a host read of a device value while tracing (``float``
 of a loss, an ``if`` on a tensor: Python control flow would be frozen on one value),
-``next()`` on a data set's iterator inside the function (the batch would be frozen),
-NumPy arrays as arguments (pass tensors: a distributed data set's batches). The call
-that found out has already run eagerly, completely, so nothing runs twice.
+``next()`` on a data set's iterator inside the function (the batch would be frozen).
+The call that found out has already run eagerly, completely, so nothing runs twice.
+
+**Threads.** A trace records its own thread's device calls and those of the replica
+threads its ``strategy.run`` starts, never another thread's (``recording.py``): a data
+loader's work, or another thread reading a tensor, is not part of the function. One call
+of a function traces or replays at a time (``Function._lock``): two threads making the
+first call at once trace it once and run it twice, and two threads replaying it each get
+their own results (a replay writes into the trace's buffers). A Ctrl-C during a replay
+is held back until the replay ends (``devices.every_device_or_none``): the step ran on
+every replica or on none, as between two of TensorFlow's graph calls.
+
+**Variables.** TensorFlow's rule: a function may make ``tf.Variable``s on its first call
+only. A first call whose code makes some is traced twice (the first trace's effects
+rolled back: TensorFlow's first trace has none), and making one in the second trace, or
+in any later trace, raises TensorFlow's ``ValueError``. The library's own first-use
+state (a model built inside the trace, an optimizer's slots: ``recording.initialization``)
+is not counted.
 
 ``strategy.reduce`` inside a trace stays on the device (``reduce_in_trace``): the
 replicas' values are copied to the first replica's device and added there in the order
@@ -45,8 +68,9 @@ and ``strategy.reduce``'s are host work, recorded as host callbacks that every r
 runs again at the same point of the step (every worker replays the same calls in the
 same order, as it traced them).
 
-A trace that raises leaves nothing: no record is kept for its key, and the library's
-own ``no_trace`` (``keras/step.py``) has put the step count and buffers back, as eagerly.
+A trace that raises leaves nothing: no record is kept for its key, and every buffer and
+host number it changed is put back (``Recording.roll_back``): weights, slots, the step
+count, variables assigned before the error.
 
 ``reduce_retracing`` and ``jit_compile`` are accepted; a record has fixed shapes, so
 every new shape traces (reduce_retracing cannot merge them), and every replay is
@@ -56,8 +80,11 @@ Neighbours: ``recording.py`` (what is recorded, how), ``graphs.py`` (CUDA graphs
 ``strategy.py`` (``reduce`` calls ``reduce_in_trace``), ``keras/optimizers.py``
 (``begin_step``, a host callback), ``tensor.py`` (``tf.print``, a host callback).
 """
+import collections
 import functools
+import inspect
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -69,6 +96,16 @@ from mirrored.values import DistributedValues, Variable
 
 class EagerFallbackWarning(UserWarning):
     """A ``@function`` runs eagerly from now on: something in it cannot be replayed."""
+
+
+class RetracingWarning(UserWarning):
+    """A ``@function`` traced on most of its recent calls (TensorFlow logs the same warning)."""
+
+
+#: TensorFlow's numbers for its retracing warning: when this many of the last
+#: ``RETRACING_WINDOW`` calls of one function traced, each further trace warns.
+RETRACING_THRESHOLD = 5
+RETRACING_WINDOW = 10
 
 
 def function(func=None, input_signature=None, autograph=True, jit_compile=None,
@@ -97,6 +134,12 @@ class Function:
         self._traces = {}              # signature key -> Trace
         self._tracing_count = 0
         self._eager = None             # why it runs eagerly from now on (after the one warning)
+        # One call at a time traces or replays (a replay writes into the trace's buffers;
+        # two threads' replays at once would mix their inputs and results): TensorFlow
+        # gives each call its own outputs, and so do we, one call after the other.
+        self._lock = threading.RLock()
+        self._recent = collections.deque(maxlen=RETRACING_WINDOW)   # did each recent call trace?
+        self._first_trace_done = False     # variables may be made on the first call only
 
     def __get__(self, instance, owner):
         """A method decorated with ``@function``: the instance is an argument (keyed by identity)."""
@@ -118,30 +161,77 @@ class Function:
             # then belong to that trace, as TensorFlow inlines a nested call); or inside
             # strategy.run's replica function (a part of the caller's step, traced with it)
             return self._call_python(args, kwargs)
-        self._check_signature(args)
+        self._check_signature(args, kwargs)
         key, why_not = signature(args, kwargs)
         if why_not is not None:
             self._fall_back(why_not, recording.user_line())
             return self._call_python(args, kwargs)
-        trace = self._traces.get(key)
-        if trace is None:
-            return self._trace(key, args, kwargs)
-        return trace.replay(args, kwargs)
+        with self._lock:                         # the first call traces once; replays take turns
+            if self._eager is None:
+                trace = self._traces.get(key)
+                self._recent.append(trace is None)
+                if trace is None:
+                    return self._trace(key, args, kwargs)
+                # A Ctrl-C lands between two replays, not inside one: every replica's
+                # update done, or none (as between two of TensorFlow's graph calls).
+                with devices.every_device_or_none():
+                    return trace.replay(args, kwargs)
+        return self._call_python(args, kwargs)   # another thread's trace fell back meanwhile
 
     def _call_python(self, args, kwargs):
-        return nest.map_structure(as_function_output, self.python_function(*args, **kwargs))
+        return nest.map_structure(_function_output, self.python_function(*args, **kwargs))
 
     def _trace(self, key, args, kwargs):
+        """Trace the call (its effects happen now, once), keep the record for ``key``.
+
+        TensorFlow's variable rule: a function may make ``tf.Variable``s on its first call
+        only, and a first call that makes some is traced a second time, with making one
+        an error (so a variable made on every call raises at once). Ours the same way: the
+        first trace's effects are rolled back and the function traced again."""
         slots = InputSlots(args, kwargs)
         self._tracing_count += 1
-        with recording.Recording() as rec:
-            result = self._call_python(slots.args, slots.kwargs)    # raises: no trace kept
+        self._warn_if_retracing()
+        first = not self._first_trace_done
+        rec = self._record(slots, no_variables=not first)
+        if first and rec.variables_made and rec.refused is None:
+            rec.roll_back()                       # as if it had only been traced
+            rec = self._record(slots, no_variables=True)
+        rec.forget()                              # the copies kept for a roll-back
+        self._first_trace_done = True
+        result = rec.result
         if rec.refused is not None:
             self._fall_back(*rec.refused)
             return result                     # this call ran eagerly, completely
         trace = Trace(slots, rec.entries, result)
         self._traces[key] = trace
         return trace.outputs()
+
+    def _record(self, slots, no_variables):
+        """The function's Python run once inside a ``Recording`` (``rec.result``: what it
+        returned). If it raises, what it changed is put back and the error goes on."""
+        rec = recording.Recording(no_variables=no_variables)
+        rec.made([buf for _, buf in slots.slots])
+        try:
+            with rec:
+                rec.result = self._call_python(slots.args, slots.kwargs)
+        except BaseException:
+            rec.roll_back()                   # no record kept for this key, no effect left
+            raise
+        return rec
+
+    def _warn_if_retracing(self):
+        traced = sum(self._recent)
+        if traced >= RETRACING_THRESHOLD:
+            name = getattr(self.python_function, "__qualname__", repr(self.python_function))
+            warnings.warn(
+                f"{traced} out of the last {len(self._recent)} calls to {name} triggered "
+                f"tf.function retracing. Tracing is expensive and the excessive number of "
+                f"tracings could be due to (1) creating @tf.function repeatedly in a loop, "
+                f"(2) passing tensors with different shapes, (3) passing Python objects "
+                f"instead of tensors. For (1), please define your @tf.function outside of the "
+                f"loop. For (2), every new shape is a new trace here (a record has fixed "
+                f"shapes): pad or batch to a few shapes. For (3), pass the values that change "
+                f"as tensors (mirrored.constant(x)).", RetracingWarning, stacklevel=5)
 
     def _fall_back(self, reason, where):
         self._eager = reason
@@ -157,16 +247,26 @@ class Function:
             f"arguments (a distributed data set's batches).",
             EagerFallbackWarning, filename, line)
 
-    def _check_signature(self, args):
+    def _check_signature(self, args, kwargs):
+        """Every argument (tensors, NumPy arrays, Python numbers, variables, nested
+        structures) against ``input_signature``: a mismatch is TensorFlow's ``TypeError``."""
         if self.input_signature is None:
             return
-        specs = nest.flatten(list(self.input_signature))
-        given = nest.flatten(list(args))
-        if len(specs) != len(given) or not all(
-                spec.is_compatible_with(TensorSpec(g.shape, g.dtype)) for spec, g in zip(specs, given)
-                if isinstance(g, Tensor)):
-            raise ValueError(f"{self.__name__} was called with {[_describe(g) for g in given]}, "
-                             f"which does not match its input_signature {list(self.input_signature)}.")
+        specs = list(self.input_signature)
+        try:
+            values = list(inspect.signature(self.python_function).bind(*args, **kwargs).arguments.values())
+        except TypeError as err:
+            raise TypeError(f"{self.__name__} was called with arguments that do not bind to its "
+                            f"parameters ({err}); its input_signature is {specs}.") from None
+        if len(values) == len(specs) + 1 and not _tensor_like(values[0]):
+            values = values[1:]                    # a method's ``self``: not in the signature
+        bad = _mismatch(specs, values)
+        if bad is not None:
+            raise TypeError(
+                f"Binding inputs to {self.__name__} failed: {bad}. Its input_signature is "
+                f"{specs}; the call gave {[_describe(v) for v in values]}. Pass arguments "
+                f"of those shapes and dtypes (a dimension None takes any size), or drop "
+                f"input_signature to trace each new signature.")
 
     def __repr__(self):
         return f"<mirrored.function {getattr(self, '__qualname__', '?')}: {len(self._traces)} trace(s)>"
@@ -176,20 +276,17 @@ class Function:
 
 def signature(args, kwargs):
     """``(key, None)``: the hashable input signature of a call; or ``(None, why)`` where
-    an argument cannot be traced."""
+    an argument cannot be traced. A NumPy array (a data set's batch) is a tensor, as
+    TensorFlow converts it: keyed by shape, dtype and the device it goes to."""
     leaves = nest.flatten((list(args), kwargs))
-    keys = []
-    for leaf in leaves:
-        if isinstance(leaf, np.ndarray) and leaf.ndim:
-            return None, (f"an argument is a NumPy array {leaf.dtype}{list(leaf.shape)}, which a trace "
-                          f"would freeze (pass tensors: mirrored.constant(x), a data set's batches)")
-        keys.append(_leaf_key(leaf))
-    return (nest.structure_of((list(args), kwargs)), tuple(keys)), None
+    return (nest.structure_of((list(args), kwargs)), tuple(_leaf_key(leaf) for leaf in leaves)), None
 
 
 def _leaf_key(leaf):
     if isinstance(leaf, Tensor):
         return "tensor", leaf.shape, leaf.dtype.str, leaf.device
+    if _is_host_tensor(leaf):
+        return "tensor", leaf.shape, leaf.dtype.str, devices.current_device().name
     if isinstance(leaf, Variable):
         return "object", id(leaf)
     if isinstance(leaf, DistributedValues):
@@ -201,14 +298,72 @@ def _leaf_key(leaf):
     return "object", id(leaf)
 
 
+def _is_host_tensor(leaf):
+    """A NumPy array of one or more dimensions (``HostTensor``s too): a tensor to a trace."""
+    return isinstance(leaf, np.ndarray) and leaf.ndim > 0
+
+
+def _function_output(value):
+    """What a call returns for ``value``: a variable as its value at this call (a copy:
+    later assigns do not reach it, as TensorFlow returns a read), numbers as tensors."""
+    if isinstance(value, Variable):
+        return value.read_value()
+    return as_function_output(value)
+
+
+def _tensor_like(value):
+    return isinstance(value, (Tensor, Variable, np.ndarray, np.generic, bool, int, float)) or (
+        isinstance(value, (list, tuple)) and all(_tensor_like(v) for v in nest.flatten(value)))
+
+
+def _mismatch(specs, values):
+    """Why ``values`` do not fit ``specs`` (structures of ``TensorSpec``), or None."""
+    if len(specs) != len(values):
+        return f"{len(values)} argument(s) for {len(specs)} spec(s)"
+    for spec, value in zip(specs, values):
+        if isinstance(spec, TensorSpec):
+            why = _leaf_mismatch(spec, value)
+        else:
+            flat_specs, flat_values = nest.flatten(spec), nest.flatten(value)
+            if len(flat_specs) != len(flat_values):
+                why = f"{_describe(value)} does not have the structure of {spec}"
+            else:
+                why = next((w for w in (_leaf_mismatch(s, v) for s, v in zip(flat_specs, flat_values))
+                            if w is not None), None)
+        if why is not None:
+            return why
+    return None
+
+
+def _leaf_mismatch(spec, value):
+    if isinstance(value, DistributedValues) and not isinstance(value, Variable):
+        return next((w for w in (_leaf_mismatch(spec, c) for c in value.values) if w is not None), None)
+    if isinstance(value, (Tensor, Variable)):
+        shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+    elif isinstance(value, (np.ndarray, np.generic)):
+        shape, dtype = value.shape, value.dtype
+    elif isinstance(value, (bool, int, float)) or (isinstance(value, (list, tuple)) and _tensor_like(value)):
+        shape, dtype = np.asarray(value).shape, None     # a Python value: converted to the spec's dtype
+    else:
+        return f"{_describe(value)} is not a tensor, a NumPy array or a number, for {spec}"
+    if not spec.shape.is_compatible_with(shape) or (dtype is not None and dtype != spec.dtype):
+        return f"{_describe(value)} does not fit {spec}"
+    return None
+
+
 def _describe(value):
-    return f"Tensor{list(value.shape)} {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+    if isinstance(value, (Tensor, Variable)):
+        return f"Tensor{list(value.shape)} {np.dtype(value.dtype)}"
+    if isinstance(value, np.ndarray):
+        return f"NumPy {value.dtype}{list(value.shape)}"
+    return type(value).__name__
 
 
 class InputSlots:
     """The trace's own copies of a call's tensors (``args``, ``kwargs``: the call's
-    structure with each tensor, or replica component, replaced by its copy), and
-    ``refill``: a later call's tensors copied into them."""
+    structure with each tensor, replica component or NumPy array replaced by its copy on
+    a device), and ``refill``: a later call's values copied into them (a NumPy array:
+    one upload, as TensorFlow converts it at each call)."""
 
     def __init__(self, args, kwargs):
         self.slots = []                        # (device, buffer) per tensor, flattening order
@@ -221,22 +376,43 @@ class InputSlots:
             buf = _copy(leaf)
             self.slots.append((leaf.dev, buf))
             return Tensor(buf, leaf.dev)
+        if _is_host_tensor(leaf):
+            dev = devices.current_device()
+            with dev.activate():
+                buf = dev.from_numpy(np.ascontiguousarray(leaf))
+            self.slots.append((dev, buf))
+            return Tensor(buf, dev)
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
             return type(leaf)([self._slot(c) for c in leaf.values])
         return leaf
 
     def refill(self, args, kwargs):
-        tensors = [t for leaf in nest.flatten((list(args), kwargs)) for t in _tensors(leaf)]
-        for (dev, buf), t in zip(self.slots, tensors):
-            if buf.size and t.buf is not buf:
+        values = [t for leaf in nest.flatten((list(args), kwargs)) for t in _tensors(leaf)]
+        for (dev, buf), t in zip(self.slots, values):
+            if not buf.size:
+                continue
+            if isinstance(t, np.ndarray):
+                with dev.activate():
+                    dev.upload_into(buf, np.ascontiguousarray(t).view(np.ndarray))
+            elif t.buf is not buf:
                 dev.copy_into(buf, t.buf)
 
 
 def _tensors(leaf):
-    if isinstance(leaf, Tensor):
+    """The values of ``leaf`` that have input slots: tensors, replica components, NumPy arrays."""
+    if isinstance(leaf, Tensor) or _is_host_tensor(leaf):
         return [leaf]
     if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
         return [t for c in leaf.values for t in _tensors(c)]
+    return []
+
+
+def _device_tensors(leaf):
+    """The tensors of ``leaf`` (a replica value's components): what a result holds on devices."""
+    if isinstance(leaf, Tensor):
+        return [leaf]
+    if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
+        return [t for c in leaf.values for t in _device_tensors(c)]
     return []
 
 
@@ -274,7 +450,7 @@ class Trace:
         if self.pools is None:
             buffers = [b for e in self.entries for b in e.buffers()] + [buf for _, buf in self.slots.slots]
             self.pools = {id(t): OutputPool(t)
-                          for t in (t for leaf in nest.flatten(self.result) for t in _tensors(leaf))
+                          for t in (t for leaf in nest.flatten(self.result) for t in _device_tensors(leaf))
                           if _overlaps([t.buf], [_Buffers(buffers)])}
         return nest.map_structure(self._copied, self.result)
 
@@ -283,7 +459,7 @@ class Trace:
             pool = self.pools.get(id(leaf))
             return leaf if pool is None else pool.copy_of(leaf)
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
-            if any(id(t) in self.pools for t in _tensors(leaf)):
+            if any(id(t) in self.pools for t in _device_tensors(leaf)):
                 return type(leaf)([self._copied(c) for c in leaf.values])
         return leaf
 

@@ -182,7 +182,7 @@ class Variable:
         if callable(initial_value):
             initial_value = initial_value()
         dev = _dev.get_device(device) if device is not None else _dev.current_device()
-        with recording.initialization():         # made once: a @function's replay never redoes it
+        with recording.initialization(variable=True):   # made once: never replayed (TF's singleton rule)
             self._tensor = Tensor(_to_device_buffer(initial_value, dtype, dev), dev)
         self._name = name or "Variable"
         self._handle_name = f"{self._name}:0"

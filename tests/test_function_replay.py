@@ -356,9 +356,9 @@ def traced_function_traces(fn):
 
 
 def test_recording_catches_launches_made_by_code_holding_ops_from_before(devices):
-    """The boundary's methods are wrapped on the classes while a trace records, so an
-    ``ops`` object taken before the trace (a layer program keeps one) is recorded too;
-    and they are put back after."""
+    """The boundary's methods are wrapped once, on the classes, and consult the calling
+    thread's recorder, so an ``ops`` object taken before the trace (a layer program keeps
+    one) is recorded too."""
     dev = devices(cpus=1)[0]
     ops = dev.ops
     a = dev.from_numpy(np.arange(4, dtype=np.float32))
@@ -462,7 +462,7 @@ def test_a_model_built_inside_the_trace_is_built_once(devices, rng):
         np.testing.assert_array_equal(a, b)
 
 
-def test_numpy_arguments_run_eagerly_and_python_values_key_the_trace(devices, rng):
+def test_numpy_arguments_are_tensors_and_python_values_key_the_trace(devices, rng):
     devices(cpus=1)
     calls = []
 
@@ -477,10 +477,12 @@ def test_numpy_arguments_run_eagerly_and_python_values_key_the_trace(devices, rn
     for out, f in zip(got, (2.0, 2.0, 3.0, 3.0)):
         np.testing.assert_array_equal(out.numpy(), x.numpy() * np.float32(f))
     host = rng.standard_normal(4).astype(np.float32)
-    with pytest.warns(traced_function.EagerFallbackWarning, match="NumPy array"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")             # issue 50: TensorFlow converts NumPy arrays (no fallback)
         first = scaled(host, 2.0)
-    np.testing.assert_array_equal(np.asarray(first), host * 2)
-    np.testing.assert_array_equal(np.asarray(scaled(host + 1, 2.0)), (host + 1) * 2)   # not frozen
+        np.testing.assert_array_equal(np.asarray(first), host * 2)
+        np.testing.assert_array_equal(np.asarray(scaled(host + 1, 2.0)), (host + 1) * 2)   # not frozen
+    assert calls == [2.0, 3.0, 2.0] and scaled.experimental_get_tracing_count() == 3    # traced by shape
 
 
 def test_fit_and_a_replayed_custom_loop_taking_turns_train_as_eagerly(devices, rng, monkeypatch):

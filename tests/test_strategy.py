@@ -100,8 +100,11 @@ def test_variable_created_in_a_function_under_scope(strategy):
         return created[0]
 
     with strategy.scope():
-        v = create_variable()
+        value = create_variable()
+    v, = created
     assert isinstance(v, MirroredVariable) and len(v.values) == strategy.num_replicas_in_sync
+    # what the call returns is the variable's value at that call (issue 50, as TensorFlow 2.21)
+    assert not isinstance(value, tf.Variable) and float(value) == 1.0
 
 
 def test_variable_outside_scope_is_plain(strategy):
