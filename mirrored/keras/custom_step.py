@@ -39,10 +39,11 @@ gives it by the replica count (Keras's ``unscale_loss_for_distribution``), so th
 is the global batch's, whatever the replica count.
 
 The logs: the dict ``train_step`` returns, nested dicts flattened and the keys sorted (Keras's
-``pythonify_logs``). A key that names one of ``model.metrics`` (or an entry of the compiled
-metrics' dict) shows that metric's result read after every replica has updated it (the metrics
-here are one host copy that every replica adds to: ``metrics.py``); any other value is summed
-over the replicas (Keras's "auto" reduction: a returned replica's loss share sums to the loss).
+``pythonify_logs``). When its keys are those of ``model.metrics`` (the compiled metrics' dict
+flattened), the logs are those metrics' results, read after every replica has updated them (the
+metrics here are one host copy that every replica adds to: ``metrics.py``), as Keras's
+``_get_metrics_result_or_logs`` does; otherwise each value is summed over the replicas (Keras's
+"auto" reduction: the replicas' shares of a returned loss sum to the loss).
 
 Eager: the step runs as Python every batch (``run_eagerly=True`` in Keras's terms). A
 ``@tf.function`` trace would freeze the metrics' ``result()`` (host values), which the guide's
@@ -221,7 +222,9 @@ def logs(model, result):
                         f"{{m.name: m.result() for m in self.metrics}}.")
     flat = flatten(result)
     known = metric_results(model)
-    return {key: known[key] if key in known else _summed(value) for key, value in flat.items()}
+    if set(known) == set(flat):                  # Keras's _get_metrics_result_or_logs
+        return {key: known[key] for key in flat}
+    return {key: _summed(value) for key, value in flat.items()}
 
 
 def _summed(value):
