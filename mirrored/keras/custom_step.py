@@ -350,11 +350,11 @@ def update_from_programs(model, batch):
     for program, (_, y) in zip(model.step.programs, parts):
         if not len(y):
             continue
-        out = program.dev.to_numpy(program.logits).astype(np.float64)      # (b, outputs)
+        out = program.dev.to_numpy(program.logits)                         # (b, outputs) float32
         if program.softmax_output:
-            e = np.exp(out - out.max(axis=-1, keepdims=True))
+            e = np.exp(out - out.max(axis=-1, keepdims=True, initial=-np.inf))
             out = e / e.sum(axis=-1, keepdims=True)
-        compiled.update_state(y, out.reshape((len(y),) + out_shape))
+        compiled.update_state(y, out.reshape((len(y),) + out_shape))      # host arrays, the model's dtype
 
 
 def host_logs(model, prefix=""):

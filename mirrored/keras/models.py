@@ -77,14 +77,15 @@ class Model(ModelAPI):
     """
 
     def __new__(cls, *args, **kwargs):
-        if args or "inputs" in kwargs or "outputs" in kwargs:
-            if cls is Model:
-                cls = Functional              # keras.Model(inputs, outputs), as Keras 3 does
-            elif not issubclass(cls, Functional):
-                cls = functional_subclass(cls)    # CustomModel(inputs, outputs): Keras 3's too
+        if cls is Model and (args or "inputs" in kwargs or "outputs" in kwargs):
+            cls = Functional                  # keras.Model(inputs, outputs), as Keras 3 does
         return super().__new__(cls)
 
     def __init__(self, *args, name=None, **kwargs):
+        if _functional_arguments(args, kwargs):   # CustomModel(inputs, outputs), as Keras 3 takes it
+            self.__class__ = functional_subclass(type(self))
+            Functional.__init__(self, *args, name=name, **kwargs)
+            return
         if args or "inputs" in kwargs or "outputs" in kwargs:
             raise NotImplementedError(
                 f"{type(self).__name__}: a subclass of keras.Model made with inputs and outputs (a "
@@ -608,11 +609,18 @@ class Functional(Model):
 _FUNCTIONAL_SUBCLASSES = {}       # a Model subclass -> its functional twin (functional_subclass)
 
 
+def _functional_arguments(args, kwargs):
+    """Keras 3's ``functional_init_arguments``: a model made as ``M(inputs, outputs)``."""
+    return len(args) == 2 or len(args) == 1 and "outputs" in kwargs or \
+        "inputs" in kwargs and "outputs" in kwargs
+
+
 def functional_subclass(cls):
-    """``CustomModel(inputs, outputs)`` for ``class CustomModel(keras.Model)``: Keras 3 makes the
-    class functional (its ``inject_functional_model_class``); here a subclass of both is made
-    once (the user's class untouched), so the user's methods (``train_step``, ``__init__``) come
-    first and ``Functional``'s build the program from the inputs and outputs."""
+    """``CustomModel(inputs, outputs)`` for ``class CustomModel(keras.Model)``: when ``Model.__init__``
+    gets inputs and outputs (Keras 3's ``functional_init_arguments``), Keras 3 makes the class
+    functional (its ``inject_functional_model_class``); here the instance becomes one of a
+    subclass of both, made once (the user's class untouched), so the user's methods
+    (``train_step``, ``metrics``) come first and ``Functional``'s build the program."""
     twin = _FUNCTIONAL_SUBCLASSES.get(cls)
     if twin is None:
         twin = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__,
