@@ -1,12 +1,17 @@
-"""Keras metrics for custom training loops: ``SparseCategoricalAccuracy``,
-``CategoricalAccuracy``, ``Mean``; and which accuracy ``compile(metrics=[...])`` reports.
+"""Keras's metrics: ``Mean``, ``MeanAbsoluteError`` ("mae"), ``MeanSquaredError`` ("mse"),
+``BinaryAccuracy``, ``SparseCategoricalAccuracy``, ``CategoricalAccuracy``, functions as metrics
+(``MeanMetricWrapper``), ``Metric`` subclasses of one's own (``add_weight``), ``get`` (what
+``compile(metrics=[...])`` takes), ``CompileMetrics`` (the compiled ones as one entry of
+``model.metrics``); and which accuracy ``compile`` lets the loss kernel count on the devices.
 
-``model.fit`` keeps its loss and accuracy on the devices (``engine.py``); these
-objects are for the custom loop of the MirroredStrategy tutorial, where each
-replica calls ``update_state`` and the host calls ``result()``. They accumulate
-on the host under a lock, so replica threads can update them concurrently. Inside a
-``@function`` their ``update_state`` is host work that every replay does again
-(``recording.host_work``): it reads the values that replay computed.
+``model.fit`` keeps its loss and that accuracy on the devices (``engine.py``); every other
+metric is one of these objects, updated on the host: by a custom loop (each replica calls
+``update_state``, the host calls ``result()``), by a model's own ``train_step``, or by fit's
+own step from each step's outputs (``custom_step.update_from_programs``). The built-in ones
+compute Keras's per-example values in float64 NumPy and keep a weighted sum and count, under a
+lock, so replica threads can update them concurrently. Inside a ``@function`` their
+``update_state`` is host work that every replay does again (``recording.host_work``): it reads
+the values that replay computed.
 """
 import threading
 

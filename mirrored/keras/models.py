@@ -411,7 +411,7 @@ class Model(ModelAPI):
         ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
         with the batch callbacks called once per execution, as Keras 3 calls them.
         """
-        self._custom_train = custom_step.overrides(self, "train_step")   # the user's own step
+        self._custom_train = type(self).train_step is not Model.train_step   # the user's own step
         if self._custom_train and self.optimizer is None:
             raise RuntimeError("You must call `compile()` before `fit()`: model.compile(optimizer=...).")
         if not self._custom_train:
@@ -462,7 +462,8 @@ class Model(ModelAPI):
             else:
                 if self.built:
                     self.step.zero_metrics()
-                custom_step.reset_compiled(self)
+                if self.host_metrics:
+                    custom_step.reset_compiled(self)
             step, data = 0, iter(batches)
             while steps_per_epoch is None or step < steps_per_epoch:
                 # One execution (Keras's steps_per_execution=N; N=1 by default): up to N
