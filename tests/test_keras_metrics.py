@@ -189,3 +189,18 @@ def test_a_host_accuracy_agrees_with_the_one_counted_on_the_devices(devices, rng
     h = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     np.testing.assert_allclose(h.history["host_acc"], h.history["accuracy"], rtol=0, atol=1e-7)
     assert model.metrics_names == ["loss", "accuracy", "host_acc"]
+
+
+def test_a_keras_file_keeps_the_metrics_it_can_name(devices, rng, tmp_path):
+    """Keras's names ("mae") go into the .keras file's compile config; a metric object of one's
+    own is left out of it (it has no name a loader could resolve) rather than failing the load."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae", SumSquaredError()])
+        path = str(tmp_path / "m.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+    assert loaded.metrics_names == ["loss", "mae"]
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
