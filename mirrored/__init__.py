@@ -63,6 +63,7 @@ Map of the rest:
                   callbacks, saving, optimizer_state (iterations, learning_rate, what Keras
                   saves), variable_updates (apply_gradients for variables outside a model),
                   custom_loop (which model's packed gradients a tape returned),
+                  custom_step (fit running a model's own train_step, Keras 3's),
                   functional_config (Keras 3's "Functional" config),
                   GradientTape (tape.py), progbar
     nn.py         compute_average_loss, scale_regularization_loss, activations, cross entropies

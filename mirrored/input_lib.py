@@ -216,6 +216,24 @@ def _share_to_device(share, dev):
 
 # --- a data set kept on the devices ----------------------------------------------------
 
+def split_batch(batch, extended, devices):
+    """One global batch (a structure of host arrays or tensors with one leading batch axis)
+    as each replica's share on its device, by the rebatching rule: a ``PerReplica`` structure
+    (one device: the share itself). ``experimental_distribute_dataset``'s step, and ``fit``'s
+    when it runs the user's ``train_step`` (``keras/custom_step.py``)."""
+    leaves = nest.flatten(batch)
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError("experimental_distribute_dataset needs a batched dataset: every "
+                         "component must have the same leading (batch) dimension; call "
+                         ".batch(GLOBAL_BATCH_SIZE) first.")
+    b = sizes.pop()
+    bounds = local_bounds(b, extended)
+    per = [_share_to_device(nest.map_structure(lambda leaf, lo=lo, hi=hi: np.asarray(leaf)[lo:hi], batch), dev)
+           for (lo, hi), dev in zip(bounds, devices)]
+    return per[0] if len(devices) == 1 else nest.map_structure(lambda *c: PerReplica(c), *per)
+
+
 class ResidentRows:
     """One data set's rows, copied once to each of ``devices``, gathered by row number.
 
@@ -388,19 +406,7 @@ class DistributedDataset:
         return resident, batches
 
     def _split(self, batch):
-        devices = self.strategy.extended.devices
-        n = len(devices)
-        leaves = nest.flatten(batch)
-        sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
-        if None in sizes or len(sizes) != 1:
-            raise ValueError("experimental_distribute_dataset needs a batched dataset: every "
-                             "component must have the same leading (batch) dimension; call "
-                             ".batch(GLOBAL_BATCH_SIZE) first.")
-        b = sizes.pop()
-        bounds = local_bounds(b, self.strategy.extended)
-        per = [_share_to_device(nest.map_structure(lambda leaf, lo=lo, hi=hi: np.asarray(leaf)[lo:hi], batch), dev)
-               for (lo, hi), dev in zip(bounds, devices)]
-        return per[0] if n == 1 else nest.map_structure(lambda *c: PerReplica(c), *per)
+        return split_batch(batch, self.strategy.extended, self.strategy.extended.devices)
 
     def __iter__(self):
         return DistributedIterator(self._batches(), lambda: self.element_spec)

@@ -19,7 +19,8 @@ forward/backward, all-reduce, update; inference.py: evaluate's and predict's pas
 program of layers), layers.py (Flatten, Dense, Conv2D, MaxPooling2D: each with its
 forward and backward; dropout.py: Dropout; merging.py: Add, Concatenate, ...; base_layer.py: Layer, Input;
 initializers.py),
-data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
+custom_step.py (fit, evaluate and predict running a model's own train_step, test_step,
+predict_step; compute_loss, model.metrics), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
 losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
 mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py

@@ -1,12 +1,17 @@
-"""Keras metrics for custom training loops: ``SparseCategoricalAccuracy``,
-``CategoricalAccuracy``, ``Mean``; and which accuracy ``compile(metrics=[...])`` reports.
+"""Keras's metrics: ``Mean``, ``MeanAbsoluteError`` ("mae"), ``MeanSquaredError`` ("mse"),
+``BinaryAccuracy``, ``SparseCategoricalAccuracy``, ``CategoricalAccuracy``, functions as metrics
+(``MeanMetricWrapper``), ``Metric`` subclasses of one's own (``add_weight``), ``get`` (what
+``compile(metrics=[...])`` takes), ``CompileMetrics`` (the compiled ones as one entry of
+``model.metrics``); and which accuracy ``compile`` lets the loss kernel count on the devices.
 
-``model.fit`` keeps its loss and accuracy on the devices (``engine.py``); these
-objects are for the custom loop of the MirroredStrategy tutorial, where each
-replica calls ``update_state`` and the host calls ``result()``. They accumulate
-on the host under a lock, so replica threads can update them concurrently. Inside a
-``@function`` their ``update_state`` is host work that every replay does again
-(``recording.host_work``): it reads the values that replay computed.
+``model.fit`` keeps its loss and that accuracy on the devices (``engine.py``); every other
+metric is one of these objects, updated on the host: by a custom loop (each replica calls
+``update_state``, the host calls ``result()``), by a model's own ``train_step``, or by fit's
+own step from each step's outputs (``custom_step.update_from_programs``). The built-in ones
+compute Keras's per-example values in float64 NumPy and keep a weighted sum and count, under a
+lock, so replica threads can update them concurrently. Inside a ``@function`` their
+``update_state`` is host work that every replay does again (``recording.host_work``): it reads
+the values that replay computed.
 """
 import threading
 
@@ -78,51 +83,141 @@ class Metric:
         return self.result()
 
 
+def _weighted(values, sample_weight):
+    """Keras's weighted sum and count of ``values`` (float64): ``sample_weight`` broadcast to
+    their shape (a (B,) weight over (B, d) values weighs each row); None counts each value once."""
+    if sample_weight is None:
+        return float(values.sum()), float(values.size)
+    w = _host(sample_weight).astype(np.float64)
+    while w.ndim > values.ndim and w.shape[-1:] == (1,):       # (B, 1) weights of (B,) values
+        w = w.reshape(w.shape[:-1])
+    while w.ndim < values.ndim:                                # (B,) weights of (B, d) values
+        w = w[..., None]
+    w = np.broadcast_to(w, values.shape)
+    return float((values * w).sum()), float(w.sum())
+
+
 class Mean(Metric):
-    """The running mean of the values given to ``update_state``."""
+    """The running (weighted) mean of the values given to ``update_state``: Keras's
+    ``sum(values * sample_weight) / sum(sample_weight)``, each value weighing 1 without one."""
 
-    @recording.host_work
-    def update_state(self, values, sample_weight=None):
-        v = _host(values).astype(np.float64)
-        with self._lock:
-            self._total += float(v.sum())
-            self._count += v.size
-
-
-class SparseCategoricalAccuracy(Metric):
-    """The fraction of examples whose argmax prediction equals the integer label."""
-
-    def __init__(self, name="sparse_categorical_accuracy", dtype=None):
+    def __init__(self, name="mean", dtype=None):
         super().__init__(name, dtype)
 
     @recording.host_work
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        labels = _host(y_true).reshape(-1)
-        preds = _host(y_pred)
-        hits = (preds.argmax(axis=-1).reshape(-1) == labels).sum() if labels.size else 0
+    def update_state(self, values, sample_weight=None):
+        self.add(_host(values).astype(np.float64), sample_weight)
+
+    def add(self, values, sample_weight=None):
+        """Add float64 host ``values`` (weighted) to the running sums, under the lock."""
+        total, count = _weighted(values, sample_weight)
         with self._lock:
-            self._total += float(hits)
-            self._count += labels.size
+            self._total += total
+            self._count += count
 
 
-class CategoricalAccuracy(Metric):
+def _same_rank(y_true, y_pred):
+    """Keras's ``squeeze_or_expand_to_same_rank`` on host arrays: (B,) targets against (B, 1)
+    outputs get the axis, and back."""
+    if y_true.ndim == y_pred.ndim - 1 and y_pred.shape[-1:] == (1,):
+        y_true = y_true[..., None]
+    elif y_pred.ndim == y_true.ndim - 1 and y_true.shape[-1:] == (1,):
+        y_true = y_true.reshape(y_true.shape[:-1])
+    return y_true, y_pred
+
+
+class MeanMetricWrapper(Mean):
+    """Keras's: the running mean of ``fn(y_true, y_pred)``, the values a function returns for
+    each batch (one per example, or one per batch: then the mean over batches). ``compile
+    (metrics=[fn])`` wraps a plain function so; Keras's own metrics below are such functions
+    on host arrays, in float64."""
+
+    def __init__(self, fn, name=None, dtype=None, **kwargs):
+        super().__init__(name or getattr(fn, "__name__", "metric"), dtype)
+        self.fn, self.fn_kwargs = fn, kwargs
+
+    @recording.host_work
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.add(self.values(y_true, y_pred), sample_weight)
+
+    def values(self, y_true, y_pred):
+        """The function's values for a batch, as float64 host numbers."""
+        return _host(self.fn(y_true, y_pred, **self.fn_kwargs)).astype(np.float64)
+
+
+class _HostMetric(MeanMetricWrapper):
+    """A Keras metric whose per-example values are computed here on the host (``per_example``)."""
+
+    def __init__(self, name, dtype=None):
+        super().__init__(None, name, dtype)
+
+    def values(self, y_true, y_pred):
+        y_true, y_pred = _same_rank(_host(y_true).astype(np.float64), _host(y_pred).astype(np.float64))
+        if y_true.shape != y_pred.shape and y_true.size != y_pred.size:
+            raise ValueError(f"{type(self).__name__} {self.name!r}: targets of shape {y_true.shape} for "
+                             f"predictions of shape {y_pred.shape}; give one target per output.")
+        return self.per_example(y_true.reshape(y_pred.shape), y_pred)
+
+
+class MeanAbsoluteError(_HostMetric):
+    """``mean(|y_true - y_pred|)`` over the last axis, averaged over examples (``"mae"``)."""
+
+    def __init__(self, name="mean_absolute_error", dtype=None):
+        super().__init__(name, dtype)
+
+    def per_example(self, y_true, y_pred):
+        return np.abs(y_true - y_pred).mean(axis=-1)
+
+
+class MeanSquaredError(_HostMetric):
+    """``mean((y_true - y_pred) ** 2)`` over the last axis, averaged over examples (``"mse"``)."""
+
+    def __init__(self, name="mean_squared_error", dtype=None):
+        super().__init__(name, dtype)
+
+    def per_example(self, y_true, y_pred):
+        return np.square(y_true - y_pred).mean(axis=-1)
+
+
+class BinaryAccuracy(_HostMetric):
+    """The fraction of outputs on the right side of ``threshold``: ``y_true == (y_pred >
+    threshold)``, averaged over the last axis, then over examples."""
+
+    def __init__(self, name="binary_accuracy", dtype=None, threshold=0.5):
+        super().__init__(name, dtype)
+        self.threshold = float(threshold)
+
+    def per_example(self, y_true, y_pred):
+        return (y_true == (y_pred > self.threshold)).astype(np.float64).mean(axis=-1)
+
+
+class SparseCategoricalAccuracy(MeanMetricWrapper):
+    """The fraction of examples whose argmax prediction equals the integer label."""
+
+    def __init__(self, name="sparse_categorical_accuracy", dtype=None):
+        super().__init__(None, name, dtype)
+
+    def values(self, y_true, y_pred):
+        preds = _host(y_pred)
+        labels = _host(y_true).reshape(preds.shape[:-1]) if preds.ndim else _host(y_true)
+        return (preds.argmax(axis=-1) == labels).astype(np.float64)
+
+
+class CategoricalAccuracy(MeanMetricWrapper):
     """The fraction of examples whose argmax prediction equals the argmax of their one-hot
     (or soft) label row, Keras's ``CategoricalAccuracy``."""
 
     def __init__(self, name="categorical_accuracy", dtype=None):
-        super().__init__(name, dtype)
+        super().__init__(None, name, dtype)
 
-    def update_state(self, y_true, y_pred, sample_weight=None):
+    def values(self, y_true, y_pred):
         labels = _host(y_true)
         preds = _host(y_pred)
         if labels.shape != preds.shape:
             raise ValueError(f"CategoricalAccuracy: labels {labels.shape} and predictions {preds.shape} "
                              f"must have the same shape (one-hot labels: keras.utils.to_categorical); "
                              f"for class indices use SparseCategoricalAccuracy.")
-        hits = (labels.argmax(axis=-1) == preds.argmax(axis=-1)).sum() if labels.size else 0
-        with self._lock:
-            self._total += float(hits)
-            self._count += int(np.prod(labels.shape[:-1]))      # one row per example
+        return (labels.argmax(axis=-1) == preds.argmax(axis=-1)).astype(np.float64)
 
 
 #: The accuracy names compile accepts: Keras's "accuracy" and "acc" follow the labels
@@ -149,3 +244,74 @@ def accuracy_name(metric, categorical):
         raise ValueError(f"metric {metric!r} does not fit {labels}: use metrics=['accuracy'] (Keras "
                          f"picks the kind from the labels) or {wanted!r}.")
     return name
+
+
+class _Accuracy(MeanMetricWrapper):
+    """``compile(metrics=["accuracy"])`` computed on the host: Keras picks the kind from the
+    shapes (``compile_utils.get_metric``): binary for one output, sparse for class-index
+    labels, categorical for one-hot labels."""
+
+    def __init__(self, name="accuracy"):
+        super().__init__(None, name)
+
+    def values(self, y_true, y_pred):
+        y_true, y_pred = _host(y_true), _host(y_pred)
+        if y_pred.shape[-1:] == (1,):
+            kind = BinaryAccuracy
+        elif y_true.ndim < y_pred.ndim or y_true.shape[-1:] == (1,):
+            kind = SparseCategoricalAccuracy
+        else:
+            kind = CategoricalAccuracy
+        return kind().values(y_true, y_pred)
+
+
+#: Keras's metric names that ``compile(metrics=[...])`` and ``keras.metrics.get`` take.
+BY_NAME = {"mae": MeanAbsoluteError, "mean_absolute_error": MeanAbsoluteError,
+           "mse": MeanSquaredError, "mean_squared_error": MeanSquaredError,
+           "binary_accuracy": BinaryAccuracy, SPARSE_ACCURACY: SparseCategoricalAccuracy,
+           CATEGORICAL_ACCURACY: CategoricalAccuracy, "accuracy": _Accuracy, "acc": _Accuracy}
+
+
+def get(identifier):
+    """A metric object from what ``compile(metrics=[...])`` takes, as Keras 3 makes it: a name
+    (the log shows the name as given: ``"mae"``), a ``Metric`` object or class (user-written:
+    ``update_state``, ``result``, ``reset_state``), or a function ``fn(y_true, y_pred)``
+    (``MeanMetricWrapper``: the mean of what it returns)."""
+    if isinstance(identifier, Metric):
+        return identifier
+    if isinstance(identifier, type) and issubclass(identifier, Metric):
+        return identifier()
+    if isinstance(identifier, str) and identifier in BY_NAME:
+        metric = BY_NAME[identifier]()
+        metric.name = identifier
+        return metric
+    if callable(identifier) and not isinstance(identifier, (str, type)):
+        return MeanMetricWrapper(identifier)
+    raise NotImplementedError(f"metric {identifier!r} is not implemented; use one of {sorted(BY_NAME)}, "
+                              f"a keras.metrics.Metric (a subclass with update_state and result), or a "
+                              f"function fn(y_true, y_pred) returning one value per example.")
+
+
+class CompileMetrics(Metric):
+    """Keras 3's container of the metrics given to ``compile`` (one entry of ``model.metrics``,
+    named ``"compile_metrics"``): ``update_state(y, y_pred)`` updates each, ``result()`` is
+    the dict of their results, which fit's logs flatten (Keras's ``pythonify_logs``)."""
+
+    def __init__(self, metrics):
+        super().__init__("compile_metrics")
+        self.metrics = list(metrics)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        for metric in self.metrics:
+            metric.update_state(y_true, y_pred, sample_weight=sample_weight)
+
+    def result(self):
+        return {metric.name: metric.result() for metric in self.metrics}
+
+    def reset_state(self):
+        for metric in self.metrics:
+            metric.reset_state()
+
+    @property
+    def variables(self):
+        return [v for metric in self.metrics for v in metric.variables]

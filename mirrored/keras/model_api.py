@@ -25,7 +25,8 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context
-from mirrored.keras import custom_loop, data_adapters, functional
+from mirrored.keras import custom_loop, custom_step, data_adapters, functional
+from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import saving
@@ -255,24 +256,22 @@ class ModelAPI:
         per_execution = check_steps_per_execution(steps_per_execution)   # before anything changes
         self._check_strategy()
         run_eagerly = _eager_from(run_eagerly, cuda_graph)
-        if optimizer == "rmsprop":
+        own_step = custom_step.overrides(self, "train_step")     # the user's train_step: Keras's rules
+        if optimizer == "rmsprop" and not own_step:
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
-        self.optimizer = _optimizers.get(optimizer)
-        if loss is None:
+        if loss is None and not own_step:
             raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
-        self.loss = _losses.get(loss)
-        categorical = (isinstance(self.loss, _losses.CategoricalCrossentropy)
-                       if _losses.counts_accuracy(self.loss) else None)
-        self._metric_names = [accuracy_name(m, categorical) for m in metrics or []]
-        if len(self._metric_names) > 1:
-            raise NotImplementedError("one accuracy metric per model here.")
-        if self._metric_names and not _losses.counts_accuracy(self.loss):
-            raise NotImplementedError(f"metrics={self._metric_names} with {type(self.loss).__name__}: the "
-                                      f"accuracy metric here counts class indices; compile without metrics "
-                                      f"(the loss is reported).")
+        new_optimizer = custom_step.NoRMSprop() if optimizer == "rmsprop" else _optimizers.get(optimizer)
+        new_loss = None if loss is None else _losses.get(loss)
+        device, host = compiled_metric_split(metrics, new_loss, own_step)   # checked before any change
+        self.optimizer, self.loss = new_optimizer, new_loss
+        self._metric_names = device
+        self.host_metrics = host
+        custom_step.compile_metrics(self, host)
         if self.built:
             self.repack_if_trainable_changed()      # a layer frozen since the model was built
+        if self.built and self.loss is not None:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         self.steps_per_execution = per_execution
         self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
@@ -301,7 +300,47 @@ class ModelAPI:
 
     @property
     def metrics_names(self):
-        return ["loss"] + self._metric_names
+        if custom_step.overrides(self, "train_step"):
+            return [m.name for m in self.metrics]
+        return ["loss"] + self._metric_names + [m.name for m in self.host_metrics]
+
+    # -- Keras 3's pieces of a step (for a train_step of one's own: custom_step.py) -----------------
+    @property
+    def metrics(self):
+        """Keras 3's ``model.metrics``: the loss tracker (named "loss") and the compiled metrics
+        once compiled, then any metric set as an attribute of the model."""
+        return custom_step.model_metrics(self)
+
+    def reset_metrics(self):
+        custom_step.reset_metrics(self)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """Keras 3's: the compiled loss of ``y_pred`` against ``y`` plus ``model.losses``, as this
+        replica's share of the global batch's loss (``custom_step.compute_loss``)."""
+        return custom_step.compute_loss(self, y, y_pred, sample_weight)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        """Keras 3's: the compiled metrics updated with ``(y, y_pred)``; every metric's result."""
+        compiled = custom_step.compiled_metrics(self)
+        if compiled is not None:
+            compiled.update_state(y, y_pred, sample_weight=sample_weight)
+        return custom_step.metric_results(self)
+
+    @custom_step.default
+    def test_step(self, data):
+        """Keras 3's default ``test_step`` (what a ``train_step`` of one's own is evaluated with
+        when the model defines no ``test_step``, runs only if called): forward, loss, metrics."""
+        x, y = data[0], data[1]
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        self.metrics[0].update_state(loss)
+        return self.compute_metrics(x, y, y_pred)
+
+    @custom_step.default
+    def predict_step(self, data):
+        """Keras 3's default ``predict_step``: the model's output."""
+        x = data[0] if isinstance(data, tuple) else data
+        return self(x, training=False)
 
     # -- evaluate / predict -----------------------------------------------------------
     def _evaluate(self, data, batch_size, verbose, prefix=""):
@@ -309,10 +348,20 @@ class ModelAPI:
             x, y = data
         else:
             x, y = data, None
+        if custom_step.overrides(self, "test_step"):       # the user's test_step (custom_step.py)
+            batches, steps = custom_step.batches(self, x, y, batch_size, shuffle=False)
+            logs, step = custom_step.evaluate(self, batches)
+            if not step:
+                raise no_batches_error("test_function", x, None)
+            logs = {prefix + k: v for k, v in logs.items()}
+            if verbose:
+                Progbar(steps, verbose).finish(step, logs)
+            return logs
         batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle=False)
         bar = Progbar(steps, verbose)
         if self.built:
             self.step.zero_metrics()
+        custom_step.reset_compiled(self)
         per_execution = self.steps_per_execution
         step, data = 0, iter(batches)
         while True:                                     # executions of up to N batches (fit's)
@@ -321,17 +370,19 @@ class ModelAPI:
                 break
             mode, trainer = self.step.loss_mode(), self._trainer()   # the model is built by now
             self.use_own_weights()
-            if len(chunk) > 1 and trainer is not self.step:
+            if len(chunk) > 1 and trainer is not self.step and not self.host_metrics:
                 with self.step.no_trace():              # out of memory: nothing stays charged
                     trainer.evaluate_steps(chunk, mode)   # one graph (graphs.py)
             else:
                 for batch in chunk:
                     with self.step.no_trace():
                         trainer.evaluate(batch, mode)
+                    if self.host_metrics:
+                        custom_step.update_from_programs(self, batch)
             step += len(chunk)
         if not step:
             raise no_batches_error("test_function", x, None)
-        logs = self._logs(prefix)
+        logs = self.device_logs(prefix)
         if verbose:
             bar.finish(step, logs)
         return logs
@@ -365,6 +416,9 @@ class ModelAPI:
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "predict")
         with backends.blas_threads():
+            if custom_step.overrides(self, "predict_step"):     # the user's predict_step
+                batches, _ = custom_step.batches(self, x, None, batch_size, shuffle=False)
+                return custom_step.predict(self, batches, steps)
             return self._predict(x, batch_size, verbose, steps)
 
     def predict_on_batch(self, x):
@@ -507,6 +561,23 @@ class ModelAPI:
                   f"Non-trainable params: {total - trainable:,}", rule]
         for line in lines:
             print_fn(line)
+
+
+def compiled_metric_split(metrics, loss, own_step):
+    """``compile(metrics=[...])`` as (the accuracy names the loss kernel counts on the devices,
+    the other metric objects, kept on the host: ``metrics.get``). A model with its own
+    ``train_step`` keeps them all on the host (its step updates them)."""
+    device, host = [], []
+    counts = loss is not None and _losses.counts_accuracy(loss)
+    categorical = isinstance(loss, _losses.CategoricalCrossentropy) if counts else None
+    for m in metrics or []:
+        kernel_kind = isinstance(m, str) and m in _metrics.ACCURACY_NAMES or \
+            type(m) in (_metrics.SparseCategoricalAccuracy, _metrics.CategoricalAccuracy)
+        if kernel_kind and counts and not own_step and not device:
+            device.append(accuracy_name(m, categorical))
+        else:
+            host.append(_metrics.get(m))
+    return device, host
 
 
 def _eager_from(run_eagerly, cuda_graph):

@@ -49,7 +49,7 @@ import numpy as np
 from mirrored import backends, recording, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
-from mirrored.keras import custom_loop, data_adapters
+from mirrored.keras import custom_loop, custom_step, data_adapters
 from mirrored.keras import saving
 from mirrored.keras import functional
 from mirrored.keras.base_layer import snake_case
@@ -81,6 +81,10 @@ class Model(ModelAPI):
         return super().__new__(cls)
 
     def __init__(self, *args, name=None, **kwargs):
+        if _functional_arguments(args, kwargs):   # CustomModel(inputs, outputs), as Keras 3 takes it
+            self.__class__ = functional_subclass(type(self))
+            Functional.__init__(self, *args, name=name, **kwargs)
+            return
         if args or "inputs" in kwargs or "outputs" in kwargs:
             raise NotImplementedError(
                 f"{type(self).__name__}: a subclass of keras.Model made with inputs and outputs (a "
@@ -105,11 +109,14 @@ class Model(ModelAPI):
         self._claimed = None             # custom_loop.MOVES when this model last claimed its weights
         self.inbound_nodes = []          # this model's calls on symbolic tensors, as a layer's (functional.py)
         self.optimizer = self.loss = None
-        self._metric_names = []
+        self._metric_names = []          # the accuracy the loss kernel counts on the devices
+        self.host_metrics = []           # compile's other metrics, updated on the host
         # compile(run_eagerly=...): False (Keras's default) replays each pass as CUDA graphs
         # on a GPU; _graphs: its StepGraphs, made on first use; _captured: the CapturedStep
         self._run_eagerly, self._graphs_asked, self._graphs, self._captured = False, False, None, None
         self._steps_per_execution = 1    # compile(steps_per_execution=N): batches per execution
+        self._custom_train = False       # fit runs the user's train_step (custom_step.py)
+        self.step_logs = None            # the logs of the last step a user's train_step ran
         self.history = None
         self.stop_training = False
 
@@ -382,6 +389,7 @@ class Model(ModelAPI):
         return self._captured
 
     # -- one step ---------------------------------------------------------------------------
+    @custom_step.default
     @serialised
     def train_step(self, x, y):
         """One training step on a host batch x (B, ...), y (B,): split, forward/backward on
@@ -399,23 +407,38 @@ class Model(ModelAPI):
             self.use_own_weights()
         with self.step.no_trace():                   # a step that raises changes nothing
             self._trainer().train(batch)
+        if self.host_metrics:                        # compile(metrics=["mae", fn, Metric()])
+            custom_step.update_from_programs(self, batch)
 
     def _train_execution(self, batches):
         """One execution of ``compile(steps_per_execution=N)``: the training steps of
         ``batches`` (1 to N), in order. On a GPU with graphs, one replay runs them all
         (``CapturedStep.train_steps``); elsewhere they run one after the other, each all or
-        nothing, so a failure keeps the steps before it (counted, every copy updated)."""
+        nothing, so a failure keeps the steps before it (counted, every copy updated).
+        A model with its own ``train_step`` runs that on each (``custom_step.py``)."""
+        if self._custom_train:
+            return custom_step.train(self, batches)
         trainer = self._trainer() if self.built else None       # the first batch builds the model
         if trainer is not None and self._claimed != custom_loop.MOVES[0]:
             self.use_own_weights()
-        if len(batches) > 1 and trainer is not None and trainer is not self.step:
+        if len(batches) > 1 and trainer is not None and trainer is not self.step and not self.host_metrics:
             trainer.train_steps([data_adapters.prepare(self, batch) for batch in batches])
             return
         for batch in batches:
             self._train_on(batch)
 
     def _logs(self, prefix="", across_workers=True):
-        return self.step.logs(self._metric_names, prefix, across_workers)
+        if self._custom_train:                       # the user's step: what it returned
+            return dict(self.step_logs or {})
+        return self.device_logs(prefix, across_workers)
+
+    def device_logs(self, prefix="", across_workers=True):
+        """The logs of fit's and evaluate's own step: the loss (and accuracy) summed on the
+        devices, and the compiled metrics kept on the host."""
+        logs = self.step.logs(self._metric_names, prefix, across_workers)
+        if self.host_metrics:                        # read on the host (this worker's)
+            logs.update(custom_step.host_logs(self, prefix))
+        return logs
 
     def _verbosity(self, verbose):
         """Keras's ``verbose`` ("auto" = 1); 0 on a worker that is not the chief, which
@@ -440,7 +463,11 @@ class Model(ModelAPI):
         ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
         with the batch callbacks called once per execution, as Keras 3 calls them.
         """
-        check_compiled(self, "training")
+        self._custom_train = type(self).train_step is not Model.train_step   # the user's own step
+        if self._custom_train and self.optimizer is None:
+            raise RuntimeError("You must call `compile()` before `fit()`: model.compile(optimizer=...).")
+        if not self._custom_train:
+            check_compiled(self, "training")
         if self.built and self.step.packed_at != Layer.trainable_changes:   # a layer's trainable was set
             self.check_trainable("fit")
         if kwargs:                                   # Keras's arguments not implemented here
@@ -462,7 +489,8 @@ class Model(ModelAPI):
             validation_data = validation_data[:2]
         verbose = self._verbosity(verbose)
         per_execution = self.steps_per_execution
-        batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle)
+        batches, steps = (custom_step.batches if self._custom_train else data_adapters.batches)(
+            self, x, y, batch_size, shuffle)
         if steps_per_epoch is not None:
             steps = steps_per_epoch
         history = _callbacks.History()
@@ -483,8 +511,13 @@ class Model(ModelAPI):
             if verbose:
                 print(f"Epoch {epoch + 1}/{epochs}")
             bar = Progbar(steps, verbose) if verbose else None     # verbose=0 draws nothing
-            if self.built:
-                self.step.zero_metrics()
+            if self._custom_train:
+                self.reset_metrics()                 # Keras: every metric, each epoch
+            else:
+                if self.built:
+                    self.step.zero_metrics()
+                if self.host_metrics:
+                    custom_step.reset_compiled(self)
             step, data = 0, iter(batches)
             while steps_per_epoch is None or step < steps_per_epoch:
                 # One execution (Keras's steps_per_execution=N; N=1 by default): up to N
@@ -595,7 +628,7 @@ class Functional(Model):
     def __init__(self, inputs, outputs, name=None, **kwargs):
         trainable = _keras_defaults("Model", kwargs)
         nodes, layers, symbolic = functional.program(inputs, outputs)
-        self._setup(name or "functional")
+        self._setup(name or ("functional" if type(self) is Functional else snake_case(type(self).__name__)))
         self._layers = layers
         if not trainable:
             self.trainable = False
@@ -638,6 +671,29 @@ class Functional(Model):
             rows.append((layer, [ref(t) for n in layer.inbound_nodes if id(n) in own_ids
                                  for t in n.input_tensors]))
         return rows
+
+
+_FUNCTIONAL_SUBCLASSES = {}       # a Model subclass -> its functional twin (functional_subclass)
+
+
+def _functional_arguments(args, kwargs):
+    """Keras 3's ``functional_init_arguments``: a model made as ``M(inputs, outputs)``."""
+    return len(args) == 2 or len(args) == 1 and "outputs" in kwargs or \
+        "inputs" in kwargs and "outputs" in kwargs
+
+
+def functional_subclass(cls):
+    """``CustomModel(inputs, outputs)`` for ``class CustomModel(keras.Model)``: when ``Model.__init__``
+    gets inputs and outputs (Keras 3's ``functional_init_arguments``), Keras 3 makes the class
+    functional (its ``inject_functional_model_class``); here the instance becomes one of a
+    subclass of both, made once (the user's class untouched), so the user's methods
+    (``train_step``, ``metrics``) come first and ``Functional``'s build the program."""
+    twin = _FUNCTIONAL_SUBCLASSES.get(cls)
+    if twin is None:
+        twin = type(cls.__name__, (cls, Functional), {"__module__": cls.__module__,
+                                                       "__qualname__": cls.__qualname__})
+        _FUNCTIONAL_SUBCLASSES[cls] = twin
+    return twin
 
 
 def _keras_defaults(what, kwargs):

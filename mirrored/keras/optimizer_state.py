@@ -159,6 +159,20 @@ class OptimizerState:
     def iterations(self):
         return Iterations(self)
 
+    def apply(self, grads, trainable_variables=None):
+        """Keras 3's ``optimizer.apply(grads, trainable_variables)``: the same update as
+        ``apply_gradients(zip(grads, trainable_variables))`` (in a replica it is the same merge
+        point, where the replicas' gradients are summed). Keras 3 lets a built optimizer leave
+        the variables out; here they are needed: pass ``model.trainable_variables``."""
+        if trainable_variables is None:
+            raise ValueError("optimizer.apply(grads) without trainable_variables: pass the variables the "
+                             "gradients belong to, optimizer.apply(grads, model.trainable_variables).")
+        grads, trainable_variables = list(grads), list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"optimizer.apply: {len(grads)} gradients for {len(trainable_variables)} "
+                             f"variables; pass one gradient per variable, in the variables' order.")
+        return self.apply_gradients(zip(grads, trainable_variables))
+
     def release_slots_with(self, owner):
         """Drop the slots keyed by ``id(owner)`` (``("pack", id(pack), r)``: a model's
         ``ParameterPack``; ``("var", id(copy))``: a copy of a variable) when ``owner`` is

@@ -75,6 +75,7 @@ import numpy as np
 from mirrored.keras import file_safety, functional_config, initializers, weight_shapes
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
+from mirrored.keras import metrics as _metrics
 from mirrored.keras import optimizers as _optimizers
 from mirrored.keras.optimizer_state import NOT_IMPLEMENTED
 
@@ -542,14 +543,14 @@ def model_config(model):
 def compile_config(model):
     """Keras 3's compile config of ``model`` (``model.get_compile_config()``, a .keras file's
     ``compile_config``): the arguments of its ``compile``; None if it was never compiled."""
-    if model.optimizer is None:
-        return None
+    if model.optimizer is None or model.loss is None or not hasattr(model.optimizer, "get_config"):
+        return None                 # never compiled, or a train_step of its own with no loss/optimizer
     loss = model.loss
     return {
         "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
         "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
             {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
-        "loss_weights": None, "metrics": model.metrics_names[1:], "weighted_metrics": None,
+        "loss_weights": None, "metrics": [name for name in model.metrics_names[1:] if name in _metrics.BY_NAME], "weighted_metrics": None,
         "run_eagerly": model.run_eagerly, "steps_per_execution": model.steps_per_execution,
         "jit_compile": False}
 

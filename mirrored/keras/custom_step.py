@@ -1,0 +1,389 @@
+"""``fit``, ``evaluate`` and ``predict`` running the user's own step: Keras 3's
+``train_step(self, data)``, ``test_step(self, data)`` and ``predict_step(self, data)``
+overrides (keras.io, "Customizing what happens in fit() with TensorFlow")::
+
+    class CustomModel(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            gradients = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(gradients, self.trainable_variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    model = CustomModel(inputs, outputs)          # a functional subclass, or define call
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, epochs=3)
+
+What fit does per batch (``run_step``), as Keras's TensorFlow trainer does it: the global
+batch cut into the replicas' shares by the rebatching rule (``input_lib.split_batch``), then
+``strategy.run(model.train_step, args=(share,))``: the step runs once per replica, on its
+device. ``self(x)`` runs that replica's program, ``tape.gradient`` its backward, and
+``optimizer.apply`` is the merge point of the custom loop (``optimizers.py``): the last replica
+to arrive all-reduces the packed gradients and updates every copy once (``Step.apply_gradients``,
+fit's own steps 3-4). So the copies stay bitwise equal and N replicas train as one on the
+global batch.
+
+``compute_loss`` divides each replica's summed loss by the GLOBAL batch (fit tells it, here),
+so the all-reduced SUM is the mean over the whole batch even when the shares are uneven
+(Keras 3 divides each replica's mean by the replica count: the same for even shares). Outside
+fit it divides by this replica's batch times the replica count (``tf.nn.compute_average_loss``'s
+default). The model's loss tracker (``model.metrics[0]``, named "loss") multiplies what a replica
+gives it by the replica count (Keras's ``unscale_loss_for_distribution``), so the loss fit prints
+is the global batch's, whatever the replica count.
+
+The logs: the dict ``train_step`` returns, nested dicts flattened and the keys sorted (Keras's
+``pythonify_logs``). When its keys are those of ``model.metrics`` (the compiled metrics' dict
+flattened), the logs are those metrics' results, read after every replica has updated them (the
+metrics here are one host copy that every replica adds to: ``metrics.py``), as Keras's
+``_get_metrics_result_or_logs`` does; otherwise each value is summed over the replicas (Keras's
+"auto" reduction: the replicas' shares of a returned loss sum to the loss).
+
+Eager: the step runs as Python every batch (``run_eagerly=True`` in Keras's terms). A
+``@tf.function`` trace would freeze the metrics' ``result()`` (host values), which the guide's
+step returns, so it would fall back to eager anyway (``recording.unrecordable``).
+
+Neighbours: ``models.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
+``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``tape.py``
+(``compute_average_loss``), ``input_lib.py`` (``split_batch``).
+"""
+import copy
+import weakref
+
+import numpy as np
+
+from mirrored import context, nest
+from mirrored.input_lib import split_batch
+from mirrored.keras import metrics as _metrics
+from mirrored.keras.custom_losses import Loss
+from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
+from mirrored.keras.tape import compute_average_loss, scale_regularization_loss
+from mirrored.strategy import to_tensor_on
+from mirrored.tensor import Tensor
+from mirrored.values import DistributedValues
+
+_DEFAULTS = set()                              # the library's own train_step, test_step, predict_step
+_GLOBAL_BATCH = weakref.WeakKeyDictionary()    # model -> the global batch fit's step is on now
+_COMPILED = weakref.WeakKeyDictionary()        # model -> (its LossTracker, its CompileMetrics)
+
+
+def default(method):
+    """Mark ``method`` as the library's own step (``overrides`` tells a user's from it)."""
+    _DEFAULTS.add(method)
+    return method
+
+
+def overrides(model, name):
+    """True when ``model``'s class defines its own ``name`` (``train_step``, ``test_step``,
+    ``predict_step``): fit, evaluate or predict then run it (this file) instead of the
+    library's fused step."""
+    return getattr(type(model), name, None) not in _DEFAULTS
+
+
+# -- the data --------------------------------------------------------------------------------
+def batches(model, x, y, batch_size, shuffle):
+    """The global batches of an epoch as the user's step takes them (Keras's ``data``): (x, y)
+    slices of arrays, in their own shapes and dtypes, or a data set's elements as it yields
+    them; and the number of batches (None if unknown)."""
+    if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch"):
+        x = np.asarray(x)
+        if y is not None:
+            y = np.asarray(y)
+            if len(x) != len(y):
+                raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        adapter = ArrayBatches(x, y if y is not None else np.zeros(len(x)), batch_size or 32, shuffle,
+                               model.distribute_strategy.extended)
+        if y is None:
+            return _XOnly(adapter), len(adapter)
+        return adapter, len(adapter)
+    if y is not None:
+        raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
+    dataset = getattr(x, "dataset", x)          # a DistributedDataset: its global batches
+    if not hasattr(dataset, "__iter__"):
+        raise TypeError(f"x must be a NumPy array or a mirrored.data.Dataset, got {type(x).__name__}.")
+    try:
+        steps = len(dataset)
+    except TypeError:
+        steps = None
+    return dataset, steps
+
+
+class _XOnly:
+    """Batches of x alone (``predict``; ``fit(x)`` with a step that needs no y)."""
+
+    def __init__(self, adapter):
+        self.adapter = adapter
+
+    def __iter__(self):
+        return (x for x, _ in self.adapter)
+
+    def __len__(self):
+        return len(self.adapter)
+
+
+def _devices(model):
+    if model.step is not None:
+        return model.step.devices
+    return model.distribute_strategy.extended.devices
+
+
+def _global_size(batch):
+    leaves = [leaf for leaf in nest.flatten(batch) if np.ndim(leaf)]
+    return int(np.shape(leaves[0])[0]) if leaves else 0
+
+
+# -- one step -----------------------------------------------------------------------------------
+def run_step(model, name, batch):
+    """``model.<name>(data)`` once per replica on its share of the global ``batch``; the
+    per-replica results (PerReplica leaves; the result itself on one replica)."""
+    if isinstance(batch, dict):
+        batch = tuple(batch.values()) if name != "predict_step" else batch
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    strategy = model.distribute_strategy
+    shares = split_batch(batch, strategy.extended, _devices(model))
+    _GLOBAL_BATCH[model] = _global_size(batch)
+    try:
+        return strategy.run(getattr(model, name), args=(shares,))
+    finally:
+        _GLOBAL_BATCH.pop(model, None)
+
+
+def train(model, batches):
+    """One execution of fit: the user's ``train_step`` on each batch in turn; the logs of the last."""
+    for batch in batches:
+        model.step_logs = logs(model, run_step(model, "train_step", batch))
+
+
+def evaluate(model, data_batches):
+    """evaluate over ``data_batches`` with the user's ``test_step``: (the logs, batches seen)."""
+    reset_metrics(model)
+    out, seen = None, 0
+    for batch in data_batches:
+        out = logs(model, run_step(model, "test_step", batch))
+        seen += 1
+    return out, seen
+
+
+def predict(model, data_batches, most=None):
+    """predict with the user's ``predict_step``: its outputs, the replicas' concatenated along
+    the batch axis, then the batches'."""
+    outs = []
+    for batch in data_batches:
+        if most is not None and len(outs) >= most:
+            break
+        result = run_step(model, "predict_step", batch)
+        outs.append(nest.map_structure(_concat, result) if not isinstance(result, DistributedValues)
+                    else _concat(result))
+    if not outs:
+        return np.zeros((0,), np.float32)
+    return nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outs)
+
+
+def _concat(value):
+    parts = value.values if isinstance(value, DistributedValues) else (value,)
+    return np.concatenate([np.atleast_1d(_number_array(p)) for p in parts], axis=0)
+
+
+def _number_array(value):
+    return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+
+
+# -- the logs -----------------------------------------------------------------------------------
+def flatten(logs):
+    """Keras's ``pythonify_logs``: nested dicts flattened, keys sorted."""
+    out = {}
+    for key, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            out.update(flatten(value))
+        else:
+            out[key] = value
+    return out
+
+
+def metric_results(model):
+    """{name: float} of every metric in ``model.metrics`` (the compiled ones' dict flattened)."""
+    return {k: _to_float(v) for k, v in flatten({m.name: m.result() for m in model.metrics}).items()}
+
+
+def logs(model, result):
+    """The logs of one step's ``result`` (the dict every replica returned, module docstring)."""
+    if result is None:
+        return {}
+    if not isinstance(result, dict):
+        raise TypeError(f"{type(model).__name__}.train_step/test_step returned {type(result).__name__}; "
+                        f"return a dict of metric names to values, e.g. "
+                        f"{{m.name: m.result() for m in self.metrics}}.")
+    flat = flatten(result)
+    known = metric_results(model)
+    if set(known) == set(flat):                  # Keras's _get_metrics_result_or_logs
+        return {key: known[key] for key in flat}
+    return {key: _summed(value) for key, value in flat.items()}
+
+
+def _summed(value):
+    parts = value.values if isinstance(value, DistributedValues) else (value,)
+    return float(sum(_to_float(p) for p in parts))
+
+
+def _to_float(value):
+    arr = _number_array(value)
+    return float(arr) if arr.size == 1 else arr
+
+
+def reset_metrics(model):
+    """Keras's ``reset_metrics``: every metric of ``model.metrics`` back to its start."""
+    for metric in model.metrics:
+        metric.reset_state()
+
+
+# -- the model's loss and metrics ------------------------------------------------------------------
+class LossTracker(_metrics.Mean):
+    """The model's own "loss" metric (Keras's ``_loss_tracker``). A replica's loss from
+    ``compute_loss`` is its share of the global loss (summed over the replicas, it is the
+    loss); this tracker multiplies it by the replica count (Keras's
+    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss."""
+
+    def __init__(self, name="loss"):
+        super().__init__(name)
+
+    def update_state(self, values, sample_weight=None):
+        strategy, replica_ctx = context.top()
+        n = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
+        values = _number_array(values).astype(np.float64)
+        super().update_state(values * n, sample_weight)
+
+
+def compile_metrics(model, metrics):
+    """What ``compile`` makes: the model's loss tracker and ``CompileMetrics`` of ``metrics``
+    (metric objects); returns the latter."""
+    compiled = _metrics.CompileMetrics(metrics)
+    _COMPILED[model] = (LossTracker(), compiled)
+    return compiled
+
+
+def compiled_metrics(model):
+    """The ``CompileMetrics`` of the last ``compile`` (None before it)."""
+    return _COMPILED.get(model, (None, None))[1]
+
+
+def model_metrics(model):
+    """Keras 3's ``model.metrics``: the loss tracker and the compiled metrics once compiled,
+    then the metrics set as the model's attributes (``self.mae = keras.metrics.MAE()``)."""
+    tracker, compiled = _COMPILED.get(model, (None, None))
+    found = [] if tracker is None else [tracker]
+    if compiled is not None and compiled.metrics:
+        found.append(compiled)
+    found += [m for k, m in vars(model).items() if not k.startswith("_") and isinstance(m, _metrics.Metric)
+              and all(m is not f for f in found)]
+    return found
+
+
+def compute_loss(model, y, y_pred, sample_weight=None):
+    """Keras 3's ``model.compute_loss``: the compiled loss of ``y_pred`` against ``y`` plus the
+    layers' weight penalties, as this replica's share (module docstring)."""
+    if sample_weight is not None:
+        raise NotImplementedError("compute_loss(sample_weight=...) is not implemented here: leave the "
+                                  "sample weights out (fit takes (x, y) pairs).")
+    terms = []
+    loss = model.loss
+    if loss is not None:
+        if y_pred is None or y is None:
+            raise ValueError("compute_loss needs y and y_pred: self.compute_loss(y=y, y_pred=self(x)).")
+        terms.append(_compiled_loss(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
+    if model.losses:
+        terms.append(scale_regularization_loss(model.losses))
+    if not terms:
+        raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def _compiled_loss(loss, y, y_pred, global_batch):
+    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses over the
+    global batch (Keras's ``sum_over_batch_size``), or its sum (``"sum"``)."""
+    if not isinstance(y_pred, Tensor):
+        raise TypeError("compute_loss: y_pred must be the model's output, self(x, training=True).")
+    b = int(y_pred.shape[0])
+    if isinstance(loss, Loss):                         # written in ops
+        if loss.reduction == "none":
+            return loss(y, y_pred)
+        scale = 1.0 / (global_batch or b * _replicas())
+        return loss.shares(_as_tensor_on(y, y_pred), y_pred, b, scale)[1]
+    if loss.reduction != "sum_over_batch_size":
+        return loss(y, y_pred)
+    per_example = copy.copy(loss)
+    per_example.reduction = "none"
+    return compute_average_loss(per_example(y, y_pred), global_batch_size=global_batch)
+
+
+def _replicas():
+    strategy, replica_ctx = context.top()
+    return strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
+
+
+def _as_tensor_on(value, like):
+    return to_tensor_on(value, like.dev)
+
+
+# -- compiled metrics on fit's own step -------------------------------------------------------------
+def update_from_programs(model, batch):
+    """fit's and evaluate's own step (no override): each replica's last forward output and its
+    share of the labels into the compiled host metrics (``compile(metrics=["mae", fn, M()])``;
+    the accuracy the loss kernel counts stays on the devices). The outputs are read as the
+    model gives them: softmax applied where its last layer has it."""
+    if isinstance(batch, ResidentBatch):
+        raise NotImplementedError("compile(metrics=...) other than accuracy with a data set kept on the "
+                                  "devices (experimental_place_dataset_on_device) is not implemented: "
+                                  "distribute the data set without that option.")
+    compiled = compiled_metrics(model)
+    parts, _, _ = model.step.split(batch)
+    out_shape = tuple(model.output_shape[1:])
+    for program, (_, y) in zip(model.step.programs, parts):
+        if not len(y):
+            continue
+        out = program.dev.to_numpy(program.logits)                         # (b, outputs) float32
+        if program.softmax_output:
+            e = np.exp(out - out.max(axis=-1, keepdims=True, initial=-np.inf))
+            out = e / e.sum(axis=-1, keepdims=True)
+        compiled.update_state(y, out.reshape((len(y),) + out_shape))      # host arrays, the model's dtype
+
+
+def host_logs(model, prefix=""):
+    """The compiled host metrics' results for fit's and evaluate's logs."""
+    compiled = compiled_metrics(model)
+    if compiled is None:
+        return {}
+    return {prefix + k: _to_float(v) for k, v in flatten({m.name: m.result() for m in compiled.metrics}).items()}
+
+
+def reset_compiled(model):
+    """The compiled host metrics back to their start (each epoch, each evaluate)."""
+    compiled = compiled_metrics(model)
+    if compiled is not None:
+        compiled.reset_state()
+
+
+class RMSpropNotImplemented(NotImplementedError, AttributeError):
+    """An attribute of ``NoRMSprop`` (an AttributeError too: ``hasattr`` answers False)."""
+
+
+class NoRMSprop:
+    """``compile()`` with Keras's default optimizer, RMSprop, which is not implemented here:
+    accepted for a model with its own ``train_step`` (``super().compile()`` in a custom
+    ``compile`` that sets its own optimizers), refused when the step uses it."""
+
+    name = "rmsprop"
+
+    def __getattr__(self, attribute):
+        raise RMSpropNotImplemented(f"optimizer.{attribute}: the model was compiled with Keras's default "
+                                  f"optimizer, RMSprop, which is not implemented here; pass "
+                                  f"compile(optimizer='adam') or 'sgd'.")
