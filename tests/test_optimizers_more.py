@@ -258,3 +258,92 @@ def test_base_arguments_are_checked_as_keras_does():
     config = opt.get_config()
     assert config["learning_rate"]["class_name"] == "ExponentialDecay" and config["clipnorm"] == 2.0
     assert config["weight_decay"] == 0.004
+
+
+# --- saved and loaded: Keras 3's .keras archive, resume == uninterrupted ------------------------
+
+SAVED = {
+    "rmsprop-momentum-centered": lambda: tf.keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True,
+                                                                     clipvalue=0.2),
+    "adagrad-global-clipnorm": lambda: tf.keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.3,
+                                                                   global_clipnorm=0.5),
+    "adamw-schedule-clipnorm": lambda: tf.keras.optimizers.AdamW(
+        schedules.CosineDecay(0.0, 4, warmup_target=0.02, warmup_steps=2), weight_decay=0.1, clipnorm=0.4),
+    "sgd-piecewise": lambda: tf.keras.optimizers.SGD(schedules.PiecewiseConstantDecay([1, 3], [0.1, 0.05, 0.01]),
+                                                     momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_keras_file_round_trip_resumes_bitwise(devices, rng, tmp_path, name):
+    """Train 3 steps, save a .keras file, load it, train 3 more == 6 steps uninterrupted, bit for
+    bit (weights and every optimizer variable), on 2 replicas: the config (the optimizer's class,
+    arguments, schedule) and the state (iteration, learning rate, slots in Keras's order) came back."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    x = rng.standard_normal((6 * BATCH, FEATURES)).astype(np.float32)
+    y = (3 * rng.standard_normal((6 * BATCH, UNITS))).astype(np.float32)
+    models = []
+    for _ in range(2):
+        with strategy.scope():
+            m = tf.keras.Sequential([tf.keras.layers.Dense(UNITS, input_shape=(FEATURES,))])
+            m.compile(loss="mse", optimizer=SAVED[name]())
+        models.append(m)
+    straight, interrupted = models
+    interrupted.set_weights(straight.get_weights())
+    straight.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    interrupted.fit(x[:3 * BATCH], y[:3 * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    path = tmp_path / "m.keras"
+    interrupted.save(path)
+    with strategy.scope():
+        loaded = tf.keras.models.load_model(path)
+    opt = loaded.optimizer
+    assert type(opt) is type(straight.optimizer) and int(opt.iterations) == 3
+    assert opt.get_config() == interrupted.optimizer.get_config()
+    loaded.fit(x[3 * BATCH:], y[3 * BATCH:], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(straight.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    want, got = (m.optimizer.keras_variables(m.step.pack) for m in (straight, loaded))
+    assert len(want) == len(got) == opt.keras_head + len(opt.slot_names) * 2
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_schedule_advances_in_a_custom_loop_and_a_replayed_function(devices, rng):
+    """``apply_gradients`` in a ``@tf.function`` replays its recorded launches; the per-step
+    vector is a host call made again each replay, so the schedule's rate still moves: the
+    weights equal fit's, bitwise, step after step."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    make_opt = lambda: tf.keras.optimizers.SGD(schedules.ExponentialDecay(0.1, 1, 0.5), global_clipnorm=1.0,
+                                               weight_decay=0.3)
+    x = rng.standard_normal((4 * BATCH, FEATURES)).astype(np.float32)
+    y = (3 * rng.standard_normal((4 * BATCH, UNITS))).astype(np.float32)
+    with strategy.scope():
+        by_fit = tf.keras.Sequential([tf.keras.layers.Dense(UNITS, input_shape=(FEATURES,))])
+        by_fit.compile(loss="mse", optimizer=make_opt())
+        by_loop = tf.keras.Sequential([tf.keras.layers.Dense(UNITS, input_shape=(FEATURES,))])
+        by_loop.compile(loss="mse", optimizer=make_opt())
+    by_loop.set_weights(by_fit.get_weights())
+    loss_fn = tf.keras.losses.MeanSquaredError(reduction="sum")
+    opt = by_loop.optimizer
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, by_loop(xb, training=True)) / (BATCH * UNITS) * UNITS
+        grads = tape.gradient(loss, by_loop.trainable_variables)
+        opt.apply_gradients(zip(grads, by_loop.trainable_variables))
+
+    @tf.function
+    def step(batch):
+        strategy.run(replica_step, args=batch)
+
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    for batch in data:
+        step(batch)
+    by_fit.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(opt.iterations) == 4
+    assert float(opt.learning_rate) == pytest.approx(0.1 * 0.5 ** 4)
+    for a, b in zip(by_fit.get_weights(), by_loop.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
