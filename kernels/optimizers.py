@@ -209,8 +209,10 @@ def _check_buffers(what, w, g, state, hyper, hyper_size):
     check_array(f"{what}: g", g, np.float32, shape=w.shape)
     for name, s in state.items():
         check_array(f"{what}: {name}", s, np.float32, shape=w.shape)
-    check_array(f"{what}: hyper (the {what}_scalars(...) vector, on the device)", hyper,
-                np.float32, shape=(hyper_size,))
+    check_array(f"{what}: hyper (the {what}_scalars(...) vector, on the device)", hyper, np.float32, ndim=1)
+    if hyper.shape[0] < hyper_size:           # a longer one carries a tail (gradient_transforms.py)
+        raise ValueError(f"{what}: hyper has {hyper.shape[0]} scalars, expected {hyper_size} "
+                         f"(the {what}_scalars(...) vector) at its front.")
     written = [w, *state.values()]
     for i, out in enumerate(written):
         check_no_alias(what, out, g, hyper, *written[i + 1:])

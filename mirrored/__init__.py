@@ -60,8 +60,9 @@ Map of the rest:
     data.py       mirrored.data.Dataset (tf.data semantics over NumPy)
     datasets.py   mirrored.datasets.load("mnist") (tfds.load), bundled offline subset in _data/
     keras/        also model_api (compile, evaluate, predict, saving methods), losses, metrics,
-                  callbacks, saving, optimizer_state (iterations, learning_rate, what Keras
-                  saves), variable_updates (apply_gradients for variables outside a model),
+                  callbacks, saving, optimizer_state (iterations, learning_rate, clipping,
+                  weight decay, what Keras saves), optimizers_more (RMSprop, Adagrad, AdamW),
+                  schedules (learning-rate schedules), variable_updates (apply_gradients for variables outside a model),
                   custom_loop (which model's packed gradients a tape returned),
                   custom_step (fit running a model's own train_step, Keras 3's),
                   functional_config (Keras 3's "Functional" config),

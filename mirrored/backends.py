@@ -26,6 +26,7 @@ import numpy as np
 from kernels import (activations, allreduce, categorical_xent, conv2d, conv2d_grad, conv2d_v3, cpu_conv1, cpu_conv_pool, cpu_loops, dropout,
                      elementwise, gather, gemm, optimizers, pooling, reduction, regression_losses, softmax_xent)
 from kernels.launch import SIMULATOR
+from kernels import gradient_transforms, optimizers_more   # RMSprop, Adagrad; clipping, weight decay
 from kernels import merge   # the merge layers' column copy (Concatenate; the blocks marked below)
 # TensorFlow's ops (mirrored/ops.py; the block marked below in each class)
 from kernels import broadcast, random_fill, reduce_axis, resize, strided_copy, unary_math
@@ -241,6 +242,24 @@ class CpuOps:
     def adam(self, w, g, m, v, hyper):
         return optimizers.adam_cpu(w, g, m, v, hyper)       # = adam_ref bitwise, one compiled pass
 
+    # more optimizers, and what Keras's base optimizer does first (kernels/optimizers_more.py,
+    # kernels/gradient_transforms.py): the references
+    def rmsprop(self, w, g, velocity, momentum, average, hyper):
+        return optimizers_more.rmsprop_ref(w, g, velocity, momentum, average, hyper)
+
+    def adagrad(self, w, g, accumulator, hyper):
+        return optimizers_more.adagrad_ref(w, g, accumulator, hyper)
+
+    def decay_weights(self, w, hyper, at):
+        return gradient_transforms.decay_ref(w, hyper, at)
+
+    def clip_value(self, g, hyper, at):
+        return gradient_transforms.clip_value_ref(g, hyper, at)
+
+    def clip_norm(self, g, starts, sq, hyper, at, global_norm):
+        gradient_transforms.segment_sum_squares_ref(g, starts, sq)
+        return gradient_transforms.clip_norm_ref(g, starts, sq, hyper, at, global_norm)
+
     # a batch from a data set kept on the device (kernels/gather.py)
     def gather_rows(self, src, idx, out):
         return gather.gather_rows_ref(src, idx, out)
@@ -411,6 +430,21 @@ class CudaOps:
 
     def adam(self, w, g, m, v, hyper):
         return optimizers.adam(w, g, m, v, hyper, self.stream)
+
+    def rmsprop(self, w, g, velocity, momentum, average, hyper):
+        return optimizers_more.rmsprop(w, g, velocity, momentum, average, hyper, self.stream)
+
+    def adagrad(self, w, g, accumulator, hyper):
+        return optimizers_more.adagrad(w, g, accumulator, hyper, self.stream)
+
+    def decay_weights(self, w, hyper, at):
+        return gradient_transforms.decay(w, hyper, at, self.stream)
+
+    def clip_value(self, g, hyper, at):
+        return gradient_transforms.clip_value(g, hyper, at, self.stream)
+
+    def clip_norm(self, g, starts, sq, hyper, at, global_norm):
+        return gradient_transforms.clip_norm(g, starts, sq, hyper, at, global_norm, self.stream)
 
     def gather_rows(self, src, idx, out):
         return gather.gather_rows(src, idx, out, self.stream)

@@ -238,6 +238,8 @@ class Checkpoint:
                 if model.built:
                     for i, v in enumerate(obj.keras_variables(model.step.pack)):
                         arrays[f"optimizer:{key}/{i}"] = v
+                elif obj.schedule is not None:                # no rate variable: the count
+                    arrays[f"optimizer:{key}/0"] = np.int64(obj.step_count)
                 else:
                     arrays[f"optimizer:{key}/1"] = obj.learning_rate.numpy()
         return arrays
@@ -381,7 +383,7 @@ def _optimizer_setter(opt, model, values, lr, file):
     refuses a wrong count or shape before anything changes), applied later."""
     if values:
         try:
-            if len(values) < 2:
+            if len(values) < opt.keras_head:
                 raise ValueError(f"optimizer {opt.name}: {len(values)} variable, expected the iteration "
                                  f"and the learning rate at least")
             return opt.keras_variables_setter(model.step.pack, values)

@@ -162,7 +162,8 @@ def test_bad_input_raises_before_launch(no_launch):
     with pytest.raises(ValueError, match="shape"):
         opt.sgd(w, _dev(11), a, h2)
     with pytest.raises(ValueError, match="hyper"):
-        opt.sgd(w, g, a, h4)                   # Adam's vector handed to SGD
+        opt.adam(w, g, a, b, h2)               # SGD's (shorter) vector handed to Adam (a longer one
+                                               # may carry gradient_transforms.py's tail)
     with pytest.raises(TypeError, match="hyper"):
         opt.adam(w, g, a, b, cuda.to_device(opt.adam_scalars(1e-3, 1, dtype=np.float64)))
     with pytest.raises(ValueError, match="C-contiguous"):

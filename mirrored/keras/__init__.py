@@ -23,7 +23,8 @@ custom_step.py (fit, evaluate and predict running a model's own train_step, test
 predict_step; compute_loss, model.metrics), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
 losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
-mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizer_state.py: what Keras saves of them), metrics.py, callbacks.py, tape.py
+mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizers_more.py: RMSprop, Adagrad, AdamW; schedules.py;
+optimizer_state.py: clipping, weight decay, what Keras saves of them), metrics.py, callbacks.py, tape.py
 (GradientTape), progbar.py, random.py (keras.random: normal, uniform, SeedGenerator).
 """
 from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, random, regularizers,
@@ -40,6 +41,12 @@ for _module in (merging, composed_layers,     # Activation, ReLU, Reshape, Lambd
     for _name in _module.__all__:
         setattr(layers, _name, getattr(_module, _name))
 del _name, _module
+# RMSprop, Adagrad, AdamW and keras.optimizers.schedules (optimizers_more.py) as tf.keras.optimizers.*:
+# set on the optimizers module here, so that optimizers.py, a file of the reading order, does not grow.
+from mirrored.keras import optimizers_more
+for _name in optimizers_more.__all__:
+    setattr(optimizers, _name, getattr(optimizers_more, _name))
+del _name
 
 
 class models:  # noqa: N801 (``keras.models``; ``from mirrored.keras.models import Model`` imports models.py)

@@ -1,9 +1,8 @@
-"""Keras optimizers: ``SGD`` and ``Adam``, with Keras's defaults and formulas.
-
-The math is in ``kernels/optimizers.py`` (one launch per parameter buffer); here: the
-hyper-parameters, the step counter and the slot buffers (velocity; Adam's m and v), one set
-per device, made on first use where the variables live (an optimizer made outside
-``strategy.scope()``, as the course lab's, works), dropped with their model.
+"""Keras optimizers: ``SGD`` and ``Adam``, with Keras's defaults and formulas (RMSprop, Adagrad,
+AdamW: ``optimizers_more.py``). The math is in ``kernels/optimizers.py`` (one launch per parameter
+buffer); here: the hyper-parameters, the step counter and the slot buffers (velocity; Adam's m
+and v), one set per device, made on first use where the variables live (an optimizer made
+outside ``strategy.scope()``, as the course lab's, works), dropped with their model.
 
 A step has a host part and a device part. ``begin_step`` counts the step and puts its
 hyper-parameter vector (Adam's alpha changes every step) in a small buffer on every device
@@ -20,9 +19,8 @@ where the replicas meet and, when the gradients are a model's packed gradient bu
 one ring over one buffer, one launch per device. So every copy gets the same update, the
 copies stay bitwise equal, and a custom loop's weights are fit's, bit for bit.
 
-Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate`` and what Keras saves),
-``step.py``, ``kernels/optimizers.py``.
-"""
+Neighbours: ``optimizer_state.py`` (``iterations``, ``learning_rate``, schedules, clipping, weight
+decay, what Keras saves), ``step.py``, ``kernels/optimizers.py``."""
 import contextlib
 import threading
 import warnings
@@ -59,10 +57,10 @@ class Optimizer(OptimizerState):
                 slots = self._slots.get(key)
                 if slots is None:
                     slots = []
-                    for _ in self.slot_names:
+                    for name in self.slot_names:
                         slots.append(dev.empty(like.shape, like.dtype))
                         with recording.initialization():      # a @function's replay never re-zeroes
-                            dev.ops.fill(slots[-1], 0.0)
+                            dev.ops.fill(slots[-1], self.initial_slot_value(name))
                     self._slots[key] = slots
         return slots
 
@@ -71,11 +69,10 @@ class Optimizer(OptimizerState):
         raise NotImplementedError
 
     def step_scalars(self):
-        return self._scalars(self.step_count + 1)      # the next step's (fit sends it with its inputs)
+        return self.step_vector(self.step_count + 1)   # the next step's (fit sends it with its inputs)
 
     def update_buffer(self, dev, w, g, key):
-        """One kernel launch: update ``w`` with gradient ``g`` (both on ``dev``), reading
-        the hyper-parameter vector ``self.hyper[dev.name]``."""
+        """One launch: update ``w`` with ``g`` (on ``dev``), reading ``self.hyper[dev.name]``."""
         raise NotImplementedError
 
     def begin_step(self, devices, sent=None):
@@ -86,15 +83,14 @@ class Optimizer(OptimizerState):
         for dev in devices:
             buf = (sent or {}).get(dev.name)
             if buf is None:                                        # not sent: its own buffer
-                host = self._scalars(self.step_count)              # (k,) float32
+                host = self.step_vector(self.step_count)           # (k,) float32
                 with dev.activate():
                     buf = self._own.get(dev.name)
                     buf = self._own[dev.name] = dev.empty(host.shape, host.dtype) if buf is None else buf
                     dev.upload_into(buf, host)
             self.hyper[dev.name] = buf
 
-    def caches(self):
-        """The buffers made on first use: a failed step drops what it added (``Step.no_trace``)."""
+    def caches(self):  # the buffers made on first use: a failed step drops what it added (no_trace)
         return [self._slots, self._own]
 
     def update(self, pack, around=None):
@@ -116,6 +112,8 @@ class Optimizer(OptimizerState):
         with every_device_or_none():
             for i, (dev, w, g, key) in enumerate(launches):
                 with dev.activate(), (around(i, dev) if around else contextlib.nullcontext()):
+                    if self.transforming:                              # clipping, weight decay
+                        self.before_update(dev, w, g, key)
                     self.update_buffer(dev, w, g, key)
             self.updates_done += 1          # done on every copy: a Ctrl-C now leaves it counted (no_trace)
 
@@ -157,7 +155,7 @@ class Optimizer(OptimizerState):
         return self.iterations
 
     def get_config(self):
-        return {"name": self.name, "learning_rate": self.rate}
+        return self.base_config()      # Keras 3's base keys (optimizer_state.py)
 
 
 recording.host_method(Optimizer, "begin_step", restores="step_count")   # a @function's replay calls it
@@ -209,12 +207,14 @@ class Adam(Optimizer):
         dev.ops.adam(w, g, m, v, self.hyper[dev.name])
 
 
+NAMES = {"adam": Adam, "sgd": SGD}     # Keras's string names (optimizers_more.py adds its own)
+
+
 def get(identifier):
-    """An optimizer from Keras's string names ('adam', 'sgd') or the object itself."""
+    """An optimizer from Keras's string names ('adam', 'sgd', 'rmsprop'...) or the object itself."""
     if isinstance(identifier, Optimizer):
         return identifier
-    names = {"adam": Adam, "sgd": SGD}
-    if isinstance(identifier, str) and identifier.lower() in names:
-        return names[identifier.lower()]()
-    raise NotImplementedError(f"optimizer {identifier!r} is not implemented; use 'adam', 'sgd', "
-                              f"optimizers.Adam(...) or optimizers.SGD(...).")
+    if isinstance(identifier, str) and identifier.lower() in NAMES:
+        return NAMES[identifier.lower()]()
+    raise NotImplementedError(f"optimizer {identifier!r} is not implemented; use one of {sorted(NAMES)} "
+                              f"or an optimizer object, e.g. optimizers.Adam(...).")

@@ -77,7 +77,9 @@ from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import optimizers as _optimizers
-from mirrored.keras.optimizer_state import NOT_IMPLEMENTED
+from mirrored.keras import optimizers_more  # noqa: F401 (RMSprop, Adagrad, AdamW in optimizers.NAMES)
+from mirrored.keras import schedules
+from mirrored.keras.optimizer_state import BASE_ARGUMENTS
 
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
@@ -366,13 +368,14 @@ def _check_optimizer(model, group, filepath, force):
         warnings.warn(f"Skipping variable loading for optimizer '{opt.name}', because it has {have} "
                       f"variables whereas the saved optimizer has {len(group)} variables (in {filepath})."
                       + (" This is likely because the optimizer has not been called/built yet."
-                         if have == 2 else ""), stacklevel=4 if force else 6)
+                         if have == opt.keras_head else ""), stacklevel=4 if force else 6)
         return None
-    slots = [(f"optimizer slot {name} of {v.name}", shape)
-             for v, shape in zip(pack.variables, pack.shapes) for name in opt.slot_names]
-    wanted = [("optimizer iteration", ()), ("optimizer learning_rate", ())] + slots[:have - 2]
+    slots = [(f"optimizer slot {opt.slot_names[j]} of {pack.variables[i].name}", pack.shapes[i])
+             for i, j in opt.keras_slot_order(pack)]
+    head = [("optimizer iteration", ()), ("optimizer learning_rate", ())][:opt.keras_head]
+    wanted = head + slots[:have - len(head)]
     return [file_safety.check_dataset(group.get(str(i)), shape,
-                                      file_safety.NUMBER_KINDS if i < 2 else file_safety.FLOAT_KINDS,
+                                      file_safety.NUMBER_KINDS if i < len(head) else file_safety.FLOAT_KINDS,
                                       filepath, what) for i, (what, shape) in enumerate(wanted)]
 
 
@@ -679,11 +682,15 @@ def model_from_config(config, custom_objects=None, before_build=None):
 def compile_from_config(model, compile_config):
     opt = compile_config["optimizer"]
     if isinstance(opt, dict):
-        cls = {"Adam": _optimizers.Adam, "SGD": _optimizers.SGD}.get(opt["class_name"])
+        classes = {c.__name__: c for c in _optimizers.NAMES.values()}     # Adam, SGD, RMSprop, ...
+        cls = classes.get(opt["class_name"])
         if cls is None:
-            raise NotImplementedError(f"optimizer {opt['class_name']!r} is not implemented; Adam and SGD are.")
-        unused = {k: v for k, v in opt["config"].items() if k in NOT_IMPLEMENTED}
-        opt = cls(**_kwargs_for(cls, opt["config"], opt["class_name"]), **unused)   # refused unless defaults
+            raise NotImplementedError(f"optimizer {opt['class_name']!r} is not implemented; {sorted(classes)} are.")
+        kwargs = _kwargs_for(cls, opt["config"], opt["class_name"])
+        if isinstance(kwargs.get("learning_rate"), dict):                  # a serialized schedule
+            kwargs["learning_rate"] = schedules.deserialize(kwargs["learning_rate"])
+        base = {k: v for k, v in opt["config"].items() if k in BASE_ARGUMENTS and k not in kwargs}
+        opt = cls(**kwargs, **base)       # the base arguments checked there (NOT_IMPLEMENTED: defaults only)
     loss = compile_config["loss"]
     if isinstance(loss, dict):
         cls = {"SparseCategoricalCrossentropy": _losses.SparseCategoricalCrossentropy,
