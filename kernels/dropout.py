@@ -244,7 +244,7 @@ def dropout(x, out, rate, key, stream=None):
     """
     threshold, scale = _checked("dropout", x, out, rate)
     if out.size:
-        _launch(dropout_v1, *grid_1d(out.size), stream, flat(x), flat(out), np.uint64(key),
+        launch_hash(dropout_v1, *grid_1d(out.size), stream, flat(x), flat(out), np.uint64(key),
                 threshold, scale)
     return out
 
@@ -256,7 +256,7 @@ def dropout_keyed(x, out, rate, counter, stream=None):
     threshold, scale = _checked("dropout_keyed", x, out, rate)
     _check_counter("dropout_keyed", counter)
     if out.size:
-        _launch(dropout_v2, *grid_1d(out.size), stream, flat(x), flat(out), counter, threshold, scale)
+        launch_hash(dropout_v2, *grid_1d(out.size), stream, flat(x), flat(out), counter, threshold, scale)
     return out
 
 
@@ -266,7 +266,7 @@ def dropout_next_key(counter, replica, stream=None):
     _check_counter("dropout_next_key", counter)
     if int(replica) < 0:
         raise ValueError(f"dropout_next_key: replica must be >= 0, got {replica}.")
-    _launch(next_key_v1, NEXT_KEY_BLOCK, NEXT_KEY_BLOCK, stream, counter, np.uint64(replica))
+    launch_hash(next_key_v1, NEXT_KEY_BLOCK, NEXT_KEY_BLOCK, stream, counter, np.uint64(replica))
     return counter
 
 
@@ -282,7 +282,9 @@ def _check_counter(what, counter):
     check_array(f"{what}: counter", counter, np.uint64, shape=(COUNTER_SIZE,))
 
 
-def _launch(*args):
+def launch_hash(*args):
+    """``launch`` for a kernel built on ``mix64`` (Dropout's masks, random tensors:
+    kernels/random_fill.py)."""
     if not SIMULATOR:
         launch(*args)
         return

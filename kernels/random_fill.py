@@ -29,13 +29,12 @@ a few ulps there. (The simulator runs Python's math in float64, rounded when sto
 tests compare normals within NORMAL_ULPS.)
 """
 import math
-import warnings
 
 import numpy as np
 from numba import cuda, float32, uint64
 
-from kernels.dropout import GOLDEN, mix64, mix64_device
-from kernels.launch import SIMULATOR, check_array, flat, grid_1d, launch
+from kernels.dropout import GOLDEN, launch_hash, mix64, mix64_device
+from kernels.launch import check_array, flat, grid_1d
 from kernels.registry import register, sig, vec
 
 DISTRIBUTIONS = ("uniform", "normal")
@@ -145,7 +144,7 @@ def random_fill(dist, out, state, stream=None):
     check_array(f"random_fill({dist}): out", out, np.float32)
     _check_state(f"random_fill({dist})", state)
     if out.size:
-        _launch(_KERNELS[dist], *grid_1d(out.size), stream, flat(out), state)
+        launch_hash(_KERNELS[dist], *grid_1d(out.size), stream, flat(out), state)
     return out
 
 
@@ -154,17 +153,5 @@ def random_advance(state, n, stream=None):
     _check_state("random_advance", state)
     if int(n) < 0:
         raise ValueError(f"random_advance: n must be >= 0 (counters only move forward), got {n}.")
-    _launch(random_advance_kernel, ADVANCE_BLOCK, ADVANCE_BLOCK, stream, state, np.uint64(n))
+    launch_hash(random_advance_kernel, ADVANCE_BLOCK, ADVANCE_BLOCK, stream, state, np.uint64(n))
     return state
-
-
-def _launch(*args):
-    if not SIMULATOR:
-        launch(*args)
-        return
-    # As in kernels/dropout.py: the simulator runs the hash's uint64 arithmetic on NumPy
-    # scalars, which warn about the wrap-around modulo 2^64 that a GPU does silently.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="overflow encountered in scalar",
-                                category=RuntimeWarning)
-        launch(*args)

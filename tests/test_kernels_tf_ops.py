@@ -418,7 +418,11 @@ def test_random_fill_bits_equal_the_reference_and_an_integer_oracle(rng):
         ref = random_fill.random_fill_ref(dist, np.empty((5, 7), np.float32), state.copy())
         out = poison((5, 7), np.float32)
         random_fill.random_fill(dist, out, cuda.to_device(state))
-        assert_same(out.copy_to_host(), ref, dist, ulps=0 if dist == "uniform" else random_fill.NORMAL_ULPS)
+        if dist == "uniform":
+            assert_same(out.copy_to_host(), ref, dist)
+        else:   # ulps near a zero of cos are meaningless (a tiny value, its own tiny ulp): absolute too
+            np.testing.assert_allclose(out.copy_to_host(), ref, rtol=random_fill.NORMAL_ULPS * 2.0 ** -23,
+                                       atol=4e-7)
     normal = random_fill.random_fill_ref("normal", np.empty(4000, np.float32), state.copy())
     assert abs(normal.mean()) < 0.1 and abs(normal.std() - 1) < 0.1 and np.isfinite(normal).all()
 
