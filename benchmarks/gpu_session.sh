@@ -28,7 +28,9 @@
 #   tests40.log       pytest on real CUDA, -n 7 (one worker per file), of the files whose
 #                     gpu-marked or real-CUDA paths issues 40 and 41 left waiting for a card
 #                     (TESTS40: steps_per_execution, lean_host, auto_resident, kernel_cache,
-#                     kernel_disk_cache, function_replay, graphs, compile_ahead)
+#                     kernel_disk_cache, function_replay, graphs, compile_ahead; issue 48's
+#                     op kernels and ops, issue 50's threaded tf.function: kernels_tf_ops, ops,
+#                     function_threads)
 #   custom_loop.log, .json  benchmarks.training --models convnet --rows custom --no-resident
 #                     --epochs 3: fit eager and graph x1, the custom loop eager and under
 #                     @function, PyTorch eager and CUDA graph (issue 41: @function / fit graph
@@ -172,7 +174,7 @@ fi
 : "${CUSTOM_LOOP_ARGS=--models convnet --rows custom --no-resident --epochs 3}"
 # The test files issues 40 and 41 left waiting for a card: their gpu-marked tests, and the
 # real-CUDA path of the rest (captured graphs, uploads, the kernel cache's loads)
-: "${TESTS40=tests/test_steps_per_execution.py tests/test_lean_host.py tests/test_auto_resident.py tests/test_kernel_cache.py tests/test_kernel_disk_cache.py tests/test_function_replay.py tests/test_graphs.py tests/test_compile_ahead.py}"
+: "${TESTS40=tests/test_steps_per_execution.py tests/test_lean_host.py tests/test_auto_resident.py tests/test_kernel_cache.py tests/test_kernel_disk_cache.py tests/test_function_replay.py tests/test_graphs.py tests/test_compile_ahead.py tests/test_kernels_tf_ops.py tests/test_ops.py tests/test_function_threads.py}"
 : "${VERSIONS_S:=45}" "${TRAINING_S:=310}" "${COURSE_LAB_S:=90}" "${BREAKDOWN_S:=85}"
 : "${KERNELS_S:=170}" "${LAUNCH_S:=60}" "${PROFILE_S:=180}" "${PROFILE_TIMES_S:=90}" "${EXPORT_S:=30}"
 : "${MEMCHECK_S:=120}" "${RACECHECK_S:=110}" "${SYNCCHECK_S:=90}" "${TESTS_S:=200}" "${XDIST:=12}"
