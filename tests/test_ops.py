@@ -400,3 +400,20 @@ def test_ops_and_gradients_equal_tensorflows_where_it_is_installed(cpu, rng):
             results.append([y.numpy()] + [g.numpy() for g in tape.gradient(y, xs)])
         for ours, theirs in zip(*results):
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_python_control_flow_on_a_tensor_in_a_traced_function_is_never_a_stale_branch(cpu, rng):
+    """``if tf.reduce_sum(x) > 0:`` inside @tf.function: TF's values on every call (here by
+    the eager fallback, with its one warning), never the branch the trace took."""
+    @tf.function
+    def f(x):
+        if tf.reduce_sum(x) > 0:
+            return x * 2.0
+        return x - 1.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            v = rng.normal(size=3).astype(np.float32)
+            want = v * 2 if v.sum() > 0 else v - 1
+            np.testing.assert_allclose(f(tf.constant(v)).numpy(), want, rtol=1e-6)
+    assert len([w for w in caught if "eagerly" in str(w.message)]) == 1
