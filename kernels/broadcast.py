@@ -74,19 +74,35 @@ LOGICAL = {
 ALL_OPS = {**ARITHMETIC, **COMPARISON, **LOGICAL}
 
 
+_BOOL = np.dtype(np.bool_)
+
+
 def result_dtype(op, dtype):
     """The dtype ``op`` answers in for inputs of ``dtype``."""
-    return np.dtype(np.bool_) if op in COMPARISON or op in LOGICAL else np.dtype(dtype)
+    return _BOOL if op in COMPARISON or op in LOGICAL else np.dtype(dtype)
 
 
 def broadcast_shape(*shapes):
-    """NumPy's broadcast of ``shapes``, or ValueError naming them."""
-    try:
-        return tuple(np.broadcast_shapes(*[tuple(s) for s in shapes]))
-    except ValueError:
-        raise ValueError(f"shapes {' and '.join(str(tuple(s)) for s in shapes)} are incompatible: "
-                         f"aligned at the right, each pair of dimensions must be equal or one of "
-                         f"them 1.") from None
+    """NumPy's broadcast of ``shapes`` (aligned at the right; a 1 stretches to the other
+    size), or ValueError naming them. Plain Python: it runs once per op, on tiny tuples."""
+    shapes = [tuple(s) for s in shapes]
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return first
+    rank = max(len(s) for s in shapes)
+    out = []
+    for k in range(rank):
+        size = 1
+        for s in shapes:
+            n = s[k - rank + len(s)] if k >= rank - len(s) else 1
+            if n != 1:
+                if size not in (1, n):
+                    raise ValueError(f"shapes {' and '.join(str(t) for t in shapes)} are incompatible: "
+                                     f"aligned at the right, each pair of dimensions must be equal or "
+                                     f"one of them 1.")
+                size = n
+        out.append(size)
+    return tuple(out)
 
 
 def broadcast_strides(shape, out_shape):

@@ -74,7 +74,7 @@ def _is_legacy(t):
     """A loss made by our loss objects from a model's output (``keras/tape.py``'s ``_Loss`` and
     ``_Scaled``, which know ``scaled`` and ``plus``): arithmetic keeps the fused loss path.
     A model's output itself is not: ops on it are recorded, it is a leaf of the graph."""
-    return hasattr(t.node, "scaled")
+    return isinstance(t, Tensor) and t.node is not None and hasattr(t.node, "scaled")
 
 
 def as_tensor(value, dtype=None, device=None):
@@ -91,6 +91,8 @@ def as_tensor(value, dtype=None, device=None):
 
 
 def _number(value):
+    if type(value) in (float, int):                  # the common case, checked first
+        return True
     return isinstance(value, (numbers.Number, np.number, np.bool_)) and not isinstance(value, Tensor)
 
 
@@ -204,6 +206,8 @@ _SCALAR_GRADS = {
 def _scalar_path(op, x, y, grad):
     """``x <op> y`` by the scalar/same-shape kernels when one side is a Python number, or a
     loss of the fused path is involved; None when the broadcasting path must run."""
+    if not (_number(x) or _number(y) or _is_legacy(x) or _is_legacy(y)):
+        return None                              # two tensors, no loss of the fused path
     for k, (t, other) in enumerate(((x, y), (y, x))):
         if isinstance(t, Variable):
             t = as_tensor(t)
