@@ -212,3 +212,263 @@ def test_a_function_returning_a_metric_call_runs_eagerly_with_its_value(cpu):
     got = [float(first)] + [float(step(v)) for v in values[1:]]
     sums = values.astype(np.float64).sum(axis=1)
     np.testing.assert_allclose(got, np.cumsum(sums) / np.arange(1, 4), rtol=1e-5)
+
+
+# --- 3. "Introduction to gradients and automatic differentiation" (guide/autodiff) -------------
+
+def test_autodiff_guide_gradients_of_variables_and_structures(cpu):
+    rng = np.random.default_rng()
+    x = tf.Variable(3.0)
+    with tf.GradientTape() as tape:
+        y = x**2
+    assert tape.gradient(y, x).numpy() == 6.0                              # dy/dx = 2x
+
+    w0 = rng.standard_normal((3, 2)).astype(np.float32)
+    w = tf.Variable(w0, name='w')
+    b = tf.Variable(tf.zeros(2, dtype=tf.float32), name='b')
+    x = [[1., 2., 3.]]
+    with tf.GradientTape(persistent=True) as tape:
+        y = x @ w + b
+        loss = tf.reduce_mean(y**2)
+    [dl_dw, dl_db] = tape.gradient(loss, [w, b])
+    y64 = np.asarray(x, np.float64) @ w0                                  # (1, 2)
+    np.testing.assert_allclose(dl_db.numpy(), y64[0], rtol=1e-5)          # d mean(y^2)/dy = y
+    np.testing.assert_allclose(dl_dw.numpy(), np.asarray(x, np.float64).T @ y64, rtol=1e-5)
+    my_vars = {'w': w, 'b': b}
+    grad = tape.gradient(loss, my_vars)                                    # a dict of sources
+    np.testing.assert_allclose(grad['b'].numpy(), y64[0], rtol=1e-5)
+
+    # gradients with respect to a model (a layer called on its own, outside a model)
+    layer = tf.keras.layers.Dense(2)
+    x = tf.constant([[1., 2., 3.]])
+    with tf.GradientTape() as tape:
+        y = layer(x)                                                        # y: (1, 2)
+        loss = tf.reduce_mean(y**2)
+    grad = tape.gradient(loss, layer.trainable_variables)
+    kernel, bias = (v.numpy().astype(np.float64) for v in layer.trainable_variables)
+    y64 = np.array([[1., 2., 3.]]) @ kernel + bias
+    assert [g.shape for g in grad] == [(3, 2), (2,)]
+    np.testing.assert_allclose(grad[0].numpy(), np.array([[1., 2., 3.]]).T @ y64, rtol=1e-5)
+    np.testing.assert_allclose(grad[1].numpy(), y64[0], rtol=1e-5)
+    np.testing.assert_allclose(layer(x).numpy(), y64, rtol=1e-5)            # called again: same weights
+
+
+def test_autodiff_guide_what_the_tape_watches(cpu):
+    x0 = tf.Variable(3.0, name='x0')
+    x1 = tf.Variable(3.0, name='x1', trainable=False)                       # not trainable
+    x2 = tf.Variable(2.0, name='x2') + 1.0                                  # a variable + a tensor is a tensor
+    x3 = tf.constant(3.0, name='x3')                                        # not a variable
+    with tf.GradientTape() as tape:
+        y = (x0**2) + (x1**2) + (x2**2)
+    grad = tape.gradient(y, [x0, x1, x2, x3])
+    assert grad[0].numpy() == 6.0 and grad[1:] == [None, None, None]
+    assert [var.name for var in tape.watched_variables()] == ['x0:0']
+
+    x = tf.constant(3.0)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = x**2
+    assert tape.gradient(y, x).numpy() == 6.0
+
+    x0, x1 = tf.Variable(0.0), tf.Variable(10.0)
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(x1)
+        y0 = tf.math.sin(x0)
+        y1 = tf.nn.softplus(x1)
+        y = y0 + y1
+        ys = tf.reduce_sum(y)
+    grad = tape.gradient(ys, {'x0': x0, 'x1': x1})
+    assert grad['x0'] is None                                               # not watched
+    np.testing.assert_allclose(grad['x1'].numpy(), 1 / (1 + np.exp(-10.0)), rtol=1e-6)  # sigmoid(10)
+
+
+def test_autodiff_guide_intermediates_persistent_and_non_scalar_targets(cpu):
+    x = tf.constant(3.0)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = x * x
+        z = y * y
+    assert tape.gradient(z, y).numpy() == 18.0                              # dz/dy = 2y, y = 9
+
+    x = tf.constant([1, 3.0])
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = x * x
+        z = y * y
+    np.testing.assert_allclose(tape.gradient(z, x).numpy(), [4.0, 108.0])   # 4 x^3
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), [2.0, 6.0])
+    del tape
+
+    x = tf.Variable(2.0)
+    with tf.GradientTape() as tape:
+        y0 = x**2
+        y1 = 1 / x
+    assert tape.gradient({'y0': y0, 'y1': y1}, x).numpy() == 3.75            # a dict of targets: their sum
+    with tf.GradientTape() as tape:
+        y0, y1 = x**2, 1 / x
+    assert tape.gradient([y0, y1], x).numpy() == 3.75
+    with tf.GradientTape() as tape:
+        y = x * [3., 4.]
+    assert tape.gradient(y, x).numpy() == 7.0                               # non-scalar: its sum
+
+    x = tf.linspace(-10.0, 10.0, 200 + 1)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.nn.sigmoid(x)
+    s = 1 / (1 + np.exp(-np.linspace(-10.0, 10.0, 201)))
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), s * (1 - s), rtol=1e-5, atol=1e-7)
+
+
+def test_autodiff_guide_control_flow_and_the_cases_that_give_none(cpu):
+    x = tf.constant(1.0)
+    v0, v1 = tf.Variable(2.0), tf.Variable(2.0)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        if x > 0.0:
+            result = v0
+        else:
+            result = v1**2
+    dv0, dv1 = tape.gradient(result, [v0, v1])
+    assert dv0.numpy() == 1.0 and dv1 is None                               # the branch taken only
+    assert tape.gradient(result, x) is None                                 # the condition has none
+
+    x, y = tf.Variable(2.), tf.Variable(3.)
+    with tf.GradientTape() as tape:
+        z = y * y
+    assert tape.gradient(z, x) is None                                      # not connected
+    x = tf.Variable(2.0)
+    for epoch in range(2):
+        with tf.GradientTape() as tape:
+            y = x + 1
+        g = tape.gradient(y, x)
+        assert (g.numpy() == 1.0) if epoch == 0 else g is None              # x became a tensor
+        x = x + 1
+    x = tf.Variable([[1.0, 2.0], [3.0, 4.0]], dtype=tf.float32)
+    with tf.GradientTape() as tape:
+        x2 = x**2
+        y = np.mean(x2, axis=0)                                             # through NumPy: lost
+        y = tf.reduce_mean(y, axis=0)
+    assert tape.gradient(y, x) is None
+    x = tf.constant(10)
+    with tf.GradientTape() as g:
+        g.watch(x)
+        y = x * x
+    assert g.gradient(y, x) is None                                         # integers: none
+    x0, x1 = tf.Variable(3.0), tf.Variable(0.0)
+    with tf.GradientTape() as tape:
+        x1.assign_add(x0)                                                   # stateful: not differentiable
+        y = x1**2
+    assert tape.gradient(y, x0) is None
+
+    x, y = tf.Variable([2., 2.]), tf.Variable(3.)
+    with tf.GradientTape() as tape:
+        z = y**2
+    zero = tape.gradient(z, x, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    np.testing.assert_array_equal(zero.numpy(), [0.0, 0.0])
+
+
+# --- 3b. "Advanced automatic differentiation" (guide/advanced_autodiff) ---------------------------
+
+def test_advanced_autodiff_guide_higher_order_and_jacobians(cpu):
+    x = tf.Variable(1.0)
+    with tf.GradientTape() as t2:
+        with tf.GradientTape() as t1:
+            y = x * x * x
+        dy_dx = t1.gradient(y, x)
+    d2y_dx2 = t2.gradient(dy_dx, x)
+    assert dy_dx.numpy() == 3.0 and d2y_dx2.numpy() == 6.0
+
+    x = tf.linspace(-10.0, 10.0, 200 + 1)
+    delta = tf.Variable(0.0)
+    with tf.GradientTape() as tape:
+        y = tf.nn.sigmoid(x + delta)
+    dy_dx = tape.jacobian(y, delta)                                         # (201,): one per output
+    s = 1 / (1 + np.exp(-np.linspace(-10.0, 10.0, 201)))
+    assert y.shape == dy_dx.shape == (201,)
+    np.testing.assert_allclose(dy_dx.numpy(), s * (1 - s), rtol=1e-5, atol=1e-7)
+
+    rng = np.random.default_rng()
+    x = tf.constant(rng.standard_normal((7, 5)).astype(np.float32))
+    layer = tf.keras.layers.Dense(10, activation='relu')
+    with tf.GradientTape(persistent=True) as tape:
+        y = layer(x)
+    j = tape.jacobian(y, layer.kernel)
+    assert j.shape == (7, 10, 5, 10)
+    kernel, bias = (v.numpy().astype(np.float64) for v in layer.weights)
+    on = (x.numpy().astype(np.float64) @ kernel + bias) > 0                 # (7, 10) relu's gate
+    want = np.einsum("bi,bu,uv->buiv", x.numpy().astype(np.float64), on, np.eye(10))  # d y[b,u]/d k[i,v]
+    np.testing.assert_allclose(j.numpy(), want, rtol=1e-5, atol=1e-6)
+    g = tape.gradient(y, layer.kernel)
+    np.testing.assert_allclose(tf.reduce_sum(j, axis=[0, 1]).numpy(), g.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# --- 4. "Basic training loops" (guide/basic_training_loops): tf.Module and assign_sub ----------
+
+def test_basic_training_loops_guide_with_a_module(cpu):
+    TRUE_W, TRUE_B, NUM_EXAMPLES = 3.0, 2.0, 201
+    x = tf.linspace(-2, 2, NUM_EXAMPLES)
+    x = tf.cast(x, tf.float32)
+
+    def f(x):
+        return x * TRUE_W + TRUE_B
+    noise = tf.random.normal(shape=[NUM_EXAMPLES])
+    y = f(x) + noise
+
+    class MyModel(tf.Module):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            # Initialize the weights to `5.0` and the bias to `0.0`
+            self.w = tf.Variable(5.0)
+            self.b = tf.Variable(0.0)
+
+        def __call__(self, x):
+            return self.w * x + self.b
+
+    model = MyModel()
+    assert [v.numpy() for v in model.variables] == [0.0, 5.0]             # sorted by name: b, w
+    assert model.trainable_variables == model.variables and model.name == "my_model"
+    assert model(3.0).numpy() == 15.0
+
+    def loss(target_y, predicted_y):
+        return tf.reduce_mean(tf.square(target_y - predicted_y))
+
+    def train(model, x, y, learning_rate):
+        with tf.GradientTape() as t:
+            current_loss = loss(y, model(x))
+        dw, db = t.gradient(current_loss, [model.w, model.b])
+        model.w.assign_sub(learning_rate * dw)
+        model.b.assign_sub(learning_rate * db)
+
+    xs, ys = x.numpy().astype(np.float64), y.numpy().astype(np.float64)
+    w, b = 5.0, 0.0                                                          # the oracle's
+    for epoch in range(10):
+        train(model, x, y, learning_rate=0.1)
+        r = w * xs + b - ys
+        w, b = w - 0.1 * 2 * (r * xs).mean(), b - 0.1 * 2 * r.mean()
+        np.testing.assert_allclose([model.w.numpy(), model.b.numpy()], [w, b], rtol=1e-5)
+        current_loss = loss(y, model(x))
+        np.testing.assert_allclose(current_loss.numpy(), ((w * xs + b - ys) ** 2).mean(), rtol=1e-5)
+    assert abs(model.w.numpy() - TRUE_W) < abs(5.0 - TRUE_W)
+
+
+def test_module_finds_variables_in_lists_dicts_submodules_and_layers(cpu):
+    class Inner(tf.Module):
+        def __init__(self):
+            super().__init__(name="inner")
+            self.v = tf.Variable(1.0)
+            self.frozen = tf.Variable(2.0, trainable=False)
+
+    class Outer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Inner(), {"b": tf.Variable(3.0), "a": tf.Variable(4.0)}]
+            self.shared = self.layers[0]                                    # found once
+            self.dense = tf.keras.layers.Dense(2)
+            self.dense(np.zeros((1, 3), np.float32))                        # built: 2 weights
+
+    outer = Outer()
+    assert [float(v.numpy()) for v in outer.variables if v.shape == ()] == [2.0, 1.0, 4.0, 3.0]   # by name
+    assert len(outer.variables) == 6 and len(outer.trainable_variables) == 5
+    assert [m.name for m in outer.submodules] == ["inner"]
+    with pytest.raises(ValueError, match="module name"):
+        tf.Module(name="not a name")

@@ -77,7 +77,15 @@ class Layer:
         symbolic output (``keras/functional.py``). Data goes through a model, not a layer."""
         if call_layers.is_call_layer(self) and not functional.is_symbolic(inputs):
             return call_layers.eager_call(self, inputs, kwargs)      # layer(x) on data
+        if Layer.run_alone is not None and not functional.is_symbolic(inputs) \
+                and not isinstance(inputs, (list, tuple, dict)):
+            return Layer.run_alone(self, inputs, kwargs)               # Dense(2)(x) on data
         return functional.call_layer(self, inputs, kwargs)
+
+    #: ``layer(x)`` on data for a library layer (``Dense``, ``Conv2D``...): the layer run alone,
+    #: as a one-layer model of its own (``models.run_alone``, set when models.py is imported:
+    #: it imports this file, so this file cannot import it)
+    run_alone = None
 
     @property
     def trainable(self):
@@ -109,6 +117,15 @@ class Layer:
     def trainable_weights(self):
         """The weights the optimizer updates: none when the layer is frozen."""
         return [w for w in self.weights if w.trainable] if self.trainable else []
+
+    @property
+    def trainable_variables(self):
+        """Keras's other name for ``trainable_weights`` (what a tape's gradient is asked for)."""
+        return self.trainable_weights
+
+    @property
+    def variables(self):
+        return self.weights
 
     @property
     def non_trainable_weights(self):
