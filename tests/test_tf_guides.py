@@ -472,3 +472,152 @@ def test_module_finds_variables_in_lists_dicts_submodules_and_layers(cpu):
     assert [m.name for m in outer.submodules] == ["inner"]
     with pytest.raises(ValueError, match="module name"):
         tf.Module(name="not a name")
+
+
+# --- 5. keras.io "Making new layers and models via subclassing" -----------------------------------
+
+def _subclassing_layers():
+    from mirrored import keras
+
+    class Linear(keras.layers.Layer):
+        def __init__(self, units=32):
+            super().__init__()
+            self.units = units
+
+        def build(self, input_shape):                       # deferred: the input's size known here
+            self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="random_normal",
+                                     trainable=True)
+            self.b = self.add_weight(shape=(self.units,), initializer="random_normal", trainable=True)
+
+        def call(self, inputs):
+            return tf.matmul(inputs, self.w) + self.b
+
+    class ActivityRegularizationLayer(keras.layers.Layer):
+        def __init__(self, rate=1e-2):
+            super().__init__()
+            self.rate = rate
+
+        def call(self, inputs):
+            self.add_loss(self.rate * tf.reduce_sum(inputs))
+            return inputs
+
+    return keras, Linear, ActivityRegularizationLayer
+
+
+def test_subclassing_guide_weights_state_and_composition(cpu):
+    keras, Linear, _ = _subclassing_layers()
+
+    class ComputeSum(keras.layers.Layer):
+        def __init__(self, input_dim):
+            super().__init__()
+            self.total = self.add_weight(initializer="zeros", shape=(input_dim,), trainable=False)
+
+        def call(self, inputs):
+            self.total.assign_add(tf.reduce_sum(inputs, axis=0))
+            return self.total
+
+    x = tf.ones((2, 2))
+    my_sum = ComputeSum(2)
+    np.testing.assert_array_equal(my_sum(x).numpy(), [2.0, 2.0])
+    np.testing.assert_array_equal(my_sum(x).numpy(), [4.0, 4.0])
+    assert (len(my_sum.weights), len(my_sum.non_trainable_weights), my_sum.trainable_weights) == (1, 1, [])
+
+    class MLPBlock(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.linear_1 = Linear(32)
+            self.linear_2 = Linear(32)
+            self.linear_3 = Linear(1)
+
+        def call(self, inputs):
+            x = self.linear_1(inputs)
+            x = tf.nn.relu(x)
+            x = self.linear_2(x)
+            x = tf.nn.relu(x)
+            return self.linear_3(x)
+
+    mlp = MLPBlock()
+    x = np.random.default_rng().standard_normal((3, 64)).astype(np.float32)
+    y = mlp(x)                                                # the first call builds every Linear
+    assert len(mlp.weights) == 6 and len(mlp.trainable_weights) == 6
+    w = [v.numpy().astype(np.float64) for v in mlp.weights]
+    h = np.maximum(x @ w[0] + w[1], 0)
+    h = np.maximum(h @ w[2] + w[3], 0)
+    np.testing.assert_allclose(y.numpy(), h @ w[4] + w[5], rtol=1e-4, atol=1e-5)
+
+
+def test_subclassing_guide_add_loss_in_a_gradient_tape_loop(cpu):
+    """``self.add_loss(rate * sum(inputs))``: listed in ``layer.losses`` until the next outermost
+    call (nested layers' too, never piling up), and the guide's loop
+    ``loss_value += sum(model.losses)`` trains on it: one step against float64."""
+    keras, Linear, ActivityRegularizationLayer = _subclassing_layers()
+
+    class OuterLayer(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.activity_reg = ActivityRegularizationLayer(1e-2)
+
+        def call(self, inputs):
+            return self.activity_reg(inputs)
+
+    layer = OuterLayer()
+    assert len(layer.losses) == 0                             # no losses yet: never called
+    _ = layer(tf.zeros((1, 1)))
+    assert len(layer.losses) == 1                             # one, made by the call
+    _ = layer(tf.zeros((1, 1)))
+    assert len(layer.losses) == 1                             # reset at the start of each call
+
+    class OuterLayerWithKernelRegularizer(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(32, kernel_regularizer=tf.keras.regularizers.l2(1e-3))
+
+        def call(self, inputs):
+            return self.dense(inputs)
+
+    layer = OuterLayerWithKernelRegularizer()
+    _ = layer(tf.zeros((1, 1)))
+    kernel = layer.dense.kernel.numpy().astype(np.float64)
+    (penalty,) = layer.losses
+    np.testing.assert_allclose(penalty.numpy(), 1e-3 * (kernel ** 2).sum(), rtol=1e-5)
+
+    class Net(keras.layers.Layer):                            # a layer that regularises its activity
+        def __init__(self):
+            super().__init__()
+            self.linear = Linear(3)
+            self.reg = ActivityRegularizationLayer(0.1)
+
+        def call(self, inputs):
+            return self.reg(self.linear(inputs))
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 5)
+    model = Net()
+    model(x)
+    w0, b0 = (v.numpy().astype(np.float64) for v in model.trainable_weights)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.SGD(learning_rate=0.5)
+    with tf.GradientTape() as tape:
+        logits = model(x)
+        loss_value = loss_fn(y, logits)
+        loss_value += sum(model.losses)                       # the activity penalty of this call
+    assert len(model.losses) == 1
+    grads = tape.gradient(loss_value, model.trainable_weights)
+    optimizer.apply_gradients(zip(grads, model.trainable_weights))
+    z = x.astype(np.float64) @ w0 + b0                         # (5, 3) logits
+    np.testing.assert_allclose(loss_value.numpy(), _xent(z, y) + 0.1 * z.sum(), rtol=1e-5)
+    d = _softmax(z)
+    d[np.arange(5), y] -= 1
+    d = d / 5 + 0.1                                            # d loss / d z: data term + penalty
+    np.testing.assert_allclose(model.trainable_weights[0].numpy(), w0 - 0.5 * x.T.astype(np.float64) @ d,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.trainable_weights[1].numpy(), b0 - 0.5 * d.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_add_loss_inside_a_model_says_what_to_do(cpu):
+    keras, _, ActivityRegularizationLayer = _subclassing_layers()
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(ActivityRegularizationLayer()(inputs)))
+    with pytest.raises(NotImplementedError, match="add_loss inside a model"):
+        model.predict(np.zeros((2, 3), np.float32), verbose=0)

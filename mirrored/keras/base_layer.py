@@ -145,9 +145,9 @@ class Layer:
         return var
 
     def add_loss(self, loss):
-        raise NotImplementedError(f"{type(self).__name__} {self.name!r}: add_loss is not implemented here; "
-                                  f"add the term to the loss function instead (a custom loss, or the "
-                                  f"GradientTape loop's loss), or use add_weight(regularizer=...).")
+        """Keras's ``self.add_loss(value)`` in ``call``: a scalar term listed in ``losses`` (and
+        the model's) until the next call, for a GradientTape loop to add (``call_layers.add_loss``)."""
+        call_layers.add_loss(self, loss)
 
     # -- weight penalties (keras/regularizers.py): Dense and Conv2D take kernel_regularizer=
     kernel_regularizer = None
@@ -168,8 +168,14 @@ class Layer:
 
     @property
     def losses(self):
-        """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``)."""
-        return [reg(self.weights[i]) for reg, i in self.regularized]
+        """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``), then
+        the terms its ``call`` (and its sublayers') gave ``add_loss`` in the last call."""
+        return [reg(self.weights[i]) for reg, i in self.regularized] + self.added_losses
+
+    @property
+    def added_losses(self):
+        return list(self.__dict__.get("_added_losses", ())) + [
+            t for layer in self.__dict__.get("_sublayers", ()) for t in layer.added_losses]
 
     def output_shape_for(self, input_shape):
         if call_layers.is_call_layer(self):
