@@ -80,8 +80,9 @@ from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirr
                                  OneDeviceStrategy, ReduceOp,
                                  ReplicaContext, ValueContext, get_replica_context, get_strategy,
                                  in_cross_replica_context)
-from mirrored.keras.tape import GradientTape
+from mirrored.keras.tape import GradientTape, UnconnectedGradients
 from mirrored.values import Variable, VariableAggregation, VariableSynchronization
+from mirrored.module import Module  # tf.Module: a container that finds its variables
 from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, bool_, constant,
                              convert_to_tensor, float16, float32, float64, identity, int8, int16, int32,
                              int64, uint8)
@@ -90,7 +91,7 @@ from mirrored import image, ops
 from mirrored import ops as math   # tf.math: the same functions
 from mirrored.ops import (abs, add, argmax, argmin, broadcast_to, cast, ceil, clip_by_value, concat,  # noqa: A004
                           cos, divide, equal, exp, expand_dims, eye, fill, floor, greater, greater_equal,
-                          less, less_equal, log, logical_and, logical_not, logical_or, logical_xor, matmul,
+                          less, less_equal, linspace, log, logical_and, logical_not, logical_or, logical_xor, matmul,
                           maximum, minimum, multiply, negative, newaxis, not_equal, one_hot, ones, ones_like,
                           pow, rank, reduce_all, reduce_any, reduce_max, reduce_mean, reduce_min, reduce_prod,
                           reduce_sum, reshape, round, shape, sigmoid, sign, sin, size, sqrt, square, squeeze,

@@ -905,6 +905,18 @@ def eye(num_rows, num_columns=None, dtype=np.float32, name=None):
     return tensor.constant(np.eye(n, m, dtype=as_dtype(dtype)))
 
 
+def linspace(start, stop, num, name=None, axis=0):
+    """``tf.linspace``: ``num`` evenly spaced values from ``start`` to ``stop`` (both included),
+    float32 for Python numbers, as TF (the values computed on the host in float64, as NumPy)."""
+    if axis != 0 or np.ndim(start) or np.ndim(stop):
+        raise NotImplementedError("linspace of scalars only (axis=0) is implemented here; stack "
+                                  "several linspace calls for tensors of end points.")
+    dtype = getattr(start, "dtype", None)
+    dtype = np.float32 if dtype is None or np.dtype(dtype).kind != "f" else np.dtype(dtype)
+    lo, hi = (float(np.asarray(v.numpy() if hasattr(v, "numpy") else v)) for v in (start, stop))
+    return tensor.constant(np.linspace(lo, hi, int(num)).astype(dtype))
+
+
 def one_hot(indices, depth, on_value=None, off_value=None, axis=-1, dtype=None, name=None):
     """``tf.one_hot``: a last axis of ``depth`` with ``on_value`` at each index (an index
     outside [0, depth) gives a row of ``off_value``, as TF)."""

@@ -347,6 +347,15 @@ class HostTensor(np.ndarray):
         return f"{_dev.LONG_PREFIX}CPU:0"
 
 
+class TraceTimeValue(HostTensor):
+    """A host value read while a ``@function`` traced (``train_loss(loss)``: a metric called
+    inside the function hands back its result, as TensorFlow's does). Right for the call that
+    traced; a replay would not change it. So the function may use it, but if it RETURNS it
+    (or a value computed from it: NumPy keeps the class) the trace is refused and the
+    function runs eagerly, with a warning (``as_function_output``), rather than hand every
+    later call the first call's number."""
+
+
 def _empty(device, shape, dtype):
     return device.empty(shape, dtype)
 
@@ -463,7 +472,13 @@ def infer_host_array(value, dtype):
 def as_function_output(value):
     """What a ``tf.function`` hands back for ``value``: a Python number or NumPy scalar becomes
     a tensor on the current device (int -> int32, float -> float32, as ``tf.constant``);
-    anything else (tensors, strategies' values, None, strings) stays as it is."""
+    anything else (tensors, strategies' values, None, strings) stays as it is. A value read
+    on the host during the trace (``TraceTimeValue``) refuses the trace."""
+    if isinstance(value, TraceTimeValue):
+        recording.unrecordable("it returns a value read on the host while tracing (a metric's "
+                               "result): a replay would return the first call's value (return "
+                               "nothing and read metric.result() outside the function)")
+        return value
     if isinstance(value, (bool, int, float, np.number, np.bool_)):
         return constant(value)
     return value

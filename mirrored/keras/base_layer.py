@@ -77,7 +77,15 @@ class Layer:
         symbolic output (``keras/functional.py``). Data goes through a model, not a layer."""
         if call_layers.is_call_layer(self) and not functional.is_symbolic(inputs):
             return call_layers.eager_call(self, inputs, kwargs)      # layer(x) on data
+        if Layer.run_alone is not None and not functional.is_symbolic(inputs) \
+                and not isinstance(inputs, (list, tuple, dict)):
+            return Layer.run_alone(self, inputs, kwargs)               # Dense(2)(x) on data
         return functional.call_layer(self, inputs, kwargs)
+
+    #: ``layer(x)`` on data for a library layer (``Dense``, ``Conv2D``...): the layer run alone,
+    #: as a one-layer model of its own (``models.run_alone``, set when models.py is imported:
+    #: it imports this file, so this file cannot import it)
+    run_alone = None
 
     @property
     def trainable(self):
@@ -111,6 +119,15 @@ class Layer:
         return [w for w in self.weights if w.trainable] if self.trainable else []
 
     @property
+    def trainable_variables(self):
+        """Keras's other name for ``trainable_weights`` (what a tape's gradient is asked for)."""
+        return self.trainable_weights
+
+    @property
+    def variables(self):
+        return self.weights
+
+    @property
     def non_trainable_weights(self):
         """The rest of ``weights`` (Keras's): a frozen layer's, and state (moving statistics)."""
         trainable = {id(w) for w in self.trainable_weights}
@@ -128,9 +145,9 @@ class Layer:
         return var
 
     def add_loss(self, loss):
-        raise NotImplementedError(f"{type(self).__name__} {self.name!r}: add_loss is not implemented here; "
-                                  f"add the term to the loss function instead (a custom loss, or the "
-                                  f"GradientTape loop's loss), or use add_weight(regularizer=...).")
+        """Keras's ``self.add_loss(value)`` in ``call``: a scalar term listed in ``losses`` (and
+        the model's) until the next call, for a GradientTape loop to add (``call_layers.add_loss``)."""
+        call_layers.add_loss(self, loss)
 
     # -- weight penalties (keras/regularizers.py): Dense and Conv2D take kernel_regularizer=
     kernel_regularizer = None
@@ -151,8 +168,14 @@ class Layer:
 
     @property
     def losses(self):
-        """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``)."""
-        return [reg(self.weights[i]) for reg, i in self.regularized]
+        """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``), then
+        the terms its ``call`` (and its sublayers') gave ``add_loss`` in the last call."""
+        return [reg(self.weights[i]) for reg, i in self.regularized] + self.added_losses
+
+    @property
+    def added_losses(self):
+        return list(self.__dict__.get("_added_losses", ())) + [
+            t for layer in self.__dict__.get("_sublayers", ()) for t in layer.added_losses]
 
     def output_shape_for(self, input_shape):
         if call_layers.is_call_layer(self):

@@ -35,6 +35,7 @@ here), ``composed_layers.py`` (Activation, ReLU, Reshape, ... written this way),
 import contextlib
 import functools
 import inspect
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -223,7 +224,11 @@ def forward(layer, state, x, training=False):
         with tape:
             tape.watch(xs)
             tape.watch(list(layer.trainable_weights))
-            y = run_call(layer, xs if multi else xs[0], training)
+            _calls.in_model = True                # add_loss refused here (see add_loss)
+            try:
+                y = run_call(layer, xs if multi else xs[0], training)
+            finally:
+                _calls.in_model = False
     want = (b,) + tuple(layer.output_shape)
     if y.shape != want:
         raise ValueError(f"{type(layer).__name__} {layer.name!r}: call returned shape {y.shape} for a "
@@ -263,9 +268,40 @@ def backward(layer, state, dy):
 
 # --- outside a model -------------------------------------------------------------------------
 
+_calls = threading.local()        # .depth: eager calls in progress; .in_model: a model's forward
+
+
+def add_loss(layer, loss):
+    """``self.add_loss(value)`` inside ``call``: kept in the layer's ``losses`` until its next
+    outermost call (Keras clears them then). Outside a model only: the tape of a custom loop
+    sees the term (``loss += sum(model.losses)``); in a model's step there is no place for it."""
+    if getattr(_calls, "in_model", False):
+        raise NotImplementedError(
+            f"{type(layer).__name__} {layer.name!r}: add_loss inside a model's forward (fit, "
+            f"predict, model(x)) is not implemented here. Call the layer on its own in a "
+            f"GradientTape loop (loss = loss_fn(y, layer(x)) + sum(layer.losses)), or add the term "
+            f"to the loss function, or use add_weight(regularizer=...) for a weight penalty.")
+    layer.__dict__.setdefault("_added_losses", []).append(ops.as_tensor(loss))
+
+
+def _clear_added_losses(layer):
+    layer.__dict__["_added_losses"] = []
+    for sub in layer.__dict__.get("_sublayers", ()):
+        _clear_added_losses(sub)
+
+
 def eager_call(layer, inputs, kwargs):
     """``layer(x)`` on tensors or arrays: build on first use (Keras does), then ``call``,
-    recorded by any open tape."""
+    recorded by any open tape. The outermost call clears the losses its layers added before."""
+    depth = getattr(_calls, "depth", 0)
+    _calls.depth = depth + 1
+    try:
+        return _eager_call(layer, inputs, kwargs, outermost=depth == 0)
+    finally:
+        _calls.depth = depth
+
+
+def _eager_call(layer, inputs, kwargs, outermost):
     unknown = sorted(k for k in kwargs if k != "training")
     if unknown:
         raise NotImplementedError(f"{type(layer).__name__} {layer.name!r} called with {unknown}: only "
@@ -274,6 +310,8 @@ def eager_call(layer, inputs, kwargs):
     xs = [_as_float_tensor(x) for x in (inputs if multi else [inputs])]
     if not layer.built:
         layer.build([x.shape[1:] for x in xs] if multi else xs[0].shape[1:])
+    if outermost:                                # after build: its trial call may add some too
+        _clear_added_losses(layer)
     return run_call(layer, xs if multi else xs[0], kwargs.get("training") or False)
 
 

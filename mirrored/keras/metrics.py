@@ -19,7 +19,7 @@ import numpy as np
 
 from mirrored import recording
 from mirrored.keras import initializers
-from mirrored.tensor import Tensor
+from mirrored.tensor import HostTensor, Tensor, TraceTimeValue
 from mirrored.values import Variable
 
 
@@ -75,11 +75,19 @@ class Metric:
         trace it would be frozen: that function then runs eagerly (with a warning)."""
         recording.unrecordable("it reads a metric's result(), a host value a trace would freeze "
                                "(read it outside the function)")
-        from mirrored.tensor import HostTensor
-        return HostTensor.wrap(np.float32(self._total / self._count if self._count else 0.0))
+        return HostTensor.wrap(self._value())
+
+    def _value(self):
+        return np.float32(self._total / self._count if self._count else 0.0)
 
     def __call__(self, *args, **kwargs):
+        """``update_state``, then the result, as Keras's. Inside a ``@function``'s trace
+        (``train_loss(loss)`` in TF's quickstart) the update is host work every replay does
+        again, and the result, read now, comes as a ``TraceTimeValue``: the function may
+        ignore it, and returning it refuses the trace (a replay would return it unchanged)."""
         self.update_state(*args, **kwargs)
+        if recording.active() is not None and type(self).result is Metric.result:   # not one's own
+            return TraceTimeValue.wrap(self._value())
         return self.result()
 
 

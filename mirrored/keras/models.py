@@ -620,6 +620,27 @@ class Sequential(Model):
         return nodes
 
 
+def run_alone(layer, inputs, kwargs):
+    """``layer(x)`` on data for a library layer, outside any model (TF's autodiff guide:
+    ``layer = Dense(2, activation='relu'); y = layer(x)`` under a tape): a one-layer
+    ``Sequential`` made on the first call and kept with the layer, so ``layer.weights`` and
+    ``layer.trainable_variables`` are that model's, and a tape differentiates the call as any
+    model call. Shapes after the first must have the same features (the layer is built)."""
+    shape = tuple(np.shape(inputs)[1:])
+    model = layer.__dict__.get("alone")
+    if model is None:
+        model = Sequential([InputLayer(shape), layer])
+        layer.__dict__["alone"] = model
+    elif tuple(model.input_shape[1:]) != shape:
+        raise ValueError(f"{type(layer).__name__} {layer.name!r} was first called on examples of shape "
+                         f"{tuple(model.input_shape[1:])}, now on {shape}: call it on the same shape "
+                         f"(it is built for it), or make another layer.")
+    return model(inputs, training=bool(kwargs.get("training") or False))
+
+
+Layer.run_alone = staticmethod(run_alone)
+
+
 @saving.register_model_class
 class Functional(Model):
     """``keras.Model(inputs, outputs)``: the layer calls between a ``keras.Input`` and an output,

@@ -25,15 +25,16 @@ and makes fit's two calls: ``all_reduce`` of the packed buffer, then ``update``.
 what is supported.
 """
 import contextlib
+import enum
 import itertools
 
 import numpy as np
 
 from kernels.elementwise import CAST_DTYPES      # the dtypes the device cast is compiled for
 from kernels.softmax_xent import LABEL_DTYPE      # the one label type the loss kernels take
-from mirrored import autodiff, context, ops
+from mirrored import autodiff, context, nest, ops
 from mirrored.keras import custom_loop
-from mirrored.tensor import Tensor, add_n
+from mirrored.tensor import Tensor, add_n, identity
 from mirrored.values import Variable
 
 
@@ -209,6 +210,13 @@ def _scaled_sum(per_example, scale):
     return Tensor(total.reshape(()), dev, node)
 
 
+class UnconnectedGradients(enum.Enum):
+    """TensorFlow's ``tf.UnconnectedGradients``: what ``tape.gradient`` gives a source the target
+    does not depend on: ``NONE`` (None, the default) or ``ZERO`` (zeros of its shape)."""
+    NONE = "none"
+    ZERO = "zero"
+
+
 class GradientTape:
     """TensorFlow's ``tf.GradientTape``: records ops while open, differentiates any composition.
 
@@ -299,6 +307,36 @@ class GradientTape:
             return type(structure)(result) if isinstance(structure, list) else tuple(result)
         return result[0]
 
+    def jacobian(self, target, sources, unconnected_gradients="none", parallel_iterations=None,
+                 experimental_use_pfor=True):
+        """TensorFlow's ``tape.jacobian``: d target[i] / d source[j] for every pair, of shape
+        ``target.shape + source.shape``, for a source or a list/dict of them. Computed as TF
+        does without ``pfor``: one walk back per element of ``target``, seeded with a one-hot
+        output gradient, so it costs ``target.size`` gradients (a small target only)."""
+        if self._used and not self.persistent:
+            raise RuntimeError("A non-persistent GradientTape can only be used to compute one set "
+                               "of gradients; create it with persistent=True for more.")
+        self._used = True
+        flat = nest.flatten(sources)
+        y = ops.as_tensor(target)
+        rows = []
+        for i in range(int(np.prod(y.shape, dtype=np.int64))):      # one row of d y / d sources
+            seed = np.zeros(y.shape, y.dtype)
+            seed.reshape(-1)[i] = 1
+            seed = ops.as_tensor(seed, device=y.dev)
+            grads = self._graph_gradient(target, flat, seed)      # a model's are views of its
+            rows.append([None if g is None else identity(g, device=g.dev) for g in grads])  # buffer: copied
+        zero = str(getattr(unconnected_gradients, "value", unconnected_gradients)).lower() == "zero"
+        out = []
+        for k, s in enumerate(flat):
+            if not zero and all(row[k] is None for row in rows):
+                out.append(None)                                    # not connected, as gradient
+                continue
+            parts = [ops.zeros_like(s) if row[k] is None else row[k] for row in rows]
+            stacked = ops.stack(parts) if parts else ops.zeros((0,) + tuple(s.shape))
+            out.append(ops.reshape(stacked, tuple(y.shape) + tuple(s.shape)))
+        return nest.pack_sequence_as(sources, out) if isinstance(sources, (list, tuple, dict)) else out[0]
+
     def _fused_gradient(self, node, flat):
         """The course's loop: one loss kernel and the model's backward kernels."""
         r, pack = self._backward(node)
@@ -314,8 +352,8 @@ class GradientTape:
 
     def _graph_gradient(self, target, flat, output_gradients):
         """Any composition: the tape's graph walked back (``autodiff.gradient``)."""
-        targets = list(target) if isinstance(target, (list, tuple)) else [target]
-        seeds = (list(output_gradients) if isinstance(output_gradients, (list, tuple))
+        targets = nest.flatten(target)              # a list or dict of targets: their sum's gradient
+        seeds = (nest.flatten(output_gradients) if isinstance(output_gradients, (list, tuple, dict))
                  else [output_gradients] * len(targets))
         was, self.recording = self.recording, False      # the walk is not recorded by this tape
         keep = {id(s) for s in flat if isinstance(s, Tensor)}
@@ -332,6 +370,10 @@ class GradientTape:
                 _model_output_gradients(leaf, g, models)
         try:
             for t, seed in zip(targets, seeds):
+                if isinstance(t, Variable) and id(t) in variables:   # gradient(v, v): ones, as TF
+                    g = ops.ones_like(t) if seed is None else ops.as_tensor(seed, dtype=t.dtype)
+                    var_grads[id(t)] = (t, g if id(t) not in var_grads else var_grads[id(t)][1] + g)
+                    continue
                 t = ops.as_tensor(t)
                 walk(t, ops.ones_like(t) if seed is None else ops.as_tensor(seed, dtype=t.dtype, device=t.dev))
             # the models met, last call first: each runs backward once, with all of its output's
