@@ -5,9 +5,9 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,495 in all)::
+Reading order: one training step in five files (lines at this writing; 1,493 in all)::
 
-    1. keras/step.py        271  Step.train: the whole step in four visible calls --
+    1. keras/step.py        269  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  ``fit`` (keras/models.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4
@@ -62,6 +62,7 @@ Map of the rest:
     keras/        also model_api (compile, evaluate, predict, saving methods), losses, metrics,
                   callbacks, saving, optimizer_state (iterations, learning_rate, clipping,
                   weight decay, what Keras saves), optimizers_more (RMSprop, Adagrad, AdamW),
+                  sample_weights (fit's and evaluate's sample_weight, class_weight),
                   schedules (learning-rate schedules), variable_updates (apply_gradients for variables outside a model),
                   custom_loop (which model's packed gradients a tape returned),
                   custom_step (fit running a model's own train_step, Keras 3's),

@@ -298,7 +298,7 @@ class CapturedStep:
             work = []
             for slot, batch in enumerate(batches):
                 inputs, scale = step.host_part(batch)
-                written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in xy]
+                written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in _buffers(xy)]
                 written += [(dev, opt.hyper[dev.name]) for dev in step.devices]
                 work.append((inputs, scale, _stage(slot, written)))
             key = ("train steps", mode) + tuple((scale,) + _addresses(inputs) + _staged_addresses(staged)
@@ -329,7 +329,7 @@ class CapturedStep:
         work = []
         for slot, batch in enumerate(batches):
             inputs = step.inputs(batch)
-            written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in xy]
+            written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in _buffers(xy)]
             work.append((inputs, _stage(slot, written)))
         key = ("evaluate steps", mode) + tuple(_addresses(inputs) + _staged_addresses(staged)
                                                for inputs, staged in work)
@@ -380,7 +380,13 @@ def _staged_addresses(staged):
 
 def _addresses(inputs):
     """The replicas' input buffers (x, y) as addresses: what a captured graph reads."""
-    return tuple((_address(x), _address(y)) for x, y in inputs)
+    return tuple(tuple(_address(buf) for buf in _buffers(xy)) for xy in inputs)
+
+
+def _buffers(xy):
+    """A replica's input buffers: (x, y), or (x, (y, sample weights)) (``keras/sample_weights.py``)."""
+    x, y = xy
+    return (x,) + (y if isinstance(y, tuple) else (y,))
 
 
 def _address(buf):

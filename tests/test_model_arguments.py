@@ -7,7 +7,8 @@ unscaled loss, and a misspelt argument vanished. Now an argument Keras does not 
 Keras 3's error (TypeError; ``evaluate``: ValueError "Arguments not recognized"), and
 Keras's arguments that are not implemented here are accepted at their defaults (what a
 saved Keras config or a careful caller passes) and refused by name otherwise, before the
-model or its optimizer change.
+model or its optimizer change. (``sample_weight`` and ``class_weight`` are implemented now:
+tests/test_sample_weights.py.)
 
     python -m pytest -q tests/test_model_arguments.py
 """
@@ -18,8 +19,7 @@ import mirrored as tf
 from mirrored.keras.model_api import NOT_IMPLEMENTED
 
 #: A value for each argument that asks for something not implemented.
-ASKING = {"class_weight": {0: 10.0, 1: 1.0}, "sample_weight": "ones", "validation_steps": 2,
-          "validation_batch_size": 4, "validation_freq": 2, "steps": 1,
+ASKING = {"validation_steps": 2, "validation_batch_size": 4, "validation_freq": 2, "steps": 1,
           "callbacks": [tf.keras.callbacks.History()]}
 
 
@@ -167,10 +167,12 @@ def test_validation_data_may_be_keras_s_three_tuple(model_and_data):
     model, x, y = model_and_data
     history = model.fit(x, y, verbose=0, validation_data=(x, y, None))
     assert "val_loss" in history.history and int(model.optimizer.iterations) == 1
-    before = model.get_weights()
-    with pytest.raises(NotImplementedError, match="sample weights"):
-        model.fit(x, y, verbose=0, validation_data=(x, y, np.ones(len(x), np.float32)))
-    assert unchanged(model, before) and int(model.optimizer.iterations) == 1
+    # the weights weigh the validation loss as Keras's: sum(w l) / examples
+    ones = model.fit(x, y, verbose=0, epochs=1, validation_data=(x, y, np.ones(len(x), np.float32)))
+    half = np.full(len(x), 0.5, np.float32)
+    again = model.evaluate(x, y, verbose=0, sample_weight=half)
+    np.testing.assert_allclose(again, 0.5 * model.evaluate(x, y, verbose=0), rtol=1e-6)
+    assert "val_loss" in ones.history and int(model.optimizer.iterations) == 2
 
 
 def test_a_model_made_with_add_is_built_once_its_input_shape_is_known(devices, rng, capsys):

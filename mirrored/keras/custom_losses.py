@@ -9,7 +9,8 @@ functions ``fn(y_true, y_pred)``, in ``model.compile(loss=...)`` and called on t
     model.compile(loss=my_huber, optimizer="sgd")
 
 Keras's reduction (``sum_over_batch_size``, the default): the mean of every value ``call``
-returns. In ``fit`` each replica's share of it is its sum divided by the GLOBAL count (the
+returns, called inside ``strategy.run`` (or a strategy's scope) times 1/N replicas, as Keras 3
+scales it (``tape.replica_scale``). In ``fit`` each replica's share of it is its sum divided by the GLOBAL count (the
 engine's rule, ``engine.py``), so N replicas train exactly like one on the global batch.
 
 In the step such a loss is the program's loss mode (``engine.ReplicaProgram.loss`` calls
@@ -29,7 +30,7 @@ import numpy as np
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import ops
 from mirrored.keras.call_layers import private_tapes
-from mirrored.keras.tape import GradientTape
+from mirrored.keras.tape import GradientTape, replica_scale
 from mirrored.tensor import Tensor
 from mirrored.values import Variable
 
@@ -90,10 +91,13 @@ class Loss:
         if self.reduction == "none":
             return values
         total = ops.reduce_sum(values)
-        if self.reduction == "sum":
+        if self.reduction == "sum" or values.ndim == 0:       # Keras: a scalar comes back as it is
             return total
         count = int(np.prod(values.shape, dtype=np.int64))
-        return total / float(count) if count else total
+        if not count:
+            return total
+        mean, scale = total / float(count), replica_scale()   # Keras 3: times 1/N replicas (tape.py)
+        return mean if scale == 1.0 else mean * scale
 
     def get_config(self):
         return {"name": self.name, "reduction": self.reduction}

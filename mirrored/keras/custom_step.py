@@ -347,14 +347,15 @@ def update_from_programs(model, batch):
     compiled = compiled_metrics(model)
     parts, _, _ = model.step.split(batch)
     out_shape = tuple(model.output_shape[1:])
-    for program, (_, y) in zip(model.step.programs, parts):
+    for program, part in zip(model.step.programs, parts):
+        y, weights = part[1], (part[2] if len(part) > 2 else None)      # Keras's sample_weight, if any
         if not len(y):
             continue
         out = program.dev.to_numpy(program.logits)                         # (b, outputs) float32
         if program.softmax_output:
             e = np.exp(out - out.max(axis=-1, keepdims=True, initial=-np.inf))
             out = e / e.sum(axis=-1, keepdims=True)
-        compiled.update_state(y, out.reshape((len(y),) + out_shape))      # host arrays, the model's dtype
+        compiled.update_state(y, out.reshape((len(y),) + out_shape), sample_weight=weights)   # host arrays
 
 
 def host_logs(model, prefix=""):

@@ -35,12 +35,15 @@ from mirrored import nest
 from mirrored import random as _random
 from mirrored import input_lib
 from mirrored.input_lib import DistributedDataset, Residence
+from mirrored.keras import sample_weights
 from mirrored.keras.losses import counts_accuracy, takes_targets
 from mirrored.tensor import Tensor
 
 
-def batches(model, x, y, batch_size, shuffle):
-    """An epoch-iterable of global batches for ``model``, and its length (None if unknown)."""
+def batches(model, x, y, batch_size, shuffle, sample_weight=None, class_weight=None):
+    """An epoch-iterable of global batches for ``model``, and its length (None if unknown).
+    ``sample_weight`` (arrays) or ``class_weight``: each batch an (x, y, weights) triple
+    (``sample_weights.py``), as is each element of a data set of triples."""
     if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch"):
         if y is None:
             raise ValueError("fit/evaluate with arrays needs y (the labels).")
@@ -53,19 +56,26 @@ def batches(model, x, y, batch_size, shuffle):
         else:
             check_label_shape(model, y.shape, len(y))
             check_labels(class_indices(y.reshape(-1), model), model.step.programs[0].classes)
-        adapter = ArrayBatches(x, y, batch_size or 32, shuffle, model.distribute_strategy.extended)
+        weights = None
+        if sample_weight is not None or class_weight is not None:    # (N,) float32, checked here
+            weights = sample_weights.for_arrays(y, len(y), sample_weight, class_weight)
+        adapter = ArrayBatches(x, y, batch_size or 32, shuffle, model.distribute_strategy.extended, weights)
         return adapter, len(adapter)
     if y is not None:
         raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
+    if sample_weight is not None:
+        sample_weights.refuse_for_dataset(sample_weight)
     if isinstance(x, DistributedDataset):
-        return distributed_batches(model, x)
-    if not hasattr(x, "__iter__"):
+        adapter, steps = distributed_batches(model, x, class_weight is None)
+    elif not hasattr(x, "__iter__"):
         raise TypeError(f"x must be a NumPy array or a mirrored.data.Dataset, got {type(x).__name__}.")
-    try:
-        steps = len(x)
-    except TypeError:
-        steps = None
-    return DatasetBatches(x, model), steps
+    else:
+        try:
+            steps = len(x)
+        except TypeError:
+            steps = None
+        adapter = DatasetBatches(x, model, place=class_weight is None)    # weighted batches: host ones
+    return (adapter if class_weight is None else sample_weights.ByClass(adapter, class_weight)), steps
 
 
 def train_validation_split(x, y, validation_split):
@@ -94,7 +104,7 @@ def train_validation_split(x, y, validation_split):
     return (x[:split_at], y[:split_at]), (x[split_at:], y[split_at:])
 
 
-def distributed_batches(model, dist):
+def distributed_batches(model, dist, place=True):
     """fit/evaluate on ``strategy.experimental_distribute_dataset(ds, options)``.
 
     Without options: the same as passing ``ds`` (the step splits each global batch
@@ -102,7 +112,7 @@ def distributed_batches(model, dist):
     ``DatasetBatches``). With ``experimental_place_dataset_on_device``: epochs the data
     set can plan by row number yield ``ResidentBatch``es, gathered on the devices from
     the copy kept there (``input_lib.ResidentRows``); with options that do not ask for
-    it, the batches are copied.
+    it, the batches are copied. ``place=False`` (class weights to add on the host): copied.
     """
     if dist.strategy is not model.distribute_strategy:
         raise ValueError(f"this distributed dataset was made by {dist.strategy!r}, but the model "
@@ -112,7 +122,11 @@ def distributed_batches(model, dist):
         steps = len(dist.dataset)
     except TypeError:
         steps = None
-    return DatasetBatches(dist.dataset, model, dist), steps
+    if not place and dist.place_on_device:
+        raise NotImplementedError("class_weight with experimental_place_dataset_on_device is not implemented "
+                                  "(the rows kept on the devices carry no weights): distribute the data set "
+                                  "without that option, or map it to (x, y, weight) triples.")
+    return DatasetBatches(dist.dataset, model, dist, place), steps
 
 
 def prepare(model, batch):
@@ -136,9 +150,10 @@ def host_batch(model, batch):
     if not isinstance(batch, (tuple, list)) or len(batch) < 2:
         raise ValueError("each dataset element must be an (x, y) pair: load with "
                          "as_supervised=True or map to (image, label).")
-    if len(batch) > 2:
-        raise NotImplementedError("sample weights are not implemented.")
-    xb, yb = (b.numpy() if isinstance(b, Tensor) else np.asarray(b) for b in batch)
+    if len(batch) > 3:
+        raise ValueError(f"each dataset element must be an (x, y) pair or an (x, y, sample_weight) triple, "
+                         f"got {len(batch)} items.")
+    xb, yb = (b.numpy() if isinstance(b, Tensor) else np.asarray(b) for b in batch[:2])
     if yb.ndim == 0:
         raise ValueError(f"the dataset yields single examples (x of shape {xb.shape}, one label "
                          f"{yb!r:.20}), but fit and evaluate take batches: call .batch(batch_size) "
@@ -149,12 +164,13 @@ def host_batch(model, batch):
     if xb.shape[1] != in_dim:
         raise ValueError(f"examples have {xb.shape[1]} features, the model expects "
                          f"{in_dim} (input shape {model.input_shape[1:]}).")
+    weights = () if len(batch) < 3 else (sample_weights.check(batch[2], xb.shape[0]),)   # (B,) float32
     if takes_targets(model.loss):
-        return xb, targets(model, yb, xb.shape[0])
+        return (xb, targets(model, yb, xb.shape[0])) + weights
     check_label_shape(model, yb.shape, xb.shape[0])
     yb = class_indices(yb.reshape(-1), model)
     check_labels(yb, model.step.programs[0].classes)    # on the host, before any device sees them
-    return xb, np.ascontiguousarray(yb)
+    return (xb, np.ascontiguousarray(yb)) + weights
 
 
 def targets(model, y, examples):
@@ -249,8 +265,9 @@ class ArrayBatches:
     as many examples (``check_example_count``, before the first step).
     """
 
-    def __init__(self, x, y, batch_size, shuffle, extended=None):
+    def __init__(self, x, y, batch_size, shuffle, extended=None, sample_weight=None):
         self.x, self.y, self.bs, self.shuffle = x, y, int(batch_size), shuffle
+        self.w = sample_weight                    # (N,) float32 or None: batches are then triples
         self.extended = extended
         agree = getattr(extended, "check_example_count", None)     # across workers: same length
         if agree is not None:
@@ -263,7 +280,7 @@ class ArrayBatches:
             order = self.extended.broadcast_from_chief(order, "the epoch's shuffle of the arrays")
         for i in range(0, n, self.bs):
             idx = order[i:i + self.bs] if order is not None else slice(i, i + self.bs)
-            yield self.x[idx], self.y[idx]
+            yield (self.x[idx], self.y[idx]) if self.w is None else (self.x[idx], self.y[idx], self.w[idx])
 
     def __len__(self):
         return ceil_div(len(self.x), self.bs)
@@ -287,14 +304,14 @@ class DatasetBatches:
     when it cannot); with options that do not ask, it is copied.
     """
 
-    def __init__(self, dataset, model, dist=None):
+    def __init__(self, dataset, model, dist=None, place=True):
         self.dataset, self.dist = dataset, dist
         self.residence = None            # input_lib.Residence when fit may place the data unasked
         devices = replica_devices(model)
         # Never on CPUs, where a gather costs what a copy costs (read here, not asked of
         # input_lib: a CPU fit's step stays out of that file, tests/test_trace_step.py)
         on_gpus = input_lib.AUTO_PLACE_ON_GPUS and all(dev.device_type == "GPU" for dev in devices)
-        if on_gpus and (dist is None or dist.options is None) and not takes_targets(model.loss):
+        if place and on_gpus and (dist is None or dist.options is None) and not takes_targets(model.loss):
             self.residence = Residence(devices)
             weakref.finalize(self, _release, model, self.residence).atexit = False
 

@@ -41,7 +41,7 @@ from collections import namedtuple
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
-from mirrored.keras import custom_loop, non_trainable
+from mirrored.keras import custom_loop, non_trainable, sample_weights
 from mirrored.tensor import Tensor
 from mirrored.values import components
 
@@ -153,12 +153,9 @@ class ReplicaProgram:
     """
 
     def __init__(self, nodes, pack, replica_id, in_dim, replica_offset=0, num_replicas=1, input_grad=False):
-        self.nodes = list(nodes)
+        self.nodes, self.pack = list(nodes), pack
         self.penalty_factor = 1.0 / num_replicas    # each replica's share of model.losses' gradient
-        self.pack = pack
-        self.r = replica_id
-        self.dev = pack.devices[replica_id]
-        self.ops = self.dev.ops
+        self.r, self.dev, self.ops = replica_id, pack.devices[replica_id], pack.devices[replica_id].ops
         self.in_dim = in_dim                      # features per example: inputs are (b, in_dim)
         #: edges[t]: how many inputs of nodes tensor t feeds (fan-out when > 1)
         self.edges = [sum(node.inputs.count(t) for node in self.nodes) for t in range(len(self.nodes) + 1)]
@@ -185,17 +182,16 @@ class ReplicaProgram:
                           for reg, i in state.layer.regularized]
         self.classes = self.nodes[-1].layer.output_shape[-1]
         self.softmax_output = getattr(self.nodes[-1].layer, "activation", None) == "softmax"
-        self._loss_buffers = {}
-        self._grad_sums = {}                       # (tensor, b) -> the engine's buffer for its gradient
+        self._loss_buffers, self._grad_sums = {}, {}   # b -> _LossBuffers; (tensor, b) -> its gradient's
         self.input_cache = {}                      # (b, label dtype, shape) -> (x, y) input buffers
-        self.x = self.logits = None                # the last forward's input (b, in) and output
-        self.last_b = 0
+        self.x, self.logits, self.last_b = None, None, 0   # the last forward's input (b, in), output, b
         with self.dev.activate():
-            self.acc = self.dev.from_numpy(np.zeros(3, FLOAT))   # [loss sum, correct, examples]: zeros, copied
+            self.metric_sums = self.dev.from_numpy(np.zeros(4, FLOAT))   # [loss, correct, examples, weights]
+            self.acc = self.metric_sums[:3]
             self.tmp = self.dev.empty((3, 1), FLOAT)
 
     def zero_metrics(self):
-        self.ops.fill(self.acc, 0.0)
+        self.ops.fill(self.metric_sums, 0.0)
 
     def caches(self):
         """The dicts of buffers made on first use (inputs, loss, gradient sums, every node's): a
@@ -261,7 +257,9 @@ class ReplicaProgram:
 
         ``mode``: "logits" (softmax cross-entropy of the pre-softmax output), "probs" (no softmax
         layer, ``from_logits=False``), float targets (``ops.target_loss``: one-hot, MSE, BCE), or a
-        loss written in ops (``custom_losses.Loss.run_in``). ``scale``: 1/global batch."""
+        loss written in ops (``custom_losses.Loss.run_in``). ``scale``: 1/global batch. ``labels`` may be
+        (labels, weights): Keras's sample_weight, applied after the kernel (keras/sample_weights.py)."""
+        labels, weights = labels if isinstance(labels, tuple) else (labels, None)
         b = self.last_b
         if not b:
             return
@@ -275,6 +273,8 @@ class ReplicaProgram:
             mode.run_in(self, labels, buf, grad, scale)
         else:                                                    # float targets (b, classes)
             self.ops.target_loss(mode, self.logits, labels, buf.loss, grad, buf.correct, scale)
+        if weights is not None:                                  # sum(w l) / B: rows of dlogits times w
+            sample_weights.apply(self, weights, buf, grad)
         self._accumulate(buf)
         self._accumulate_penalties(b)
 
@@ -349,6 +349,6 @@ class ReplicaProgram:
         self.ops.binary("add", self.acc, view(self.tmp, (3,)), self.acc)
 
     def read_metrics(self):
-        """(loss sum, correct count, examples) so far — the one host read."""
-        loss, correct, seen = self.dev.to_numpy(self.acc)
-        return float(loss), float(correct), int(seen)
+        """(loss sum, correct count, examples, sum of sample weights) so far — the one host read."""
+        loss, correct, seen, weights = self.dev.to_numpy(self.metric_sums)
+        return float(loss), float(correct), int(seen), float(weights)

@@ -33,7 +33,7 @@ import numpy as np
 
 from mirrored import ops
 from mirrored.keras.custom_losses import Loss, LossFunctionWrapper  # noqa: F401 (keras.losses.Loss)
-from mirrored.keras.tape import ModelOutput, loss_from_model_output
+from mirrored.keras.tape import ModelOutput, loss_from_model_output, replica_scale
 from mirrored.tensor import Tensor
 
 REDUCTIONS = ("sum_over_batch_size", "sum", "none", "auto")
@@ -217,14 +217,20 @@ def per_example_in_ops(loss, y_true, y_pred):
 
 
 def reduce_in_ops(loss, per_example):
-    """Keras's reduction of the per-example values: 'none', 'sum', or their mean."""
+    """Keras's reduction of the per-example values: 'none', 'sum', or their mean (times 1/N under
+    a strategy of N replicas, Keras 3's ``scale_loss_for_distribution``: ``tape.replica_scale``)."""
     if loss.reduction == "none":
         return per_example
     total = ops.reduce_sum(per_example)
     if loss.reduction == "sum":
         return total
     n = int(np.prod(per_example.shape))
-    return total / float(n) if n else total
+    return _distributed(total / float(n)) if n else total
+
+
+def _distributed(mean):
+    scale = replica_scale()
+    return mean if scale == 1.0 else mean * scale
 
 
 def takes_targets(loss):

@@ -52,9 +52,8 @@ def serialised(method):
 #: Keras's arguments of fit, evaluate and predict that would change what is computed and
 #: are not implemented here, each with its default (accepted: it means "not used").
 NOT_IMPLEMENTED = {
-    "fit": {"class_weight": None, "sample_weight": None, "validation_steps": None,
-            "validation_batch_size": None, "validation_freq": 1},
-    "evaluate": {"sample_weight": None, "steps": None, "callbacks": None},
+    "fit": {"validation_steps": None, "validation_batch_size": None, "validation_freq": 1},
+    "evaluate": {"steps": None, "callbacks": None},
     "predict": {"callbacks": None},
 }
 
@@ -62,8 +61,8 @@ NOT_IMPLEMENTED = {
 def check_keras_arguments(method, kwargs):
     """Refuse what ``method`` (fit, evaluate, predict) would otherwise ignore: an argument
     Keras does not have (Keras 3's errors: TypeError, for evaluate ValueError), or one of
-    ``NOT_IMPLEMENTED`` set to anything but its default: ``fit(class_weight=...)`` trained
-    with every class weighted alike before, without a word."""
+    ``NOT_IMPLEMENTED`` set to anything but its default: ``fit(validation_freq=2)`` would
+    otherwise validate every epoch, without a word."""
     known = NOT_IMPLEMENTED[method]
     unknown = sorted(k for k in kwargs if k not in known)
     if unknown and method == "evaluate":
@@ -343,12 +342,15 @@ class ModelAPI:
         return self(x, training=False)
 
     # -- evaluate / predict -----------------------------------------------------------
-    def _evaluate(self, data, batch_size, verbose, prefix=""):
-        if isinstance(data, (tuple, list)) and len(data) == 2 and not hasattr(data, "batch"):
-            x, y = data
+    def _evaluate(self, data, batch_size, verbose, prefix="", sample_weight=None):
+        if isinstance(data, (tuple, list)) and len(data) in (2, 3) and not hasattr(data, "batch"):
+            x, y, sample_weight = (tuple(data) + (sample_weight,))[:3]     # Keras: (x, y[, sample_weight])
         else:
             x, y = data, None
         if custom_step.overrides(self, "test_step"):       # the user's test_step (custom_step.py)
+            if sample_weight is not None:
+                raise NotImplementedError("evaluate(sample_weight=...) with a test_step of the model's own is "
+                                          "not implemented here: weigh the loss in the test_step.")
             batches, steps = custom_step.batches(self, x, y, batch_size, shuffle=False)
             logs, step = custom_step.evaluate(self, batches)
             if not step:
@@ -357,7 +359,7 @@ class ModelAPI:
             if verbose:
                 Progbar(steps, verbose).finish(step, logs)
             return logs
-        batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle=False)
+        batches, steps = data_adapters.batches(self, x, y, batch_size, False, sample_weight)
         bar = Progbar(steps, verbose)
         if self.built:
             self.step.zero_metrics()
@@ -388,8 +390,11 @@ class ModelAPI:
         return logs
 
     @serialised
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", return_dict=False, **kwargs):
-        """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict."""
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None, return_dict=False,
+                 **kwargs):
+        """Loss (and accuracy) over the data: ``[loss, accuracy]``, a float, or a dict.
+        ``sample_weight``: one weight per example of arrays (``sample_weights.py``; a data set
+        yields (x, y, sample_weight) triples instead), Keras's weighted loss and metrics."""
         check_compiled(self, "evaluating")
         if kwargs:                                   # Keras's arguments not implemented here
             check_keras_arguments("evaluate", kwargs)
@@ -397,7 +402,7 @@ class ModelAPI:
         data_adapters.check_batch_size(batch_size, "evaluate")
         verbose = self._verbosity(verbose)
         with backends.blas_threads():
-            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose)
+            logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose, sample_weight=sample_weight)
         if return_dict:
             return logs
         values = list(logs.values())

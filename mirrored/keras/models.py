@@ -49,7 +49,7 @@ import numpy as np
 from mirrored import backends, recording, strategy as _strategy
 from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
-from mirrored.keras import custom_loop, custom_step, data_adapters
+from mirrored.keras import custom_loop, custom_step, data_adapters, sample_weights
 from mirrored.keras import saving
 from mirrored.keras import functional
 from mirrored.keras.base_layer import snake_case
@@ -456,9 +456,11 @@ class Model(ModelAPI):
         ``x``: arrays (with ``y``), a batched ``mirrored.data.Dataset``, or
         ``strategy.experimental_distribute_dataset(ds, options)`` (TensorFlow accepts
         it too); with ``InputOptions(experimental_place_dataset_on_device=True)`` the
-        data set stays on the devices (``input_lib``'s docstring). Keras's ``class_weight``,
-        ``sample_weight`` and ``validation_steps``/``_batch_size``/``_freq`` are refused unless
-        left at their defaults (``model_api.NOT_IMPLEMENTED``), as is an argument Keras lacks.
+        data set stays on the devices (``input_lib``'s docstring). ``sample_weight=`` (arrays: one
+        weight per example; a data set yields (x, y, sample_weight) triples instead) and
+        ``class_weight={class: weight}`` weigh each example's loss as Keras 3 does
+        (``sample_weights.py``). Keras's ``validation_steps``/``_batch_size``/``_freq`` are refused
+        unless left at their defaults (``model_api.NOT_IMPLEMENTED``), as is an argument Keras lacks.
 
         ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
         with the batch callbacks called once per execution, as Keras 3 calls them.
@@ -470,27 +472,32 @@ class Model(ModelAPI):
             check_compiled(self, "training")
         if self.built and self.step.packed_at != Layer.trainable_changes:   # a layer's trainable was set
             self.check_trainable("fit")
+        weights = {k: kwargs.pop(k, None) for k in ("sample_weight", "class_weight")}   # Keras's weighting
         if kwargs:                                   # Keras's arguments not implemented here
             check_keras_arguments("fit", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
+        if self._custom_train and any(w is not None for w in weights.values()):
+            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own is "
+                                      "not implemented here: pass a data set of (x, y, sample_weight) triples "
+                                      "and weigh the loss in the train_step.")
         with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
             return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
-                             initial_epoch, steps_per_epoch, validation_split)
+                             initial_epoch, steps_per_epoch, validation_split, **weights)
 
     def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
-             initial_epoch, steps_per_epoch, validation_split):
+             initial_epoch, steps_per_epoch, validation_split, sample_weight=None, class_weight=None):
         if validation_split and validation_data is None:   # Keras: validation_data wins
+            w = None if sample_weight is None else sample_weights.check(sample_weight, len(x))
             (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
-        if isinstance(validation_data, tuple) and len(validation_data) == 3:   # Keras: (x, y, sample weights)
-            if validation_data[2] is not None:
-                raise NotImplementedError("fit(validation_data=(x, y, sample_weight)): sample weights are not "
-                                          "implemented here; pass (x, y).")
-            validation_data = validation_data[:2]
+            if w is not None:                              # Keras splits the weights alike
+                sample_weight, validation_data = w[:len(x)], validation_data + (w[len(x):],)
         verbose = self._verbosity(verbose)
         per_execution = self.steps_per_execution
-        batches, steps = (custom_step.batches if self._custom_train else data_adapters.batches)(
-            self, x, y, batch_size, shuffle)
+        if self._custom_train:
+            batches, steps = custom_step.batches(self, x, y, batch_size, shuffle)
+        else:
+            batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle, sample_weight, class_weight)
         if steps_per_epoch is not None:
             steps = steps_per_epoch
         history = _callbacks.History()

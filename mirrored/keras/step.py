@@ -38,7 +38,7 @@ import numpy as np
 
 from mirrored.input_lib import local_bounds, rebatch_bounds
 from mirrored.keras.data_adapters import ResidentBatch
-from mirrored.keras import custom_loop
+from mirrored.keras import custom_loop, sample_weights
 from mirrored.keras.engine import ParameterPack, ReplicaProgram, all_reduce
 from mirrored.keras.inference import InferencePasses
 from mirrored.keras.losses import kernel_mode
@@ -179,9 +179,8 @@ class Step(InferencePasses):
             idx = batch.idx                                            # (B,) row numbers
             bounds = self._bounds(len(idx), shard)
             return [idx[lo:hi] for lo, hi in bounds], batch.loader(self.model).load, 1.0 / max(len(idx), 1)
-        xb, yb = batch                                                 # (B, in) float32, (B,) labels
-        bounds = self._bounds(xb.shape[0], shard)
-        return [(xb[lo:hi], yb[lo:hi]) for lo, hi in bounds], _upload, 1.0 / max(xb.shape[0], 1)
+        bounds = self._bounds(len(batch[0]), shard)    # x (B, in) float32, y (B,) labels[, w (B,) weights]
+        return [tuple(a[lo:hi] for a in batch) for lo, hi in bounds], _upload, 1.0 / max(len(batch[0]), 1)
 
     def _bounds(self, batch_size, shard):
         bounds = self.bounds.get((batch_size, shard))
@@ -236,17 +235,14 @@ class Step(InferencePasses):
         """Keras's logs from the devices' sums: the one host read of an epoch's metrics.
         ``across_workers``: summed over every worker (a collective: every worker must
         ask), else this worker's replicas only (a progress update mid-epoch)."""
-        loss = correct = seen = 0.0
-        for program in self.programs:
-            l, c, s = program.read_metrics()
-            loss, correct, seen = loss + l, correct + c, seen + s
+        sums = np.sum([program.read_metrics() for program in self.programs], axis=0)
         ext = self.model.distribute_strategy.extended
         if across_workers and ext.num_workers > 1:
-            loss, correct, seen = (float(v) for v in
-                                   ext.sum_across_workers([loss, correct, seen], "the epoch's metrics"))
+            sums = ext.sum_across_workers(list(sums), "the epoch's metrics")
+        loss, correct, seen, weights = (float(v) for v in sums)       # weights: 0 unless sample-weighted
         logs = {prefix + "loss": loss / seen if seen else float("nan")}
-        for name in metric_names:
-            logs[prefix + name] = correct / seen if seen else float("nan")
+        for name in metric_names:                                      # Keras's weighted mean if weighted
+            logs[prefix + name] = correct / (weights or seen) if seen else float("nan")
         return logs
 
     def examples_seen(self):
@@ -264,6 +260,8 @@ def check_compiled(model, what):
 def _upload(program, part, scalars=None):
     """A host share ``(x (b, in) float32, y (b,))`` into the program's (reused) input buffers,
     ``scalars`` with them (one copy on a GPU, ``devices.py``): (x_dev, y_dev, scalars' or None)."""
+    if len(part) == 3:                                                 # (x, y, sample weights)
+        return sample_weights.upload(program, part, scalars)
     x, y = part
     bufs = program.input_buffers(len(x), y.dtype, y.shape[1:], scalars)
     if len(x):

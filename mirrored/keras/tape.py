@@ -194,8 +194,23 @@ def loss_from_model_output(loss_obj, y_true, y_pred, kernel_mode):
         vec = Tensor(per_example, dev, loss_node)
         if loss_obj.reduction == "none":
             return vec
-        scale = 1.0 / b if (loss_obj.reduction == "sum_over_batch_size" and b) else 1.0
+        scale = 1.0 / b * replica_scale() if (loss_obj.reduction == "sum_over_batch_size" and b) else 1.0
         return _scaled_sum(vec, scale)
+
+
+def replica_scale():
+    """Keras 3's ``scale_loss_for_distribution`` (``keras/src/losses/loss.py``): a loss object's
+    default reduction (``sum_over_batch_size``, the mean over the batch it sees) is multiplied by
+    1/N when ``tf.distribute.get_strategy()`` has N > 1 replicas in sync: inside ``strategy.run``
+    (and in the strategy's scope). So ``loss = self.loss_fn(y, y_pred)`` in a replica is that
+    replica's share of the mean, and the SUM the optimizer makes of the replicas' gradients is the
+    mean's gradient (keras.io's lower-level custom ``train_step`` under N replicas). Not scaled:
+    ``reduction='sum'`` or ``'none'`` (the course's loop: ``compute_average_loss`` divides by the
+    GLOBAL batch itself), nor a ``call`` that returns a scalar. (Keras 2's tf.keras raised for the
+    default reduction inside a strategy; TF 2.21's tf.keras is Keras 3, which scales.)"""
+    strategy = context.top()[0]
+    n = strategy.num_replicas_in_sync if strategy is not None else 1
+    return 1.0 / n if n > 1 else 1.0
 
 
 def _scaled_sum(per_example, scale):
