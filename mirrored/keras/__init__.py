@@ -35,9 +35,10 @@ from mirrored.keras.models import Functional, Model, Sequential
 
 # Keras's merge layers (merging.py) as tf.keras.layers.Add, .Concatenate, .add, ...: set on the
 # layers module here, so that layers.py, a file of the step's reading order, does not grow.
-from mirrored.keras import composed_layers, embedding, merging, normalization, pooling_layers
+from mirrored.keras import composed_layers, conv_transpose, embedding, merging, normalization, pooling_layers
 for _module in (merging, composed_layers,     # Activation, ReLU, Reshape, Lambda...: composed_layers.py
-                normalization, pooling_layers, embedding):   # BatchNormalization, GlobalAveragePooling2D...
+                normalization, pooling_layers, embedding,    # BatchNormalization, GlobalAveragePooling2D...
+                conv_transpose):                             # Conv2DTranspose
     for _name in _module.__all__:
         setattr(layers, _name, getattr(_module, _name))
 del _name, _module

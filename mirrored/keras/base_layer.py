@@ -333,7 +333,8 @@ SUPPORTED = ("Flatten", "Dense", "Conv2D", "MaxPooling2D", "Dropout",
              "Activation", "ReLU", "LeakyReLU", "Softmax", "Reshape", "Rescaling", "Lambda",  # composed_layers.py
              "BatchNormalization", "LayerNormalization",                                   # normalization.py
              "GlobalAveragePooling2D", "GlobalMaxPooling2D", "AveragePooling2D", "UpSampling2D",  # pooling_layers.py
-             "Embedding")                                                                  # embedding.py
+             "Embedding",                                                                  # embedding.py
+             "Conv2DTranspose")                                                            # conv_transpose.py
 Conv1D = unsupported("Conv1D")
 LSTM = unsupported("LSTM")
 
