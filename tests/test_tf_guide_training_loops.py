@@ -102,3 +102,34 @@ def test_mean_squared_error_function():
     np.testing.assert_allclose(tf.keras.losses.mse(a, p).numpy(), want, rtol=1e-6)
     np.testing.assert_allclose(tf.keras.losses.mean_absolute_error(a, p).numpy(), np.abs(a - p.astype(np.float64)).mean(-1),
                                rtol=1e-6)
+
+
+class Linear(tf.keras.Model):
+    """Weights of rank 2 as attributes, call a matmul: one node running call (model_call.py)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = tf.Variable(w)
+        self.b = tf.Variable(np.zeros(w.shape[1], np.float32))
+
+    def call(self, x, training=None):
+        return tf.matmul(x, self.w) + self.b
+
+
+def test_a_model_of_ops_on_its_own_matrices_fits_on_two_replicas(devices):
+    devices(cpus=2)
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((6, 3)).astype(np.float32), rng.standard_normal((6, 2)).astype(np.float32)
+    w0 = rng.standard_normal((3, 2)).astype(np.float32)
+    with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+        model = Linear(w0)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, epochs=2, batch_size=6, shuffle=False, verbose=0)
+    w, b, xd = w0.astype(np.float64), np.zeros(2), x.astype(np.float64)
+    for _ in range(2):
+        r = xd @ w + b - y
+        w, b = w - 0.1 * 2 * xd.T @ r / r.size, b - 0.1 * 2 * r.sum(0) / r.size
+    np.testing.assert_allclose(model.w.numpy(), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.b.numpy(), b, rtol=1e-5, atol=1e-6)
+    _equal_replicas(model.w)
+    assert model.predict(x, verbose=0).shape == (6, 2) and len(model.get_weights()) == 2
