@@ -302,9 +302,10 @@ class Model(ModelAPI):
         self.check_example_shape(shape[1:], what)
 
     def _scalar_examples(self):
-        """A subclassed model with a ``call`` of its own takes x of shape (N,) as Keras does:
-        ``call`` gets (b,), one scalar per example (``model_call.py``)."""
-        return type(self)._program is Model._program and (
+        """A subclassed model whose ``call`` works on its own variables takes x of shape (N,) as
+        Keras does: ``call`` gets (b,), one scalar per example (``model_call.py``). A model of
+        layers only keeps the "no batch axis" error: its layers take (b, features)."""
+        return type(self)._program is Model._program and bool(self.own_variables) and (
             self._input_shape is None or self.__dict__.get("_scalar_call", False))
 
     def check_example_shape(self, shape, what="x"):
