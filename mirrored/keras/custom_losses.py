@@ -158,3 +158,21 @@ class LossFunctionWrapper(Loss):
 def _snake(name):
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+# --- Keras 3's loss functions (keras.losses.mean_squared_error, ...): per-example values ----
+
+def mean_squared_error(y_true, y_pred):
+    """Keras 3's ``mean_squared_error(y_true, y_pred)``: the mean of (y_true - y_pred)**2 over
+    the last axis (one value per example; a scalar for rank-1 inputs, as Keras gives it)."""
+    y_true, y_pred = same_rank(_tensor(y_true), _tensor(y_pred))
+    return ops.reduce_mean(ops.squared_difference(y_true, y_pred), axis=-1)
+
+
+def mean_absolute_error(y_true, y_pred):
+    """Keras 3's ``mean_absolute_error``: the mean of |y_true - y_pred| over the last axis."""
+    y_true, y_pred = same_rank(_tensor(y_true), _tensor(y_pred))
+    return ops.reduce_mean(ops.abs(y_true - y_pred), axis=-1)
+
+
+mse, MSE, mae, MAE = mean_squared_error, mean_squared_error, mean_absolute_error, mean_absolute_error

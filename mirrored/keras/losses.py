@@ -33,6 +33,8 @@ import numpy as np
 
 from mirrored import ops
 from mirrored.keras.custom_losses import Loss, LossFunctionWrapper  # noqa: F401 (keras.losses.Loss)
+from mirrored.keras.custom_losses import (MAE, MSE, mae, mean_absolute_error,  # noqa: F401 (Keras 3's
+                                         mean_squared_error, mse)             # loss functions)
 from mirrored.keras.tape import ModelOutput, loss_from_model_output, replica_scale
 from mirrored.tensor import Tensor
 

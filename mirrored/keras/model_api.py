@@ -24,7 +24,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import backends, context
+from mirrored import backends, context, ops
 from mirrored.keras import custom_loop, custom_step, data_adapters, functional
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
@@ -469,7 +469,8 @@ class ModelAPI:
             bar.finish(done, {})
         if not outs:
             return np.zeros((0,) + tuple(self._output_shape), np.float32)
-        return np.concatenate(outs, axis=0)
+        y = np.concatenate(outs, axis=0)
+        return y.reshape(-1) if self.__dict__.get("_scalar_call") else y         # x (N,): y (N,)
 
     # -- calling the model ------------------------------------------------------------------
     def __call__(self, inputs, training=False):
@@ -515,7 +516,8 @@ class ModelAPI:
                 x = dev.from_numpy(np.ascontiguousarray(inputs, np.float32).reshape(shape[0], features))
             out = p.forward(x, training=training, probabilities=True)
             result = dev.copy_from(out, dev)           # the program reuses `out` next call
-        return Tensor(result, dev, ModelOutput(self, p, x, inputs, link))
+        y = Tensor(result, dev, ModelOutput(self, p, x, inputs, link))
+        return ops.squeeze(y, -1) if self.__dict__.get("_scalar_call") else y    # x (N,): y (N,)
 
     def _input_grad_program(self, r):
         """Replica ``r``'s program whose backward also gives d loss / d input (``input_grad``),

@@ -51,7 +51,7 @@ from mirrored.graphs import CapturedStep, StepGraphs
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import custom_loop, custom_step, data_adapters, sample_weights
 from mirrored.keras import saving
-from mirrored.keras import functional
+from mirrored.keras import functional, model_call
 from mirrored.keras.base_layer import snake_case
 from mirrored.keras.dropout import Dropout
 from mirrored.keras.engine import Node
@@ -60,7 +60,7 @@ from mirrored.keras.model_api import (ModelAPI, check_keras_arguments, check_ste
                                       no_batches_error, serialised)
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import Step, check_compiled
-from mirrored.values import components
+from mirrored.values import Variable, components
 
 
 @saving.register_model_class
@@ -127,12 +127,22 @@ class Model(ModelAPI):
         if not name.startswith("_") and found and all(isinstance(v, (Layer, ModelAPI)) for v in found):
             tracked = self.__dict__.setdefault("_tracked", [])
             tracked += [v for v in found if all(v is not t for t in tracked)]
+        if not name.startswith("_") and found and all(isinstance(v, Variable) for v in found):
+            own = self.__dict__.setdefault("_own_variables", [])    # its tf.Variables (model_call.py)
+            own += [v for v in found if all(v is not t for t in own)]
         super().__setattr__(name, value)
 
     @property
     def layers(self):
         """The model's layers in Keras's order (that of ``model.weights``)."""
         return list(self._layers if self._layers is not None else self.__dict__.get("_tracked", []))
+
+    @property
+    def own_variables(self):
+        """The ``tf.Variable``s set as the model's attributes, trainable first, each in the order
+        set (Keras tracks them so); they come before its layers' weights."""
+        own = self.__dict__.get("_own_variables", ())
+        return [v for v in own if v.trainable] + [v for v in own if not v.trainable]
 
     @property
     def steps_per_execution(self):
@@ -182,7 +192,7 @@ class Model(ModelAPI):
 
     def _build(self, input_shape):
         if input_shape is not None:
-            self._input_shape = tuple(input_shape)[1:] if len(input_shape) > 1 and input_shape[0] is None \
+            self._input_shape = tuple(input_shape)[1:] if len(input_shape) >= 1 and input_shape[0] is None \
                 else tuple(input_shape)
         if self._input_shape is None:
             raise ValueError("the model's input shape is unknown: give the first layer "
@@ -224,6 +234,11 @@ class Model(ModelAPI):
             raise NotImplementedError(f"{type(self).__name__} has no call(self, inputs, training=None): a "
                                       f"subclass of keras.Model defines it (or use keras.Model(inputs, "
                                       f"outputs) or Sequential).")
+        scalars = self.__dict__.get("_scalar_call", False)         # x of shape (N,): accept_inputs
+        if self.own_variables or scalars:               # ops on its own variables
+            layer = model_call.ModelCall(self, scalars)
+            layer.build(input_shape)                 # its output shape: call run once on zeros
+            return [Node(layer, (0,), False)]
         nodes, layers, _ = functional.trace(self, input_shape, True, InputLayer(shape=input_shape))
         other, _, _ = functional.trace(self, input_shape, False, InputLayer(shape=input_shape))
         if not functional.same_program(nodes, other, lambda layer: isinstance(layer, Dropout)):
@@ -275,6 +290,9 @@ class Model(ModelAPI):
                             f"numbers (float32): convert it with np.asarray({what}, np.float32) after "
                             f"removing or filling the missing entries.")
         keras_expands = self._input_shape is not None and shape[1:] + (1,) == tuple(self._input_shape)
+        if len(shape) == 1 and self._scalar_examples():    # call takes x of shape (b,): model_call.py
+            self.__dict__["_scalar_call"], keras_expands = True, True
+            shape = shape + (1,)
         if len(shape) < 2 and not keras_expands:     # (B,) for input shape (1,): Keras adds the axis
             want = "(batch, features)" if self._input_shape is None else str((None,) + self._input_shape)
             raise ValueError(f"{what} of shape {shape} has no batch axis: the model takes a batch of "
@@ -282,6 +300,13 @@ class Model(ModelAPI):
                              f"(shape {(1,) + shape}).")
         self.build((None,) + shape[1:])
         self.check_example_shape(shape[1:], what)
+
+    def _scalar_examples(self):
+        """A subclassed model whose ``call`` works on its own variables takes x of shape (N,) as
+        Keras does: ``call`` gets (b,), one scalar per example (``model_call.py``). A model of
+        layers only keeps the "no batch axis" error: its layers take (b, features)."""
+        return type(self)._program is Model._program and bool(self.own_variables) and (
+            self._input_shape is None or self.__dict__.get("_scalar_call", False))
 
     def check_example_shape(self, shape, what="x"):
         """Refuse examples of ``shape`` that the model would misread, as Keras 3 does.
@@ -338,7 +363,7 @@ class Model(ModelAPI):
         Keras 3 builds it as soon as the shape is given, so ``summary()``, ``get_weights()``
         or a custom loop's ``model.trainable_variables`` after ``add`` find the weights there."""
         self.build_if_shape_known()
-        return [w for layer in self.layers for w in layer.weights]
+        return self.own_variables + [w for layer in self.layers for w in layer.weights]
 
     @property
     def trainable_variables(self):
@@ -346,7 +371,8 @@ class Model(ModelAPI):
         self.build_if_shape_known()
         if not self.trainable:
             return []
-        return [w for layer in self.layers for w in layer.trainable_weights]
+        own = [v for v in self.own_variables if v.trainable]
+        return own + [w for layer in self.layers for w in layer.trainable_weights]
 
     @property
     def non_trainable_variables(self):
