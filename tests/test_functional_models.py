@@ -436,8 +436,13 @@ def test_a_subclassed_model_with_get_config_saves_whole(devices, rng, tmp_path):
 # --- the functional API's errors -------------------------------------------------------------------
 def test_the_functional_apis_errors_say_what_to_do(devices):
     devices(cpus=1)
-    with pytest.raises(NotImplementedError, match="called on ndarray"):
-        L.Dense(3)(np.zeros((2, 4), F32))
+    layer = L.Dense(3)                         # on data, a layer runs as Keras runs it (eagerly)
+    out = layer(np.ones((2, 4), F32))
+    kernel, bias = layer.get_weights()
+    layer.set_weights([kernel * 2, bias])
+    np.testing.assert_allclose(layer(np.ones((2, 4), F32)).numpy(), np.ones((2, 4)) @ (kernel * 2) + bias,
+                               rtol=1e-5)
+    np.testing.assert_allclose(out.numpy(), np.ones((2, 4)) @ kernel + bias, rtol=1e-5)
     a, b = keras.Input((4,)), keras.Input((4,))
     with pytest.raises(NotImplementedError, match="2 inputs"):
         keras.Model([a, b], L.Dense(2)(a))

@@ -127,6 +127,20 @@ class Layer:
     def variables(self):
         return self.weights
 
+    def get_weights(self):
+        """The weights' values as NumPy arrays, in ``weights``' order (Keras's ``layer.get_weights``)."""
+        return [w.numpy() for w in self.weights]
+
+    def set_weights(self, weights):
+        """Assign ``weights`` (arrays in ``get_weights``' order and shapes) to every copy."""
+        weights = list(weights)
+        mine = self.weights
+        if len(weights) != len(mine) or any(np.shape(a) != tuple(w.shape) for a, w in zip(weights, mine)):
+            raise ValueError(f"{type(self).__name__} {self.name!r}.set_weights: expected "
+                             f"{[tuple(w.shape) for w in mine]}, got {[np.shape(a) for a in weights]}.")
+        for w, a in zip(mine, weights):
+            w.assign(np.asarray(a, np.float32))
+
     @property
     def non_trainable_weights(self):
         """The rest of ``weights`` (Keras's): a frozen layer's, and state (moving statistics)."""
