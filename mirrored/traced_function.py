@@ -662,26 +662,24 @@ class ReplayGraphs(graphs.StepGraphs):
     def for_devices(cls, devices):
         """The graphs of a replay over ``devices``, or None where nothing can be captured
         (CPU devices, the simulator, several physical GPUs: the launch list is replayed)."""
+        # the launches are recorded, not summed by a cross-device op: only the card matters
         if not devices or graphs.why_not_capturable(devices[:1]) is not None:
             return None
         if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
             return None
-        made = cls(devices[:1])
-        made.devices = list(devices)           # every replica's stream joins the capture
-        return made
+        return cls(devices, checked=True)      # every replica's stream joins the capture
 
 
 # --- strategy.reduce inside a trace ----------------------------------------------------------
 
-def reduce_in_trace(strategy, reduce_op, value, axis, on_host, local=True):
-    """``strategy.reduce`` while a trace records: the result stays on the first replica's
-    device. Float values across replicas (``axis=None``): copied there and added in
+def reduce_in_trace(dev, reduce_op, value, axis, on_host, local=True):
+    """``strategy.reduce`` while a trace records: the result stays on ``dev``, the first
+    replica's device (the strategy passes it). Float values across replicas (``axis=None``): copied there and added in
     replica order, as ``strategy.reduce_on_host`` adds them (the same float32 sums),
     MEAN then divided by the count. Anything else, and every value where other workers
     hold replicas too (``local=False``: ``MultiWorkerMirroredStrategy``): ``on_host()``
     (the host's reduction) run as a host callback at every replay, its result uploaded
     into one buffer."""
-    dev = strategy.extended.devices[0]
     comps = list(value.values) if isinstance(value, DistributedValues) else [value]
     if local and axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
                             and c.dtype == comps[0].dtype for c in comps):
