@@ -19,7 +19,7 @@ Three scopes, each counted over every project file and over ``mirrored/`` alone:
            line, the step): what one fit step costs the reader end to end (issue 29's
            count: 1,238 calls in 26 files when it was filed; target <= 12 files)
     batch  fit's per-batch call, ``Model._train_on``: the batch prepared, then
-           the step inside ``Step.no_trace``
+           the step inside ``Step.rolled_back_on_error``
     step   from entering ``Step.train`` to the return of the optimizer's ``update``
            (the split, forward/backward, all-reduce, update: the issue's "from Step.train
            to the Adam update", 22 files when it was filed)

@@ -162,7 +162,7 @@ class StepGraphs:
         """Before ``fn(*args)`` first runs under ``key``: compile the kernels it will launch,
         several processes at once (``kernels/compile_ahead.py``; where kernels compile and
         the device part may be planned, else nothing). ``undo``: a context manager that
-        drops every buffer made inside it when it is left by an exception (``Step.no_trace``):
+        drops every buffer made inside it when it is left by an exception (``Step.rolled_back_on_error``):
         the plan run makes buffers and launches nothing, so nothing it made may stay."""
         if self.compile_ahead is not None and key not in self._planned:
             self._planned.add(key)
@@ -263,7 +263,7 @@ class StepPasses:
         ``steps_per_execution`` stages per step)."""
         raise NotImplementedError
 
-    def no_trace(self):
+    def rolled_back_on_error(self):
         """Context manager: a step that raises inside it leaves nothing (the buffers it made
         dropped, the optimizer's step count put back)."""
         raise NotImplementedError
@@ -304,7 +304,7 @@ class CapturedStep:
             key = ("train", mode, scale) + _addresses(inputs)
             self.graphs.compile_first(key, self.step.device_part, (inputs, mode, scale),
                                       self.step.planned)   # launches nothing: a Ctrl-C need not wait
-            # a replay updates every copy: a Ctrl-C comes after it; one update counted (no_trace)
+            # a replay updates every copy: a Ctrl-C comes after it; one update counted (rolled_back_on_error)
             with _dev.every_device_or_none(), self.step.counted(1):
                 self.graphs.run(key, self.step.device_part, inputs, mode, scale)
 
@@ -340,7 +340,7 @@ class CapturedStep:
         The first execution of these batch sizes runs as N single eager steps (they compile
         the kernels and make every buffer a step uses); the next one is captured; later
         ones are replayed. A replayed execution is all or nothing: the N host parts run
-        first, inside one ``Step.no_trace``, so a failure there (out of memory) leaves the
+        first, inside one ``Step.rolled_back_on_error``, so a failure there (out of memory) leaves the
         step count and the memory as before the execution, nothing having run on the
         devices; then one launch updates every copy N times.
         """
@@ -348,21 +348,21 @@ class CapturedStep:
         mode = step.loss_mode()
         if self._first_time(("train", mode) + tuple(step.rows(b) for b in batches)):
             for batch in batches:                            # N plain steps, each all or nothing
-                with step.no_trace():
+                with step.rolled_back_on_error():
                     inputs, scale = step.host_part(batch)    # step.train, its kernels compiled ahead
                     self.graphs.compile_first(("train", mode, scale) + _addresses(inputs),
                                               step.device_part, (inputs, mode, scale), step.planned)
                     step.device_part(inputs, mode, scale)
                 self.graphs._ran("eager", None)
             return
-        with step.no_trace():
+        with step.rolled_back_on_error():
             work = []
             for slot, batch in enumerate(batches):
                 inputs, scale = step.host_part(batch)
                 work.append((inputs, scale, _stage(slot, step.written(inputs, training=True))))
             key = ("train steps", mode) + tuple((scale,) + _addresses(inputs) + _staged_addresses(staged)
                                                 for inputs, scale, staged in work)
-            # a replay updates every copy N times; N updates counted (no_trace)
+            # a replay updates every copy N times; N updates counted (rolled_back_on_error)
             with _dev.every_device_or_none(), step.counted(len(batches)):
                 self.graphs.run_captured(key, self._train_parts, work, mode)
 
@@ -408,7 +408,7 @@ class CapturedStep:
 
 def _stage(slot, written):
     """Copy each ``(dev, buffer)`` a host part wrote into staging ``slot``'s buffer of the
-    same shape on that device (``dev.scratch``: made once, dropped by ``no_trace`` with a
+    same shape on that device (``dev.scratch``: made once, dropped by ``rolled_back_on_error`` with a
     failed step); ``[(dev, buffer, its staged copy)]``. Empty buffers are left out."""
     staged = []
     for n, (dev, buf) in enumerate(written):

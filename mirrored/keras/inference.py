@@ -78,7 +78,7 @@ class InferencePasses(StepPasses):
 
     @contextlib.contextmanager
     def counted(self, steps):
-        """``steps`` updates counted done once the block ends (``updates_done``: what ``no_trace``
+        """``steps`` updates counted done once the block ends (``updates_done``: what ``rolled_back_on_error``
         compares), whether their Python ran in it once (an eager run, a capture), twice (a
         capture, then its first replay) or not at all (a replay). A block that raises leaves the
         count as the Python left it: an update that ran is counted, one that did not is not."""
@@ -90,11 +90,11 @@ class InferencePasses(StepPasses):
     @contextlib.contextmanager
     def planned(self):
         """Around a plan run (``kernels/compile_ahead.py``): the buffers it made are dropped
-        (``no_trace``), and the count of updates done goes back (the plan ran the update's
+        (``rolled_back_on_error``), and the count of updates done goes back (the plan ran the update's
         Python, not its launch)."""
         opt = self.model.optimizer
         done = opt.updates_done if opt is not None else None
-        with self.no_trace():
+        with self.rolled_back_on_error():
             try:
                 yield
             finally:

@@ -371,11 +371,11 @@ class ModelAPI:
             mode, trainer = self.step.loss_mode(), self._trainer()   # the model is built by now
             self.use_own_weights()
             if len(chunk) > 1 and trainer is not self.step and not self.host_metrics:
-                with self.step.no_trace():              # out of memory: nothing stays charged
+                with self.step.rolled_back_on_error():              # out of memory: nothing stays charged
                     trainer.evaluate_steps(chunk, mode)   # one graph (graphs.py)
             else:
                 for batch in chunk:
-                    with self.step.no_trace():
+                    with self.step.rolled_back_on_error():
                         trainer.evaluate(batch, mode)
                     if self.host_metrics:
                         custom_step.update_from_programs(self, batch)
@@ -457,7 +457,7 @@ class ModelAPI:
             self.accept_inputs(xb.shape, xb.dtype)
             self.use_own_weights()                      # a model sharing a layer may hold its weights
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
-            with self.step.no_trace():                  # out of memory: nothing stays charged
+            with self.step.rolled_back_on_error():                  # out of memory: nothing stays charged
                 outs.extend(self._trainer().predict(xb))
             done += 1
         if verbose:

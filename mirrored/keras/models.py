@@ -405,7 +405,7 @@ class Model(ModelAPI):
         batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
         if self._claimed != custom_loop.MOVES[0]:    # a model sharing a layer may hold its weights
             self.use_own_weights()
-        with self.step.no_trace():                   # a step that raises changes nothing
+        with self.step.rolled_back_on_error():                   # a step that raises changes nothing
             self._trainer().train(batch)
         if self.host_metrics:                        # compile(metrics=["mae", fn, Metric()])
             custom_step.update_from_programs(self, batch)

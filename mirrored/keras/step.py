@@ -16,7 +16,7 @@ four steps of the README, each a visible call::
 
 A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
 scalars: one copy per device) and a *device part* (2-4: kernel launches only). A step
-that raises leaves no trace (``Step.no_trace``: the step count and the memory as before).
+that raises leaves no trace (``Step.rolled_back_on_error``: the step count and the memory as before).
 Nothing here times or captures: ``mirrored.lab.timing.TimedStep`` times each phase, and
 ``mirrored.graphs.CapturedStep`` runs the device part through a CUDA graph; both wrap
 this step from outside and launch exactly the same kernels.
@@ -24,7 +24,7 @@ this step from outside and launch exactly the same kernels.
 A custom training loop runs this same step: ``model(x, training=True)`` and ``tape.gradient``
 run step 2 on the replica's ``ReplicaProgram`` (the methods ``forward_backward`` calls), and
 ``optimizer.apply_gradients`` calls ``Step.apply_gradients``: the optimizer's scalars, then
-``reduce_and_update`` (steps 3-4), inside ``no_trace``: fit's weights, bit for bit
+``reduce_and_update`` (steps 3-4), inside ``rolled_back_on_error``: fit's weights, bit for bit
 (``tests/test_one_step.py``). Only who drives the replicas differs: one host thread here
 (``copy_in``), a thread per replica under ``strategy.run``, meeting at ``apply_gradients``'s
 merge point, where the last to arrive runs steps 3-4 once.
@@ -89,7 +89,7 @@ class Step(InferencePasses):
 
         Every buffer the step needs is made here, on every replica, before the optimizer
         counts the step and before any replica computes: a batch too large for a
-        device's ``memory_limit`` fails here, with nothing changed (``no_trace``)."""
+        device's ``memory_limit`` fails here, with nothing changed (``rolled_back_on_error``)."""
         parts, load, scale = self.split(batch)                 # 1. N shares of the global batch,
         scalars = self.model.optimizer.step_scalars()          #    and the update's scalars (Adam's
         loaded = self.copy_in(parts, load, scalars)            #    alpha): ONE copy onto each device
@@ -114,13 +114,13 @@ class Step(InferencePasses):
     def apply_gradients(self, optimizer):
         """A custom training loop's ``optimizer.apply_gradients``, once every replica's
         ``tape.gradient`` has written its packed gradient buffer (step 2): this step's scalars,
-        then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace (``no_trace``)."""
-        with self.no_trace(optimizer):
+        then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace (``rolled_back_on_error``)."""
+        with self.rolled_back_on_error(optimizer):
             optimizer.begin_step(self.devices)
             self.reduce_and_update(optimizer)
 
     @contextlib.contextmanager
-    def no_trace(self, optimizer=None):
+    def rolled_back_on_error(self, optimizer=None):
         """A step that raises inside this block leaves no trace: the optimizer's step count goes
         back, and every buffer made during the block is dropped again (the replicas' input, layer
         and loss buffers, the optimizer's new slots, the devices' scratch, the ring's staging
