@@ -69,7 +69,8 @@ Python (what labs 04 and 05 step through). The default stays silent where nothin
 be captured (it is the default); the old ``compile(cuda_graph=True)``, an explicit
 request for graphs, warns there once. The weights come out bitwise the same either way.
 
-Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``_trainer``) and ``keras/model_api.py`` (``compile``),
+Neighbours: ``keras/step.py`` (the step; ``StepPasses`` is its contract here), ``keras/trainer.py``
+(``captured_step``) and ``keras/model_api.py`` (``compile``),
 ``ring.py`` (the ring: events between neighbours, captured as graph edges).
 """
 import warnings

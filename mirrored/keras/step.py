@@ -30,7 +30,7 @@ run step 2 on the replica's ``ReplicaProgram`` (the methods ``forward_backward``
 merge point, where the last to arrive runs steps 3-4 once.
 
 Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
-``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
+``data_adapters.py`` (where batches come from), ``trainer.py`` (``fit`` calls ``train``).
 """
 import contextlib
 
