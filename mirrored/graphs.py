@@ -39,7 +39,9 @@ with the error and runs this step, and every later one, eagerly. Nothing queued 
 a capture has run, so running the step eagerly then is a complete step.
 
 So a step = host part (inputs, optimizer scalars; eager) + device part (forward,
-backward, all-reduce, update: launches only). ``StepGraphs.run`` runs the device
+backward, all-reduce, update: launches, and one host effect, the optimizer's count of
+updates done, which a replay skips: ``StepPasses.counted`` sets it once for all, however
+often the device part's Python ran). ``StepGraphs.run`` runs the device
 part eagerly the first time a key is seen, captures it the second time, and
 replays it from then on. Where there is nothing to capture (CPU devices, Numba's
 CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
@@ -51,7 +53,8 @@ So Dropout draws a new mask at every replay, the eager one for the same counter
 ``CapturedStep`` puts the two together for a model, for each pass Keras compiles:
 ``train`` (``fit``'s step: ``Step.host_part``, then ``Step.device_part``), ``evaluate``
 (forward and loss) and ``predict`` (forward; the outputs are read after the replay).
-The step itself knows nothing of graphs.
+The step itself knows nothing of graphs: it fulfils ``StepPasses``, the contract written
+here, and this file calls nothing else of it (``tests/test_layering.py``).
 
 ``compile(steps_per_execution=N)`` (Keras's knob for this very overhead): ``train_steps``
 and ``evaluate_steps`` put N steps in ONE graph, one replay per N batches. Each step's

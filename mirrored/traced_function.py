@@ -121,7 +121,7 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None,
 
 
 class Function:
-    """A traced function: one ``Trace`` per input signature."""
+    """A traced function: one ``ConcreteFunction`` per input signature (TensorFlow's names)."""
 
     def __init__(self, func, input_signature=None, reduce_retracing=False, jit_compile=None):
         if not callable(func):
@@ -131,7 +131,7 @@ class Function:
         self.input_signature = input_signature
         self.reduce_retracing = reduce_retracing
         self.jit_compile = jit_compile
-        self._traces = {}              # signature key -> Trace
+        self._traces = {}              # signature key -> ConcreteFunction
         self._tracing_count = 0
         self._eager = None             # why it runs eagerly from now on (after the one warning)
         # One call at a time traces or replays (a replay writes into the trace's buffers;
@@ -202,7 +202,7 @@ class Function:
         if rec.refused is not None:
             self._fall_back(*rec.refused)
             return result                     # this call ran eagerly, completely
-        trace = Trace(slots, rec.entries, result)
+        trace = ConcreteFunction(slots, rec.entries, result)
         self._traces[key] = trace
         return trace.outputs()
 
@@ -428,8 +428,9 @@ def _copy(tensor):
 
 # --- one trace: its record and how it is replayed ------------------------------------------
 
-class Trace:
-    """One input signature's record: the input slots, the entries, the outputs."""
+class ConcreteFunction:
+    """One input signature's record: the input slots, the entries, the outputs (TensorFlow's
+    ``ConcreteFunction``: what ``get_concrete_function`` returns, one traced graph)."""
 
     def __init__(self, slots, entries, result):
         self.slots = slots
