@@ -145,6 +145,18 @@ class StepGraphs:
     def enabled(self):
         return self.reason is None
 
+    def warm(self, key):
+        """True once a run under ``key`` has completed: the first run of a key compiles its
+        kernels and makes every buffer it uses, so only after it may the key be captured.
+        A first run that raised did not complete: the next one is a first run again. The
+        one first-run rule, kept by ``run`` and asked by ``CapturedStep``'s executions of
+        N steps (``ran_once`` marks those)."""
+        return self.enabled and key in self._results
+
+    def ran_once(self, key):
+        """Mark ``key`` as warm: its first run (run by the caller, not by ``run``) completed."""
+        self._results.setdefault(key, None)
+
     def run(self, key, fn, *args):
         """Run the device part ``fn(*args)`` of a pass; returns what ``fn`` returned the
         first time this key ran (device buffers, e.g. predict's outputs: a replay writes
@@ -155,11 +167,11 @@ class StepGraphs:
         eagerly (it compiles kernels and allocates buffers); the second time it is
         captured, and from then on the graph is replayed.
         """
-        if not self.enabled:
-            return self._ran("eager", fn(*args))
-        if key not in self._results:
-            self._results[key] = fn(*args)               # not kept if it raises
-            return self._ran("eager", self._results[key])
+        if not self.warm(key):
+            result = fn(*args)                           # not kept if it raises: not warm
+            if self.enabled:
+                self._results[key] = result
+            return self._ran("eager", result)
         return self._replay(key, fn, args)
 
     def compile_first(self, key, fn, args, undo):
@@ -297,7 +309,6 @@ class CapturedStep:
         if not isinstance(step, StepPasses):
             raise TypeError(f"CapturedStep runs a StepPasses (graphs.py's contract), got {type(step).__name__}.")
         self.step, self.graphs = step, graphs
-        self._warm = set()         # the executions (pass, loss mode, batch sizes) run once eagerly
 
     def train(self, batch):
         # The first device's context made current once for the whole step: the uploads,
@@ -342,7 +353,8 @@ class CapturedStep:
         stream: the next host part's upload waits for them.)
 
         The first execution of these batch sizes runs as N single eager steps (they compile
-        the kernels and make every buffer a step uses); the next one is captured; later
+        the kernels and make every buffer a step uses; one that raised midway did not, and
+        runs so again: ``StepGraphs.warm``); the next one is captured; later
         ones are replayed. A replayed execution is all or nothing: the N host parts run
         first, inside one ``Step.rolled_back_on_error``, so a failure there (out of memory) leaves the
         step count and the memory as before the execution, nothing having run on the
@@ -350,7 +362,8 @@ class CapturedStep:
         """
         step = self.step
         mode = step.loss_mode()
-        if self._first_time(("train", mode) + tuple(step.rows(b) for b in batches)):
+        execution = ("train", mode) + tuple(step.rows(b) for b in batches)
+        if not self.graphs.warm(execution):
             for batch in batches:                            # N plain steps, each all or nothing
                 with step.rolled_back_on_error():
                     inputs, scale = step.host_part(batch)    # step.train, its kernels compiled ahead
@@ -358,6 +371,7 @@ class CapturedStep:
                                               step.device_part, (inputs, mode, scale), step.planned)
                     step.device_part(inputs, mode, scale)
                 self.graphs._ran("eager", None)
+            self.graphs.ran_once(execution)                  # all N done: the next is captured
             return
         with step.rolled_back_on_error():
             work = []
@@ -381,13 +395,15 @@ class CapturedStep:
         """``evaluate``'s passes of ``batches`` as one graph, as ``train_steps`` does for
         training (the inputs are all a host part writes here; the metrics add up on the devices)."""
         step = self.step
-        if self._first_time(("evaluate", mode) + tuple(step.rows(b) for b in batches)):
+        execution = ("evaluate", mode) + tuple(step.rows(b) for b in batches)
+        if not self.graphs.warm(execution):
             for batch in batches:                            # step.evaluate, compiled ahead
                 inputs = step.inputs(batch)
                 self.graphs.compile_first(("evaluate", mode) + _addresses(inputs),
                                           step.evaluate_part, (inputs, mode), step.planned)
                 step.evaluate_part(inputs, mode)
                 self.graphs._ran("eager", None)
+            self.graphs.ran_once(execution)
             return
         work = []
         for slot, batch in enumerate(batches):
@@ -401,13 +417,6 @@ class CapturedStep:
         for inputs, staged in work:
             _restore(staged)
             self.step.evaluate_part(inputs, mode)
-
-    def _first_time(self, sizes):
-        """True (and remembered) the first time an execution of these batch sizes runs."""
-        if self.graphs.enabled and sizes in self._warm:
-            return False
-        self._warm.add(sizes)
-        return True
 
 
 def _stage(slot, written):

@@ -8,7 +8,9 @@ key, the capture, and, with the simulator's stand-in, every replay), so one step
 two. ``StepPasses.counted(n)`` makes it one rule: after n steps' device parts, n more
 updates, however often their Python ran. Checked with two stand-ins for a CUDA graph, on
 CPU devices: one that runs the Python while capturing and not at a replay (a real graph),
-one that runs it only at each replay (``conftest.ReplayByRerun``).
+one that runs it only at each replay (``conftest.ReplayByRerun``). And one first-run rule
+(``StepGraphs.warm``): a key is warm once its first run completed, for a pass and for an
+execution of ``steps_per_execution`` steps alike.
 
     python -m pytest -q tests/test_step_passes.py
 """
@@ -43,6 +45,44 @@ def test_a_captured_fit_counts_each_update_once(devices, rng, monkeypatch, stand
     assert int(model.optimizer.iterations) == steps
     assert model.optimizer.updates_done == steps, (
         f"{model.optimizer.updates_done} updates counted for {steps} steps ({sg.counts})")
+
+
+@pytest.mark.parametrize("fit", [True, False])
+def test_an_execution_that_failed_midway_is_a_first_execution_again(devices, rng, monkeypatch, fit):
+    """One first-run rule (``StepGraphs.warm``): a key is warm once its first run completed.
+    The N-step executions of steps_per_execution marked their batch sizes warm before the N
+    eager steps ran, so after a failed one the next was captured, its later steps' buffers
+    made inside the capture (which a real CUDA graph refuses: eager for good after)."""
+    devices(cpus=1)
+    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)
+    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    x = rng.standard_normal((4, 5)).astype(np.float32)                  # one execution: 2 batches of 2
+    y = rng.integers(0, 3, 4)
+    with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
+        model = tf.keras.Sequential([L.Dense(3, input_shape=(5,))])
+    model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=tf.keras.optimizers.SGD(0.1), steps_per_execution=2)
+    model.predict(x[:1], verbose=0)                                      # built, graphs made
+    step, name = model.step, "host_part" if fit else "inputs"
+    original, calls = getattr(step, name), []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("injected: out of device memory")
+        return original(*args, **kwargs)
+    monkeypatch.setattr(step, name, second_fails)
+    run = (lambda: model.fit(x, y, batch_size=2, verbose=0, shuffle=False)) if fit else \
+        (lambda: model.evaluate(x, y, batch_size=2, verbose=0))
+    with pytest.raises(MemoryError):
+        run()
+    sg = model._step_graphs
+    before = dict(sg.counts)
+    run()                                                                # the 2 steps, eagerly
+    assert sg.counts["captured"] == before["captured"] and sg.counts["eager"] == before["eager"] + 2, \
+        (before, sg.counts)
+    run()                                                                # now warm: one capture
+    assert sg.counts["captured"] == before["captured"] + 1, sg.counts
 
 
 def test_captured_step_takes_a_step_passes_only():
