@@ -18,8 +18,8 @@ Three scopes, each counted over every project file and over ``mirrored/`` alone:
     fit    the whole ``model.fit`` of one batch (epoch set-up, callbacks, progress
            line, the step): what one fit step costs the reader end to end (issue 29's
            count: 1,238 calls in 26 files when it was filed; target <= 12 files)
-    batch  fit's per-batch call, ``Model._train_on``: the batch prepared, then
-           the step inside ``Step.no_trace``
+    batch  fit's per-batch call, ``Trainer._train_on``: the batch prepared, then
+           the step inside ``Step.rolled_back_on_error``
     step   from entering ``Step.train`` to the return of the optimizer's ``update``
            (the split, forward/backward, all-reduce, update: the issue's "from Step.train
            to the Adam update", 22 files when it was filed)
@@ -49,8 +49,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tf.__file__)))
 LIBRARY = ("mirrored/", "kernels/")
 #: (file, qualified name) where each scope starts, and where it ends (None: where it started).
 SCOPES = {
-    "fit": (("mirrored/keras/models.py", "Model.fit"), None),
-    "batch": (("mirrored/keras/models.py", "Model._train_on"), None),
+    "fit": (("mirrored/keras/trainer.py", "Trainer.fit"), None),
+    "batch": (("mirrored/keras/trainer.py", "Trainer._train_on"), None),
     "step": (("mirrored/keras/step.py", "Step.train"), ("mirrored/keras/optimizers.py", "Optimizer.update")),
 }
 

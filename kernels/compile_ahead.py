@@ -31,7 +31,7 @@ With no launch made, the memory the step computes with is not touched (the ring'
 copies move gradient chunks the real run computes again). Two things its Python does at a
 first run only are put back: the buffers made on first use (an optimizer's slots, zeroed by
 a launch the plan does not make) are dropped, and the optimizer's count of updates done goes
-back (the caller's ``undo``: ``Step.no_trace``, ``graphs.CapturedStep``). It is planned only
+back (the caller's ``undo``: ``Step.rolled_back_on_error``, ``graphs.CapturedStep``). It is planned only
 where kernels compile and the device part sends nothing to another process: real GPUs (not
 the simulator), one worker (between workers the ring sends MPI messages from the host), the
 passes run through ``CapturedStep`` (not ``run_eagerly=True``, nor replicas on several
@@ -125,7 +125,7 @@ def before_first_run(fn, args, device_id=0, children=None, undo=None):
     replica's). ``children``: how many child processes at most (default: the free cores
     less one, at most ``MAX_CHILDREN``, and as many contexts as fit in half the device's free
     memory: ``CHILD_CONTEXT_BYTES``). ``undo()``: a context manager that drops every
-    buffer made inside it when an exception leaves it (``Step.no_trace``): a device part
+    buffer made inside it when an exception leaves it (``Step.rolled_back_on_error``): a device part
     makes some buffers at its first run (an optimizer's slots, filled with zeros by a
     launch), and the plan run makes them without the launch, so they must not stay. Never
     raises: what is not compiled here compiles at its launch."""

@@ -9,7 +9,7 @@ Reading order: one training step in five files (lines at this writing; 1,493 in 
 
     1. keras/step.py        269  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
-                                 ``fit`` (keras/models.py) calls it once per batch, and a
+                                 ``fit`` (keras/trainer.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4
     2. keras/engine.py      354  ReplicaProgram: one replica's program of layer nodes (a
                                  DAG in topological order) forward, the loss, backward
@@ -19,8 +19,8 @@ Reading order: one training step in five files (lines at this writing; 1,493 in 
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
     5. keras/optimizers.py  220  Adam/SGD ``update``: one launch per device (step 4)
 
-   Beside them: keras/models.py (Model, Sequential, Functional: build, and fit's loop around
-   the step), keras/functional.py (keras.Input, layer calls, the nodes' topological order,
+   Beside them: keras/trainer.py (fit's loop around the step), keras/models.py (Model,
+   Sequential, Functional: made and built), keras/functional.py (keras.Input, layer calls, the nodes' topological order,
    a subclassed model's call traced),
    keras/inference.py (evaluate's and predict's passes), keras/base_layer.py (``Layer``:
    the protocol's defaults), keras/data_adapters.py (the global batch as host arrays),

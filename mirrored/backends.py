@@ -698,7 +698,7 @@ class blas_threads:
     """Context manager: the BLAS at ``blas_policy()``'s thread count inside, as it was after.
 
     ``with backends.blas_threads(): model.fit(...)`` is what fit, evaluate and predict do
-    (keras/models.py), and the custom loop's steps (``strategy.run``, a ``@function``'s
+    (keras/trainer.py), and the custom loop's steps (``strategy.run``, a ``@function``'s
     call). Only the process's BLAS is touched (threadpoolctl), never the environment.
 
     Nested policy blocks (fit's validation pass; ``strategy.run`` inside a ``@function``

@@ -213,7 +213,7 @@ class Device:
 
     def caches(self):
         """The dicts of buffers this device made on first use (its ``scratch``): a step
-        that fails drops what it added (``keras/step.py``'s ``Step.no_trace``)."""
+        that fails drops what it added (``keras/step.py``'s ``Step.rolled_back_on_error``)."""
         return [self._scratch]
 
     # -- the interface every backend implements

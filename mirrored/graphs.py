@@ -39,7 +39,9 @@ with the error and runs this step, and every later one, eagerly. Nothing queued 
 a capture has run, so running the step eagerly then is a complete step.
 
 So a step = host part (inputs, optimizer scalars; eager) + device part (forward,
-backward, all-reduce, update: launches only). ``StepGraphs.run`` runs the device
+backward, all-reduce, update: launches, and one host effect, the optimizer's count of
+updates done, which a replay skips: ``StepPasses.counted`` sets it once for all, however
+often the device part's Python ran). ``StepGraphs.run`` runs the device
 part eagerly the first time a key is seen, captures it the second time, and
 replays it from then on. Where there is nothing to capture (CPU devices, Numba's
 CUDA simulator, replicas on several physical GPUs) it runs the step eagerly every
@@ -51,7 +53,8 @@ So Dropout draws a new mask at every replay, the eager one for the same counter
 ``CapturedStep`` puts the two together for a model, for each pass Keras compiles:
 ``train`` (``fit``'s step: ``Step.host_part``, then ``Step.device_part``), ``evaluate``
 (forward and loss) and ``predict`` (forward; the outputs are read after the replay).
-The step itself knows nothing of graphs.
+The step itself knows nothing of graphs: it fulfils ``StepPasses``, the contract written
+here, and this file calls nothing else of it (``tests/test_layering.py``).
 
 ``compile(steps_per_execution=N)`` (Keras's knob for this very overhead): ``train_steps``
 and ``evaluate_steps`` put N steps in ONE graph, one replay per N batches. Each step's
@@ -69,10 +72,10 @@ Python (what labs 04 and 05 step through). The default stays silent where nothin
 be captured (it is the default); the old ``compile(cuda_graph=True)``, an explicit
 request for graphs, warns there once. The weights come out bitwise the same either way.
 
-Neighbours: ``keras/step.py`` (the step), ``keras/models.py`` (``_trainer``) and ``keras/model_api.py`` (``compile``),
+Neighbours: ``keras/step.py`` (the step; ``StepPasses`` is its contract here), ``keras/trainer.py``
+(``captured_step``) and ``keras/model_api.py`` (``compile``),
 ``ring.py`` (the ring: events between neighbours, captured as graph edges).
 """
-import contextlib
 import warnings
 
 from mirrored import devices as _dev
@@ -126,9 +129,11 @@ def _compile_ahead(devices, cross_device_ops):
 class StepGraphs:
     """The captured device parts of a step, one graph per key (see the module docstring)."""
 
-    def __init__(self, devices, cross_device_ops=None):
+    def __init__(self, devices, cross_device_ops=None, checked=False):
+        """``checked``: the caller has found the launches capturable over ``devices`` (a
+        ``@function``'s replay: ``traced_function.ReplayGraphs``), else ``why_not_capturable``."""
         self.devices = list(devices)
-        self.reason = why_not_capturable(self.devices, cross_device_ops)   # None: graphs are used
+        self.reason = None if checked else why_not_capturable(self.devices, cross_device_ops)
         self._graphs = {}          # key -> _Graph
         self._results = {}         # key -> what the device part returned the first time
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
@@ -140,6 +145,18 @@ class StepGraphs:
     def enabled(self):
         return self.reason is None
 
+    def warm(self, key):
+        """True once a run under ``key`` has completed: the first run of a key compiles its
+        kernels and makes every buffer it uses, so only after it may the key be captured.
+        A first run that raised did not complete: the next one is a first run again. The
+        one first-run rule, kept by ``run`` and asked by ``CapturedStep``'s executions of
+        N steps (``ran_once`` marks those)."""
+        return self.enabled and key in self._results
+
+    def ran_once(self, key):
+        """Mark ``key`` as warm: its first run (run by the caller, not by ``run``) completed."""
+        self._results.setdefault(key, None)
+
     def run(self, key, fn, *args):
         """Run the device part ``fn(*args)`` of a pass; returns what ``fn`` returned the
         first time this key ran (device buffers, e.g. predict's outputs: a replay writes
@@ -150,18 +167,18 @@ class StepGraphs:
         eagerly (it compiles kernels and allocates buffers); the second time it is
         captured, and from then on the graph is replayed.
         """
-        if not self.enabled:
-            return self._ran("eager", fn(*args))
-        if key not in self._results:
-            self._results[key] = fn(*args)               # not kept if it raises
-            return self._ran("eager", self._results[key])
+        if not self.warm(key):
+            result = fn(*args)                           # not kept if it raises: not warm
+            if self.enabled:
+                self._results[key] = result
+            return self._ran("eager", result)
         return self._replay(key, fn, args)
 
     def compile_first(self, key, fn, args, undo):
         """Before ``fn(*args)`` first runs under ``key``: compile the kernels it will launch,
         several processes at once (``kernels/compile_ahead.py``; where kernels compile and
         the device part may be planned, else nothing). ``undo``: a context manager that
-        drops every buffer made inside it when it is left by an exception (``Step.no_trace``):
+        drops every buffer made inside it when it is left by an exception (``Step.rolled_back_on_error``):
         the plan run makes buffers and launches nothing, so nothing it made may stay."""
         if self.compile_ahead is not None and key not in self._planned:
             self._planned.add(key)
@@ -207,8 +224,80 @@ class StepGraphs:
         self._graphs.clear()
 
 
+class StepPasses:
+    """What ``CapturedStep`` asks of a model's step: the contract, written at this level.
+
+    ``keras/step.py``'s ``Step`` fulfils it (its base class ``keras/inference.py``
+    subclasses this one); this file calls nothing else of it, so it needs nothing from
+    ``keras/`` (``tests/test_layering.py`` checks that it uses no name only code above it
+    defines). Each pass is a *host part*, which puts a batch on the devices, and a
+    *device part*, launches only, which a graph can hold.
+    """
+
+    #: the replicas' devices; the first one's stream is a capture's origin
+    devices = ()
+
+    def host_part(self, batch):
+        """Training's host part: the batch split onto the replicas, the optimizer's scalars
+        placed; ``(inputs, scale)`` (scale: 1/global batch)."""
+        raise NotImplementedError
+
+    def loss_mode(self):
+        """Which loss kernel the device parts take (part of every key)."""
+        raise NotImplementedError
+
+    def device_part(self, inputs, mode, scale):
+        """Training's device part: forward, backward, all-reduce, update."""
+        raise NotImplementedError
+
+    def inputs(self, batch):
+        """evaluate's host part: the batch split onto the replicas' input buffers."""
+        raise NotImplementedError
+
+    def evaluate_part(self, inputs, mode):
+        """evaluate's device part: forward and loss, added to the device metrics."""
+        raise NotImplementedError
+
+    def predict_inputs(self, xb):
+        """predict's host part."""
+        raise NotImplementedError
+
+    def predict_part(self, inputs):
+        """predict's device part; returns the replicas' output buffers."""
+        raise NotImplementedError
+
+    def read_outputs(self, outs):
+        """The output buffers read to the host."""
+        raise NotImplementedError
+
+    def rows(self, batch):
+        """A prepared batch's number of examples."""
+        raise NotImplementedError
+
+    def written(self, inputs, training):
+        """``[(device, buffer)]``: what a host part wrote that its device part reads (what
+        ``steps_per_execution`` stages per step)."""
+        raise NotImplementedError
+
+    def rolled_back_on_error(self):
+        """Context manager: a step that raises inside it leaves nothing (the buffers it made
+        dropped, the optimizer's step count put back)."""
+        raise NotImplementedError
+
+    def counted(self, steps):
+        """Context manager around the device parts of ``steps`` training steps, whose Python
+        ran once, twice (captured, then replayed) or not at all (replayed): when it ends,
+        ``steps`` more updates are counted done, whatever ran."""
+        raise NotImplementedError
+
+    def planned(self):
+        """Context manager around a plan run (``kernels/compile_ahead.py``): the Python ran,
+        nothing launched, so nothing it made or counted stays."""
+        raise NotImplementedError
+
+
 class CapturedStep:
-    """A model's passes (``keras/step.py``) with their device parts run through graphs.
+    """A model's passes (a ``StepPasses``) with their device parts run through graphs.
 
     ``train(batch)``, ``evaluate(batch, mode)`` and ``predict(xb)`` do what ``Step``'s
     methods of those names do — the same host part, the same launches — but each
@@ -217,8 +306,9 @@ class CapturedStep:
     """
 
     def __init__(self, step, graphs):
+        if not isinstance(step, StepPasses):
+            raise TypeError(f"CapturedStep runs a StepPasses (graphs.py's contract), got {type(step).__name__}.")
         self.step, self.graphs = step, graphs
-        self._warm = set()         # the executions (pass, loss mode, batch sizes) run once eagerly
 
     def train(self, batch):
         # The first device's context made current once for the whole step: the uploads,
@@ -228,10 +318,10 @@ class CapturedStep:
             mode = self.step.loss_mode()
             key = ("train", mode, scale) + _addresses(inputs)
             self.graphs.compile_first(key, self.step.device_part, (inputs, mode, scale),
-                                      self._undo_plan)   # launches nothing: a Ctrl-C need not wait
-            with _dev.every_device_or_none():  # a replay updates every copy: a Ctrl-C comes after it
+                                      self.step.planned)   # launches nothing: a Ctrl-C need not wait
+            # a replay updates every copy: a Ctrl-C comes after it; one update counted (rolled_back_on_error)
+            with _dev.every_device_or_none(), self.step.counted(1):
                 self.graphs.run(key, self.step.device_part, inputs, mode, scale)
-                self.step.model.optimizer.updates_done += 1   # the step is done (Step.no_trace)
 
     def evaluate(self, batch, mode):
         inputs = self.step.inputs(batch)
@@ -244,22 +334,8 @@ class CapturedStep:
 
     def _run(self, key, fn, *args):
         """``StepGraphs.run``, its kernels compiled ahead the first time ``key`` is seen."""
-        self.graphs.compile_first(key, fn, args, self._undo_plan)
+        self.graphs.compile_first(key, fn, args, self.step.planned)
         return self.graphs.run(key, fn, *args)
-
-    @contextlib.contextmanager
-    def _undo_plan(self):
-        """Around a plan run (``kernels/compile_ahead.py``): the buffers it made are dropped
-        (``Step.no_trace``), and the optimizer's count of updates done goes back (the plan ran
-        the update's Python, not its launch)."""
-        opt = self.step.model.optimizer
-        done = opt.updates_done if opt is not None else None
-        with self.step.no_trace():
-            try:
-                yield
-            finally:
-                if opt is not None:
-                    opt.updates_done = done
 
     # -- compile(steps_per_execution=N): N steps, one graph ------------------------------------
     def train_steps(self, batches):
@@ -277,35 +353,36 @@ class CapturedStep:
         stream: the next host part's upload waits for them.)
 
         The first execution of these batch sizes runs as N single eager steps (they compile
-        the kernels and make every buffer a step uses); the next one is captured; later
+        the kernels and make every buffer a step uses; one that raised midway did not, and
+        runs so again: ``StepGraphs.warm``); the next one is captured; later
         ones are replayed. A replayed execution is all or nothing: the N host parts run
-        first, inside one ``Step.no_trace``, so a failure there (out of memory) leaves the
+        first, inside one ``Step.rolled_back_on_error``, so a failure there (out of memory) leaves the
         step count and the memory as before the execution, nothing having run on the
         devices; then one launch updates every copy N times.
         """
-        step, opt = self.step, self.step.model.optimizer
+        step = self.step
         mode = step.loss_mode()
-        if self._first_time(("train", mode) + tuple(_rows(b) for b in batches)):
+        execution = ("train", mode) + tuple(step.rows(b) for b in batches)
+        if not self.graphs.warm(execution):
             for batch in batches:                            # N plain steps, each all or nothing
-                with step.no_trace():
+                with step.rolled_back_on_error():
                     inputs, scale = step.host_part(batch)    # step.train, its kernels compiled ahead
                     self.graphs.compile_first(("train", mode, scale) + _addresses(inputs),
-                                              step.device_part, (inputs, mode, scale), self._undo_plan)
+                                              step.device_part, (inputs, mode, scale), step.planned)
                     step.device_part(inputs, mode, scale)
                 self.graphs._ran("eager", None)
+            self.graphs.ran_once(execution)                  # all N done: the next is captured
             return
-        with step.no_trace():
+        with step.rolled_back_on_error():
             work = []
             for slot, batch in enumerate(batches):
                 inputs, scale = step.host_part(batch)
-                written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in _buffers(xy)]
-                written += [(dev, opt.hyper[dev.name]) for dev in step.devices]
-                work.append((inputs, scale, _stage(slot, written)))
+                work.append((inputs, scale, _stage(slot, step.written(inputs, training=True))))
             key = ("train steps", mode) + tuple((scale,) + _addresses(inputs) + _staged_addresses(staged)
                                                 for inputs, scale, staged in work)
-            with _dev.every_device_or_none():                # a replay updates every copy N times
+            # a replay updates every copy N times; N updates counted (rolled_back_on_error)
+            with _dev.every_device_or_none(), step.counted(len(batches)):
                 self.graphs.run_captured(key, self._train_parts, work, mode)
-                opt.updates_done += len(batches)             # the steps are done (Step.no_trace)
 
     def _train_parts(self, work, mode):
         """What the graph of ``train_steps`` holds: per step, its staged inputs and scalars
@@ -318,19 +395,20 @@ class CapturedStep:
         """``evaluate``'s passes of ``batches`` as one graph, as ``train_steps`` does for
         training (the inputs are all a host part writes here; the metrics add up on the devices)."""
         step = self.step
-        if self._first_time(("evaluate", mode) + tuple(_rows(b) for b in batches)):
+        execution = ("evaluate", mode) + tuple(step.rows(b) for b in batches)
+        if not self.graphs.warm(execution):
             for batch in batches:                            # step.evaluate, compiled ahead
                 inputs = step.inputs(batch)
                 self.graphs.compile_first(("evaluate", mode) + _addresses(inputs),
-                                          step.evaluate_part, (inputs, mode), self._undo_plan)
+                                          step.evaluate_part, (inputs, mode), step.planned)
                 step.evaluate_part(inputs, mode)
                 self.graphs._ran("eager", None)
+            self.graphs.ran_once(execution)
             return
         work = []
         for slot, batch in enumerate(batches):
             inputs = step.inputs(batch)
-            written = [(p.dev, buf) for p, xy in zip(step.programs, inputs) for buf in _buffers(xy)]
-            work.append((inputs, _stage(slot, written)))
+            work.append((inputs, _stage(slot, step.written(inputs, training=False))))
         key = ("evaluate steps", mode) + tuple(_addresses(inputs) + _staged_addresses(staged)
                                                for inputs, staged in work)
         self.graphs.run_captured(key, self._evaluate_parts, work, mode)
@@ -340,22 +418,10 @@ class CapturedStep:
             _restore(staged)
             self.step.evaluate_part(inputs, mode)
 
-    def _first_time(self, sizes):
-        """True (and remembered) the first time an execution of these batch sizes runs."""
-        if self.graphs.enabled and sizes in self._warm:
-            return False
-        self._warm.add(sizes)
-        return True
-
-
-def _rows(batch):
-    """A prepared batch's number of examples (host arrays, or a ``ResidentBatch``'s row numbers)."""
-    return len(batch.idx) if hasattr(batch, "idx") else len(batch[0])
-
 
 def _stage(slot, written):
     """Copy each ``(dev, buffer)`` a host part wrote into staging ``slot``'s buffer of the
-    same shape on that device (``dev.scratch``: made once, dropped by ``no_trace`` with a
+    same shape on that device (``dev.scratch``: made once, dropped by ``rolled_back_on_error`` with a
     failed step); ``[(dev, buffer, its staged copy)]``. Empty buffers are left out."""
     staged = []
     for n, (dev, buf) in enumerate(written):

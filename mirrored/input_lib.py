@@ -260,7 +260,7 @@ class ResidentRows:
 
     def caches(self):
         """The row-number buffers, made on first use: a training step that fails drops
-        what it added (``keras/step.py``'s ``no_trace``)."""
+        what it added (``keras/step.py``'s ``rolled_back_on_error``)."""
         return [self._idx]
 
     def gather(self, r, idx, targets, scalars=None):

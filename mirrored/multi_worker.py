@@ -372,7 +372,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if recording.active() is not None and not recording.in_host_code():
             # inside a @function's trace: the exchange between workers is host work, run again
             # at every replay; the result stays on the first local device (reduce_in_trace)
-            return reduce_in_trace(self, reduce_op, value, axis,
+            return reduce_in_trace(self.extended.devices[0], reduce_op, value, axis,
                                    lambda: self._reduce_across_workers(reduce_op, value, axis), local=False)
         return HostTensor.wrap(self._reduce_across_workers(reduce_op, value, axis))
 

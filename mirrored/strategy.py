@@ -412,7 +412,7 @@ class Strategy:
                                  f"with the given reduce op SUM over {n} replicas; return it from "
                                  f"strategy.run so that each replica contributes its own.")
         if recording.active() is not None:     # inside @function's trace: stays on the device
-            return reduce_in_trace(self, reduce_op, value, axis,
+            return reduce_in_trace(self.extended.devices[0], reduce_op, value, axis,
                                    lambda: reduce_on_host(reduce_op, host_components(value, "reduce"), axis)
                                    if isinstance(value, DistributedValues) or axis is not None
                                    else host_components(value, "reduce")[0])

@@ -121,7 +121,7 @@ def function(func=None, input_signature=None, autograph=True, jit_compile=None,
 
 
 class Function:
-    """A traced function: one ``Trace`` per input signature."""
+    """A traced function: one ``ConcreteFunction`` per input signature (TensorFlow's names)."""
 
     def __init__(self, func, input_signature=None, reduce_retracing=False, jit_compile=None):
         if not callable(func):
@@ -131,7 +131,7 @@ class Function:
         self.input_signature = input_signature
         self.reduce_retracing = reduce_retracing
         self.jit_compile = jit_compile
-        self._traces = {}              # signature key -> Trace
+        self._traces = {}              # signature key -> ConcreteFunction
         self._tracing_count = 0
         self._eager = None             # why it runs eagerly from now on (after the one warning)
         # One call at a time traces or replays (a replay writes into the trace's buffers;
@@ -202,7 +202,7 @@ class Function:
         if rec.refused is not None:
             self._fall_back(*rec.refused)
             return result                     # this call ran eagerly, completely
-        trace = Trace(slots, rec.entries, result)
+        trace = ConcreteFunction(slots, rec.entries, result)
         self._traces[key] = trace
         return trace.outputs()
 
@@ -428,8 +428,9 @@ def _copy(tensor):
 
 # --- one trace: its record and how it is replayed ------------------------------------------
 
-class Trace:
-    """One input signature's record: the input slots, the entries, the outputs."""
+class ConcreteFunction:
+    """One input signature's record: the input slots, the entries, the outputs (TensorFlow's
+    ``ConcreteFunction``: what ``get_concrete_function`` returns, one traced graph)."""
 
     def __init__(self, slots, entries, result):
         self.slots = slots
@@ -662,26 +663,24 @@ class ReplayGraphs(graphs.StepGraphs):
     def for_devices(cls, devices):
         """The graphs of a replay over ``devices``, or None where nothing can be captured
         (CPU devices, the simulator, several physical GPUs: the launch list is replayed)."""
+        # the launches are recorded, not summed by a cross-device op: only the card matters
         if not devices or graphs.why_not_capturable(devices[:1]) is not None:
             return None
         if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
             return None
-        made = cls(devices[:1])
-        made.devices = list(devices)           # every replica's stream joins the capture
-        return made
+        return cls(devices, checked=True)      # every replica's stream joins the capture
 
 
 # --- strategy.reduce inside a trace ----------------------------------------------------------
 
-def reduce_in_trace(strategy, reduce_op, value, axis, on_host, local=True):
-    """``strategy.reduce`` while a trace records: the result stays on the first replica's
-    device. Float values across replicas (``axis=None``): copied there and added in
+def reduce_in_trace(dev, reduce_op, value, axis, on_host, local=True):
+    """``strategy.reduce`` while a trace records: the result stays on ``dev``, the first
+    replica's device (the strategy passes it). Float values across replicas (``axis=None``): copied there and added in
     replica order, as ``strategy.reduce_on_host`` adds them (the same float32 sums),
     MEAN then divided by the count. Anything else, and every value where other workers
     hold replicas too (``local=False``: ``MultiWorkerMirroredStrategy``): ``on_host()``
     (the host's reduction) run as a host callback at every replay, its result uploaded
     into one buffer."""
-    dev = strategy.extended.devices[0]
     comps = list(value.values) if isinstance(value, DistributedValues) else [value]
     if local and axis is None and all(isinstance(c, Tensor) and c.dtype.kind == "f" and c.shape == comps[0].shape
                             and c.dtype == comps[0].dtype for c in comps):

@@ -28,7 +28,7 @@ def test_a_cpu_run_profiles_fit_and_names_the_step(tmp_path):
     text = (tmp_path / "p" / "prof-dense-graph.txt").read_text()
     assert text.startswith(line)
     assert "=== sorted by tottime" in text and "=== sorted by cumulative" in text
-    assert "keras/models.py" in text and "(fit)" in text      # the profile covers fit's step
+    assert "keras/trainer.py" in text and "(fit)" in text     # the profile covers fit's step
     # --json (gpu_session.sh's plan 40): the same figures and profile in one file
     doc = json.loads((tmp_path / "host_profile.json").read_text())
     assert doc["benchmark"] == "host_profile" and doc["model"] == "dense" and list(doc["modes"]) == ["graph"]

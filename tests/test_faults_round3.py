@@ -82,7 +82,7 @@ def dense_oracle(model, x):
 
 @watchdog
 def test_predict_and_call_work_on_a_model_never_compiled(strategy, rng, tmp_path):
-    """Crashed in step.no_trace (the optimizer is None). Keras predicts with such models;
+    """Crashed in step.no_trace (now ``rolled_back_on_error``; the optimizer is None). Keras predicts with such models;
     so does the interop workflow: a fresh model, weights from a file, predict."""
     with strategy.scope():
         model = tf.keras.Sequential([L.Dense(5, activation="relu", input_shape=(4,)), L.Dense(3)])

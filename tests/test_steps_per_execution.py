@@ -1,4 +1,4 @@
-"""Keras's ``compile(steps_per_execution=N)``: N batches per execution (``models.py``'s fit
+"""Keras's ``compile(steps_per_execution=N)``: N batches per execution (``trainer.py``'s fit
 loop, ``model_api.py``'s evaluate, ``graphs.py``'s ``CapturedStep.train_steps``).
 
 What must hold, and how it is checked:

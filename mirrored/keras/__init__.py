@@ -12,7 +12,7 @@ Three ways to write a model, one engine (a program of layer nodes): ``Sequential
 ``keras.Model(inputs, outputs)`` from ``keras.Input`` and layer calls (functional), and
 ``class M(keras.Model)`` with ``call`` (subclassed, traced on first use).
 
-Files: models.py (Model, Sequential, Functional: build and fit), functional.py (symbolic
+Files: models.py (Model, Sequential, Functional: made and built), trainer.py (fit), functional.py (symbolic
 tensors, layer calls recorded, the nodes' topological order, tracing), model_api.py (compile, evaluate,
 predict, weights, saving, summary), step.py (one training step: split,
 forward/backward, all-reduce, update; inference.py: evaluate's and predict's passes), engine.py (packed weights; a replica's

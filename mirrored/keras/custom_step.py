@@ -49,7 +49,7 @@ Eager: the step runs as Python every batch (``run_eagerly=True`` in Keras's term
 ``@tf.function`` trace would freeze the metrics' ``result()`` (host values), which the guide's
 step returns, so it would fall back to eager anyway (``recording.unrecordable``).
 
-Neighbours: ``models.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
+Neighbours: ``trainer.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
 ``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``tape.py``
 (``compute_average_loss``), ``input_lib.py`` (``split_batch``).
 """

@@ -421,7 +421,7 @@ class ResidentLoader:
         self._scratch = {}                      # (replica, leaf, b) -> (b, row) in the stored dtype
 
     def caches(self):
-        """The buffers made on first use, here and in the resident rows (``Step.no_trace``)."""
+        """The buffers made on first use, here and in the resident rows (``Step.rolled_back_on_error``)."""
         return [self._scratch] + self.resident.caches()
 
     def load(self, p, idx, scalars=None):

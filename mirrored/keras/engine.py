@@ -195,7 +195,7 @@ class ReplicaProgram:
 
     def caches(self):
         """The dicts of buffers made on first use (inputs, loss, gradient sums, every node's): a
-        step that fails drops what it added (``keras/step.py``'s ``no_trace``)."""
+        step that fails drops what it added (``keras/step.py``'s ``rolled_back_on_error``)."""
         return [self.input_cache, self._loss_buffers, self._grad_sums] + [s._buffers for s in self.states]
 
     def loss_buffers(self, b):

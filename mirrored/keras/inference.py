@@ -5,14 +5,27 @@ a batch) and a device part (launches only), as the training step is, so that
 ``mirrored.graphs.CapturedStep`` can capture the latter. ``InferencePasses`` is the base
 class of ``step.Step``, whose ``programs``, ``split`` and ``copy_in`` it uses.
 
+``InferencePasses`` subclasses ``graphs.StepPasses``, the contract ``CapturedStep`` runs a
+step through (graphs.py sits below keras/ and names what it needs there); the last three
+methods here fill in what the step itself does not say: the batch's rows, what a host part
+wrote, and how the optimizer's update count follows device parts that ran without their
+Python (a replay) or with it but launching nothing (a plan).
+
 Neighbours: ``step.py`` (the training step), ``engine.py`` (``ReplicaProgram.forward``
-and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these).
+and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these), ``graphs.py``
+(``StepPasses``, the contract).
 """
+import contextlib
+
 import numpy as np
 
+from mirrored.graphs import StepPasses
+from mirrored.keras.data_adapters import ResidentBatch
 
-class InferencePasses:
-    """Forward-only passes over ``self.programs`` (one per replica): evaluate, predict."""
+
+class InferencePasses(StepPasses):
+    """Forward-only passes over ``self.programs`` (one per replica): evaluate, predict; and
+    the rest of ``graphs.StepPasses`` (the module docstring)."""
 
     def evaluate(self, batch, mode):
         """Loss and accuracy of one global batch, added to the metrics on the devices."""
@@ -49,3 +62,42 @@ class InferencePasses:
     def read_outputs(self, outs):
         """Each replica's output buffer, read to the host (waits for its device)."""
         return [program.dev.to_numpy(out) for program, out in zip(self.programs, outs)]
+
+    # -- the rest of graphs.StepPasses ------------------------------------------------------------
+    def rows(self, batch):
+        """A prepared batch's number of examples (host arrays, or a ``ResidentBatch``'s row numbers)."""
+        return len(batch.idx) if isinstance(batch, ResidentBatch) else len(batch[0])
+
+    def written(self, inputs, training):
+        """What a host part wrote that its device part reads: the replicas' input buffers and,
+        for training, the optimizer's scalars on each device (``Optimizer.hyper``)."""
+        written = [(p.dev, buf) for p, (x, y) in zip(self.programs, inputs)     # y: labels, or
+                   for buf in (x,) + (y if isinstance(y, tuple) else (y,))]     # (labels, sample weights)
+        if training:
+            written += [(dev, self.model.optimizer.hyper[dev.name]) for dev in self.devices]
+        return written
+
+    @contextlib.contextmanager
+    def counted(self, steps):
+        """``steps`` updates counted done once the block ends (``updates_done``: what ``rolled_back_on_error``
+        compares), whether their Python ran in it once (an eager run, a capture), twice (a
+        capture, then its first replay) or not at all (a replay). A block that raises leaves the
+        count as the Python left it: an update that ran is counted, one that did not is not."""
+        opt = self.model.optimizer
+        done = opt.updates_done
+        yield
+        opt.updates_done = done + steps
+
+    @contextlib.contextmanager
+    def planned(self):
+        """Around a plan run (``kernels/compile_ahead.py``): the buffers it made are dropped
+        (``rolled_back_on_error``), and the count of updates done goes back (the plan ran the update's
+        Python, not its launch)."""
+        opt = self.model.optimizer
+        done = opt.updates_done if opt is not None else None
+        with self.rolled_back_on_error():
+            try:
+                yield
+            finally:
+                if opt is not None:
+                    opt.updates_done = done

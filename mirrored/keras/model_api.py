@@ -1,20 +1,22 @@
 """The rest of Keras's model API, what ``fit``'s step does not use: compile, evaluate,
-predict, calling the model, weights, saving, summary (``ModelAPI``, the base class of
-``models.Model``, hence of Sequential, functional and subclassed models alike; every method
-here is a method of the model, as in Keras).
+predict, calling the model, weights, saving, summary (``ModelAPI``, a base class of
+``models.Model`` beside ``trainer.Trainer``, hence of Sequential, functional and subclassed
+models alike; every method here is a method of the model, as in Keras).
 
-``models.py`` keeps what one training step of ``fit`` runs: building the model, the
-epoch loop and ``_train_on``. This file holds the methods around it, so that a student
-following the step reads ``models.py`` alone. ``evaluate`` and ``predict`` run the same
-``step.Step`` (its evaluate and predict passes, on the same replica programs); calling
-the model (``model(x)``) runs one replica's forward, remembered for ``GradientTape``.
+``models.py`` says what a model is (made, built), ``trainer.py`` what ``fit`` does with it;
+this file holds the methods around them, so that a student following the step reads
+``trainer.py`` alone. The three share one state, the attributes ``Model._setup`` makes
+(``trainer.py``'s docstring lists the contract). ``evaluate`` and ``predict`` run the same
+``step.Step`` (its evaluate and predict passes, on the same replica programs), captured as
+CUDA graphs where ``fit``'s step is (``Trainer.captured_step``); calling the model
+(``model(x)``) runs one replica's forward, remembered for ``GradientTape``.
 
 Every public method that runs or changes the model holds the model's re-entrant lock
 (``serialised``; ``models.py``'s docstring says why).
 
-Neighbours: ``models.py`` (Model, Sequential, Functional: build, fit), ``step.py`` (the passes),
-``saving.py`` (the files), ``data_adapters.py`` (what evaluate/predict accept),
-``tape.py`` (``ModelOutput``), ``progbar.py``.
+Neighbours: ``models.py`` (Model, Sequential, Functional: build), ``trainer.py`` (fit),
+``step.py`` (the passes), ``saving.py`` (the files), ``data_adapters.py`` (what
+evaluate/predict accept), ``tape.py`` (``ModelOutput``), ``progbar.py``.
 """
 import functools
 import itertools
@@ -89,8 +91,9 @@ def check_steps_per_execution(value, what="compile(steps_per_execution=...)"):
 
 
 class ModelAPI:
-    """Keras's model methods that are not ``fit``'s step (the module docstring); the base
-    class of ``models.Model``, whose ``_setup`` makes the state they use."""
+    """Keras's model methods that are not ``fit``'s step (the module docstring); a base
+    class of ``models.Model``, whose ``_setup`` makes the state they use (the contract:
+    ``trainer.py``'s docstring)."""
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -370,15 +373,15 @@ class ModelAPI:
             chunk = [data_adapters.prepare(self, batch) for batch in itertools.islice(data, per_execution)]
             if not chunk:
                 break
-            mode, trainer = self.step.loss_mode(), self._trainer()   # the model is built by now
+            mode, captured = self.step.loss_mode(), self.captured_step()   # the model is built by now
             self.use_own_weights()
-            if len(chunk) > 1 and trainer is not self.step and not self.host_metrics:
-                with self.step.no_trace():              # out of memory: nothing stays charged
-                    trainer.evaluate_steps(chunk, mode)   # one graph (graphs.py)
+            if len(chunk) > 1 and captured is not None and not self.host_metrics:
+                with self.step.rolled_back_on_error():              # out of memory: nothing stays charged
+                    captured.evaluate_steps(chunk, mode)   # one graph (graphs.py)
             else:
                 for batch in chunk:
-                    with self.step.no_trace():
-                        trainer.evaluate(batch, mode)
+                    with self.step.rolled_back_on_error():
+                        (captured or self.step).evaluate(batch, mode)
                     if self.host_metrics:
                         custom_step.update_from_programs(self, batch)
             step += len(chunk)
@@ -462,7 +465,7 @@ class ModelAPI:
             self.accept_inputs(xb.shape, xb.dtype)
             self.use_own_weights()                      # a model sharing a layer may hold its weights
             xb = np.ascontiguousarray(xb, np.float32).reshape(xb.shape[0], -1)   # (B, in)
-            with self.step.no_trace():                  # out of memory: nothing stays charged
+            with self.step.rolled_back_on_error():                  # out of memory: nothing stays charged
                 outs.extend(self._trainer().predict(xb))
             done += 1
         if verbose:

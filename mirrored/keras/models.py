@@ -1,5 +1,5 @@
-"""Keras's models (``Model``, ``Sequential``, ``Functional``), built, and ``fit``: the loop
-around one training step.
+"""Keras's models (``Model``, ``Sequential``, ``Functional``): made, built, used as layers
+(``fit``, the loop around one training step, is ``trainer.py``'s).
 
 Every model is one program of layer nodes (``engine.Node``s in topological order, run by
 ``engine.ReplicaProgram``): ``Sequential`` makes a chain, ``keras.Model(inputs, outputs)``
@@ -13,13 +13,14 @@ strategy.scope(): model = Sequential([...])``): its weights are then
 ``save_weights`` may be called inside or outside the scope — the course lab
 calls ``compile`` outside it with ``optimizers.Adam()`` created there.
 
-This file is what ``fit``'s step passes through on the Keras side: building the model
-(its program, its weights and its ``step.Step``) and ``fit``, Keras's loop around the step (epochs,
-callbacks, the progress line). What happens in one training step is in ``step.py``
-(split → forward/backward → all-reduce → update). The loss and accuracy stay on the
-devices and are read when the progress line is drawn. The rest of Keras's model API
-(compile, evaluate, predict, ``model(x)``, weights, saving, summary) is the base class,
-``model_api.ModelAPI``: methods of the model all the same.
+This file is what a model IS: made (``_setup`` makes the state every method of the model
+uses), built (its program, its weights and its ``step.Step``), used as a layer. What ``fit``
+does with it is the base class ``trainer.Trainer`` (``trainer.py``: Keras's loop around the
+step: epochs, callbacks, the progress line); what happens in one training step is in
+``step.py`` (split → forward/backward → all-reduce → update). The rest of Keras's model API
+(compile, evaluate, predict, ``model(x)``, weights, saving, summary) is the other base class,
+``model_api.ModelAPI``: methods of the model all the same. ``trainer.py``'s docstring writes
+down the contract between the three (``_setup``'s attributes).
 
 One model, many threads. Each public method that runs or changes the model (``fit``,
 ``evaluate``, ``predict``, ``train_step``, ``model(x)`` outside ``strategy.run``, the
@@ -33,41 +34,35 @@ to call, so without it a second thread's batch overwrote the first's mid-step. I
 a custom loop's ``strategy.run`` calling the model while another thread runs its ``fit``;
 taking the model's lock there would deadlock a callback that calls ``strategy.run``.)
 
-Neighbours: ``model_api.py`` (the rest of the model's methods), ``layers.py`` (what a
-model is made of), ``step.py`` (the step),
+Neighbours: ``trainer.py`` (fit), ``model_api.py`` (the rest of the model's methods),
+``layers.py`` (what a model is made of), ``step.py`` (the step),
 ``data_adapters.py`` (what fit/evaluate/predict accept), ``saving.py``,
 ``losses.py``, ``optimizers.py``, ``callbacks.py``, ``progbar.py``,
 ``tape.py`` (``GradientTape`` custom loops use the same replica programs).
 """
 import contextlib
-import itertools
 import threading
-import warnings
 
 import numpy as np
 
-from mirrored import backends, recording, strategy as _strategy
-from mirrored.graphs import CapturedStep, StepGraphs
-from mirrored.keras import callbacks as _callbacks
-from mirrored.keras import custom_loop, custom_step, data_adapters, sample_weights
+from mirrored import recording, strategy as _strategy
 from mirrored.keras import saving
 from mirrored.keras import functional, model_call
 from mirrored.keras.base_layer import snake_case
 from mirrored.keras.dropout import Dropout
+from mirrored.keras.layers import InputLayer, Layer
+from mirrored.keras.model_api import ModelAPI
 from mirrored.keras.engine import Node
-from mirrored.keras.layers import IMAGE_LAYERS, InputLayer, Layer
-from mirrored.keras.model_api import (ModelAPI, check_keras_arguments, check_steps_per_execution,
-                                      no_batches_error, serialised)
-from mirrored.keras.progbar import Progbar
-from mirrored.keras.step import Step, check_compiled
-from mirrored.values import Variable, components
+from mirrored.keras.step import Step
+from mirrored.keras.trainer import Trainer, is_default_strategy
+from mirrored.values import components
 
 
 @saving.register_model_class
-class Model(ModelAPI):
+class Model(Trainer, ModelAPI):
     """Keras's ``Model``: one program of layer nodes (``engine.Node``) and everything Keras's
-    model API does with it (compile, evaluate, predict, weights and saving are the base
-    class's, ``model_api.py``). Three ways to make one, one engine:
+    model API does with it (``fit`` is the base class ``Trainer``'s, ``trainer.py``; compile,
+    evaluate, predict, weights and saving ``ModelAPI``'s, ``model_api.py``). Three ways to make one, one engine:
 
     * ``keras.Model(inputs, outputs)``: a ``Functional`` model, the nodes between them;
     * ``Sequential([...])``: a chain of nodes;
@@ -120,22 +115,17 @@ class Model(ModelAPI):
         self.history = None
         self.stop_training = False
 
-    def __setattr__(self, name, value):
-        """Layers and models set as attributes (one, or a list of them) are the model's, in the
-        order set (Keras tracks them so: ``model.layers`` of a subclassed model)."""
-        found = value if isinstance(value, (list, tuple)) else [value]
-        if not name.startswith("_") and found and all(isinstance(v, (Layer, ModelAPI)) for v in found):
-            tracked = self.__dict__.setdefault("_tracked", [])
-            tracked += [v for v in found if all(v is not t for t in tracked)]
-        if not name.startswith("_") and found and all(isinstance(v, Variable) for v in found):
-            own = self.__dict__.setdefault("_own_variables", [])    # its tf.Variables (model_call.py)
-            own += [v for v in found if all(v is not t for t in own)]
-        super().__setattr__(name, value)
-
     @property
     def layers(self):
         """The model's layers in Keras's order (that of ``model.weights``)."""
         return list(self._layers if self._layers is not None else self.__dict__.get("_tracked", []))
+
+    def scalar_examples(self):
+        """A subclassed model whose ``call`` works on its own variables takes x of shape (N,) as
+        Keras does: ``call`` gets (b,), one scalar per example (``model_call.py``). A model of
+        layers only keeps the "no batch axis" error: its layers take (b, features)."""
+        return type(self)._program is Model._program and bool(self.own_variables) and (
+            self._input_shape is None or self.__dict__.get("_scalar_call", False))
 
     @property
     def own_variables(self):
@@ -143,21 +133,6 @@ class Model(ModelAPI):
         set (Keras tracks them so); they come before its layers' weights."""
         own = self.__dict__.get("_own_variables", ())
         return [v for v in own if v.trainable] + [v for v in own if not v.trainable]
-
-    @property
-    def steps_per_execution(self):
-        """Keras's: how many batches ``fit`` and ``evaluate`` run per execution (the callbacks'
-        batch hooks are called once per execution); ``compile(steps_per_execution=N)`` sets it."""
-        return self._steps_per_execution
-
-    @steps_per_execution.setter
-    def steps_per_execution(self, value):
-        self._steps_per_execution = check_steps_per_execution(value, "model.steps_per_execution")
-
-    @property
-    def distribute_strategy(self):
-        """The strategy the model was created under (Keras's name)."""
-        return self._strategy
 
     @property
     def input_shape(self):
@@ -169,7 +144,7 @@ class Model(ModelAPI):
         return None if self.nodes is None else (None,) + tuple(self.nodes[-1].layer.output_shape)
 
     def _scope(self):
-        if _is_default(self._strategy):
+        if is_default_strategy(self._strategy):
             return contextlib.nullcontext()
         return self._strategy.scope()
 
@@ -280,80 +255,6 @@ class Model(ModelAPI):
         """A model used as a layer keeps its layers' state in its layers (saving reads them)."""
         return None
 
-    def accept_inputs(self, shape, dtype, what="x"):
-        """Check a batch of inputs of ``shape`` (batch axis first) and ``dtype``, build the
-        model from it if need be, and check it against the model's input shape
-        (``check_example_shape``). Raises before anything is computed or changed."""
-        shape, dtype = tuple(shape), np.dtype(dtype)
-        if dtype.kind not in "biuf":
-            raise TypeError(f"{what} has dtype {dtype}{_why_not_numbers(dtype)}; the model takes "
-                            f"numbers (float32): convert it with np.asarray({what}, np.float32) after "
-                            f"removing or filling the missing entries.")
-        keras_expands = self._input_shape is not None and shape[1:] + (1,) == tuple(self._input_shape)
-        if len(shape) == 1 and self._scalar_examples():    # call takes x of shape (b,): model_call.py
-            self.__dict__["_scalar_call"], keras_expands = True, True
-            shape = shape + (1,)
-        if len(shape) < 2 and not keras_expands:     # (B,) for input shape (1,): Keras adds the axis
-            want = "(batch, features)" if self._input_shape is None else str((None,) + self._input_shape)
-            raise ValueError(f"{what} of shape {shape} has no batch axis: the model takes a batch of "
-                             f"examples, shape {want}. For one example use {what}[None] "
-                             f"(shape {(1,) + shape}).")
-        self.build((None,) + shape[1:])
-        self.check_example_shape(shape[1:], what)
-
-    def _scalar_examples(self):
-        """A subclassed model whose ``call`` works on its own variables takes x of shape (N,) as
-        Keras does: ``call`` gets (b,), one scalar per example (``model_call.py``). A model of
-        layers only keeps the "no batch axis" error: its layers take (b, features)."""
-        return type(self)._program is Model._program and bool(self.own_variables) and (
-            self._input_shape is None or self.__dict__.get("_scalar_call", False))
-
-    def check_example_shape(self, shape, what="x"):
-        """Refuse examples of ``shape`` that the model would misread, as Keras 3 does.
-
-        The examples must have the model's input shape. Keras 3 also accepts a last axis
-        of size 1 added or missing ((28, 28) for (28, 28, 1) and back), and so do we for
-        every first layer but an image layer (Conv2D, MaxPooling2D), which reads the
-        image's axes: MNIST as a 28x28 array is not a (28, 28, 1) image until its
-        channel axis is added, and saying so beats a silent reshape. Anything else,
-        such as (784,) for (28, 28, 1), is refused, as Keras refuses it: the step would
-        copy the numbers in and train on them silently.
-        """
-        shape, want = tuple(shape), tuple(self._input_shape)
-        if shape == want:
-            return
-        readers = [node.layer for node in self.nodes if 0 in node.inputs]     # the input's layers
-        first = next((layer for layer in readers if isinstance(layer, IMAGE_LAYERS)), readers[0])
-        if isinstance(first, IMAGE_LAYERS):
-            hint = (" Add the channel axis: x[..., None] (NumPy) or "
-                    "dataset.map(lambda image, label: (image[..., None], label))."
-                    if shape + (1,) == want else "")
-            raise ValueError(f"the model's first layer, {type(first).__name__} {first.name!r}, takes images "
-                             f"of shape {want} (height, width, channels), got examples of shape {shape}.{hint}")
-        if shape + (1,) == want or shape == want + (1,):    # Keras 3's last-axis squeeze
-            return
-        raise ValueError(f"the model expects inputs of shape {(None,) + want}, got {what} with examples of "
-                         f"shape {shape} ((batch,) + {shape}). Reshape {what} to (batch,) + {want}, or build "
-                         f"the model for this shape (input_shape={shape}).")
-
-    def _check_strategy(self):
-        """Refuse to run under the scope of a strategy other than the model's, as TensorFlow
-        refuses variables created outside the scope they are used in. Outside every scope
-        (the course lab's ``compile``/``fit`` after the ``with`` block) the model's own
-        strategy is used. A model not yet built and created outside any scope adopts the
-        strategy whose scope it is first used in (its weights do not exist yet)."""
-        current = _strategy.get_strategy()
-        if _is_default(current) or current is self._strategy:
-            return
-        if not self.built and _is_default(self._strategy):
-            self._strategy = current
-            return
-        raise ValueError(
-            f"the model's variables were not created in the scope of {current!r}, the strategy in force "
-            f"now: the model was created under {self._strategy!r}. Create the model inside the scope of "
-            f"the strategy that trains it:\n  with strategy.scope():\n    model = create_model()\n"
-            f"  model.compile(...)\n  model.fit(...)   # inside or outside the scope")
-
     # -- weights -------------------------------------------------------------------------
     @property
     def weights(self):
@@ -389,218 +290,6 @@ class Model(ModelAPI):
     variables = weights
     trainable_weights = trainable_variables
     non_trainable_weights = non_trainable_variables
-
-    @property
-    def _step_graphs(self):
-        """This model's CUDA graphs (``mirrored.graphs.StepGraphs``, made on first use), or
-        None when it runs eagerly (``run_eagerly=True``). Their ``reason`` says why not
-        where there is nothing to capture; only ``compile(cuda_graph=True)`` warns of it."""
-        if self._run_eagerly or self.step is None:
-            return None
-        if self._graphs is None:
-            self._graphs = StepGraphs(self.step.devices, self._strategy.extended.cross_device_ops)
-            if self._graphs.reason and self._graphs_asked:
-                warnings.warn(f"compile(cuda_graph=True): {self._graphs.reason}; fit, evaluate and "
-                              f"predict run eagerly (the same launches, one by one).", stacklevel=5)
-        return self._graphs
-
-    def _trainer(self):
-        """What runs fit's, evaluate's and predict's passes: the step itself, or the step
-        with its device parts captured as CUDA graphs (``mirrored/graphs.py``)."""
-        graphs = self._step_graphs
-        if graphs is None or graphs.reason is not None:     # None: graphs are used
-            return self.step
-        if self._captured is None or self._captured.graphs is not graphs:
-            self._captured = CapturedStep(self.step, graphs)
-        return self._captured
-
-    # -- one step ---------------------------------------------------------------------------
-    @custom_step.default
-    @serialised
-    def train_step(self, x, y):
-        """One training step on a host batch x (B, ...), y (B,): split, forward/backward on
-        every replica, all-reduce, update (``step.py``). ``fit`` runs this for every batch."""
-        check_compiled(self, "training")
-        if self.built and self.step.packed_at != Layer.trainable_changes:
-            self.check_trainable("train_step")
-        self._check_strategy()
-        self._train_on((x, y))
-
-    def _train_on(self, batch):
-        """One training step on a batch from ``data_adapters.batches``."""
-        batch = data_adapters.prepare(self, batch)   # x (B, in) float32, y (B,), or row numbers
-        if self._claimed != custom_loop.MOVES[0]:    # a model sharing a layer may hold its weights
-            self.use_own_weights()
-        with self.step.no_trace():                   # a step that raises changes nothing
-            self._trainer().train(batch)
-        if self.host_metrics:                        # compile(metrics=["mae", fn, Metric()])
-            custom_step.update_from_programs(self, batch)
-
-    def _train_execution(self, batches):
-        """One execution of ``compile(steps_per_execution=N)``: the training steps of
-        ``batches`` (1 to N), in order. On a GPU with graphs, one replay runs them all
-        (``CapturedStep.train_steps``); elsewhere they run one after the other, each all or
-        nothing, so a failure keeps the steps before it (counted, every copy updated).
-        A model with its own ``train_step`` runs that on each (``custom_step.py``)."""
-        if self._custom_train:
-            return custom_step.train(self, batches)
-        trainer = self._trainer() if self.built else None       # the first batch builds the model
-        if trainer is not None and self._claimed != custom_loop.MOVES[0]:
-            self.use_own_weights()
-        if len(batches) > 1 and trainer is not None and trainer is not self.step and not self.host_metrics:
-            trainer.train_steps([data_adapters.prepare(self, batch) for batch in batches])
-            return
-        for batch in batches:
-            self._train_on(batch)
-
-    def _logs(self, prefix="", across_workers=True):
-        if self._custom_train:                       # the user's step: what it returned
-            return dict(self.step_logs or {})
-        return self.device_logs(prefix, across_workers)
-
-    def device_logs(self, prefix="", across_workers=True):
-        """The logs of fit's and evaluate's own step: the loss (and accuracy) summed on the
-        devices, and the compiled metrics kept on the host."""
-        logs = self.step.logs(self._metric_names, prefix, across_workers)
-        if self.host_metrics:                        # read on the host (this worker's)
-            logs.update(custom_step.host_logs(self, prefix))
-        return logs
-
-    def _verbosity(self, verbose):
-        """Keras's ``verbose`` ("auto" = 1); 0 on a worker that is not the chief, which
-        trains in silence (``MultiWorkerMirroredStrategy``: only the chief prints)."""
-        verbose = 1 if verbose == "auto" else int(verbose)
-        return verbose if self._strategy.extended.should_checkpoint else 0
-
-    # -- fit / evaluate / predict -------------------------------------------------------------
-    @serialised
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_data=None, shuffle=True, initial_epoch=0, steps_per_epoch=None,
-            validation_split=0.0, **kwargs):
-        """Train for ``epochs`` epochs; prints Keras's progress line; returns a ``History``.
-
-        ``x``: arrays (with ``y``), a batched ``mirrored.data.Dataset``, or
-        ``strategy.experimental_distribute_dataset(ds, options)`` (TensorFlow accepts
-        it too); with ``InputOptions(experimental_place_dataset_on_device=True)`` the
-        data set stays on the devices (``input_lib``'s docstring). ``sample_weight=`` (arrays: one
-        weight per example; a data set yields (x, y, sample_weight) triples instead) and
-        ``class_weight={class: weight}`` weigh each example's loss as Keras 3 does
-        (``sample_weights.py``). Keras's ``validation_steps``/``_batch_size``/``_freq`` are refused
-        unless left at their defaults (``model_api.NOT_IMPLEMENTED``), as is an argument Keras lacks.
-
-        ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
-        with the batch callbacks called once per execution, as Keras 3 calls them.
-        """
-        self._custom_train = type(self).train_step is not Model.train_step   # the user's own step
-        if self._custom_train and self.optimizer is None:
-            raise RuntimeError("You must call `compile()` before `fit()`: model.compile(optimizer=...).")
-        if not self._custom_train:
-            check_compiled(self, "training")
-        if self.built and self.step.packed_at != Layer.trainable_changes:   # a layer's trainable was set
-            self.check_trainable("fit")
-        weights = {k: kwargs.pop(k, None) for k in ("sample_weight", "class_weight")}   # Keras's weighting
-        if kwargs:                                   # Keras's arguments not implemented here
-            check_keras_arguments("fit", kwargs)
-        self._check_strategy()
-        data_adapters.check_batch_size(batch_size, "fit")
-        if self._custom_train and any(w is not None for w in weights.values()):
-            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own is "
-                                      "not implemented here: pass a data set of (x, y, sample_weight) triples "
-                                      "and weigh the loss in the train_step.")
-        with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
-            return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
-                             initial_epoch, steps_per_epoch, validation_split, **weights)
-
-    def _fit(self, x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
-             initial_epoch, steps_per_epoch, validation_split, sample_weight=None, class_weight=None):
-        if validation_split and validation_data is None:   # Keras: validation_data wins
-            w = None if sample_weight is None else sample_weights.check(sample_weight, len(x))
-            (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
-            if w is not None:                              # Keras splits the weights alike
-                sample_weight, validation_data = w[:len(x)], validation_data + (w[len(x):],)
-        verbose = self._verbosity(verbose)
-        per_execution = self.steps_per_execution
-        if self._custom_train:
-            batches, steps = custom_step.batches(self, x, y, batch_size, shuffle)
-        else:
-            batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle, sample_weight, class_weight)
-        if steps_per_epoch is not None:
-            steps = steps_per_epoch
-        history = _callbacks.History()
-        cbs = list(callbacks or []) + [history]
-        params = {"verbose": verbose, "epochs": epochs, "steps": steps}
-        for cb in cbs:
-            cb.set_model(self)
-            cb.set_params(params)
-        self.stop_training = False
-        logs = None
-        for cb in cbs:
-            cb.on_train_begin(None)          # Keras passes logs to every hook: lambdas take them
-        begin_hooks = _callbacks.batch_hooks(cbs, "on_train_batch_begin")   # no-ops left out
-        end_hooks = _callbacks.batch_hooks(cbs, "on_train_batch_end")
-        for epoch in range(initial_epoch, epochs):
-            for cb in cbs:
-                cb.on_epoch_begin(epoch, None)
-            if verbose:
-                print(f"Epoch {epoch + 1}/{epochs}")
-            bar = Progbar(steps, verbose) if verbose else None     # verbose=0 draws nothing
-            if self._custom_train:
-                self.reset_metrics()                 # Keras: every metric, each epoch
-            else:
-                if self.built:
-                    self.step.zero_metrics()
-                if self.host_metrics:
-                    custom_step.reset_compiled(self)
-            step, data = 0, iter(batches)
-            while steps_per_epoch is None or step < steps_per_epoch:
-                # One execution (Keras's steps_per_execution=N; N=1 by default): up to N
-                # batches, never past the epoch's end, as Keras documents it ("truncated to
-                # the size of the epoch"; its TensorFlow loop runs a last execution whole
-                # when the data goes on past steps_per_epoch). The batch hooks see its first
-                # index and begin + N - 1 (Keras's, even for a last execution of fewer batches).
-                n = per_execution if steps_per_epoch is None else min(per_execution, steps_per_epoch - step)
-                chunk = list(itertools.islice(data, n))
-                if not chunk:
-                    break
-                for hook in begin_hooks:
-                    hook(step, None)
-                self._train_execution(chunk)
-                last, step = step + per_execution - 1, step + len(chunk)
-                if end_hooks or verbose:
-                    # Keras's batch logs: the epoch's running metrics, read only if asked for;
-                    # this worker's (no collective: the other workers may not ask, nor draw a bar)
-                    batch_logs = _callbacks.batch_logs(end_hooks, lambda: self._logs(across_workers=False))
-                    for hook in end_hooks:
-                        hook(last, batch_logs)
-                    if verbose and bar.wants_update(step):
-                        bar.update(step, dict(batch_logs))   # the epoch's line is over every worker
-                if self.stop_training:          # Keras checks after every execution too
-                    break
-            if not step:
-                raise no_batches_error("train_function", x, epoch)
-            if steps_per_epoch is not None and step < steps_per_epoch and not self.stop_training:
-                warnings.warn(RAN_OUT_OF_DATA, stacklevel=4)    # Keras 3: the next epoch starts the data again
-            logs = self._logs()
-            if validation_data is not None:
-                logs.update(self._evaluate(validation_data, batch_size, verbose=0, prefix="val_"))
-            if verbose:
-                bar.target = bar.target if bar.target is not None else step
-                bar.finish(step, logs)
-            for cb in cbs:
-                cb.on_epoch_end(epoch, logs)
-            if self.stop_training:
-                break
-        for cb in cbs:
-            cb.on_train_end(logs)
-        history.params = params
-        self.history = history
-        return history
-
-#: Keras 3's warning (trainers/epoch_iterator.py) when steps_per_epoch is more than the data has.
-RAN_OUT_OF_DATA = ("Your input ran out of data; interrupting training. Make sure that your dataset or "
-                   "generator can generate at least `steps_per_epoch * epochs` batches. You may need to "
-                   "use the `.repeat()` function when building your dataset.")
-
 
 @saving.register_model_class
 class Sequential(Model):
@@ -651,27 +340,6 @@ class Sequential(Model):
                 shape = layer.nested_output_shape(shape)
             nodes += functional.expand(layer, (len(nodes),), False, len(nodes))
         return nodes
-
-
-def run_alone(layer, inputs, kwargs):
-    """``layer(x)`` on data for a library layer, outside any model (TF's autodiff guide:
-    ``layer = Dense(2, activation='relu'); y = layer(x)`` under a tape): a one-layer
-    ``Sequential`` made on the first call and kept with the layer, so ``layer.weights`` and
-    ``layer.trainable_variables`` are that model's, and a tape differentiates the call as any
-    model call. Shapes after the first must have the same features (the layer is built)."""
-    shape = tuple(np.shape(inputs)[1:])
-    model = layer.__dict__.get("alone")
-    if model is None:
-        model = Sequential([InputLayer(shape), layer])
-        layer.__dict__["alone"] = model
-    elif tuple(model.input_shape[1:]) != shape:
-        raise ValueError(f"{type(layer).__name__} {layer.name!r} was first called on examples of shape "
-                         f"{tuple(model.input_shape[1:])}, now on {shape}: call it on the same shape "
-                         f"(it is built for it), or make another layer.")
-    return model(inputs, training=bool(kwargs.get("training") or False))
-
-
-Layer.run_alone = staticmethod(run_alone)
 
 
 @saving.register_model_class
@@ -763,13 +431,22 @@ def _keras_defaults(what, kwargs):
     return trainable
 
 
-def _is_default(strategy):
-    """True for the default (no-scope, one-replica) strategy."""
-    return isinstance(strategy, _strategy.DefaultStrategy)
+def run_alone(layer, inputs, kwargs):
+    """``layer(x)`` on data for a library layer, outside any model (TF's autodiff guide:
+    ``layer = Dense(2, activation='relu'); y = layer(x)`` under a tape): a one-layer
+    ``Sequential`` made on the first call and kept with the layer, so ``layer.weights`` and
+    ``layer.trainable_variables`` are that model's, and a tape differentiates the call as any
+    model call. Shapes after the first must have the same features (the layer is built)."""
+    shape = tuple(np.shape(inputs)[1:])
+    model = layer.__dict__.get("alone")
+    if model is None:
+        model = Sequential([InputLayer(shape), layer])
+        layer.__dict__["alone"] = model
+    elif tuple(model.input_shape[1:]) != shape:
+        raise ValueError(f"{type(layer).__name__} {layer.name!r} was first called on examples of shape "
+                         f"{tuple(model.input_shape[1:])}, now on {shape}: call it on the same shape "
+                         f"(it is built for it), or make another layer.")
+    return model(inputs, training=bool(kwargs.get("training") or False))
 
 
-def _why_not_numbers(dtype):
-    """For an error about a non-numeric ``dtype``: why (an object array usually holds None)."""
-    if dtype.kind == "O":
-        return " (an object array: it holds None or other entries that are not numbers)"
-    return ""
+Layer.run_alone = staticmethod(run_alone)

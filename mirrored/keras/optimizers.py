@@ -90,7 +90,7 @@ class Optimizer(OptimizerState):
                     dev.upload_into(buf, host)
             self.hyper[dev.name] = buf
 
-    def caches(self):  # the buffers made on first use: a failed step drops what it added (no_trace)
+    def caches(self):  # the buffers made on first use: a failed step drops what it added (rolled_back_on_error)
         return [self._slots, self._own]
 
     def update(self, pack, around=None):
@@ -115,7 +115,7 @@ class Optimizer(OptimizerState):
                     if self.transforming:                              # clipping, weight decay
                         self.before_update(dev, w, g, key)
                     self.update_buffer(dev, w, g, key)
-            self.updates_done += 1          # done on every copy: a Ctrl-C now leaves it counted (no_trace)
+            self.updates_done += 1          # on every copy: a Ctrl-C now leaves it counted (rolled_back_on_error)
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):

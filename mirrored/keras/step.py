@@ -15,8 +15,8 @@ four steps of the README, each a visible call::
                           copies stay bitwise equal                    (optimizers.update)
 
 A step is a *host part* (1, every buffer the step needs, and the optimizer's per-step
-scalars: one copy per device) and a *device part* (2-4: kernel launches only). A step
-that raises leaves no trace (``Step.no_trace``: the step count and the memory as before).
+scalars: one copy per device) and a *device part* (2-4: kernel launches; the update count).
+A step that raises leaves no trace (``rolled_back_on_error``: the step count and the memory as before).
 Nothing here times or captures: ``mirrored.lab.timing.TimedStep`` times each phase, and
 ``mirrored.graphs.CapturedStep`` runs the device part through a CUDA graph; both wrap
 this step from outside and launch exactly the same kernels.
@@ -24,13 +24,13 @@ this step from outside and launch exactly the same kernels.
 A custom training loop runs this same step: ``model(x, training=True)`` and ``tape.gradient``
 run step 2 on the replica's ``ReplicaProgram`` (the methods ``forward_backward`` calls), and
 ``optimizer.apply_gradients`` calls ``Step.apply_gradients``: the optimizer's scalars, then
-``reduce_and_update`` (steps 3-4), inside ``no_trace``: fit's weights, bit for bit
+``reduce_and_update`` (steps 3-4), inside ``rolled_back_on_error``: fit's weights, bit for bit
 (``tests/test_one_step.py``). Only who drives the replicas differs: one host thread here
 (``copy_in``), a thread per replica under ``strategy.run``, meeting at ``apply_gradients``'s
 merge point, where the last to arrive runs steps 3-4 once.
 
 Neighbours: ``engine.py`` (what a replica runs), ``optimizers.py`` (the update),
-``data_adapters.py`` (where batches come from), ``models.py`` (``fit`` calls ``train``).
+``data_adapters.py`` (where batches come from), ``trainer.py`` (``fit`` calls ``train``).
 """
 import contextlib
 
@@ -89,7 +89,7 @@ class Step(InferencePasses):
 
         Every buffer the step needs is made here, on every replica, before the optimizer
         counts the step and before any replica computes: a batch too large for a
-        device's ``memory_limit`` fails here, with nothing changed (``no_trace``)."""
+        device's ``memory_limit`` fails here, with nothing changed (``rolled_back_on_error``)."""
         parts, load, scale = self.split(batch)                 # 1. N shares of the global batch,
         scalars = self.model.optimizer.step_scalars()          #    and the update's scalars (Adam's
         loaded = self.copy_in(parts, load, scalars)            #    alpha): ONE copy onto each device
@@ -101,7 +101,7 @@ class Step(InferencePasses):
         return [(x, y) for x, y, _ in loaded], scale
 
     def device_part(self, inputs, mode, scale):
-        """Steps 2-4: kernel launches only (what a CUDA graph can capture)."""
+        """Steps 2-4: kernel launches (a CUDA graph holds them) and the update count (graphs.StepPasses)."""
         for program, (x, y) in zip(self.programs, inputs):
             self.forward_backward(program, x, y, mode, scale)  # 2. forward, loss, backward per replica
         self.reduce_and_update(self.model.optimizer)           # 3-4. below
@@ -114,13 +114,13 @@ class Step(InferencePasses):
     def apply_gradients(self, optimizer):
         """A custom training loop's ``optimizer.apply_gradients``, once every replica's
         ``tape.gradient`` has written its packed gradient buffer (step 2): this step's scalars,
-        then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace (``no_trace``)."""
-        with self.no_trace(optimizer):
+        then steps 3-4, exactly as ``fit`` makes them. A failure leaves no trace (``rolled_back_on_error``)."""
+        with self.rolled_back_on_error(optimizer):
             optimizer.begin_step(self.devices)
             self.reduce_and_update(optimizer)
 
     @contextlib.contextmanager
-    def no_trace(self, optimizer=None):
+    def rolled_back_on_error(self, optimizer=None):
         """A step that raises inside this block leaves no trace: the optimizer's step count goes
         back, and every buffer made during the block is dropped again (the replicas' input, layer
         and loss buffers, the optimizer's new slots, the devices' scratch, the ring's staging
