@@ -121,16 +121,14 @@ class Model(Trainer, ModelAPI):
         return list(self._layers if self._layers is not None else self.__dict__.get("_tracked", []))
 
     def scalar_examples(self):
-        """A subclassed model whose ``call`` works on its own variables takes x of shape (N,) as
-        Keras does: ``call`` gets (b,), one scalar per example (``model_call.py``). A model of
-        layers only keeps the "no batch axis" error: its layers take (b, features)."""
+        """A subclassed model whose ``call`` works on its own variables takes x of shape (N,), as
+        Keras: ``call`` gets (b,) (``model_call.py``); a model of layers needs (b, features)."""
         return type(self)._program is Model._program and bool(self.own_variables) and (
             self._input_shape is None or self.__dict__.get("_scalar_call", False))
 
     @property
     def own_variables(self):
-        """The ``tf.Variable``s set as the model's attributes, trainable first, each in the order
-        set (Keras tracks them so); they come before its layers' weights."""
+        """Its ``tf.Variable`` attributes, trainable first, in the order set (before its layers')."""
         own = self.__dict__.get("_own_variables", ())
         return [v for v in own if v.trainable] + [v for v in own if not v.trainable]
 
