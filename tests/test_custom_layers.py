@@ -292,3 +292,63 @@ def test_keras_file_round_trip_through_custom_objects(devices, rng, tmp_path):
         for a, b in zip(loaded.get_weights(), model.get_weights()):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+class CountingDense(SimpleDense):
+    """SimpleDense that counts how often its Python ``call`` runs."""
+
+    calls = 0
+
+    def call(self, inputs):
+        type(self).calls += 1
+        return super().call(inputs)
+
+
+class HostReadingDense(SimpleDense):
+    """A call that reads a value on the host (an ``if`` on a tensor): never replayable."""
+
+    calls = 0
+
+    def call(self, inputs):
+        type(self).calls += 1
+        y = super().call(inputs)
+        return y * 2.0 if float(tf.reduce_sum(inputs)) > 1e9 else y
+
+
+@pytest.mark.parametrize("layer_class", [CountingDense, HostReadingDense])
+def test_fit_replays_a_call_layers_launches_bitwise_as_running_its_python(devices, rng, layer_class):
+    """fit records a call-layer's first forward/backward per batch size and replays the launches
+    after (Keras traces its train step); the weights are bitwise those of running the Python
+    every step (``call_layers.layer_settings.eager``). A call that reads the host runs every step."""
+    from mirrored.keras import call_layers
+    from test_custom_losses import my_huber
+    strategy = _strategy(devices, 2)
+    x = rng.random((40, 3)).astype(np.float32)
+    y = (3 * rng.random((40, 2))).astype(np.float32)
+    results = []
+    for eager in (False, True):
+        call_layers.layer_settings.eager = eager
+        try:
+            with strategy.scope():
+                model = tf.keras.Sequential([layer_class(4, activation="relu", input_shape=(3,)), layer_class(2)])
+            model.compile(loss=my_huber, optimizer=tf.keras.optimizers.SGD(0.1))
+            if results:
+                model.set_weights(results[0][0])
+            start = model.get_weights()
+            layer_class.calls = 0
+            history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+            results.append((start, model.get_weights(), history.history["loss"], layer_class.calls))
+            _assert_replicas_equal(model)
+        finally:
+            call_layers.layer_settings.eager = False
+    (_, replayed, loss_r, calls_r), (_, eager_w, loss_e, calls_e) = results
+    for a, b, w0 in zip(replayed, eager_w, results[0][0]):
+        np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(a, w0)
+    np.testing.assert_array_equal(loss_r, loss_e)
+    steps = 3 * 5 * 2 * 2                              # epochs x batches x replicas x layers
+    assert calls_e >= steps
+    if layer_class is CountingDense:
+        assert calls_r <= 2 * 2 * 2, calls_r           # once per layer, replica and training flag
+    else:
+        assert calls_r >= steps                        # never replayed: its Python every step

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
-from mirrored import autodiff, context, devices, ops, values
+from mirrored import autodiff, backends, context, devices, ops, recording, values
 from mirrored.keras import initializers, non_trainable
 from mirrored.keras.tape import GradientTape
 from mirrored.tensor import Tensor
@@ -204,11 +204,127 @@ def _takes_training(call):
 # --- the engine's protocol ----------------------------------------------------------------
 
 def make_buffers(layer, state, b):
-    """What the forward keeps for the backward, per batch size: its tape, inputs and output."""
-    return SimpleNamespace(tape=None, xs=None, y=None)
+    """What the forward keeps for the backward, per batch size: its tape, inputs and output;
+    and the recorded passes (``compiled``, below)."""
+    return SimpleNamespace(tape=None, xs=None, y=None, compiled={}, pending=None, replaying=None)
+
+
+# --- compiled: the first step's launches, replayed -----------------------------------------
+# Keras runs fit's step as a tf.function: the Python of a layer's ``call`` runs when the step
+# is traced, its ops are replayed afterwards. So here: the first forward and backward of a
+# call-layer for a batch size (and training flag, and input buffers) run inside a
+# ``Recording`` (``mirrored/recording.py``, the per-thread recorder @tf.function uses); later
+# steps replay the launches into the same buffers, with none of the ops' Python. A ``call``
+# that reads a value on the host (an ``if`` on a tensor) cannot be replayed: it stays eager,
+# every step. Not inside another trace (a @tf.function's, whose replay covers it already).
+
+_EAGER = "eager"                                 # this key's call cannot be replayed
+
+
+def address(buf):
+    """Where a buffer's data starts (a key: the same buffer every step, or not)."""
+    cai = getattr(buf, "__cuda_array_interface__", None)
+    return cai["data"][0] if cai is not None else buf.__array_interface__["data"][0]
+
+
+def _recordable():
+    return backends.BOUNDARY.recorder is None and not getattr(layer_settings, "eager", False)
+
+
+#: ``layer_settings.eager = True`` (per thread) runs call-layers' Python every step (debugging).
+layer_settings = threading.local()
+
+
+def run_recorded(store, key, fn):
+    """``fn()`` the first time for ``key`` (its device calls recorded), the recorded launches
+    replayed after; ``store`` keeps them (a dict of the caller's). Returns the first call's
+    result (the same buffers every time). A ``fn`` that reads the device on the host runs
+    eagerly every time (``custom_losses.Loss.run_in``: a loss written in ops, in fit)."""
+    if not _recordable():
+        return fn()
+    entry = store.get(key)
+    if entry is _EAGER:
+        return fn()
+    if entry is not None:
+        for launch in entry[0].entries:
+            launch.run()
+        return entry[1]
+    rec = recording.Recording()
+    with rec:
+        result = fn()
+    if rec.refused is not None:
+        store[key] = _EAGER
+        return result
+    rec.forget()
+    store[key] = (rec, result)
+    return result
 
 
 def forward(layer, state, x, training=False):
+    """x: (b,) + input shape (a list for a layer called on several) -> y's buffer: the layer's
+    ``call`` run (and recorded, the first time), or its recorded launches replayed."""
+    parts = list(x) if isinstance(x, (list, tuple)) else [x]
+    b = parts[0].shape[0]
+    if b == 0 or not _recordable():
+        return _forward_eager(layer, state, x, training)
+    buf = state.buffers(b)
+    key = (bool(training),) + tuple(address(p) for p in parts)
+    entry = buf.compiled.get(key)
+    if entry is _EAGER:
+        return _forward_eager(layer, state, x, training)
+    if entry is not None:                        # replay: the launches, none of the Python
+        for launch in entry["forward"].entries:
+            launch.run()
+        buf.replaying = entry
+        return entry["y"]
+    rec = recording.Recording()
+    with rec:
+        y = _forward_eager(layer, state, x, training)
+    if rec.refused is not None:
+        buf.compiled[key] = _EAGER
+        buf.pending = None
+        return y
+    rec.forget()
+    entry = {"forward": rec, "y": y}
+    if training:
+        buf.pending = (key, entry)               # complete once the backward is recorded too
+    else:
+        buf.compiled[key] = entry
+    buf.replaying = None
+    return y
+
+
+def backward(layer, state, dy):
+    """The gradient of the last forward (``_backward_eager``), or the recorded one replayed."""
+    b = dy.shape[0]
+    if b == 0:
+        return _backward_eager(layer, state, dy)
+    buf = state.buffers(b)
+    entry = buf.replaying
+    if entry is not None and entry.get("backward") is not None and entry["dy"] == address(dy):
+        for launch in entry["backward"].entries:
+            launch.run()
+        return entry["dx"]
+    pending, buf.pending = buf.pending, None
+    if pending is None or not _recordable():
+        if entry is not None:                    # a replayed forward: its tape is the recorded one's
+            buf.tape, buf.xs, buf.y = entry["tape"], entry["xs"], entry["y_tensor"]
+        return _backward_eager(layer, state, dy)
+    key, entry = pending
+    entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y)   # kept: a later eager backward needs them
+    rec = recording.Recording()
+    with rec:
+        dx = _backward_eager(layer, state, dy)
+    if rec.refused is not None:
+        buf.compiled[key] = _EAGER
+        return dx
+    rec.forget()
+    entry.update(backward=rec, dx=dx, dy=address(dy))
+    buf.compiled[key] = entry
+    return dx
+
+
+def _forward_eager(layer, state, x, training=False):
     """x: (b,) + input shape (a list for a layer called on several) -> y's buffer."""
     multi = isinstance(x, (list, tuple))
     parts = list(x) if multi else [x]
@@ -219,7 +335,7 @@ def forward(layer, state, x, training=False):
         return dev.empty((0,) + tuple(layer.output_shape), FLOAT)
     buf = state.buffers(b)
     xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]
-    tape = GradientTape()
+    tape = GradientTape(persistent=True)         # a replayed step may walk it again (backward)
     with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
         with tape:
             tape.watch(xs)
@@ -237,7 +353,7 @@ def forward(layer, state, x, training=False):
     return y.buf
 
 
-def backward(layer, state, dy):
+def _backward_eager(layer, state, dy):
     """dy: d loss / d y -> the weights' gradients into ``state.grads``; dx's buffer (or a
     tuple of them), None when no earlier layer needs it (``state.need_dx``)."""
     b = dy.shape[0]
