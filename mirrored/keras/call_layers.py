@@ -18,7 +18,8 @@ its own; the base ``Layer`` hands those to this module:
                          every variable read there is replica r's copy (``values.replica_copies``:
                          the views into r's packed buffer, ``engine.ParameterPack``); the tape
                          and the output kept for the backward; y's buffer returned
-    backward(state, dy)  tape.gradient(y, [x] + weights, output_gradients=dy): the weights'
+    backward(state, dy)  tape.gradient([y] + the values ``call`` gave ``add_loss``, [x] + weights,
+                         output_gradients=[dy] + [1/N each]: fit's loss includes them): the weights'
                          gradients copied into ``state.grads`` (r's packed gradient buffer, so
                          still one ring and one optimizer launch a step), dx's buffer returned
 
@@ -206,7 +207,7 @@ def _takes_training(call):
 def make_buffers(layer, state, b):
     """What the forward keeps for the backward, per batch size: its tape, inputs and output;
     and the recorded passes (``compiled``, below)."""
-    return SimpleNamespace(tape=None, xs=None, y=None, compiled={}, pending=None, replaying=None)
+    return SimpleNamespace(tape=None, xs=None, y=None, added=[], compiled={}, pending=None, replaying=None)
 
 
 # --- compiled: the first step's launches, replayed -----------------------------------------
@@ -308,10 +309,10 @@ def backward(layer, state, dy):
     pending, buf.pending = buf.pending, None
     if pending is None or not _recordable():
         if entry is not None:                    # a replayed forward: its tape is the recorded one's
-            buf.tape, buf.xs, buf.y = entry["tape"], entry["xs"], entry["y_tensor"]
+            buf.tape, buf.xs, buf.y, buf.added = entry["tape"], entry["xs"], entry["y_tensor"], entry["added"]
         return _backward_eager(layer, state, dy)
     key, entry = pending
-    entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y)   # kept: a later eager backward needs them
+    entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y, added=buf.added)   # kept: a later eager backward's
     rec = recording.Recording()
     with rec:
         dx = _backward_eager(layer, state, dy)
@@ -340,16 +341,17 @@ def _forward_eager(layer, state, x, training=False):
         with tape:
             tape.watch(xs)
             tape.watch(list(layer.trainable_weights))
-            _calls.in_model = True                # add_loss refused here (see add_loss)
+            added, _calls.in_model = [], []      # add_loss collects into this list (see add_loss)
             try:
                 y = run_call(layer, xs if multi else xs[0], training)
+                added = _calls.in_model
             finally:
-                _calls.in_model = False
+                _calls.in_model = None
     want = (b,) + tuple(layer.output_shape)
     if y.shape != want:
         raise ValueError(f"{type(layer).__name__} {layer.name!r}: call returned shape {y.shape} for a "
                          f"batch of {b}, expected {want} (the output shape it gave when built).")
-    buf.tape, buf.xs, buf.y = tape, xs, y
+    buf.tape, buf.xs, buf.y, buf.added = tape, xs, y, added
     return y.buf
 
 
@@ -365,7 +367,10 @@ def _backward_eager(layer, state, dy):
     asked = [x for x, wanted in zip(buf.xs, need) if wanted]     # dx only where a layer before needs it
     with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
         seed = Tensor(view(dy, buf.y.shape), dev)
-        grads = buf.tape.gradient(buf.y, asked + weights, output_gradients=seed)
+        # the layer's added losses join fit's loss, each scaled 1/N per replica (Keras scales
+        # model.losses so under MirroredStrategy): d/d value = 1/N (``state.penalty_factor``)
+        shares = [ops.ones_like(v) * state.penalty_factor for v in buf.added]
+        grads = buf.tape.gradient([buf.y] + buf.added, asked + weights, output_gradients=[seed] + shares)
         n = len(asked)
         for dst, g in zip([state.grads[slots[id(w)]] for w in weights], grads[n:]):
             if g is None:                        # the output does not depend on this weight
@@ -388,15 +393,15 @@ _calls = threading.local()        # .depth: eager calls in progress; .in_model: 
 
 
 def add_loss(layer, loss):
-    """``self.add_loss(value)`` inside ``call``: kept in the layer's ``losses`` until its next
-    outermost call (Keras clears them then). Outside a model only: the tape of a custom loop
-    sees the term (``loss += sum(model.losses)``); in a model's step there is no place for it."""
-    if getattr(_calls, "in_model", False):
-        raise NotImplementedError(
-            f"{type(layer).__name__} {layer.name!r}: add_loss inside a model's forward (fit, "
-            f"predict, model(x)) is not implemented here. Call the layer on its own in a "
-            f"GradientTape loop (loss = loss_fn(y, layer(x)) + sum(layer.losses)), or add the term "
-            f"to the loss function, or use add_weight(regularizer=...) for a weight penalty.")
+    """``self.add_loss(value)`` inside ``call``. Called on its own (``layer(x)``): kept in the
+    layer's ``losses`` until its next outermost call (Keras clears them then), for the tape of a
+    custom loop (``loss += sum(layer.losses)``). In a model's forward: kept for the layer's
+    backward, which adds the term's gradient x 1/N to the model's (``_backward_eager``), as
+    fit's loss is the compiled loss plus the added ones. fit's reported loss leaves them out."""
+    collecting = getattr(_calls, "in_model", None)
+    if collecting is not None:
+        collecting.append(ops.as_tensor(loss))
+        return
     layer.__dict__.setdefault("_added_losses", []).append(ops.as_tensor(loss))
 
 

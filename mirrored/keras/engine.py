@@ -116,15 +116,15 @@ class LayerState:
     """
 
     __slots__ = ("layer", "dev", "ops", "replica_id", "global_replica_id", "weights", "grads",
-                 "need_dx", "_buffers", "fused", "accumulate")
+                 "need_dx", "_buffers", "fused", "accumulate", "penalty_factor")
 
     def __init__(self, layer, dev, replica_id, weights, grads, need_dx, global_replica_id=None,
-                 accumulate=None):
+                 accumulate=None, penalty_factor=1.0):
         self.layer, self.dev, self.ops, self.replica_id = layer, dev, dev.ops, replica_id
         # among every worker's replicas (MultiWorkerMirroredStrategy); the local id on one machine
         self.global_replica_id = replica_id if global_replica_id is None else global_replica_id
         self.weights, self.grads, self.need_dx, self.accumulate = weights, grads, need_dx, accumulate
-        self._buffers = {}
+        self._buffers, self.penalty_factor = {}, penalty_factor   # 1/N: add_loss's share (call_layers.py)
         self.fused = None        # the neighbour's state when two layers run as one op (Conv2D's fuse_next)
 
     def buffers(self, b):
@@ -169,7 +169,7 @@ class ReplicaProgram:
             weights, grads, packed = non_trainable.layer_views(layer, pack, replica_id, own)  # + frozen ones'
             self.states.append(LayerState(layer, self.dev, replica_id, weights,
                                           grads, need_dx if node.multi else need_dx[0],
-                                          replica_offset + replica_id, None if own else packed))
+                                          replica_offset + replica_id, None if own else packed, self.penalty_factor))
             upstream.append(n > 0 or any(need_dx))
         for i, (node, state) in enumerate(zip(self.nodes, self.states)):   # layers that run as one op
             fuse = getattr(node.layer, "fuse_next", None)     # if its output feeds one node, not the loss
