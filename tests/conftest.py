@@ -429,3 +429,14 @@ class ReplayByRerun:
 
     def close(self):
         pass
+
+
+def replica_strategy(devices, n, kind="CPU"):
+    """A MirroredStrategy over ``n`` logical CPUs, or ``n`` simulated logical GPUs (``kind``
+    "GPU": the CUDA path end to end), configured by the ``devices`` fixture."""
+    import mirrored as tf
+    if kind == "GPU":
+        devices(cpus=1, gpus=n)
+    else:
+        devices(cpus=n)
+    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])

@@ -10,6 +10,7 @@ import pytest
 
 import mirrored as tf
 from mirrored.values import MirroredVariable
+from conftest import replica_strategy
 
 
 class SimpleDense(tf.keras.layers.Layer):
@@ -41,13 +42,7 @@ class Linear(tf.keras.layers.Layer):
         return tf.matmul(inputs, self.w) + self.b
 
 
-def _strategy(devices, n, kind="CPU"):
-    """n replicas on logical CPUs, or on simulated logical GPUs (the CUDA path end to end)."""
-    if kind == "GPU":
-        devices(cpus=1, gpus=n)
-    else:
-        devices(cpus=n)
-    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
+_strategy = replica_strategy
 
 
 def _models(strategy, din, hidden, classes, lr):

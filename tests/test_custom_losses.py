@@ -5,6 +5,7 @@ import pytest
 
 import mirrored as tf
 from mirrored.values import MirroredVariable
+from conftest import replica_strategy
 
 
 def my_huber(y_true, y_pred):
@@ -26,13 +27,7 @@ class MyCrossentropy(tf.keras.losses.Loss):
         return -tf.reduce_sum(y_true * tf.math.log(y_pred), axis=-1)
 
 
-def _strategy(devices, n, kind="CPU"):
-    """n replicas on logical CPUs, or on simulated logical GPUs (the CUDA path end to end)."""
-    if kind == "GPU":
-        devices(cpus=1, gpus=n)
-    else:
-        devices(cpus=n)
-    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
+_strategy = replica_strategy
 
 
 def _linear(strategy, din, dout, loss, lr, activation=None):

@@ -16,16 +16,12 @@ import pytest
 import mirrored as tf
 from mirrored import keras
 from mirrored.values import MirroredVariable
+from conftest import replica_strategy
 
 FIT_TOL = dict(rtol=2e-4, atol=2e-5)      # float32 training against float64
 
 
-def _strategy(devices, n, kind="CPU"):
-    if kind == "GPU":
-        devices(cpus=1, gpus=n)
-    else:
-        devices(cpus=n)
-    return tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(n)])
+_strategy = replica_strategy
 
 
 def _replicas_equal(model):

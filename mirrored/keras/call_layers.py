@@ -181,7 +181,7 @@ def _device_for(layer):
 
 def run_call(layer, inputs, training):
     """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor."""
-    kwargs = {"training": bool(training)} if _takes_training(type(layer).call) else {}
+    kwargs = {"training": bool(training)} if takes_training(type(layer).call) else {}
     y = layer.call(inputs, **kwargs)
     if isinstance(y, (list, tuple, dict)):
         raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a "
@@ -194,7 +194,8 @@ def run_call(layer, inputs, training):
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_training(call):
+def takes_training(call):
+    """Whether ``call`` takes Keras's ``training=`` argument (by name, or through **kwargs)."""
     try:
         params = inspect.signature(call).parameters
     except (TypeError, ValueError):

@@ -26,9 +26,8 @@ it back to a (b,) output; ``predict`` gives (N, 1) where Keras gives (N,).
 Neighbours: ``models.py`` (``Model._program`` picks this path), ``call_layers.py`` (how a
 layer's ``call`` runs in the engine), ``functional.py`` (the traced path).
 """
-import inspect
-
 from mirrored import ops
+from mirrored.keras import call_layers
 from mirrored.keras.base_layer import Layer
 
 
@@ -49,14 +48,8 @@ class ModelCall(Layer):
         call = type(self.model).call
         if self.scalars:                         # the engine keeps a feature axis; Keras's call has none
             inputs = ops.squeeze(inputs, -1)
-        y = call(self.model, inputs, training=training) if _takes_training(call) else call(self.model, inputs)
+        kwargs = {"training": training} if call_layers.takes_training(call) else {}
+        y = call(self.model, inputs, **kwargs)
         y = ops.as_tensor(y)
         return ops.expand_dims(y, -1) if self.scalars and y.ndim == 1 else y
 
-
-def _takes_training(call):
-    try:
-        params = inspect.signature(call).parameters
-    except (TypeError, ValueError):
-        return False
-    return "training" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
