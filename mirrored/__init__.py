@@ -90,7 +90,7 @@ from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, b
 # TensorFlow's ops (tf.square, tf.where, tf.matmul, ...): mirrored/ops.py, each with its gradient
 from mirrored import image, ops
 from mirrored import ops as math   # tf.math: the same functions
-from mirrored.ops import (abs, add, argmax, argmin, broadcast_to, cast, ceil, clip_by_value, concat,  # noqa: A004
+from mirrored.ops import (abs, add, argmax, argmin, broadcast_to, cast, ceil, clip_by_value, concat, gather,  # noqa: A004
                           cos, divide, equal, exp, expand_dims, eye, fill, floor, greater, greater_equal,
                           less, less_equal, linspace, log, logical_and, logical_not, logical_or, logical_xor, matmul,
                           maximum, minimum, multiply, negative, newaxis, not_equal, one_hot, ones, ones_like,

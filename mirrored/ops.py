@@ -33,7 +33,8 @@ transpose               strided_copy (strides permuted)         transpose(g, inv
 x[...] (slicing)        strided_copy (offset, strides)          g copied into zeros at the slice
 concat, stack           strided_copy into slabs                 g sliced per input
 broadcast_to            strided_copy (stride 0)                 g summed back
-one_hot, softmax,       compositions of the ops above           (follows from theirs)
+one_hot, gather,        compositions of the ops above           (follows from theirs)
+softmax,
 log_softmax, the
 cross entropies
 random.normal/uniform   random_fill, random_advance (random.py)  none (no input)
@@ -861,6 +862,33 @@ def size(input, out_type=np.int32, name=None):  # noqa: A002
 def rank(input, name=None):  # noqa: A002
     x = as_tensor(input)
     return tensor.constant(np.int32(x.ndim), device=x.dev)
+
+
+def gather(params, indices, validate_indices=None, axis=None, batch_dims=0, name=None):
+    """``tf.gather``: the slices of ``params`` along ``axis`` at ``indices`` (any shape of
+    integers); the result's shape is params.shape[:axis] + indices.shape + params.shape[axis+1:].
+
+    Written as ``one_hot(indices) @ params`` (the slices stacked as rows): the gradient is then
+    matmul's, the scatter-add TensorFlow's gather has, and an index outside [0, n) gives zeros,
+    as TensorFlow's gather on a GPU (its CPU kernel raises). Costs n multiply-adds per output
+    value: for the vocabulary-sized gathers of large models a row-gather kernel would serve."""
+    if batch_dims:
+        raise NotImplementedError("gather(batch_dims=...) is not implemented; gather each batch row.")
+    x = as_tensor(params)
+    idx = as_tensor(indices, device=x.dev)
+    if idx.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"gather: indices must be integers, got {idx.dtype}.")
+    a = _axes(0 if axis is None else axis, x.ndim)[0]
+    moved = x if a == 0 else transpose(x, [a] + [k for k in range(x.ndim) if k != a])
+    n = moved.shape[0]
+    rows = reshape(moved, (n, -1))                                  # (n, L)
+    picks = one_hot(reshape(idx, (-1,)), n, dtype=x.dtype)          # (m, n)
+    out = reshape(matmul(picks, rows), idx.shape + moved.shape[1:])
+    if a == 0:
+        return out
+    k = idx.ndim                                                    # the gathered axes back in place
+    rest = list(range(k, out.ndim))
+    return transpose(out, rest[:a] + list(range(k)) + rest[a:])
 
 
 # --- creation -------------------------------------------------------------------------------

@@ -417,3 +417,19 @@ def test_python_control_flow_on_a_tensor_in_a_traced_function_is_never_a_stale_b
             want = v * 2 if v.sum() > 0 else v - 1
             np.testing.assert_allclose(f(tf.constant(v)).numpy(), want, rtol=1e-6)
     assert len([w for w in caught if "eagerly" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gather_along_each_axis_and_its_gradient(on, rng, dev):
+    """``tf.gather``: np.take's values on every axis, indices of any shape; the gradient (a
+    scatter-add: repeated indices add up) against central differences; out of range: zeros."""
+    with on(dev):
+        p = rng.normal(size=(4, 3, 2))
+        for axis, idx in ((0, rng.integers(0, 4, (2, 3))), (1, np.array([2, 0, 2])), (2, np.array([[1], [1]]))):
+            y, (g,) = tape_grads(lambda t: tf.gather(t, idx, axis=axis) * 3.0, [p])
+            np.testing.assert_array_equal(y.numpy(), np.take(p, idx, axis=axis) * 3.0)
+            np.testing.assert_allclose(g.numpy(), numeric_grad(lambda v: np.take(v, idx, axis=axis) * 3.0, [p], 0),
+                                       rtol=1e-6, atol=1e-8)
+        labels = tf.gather(tf.constant([5, 6, 7]), np.array([2, 0]))
+        assert labels.dtype == np.int32 and labels.numpy().tolist() == [7, 5]
+        np.testing.assert_array_equal(tf.gather(p, np.array([1, 9])).numpy()[1], np.zeros((3, 2)))
