@@ -347,3 +347,41 @@ def test_fit_replays_a_call_layers_launches_bitwise_as_running_its_python(device
         assert calls_r <= 2 * 2 * 2, calls_r           # once per layer, replica and training flag
     else:
         assert calls_r >= steps                        # never replayed: its Python every step
+
+
+def test_real_keras_reads_a_custom_layers_weights_and_we_read_its(devices, rng, tmp_path):
+    """Where Keras 3 is installed (skipped otherwise): the same SimpleDense class written for
+    each library; .weights.h5 files go both ways and the two predict the same numbers."""
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "numpy")
+    keras = pytest.importorskip("keras")
+    devices(cpus=1)
+
+    def keras_model():
+        class SimpleDense(keras.layers.Layer):      # the same class name: Keras keys weights by it
+            def __init__(self, units, **kwargs):
+                super().__init__(**kwargs)
+                self.units = units
+
+            def build(self, input_shape):
+                self.w = self.add_weight(shape=(input_shape[-1], self.units), initializer="random_normal",
+                                         name="kernel")
+                self.b = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+
+            def call(self, inputs):
+                return keras.ops.matmul(inputs, self.w) + self.b
+        return keras.Sequential([keras.Input((3,)), SimpleDense(4), keras.layers.Dense(2)])
+
+    x = rng.random((5, 3)).astype(np.float32)
+    theirs = keras_model()
+    theirs.set_weights([rng.standard_normal(w.shape).astype(np.float32) for w in theirs.get_weights()])
+    theirs.save_weights(tmp_path / "k.weights.h5")
+    with tf.device("CPU:0"):
+        ours = tf.keras.Sequential([SimpleDense(4, input_shape=(3,)), tf.keras.layers.Dense(2)])
+        ours.load_weights(tmp_path / "k.weights.h5")
+        np.testing.assert_allclose(ours.predict(x, verbose=0), theirs.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+        ours.set_weights([w * 0.5 for w in ours.get_weights()])
+        ours.save_weights(tmp_path / "m.weights.h5")
+        back = keras_model()
+        back.load_weights(tmp_path / "m.weights.h5")
+        np.testing.assert_allclose(back.predict(x, verbose=0), ours.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
