@@ -202,9 +202,10 @@ register(adam_kernel, "adam_kernel", sig(_F32, _F32, _F32, _F32, _F32), block=gr
 # --- launchers ------------------------------------------------------------------------------------
 
 
-def _check_buffers(what, w, g, state, hyper, hyper_size):
+def check_buffers(what, w, g, state, hyper, hyper_size):
     """w float32 contiguous; g and each state buffer the same shape; no overlaps;
-    hyper a float32 vector of ``hyper_size`` on the device."""
+    hyper a float32 vector of ``hyper_size`` on the device (at its front). Every optimizer
+    launcher checks its arguments so (``optimizers_more.py`` too)."""
     check_array(f"{what}: w", w, np.float32)
     check_array(f"{what}: g", g, np.float32, shape=w.shape)
     for name, s in state.items():
@@ -223,7 +224,7 @@ def sgd(w, g, velocity, hyper, nesterov=False, stream=None):
     == 0): float32, same shape, C-contiguous. ``hyper``: a (2,) float32 device
     array holding ``sgd_scalars(lr, momentum)``. As in Keras, ``nesterov`` has no
     effect without momentum."""
-    _check_buffers("sgd", w, g, {"velocity": velocity} if velocity is not None else {},
+    check_buffers("sgd", w, g, {"velocity": velocity} if velocity is not None else {},
                    hyper, SGD_HYPER_SIZE)
     if not w.size:
         return w
@@ -240,7 +241,7 @@ def adam(w, g, m, v, hyper, stream=None):
     """Keras Adam step on the GPU, in place on w, m, v (float32, same shape,
     C-contiguous, m and v start as zeros). ``hyper``: a (4,) float32 device array
     holding ``adam_scalars(lr, step, ...)`` for this step."""
-    _check_buffers("adam", w, g, {"m": m, "v": v}, hyper, ADAM_HYPER_SIZE)
+    check_buffers("adam", w, g, {"m": m, "v": v}, hyper, ADAM_HYPER_SIZE)
     if w.size:
         launch(adam_kernel, *grid_1d(w.size), stream, flat(w), flat(g), flat(m),
                flat(v), hyper)

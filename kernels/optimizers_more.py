@@ -31,7 +31,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from kernels.launch import check_array, check_no_alias, flat, grid_1d, launch
+from kernels.launch import flat, grid_1d, launch
+from kernels.optimizers import check_buffers   # the argument checks every optimizer launcher makes
 from kernels.registry import register, sig, vec
 
 #: Where each scalar sits in the vectors (the kernels index them by these names).
@@ -135,27 +136,12 @@ register(adagrad_kernel, "adagrad_kernel", sig(_F32, _F32, _F32, _F32), block=gr
 
 # --- launchers ------------------------------------------------------------------------------------
 
-def _check(what, w, g, slots, hyper, hyper_size):
-    """w float32 contiguous; g and every slot the same shape; no overlaps; hyper on the device."""
-    check_array(f"{what}: w", w, np.float32)
-    check_array(f"{what}: g", g, np.float32, shape=w.shape)
-    for name, s in slots.items():
-        check_array(f"{what}: {name}", s, np.float32, shape=w.shape)
-    check_array(f"{what}: hyper (the {what}_scalars(...) vector, on the device)", hyper, np.float32, ndim=1)
-    if hyper.shape[0] < hyper_size:           # a longer one carries a tail (gradient_transforms.py)
-        raise ValueError(f"{what}: hyper has {hyper.shape[0]} scalars, expected {hyper_size} "
-                         f"(the {what}_scalars(...) vector) at its front.")
-    written = [w, *slots.values()]
-    for i, out in enumerate(written):
-        check_no_alias(what, out, g, hyper, *written[i + 1:])
-
-
 def rmsprop(w, g, velocity, momentum, average, hyper, stream=None):
     """Keras RMSprop step on the GPU, in place. ``momentum`` / ``average``: None when
     Keras has no such slot (momentum == 0 / not centered). ``hyper``: (5,) float32 on the device."""
     slots = {k: s for k, s in (("velocity", velocity), ("momentum", momentum), ("average", average))
              if s is not None}
-    _check("rmsprop", w, g, slots, hyper, RMSPROP_HYPER_SIZE)
+    check_buffers("rmsprop", w, g, slots, hyper, RMSPROP_HYPER_SIZE)
     if w.size:
         launch(rmsprop_kernel, *grid_1d(w.size), stream, flat(w), flat(g), flat(velocity),
                flat(velocity if momentum is None else momentum), flat(velocity if average is None else average),
@@ -165,7 +151,7 @@ def rmsprop(w, g, velocity, momentum, average, hyper, stream=None):
 
 def adagrad(w, g, accumulator, hyper, stream=None):
     """Keras Adagrad step on the GPU, in place. ``hyper``: (2,) float32 on the device."""
-    _check("adagrad", w, g, {"accumulator": accumulator}, hyper, ADAGRAD_HYPER_SIZE)
+    check_buffers("adagrad", w, g, {"accumulator": accumulator}, hyper, ADAGRAD_HYPER_SIZE)
     if w.size:
         launch(adagrad_kernel, *grid_1d(w.size), stream, flat(w), flat(g), flat(accumulator), hyper)
     return w

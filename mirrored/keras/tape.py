@@ -354,7 +354,7 @@ class GradientTape:
 
     def _fused_gradient(self, node, flat):
         """The course's loop: one loss kernel and the model's backward kernels."""
-        r, pack = self._backward(node)
+        r, pack = _fused_backward(node)
         if pack is None:
             raise TypeError("this loss has no model output and no model.losses term: nothing to "
                             "differentiate here.")
@@ -418,8 +418,6 @@ class GradientTape:
                     g = grads[k] if g is None else g + grads[k]
             out.append(g)
         return out
-
-    _backward = staticmethod(lambda node: _fused_backward(node))
 
 
 def _fused_backward(node):
