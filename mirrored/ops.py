@@ -453,13 +453,18 @@ def logical_not(x, name=None):
     return _logical_not(x)
 
 
+_leaky_relu = _unary("leaky_relu", "")
+_elu = _unary("elu", "")
+
+
 def leaky_relu(features, alpha=0.2, name=None):
     """``x if x > 0 else alpha * x`` (``tf.nn.leaky_relu``; TF's default alpha is 0.2)."""
-    return _unary("leaky_relu", "")(features, alpha=alpha)
+    return _leaky_relu(features, alpha=alpha)
 
 
 def elu(features, alpha=1.0, name=None):
-    return _unary("elu", "")(features, alpha=alpha)
+    """``x if x > 0 else alpha * (exp(x) - 1)`` (``tf.nn.elu``)."""
+    return _elu(features, alpha=alpha)
 
 
 def cast(x, dtype, name=None):
@@ -551,8 +556,8 @@ def reduce_mean(input_tensor, axis=None, keepdims=False, name=None):
         return tensor.reduce_mean(x, None, keepdims)
     count = int(np.prod([x.shape[a] for a in _axes(axis, x.ndim)], dtype=np.int64))
     total = reduce_sum(x, axis, keepdims)
-    if x.dtype.kind in "iu":
-        return floordiv(total, max(count, 1))
+    if x.dtype.kind in "iu":                     # TF: the integer mean truncates toward zero
+        return cast(total / max(count, 1), x.dtype)
     return total / float(count) if count else total / 0.0
 
 

@@ -203,6 +203,8 @@ def test_tensorflow_dtype_rules(cpu):
     assert (i / tf.constant([2, 2])).dtype == np.float64              # TF's truediv of int32
     np.testing.assert_array_equal((tf.constant([-7, 7]) // 2).numpy(), [-4, 3])   # floor
     np.testing.assert_array_equal((tf.constant([-7, 7]) % 3).numpy(), [2, 1])     # floor mod
+    m = tf.reduce_mean(tf.constant([[-3, -2], [7, 8]]), axis=1)                 # truncates toward 0
+    assert m.dtype == np.int32 and m.numpy().tolist() == [-2, 7]
     with pytest.raises(InvalidArgumentError, match=r"\(2,\).*\(3,\)"):
         f + tf.constant([1.0, 2.0, 3.0])
     with pytest.raises(TypeError, match="unhashable"):
