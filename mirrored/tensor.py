@@ -53,7 +53,90 @@ def as_dtype(dtype):
         raise TypeError(f"{dtype!r} is not a dtype; use e.g. mirrored.float32 or 'int64'.") from None
 
 
-class Tensor:
+#: What the operators call: ``mirrored/ops.py`` (the op table) fills it when imported
+#: (``import mirrored`` imports it), so this file need not import the ops above it.
+OPERATORS = {}
+
+
+class Operators:
+    """The arithmetic operators of a tensor and of a variable (``values.Variable`` reads its
+    value through them, so a tape watches it): each calls its op in ``OPERATORS``. NumPy
+    defers to them (``np_array - tensor`` is a tensor, as in TensorFlow)."""
+
+    __slots__ = ()
+    __array_priority__ = 100
+
+    def __add__(self, other):
+        return OPERATORS["add"](self, other)
+
+    def __radd__(self, other):
+        return OPERATORS["radd"](self, other)
+
+    def __sub__(self, other):
+        return OPERATORS["sub"](self, other)
+
+    def __rsub__(self, other):
+        return OPERATORS["rsub"](self, other)
+
+    def __mul__(self, other):
+        return OPERATORS["mul"](self, other)
+
+    def __rmul__(self, other):
+        return OPERATORS["rmul"](self, other)
+
+    def __truediv__(self, other):
+        return OPERATORS["truediv"](self, other)
+
+    def __rtruediv__(self, other):
+        return OPERATORS["rtruediv"](self, other)
+
+    def __floordiv__(self, other):
+        return OPERATORS["floordiv"](self, other)
+
+    def __rfloordiv__(self, other):
+        return OPERATORS["rfloordiv"](self, other)
+
+    def __mod__(self, other):
+        return OPERATORS["mod"](self, other)
+
+    def __rmod__(self, other):
+        return OPERATORS["rmod"](self, other)
+
+    def __pow__(self, other):
+        return OPERATORS["pow"](self, other)
+
+    def __rpow__(self, other):
+        return OPERATORS["rpow"](self, other)
+
+    def __matmul__(self, other):
+        return OPERATORS["matmul"](self, other)
+
+    def __rmatmul__(self, other):
+        return OPERATORS["rmatmul"](self, other)
+
+    def __lt__(self, other):
+        return OPERATORS["lt"](self, other)
+
+    def __le__(self, other):
+        return OPERATORS["le"](self, other)
+
+    def __gt__(self, other):
+        return OPERATORS["gt"](self, other)
+
+    def __ge__(self, other):
+        return OPERATORS["ge"](self, other)
+
+    def __neg__(self):
+        return OPERATORS["neg"](self)
+
+    def __abs__(self):
+        return OPERATORS["abs"](self)
+
+    def __getitem__(self, key):
+        return OPERATORS["getitem"](self, key)
+
+
+class Tensor(Operators):
     """An array on one device. Create with ``mirrored.constant`` or from ops."""
 
     __slots__ = ("_buf", "_device", "_node", "_mirrored_parent", "__weakref__")
@@ -150,69 +233,9 @@ class Tensor:
                              f"reduce it first (mirrored.reduce_sum, .numpy().any()).")
         return bool(self.numpy())
 
-    # -- operators: TensorFlow's ops (mirrored/ops.py fills OPERATORS when it is imported)
+    # -- operators: TensorFlow's ops (``Operators`` below, and the ones only a tensor has)
     # ``==`` and ``!=`` compare elementwise, as TF 2's tensors do, so a Tensor is not hashable
     # (TF's rule too: key a dict by ``t.ref()`` or ``id(t)``).
-    def __add__(self, other):
-        return OPERATORS["add"](self, other)
-
-    def __radd__(self, other):
-        return OPERATORS["radd"](self, other)
-
-    def __sub__(self, other):
-        return OPERATORS["sub"](self, other)
-
-    def __rsub__(self, other):
-        return OPERATORS["rsub"](self, other)
-
-    def __mul__(self, other):
-        return OPERATORS["mul"](self, other)
-
-    def __rmul__(self, other):
-        return OPERATORS["rmul"](self, other)
-
-    def __truediv__(self, other):
-        return OPERATORS["truediv"](self, other)
-
-    def __rtruediv__(self, other):
-        return OPERATORS["rtruediv"](self, other)
-
-    def __floordiv__(self, other):
-        return OPERATORS["floordiv"](self, other)
-
-    def __rfloordiv__(self, other):
-        return OPERATORS["rfloordiv"](self, other)
-
-    def __mod__(self, other):
-        return OPERATORS["mod"](self, other)
-
-    def __rmod__(self, other):
-        return OPERATORS["rmod"](self, other)
-
-    def __pow__(self, other):
-        return OPERATORS["pow"](self, other)
-
-    def __rpow__(self, other):
-        return OPERATORS["rpow"](self, other)
-
-    def __matmul__(self, other):
-        return OPERATORS["matmul"](self, other)
-
-    def __rmatmul__(self, other):
-        return OPERATORS["rmatmul"](self, other)
-
-    def __lt__(self, other):
-        return OPERATORS["lt"](self, other)
-
-    def __le__(self, other):
-        return OPERATORS["le"](self, other)
-
-    def __gt__(self, other):
-        return OPERATORS["gt"](self, other)
-
-    def __ge__(self, other):
-        return OPERATORS["ge"](self, other)
-
     def __eq__(self, other):
         return OPERATORS["eq"](self, other)
 
@@ -228,21 +251,10 @@ class Tensor:
     def __xor__(self, other):
         return OPERATORS["xor"](self, other)
 
-    def __neg__(self):
-        return OPERATORS["neg"](self)
-
-    def __abs__(self):
-        return OPERATORS["abs"](self)
-
     def __invert__(self):
         return OPERATORS["invert"](self)
 
-    def __getitem__(self, key):
-        return OPERATORS["getitem"](self, key)
-
     __hash__ = None
-    #: NumPy defers to our operators (``np_array - tensor`` is a tensor, as in TensorFlow)
-    __array_priority__ = 100
 
     def ref(self):
         """A hashable reference to this tensor (TensorFlow's ``Tensor.ref()``)."""
@@ -251,11 +263,6 @@ class Tensor:
     def get_shape(self):
         """The shape as a ``TensorShape`` (TensorFlow's ``Tensor.get_shape``)."""
         return TensorShape(self.shape)
-
-
-#: What Tensor's operators call: ``mirrored/ops.py`` (the op table) fills it when imported
-#: (``import mirrored`` imports it), so this file need not import the ops above it.
-OPERATORS = {}
 
 
 class _Ref:

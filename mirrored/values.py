@@ -24,7 +24,7 @@ import threading
 
 from mirrored import context, nest, recording
 from mirrored import devices as _dev
-from mirrored.tensor import OPERATORS, Tensor, infer_host_array, as_dtype, numpy_repr
+from mirrored.tensor import Operators, Tensor, infer_host_array, as_dtype, numpy_repr
 
 
 _bound = threading.local()        # .replica: the copy every MirroredVariable reads in this thread
@@ -154,7 +154,7 @@ def _to_device_buffer(value, dtype, device):
     return device.from_numpy(infer_host_array(value, dtype))
 
 
-class Variable:
+class Variable(Operators):
     """A mutable tensor on one device (TensorFlow's ``tf.Variable``).
 
     Created inside a ``MirroredStrategy.scope()``, ``mirrored.Variable(...)``
@@ -260,31 +260,7 @@ class Variable:
     def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
         return self._update("sub", delta)
 
-    # -- operators read the value, through TensorFlow's ops (mirrored/ops.py: a tape watches it)
-    __array_priority__ = 100           # NumPy defers to them (``np_array * v`` is a tensor)
-    def __add__(self, o): return OPERATORS["add"](self, o)
-    def __radd__(self, o): return OPERATORS["radd"](self, o)
-    def __sub__(self, o): return OPERATORS["sub"](self, o)
-    def __rsub__(self, o): return OPERATORS["rsub"](self, o)
-    def __mul__(self, o): return OPERATORS["mul"](self, o)
-    def __rmul__(self, o): return OPERATORS["rmul"](self, o)
-    def __truediv__(self, o): return OPERATORS["truediv"](self, o)
-    def __rtruediv__(self, o): return OPERATORS["rtruediv"](self, o)
-    def __floordiv__(self, o): return OPERATORS["floordiv"](self, o)
-    def __rfloordiv__(self, o): return OPERATORS["rfloordiv"](self, o)
-    def __mod__(self, o): return OPERATORS["mod"](self, o)
-    def __rmod__(self, o): return OPERATORS["rmod"](self, o)
-    def __pow__(self, o): return OPERATORS["pow"](self, o)
-    def __rpow__(self, o): return OPERATORS["rpow"](self, o)
-    def __matmul__(self, o): return OPERATORS["matmul"](self, o)
-    def __rmatmul__(self, o): return OPERATORS["rmatmul"](self, o)
-    def __lt__(self, o): return OPERATORS["lt"](self, o)
-    def __le__(self, o): return OPERATORS["le"](self, o)
-    def __gt__(self, o): return OPERATORS["gt"](self, o)
-    def __ge__(self, o): return OPERATORS["ge"](self, o)
-    def __neg__(self): return OPERATORS["neg"](self)
-    def __abs__(self): return OPERATORS["abs"](self)
-    def __getitem__(self, key): return OPERATORS["getitem"](self, key)
+    # -- operators: ``tensor.Operators`` (the value read through TensorFlow's ops: a tape watches it)
     def __float__(self): return float(self._tensor)
     def __int__(self): return int(self._tensor)
 
