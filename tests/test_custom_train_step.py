@@ -315,3 +315,34 @@ def test_a_custom_compile_with_its_own_optimizer(devices, rng):
     np.testing.assert_allclose(history.history["batch_loss"], [last_loss], **TOL)
     with pytest.raises(NotImplementedError, match="RMSprop"):
         model.optimizer.apply_gradients([])
+
+
+def test_keras_default_train_step_runs_a_model_whose_layer_talks_across_replicas(devices, rng):
+    """A layer marked ``cross_replica`` (BatchNormalization(synchronized=True) is one) makes fit
+    and evaluate run Keras 3's default train_step/test_step under strategy.run, a thread per
+    replica: on 2 replicas it trains to the fused step's weights (the same sums in the same
+    order: bitwise here), reports the same loss and metric, and the copies stay equal."""
+    devices(cpus=2)
+    x = rng.standard_normal((48, 5)).astype(np.float32)
+    y = rng.standard_normal((48, 1)).astype(np.float32)
+    results = []
+    for flagged in (False, True):
+        with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"),
+                                      keras.layers.Dense(1)])
+            model.layers[0].cross_replica = flagged
+            model.compile(keras.optimizers.SGD(0.1), "mse", metrics=["mae"])
+            history = model.fit(x, y, batch_size=12, epochs=2, verbose=0, shuffle=False).history
+            scores = model.evaluate(x, y, verbose=0, return_dict=True)
+        assert model._custom_train is flagged
+        for v in model.trainable_variables:
+            first, second = (c.numpy() for c in components(v))
+            assert np.array_equal(first, second)
+        results.append((history, scores, model.get_weights()))
+    (h0, s0, w0), (h1, s1, w1) = results
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(h1[key], h0[key], rtol=1e-6)
+        np.testing.assert_allclose(s1[key], s0[key], rtol=1e-6)
+    for a, b in zip(w0, w1):
+        np.testing.assert_array_equal(a, b)

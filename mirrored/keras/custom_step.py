@@ -63,7 +63,7 @@ from mirrored.input_lib import split_batch
 from mirrored.keras import metrics as _metrics
 from mirrored.keras.custom_losses import Loss
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
-from mirrored.keras.tape import compute_average_loss, scale_regularization_loss
+from mirrored.keras.tape import GradientTape, compute_average_loss, scale_regularization_loss
 from mirrored.strategy import to_tensor_on
 from mirrored.tensor import Tensor
 from mirrored.values import DistributedValues
@@ -84,6 +84,80 @@ def overrides(model, name):
     ``predict_step``): fit, evaluate or predict then run it (this file) instead of the
     library's fused step."""
     return getattr(type(model), name, None) not in _DEFAULTS
+
+
+def runs_keras_step(model, name):
+    """True when ``fit`` (``name="train_step"``), ``evaluate`` (``"test_step"``) or ``predict``
+    (``"predict_step"``) runs under ``strategy.run`` here, a replica thread per device, rather
+    than as the fused step (``step.py``, every replica in turn in one thread): the model defines
+    its own step, or one of its layers must talk to the other replicas inside its forward (a
+    layer with ``cross_replica = True``, such as ``BatchNormalization(synchronized=True)``,
+    whose batch statistics are all-reduced: only replica threads can wait for each other).
+    A model that does not define the step runs Keras 3's default (``keras_train_step``,
+    ``ModelAPI.test_step``, ``ModelAPI.predict_step``)."""
+    if overrides(model, name):
+        return True
+    return name != "predict_step" and any(getattr(layer, "cross_replica", False) for layer in layers_within(model))
+
+
+def layers_within(model):
+    """Every layer of ``model``, nested models' layers included (each once), in order."""
+    found, todo = [], list(getattr(model, "layers", ()))
+    while todo:
+        layer = todo.pop(0)
+        if any(layer is f for f in found):
+            continue
+        found.append(layer)
+        todo[:0] = list(getattr(layer, "layers", ()))
+    return found
+
+
+def step_function(model, name):
+    """What ``run_step`` calls on each replica for ``name``: the model's own method where it
+    defines one, else Keras 3's default (``keras_train_step`` for fit; the model's
+    ``test_step``/``predict_step``, which are Keras's defaults already)."""
+    if name == "train_step" and not overrides(model, name):
+        return lambda data: keras_train_step(model, data)
+    return getattr(model, name)
+
+
+def keras_train_step(model, data):
+    """Keras 3's default ``train_step(self, data)`` (its TensorFlow trainer), run on one
+    replica's share: forward under a tape, ``compute_loss``, the loss tracker, the
+    gradients, ``optimizer.apply`` (the merge point: the last replica all-reduces and
+    updates every copy), then the compiled metrics."""
+    x, y, sample_weight = unpack_x_y_sample_weight(data)
+    with GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    model.metrics[0].update_state(loss, sample_weight=rows(x))     # Keras weighs it by the batch's rows
+    variables = model.trainable_variables
+    if variables:
+        model.optimizer.apply(tape.gradient(loss, variables), variables)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def rows(x):
+    """The number of examples in ``x`` (its first leaf's first dimension)."""
+    leaf = nest.flatten(x)[0]
+    return int(leaf.shape[0] if hasattr(leaf, "shape") else len(leaf))   # no host read of a tensor
+
+
+def unpack_x_y_sample_weight(data):
+    """Keras's ``unpack_x_y_sample_weight``: ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``
+    (a list as a tuple); anything else is ``x`` alone."""
+    if isinstance(data, list):
+        data = tuple(data)
+    if not isinstance(data, tuple):
+        return data, None, None
+    if len(data) == 1:
+        return data[0], None, None
+    if len(data) == 2:
+        return data[0], data[1], None
+    if len(data) == 3:
+        return data
+    raise ValueError(f"Data is expected to be in format `x`, `(x,)`, `(x, y)`, or `(x, y, sample_weight)`, "
+                     f"found a tuple of {len(data)} elements.")
 
 
 # -- the data --------------------------------------------------------------------------------
@@ -150,7 +224,7 @@ def run_step(model, name, batch):
     shares = split_batch(batch, strategy.extended, _devices(model))
     _GLOBAL_BATCH[model] = _global_size(batch)
     try:
-        return strategy.run(getattr(model, name), args=(shares,))
+        return strategy.run(step_function(model, name), args=(shares,))
     finally:
         _GLOBAL_BATCH.pop(model, None)
 

@@ -335,7 +335,7 @@ class ModelAPI:
         x, y = data[0], data[1]
         y_pred = self(x, training=False)
         loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
-        self.metrics[0].update_state(loss)
+        self.metrics[0].update_state(loss, sample_weight=custom_step.rows(x))
         return self.compute_metrics(x, y, y_pred)
 
     @custom_step.default
@@ -350,7 +350,7 @@ class ModelAPI:
             x, y, sample_weight = (tuple(data) + (sample_weight,))[:3]     # Keras: (x, y[, sample_weight])
         else:
             x, y = data, None
-        if custom_step.overrides(self, "test_step"):       # the user's test_step (custom_step.py)
+        if custom_step.runs_keras_step(self, "test_step"):       # the user's test_step (custom_step.py)
             if sample_weight is not None:
                 raise NotImplementedError("evaluate(sample_weight=...) with a test_step of the model's own is "
                                           "not implemented here: weigh the loss in the test_step.")
@@ -424,7 +424,7 @@ class ModelAPI:
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "predict")
         with backends.blas_threads():
-            if custom_step.overrides(self, "predict_step"):     # the user's predict_step
+            if custom_step.runs_keras_step(self, "predict_step"):     # the user's predict_step
                 batches, _ = custom_step.batches(self, x, None, batch_size, shuffle=False)
                 return custom_step.predict(self, batches, steps)
             return self._predict(x, batch_size, verbose, steps)

@@ -70,7 +70,7 @@ class Trainer:
         ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
         with the batch callbacks called once per execution, as Keras 3 calls them.
         """
-        self._custom_train = type(self).train_step is not Trainer.train_step   # the user's own step
+        self._custom_train = custom_step.runs_keras_step(self, "train_step")   # its own step, or Keras's
         if self._custom_train and self.optimizer is None:
             raise RuntimeError("You must call `compile()` before `fit()`: model.compile(optimizer=...).")
         if not self._custom_train:
