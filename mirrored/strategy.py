@@ -37,7 +37,7 @@ import warnings
 
 import numpy as np
 
-from mirrored import backends, context, nest, recording
+from mirrored import autodiff, backends, context, nest, recording
 from mirrored import devices as _dev
 from mirrored.traced_function import reduce_in_trace
 from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice
@@ -145,7 +145,9 @@ class ReplicaContext:
         """Sum (or average) ``value`` over every replica; each gets the result on its device.
 
         ``value`` may be a nested structure; all its tensors go through one
-        fused cross-device reduction. Every replica must call this.
+        fused cross-device reduction. Every replica must call this. Under a
+        ``GradientTape`` it is differentiable (``_gradient_rule``): the backward all-reduces
+        the gradients, so every replica must then take the gradient too.
         """
         reduce_op = ReduceOp.validate(reduce_op)
         dev = self._strategy.extended.devices[self._replica_id]
@@ -163,7 +165,18 @@ class ReplicaContext:
             reduced = strategy.extended.cross_device_ops.all_reduce_components(reduce_op, comps)
             return nest.pack_sequence_as(per_replica, [Mirrored(r) for r in reduced])
 
-        return self.merge_call(merge, args=(local, reduce_op))
+        result = self.merge_call(merge, args=(local, reduce_op))
+        for x, y in zip(nest.flatten(local), nest.flatten(result)):     # differentiable, as TF's
+            autodiff.record("all_reduce", [x], y, self._gradient_rule(reduce_op))
+        return result
+
+    def _gradient_rule(self, reduce_op):
+        """TensorFlow's rule for ``all_reduce`` under a tape: every replica's output depends on
+        every replica's input with weight 1 (SUM) or 1/N (MEAN), so the gradient of each input
+        is the all-reduce SUM (MEAN) of the replicas' upstream gradients. It is a merge point
+        too: every replica's ``tape.gradient`` meets the others there, and a replica that
+        raises instead releases them with its error (``mirrored_run.MergePoint``)."""
+        return lambda g: (self.all_reduce(reduce_op, g),)
 
     def __repr__(self):
         return f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync}>"

@@ -267,6 +267,10 @@ def forward(layer, state, x, training=False):
     ``call`` run (and recorded, the first time), or its recorded launches replayed."""
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     b = parts[0].shape[0]
+    if getattr(layer, "cross_replica", False):   # it meets the other replicas: never replayed alone
+        if b == 0 and training:
+            raise _no_rows(layer, state)
+        return _forward_eager(layer, state, x, training)
     if b == 0 or not _recordable():
         return _forward_eager(layer, state, x, training)
     buf = state.buffers(b)
@@ -294,6 +298,18 @@ def forward(layer, state, x, training=False):
         buf.compiled[key] = entry
     buf.replaying = None
     return y
+
+
+def _no_rows(layer, state):
+    """The error for a cross-replica layer on a replica with no rows of this batch: the
+    program skips an empty replica's backward, so it could not meet the others there."""
+    return NotImplementedError(
+        f"{type(layer).__name__} {layer.name!r} all-reduces across replicas in training, and "
+        f"replica {state.replica_id} got no rows of this batch (TensorFlow's split gives each "
+        f"replica ceil(batch / replicas) rows, in order, so a small last batch can leave one empty): "
+        f"not implemented here. Give every replica rows: drop the small last batch "
+        f"(dataset.batch(n, drop_remainder=True)), or pick a batch size that leaves a last batch "
+        f"of more rows.")
 
 
 def backward(layer, state, dy):

@@ -16,15 +16,25 @@ BatchNormalization (Keras 3's math, ``keras/src/layers/normalization/batch_norma
 Under MirroredStrategy each replica normalizes with the statistics of ITS share of the batch,
 and the moving statistics follow TensorFlow's: per-replica updates, read as their MEAN
 (``non_trainable.py`` says how and why the replicas stay bitwise equal).
-``synchronized=True`` (statistics over the global batch, an all-reduce inside forward and
-backward) runs on one replica here; with several it is refused (see the class).
+``synchronized=True`` (Keras's TensorFlow backend): in training inside ``strategy.run`` on
+several replicas, the mean and variance are the GLOBAL batch's, from one all-reduce of every
+replica's per-channel sum of x, sum of x**2 and count (``global_moments``); the all-reduce is
+differentiable, so the backward all-reduces too. Every replica then holds the same statistics,
+normalizes as one replica would on the whole batch, and updates its moving statistics to the same
+bits. Such a layer says ``cross_replica = True``, and fit runs its model a replica thread per
+device (``custom_step.py``), since only threads can wait for each other. On one replica it is
+the unsynchronized math; in training outside ``strategy.run`` with several replicas, refused.
 
 Neighbours: ``call_layers.py``, ``non_trainable.py`` (where the moving statistics live),
+``mirrored/strategy.py`` (``ReplicaContext.all_reduce`` and its gradient), ``custom_step.py``,
 ``mirrored/ops.py`` (the ops), ``weight_shapes.py`` (``weight_specs``: what a file may hold).
 """
+import numpy as np
+
 from mirrored import ops
 from mirrored.keras import initializers, non_trainable
 from mirrored.keras.base_layer import Layer, snake_case
+from mirrored.strategy import get_replica_context
 from mirrored.values import components
 
 
@@ -91,17 +101,52 @@ class BatchNormalization(Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    @property
+    def cross_replica(self):
+        """True when ``synchronized``: the layer all-reduces inside its forward and backward,
+        so fit runs its model a replica thread per device (``custom_step.runs_keras_step``)."""
+        return self.synchronized
+
     def moments(self, inputs, axes):
-        """This replica's batch mean and (biased) variance over ``axes``, kept as axes of 1."""
-        if self.synchronized and len(components(self.moving_mean)) > 1:
-            raise NotImplementedError(
-                f"BatchNormalization {self.name!r}(synchronized=True) with several replicas is not "
-                f"implemented: the statistics of the global batch need an all-reduce inside the forward "
-                f"and the backward, while fit's step runs one replica's layers after another's. Use "
-                f"synchronized=False (each replica's own batch, TensorFlow's default).")
+        """The batch mean and (biased) variance over ``axes``, kept as axes of 1: this replica's
+        batch, or with ``synchronized`` inside ``strategy.run`` on several replicas, the
+        global batch's (``global_moments``)."""
+        if self.synchronized:
+            replica = get_replica_context()
+            if replica is not None and replica.num_replicas_in_sync > 1:
+                return self.global_moments(inputs, axes, replica)
+            copies = len(components(self.moving_mean))
+            if copies > 1:
+                raise NotImplementedError(
+                    f"BatchNormalization {self.name!r}(synchronized=True) was called in training "
+                    f"outside strategy.run, with its weights on {copies} replicas: the global "
+                    f"batch's statistics are all-reduced between replica threads, which only "
+                    f"strategy.run starts. Call the model inside strategy.run (a custom loop's "
+                    f"step), or use fit, which does so for a model with this layer.")
         mean = ops.reduce_mean(inputs, axis=axes, keepdims=True)
         var = ops.reduce_mean(ops.square(inputs - mean), axis=axes, keepdims=True)
         return mean, var
+
+    def global_moments(self, inputs, axes, replica):
+        """Keras 3's ``_compute_moments_sync`` (its TensorFlow backend): this replica's sum of x,
+        sum of x**2 and count per channel, SUMmed over the replicas by one all-reduce (the ring;
+        its backward all-reduces the gradients: ``ReplicaContext.all_reduce``), then
+
+            mean = sum x / count,   var = max(sum x**2 / count - mean**2, 0)
+
+        the global batch's, with the same bits on every replica (the ring hands every replica
+        the same sums), so the moving statistics stay equal too."""
+        c = inputs.shape[self.channel]
+        shape = [1] * len(inputs.shape)
+        shape[self.channel] = c
+        count = float(np.prod([inputs.shape[i] for i in axes]))       # this replica's values per channel
+        local = ops.stack([ops.reshape(ops.reduce_sum(inputs, axis=axes), (c,)),
+                           ops.reshape(ops.reduce_sum(ops.square(inputs), axis=axes), (c,)),
+                           ops.fill((c,), count, np.float32, device=inputs.dev)])       # (3, c)
+        sums = replica.all_reduce("sum", local)                         # (3, c): the global batch's
+        mean = sums[0] / sums[2]
+        var = ops.maximum(sums[1] / sums[2] - ops.square(mean), 0.0)
+        return ops.reshape(mean, shape), ops.reshape(var, shape)
 
     def call(self, inputs, training=False):
         ndim, c = len(inputs.shape), inputs.shape[self.channel]
