@@ -215,6 +215,8 @@ def replica_scale():
 
 def _scaled_sum(per_example, scale):
     """scale * sum(per_example) as a scalar Tensor that remembers how it was made."""
+    if isinstance(per_example.node, autodiff.Node):      # made by ops (tf.square(out - y)...): theirs
+        return ops.reduce_sum(per_example) * scale
     dev = per_example.dev
     with dev.activate():
         total = dev.empty((1,), np.float32)
