@@ -31,6 +31,18 @@ def test_lab_runs_top_to_bottom(name, run_lab):
         assert re.search(r"^ +eager: +[\d.]+ ms/step", text, re.M) and \
             re.search(r"^ *@tf.function: +[\d.]+ ms/step", text, re.M), text
         assert "traces of distributed_train_step: 1" in text
+        # section 11: synchronized BatchNormalization is one device on the global batch, the
+        # per-replica one is not; the measured batch variances follow the stated formulas
+        gaps = dict(re.findall(r"^(synchronized=\w+) *: max \|difference\| from one device on the global "
+                               r"batch: (\S+)$", text, re.M))
+        assert float(gaps["synchronized=True"]) < 1e-4 < 0.1 < float(gaps["synchronized=False"]), gaps
+        rows = re.findall(r"^synchronized=\w+ *: batch variance over n = \d+ rows: mean ([\d.]+) \(formula "
+                          r"\(n-1\)/n sigma\*\*2 = ([\d.]+)\), relative spread ([\d.]+) \(formula "
+                          r"sqrt\(2/\(n-1\)\) = ([\d.]+)\)$", text, re.M)
+        assert len(rows) == 2, text
+        for mean, want, spread, want_spread in rows:
+            assert abs(float(mean) / float(want) - 1) < 0.15 and abs(float(spread) / float(want_spread) - 1) < 0.25, rows
+        assert "synchronized copies bitwise equal on every step: True" in text
     elif name.startswith("03"):
         assert "6 steps = 2 (N - 1)" in text
         assert "equal to NumPy's sum on every device: True" in text
