@@ -108,9 +108,9 @@ def assert_copies_equal(model):
         assert all(np.array_equal(copies[0], c) for c in copies[1:]), f"{v.name}: the replicas differ"
 
 
-def global_batches(rng, shape, steps=2, b=7):
+def global_batches(rng, shape, steps=2, b=7, n=2):
     x = rng.normal(1.0, 2.0, size=(steps, b) + shape).astype(np.float32)
-    x[:, :-(-b // 2)] += 10.0                     # replica 0's share (ceil(B/2) rows) far from replica 1's
+    x[:, :-(-b // n)] += 10.0                     # replica 0's share (ceil(B/N) rows) far from the others' shares
     return x, rng.normal(size=(steps, b, 2)).astype(np.float32)
 
 
@@ -171,19 +171,20 @@ def test_a_replica_that_raises_before_the_backward_all_reduce_releases_the_other
 
 
 # --- the layer: a custom loop, fit, evaluate ---------------------------------------------------------
-@pytest.mark.parametrize("shape", [(3,), (2, 2, 3)])
-def test_two_replicas_in_a_custom_loop_compute_one_replica_on_the_global_batch(devices, rng, shape):
-    """strategy.run(step) with a GradientTape: each replica's outputs are the rows of the global
+@pytest.mark.parametrize("shape, n", [((3,), 2), ((2, 2, 3), 2), ((3,), 3)])
+def test_replicas_in_a_custom_loop_compute_one_replica_on_the_global_batch(devices, rng, shape, n):
+    """strategy.run(step) with a GradientTape (7 rows: 4 + 3 on 2 replicas, 3 + 3 + 1 on 3, where
+    the ring adds in a different order per chunk): each replica's outputs are the rows of the global
     batch's forward, its d loss / d x the rows of the global loss's gradient (through the
     all-reduced statistics), and after apply_gradients the weights and moving statistics are one
     replica's SGD on the global batch, step after step."""
-    devices(cpus=2)
-    strategy = tf.distribute.MirroredStrategy(TWO)
+    devices(cpus=n)
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(n)])
     with strategy.scope():
         keras.utils.set_random_seed(int(rng.integers(1 << 30)))
         model = make_model(shape)
         optimizer = keras.optimizers.SGD(LR)
-    x, t = global_batches(rng, shape)
+    x, t = global_batches(rng, shape, n=n)
     b = x.shape[1]
     params, mm, mv = unpack(model)
 
@@ -200,7 +201,7 @@ def test_two_replicas_in_a_custom_loop_compute_one_replica_on_the_global_batch(d
         return out, dx
 
     for s in range(len(x)):
-        out, dx = strategy.run(step, args=(shares(x[s]), shares(t[s])))
+        out, dx = strategy.run(step, args=(shares(x[s], n), shares(t[s], n)))
         xs, ts = x[s].astype(np.float64), t[s].astype(np.float64)
         want_dx = numeric_grad(lambda q: loss(params, q, ts), xs)
         np.testing.assert_allclose(np.concatenate([v.numpy() for v in out.values]), forward(params, xs)[0], **TOL)
@@ -301,3 +302,40 @@ def test_one_replica_is_the_unsynchronized_math_and_the_config_round_trips(devic
     again = keras.layers.BatchNormalization.from_config(config)
     assert again.synchronized and again.cross_replica and again.momentum == 0.9
     assert not keras.layers.BatchNormalization().cross_replica
+
+
+def test_a_traced_custom_loop_replays_the_same_bits(devices, rng):
+    """The custom loop's step as a ``@tf.function``: traced once (the replicas join the trace,
+    the all-reduces included, in the order they ran), then replayed: the weights and moving
+    statistics are the eager loop's, bit for bit, and the Python ran only while tracing."""
+    devices(cpus=2)
+    x, t = global_batches(rng, (3,), steps=3, b=8)
+    results, ran = [], []
+    for traced in (False, True):
+        strategy = tf.distribute.MirroredStrategy(TWO)
+        with strategy.scope():
+            keras.utils.set_random_seed(7)
+            model = make_model((3,), dense_first=True)
+            optimizer = keras.optimizers.SGD(LR)
+
+        def step(xr, tr):
+            ran.append(traced)
+            with tf.GradientTape() as tape:
+                out = model(xr, training=True)
+                loss_r = tf.nn.compute_average_loss(tf.reduce_mean(tf.square(out - tr), axis=-1),
+                                                    global_batch_size=8)
+            grads = tape.gradient(loss_r, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        def train(xb, tb):
+            strategy.run(step, args=(xb, tb))
+        if traced:
+            train = tf.function(train)
+        data = tf.data.Dataset.from_tensor_slices((x.reshape(-1, 3), t.reshape(-1, 2))).batch(8)
+        for xb, tb in strategy.experimental_distribute_dataset(data):
+            train(xb, tb)
+        assert_copies_equal(model)
+        results.append(model.get_weights())
+    assert ran.count(False) == 3 * 2 and ran.count(True) == 2       # eager: every step; traced: once
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
