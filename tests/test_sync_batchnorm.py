@@ -339,3 +339,35 @@ def test_a_traced_custom_loop_replays_the_same_bits(devices, rng):
     assert ran.count(False) == 3 * 2 and ran.count(True) == 2       # eager: every step; traced: once
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+def test_on_two_simulated_gpus(devices, rng):
+    """The CUDA path (Numba's simulator; tiny shapes): the statistics' all-reduce and its
+    gradient's go through the ring between two GPU devices inside the replicas' forward and
+    backward; outputs, d loss / d x and the moving statistics are one device's on the global batch
+    (5 rows: 3 + 2), the copies bitwise equal."""
+    devices(cpus=1, gpus=2)
+    strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+    with strategy.scope():
+        model = make_model((2,))
+    x, t = global_batches(rng, (2,), steps=1, b=5)
+    params, mm, mv = unpack(model)
+
+    def step(xr, tr):
+        xr, tr = tf.constant(xr), tf.constant(tr)
+        with tf.GradientTape() as tape:
+            tape.watch(xr)
+            out = model(xr, training=True)
+            loss_r = tf.nn.compute_average_loss(tf.reduce_mean(tf.square(out - tr), axis=-1), global_batch_size=5)
+        return out, tf.identity(tape.gradient(loss_r, xr))
+
+    out, dx = strategy.run(step, args=(shares(x[0]), shares(t[0])))
+    xs, ts = x[0].astype(np.float64), t[0].astype(np.float64)
+    want, mean, var = forward(params, xs)
+    np.testing.assert_allclose(np.concatenate([v.numpy() for v in out.values]), want, **TOL)
+    np.testing.assert_allclose(np.concatenate([v.numpy() for v in dx.values]),
+                               numeric_grad(lambda q: loss(params, q, ts), xs), rtol=1e-3, atol=1e-5)
+    _, got_mm, got_mv = unpack(model)
+    np.testing.assert_allclose(got_mm, MOMENTUM * mm + (1 - MOMENTUM) * mean, **TOL)
+    np.testing.assert_allclose(got_mv, MOMENTUM * mv + (1 - MOMENTUM) * var, **TOL)
+    assert_copies_equal(model)
