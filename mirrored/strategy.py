@@ -15,7 +15,9 @@ What ``tf.distribute.MirroredStrategy`` does, in the order a student meets it:
    ``apply_gradients`` is a *merge point*: every replica thread stops there, one
    thread runs the merge function in cross-replica context (where the
    cross-device ops sum the values), then every replica continues with its own
-   copy of the result.
+   copy of the result. Under a ``GradientTape`` the all-reduce is differentiable
+   (``ReplicaContext._gradient_rule``): ``BatchNormalization(synchronized=True)``'s
+   global batch statistics are made this way (``keras/normalization.py``).
 5. ``strategy.reduce(op, per_replica, axis)`` combines the replicas' results on
    the host.
 
