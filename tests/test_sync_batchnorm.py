@@ -371,3 +371,37 @@ def test_on_two_simulated_gpus(devices, rng):
     np.testing.assert_allclose(got_mm, MOMENTUM * mm + (1 - MOMENTUM) * mean, **TOL)
     np.testing.assert_allclose(got_mv, MOMENTUM * mv + (1 - MOMENTUM) * var, **TOL)
     assert_copies_equal(model)
+
+
+def test_a_classifier_reports_accuracy_and_saves_synchronized(devices, rng, tmp_path):
+    """The common case: Conv2D -> BN(synchronized) -> Dense, compiled with metrics=["accuracy"]
+    (kept on the host for Keras's train_step, not the fused step's kernel count): 2 replicas
+    report the loss, accuracy and validation scores of 1 replica, train to its weights (SGD,
+    float32 tolerance), and a saved .keras file loads with ``synchronized`` kept."""
+    devices(cpus=2)
+    x = rng.normal(size=(12, 4, 4, 1)).astype(np.float32)
+    y = rng.integers(0, 3, 12)
+    runs = []
+    for devs in (["CPU:0"], TWO):
+        with tf.distribute.MirroredStrategy(devs).scope():
+            keras.utils.set_random_seed(5)
+            model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3),
+                                      keras.layers.BatchNormalization(synchronized=True), keras.layers.Flatten(),
+                                      keras.layers.Dense(3)])
+            model.compile(keras.optimizers.SGD(LR), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        history = model.fit(x, y, batch_size=6, epochs=2, validation_data=(x[:6], y[:6]), shuffle=False,
+                            verbose=0).history
+        assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"], history
+        runs.append((history, model.get_weights()))
+    (h1, w1), (h2, w2) = runs
+    for key in h1:
+        np.testing.assert_allclose(h2[key], h1[key], **TOL)
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(b, a, **TOL)
+    assert_copies_equal(model)
+    model.save(tmp_path / "sync.keras")
+    loaded = keras.models.load_model(tmp_path / "sync.keras")
+    assert loaded.layers[1].synchronized
+    # one device against 2 replicas' rows (6 + 6): BLAS's bits may differ, so a float32 tolerance
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)

@@ -266,7 +266,8 @@ class ModelAPI:
             raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
         new_optimizer = custom_step.NoRMSprop() if optimizer == "rmsprop" else _optimizers.get(optimizer)
         new_loss = None if loss is None else _losses.get(loss)
-        device, host = compiled_metric_split(metrics, new_loss, own_step)   # checked before any change
+        keras_step = custom_step.runs_keras_step(self, "train_step")  # own step, or a cross-replica layer's
+        device, host = compiled_metric_split(metrics, new_loss, keras_step)   # checked before any change
         self.optimizer, self.loss = new_optimizer, new_loss
         self._metric_names = device
         self.host_metrics = host
@@ -573,17 +574,18 @@ class ModelAPI:
             print_fn(line)
 
 
-def compiled_metric_split(metrics, loss, own_step):
+def compiled_metric_split(metrics, loss, keras_step):
     """``compile(metrics=[...])`` as (the accuracy names the loss kernel counts on the devices,
-    the other metric objects, kept on the host: ``metrics.get``). A model with its own
-    ``train_step`` keeps them all on the host (its step updates them)."""
+    the other metric objects, kept on the host: ``metrics.get``). A model whose fit runs a
+    ``train_step`` (its own, or Keras's for a model with a cross-replica layer:
+    ``custom_step.runs_keras_step``) keeps them all on the host (that step updates them)."""
     device, host = [], []
     counts = loss is not None and _losses.counts_accuracy(loss)
     categorical = isinstance(loss, _losses.CategoricalCrossentropy) if counts else None
     for m in metrics or []:
         kernel_kind = isinstance(m, str) and m in _metrics.ACCURACY_NAMES or \
             type(m) in (_metrics.SparseCategoricalAccuracy, _metrics.CategoricalAccuracy)
-        if kernel_kind and counts and not own_step and not device:
+        if kernel_kind and counts and not keras_step and not device:
             device.append(accuracy_name(m, categorical))
         else:
             host.append(_metrics.get(m))
