@@ -271,9 +271,7 @@ def forward(layer, state, x, training=False):
     ``call`` run (and recorded, the first time), or its recorded launches replayed."""
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     b = parts[0].shape[0]
-    if getattr(layer, "cross_replica", False):   # it meets the other replicas: never replayed alone
-        if b == 0 and training:
-            raise _no_rows(layer, state)
+    if meets_others(layer):                      # it meets the other replicas: never replayed alone
         return _forward_eager(layer, state, x, training)
     if b == 0 or not _recordable():
         return _forward_eager(layer, state, x, training)
@@ -304,23 +302,11 @@ def forward(layer, state, x, training=False):
     return y
 
 
-def _no_rows(layer, state):
-    """The error for a cross-replica layer on a replica with no rows of this batch: the
-    program skips an empty replica's backward, so it could not meet the others there."""
-    return NotImplementedError(
-        f"{type(layer).__name__} {layer.name!r} all-reduces across replicas in training, and "
-        f"replica {state.replica_id} got no rows of this batch (TensorFlow's split gives each "
-        f"replica ceil(batch / replicas) rows, in order, so a small last batch can leave one empty): "
-        f"not implemented here. Give every replica rows: drop the small last batch "
-        f"(dataset.batch(n, drop_remainder=True)), or pick a batch size that leaves a last batch "
-        f"of more rows.")
-
-
 def backward(layer, state, dy):
     """The gradient of the last forward (``_backward_eager``), or the recorded one replayed."""
     b = dy.shape[0]
-    if b == 0:
-        return _backward_eager(layer, state, dy)
+    if b == 0:                                   # a cross-replica layer on a replica with no rows
+        return _backward_eager(layer, state, dy) if state.buffers(0).tape is not None else None
     buf = state.buffers(b)
     entry = buf.replaying
     if entry is not None and entry.get("backward") is not None and entry["dy"] == address(dy):
@@ -346,6 +332,14 @@ def backward(layer, state, dy):
     return dx
 
 
+def meets_others(layer):
+    """A layer that all-reduces across replicas in training (``cross_replica``:
+    BatchNormalization(synchronized=True)). On a replica with no rows of the batch it still runs
+    its ``call`` on 0 rows, and its backward (``tape.empty_replica_backward``), so that this
+    replica meets the others at each of its all-reduces, adding zeros."""
+    return bool(getattr(layer, "cross_replica", False))
+
+
 def _forward_eager(layer, state, x, training=False):
     """x: (b,) + input shape (a list for a layer called on several) -> y's buffer."""
     multi = isinstance(x, (list, tuple))
@@ -353,7 +347,7 @@ def _forward_eager(layer, state, x, training=False):
     shapes = layer.input_shape if multi else [layer.input_shape]
     b = parts[0].shape[0]
     dev = state.dev
-    if b == 0:                                   # a replica with no rows this step
+    if b == 0 and not (training and meets_others(layer)):    # a replica with no rows this step
         return dev.empty((0,) + tuple(layer.output_shape), FLOAT)
     buf = state.buffers(b)
     xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]

@@ -447,6 +447,7 @@ def _fused_backward(node):
         with program.dev.activate():
             program.loss(l.labels, l.mode, scale, with_grad=True)
             program.backward()
+            empty_replica_backward(program)
         r, pack = program.r, program.pack
     for regularizer, p_pack, k, p_r, factor in node.penalties:
         if pack is not None and (p_pack is not pack or p_r != r):
@@ -463,6 +464,22 @@ def _fused_backward(node):
         with pack.devices[r].activate():
             regularizer.add_gradient(pack.devices[r], pack.param_views[r][k], pack.grad_views[r][k], factor)
     return r, pack
+
+
+def empty_replica_backward(program):
+    """The backward of ``program`` (an ``engine.ReplicaProgram``) on a replica with no rows of
+    the batch. The program skips its layers then (``ReplicaProgram.backward``: its gradients are
+    zeros), but a layer that all-reduces across replicas (``cross_replica``:
+    BatchNormalization(synchronized=True), which ran its ``call`` on 0 rows in the forward,
+    ``call_layers.meets_others``) must meet the other replicas' backward all-reduces, in the
+    order theirs reach them: the nodes in reverse, where the engine runs a node's backward."""
+    if program.last_b:
+        return
+    for i in reversed(range(len(program.nodes))):
+        layer = program.states[i].layer
+        if program.upstream[i + 1] and getattr(layer, "cross_replica", False):
+            dy = program.dev.empty((0,) + tuple(layer.output_shape), np.float32)     # (0,) + its output
+            layer.backward(program.states[i], dy)
 
 
 def _unit_loss_gradient(loss_node):
@@ -536,6 +553,7 @@ def _run_model_backward(program, node, dlogits, want_dx):
             src = ops.cast(ops.reshape(dlogits, tuple(dst.shape)), np.float32)
             dev.copy_into(dst, src.buf)
         program.backward()
+        empty_replica_backward(program)
         if want_dx:
             inputs = node.inputs
             if b:
