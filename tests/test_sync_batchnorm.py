@@ -3,11 +3,12 @@ under it (``ReplicaContext.all_reduce`` in ``mirrored/strategy.py``; the layer i
 ``mirrored/keras/normalization.py``; fit's replica threads in ``mirrored/keras/custom_step.py``).
 
 Done means (issue 49): 2 replicas with ``synchronized=True`` compute what 1 replica computes on
-the global batch. So each test runs 2 logical CPUs on an UNEVEN global batch (7 rows: 4 + 3, so a
-mean of the replicas' means would show) and compares with a float64 NumPy oracle of Keras 3's
-math on the whole batch: outputs, moving statistics, d loss / d input, trained weights (float32
-tolerance: our sums are float32, and the synchronized variance is Keras's E[x**2] - E[x]**2).
-The replicas' copies are compared bitwise: the ring hands every replica the same sums.
+the global batch. So the tests run logical CPUs (2, and 3; two simulated GPUs once) on UNEVEN
+global batches (7 rows: 4 + 3, so a mean of the replicas' means would show; 3 + 3 + 1; a last
+batch of 1 row, 1 + 0) and compare with a float64 NumPy oracle of Keras 3's math on the whole
+batch: outputs, moving statistics, d loss / d input, trained weights (float32 tolerance: our
+sums are float32, and the synchronized variance is Keras's E[x**2] - E[x]**2). The replicas'
+copies are compared bitwise: the ring hands every replica the same sums.
 
     python -m pytest -n 0 -q tests/test_sync_batchnorm.py
 """
