@@ -169,7 +169,8 @@ class ReplicaContext:
 
         result = self.merge_call(merge, args=(local, reduce_op))
         for x, y in zip(nest.flatten(local), nest.flatten(result)):     # differentiable, as TF's
-            autodiff.record("all_reduce", [x], y, self._gradient_rule(reduce_op))
+            if y is not x:                       # (one replica may hand back x itself: the identity)
+                autodiff.record("all_reduce", [x], y, self._gradient_rule(reduce_op))
         return result
 
     def _gradient_rule(self, reduce_op):
