@@ -219,10 +219,10 @@ def make_buffers(layer, state, b):
 # steps replay the launches into the same buffers, with none of the ops' Python. A ``call``
 # that reads a value on the host (an ``if`` on a tensor) cannot be replayed: it stays eager,
 # every step. Not inside another trace (a @tf.function's, whose replay covers it already).
-# Nor a layer with ``cross_replica`` (BatchNormalization(synchronized=True)): its all-reduce is a
-# merge point run by whichever replica thread arrives last, so one replica's own replay could
-# not redo it; it runs eagerly every step (inside a @tf.function trace the replicas share one
-# record, which keeps the all-reduce where it ran).
+# Nor a layer with ``cross_replica`` (BatchNormalization(synchronized=True)) in training: its
+# all-reduce is a merge point run by whichever replica thread arrives last, so one replica's own
+# replay could not redo it; it runs eagerly every step (inside a @tf.function trace the replicas
+# share one record, which keeps the all-reduce where it ran).
 
 _EAGER = "eager"                                 # this key's call cannot be replayed
 
@@ -271,7 +271,7 @@ def forward(layer, state, x, training=False):
     ``call`` run (and recorded, the first time), or its recorded launches replayed."""
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     b = parts[0].shape[0]
-    if meets_others(layer):                      # it meets the other replicas: never replayed alone
+    if training and meets_others(layer):         # it meets the other replicas: never replayed alone
         return _forward_eager(layer, state, x, training)
     if b == 0 or not _recordable():
         return _forward_eager(layer, state, x, training)
