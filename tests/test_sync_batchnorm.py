@@ -406,7 +406,8 @@ def test_a_classifier_reports_accuracy_and_saves_synchronized(devices, rng, tmp_
     """The common case: Conv2D -> BN(synchronized) -> Dense, compiled with metrics=["accuracy"]
     (kept on the host for Keras's train_step, not the fused step's kernel count): 2 replicas
     report the loss, accuracy and validation scores of 1 replica, train to its weights (SGD,
-    float32 tolerance), and a saved .keras file loads with ``synchronized`` kept."""
+    float32 tolerance), and a saved .keras file loads with ``synchronized`` kept. Three epochs:
+    the third trains after a validation pass that replayed the layer's recorded inference."""
     devices(cpus=2)
     x = rng.normal(size=(12, 4, 4, 1)).astype(np.float32)
     y = rng.integers(0, 3, 12)
@@ -419,7 +420,7 @@ def test_a_classifier_reports_accuracy_and_saves_synchronized(devices, rng, tmp_
                                       keras.layers.Dense(3)])
             model.compile(keras.optimizers.SGD(LR), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
-        history = model.fit(x, y, batch_size=6, epochs=2, validation_data=(x[:6], y[:6]), shuffle=False,
+        history = model.fit(x, y, batch_size=6, epochs=3, validation_data=(x[:6], y[:6]), shuffle=False,
                             verbose=0).history
         assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"], history
         runs.append((history, model.get_weights()))

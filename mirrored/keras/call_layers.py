@@ -272,6 +272,8 @@ def forward(layer, state, x, training=False):
     parts = list(x) if isinstance(x, (list, tuple)) else [x]
     b = parts[0].shape[0]
     if training and meets_others(layer):         # it meets the other replicas: never replayed alone
+        if b:
+            state.buffers(b).replaying = None    # not a replay (an evaluate's may have been): backward
         return _forward_eager(layer, state, x, training)
     if b == 0 or not _recordable():
         return _forward_eager(layer, state, x, training)
