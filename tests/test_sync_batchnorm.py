@@ -435,3 +435,17 @@ def test_a_classifier_reports_accuracy_and_saves_synchronized(devices, rng, tmp_
     assert loaded.layers[1].synchronized
     # one device against 2 replicas' rows (6 + 6): BLAS's bits may differ, so a float32 tolerance
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_sample_weights_are_refused_by_name(devices, rng):
+    """fit runs Keras's train_step for such a model, whose loss here takes no sample weights:
+    fit(sample_weight=...) and evaluate(sample_weight=...) say so and name the layer's kind."""
+    devices(cpus=2)
+    with tf.distribute.MirroredStrategy(TWO).scope():
+        model = make_model((3,))
+        model.compile(keras.optimizers.SGD(LR), "mse")
+    x, t, w = rng.normal(size=(4, 3)), rng.normal(size=(4, 2)), np.ones(4)
+    with pytest.raises(NotImplementedError, match=r"fit\(sample_weight=.*synchronized=True"):
+        model.fit(x, t, sample_weight=w, verbose=0)
+    with pytest.raises(NotImplementedError, match=r"evaluate\(sample_weight=.*synchronized=True"):
+        model.evaluate(x, t, sample_weight=w, verbose=0)

@@ -353,8 +353,10 @@ class ModelAPI:
             x, y = data, None
         if custom_step.runs_keras_step(self, "test_step"):       # the user's test_step (custom_step.py)
             if sample_weight is not None:
-                raise NotImplementedError("evaluate(sample_weight=...) with a test_step of the model's own is "
-                                          "not implemented here: weigh the loss in the test_step.")
+                raise NotImplementedError("evaluate(sample_weight=...) with a test_step of the model's own, or a "
+                                          "layer that all-reduces across replicas (BatchNormalization("
+                                          "synchronized=True)), is not implemented here: weigh the loss in "
+                                          "a test_step of your own.")
             batches, steps = custom_step.batches(self, x, y, batch_size, shuffle=False)
             logs, step = custom_step.evaluate(self, batches)
             if not step:

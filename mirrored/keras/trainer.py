@@ -83,9 +83,10 @@ class Trainer:
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
         if self._custom_train and any(w is not None for w in weights.values()):
-            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own is "
-                                      "not implemented here: pass a data set of (x, y, sample_weight) triples "
-                                      "and weigh the loss in the train_step.")
+            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own, or "
+                                      "a layer that all-reduces across replicas (BatchNormalization("
+                                      "synchronized=True): fit runs Keras's train_step for it), is not "
+                                      "implemented here: weigh the loss in a train_step of your own.")
         with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
             return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split, **weights)
