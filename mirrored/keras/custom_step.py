@@ -92,10 +92,11 @@ def runs_keras_step(model, name):
     than as the fused step (``step.py``, every replica in turn in one thread): the model defines
     its own step, or one of its layers must talk to the other replicas inside its forward (a
     layer with ``cross_replica = True``, such as ``BatchNormalization(synchronized=True)``,
-    whose batch statistics are all-reduced: only replica threads can wait for each other).
+    whose batch statistics are all-reduced: only replica threads can wait for each other), or
+    it has several inputs or outputs (``multi_io.py``: the fused step takes one of each).
     A model that does not define the step runs Keras 3's default (``keras_train_step``,
     ``ModelAPI.test_step``, ``ModelAPI.predict_step``)."""
-    if overrides(model, name):
+    if overrides(model, name) or getattr(model, "structured_io", False):
         return True
     return name != "predict_step" and any(getattr(layer, "cross_replica", False) for layer in layers_within(model))
 
@@ -164,7 +165,17 @@ def unpack_x_y_sample_weight(data):
 def batches(model, x, y, batch_size, shuffle):
     """The global batches of an epoch as the user's step takes them (Keras's ``data``): (x, y)
     slices of arrays, in their own shapes and dtypes, or a data set's elements as it yields
-    them; and the number of batches (None if unknown)."""
+    them; and the number of batches (None if unknown). A model of several inputs or outputs
+    (``multi_io.py``) takes x and y as lists or dicts of arrays (``Columns``)."""
+    if not hasattr(x, "batch") and (isinstance(x, dict) or isinstance(y, dict) or _several(model, x, "inputs")
+                                    or _several(model, y, "outputs")):
+        x = Columns(x, "x") if isinstance(x, (list, tuple, dict)) else np.asarray(x)
+        y = y if y is None else Columns(y, "y") if isinstance(y, (list, tuple, dict)) else np.asarray(y)
+        if y is not None and len(x) != len(y):
+            raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        adapter = ArrayBatches(x, y if y is not None else np.zeros(len(x)), batch_size or 32, shuffle,
+                               model.distribute_strategy.extended)
+        return (_XOnly(adapter) if y is None else adapter), len(adapter)
     if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch"):
         x = np.asarray(x)
         if y is not None:
@@ -188,6 +199,32 @@ def batches(model, x, y, batch_size, shuffle):
     return dataset, steps
 
 
+def _several(model, data, what):
+    """True when ``data`` is a list or tuple of the several inputs (outputs) of ``model``."""
+    return isinstance(data, (list, tuple)) and len(getattr(model, what, None) or ()) > 1
+
+
+class Columns:
+    """A list or dict of arrays with one example per row (a model's several inputs or outputs),
+    sliced as one array: ``columns[rows]`` is the same structure of those rows (a tuple is
+    taken as a list: a tuple of data is Keras's (x, y))."""
+
+    def __init__(self, arrays, what):
+        arrays = list(arrays) if isinstance(arrays, tuple) else arrays
+        self.arrays = nest.map_structure(np.asarray, arrays)
+        sizes = [len(a) for a in nest.flatten(self.arrays)]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"{what}: the arrays have different numbers of examples, {sizes}; give every "
+                             f"input (output) the same number of rows.")
+        self.n = sizes[0]
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, rows):
+        return nest.map_structure(lambda a: a[rows], self.arrays)
+
+
 class _XOnly:
     """Batches of x alone (``predict``; ``fit(x)`` with a step that needs no y)."""
 
@@ -195,7 +232,8 @@ class _XOnly:
         self.adapter = adapter
 
     def __iter__(self):
-        return (x for x, _ in self.adapter)
+        several = isinstance(self.adapter.x, Columns)           # a list of inputs: Keras's (x,)
+        return ((x,) if several else x for x, _ in self.adapter)
 
     def __len__(self):
         return len(self.adapter)

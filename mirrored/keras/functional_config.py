@@ -73,6 +73,21 @@ def functional_config(model, layer_entry):
                        "input_layers": history(x), "output_layers": history(model.outputs[0])}}
 
 
+def connections(model):
+    """[(layer, ['name[node][tensor]' of each input of each of its calls])], the input layers
+    first: summary's "Connected to" column (calls numbered within this model, as Keras)."""
+    own = [x.node for x in model.inputs] + list(model.symbolic_nodes)
+    own_ids = {id(n) for n in own}
+
+    def ref(t):
+        calls = [n for n in t.node.layer.inbound_nodes if id(n) in own_ids]
+        return f"{t.node.layer.name}[{next(i for i, n in enumerate(calls) if n is t.node)}][0]"
+    rows = [(x.node.layer, []) for x in model.inputs]
+    for layer in model.layers:
+        rows.append((layer, [ref(t) for n in layer.inbound_nodes if id(n) in own_ids for t in n.input_tensors]))
+    return rows
+
+
 def functional_from_config(config, make_layer, make_input, make_model):
     """Rebuild a functional model from Keras's config (``config["config"]``).
 

@@ -27,16 +27,15 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context, ops
-from mirrored.keras import custom_loop, custom_step, data_adapters, functional
+from mirrored.keras import custom_loop, custom_step, data_adapters, functional, multi_io
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
-from mirrored.keras import saving
+from mirrored.keras import functional_config, saving
 from mirrored.keras.base_layer import Layer
 from mirrored.keras.metrics import accuracy_name
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import check_compiled
-from mirrored.keras.engine import ReplicaProgram
 from mirrored.keras.tape import ModelOutput, input_link
 from mirrored.tensor import Tensor
 from mirrored.values import components
@@ -499,6 +498,8 @@ class ModelAPI:
         return functional.call_layer(self, inputs, {})
 
     def _call(self, inputs, training, r):
+        if self.structured_io:                       # several inputs or outputs (multi_io.py)
+            return multi_io.call(self, inputs, training, r)
         if not isinstance(inputs, Tensor):
             inputs = np.asarray(inputs)
         shape = inputs.shape
@@ -506,7 +507,7 @@ class ModelAPI:
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         self.use_own_weights()
         link = input_link(inputs)                  # tapes that follow the input: they want d loss / d x
-        p = self.step.programs[r] if not link else self._input_grad_program(r)
+        p = self.step.programs[r] if not link else multi_io.input_grad_program(self, r)
         dev = p.dev
         with dev.activate():
             if isinstance(inputs, Tensor):
@@ -522,18 +523,6 @@ class ModelAPI:
         y = Tensor(result, dev, ModelOutput(self, p, x, inputs, link))
         return ops.squeeze(y, -1) if self.__dict__.get("_scalar_call") else y    # x (N,): y (N,)
 
-    def _input_grad_program(self, r):
-        """Replica ``r``'s program whose backward also gives d loss / d input (``input_grad``),
-        made on first use: a model called in a GradientTape on a tensor the tape follows (a
-        generator's output into a discriminator). The same nodes and packed weights as
-        ``step.programs[r]``, buffers of its own; ``fit`` never runs it."""
-        programs = self.__dict__.setdefault("_input_grad_programs", {})
-        if r not in programs:
-            ext = self._strategy.extended
-            programs[r] = ReplicaProgram(self.nodes, self.step.pack, r, self.step.in_dim, ext.replica_offset,
-                                         self._strategy.num_replicas_in_sync, input_grad=True)
-        return programs[r]
-
     # -- summary ------------------------------------------------------------------------------------
     def summary(self, print_fn=None):
         """Keras's table of layers, output shapes and parameter counts; a functional model's
@@ -544,10 +533,9 @@ class ModelAPI:
         if not self.built:
             raise ValueError("This model has not yet been built: give the first layer an "
                              "input_shape or call fit() first.")
-        connected = getattr(self, "connections", None)
-        rows = [] if connected is None else connected()         # functional: [(layer, inputs)]
-        if connected is None:
-            rows = [(layer, None) for layer in self.layers]
+        connected = getattr(self, "symbolic_nodes", None)        # functional: its recorded calls
+        rows = [(layer, None) for layer in self.layers] if connected is None else \
+            functional_config.connections(self)                # [(layer, inputs)], input layers first
         widths = (27, 25, 10) if connected is None else (33, 22, 12, 31)
         width = sum(widths) + len(widths)                    # a space before each column
         rule, thick = "_" * width, "=" * width

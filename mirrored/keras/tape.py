@@ -214,7 +214,10 @@ def replica_scale():
 
 
 def _scaled_sum(per_example, scale):
-    """scale * sum(per_example) as a scalar Tensor that remembers how it was made."""
+    """scale * sum(per_example) as a scalar Tensor that remembers how it was made: a node of
+    the fused path, or, for per-example losses made by recorded ops, the sum in ops."""
+    if per_example.node is not None and not isinstance(per_example.node, (_Loss, _Scaled)):
+        return ops.reduce_sum(per_example) * scale
     dev = per_example.dev
     with dev.activate():
         total = dev.empty((1,), np.float32)
