@@ -53,19 +53,15 @@ Neighbours: ``trainer.py`` (fit's loop calls ``train``), ``model_api.py`` (evalu
 ``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``tape.py``
 (``compute_average_loss``), ``input_lib.py`` (``split_batch``).
 """
-import copy
 import weakref
 
 import numpy as np
 
 from mirrored import context, nest
 from mirrored.input_lib import split_batch
-from mirrored.keras import metrics as _metrics
-from mirrored.keras.custom_losses import Loss
+from mirrored.keras import compile_utils, metrics as _metrics
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
-from mirrored.keras.tape import GradientTape, compute_average_loss, scale_regularization_loss
-from mirrored.strategy import to_tensor_on
-from mirrored.tensor import Tensor
+from mirrored.keras.tape import GradientTape, scale_regularization_loss
 from mirrored.values import DistributedValues
 
 _DEFAULTS = set()                              # the library's own train_step, test_step, predict_step
@@ -339,6 +335,18 @@ def logs(model, result):
     return {key: _summed(value) for key, value in flat.items()}
 
 
+def in_keras_order(model, logs):
+    """evaluate's list of values in Keras 3's order (``_flatten_metrics_in_order``): those of
+    ``model.metrics`` by name first (a compiled metrics container by its metrics' own names,
+    so "mae" but not "o1_mae"), then the other logs in sorted order."""
+    names = []
+    for metric in model.metrics:
+        inner = metric.metrics if isinstance(metric, (_metrics.CompileMetrics, compile_utils.OutputMetrics)) \
+            else [metric]
+        names += [m.name for m in inner]
+    return [logs[n] for n in names if n in logs] + [logs[k] for k in sorted(logs) if k not in names]
+
+
 def _summed(value):
     parts = value.values if isinstance(value, DistributedValues) else (value,)
     return float(sum(_to_float(p) for p in parts))
@@ -374,8 +382,8 @@ class LossTracker(_metrics.Mean):
 
 def compile_metrics(model, metrics):
     """What ``compile`` makes: the model's loss tracker and ``CompileMetrics`` of ``metrics``
-    (metric objects); returns the latter."""
-    compiled = _metrics.CompileMetrics(metrics)
+    (metric objects, or the container itself: ``compile_utils.OutputMetrics``); returns the latter."""
+    compiled = metrics if isinstance(metrics, _metrics.Metric) else _metrics.CompileMetrics(metrics)
     _COMPILED[model] = (LossTracker(), compiled)
     return compiled
 
@@ -386,12 +394,14 @@ def compiled_metrics(model):
 
 
 def model_metrics(model):
-    """Keras 3's ``model.metrics``: the loss tracker and the compiled metrics once compiled,
-    then the metrics set as the model's attributes (``self.mae = keras.metrics.MAE()``)."""
+    """Keras 3's ``model.metrics``: the loss tracker and the compiled metrics once compiled, each
+    output's loss tracker (several outputs), then the metrics set as the model's attributes (``self.mae = keras.metrics.MAE()``)."""
     tracker, compiled = _COMPILED.get(model, (None, None))
     found = [] if tracker is None else [tracker]
     if compiled is not None and compiled.metrics:
         found.append(compiled)
+    if isinstance(model.loss, compile_utils.CompileLoss):     # each output's loss: "o1_loss", ...
+        found += model.loss.metrics
     found += [m for k, m in vars(model).items() if not k.startswith("_") and isinstance(m, _metrics.Metric)
               and all(m is not f for f in found)]
     return found
@@ -408,7 +418,10 @@ def compute_loss(model, y, y_pred, sample_weight=None):
     if loss is not None:
         if y_pred is None or y is None:
             raise ValueError("compute_loss needs y and y_pred: self.compute_loss(y=y, y_pred=self(x)).")
-        terms.append(_compiled_loss(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
+        if isinstance(loss, compile_utils.CompileLoss):          # several outputs: compile_utils.py
+            terms.append(loss(y, y_pred, _GLOBAL_BATCH.get(model)))
+        else:
+            terms.append(compile_utils.share(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
     if model.losses:
         terms.append(scale_regularization_loss(model.losses))
     if not terms:
@@ -417,33 +430,6 @@ def compute_loss(model, y, y_pred, sample_weight=None):
     for term in terms[1:]:
         total = total + term
     return total
-
-
-def _compiled_loss(loss, y, y_pred, global_batch):
-    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses over the
-    global batch (Keras's ``sum_over_batch_size``), or its sum (``"sum"``)."""
-    if not isinstance(y_pred, Tensor):
-        raise TypeError("compute_loss: y_pred must be the model's output, self(x, training=True).")
-    b = int(y_pred.shape[0])
-    if isinstance(loss, Loss):                         # written in ops
-        if loss.reduction == "none":
-            return loss(y, y_pred)
-        scale = 1.0 / (global_batch or b * _replicas())
-        return loss.shares(_as_tensor_on(y, y_pred), y_pred, b, scale)[1]
-    if loss.reduction != "sum_over_batch_size":
-        return loss(y, y_pred)
-    per_example = copy.copy(loss)
-    per_example.reduction = "none"
-    return compute_average_loss(per_example(y, y_pred), global_batch_size=global_batch)
-
-
-def _replicas():
-    strategy, replica_ctx = context.top()
-    return strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
-
-
-def _as_tensor_on(value, like):
-    return to_tensor_on(value, like.dev)
 
 
 # -- compiled metrics on fit's own step -------------------------------------------------------------

@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context, ops
-from mirrored.keras import custom_loop, custom_step, data_adapters, functional, multi_io
+from mirrored.keras import compile_utils, custom_loop, custom_step, data_adapters, functional, multi_io
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -243,7 +243,8 @@ class ModelAPI:
         epoch's end. ``predict`` runs one batch at a time.
 
         ``jit_compile`` is accepted and changes nothing (it tunes Keras's speed, not its
-        results); ``loss_weights`` and ``weighted_metrics`` are refused.
+        results); ``weighted_metrics`` is refused. A model of several outputs takes a loss, metrics
+        and ``loss_weights`` per output, as lists or dicts keyed by output names (``compile_utils.py``).
 
         ``cuda_graph=`` (this library's old option) is deprecated: ``cuda_graph=True`` is
         ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
@@ -251,9 +252,10 @@ class ModelAPI:
         """
         if kwargs:
             raise TypeError(f"compile() got an unexpected keyword argument {sorted(kwargs)[0]!r}")
-        if loss_weights is not None or weighted_metrics:
-            raise NotImplementedError("compile(loss_weights=..., weighted_metrics=...) is not implemented here "
-                                      "(one output, no sample weights); leave them out.")
+        several = len(getattr(self, "outputs", ())) > 1          # outputs: compile_utils.py
+        if (loss_weights is not None and not several) or weighted_metrics:
+            raise NotImplementedError("compile(weighted_metrics=...), and loss_weights for a model of one "
+                                      "output, are not implemented here; leave them out.")
         per_execution = check_steps_per_execution(steps_per_execution)   # before anything changes
         self._check_strategy()
         run_eagerly = _eager_from(run_eagerly, cuda_graph)
@@ -264,15 +266,19 @@ class ModelAPI:
         if loss is None and not own_step:
             raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
         new_optimizer = custom_step.NoRMSprop() if optimizer == "rmsprop" else _optimizers.get(optimizer)
-        new_loss = None if loss is None else _losses.get(loss)
-        device, host = compiled_metric_split(metrics, new_loss, own_step)   # checked before any change
+        if several and loss is not None:                    # Keras 3's CompileLoss / CompileMetrics
+            new_loss = compile_utils.CompileLoss(loss, loss_weights, self)
+            device, host = [], compile_utils.OutputMetrics(metrics, self)
+        else:
+            new_loss = None if loss is None else _losses.get(loss)
+            device, host = compiled_metric_split(metrics, new_loss, own_step)   # checked before any change
         self.optimizer, self.loss = new_optimizer, new_loss
         self._metric_names = device
-        self.host_metrics = host
+        self.host_metrics = getattr(host, "metrics", host)
         custom_step.compile_metrics(self, host)
         if self.built:
             self.repack_if_trainable_changed()      # a layer frozen since the model was built
-        if self.built and self.loss is not None:
+        if self.built and self.loss is not None and not several:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         self.steps_per_execution = per_execution
         self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
@@ -407,7 +413,8 @@ class ModelAPI:
             logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose, sample_weight=sample_weight)
         if return_dict:
             return logs
-        values = list(logs.values())
+        values = custom_step.in_keras_order(self, logs) if custom_step.runs_keras_step(self, "test_step") \
+            else list(logs.values())
         return values if len(values) > 1 else values[0]
 
     @serialised
