@@ -190,19 +190,22 @@ def rows_of(model, xs):
 
 
 def joined(xs, b, dev):
-    """Tensor 0 of the program: the inputs flattened and side by side, (b, total) float32 on
-    ``dev``; built with ops when one is a Tensor (a tape that follows it sees the join)."""
+    """Tensor 0 of the program: the inputs flattened and side by side, (b, total) float32. Of
+    NumPy inputs, one upload to ``dev``; where one is a Tensor, made with ops on its device, so a
+    tape that follows it sees the join (and the program's input gradient goes back through it)."""
+    widths = [int(np.prod(np.shape(x)[1:], dtype=np.int64)) for x in xs]
     if not any(isinstance(x, Tensor) for x in xs):
-        flat = [np.asarray(x, np.float32).reshape(b, -1) for x in xs]
+        flat = [np.asarray(x, np.float32).reshape(b, w) for x, w in zip(xs, widths)]
         with dev.activate():
             return Tensor(dev.from_numpy(np.ascontiguousarray(np.concatenate(flat, axis=1))), dev)
+    home = next(x for x in xs if isinstance(x, Tensor)).dev
     parts = []
-    with dev.activate():
-        for x in xs:
-            t = to_tensor_on(x, dev)
+    with home.activate():
+        for x, w in zip(xs, widths):
+            t = to_tensor_on(x, home)
             if t.dtype != FLOAT:
                 t = ops.cast(t, np.float32)
-            parts.append(ops.reshape(t, (b, -1)))
+            parts.append(ops.reshape(t, (b, w)))
         return ops.concat(parts, axis=1) if len(parts) > 1 else parts[0]
 
 
@@ -219,7 +222,7 @@ def call(model, inputs, training, r):
         program = input_grad_program(model, r)
     dev = program.dev
     with dev.activate():
-        buf = x.buf.reshape(b, program.in_dim)                                   # (b, total) float32
+        buf = (x.buf if x.dev is dev else dev.copy_from(x.buf, x.dev)).reshape(b, program.in_dim)   # (b, total)
         out = program.forward(buf, training=training, probabilities=True)
         y = Tensor(dev.copy_from(out, dev), dev, ModelOutput(model, program, buf, x, link))
     ys = model.outputs

@@ -1,0 +1,206 @@
+"""Functional models with several inputs and outputs (``mirrored/keras/multi_io.py``,
+``compile_utils.py``), as Keras 3 writes them: ``keras.Model([a, b], [o1, o2])`` with a loss,
+a weight and metrics per output, trained under MirroredStrategy on 1 and 2 logical CPUs.
+
+Which equality each test claims, and why it holds:
+* weights after fit against a float64 NumPy oracle of the same SGD steps: float32 tolerance
+  (BLAS computes the products);
+* the replicas' copies of every weight against each other: bitwise (the same update, our
+  order of sums, applied to every copy);
+* 2 replicas against 1 on the same global batches: float32 tolerance (each replica's
+  gradient is its share of the global batch's mean; the ring sums the shares).
+
+    python -m pytest -q tests/test_multi_io_models.py
+"""
+import numpy as np
+import pytest
+
+import mirrored as tf
+from mirrored import keras
+from mirrored.keras import layers as L
+from mirrored.values import components
+
+F32 = np.float32
+#: float32 training against the float64 oracle, a few SGD steps on values of order 1
+RTOL, ATOL = 2e-4, 2e-5
+LR, W1, W2 = 0.1, 1.0, 0.5                  # SGD's rate; loss_weights of o1 and o2
+
+
+def two_by_two(strategy):
+    """a (3,), b (2,) -> Dense(4, relu) each -> Concatenate -> o1 Dense(2), o2 Dense(1)."""
+    with strategy.scope():
+        a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+        h = L.Concatenate(name="join")([L.Dense(4, activation="relu", name="da")(a),
+                                        L.Dense(4, activation="relu", name="db")(b)])
+        return keras.Model([a, b], [L.Dense(2, name="o1")(h), L.Dense(1, name="o2")(h)])
+
+
+def data(rng, n):
+    x = [rng.standard_normal((n, 3)).astype(F32), rng.standard_normal((n, 2)).astype(F32)]
+    y = [rng.standard_normal((n, 2)).astype(F32), rng.standard_normal((n, 1)).astype(F32)]
+    return x, y
+
+
+def oracle_step(w, xa, xb, y1, y2):
+    """One SGD step of W1 * mse(o1) + W2 * mae(o2) over the batch, in float64; the losses."""
+    wa, ba, wb, bb, k1, c1, k2, c2 = w
+    za, zb = xa @ wa + ba, xb @ wb + bb
+    h = np.concatenate([np.maximum(za, 0), np.maximum(zb, 0)], axis=1)         # (B, 8)
+    p1, p2 = h @ k1 + c1, h @ k2 + c2                                          # (B, 2), (B, 1)
+    n = len(xa)
+    d1 = W1 * 2 * (p1 - y1) / (n * 2)                                          # d loss / d p1
+    d2 = W2 * np.sign(p2 - y2) / n                                             # d loss / d p2
+    dh = d1 @ k1.T + d2 @ k2.T
+    dza, dzb = dh[:, :4] * (za > 0), dh[:, 4:] * (zb > 0)
+    grads = [xa.T @ dza, dza.sum(0), xb.T @ dzb, dzb.sum(0), h.T @ d1, d1.sum(0), h.T @ d2, d2.sum(0)]
+    losses = (np.mean((p1 - y1) ** 2), np.mean(np.abs(p2 - y2)))
+    return [v - LR * g for v, g in zip(w, grads)], losses
+
+
+def strategy_on(devices, n):
+    devices(cpus=n)
+    return tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+
+
+def check_replicas_equal(model):
+    for v in model.trainable_variables:
+        copies = [c.numpy() for c in components(v)]
+        for c in copies[1:]:
+            assert np.array_equal(c, copies[0]), f"{v.name}: the replicas' copies differ"
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_two_inputs_two_outputs_train_to_the_float64_oracle(devices, rng, replicas):
+    strategy = strategy_on(devices, replicas)
+    model = two_by_two(strategy)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss={"o1": "mse", "o2": "mae"},
+                  loss_weights=[W1, W2], metrics={"o1": ["mae"], "o2": "mse"})
+    x, y = data(rng, 13)                               # batches of 5, 5, 3: uneven over 2 replicas
+    w = [v.astype(np.float64) for v in model.get_weights()]
+    history = model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0).history
+    assert sorted(history) == ["loss", "o1_loss", "o1_mae", "o2_loss", "o2_mse"]
+    seen = []
+    for i in range(0, 13, 5):
+        w, losses = oracle_step(w, x[0][i:i + 5], x[1][i:i + 5], y[0][i:i + 5], y[1][i:i + 5])
+        seen.append((losses, len(x[0][i:i + 5])))
+    for got, want, v in zip(model.get_weights(), w, model.trainable_variables):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=v.name)
+    check_replicas_equal(model)
+    o1 = sum(l[0] * n for l, n in seen) / 13           # each output's loss over the epoch's examples
+    np.testing.assert_allclose(history["o1_loss"][0], o1, rtol=1e-4)
+    np.testing.assert_allclose(history["o2_loss"][0], sum(l[1] * n for l, n in seen) / 13, rtol=1e-4)
+
+
+def test_two_replicas_train_as_one_on_the_global_batch(devices, rng):
+    x, y = data(rng, 12)
+    weights, results = None, []
+    for replicas in (1, 2):
+        model = two_by_two(strategy_on(devices, replicas))
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        model.compile(optimizer="sgd", loss=["mse", "mse"], loss_weights={"o2": 2.0})
+        model.fit({"a": x[0], "b": x[1]}, {"o1": y[0], "o2": y[1]}, batch_size=4, epochs=2, shuffle=False,
+                  verbose=0)
+        results.append(model.get_weights())
+        if replicas == 2:
+            check_replicas_equal(model)
+    for one, two in zip(*results):
+        np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
+
+
+def test_calls_predict_and_dict_models_give_keras_structures(devices, rng):
+    strategy = strategy_on(devices, 2)
+    model = two_by_two(strategy)
+    x, _ = data(rng, 7)
+    wa, ba, wb, bb, k1, c1, k2, c2 = [w.astype(np.float64) for w in model.get_weights()]
+    h = np.concatenate([np.maximum(x[0] @ wa + ba, 0), np.maximum(x[1] @ wb + bb, 0)], axis=1)
+    want = [h @ k1 + c1, h @ k2 + c2]
+    out = model.predict(x, batch_size=3, verbose=0)
+    assert isinstance(out, list) and [o.shape for o in out] == [(7, 2), (7, 1)]
+    for got, exp in zip(out, want):
+        np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-6)
+    eager = model({"a": x[0], "b": x[1]})                       # a dict keyed by the Input names
+    np.testing.assert_allclose(eager[1].numpy(), want[1], rtol=1e-5, atol=1e-6)
+    assert model.input_shape == [(None, 3), (None, 2)] and model.output_shape == [(None, 2), (None, 1)]
+    assert model.output_names == ["o1", "o2"]
+    with strategy.scope():                                      # the same layers, a dict model
+        by_name = keras.Model({"a": model.inputs[0], "b": model.inputs[1]},
+                              {"first": model.outputs[0], "second": model.outputs[1]})
+    out = by_name.predict({"a": x[0], "b": x[1]}, verbose=0)
+    assert sorted(out) == ["first", "second"]
+    np.testing.assert_allclose(out["second"], want[1], rtol=1e-5, atol=1e-6)
+    by_name.compile(optimizer="sgd", loss={"first": "mse"}, metrics={"second": ["mae"]})
+    logs = by_name.evaluate({"a": x[0], "b": x[1]}, {"first": want[0], "second": want[1]}, verbose=0,
+                            return_dict=True)
+    assert sorted(logs) == ["loss", "second_mae"] and logs["loss"] < 1e-10 and logs["second_mae"] < 1e-5
+
+
+def test_gradients_reach_every_output_and_every_input(devices, rng):
+    model = two_by_two(strategy_on(devices, 1))
+    x, _ = data(rng, 4)
+    xa, xb = tf.constant(x[0]), tf.constant(x[1])
+    with tf.GradientTape() as tape:
+        tape.watch([xa, xb])
+        o1, o2 = model([xa, xb], training=True)
+        loss = tf.reduce_sum(o1 * o1) + 3.0 * tf.reduce_sum(o2)
+    grads = tape.gradient(loss, [xa, xb] + model.trainable_variables)
+    wa, ba, wb, bb, k1, c1, k2, c2 = [w.astype(np.float64) for w in model.get_weights()]
+    za, zb = x[0] @ wa + ba, x[1] @ wb + bb
+    h = np.concatenate([np.maximum(za, 0), np.maximum(zb, 0)], axis=1)
+    d1, d2 = 2 * (h @ k1 + c1), np.full((4, 1), 3.0)
+    dh = d1 @ k1.T + d2 @ k2.T
+    dza, dzb = dh[:, :4] * (za > 0), dh[:, 4:] * (zb > 0)
+    want = [dza @ wa.T, dzb @ wb.T, x[0].T @ dza, dza.sum(0), x[1].T @ dzb, dzb.sum(0),
+            h.T @ d1, d1.sum(0), h.T @ d2, d2.sum(0)]
+    for got, exp in zip(grads, want):
+        np.testing.assert_allclose(got.numpy(), exp, rtol=1e-4, atol=1e-5)
+
+
+def test_a_data_set_of_structures_trains(devices, rng):
+    strategy = strategy_on(devices, 2)
+    model = two_by_two(strategy)
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse", loss_weights=[W1, W2])
+    x, y = data(rng, 6)
+    w = [v.astype(np.float64) for v in model.get_weights()]
+    ds = tf.data.Dataset.from_tensor_slices(((x[0], x[1]), (y[0], y[1]))).batch(6)
+    model.fit(ds, epochs=1, verbose=0)
+    wa, ba, wb, bb, k1, c1, k2, c2 = w
+    za, zb = x[0] @ wa + ba, x[1] @ wb + bb
+    h = np.concatenate([np.maximum(za, 0), np.maximum(zb, 0)], axis=1)
+    d1 = W1 * 2 * (h @ k1 + c1 - y[0]) / 12
+    d2 = W2 * 2 * (h @ k2 + c2 - y[1]) / 6
+    np.testing.assert_allclose(model.get_weights()[7], c2 - LR * d2.sum(0), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(model.get_weights()[5], c1 - LR * d1.sum(0), rtol=RTOL, atol=ATOL)
+    check_replicas_equal(model)
+
+
+def test_structures_that_do_not_fit_are_refused_with_the_names_there_are(devices, rng):
+    model = two_by_two(strategy_on(devices, 1))
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"key\(s\) \['oX'\].*outputs are \['o1', 'o2'\]"):
+        model.compile(optimizer="sgd", loss={"o1": "mse", "oX": "mae"})
+    with pytest.raises(ValueError, match="a list of 1 for a model of 2 outputs"):
+        model.compile(optimizer="sgd", loss=["mse"])
+    with pytest.raises(ValueError, match="a list of 3 for a model of 2 outputs"):
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse", "mae"])
+    with pytest.raises(ValueError, match="loss_weights"):
+        model.compile(optimizer="sgd", loss="mse", loss_weights={"o3": 1.0})
+    assert model.loss is None                          # nothing changed by a refused compile
+    x, y = data(rng, 4)
+    with pytest.raises(ValueError, match=r"takes the inputs \['a', 'b'\].*missing: \['b'\]"):
+        model.predict({"a": x[0]}, verbose=0)
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        model(x[0])
+    with pytest.raises(ValueError, match=r"input 'b' takes examples of shape \(2,\)"):
+        model([x[0], x[0]])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=r"2 outputs \['o1', 'o2'\], so y is a list"):
+        model.fit(x, y[0], verbose=0)
+    with pytest.raises(ValueError, match=r"none for the output\(s\) \['o2'\]"):
+        model.fit(x, {"o1": y[0]}, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+        assert np.array_equal(got, want)
+    with pytest.raises(NotImplementedError, match="keras.layers.Softmax"):
+        a = keras.Input((3,), name="a2")
+        keras.Model(a, [L.Dense(2, activation="softmax")(a), L.Dense(1)(a)])
