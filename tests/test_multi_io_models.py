@@ -204,3 +204,67 @@ def test_structures_that_do_not_fit_are_refused_with_the_names_there_are(devices
     with pytest.raises(NotImplementedError, match="keras.layers.Softmax"):
         a = keras.Input((3,), name="a2")
         keras.Model(a, [L.Dense(2, activation="softmax")(a), L.Dense(1)(a)])
+
+
+def test_save_and_load_keep_the_structures_the_losses_and_the_training(devices, rng, tmp_path):
+    model = two_by_two(strategy_on(devices, 1))
+    model.compile(optimizer="adam", loss={"o1": "mse", "o2": "mae"}, loss_weights=[1.0, 0.5],
+                  metrics={"o1": ["mae"]})
+    x, y = data(rng, 6)
+    model.fit(x, y, verbose=0)                           # Adam's slots exist: saved with the weights
+    model.save(str(tmp_path / "m.keras"))
+    back = keras.models.load_model(str(tmp_path / "m.keras"))
+    assert back.input_shape == [(None, 3), (None, 2)] and back.output_names == ["o1", "o2"]
+    for got, want in zip(back.get_weights(), model.get_weights()):
+        assert np.array_equal(got, want)                 # the file holds the bits
+    for got, want in zip(back.predict(x, verbose=0), model.predict(x, verbose=0)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)       # BLAS: float32 tolerance
+    first, second = model.fit(x, y, verbose=0).history, back.fit(x, y, verbose=0).history
+    assert sorted(first) == sorted(second) == ["loss", "o1_loss", "o1_mae", "o2_loss"]
+    for key in first:                                    # the same loss weights, Adam's slots, step count
+        np.testing.assert_allclose(second[key], first[key], rtol=1e-4)
+    for got, want in zip(back.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
+        by_name = keras.Model({"a": model.inputs[0], "b": model.inputs[1]},
+                              {"first": model.outputs[0], "second": model.outputs[1]})
+    by_name.save(str(tmp_path / "d.keras"))
+    out = keras.models.load_model(str(tmp_path / "d.keras")).predict({"a": x[0], "b": x[1]}, verbose=0)
+    assert sorted(out) == ["first", "second"]
+    np.testing.assert_allclose(out["second"], model.predict(x, verbose=0)[1], rtol=1e-5, atol=1e-6)
+
+
+def test_summary_lists_every_input_layer_and_connection(devices):
+    model = two_by_two(strategy_on(devices, 1))
+    lines = []
+    model.summary(print_fn=lines.append)
+    rows = {line.split()[0]: line for line in lines if line.startswith(" ") and line.split()}
+    assert rows["a"].split()[1:] == ["(InputLayer)", "(None,", "3)", "0", "-"]
+    assert rows["b"].split()[1:] == ["(InputLayer)", "(None,", "2)", "0", "-"]
+    assert rows["da"].split()[-1] == "a[0][0]" and rows["db"].split()[-1] == "b[0][0]"
+    assert rows["o2"].split()[-1] == "join[0][0]" and lines[-4] == "Total params: 55"
+
+
+def test_real_keras_reads_our_two_input_two_output_file_and_we_read_its(rng, tmp_path):
+    """Where Keras 3 is installed (not a dependency: skipped otherwise): our .keras file of a model
+    of two inputs and two outputs loads in Keras and predicts what ours does; Keras's own file of
+    a model of dicts loads here and predicts what Keras's does."""
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "numpy")
+    real = pytest.importorskip("keras")
+    ours = two_by_two(tf.distribute.get_strategy())
+    x, _ = data(rng, 5)
+    ours.save(str(tmp_path / "ours.keras"))
+    theirs = real.models.load_model(tmp_path / "ours.keras")
+    assert [l.name for l in theirs.layers] == ["a", "b", "da", "db", "join", "o1", "o2"]
+    for got, want in zip(theirs.predict(x, verbose=0), ours.predict(x, verbose=0)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    a, b = real.Input((3,), name="a"), real.Input((2,), name="b")
+    h = real.layers.Dense(3, name="d")(real.layers.Concatenate(name="c")([a, b]))
+    made = real.Model({"a": a, "b": b}, {"x": real.layers.Dense(1, name="x")(h), "y": real.layers.Dense(2, name="y")(h)})
+    made.save(tmp_path / "theirs.keras")
+    back = keras.models.load_model(str(tmp_path / "theirs.keras"))
+    got, want = back.predict({"a": x[0], "b": x[1]}, verbose=0), made.predict({"a": x[0], "b": x[1]}, verbose=0)
+    assert sorted(got) == ["x", "y"]
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)

@@ -157,7 +157,7 @@ class OutputMetrics(_metrics.Metric):
 
     def __init__(self, metrics, model):
         super().__init__("compile_metrics")
-        self.names = output_names(model)
+        self.names, self.user_metrics = output_names(model), metrics        # (compile's argument: saving)
         entries = per_output(metrics, self.names, "metrics") if metrics is not None else [None] * len(self.names)
         self.per_output = [[_metrics.get(m) for m in (e if isinstance(e, (list, tuple)) else [e])]
                            if e is not None else [] for e in entries]
