@@ -268,3 +268,23 @@ def test_real_keras_reads_our_two_input_two_output_file_and_we_read_its(rng, tmp
     assert sorted(got) == ["x", "y"]
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_validation_split_cuts_every_array_and_one_output_takes_keras_forms(devices, rng):
+    model = two_by_two(strategy_on(devices, 2))
+    model.compile(optimizer="sgd", loss="mse", metrics=[None, ["mae"]])
+    x, y = data(rng, 10)
+    logs = model.fit(x, y, validation_split=0.2, batch_size=4, epochs=1, verbose=0).history
+    assert sorted(logs) == ["loss", "o1_loss", "o2_loss", "o2_mae", "val_loss", "val_o1_loss", "val_o2_loss",
+                            "val_o2_mae"]
+    want = model.evaluate([x[0][8:], x[1][8:]], [y[0][8:], y[1][8:]], verbose=0, return_dict=True)
+    np.testing.assert_allclose([logs["val_o1_loss"][0], logs["val_o2_mae"][0]], [want["o1_loss"], want["o2_mae"]],
+                               rtol=1e-6)                # the last 20% of every array, after the epoch
+    np.testing.assert_allclose(model.evaluate([x[0][8:], x[1][8:]], [y[0][8:], y[1][8:]], verbose=0),
+                               [want["loss"], want["o1_loss"], want["o2_loss"], want["o2_mae"]])   # Keras's order
+    with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+        a, b = keras.Input((3,), name="p"), keras.Input((2,), name="q")
+        one = keras.Model({"p": a, "q": b}, L.Dense(1, name="out")(L.Concatenate()([a, b])))
+    one.compile(optimizer="sgd", loss={"out": "mse"}, metrics={"out": "mae"})      # one output, by name
+    logs = one.fit({"p": x[0], "q": x[1]}, y[1], batch_size=5, verbose=0).history
+    assert sorted(logs) == ["loss", "mae"]

@@ -62,6 +62,15 @@ def per_output(value, names, what, default=None):
     return [value] * len(names)
 
 
+def of_one_output(value, model, what):
+    """compile's ``loss`` (``metrics``) for a model of one output given as a list of one entry
+    or a dict keyed by its name, as Keras 3 takes them: that entry (a loss; metrics as a list)."""
+    if not isinstance(value, dict) and not (what == "loss" and isinstance(value, (list, tuple))):
+        return value
+    entry = per_output(value, output_names(model), what)[0]
+    return entry if what == "loss" or entry is None or isinstance(entry, (list, tuple)) else [entry]
+
+
 class CompileLoss:
     """Keras 3's ``CompileLoss``: one loss (or None) and one weight per output, and the
     per-output loss trackers (``metrics``: a ``Mean`` named ``<output>_loss`` each, when

@@ -270,6 +270,9 @@ class ModelAPI:
             new_loss = compile_utils.CompileLoss(loss, loss_weights, self)
             device, host = [], compile_utils.OutputMetrics(metrics, self)
         else:
+            if self.structured_io:                          # one output: [loss] or {name: loss}, as Keras
+                loss, metrics = (compile_utils.of_one_output(v, self, w) for v, w in ((loss, "loss"),
+                                                                                      (metrics, "metrics")))
             new_loss = None if loss is None else _losses.get(loss)
             device, host = compiled_metric_split(metrics, new_loss, own_step)   # checked before any change
         self.optimizer, self.loss = new_optimizer, new_loss
@@ -307,7 +310,7 @@ class ModelAPI:
 
     @property
     def metrics_names(self):
-        if custom_step.overrides(self, "train_step"):
+        if custom_step.overrides(self, "train_step") or self.structured_io:
             return [m.name for m in self.metrics]
         return ["loss"] + self._metric_names + [m.name for m in self.host_metrics]
 

@@ -234,6 +234,9 @@ class Model(Trainer, ModelAPI):
         """Build for examples of ``input_shape`` (if need be) and check them; the shape of one
         output example. ``functional.call_layer`` records the call as one node."""
         input_shape = tuple(input_shape)
+        if self.structured_io:
+            raise NotImplementedError(f"{functional.user_line()}: the model {self.name!r} has several inputs or "
+                                      f"outputs; such a model is not used as a layer of another here.")
         if self._input_shape is None:
             self._input_shape = input_shape
         if tuple(self._input_shape) != input_shape:
@@ -287,9 +290,7 @@ class Model(Trainer, ModelAPI):
         if not self.built and not self._building and self._input_shape is not None:
             self.build()
 
-    variables = weights
-    trainable_weights = trainable_variables
-    non_trainable_weights = non_trainable_variables
+    variables, trainable_weights, non_trainable_weights = weights, trainable_variables, non_trainable_variables
 
 @saving.register_model_class
 class Sequential(Model):
