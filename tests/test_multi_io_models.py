@@ -288,3 +288,30 @@ def test_validation_split_cuts_every_array_and_one_output_takes_keras_forms(devi
     one.compile(optimizer="sgd", loss={"out": "mse"}, metrics={"out": "mae"})      # one output, by name
     logs = one.fit({"p": x[0], "q": x[1]}, y[1], batch_size=5, verbose=0).history
     assert sorted(logs) == ["loss", "mae"]
+
+
+def test_two_simulated_gpus_train_as_one_cpu(devices, rng):
+    """The CUDA path end to end (the simulator here, a GPU where there is one): the input slices,
+    the outputs' join and the model call's slices launch the same math as on the CPU."""
+    x, y = data(rng, 3)                                # 2 + 1 rows over the two GPUs
+    results, weights = [], None
+    for kind in ("cpu", "gpu"):
+        if kind == "cpu":
+            strategy = strategy_on(devices, 1)
+        else:
+            devices(cpus=1, gpus=2)
+            strategy = tf.distribute.MirroredStrategy(["GPU:0", "GPU:1"])
+        model = two_by_two(strategy)
+        weights = weights or model.get_weights()
+        model.set_weights(weights)
+        model.compile(optimizer="sgd", loss=["mse", "mae"], loss_weights=[W1, W2])
+        logs = model.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0).history
+        results.append((model.get_weights(), logs, model.predict(x, verbose=0)))
+        if kind == "gpu":
+            check_replicas_equal(model)
+    (w_cpu, logs_cpu, p_cpu), (w_gpu, logs_gpu, p_gpu) = results
+    for a, b in zip(w_gpu, w_cpu):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(p_gpu, p_cpu):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert sorted(logs_gpu) == sorted(logs_cpu) == ["loss", "o1_loss", "o2_loss"]
