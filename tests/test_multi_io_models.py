@@ -89,6 +89,8 @@ def test_two_inputs_two_outputs_train_to_the_float64_oracle(devices, rng, replic
     o1 = sum(l[0] * n for l, n in seen) / 13           # each output's loss over the epoch's examples
     np.testing.assert_allclose(history["o1_loss"][0], o1, rtol=1e-4)
     np.testing.assert_allclose(history["o2_loss"][0], sum(l[1] * n for l, n in seen) / 13, rtol=1e-4)
+    total = sum((W1 * l[0] + W2 * l[1]) * n for l, n in seen) / 13     # the weighted total, uneven shares too
+    np.testing.assert_allclose(history["loss"][0], total, rtol=1e-4)
 
 
 def test_two_replicas_train_as_one_on_the_global_batch(devices, rng):
@@ -315,3 +317,20 @@ def test_two_simulated_gpus_train_as_one_cpu(devices, rng):
     for a, b in zip(p_gpu, p_cpu):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert sorted(logs_gpu) == sorted(logs_cpu) == ["loss", "o1_loss", "o2_loss"]
+
+
+def test_two_inputs_into_one_softmax_output_report_keras_loss_and_accuracy(devices, rng):
+    strategy = strategy_on(devices, 2)
+    with strategy.scope():
+        a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+        h = L.Concatenate()([L.Dense(5, activation="relu")(a), b])
+        model = keras.Model([a, b], L.Dense(4, activation="softmax", name="cls")(h))
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, _ = data(rng, 9)
+    y = rng.integers(0, 4, 9)
+    model.fit(x, y, batch_size=4, verbose=0)
+    p = model.predict(x, verbose=0).astype(np.float64)                           # (9, 4) probabilities
+    np.testing.assert_allclose(p.sum(axis=1), 1.0, rtol=1e-6)
+    loss, accuracy = model.evaluate(x, y, batch_size=4, verbose=0)
+    np.testing.assert_allclose(loss, -np.log(p[np.arange(9), y]).mean(), rtol=1e-5)
+    assert accuracy == pytest.approx(np.mean(p.argmax(axis=1) == y))

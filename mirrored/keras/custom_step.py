@@ -368,15 +368,24 @@ class LossTracker(_metrics.Mean):
     """The model's own "loss" metric (Keras's ``_loss_tracker``). A replica's loss from
     ``compute_loss`` is its share of the global loss (summed over the replicas, it is the
     loss); this tracker multiplies it by the replica count (Keras's
-    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss."""
+    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss.
+    Given the replica's rows as ``sample_weight`` (Keras's default steps give them) while fit's
+    step knows the global batch B, it multiplies by B / rows instead: the replica's own mean,
+    weighed by its rows, which stays exact when the shares are uneven (9 rows on 2 replicas)."""
 
-    def __init__(self, name="loss"):
+    def __init__(self, model, name="loss"):
         super().__init__(name)
+        self.model = weakref.ref(model)
 
     def update_state(self, values, sample_weight=None):
         strategy, replica_ctx = context.top()
         n = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
         values = _number_array(values).astype(np.float64)
+        global_batch = _GLOBAL_BATCH.get(self.model())
+        if global_batch and np.ndim(sample_weight) == 0 and sample_weight is not None:
+            rows = float(sample_weight)
+            super().update_state(values * (global_batch / rows) if rows else values * 0, sample_weight)
+            return
         super().update_state(values * n, sample_weight)
 
 
@@ -384,7 +393,7 @@ def compile_metrics(model, metrics):
     """What ``compile`` makes: the model's loss tracker and ``CompileMetrics`` of ``metrics``
     (metric objects, or the container itself: ``compile_utils.OutputMetrics``); returns the latter."""
     compiled = metrics if isinstance(metrics, _metrics.Metric) else _metrics.CompileMetrics(metrics)
-    _COMPILED[model] = (LossTracker(), compiled)
+    _COMPILED[model] = (LossTracker(model), compiled)
     return compiled
 
 

@@ -26,18 +26,21 @@ of weights (shared). A model called on one (``Sequential([model, Softmax()])``,
 (``model.layers``, summary and saving see the model); ``program`` then puts the model's own
 nodes in its place (``expand``), so the engine runs one flat program.
 
-``program(inputs, outputs)`` walks back from the output as Keras's ``map_graph`` does: a
+``graph(inputs, outputs)`` walks back from the outputs as Keras's ``map_graph`` does: a
 depth-first search gives each layer its first-visit index, each node its depth (the longest
-path to the output); nodes run in decreasing depth, so every node runs after the nodes it
+path to an output); nodes run in decreasing depth, so every node runs after the nodes it
 reads (a topological order), ties broken by the search's order, so the order is fixed.
 ``model.layers`` is Keras's order (layer depth, then first visit): the order of the weights.
+``number`` turns the calls into engine nodes that read tensors by number; ``program`` does
+both for a model of one input and one output, ``multi_io.py`` for one of several.
 
 Python code that needs a tensor's VALUE while call() is traced (``if x > 0``, ``float(x)``,
 ``x.numpy()``, ``np.asarray(x)``) has no value to use: it raises, naming the user's line.
 
 Neighbours: ``engine.py`` (``Node``, the program that runs), ``base_layer.py``
 (``Layer.__call__``, ``Input``), ``models.py`` (``Model``, ``Functional``, ``Sequential``),
-``saving.py`` (Keras 3's "Functional" config, read and written).
+``saving.py`` (Keras 3's "Functional" config, read and written), ``multi_io.py`` (several inputs
+or outputs).
 """
 import inspect
 import os

@@ -274,7 +274,7 @@ class ModelAPI:
                 loss, metrics = (compile_utils.of_one_output(v, self, w) for v, w in ((loss, "loss"),
                                                                                       (metrics, "metrics")))
             new_loss = None if loss is None else _losses.get(loss)
-            device, host = compiled_metric_split(metrics, new_loss, own_step)   # checked before any change
+            device, host = compiled_metric_split(metrics, new_loss, own_step or self.structured_io)   # checked first
         self.optimizer, self.loss = new_optimizer, new_loss
         self._metric_names = device
         self.host_metrics = getattr(host, "metrics", host)

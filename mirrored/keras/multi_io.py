@@ -91,8 +91,9 @@ class OutputsSideBySide(Concatenate):
 
 def engine_program(inputs, outputs):
     """The program of ``keras.Model(inputs, outputs)`` (module docstring): ``(nodes, layers,
-    symbolic)`` as ``functional.program`` gives them, for the flat lists of input and output
-    tensors (dicts in sorted key order)."""
+    symbolic)`` as ``functional.program`` gives them, and the one example shape the engine takes,
+    ``(total features,)``. The inputs and outputs are taken in their flat order (a dict's in
+    sorted key order, as ``tf.nest``)."""
     xs, ys = functional.flat_tensors(inputs, "inputs"), functional.flat_tensors(outputs, "outputs")
     names = [x.name for x in xs]
     if len(set(names)) != len(names) or (isinstance(inputs, dict) and sorted(inputs) != sorted(names)):
@@ -152,7 +153,8 @@ class EngineView:
 # -- calling the model -------------------------------------------------------------------------
 def flat_inputs(model, inputs):
     """``inputs`` as the list of the model's inputs in order (``model.inputs``): a list or tuple in
-    that order, or a dict keyed by the inputs' names (Keras 3 takes either); a clear error else."""
+    that order, or a dict keyed by the inputs' names (Keras 3 takes either); of a model of one
+    input, the array itself too. A clear error otherwise."""
     names = [x.name for x in model.inputs]
     if isinstance(inputs, dict):
         missing = [n for n in names if n not in inputs]
@@ -162,11 +164,11 @@ def flat_inputs(model, inputs):
                              f"{sorted(inputs)} (missing: {missing}, unknown: {extra}). Key the arrays by the "
                              f"names given to keras.Input(..., name=...).")
         return [inputs[n] for n in names]
-    if isinstance(inputs, (list, tuple)) and len(inputs) == len(names) and not (
-            len(names) == 1 and np.ndim(inputs) > 1 and not isinstance(inputs[0], (np.ndarray, Tensor))):
+    several = isinstance(inputs, (list, tuple)) and all(isinstance(x, (np.ndarray, Tensor)) for x in inputs)
+    if several and len(inputs) == len(names):
         return list(inputs)
-    if len(names) == 1 and not isinstance(inputs, (list, tuple)):
-        return [inputs]
+    if len(names) == 1 and not several:
+        return [inputs]                                     # one input: the array (or nested lists)
     got = f"a {type(inputs).__name__} of {len(inputs)}" if isinstance(inputs, (list, tuple)) else \
         f"one {type(inputs).__name__}"
     raise ValueError(f"model {model.name!r} takes {len(names)} inputs, {names}, as a list in that order or a "
