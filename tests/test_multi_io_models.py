@@ -334,3 +334,47 @@ def test_two_inputs_into_one_softmax_output_report_keras_loss_and_accuracy(devic
     loss, accuracy = model.evaluate(x, y, batch_size=4, verbose=0)
     np.testing.assert_allclose(loss, -np.log(p[np.arange(9), y]).mean(), rtol=1e-5)
     assert accuracy == pytest.approx(np.mean(p.argmax(axis=1) == y))
+
+
+KERAS_FIT = """
+import os, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np, keras
+d = dict(np.load(sys.argv[1]))
+a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+h = keras.layers.Concatenate(name="join")([keras.layers.Dense(4, activation="relu", name="da")(a),
+                                           keras.layers.Dense(4, activation="relu", name="db")(b)])
+model = keras.Model([a, b], [keras.layers.Dense(2, name="o1")(h), keras.layers.Dense(1, name="o2")(h)])
+model.set_weights([d[f"w{i}"] for i in range(8)])
+model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"o1": "mse", "o2": "mae"}, loss_weights=[1.0, 0.5],
+              metrics={"o1": ["mae"], "o2": "mse"})
+logs = model.fit([d["xa"], d["xb"]], [d["y1"], d["y2"]], batch_size=5, shuffle=False, verbose=0).history
+np.savez(sys.argv[2], *model.get_weights(), **{"log_" + k: v[0] for k, v in logs.items()})
+"""
+
+
+def test_keras_3_trains_the_same_model_to_the_same_weights_and_logs(devices, rng, tmp_path):
+    """Where Keras 3 and JAX are installed (not dependencies: skipped otherwise), Keras 3 itself is
+    the oracle of the losses, weights, metrics and their names: the same model, weights and
+    batches on its JAX backend (a process of its own), against ours on 2 replicas."""
+    import importlib.util
+    import subprocess
+    import sys
+    if importlib.util.find_spec("keras") is None or importlib.util.find_spec("jax") is None:
+        pytest.skip("needs keras and jax installed (Keras 3's own fit)")
+    model = two_by_two(strategy_on(devices, 2))
+    model.compile(optimizer=keras.optimizers.SGD(LR), loss={"o1": "mse", "o2": "mae"}, loss_weights=[W1, W2],
+                  metrics={"o1": ["mae"], "o2": "mse"})
+    x, y = data(rng, 13)
+    start = {f"w{i}": w for i, w in enumerate(model.get_weights())}
+    np.savez(tmp_path / "in.npz", xa=x[0], xb=x[1], y1=y[0], y2=y[1], **start)
+    ours = model.fit(x, y, batch_size=5, shuffle=False, verbose=0).history
+    done = subprocess.run([sys.executable, "-c", KERAS_FIT, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = dict(np.load(tmp_path / "out.npz"))
+    for i, got in enumerate(model.get_weights()):
+        np.testing.assert_allclose(got, theirs[f"arr_{i}"], rtol=RTOL, atol=ATOL)
+    assert sorted(ours) == sorted(k[4:] for k in theirs if k.startswith("log_"))
+    for key, value in ours.items():
+        np.testing.assert_allclose(value[0], theirs["log_" + key], rtol=1e-4, err_msg=key)
