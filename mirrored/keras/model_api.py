@@ -440,7 +440,8 @@ class ModelAPI:
 
     def predict_on_batch(self, x):
         """Keras's ``predict_on_batch``: the outputs for ``x``, taken as one batch."""
-        return self.predict(x, batch_size=max(len(x), 1), verbose=0)
+        rows = custom_step.rows(x) if self.structured_io else len(x)     # several inputs: a list or dict
+        return self.predict(x, batch_size=max(rows, 1), verbose=0)
 
     def get_layer(self, name=None, index=None):
         """Keras's ``get_layer``: the layer called ``name``, or at ``index``."""
@@ -489,7 +490,8 @@ class ModelAPI:
         """Forward on this replica's device (inside strategy.run) or the first one.
 
         Returns a Tensor: probabilities after a softmax layer, else the last
-        layer's output. Inside a GradientTape it remembers the call for
+        layer's output (a model of several outputs: its outputs as it was written, a list or a
+        dict; several inputs come as a list or a dict keyed by their names: ``multi_io.py``). Inside a GradientTape it remembers the call for
         ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
         calling one model take turns); inside, each replica runs on its own program.
         """
