@@ -263,7 +263,8 @@ def test_real_keras_reads_our_two_input_two_output_file_and_we_read_its(rng, tmp
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     a, b = real.Input((3,), name="a"), real.Input((2,), name="b")
     h = real.layers.Dense(3, name="d")(real.layers.Concatenate(name="c")([a, b]))
-    made = real.Model({"a": a, "b": b}, {"x": real.layers.Dense(1, name="x")(h), "y": real.layers.Dense(2, name="y")(h)})
+    made = real.Model({"a": a, "b": b},
+                      {"x": real.layers.Dense(1, name="x")(h), "y": real.layers.Dense(2, name="y")(h)})
     made.save(tmp_path / "theirs.keras")
     back = keras.models.load_model(str(tmp_path / "theirs.keras"))
     got, want = back.predict({"a": x[0], "b": x[1]}, verbose=0), made.predict({"a": x[0], "b": x[1]}, verbose=0)

@@ -404,7 +404,8 @@ def compiled_metrics(model):
 
 def model_metrics(model):
     """Keras 3's ``model.metrics``: the loss tracker and the compiled metrics once compiled, each
-    output's loss tracker (several outputs), then the metrics set as the model's attributes (``self.mae = keras.metrics.MAE()``)."""
+    output's loss tracker (several outputs), then the metrics set as the model's attributes
+    (``self.mae = keras.metrics.MAE()``)."""
     tracker, compiled = _COMPILED.get(model, (None, None))
     found = [] if tracker is None else [tracker]
     if compiled is not None and compiled.metrics:

@@ -491,9 +491,10 @@ class ModelAPI:
 
         Returns a Tensor: probabilities after a softmax layer, else the last
         layer's output (a model of several outputs: its outputs as it was written, a list or a
-        dict; several inputs come as a list or a dict keyed by their names: ``multi_io.py``). Inside a GradientTape it remembers the call for
-        ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
-        calling one model take turns); inside, each replica runs on its own program.
+        dict; several inputs come as a list or a dict keyed by their names: ``multi_io.py``).
+        Inside a GradientTape it remembers the call for ``tape.gradient``. Outside
+        ``strategy.run`` it holds the model's lock (two threads calling one model take turns);
+        inside, each replica runs on its own program.
         """
         if functional.is_symbolic(inputs):           # inside another model's definition
             return self.call_symbolic(inputs)
