@@ -381,3 +381,42 @@ def test_keras_3_trains_the_same_model_to_the_same_weights_and_logs(devices, rng
     assert sorted(ours) == sorted(k[4:] for k in theirs if k.startswith("log_"))
     for key, value in ours.items():
         np.testing.assert_allclose(value[0], theirs["log_" + key], rtol=1e-4, err_msg=key)
+
+
+def test_a_custom_loop_and_its_tf_function_train_the_model_alike(devices, rng):
+    """TF's custom training loop on a model of two inputs and outputs: ``strategy.run`` over a
+    distributed data set of dicts, a loss per output, ``apply_gradients``; the ``@tf.function``
+    replay gives the eager loop's weights bitwise (the same launches), both the oracle's."""
+    strategy = strategy_on(devices, 2)
+    model = two_by_two(strategy)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(LR)
+    x, y = data(rng, 6)
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(({"a": x[0], "b": x[1]}, {"o1": y[0], "o2": y[1]})).batch(6))
+    mse = keras.losses.MeanSquaredError(reduction="none")
+
+    def step(batch):
+        xs, ys = batch
+        with tf.GradientTape() as tape:
+            o1, o2 = model(xs, training=True)
+            loss = W1 * tf.nn.compute_average_loss(mse(ys["o1"], o1), global_batch_size=6) + \
+                W2 * tf.nn.compute_average_loss(mse(ys["o2"], o2), global_batch_size=6)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    traced = tf.function(lambda batch: strategy.run(step, args=(batch,)))
+    start = model.get_weights()
+    results = []
+    for run in (lambda batch: strategy.run(step, args=(batch,)), traced, traced):     # eager; trace; replay
+        model.set_weights(start)
+        for batch in dist:
+            run(batch)
+        results.append(model.get_weights())
+        check_replicas_equal(model)
+    for eager, replayed in zip(results[0], results[2]):
+        assert np.array_equal(eager, replayed)
+    wa, ba, wb, bb, k1, c1, k2, c2 = [w.astype(np.float64) for w in start]
+    h = np.concatenate([np.maximum(x[0] @ wa + ba, 0), np.maximum(x[1] @ wb + bb, 0)], axis=1)
+    d1, d2 = W1 * 2 * (h @ k1 + c1 - y[0]) / 12, W2 * 2 * (h @ k2 + c2 - y[1]) / 6
+    np.testing.assert_allclose(results[0][5], c1 - LR * d1.sum(0), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(results[0][7], c2 - LR * d2.sum(0), rtol=RTOL, atol=ATOL)
