@@ -188,6 +188,8 @@ def test_structures_that_do_not_fit_are_refused_with_the_names_there_are(devices
         model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse", "mae"])
     with pytest.raises(ValueError, match="loss_weights"):
         model.compile(optimizer="sgd", loss="mse", loss_weights={"o3": 1.0})
+    with pytest.raises(ValueError, match="one entry per output or a dict"):
+        model.compile(optimizer="sgd", loss="mse", metrics=keras.metrics.MeanAbsoluteError())
     assert model.loss is None                          # nothing changed by a refused compile
     x, y = data(rng, 4)
     with pytest.raises(ValueError, match=r"takes the inputs \['a', 'b'\].*missing: \['b'\]"):

@@ -167,6 +167,10 @@ class OutputMetrics(_metrics.Metric):
     def __init__(self, metrics, model):
         super().__init__("compile_metrics")
         self.names, self.user_metrics = output_names(model), metrics        # (compile's argument: saving)
+        if metrics is not None and not isinstance(metrics, (list, tuple, dict)):
+            raise ValueError(f"compile(metrics=...): for a model of several outputs {self.names}, a list with "
+                             f"one entry per output or a dict keyed by their names (Keras 3's rule); got "
+                             f"{metrics!r}.")
         entries = per_output(metrics, self.names, "metrics") if metrics is not None else [None] * len(self.names)
         self.per_output = [[_metrics.get(m) for m in (e if isinstance(e, (list, tuple)) else [e])]
                            if e is not None else [] for e in entries]
