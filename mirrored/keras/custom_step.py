@@ -50,8 +50,9 @@ Eager: the step runs as Python every batch (``run_eagerly=True`` in Keras's term
 step returns, so it would fall back to eager anyway (``recording.unrecordable``).
 
 Neighbours: ``trainer.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
-``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``tape.py``
-(``compute_average_loss``), ``input_lib.py`` (``split_batch``).
+``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``compile_utils.py`` (a
+loss's share; losses and metrics per output), ``multi_io.py`` (models of several inputs or
+outputs, which run here), ``tape.py``, ``input_lib.py`` (``split_batch``).
 """
 import weakref
 
