@@ -83,10 +83,11 @@ def sgd_step(params, x, t):
 
 
 def keras_tracked(per_example):
-    """What Keras's loss tracker reports for a batch of 7 on 2 replicas (4 + 3 rows): replica r's
-    loss is its share of the batch's (sum of its rows / 7), given x N and weighed by its rows."""
-    shares = [per_example[:4].sum() / 7, per_example[4:].sum() / 7]
-    return (2 * shares[0] * 4 + 2 * shares[1] * 3) / 7
+    """What Keras's loss tracker reports for a batch of 7 on 2 replicas (4 + 3 rows): each replica's
+    mean loss weighed by its rows, summed over the replicas (the tracker's sync-on-read total and
+    count): the batch's mean loss, exactly, however uneven the shares."""
+    means = [per_example[:4].mean(), per_example[4:].mean()]
+    return (means[0] * 4 + means[1] * 3) / 7
 
 
 def make_model(shape, synchronized=True, dense_first=False):

@@ -20,7 +20,9 @@ program of layers), layers.py (Flatten, Dense, Conv2D, MaxPooling2D: each with i
 forward and backward; dropout.py: Dropout; merging.py: Add, Concatenate, ...; base_layer.py: Layer, Input;
 initializers.py),
 custom_step.py (fit, evaluate and predict running a model's own train_step, test_step,
-predict_step; compute_loss, model.metrics), data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
+predict_step; compute_loss, model.metrics), multi_io.py (a functional model of several inputs
+or outputs as one program; compile_utils.py: its losses, loss_weights and metrics per output),
+data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 .weights.h5 and .keras files; ``models.load_model``),
 losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
 mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizers_more.py: RMSprop, Adagrad, AdamW; schedules.py;

@@ -50,22 +50,19 @@ Eager: the step runs as Python every batch (``run_eagerly=True`` in Keras's term
 step returns, so it would fall back to eager anyway (``recording.unrecordable``).
 
 Neighbours: ``trainer.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
-``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``tape.py``
-(``compute_average_loss``), ``input_lib.py`` (``split_batch``).
+``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``compile_utils.py`` (a
+loss's share; losses and metrics per output), ``multi_io.py`` (models of several inputs or
+outputs, which run here), ``tape.py``, ``input_lib.py`` (``split_batch``).
 """
-import copy
 import weakref
 
 import numpy as np
 
 from mirrored import context, nest
 from mirrored.input_lib import split_batch
-from mirrored.keras import metrics as _metrics
-from mirrored.keras.custom_losses import Loss
+from mirrored.keras import compile_utils, metrics as _metrics
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
-from mirrored.keras.tape import GradientTape, compute_average_loss, scale_regularization_loss
-from mirrored.strategy import to_tensor_on
-from mirrored.tensor import Tensor
+from mirrored.keras.tape import GradientTape, scale_regularization_loss
 from mirrored.values import DistributedValues
 
 _DEFAULTS = set()                              # the library's own train_step, test_step, predict_step
@@ -92,10 +89,11 @@ def runs_keras_step(model, name):
     than as the fused step (``step.py``, every replica in turn in one thread): the model defines
     its own step, or one of its layers must talk to the other replicas inside its forward (a
     layer with ``cross_replica = True``, such as ``BatchNormalization(synchronized=True)``,
-    whose batch statistics are all-reduced: only replica threads can wait for each other).
+    whose batch statistics are all-reduced: only replica threads can wait for each other), or
+    it has several inputs or outputs (``multi_io.py``: the fused step takes one of each).
     A model that does not define the step runs Keras 3's default (``keras_train_step``,
     ``ModelAPI.test_step``, ``ModelAPI.predict_step``)."""
-    if overrides(model, name):
+    if overrides(model, name) or getattr(model, "structured_io", False):
         return True
     return name != "predict_step" and any(getattr(layer, "cross_replica", False) for layer in layers_within(model))
 
@@ -164,7 +162,17 @@ def unpack_x_y_sample_weight(data):
 def batches(model, x, y, batch_size, shuffle):
     """The global batches of an epoch as the user's step takes them (Keras's ``data``): (x, y)
     slices of arrays, in their own shapes and dtypes, or a data set's elements as it yields
-    them; and the number of batches (None if unknown)."""
+    them; and the number of batches (None if unknown). A model of several inputs or outputs
+    (``multi_io.py``) takes x and y as lists or dicts of arrays (``Columns``)."""
+    if not hasattr(x, "batch") and (isinstance(x, dict) or isinstance(y, dict) or _several(model, x, "inputs")
+                                    or _several(model, y, "outputs")):
+        x = Columns(x, "x") if isinstance(x, (list, tuple, dict)) else np.asarray(x)
+        y = y if y is None else Columns(y, "y") if isinstance(y, (list, tuple, dict)) else np.asarray(y)
+        if y is not None and len(x) != len(y):
+            raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        adapter = ArrayBatches(x, y if y is not None else np.zeros(len(x)), batch_size or 32, shuffle,
+                               model.distribute_strategy.extended)
+        return (_XOnly(adapter) if y is None else adapter), len(adapter)
     if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch"):
         x = np.asarray(x)
         if y is not None:
@@ -188,6 +196,32 @@ def batches(model, x, y, batch_size, shuffle):
     return dataset, steps
 
 
+def _several(model, data, what):
+    """True when ``data`` is a list or tuple of the several inputs (outputs) of ``model``."""
+    return isinstance(data, (list, tuple)) and len(getattr(model, what, None) or ()) > 1
+
+
+class Columns:
+    """A list or dict of arrays with one example per row (a model's several inputs or outputs),
+    sliced as one array: ``columns[rows]`` is the same structure of those rows (a tuple is
+    taken as a list: a tuple of data is Keras's (x, y))."""
+
+    def __init__(self, arrays, what):
+        arrays = list(arrays) if isinstance(arrays, tuple) else arrays
+        self.arrays = nest.map_structure(np.asarray, arrays)
+        sizes = [len(a) for a in nest.flatten(self.arrays)]
+        if len(set(sizes)) != 1:
+            raise ValueError(f"{what}: the arrays have different numbers of examples, {sizes}; give every "
+                             f"input (output) the same number of rows.")
+        self.n = sizes[0]
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, rows):
+        return nest.map_structure(lambda a: a[rows], self.arrays)
+
+
 class _XOnly:
     """Batches of x alone (``predict``; ``fit(x)`` with a step that needs no y)."""
 
@@ -195,7 +229,8 @@ class _XOnly:
         self.adapter = adapter
 
     def __iter__(self):
-        return (x for x, _ in self.adapter)
+        several = isinstance(self.adapter.x, Columns)           # a list of inputs: Keras's (x,)
+        return ((x,) if several else x for x, _ in self.adapter)
 
     def __len__(self):
         return len(self.adapter)
@@ -301,6 +336,18 @@ def logs(model, result):
     return {key: _summed(value) for key, value in flat.items()}
 
 
+def in_keras_order(model, logs):
+    """evaluate's list of values in Keras 3's order (``_flatten_metrics_in_order``): those of
+    ``model.metrics`` by name first (a compiled metrics container by its metrics' own names,
+    so "mae" but not "o1_mae"), then the other logs in sorted order."""
+    names = []
+    for metric in model.metrics:
+        inner = metric.metrics if isinstance(metric, (_metrics.CompileMetrics, compile_utils.OutputMetrics)) \
+            else [metric]
+        names += [m.name for m in inner]
+    return [logs[n] for n in names if n in logs] + [logs[k] for k in sorted(logs) if k not in names]
+
+
 def _summed(value):
     parts = value.values if isinstance(value, DistributedValues) else (value,)
     return float(sum(_to_float(p) for p in parts))
@@ -322,23 +369,32 @@ class LossTracker(_metrics.Mean):
     """The model's own "loss" metric (Keras's ``_loss_tracker``). A replica's loss from
     ``compute_loss`` is its share of the global loss (summed over the replicas, it is the
     loss); this tracker multiplies it by the replica count (Keras's
-    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss."""
+    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss.
+    Given the replica's rows as ``sample_weight`` (Keras's default steps give them) while fit's
+    step knows the global batch B, it multiplies by B / rows instead: the replica's own mean,
+    weighed by its rows, which stays exact when the shares are uneven (9 rows on 2 replicas)."""
 
-    def __init__(self, name="loss"):
+    def __init__(self, model, name="loss"):
         super().__init__(name)
+        self.model = weakref.ref(model)
 
     def update_state(self, values, sample_weight=None):
         strategy, replica_ctx = context.top()
         n = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
         values = _number_array(values).astype(np.float64)
+        global_batch = _GLOBAL_BATCH.get(self.model())
+        if global_batch and np.ndim(sample_weight) == 0 and sample_weight is not None:
+            rows = float(sample_weight)
+            super().update_state(values * (global_batch / rows) if rows else values * 0, sample_weight)
+            return
         super().update_state(values * n, sample_weight)
 
 
 def compile_metrics(model, metrics):
     """What ``compile`` makes: the model's loss tracker and ``CompileMetrics`` of ``metrics``
-    (metric objects); returns the latter."""
-    compiled = _metrics.CompileMetrics(metrics)
-    _COMPILED[model] = (LossTracker(), compiled)
+    (metric objects, or the container itself: ``compile_utils.OutputMetrics``); returns the latter."""
+    compiled = metrics if isinstance(metrics, _metrics.Metric) else _metrics.CompileMetrics(metrics)
+    _COMPILED[model] = (LossTracker(model), compiled)
     return compiled
 
 
@@ -348,12 +404,15 @@ def compiled_metrics(model):
 
 
 def model_metrics(model):
-    """Keras 3's ``model.metrics``: the loss tracker and the compiled metrics once compiled,
-    then the metrics set as the model's attributes (``self.mae = keras.metrics.MAE()``)."""
+    """Keras 3's ``model.metrics``: the loss tracker and the compiled metrics once compiled, each
+    output's loss tracker (several outputs), then the metrics set as the model's attributes
+    (``self.mae = keras.metrics.MAE()``)."""
     tracker, compiled = _COMPILED.get(model, (None, None))
     found = [] if tracker is None else [tracker]
     if compiled is not None and compiled.metrics:
         found.append(compiled)
+    if isinstance(model.loss, compile_utils.CompileLoss):     # each output's loss: "o1_loss", ...
+        found += model.loss.metrics
     found += [m for k, m in vars(model).items() if not k.startswith("_") and isinstance(m, _metrics.Metric)
               and all(m is not f for f in found)]
     return found
@@ -370,7 +429,10 @@ def compute_loss(model, y, y_pred, sample_weight=None):
     if loss is not None:
         if y_pred is None or y is None:
             raise ValueError("compute_loss needs y and y_pred: self.compute_loss(y=y, y_pred=self(x)).")
-        terms.append(_compiled_loss(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
+        if isinstance(loss, compile_utils.CompileLoss):          # several outputs: compile_utils.py
+            terms.append(loss(y, y_pred, _GLOBAL_BATCH.get(model)))
+        else:
+            terms.append(compile_utils.share(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
     if model.losses:
         terms.append(scale_regularization_loss(model.losses))
     if not terms:
@@ -379,33 +441,6 @@ def compute_loss(model, y, y_pred, sample_weight=None):
     for term in terms[1:]:
         total = total + term
     return total
-
-
-def _compiled_loss(loss, y, y_pred, global_batch):
-    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses over the
-    global batch (Keras's ``sum_over_batch_size``), or its sum (``"sum"``)."""
-    if not isinstance(y_pred, Tensor):
-        raise TypeError("compute_loss: y_pred must be the model's output, self(x, training=True).")
-    b = int(y_pred.shape[0])
-    if isinstance(loss, Loss):                         # written in ops
-        if loss.reduction == "none":
-            return loss(y, y_pred)
-        scale = 1.0 / (global_batch or b * _replicas())
-        return loss.shares(_as_tensor_on(y, y_pred), y_pred, b, scale)[1]
-    if loss.reduction != "sum_over_batch_size":
-        return loss(y, y_pred)
-    per_example = copy.copy(loss)
-    per_example.reduction = "none"
-    return compute_average_loss(per_example(y, y_pred), global_batch_size=global_batch)
-
-
-def _replicas():
-    strategy, replica_ctx = context.top()
-    return strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
-
-
-def _as_tensor_on(value, like):
-    return to_tensor_on(value, like.dev)
 
 
 # -- compiled metrics on fit's own step -------------------------------------------------------------

@@ -78,12 +78,13 @@ def batches(model, x, y, batch_size, shuffle, sample_weight=None, class_weight=N
     return (adapter if class_weight is None else sample_weights.ByClass(adapter, class_weight)), steps
 
 
-def train_validation_split(x, y, validation_split):
+def train_validation_split(x, y, validation_split, structured=False):
     """``fit(x, y, validation_split=f)``: Keras's split, ``((x_train, y_train), (x_val, y_val))``.
 
     The validation set is the LAST fraction ``f`` of the arrays, taken before any shuffling
     (``split_at = floor(n * (1 - f))``); only arrays can be split (a data set has no end to
-    take it from)."""
+    take it from). ``structured``: x and y are lists or dicts of arrays (a model of several
+    inputs or outputs, ``multi_io.py``), each array cut the same way."""
     if not isinstance(validation_split, (int, float)) or not 0 < validation_split < 1:
         raise ValueError(f"validation_split must be a fraction between 0 and 1, got {validation_split!r}.")
     if not (isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch")):
@@ -92,6 +93,14 @@ def train_validation_split(x, y, validation_split):
                          f"validation_data=.")
     if y is None:
         raise ValueError("fit with arrays needs y (the labels).")
+    if structured:                         # a model of several inputs/outputs: lists or dicts of arrays
+        n = len(nest.flatten(x)[0])
+        split_at = int(np.floor(n * (1.0 - validation_split)))
+        cut = [nest.map_structure(lambda a, s=s: np.asarray(a)[s], v) for v in (x, y)
+               for s in (slice(None, split_at), slice(split_at, None))]
+        if split_at in (0, n):
+            raise ValueError(f"validation_split={validation_split} of {n} examples leaves one side empty.")
+        return (cut[0], cut[2]), (cut[1], cut[3])
     x, y = np.asarray(x), np.asarray(y)
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")

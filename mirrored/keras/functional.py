@@ -26,23 +26,27 @@ of weights (shared). A model called on one (``Sequential([model, Softmax()])``,
 (``model.layers``, summary and saving see the model); ``program`` then puts the model's own
 nodes in its place (``expand``), so the engine runs one flat program.
 
-``program(inputs, outputs)`` walks back from the output as Keras's ``map_graph`` does: a
+``graph(inputs, outputs)`` walks back from the outputs as Keras's ``map_graph`` does: a
 depth-first search gives each layer its first-visit index, each node its depth (the longest
-path to the output); nodes run in decreasing depth, so every node runs after the nodes it
+path to an output); nodes run in decreasing depth, so every node runs after the nodes it
 reads (a topological order), ties broken by the search's order, so the order is fixed.
 ``model.layers`` is Keras's order (layer depth, then first visit): the order of the weights.
+``number`` turns the calls into engine nodes that read tensors by number; ``program`` does
+both for a model of one input and one output, ``multi_io.py`` for one of several.
 
 Python code that needs a tensor's VALUE while call() is traced (``if x > 0``, ``float(x)``,
 ``x.numpy()``, ``np.asarray(x)``) has no value to use: it raises, naming the user's line.
 
 Neighbours: ``engine.py`` (``Node``, the program that runs), ``base_layer.py``
 (``Layer.__call__``, ``Input``), ``models.py`` (``Model``, ``Functional``, ``Sequential``),
-``saving.py`` (Keras 3's "Functional" config, read and written).
+``saving.py`` (Keras 3's "Functional" config, read and written), ``multi_io.py`` (several inputs
+or outputs).
 """
 import inspect
 import os
 import traceback
 
+from mirrored import nest
 from mirrored.keras.engine import Node
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # mirrored/
@@ -218,37 +222,54 @@ def _shape_key(shapes):
 
 def single(tensors, what):
     """The one KerasTensor in ``tensors`` (a tensor or a list of one), else a clear error."""
-    if isinstance(tensors, dict):
-        raise NotImplementedError(f"keras.Model: {what} as a dict is not implemented here; give one tensor.")
-    if isinstance(tensors, (list, tuple)):
-        if len(tensors) != 1:
-            raise NotImplementedError(
-                f"keras.Model with {len(tensors)} {what}: models here take one input and give one "
-                f"output (the loss takes one output); join branches with a merge layer "
-                f"(keras.layers.Concatenate, Add) before the output.")
-        tensors = tensors[0]
-    if not isinstance(tensors, KerasTensor):
+    flat = flat_tensors(tensors, what)
+    if isinstance(tensors, dict) or len(flat) != 1:
+        raise ValueError(f"keras.Model: expected one tensor as {what}, got {len(flat)}.")
+    return flat[0]
+
+
+def flat_tensors(tensors, what):
+    """The KerasTensors of ``tensors`` (one, a list, or a dict: keys in sorted order, as
+    ``tf.nest`` and Keras 3 flatten them), checked."""
+    flat = nest.flatten(tensors)
+    if not flat or not all(isinstance(t, KerasTensor) for t in flat):
         raise TypeError(f"keras.Model: {what} must be symbolic tensors (keras.Input(...) and the "
-                        f"outputs of layer calls on them), got {type(tensors).__name__}.")
-    return tensors
+                        f"outputs of layer calls on them), alone, in a list or in a dict; got {tensors!r}.")
+    return flat
+
+
+def structured(inputs, outputs):
+    """True for a model of several inputs or outputs, or of dicts of them (``multi_io.py``
+    runs it); a tensor or a list of one is one."""
+    return any(isinstance(s, dict) or len(nest.flatten(s)) > 1 for s in (inputs, outputs))
 
 
 def program(inputs, outputs):
-    """The nodes between ``inputs`` and ``outputs`` in Keras's order.
+    """The nodes between ``inputs`` and ``outputs`` in Keras's order (one input, one output).
 
     Returns ``(nodes, layers, symbolic)``: ``engine.Node``s in topological order (tensor 0
     the input, tensor i + 1 node i's output, the last node's output the model's),
     ``model.layers`` in Keras's order, and the ``SymbolicNode`` of each engine node."""
     x, y = single(inputs, "inputs"), single(outputs, "outputs")
-    if x.node.inputs is not None:
-        raise ValueError("keras.Model: inputs must be the tensors keras.Input(...) returned.")
+    order, layers = graph([x], [y])
+    return number(order, {id(x): 0}, []), layers, order
+
+
+def graph(xs, ys):
+    """The calls between the input tensors ``xs`` and the output tensors ``ys`` (lists), in
+    the order they run, and ``model.layers`` in Keras's order (module docstring)."""
+    for x in xs:
+        if x.node.inputs is not None:
+            raise ValueError(f"keras.Model: inputs must be the tensors keras.Input(...) returned; "
+                             f"{x.name} is a layer's output.")
+    inputs = {id(x) for x in xs}
     first_visit, finished, order, in_progress = {}, set(), [], set()
 
     def visit(tensor):                        # Keras's _build_map_helper: post-order DFS
         node = tensor.node
         if id(node) in finished:
             return
-        if tensor is x or node.inputs is None:
+        if id(tensor) in inputs or node.inputs is None:
             finished.add(id(node))
             return
         if id(node) in in_progress:
@@ -261,31 +282,24 @@ def program(inputs, outputs):
         finished.add(id(node))
         order.append(node)
 
-    visit(y)
-    if y is x or not order:
-        raise ValueError("keras.Model: the output is the input itself; call at least one layer on it.")
-    depth, layer_depth = {id(order[-1]): 0}, {}
-    for node in reversed(order):                  # Keras's map_graph: longest path to the output
+    for y in ys:
+        if id(y) in inputs:
+            raise ValueError(f"keras.Model: the output {y.name} is an input itself; call at least one "
+                             f"layer on it.")
+        visit(y)
+        if y.node.inputs is None:
+            raise ValueError(f"Graph disconnected: the output {y.name} is a keras.Input that is not among "
+                             f"the model's inputs; give it to keras.Model's inputs, or call a layer on it.")
+    depth, layer_depth = {id(y.node): 0 for y in ys}, {}
+    for node in reversed(order):                  # Keras's map_graph: longest path to an output
         d = depth.setdefault(id(node), 0)
         layer_depth[id(node.layer)] = d = max(d, layer_depth.get(id(node.layer), 0))
         depth[id(node)] = d
         for t in node.input_tensors:
-            if t.node.inputs is not None and t is not x:
+            if t.node.inputs is not None and id(t) not in inputs:
                 depth[id(t.node)] = max(depth.get(id(t.node), 0), d + 1)
     position = {id(n): i for i, n in enumerate(order)}
     order.sort(key=lambda n: (-depth[id(n)], position[id(n)]))
-    tensor_ids = {id(x): 0}
-    nodes = []
-    for i, node in enumerate(order):
-        ids = []
-        for t in node.input_tensors:
-            if id(t) not in tensor_ids:
-                raise ValueError(f"Graph disconnected: the layer {node.layer.name!r} reads {t.name}, "
-                                 f"which is not computed from the model's input {x.name}: every branch "
-                                 f"must start at the keras.Input given to keras.Model.")
-            ids.append(tensor_ids[id(t)])
-        nodes += expand(node.layer, tuple(ids), node.multi, len(nodes))
-        tensor_ids[id(node.output)] = len(nodes)
     by_layer = {}
     for node in order:
         by_layer.setdefault(id(node.layer), node.layer)
@@ -295,7 +309,25 @@ def program(inputs, outputs):
     if duplicated:
         raise ValueError(f"The name(s) {duplicated} are used by several layers of the model. All layer "
                          f"names should be unique (they key the saved weights and the config).")
-    return nodes, layers, order
+    return order, layers
+
+
+def number(order, tensor_ids, nodes):
+    """The engine nodes of the calls ``order`` appended to ``nodes`` (the nodes before them:
+    none, or ``multi_io.py``'s input slices), each reading tensors by number: ``tensor_ids``
+    {id(KerasTensor): number} holds the inputs' and gets each call's output (the number of
+    the node that made it, plus one). Returns ``nodes``."""
+    for node in order:
+        ids = []
+        for t in node.input_tensors:
+            if id(t) not in tensor_ids:
+                raise ValueError(f"Graph disconnected: the layer {node.layer.name!r} reads {t.name}, "
+                                 f"which is not computed from the model's inputs: every branch "
+                                 f"must start at a keras.Input given to keras.Model.")
+            ids.append(tensor_ids[id(t)])
+        nodes += expand(node.layer, tuple(ids), node.multi, len(nodes))
+        tensor_ids[id(node.output)] = len(nodes)
+    return nodes
 
 
 def expand(layer, inputs, multi, before):

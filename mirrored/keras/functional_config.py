@@ -16,6 +16,10 @@ The layout (one entry per layer, Keras's order, the input layer first)::
                 "input_layers": ["input_layer", 0, 0],
                 "output_layers": ["dense_1", 0, 0]}}
 
+A model of several inputs or outputs has an InputLayer entry per input, and its
+``input_layers``/``output_layers`` are lists of references, or dicts of them (a model made
+with dicts), as Keras 3 writes them (``references``).
+
     <keras tensor> = {"class_name": "__keras_tensor__",
                       "config": {"shape": [null, 8], "dtype": "float32",
                                  "keras_history": [layer name, node index, tensor index]}}
@@ -37,8 +41,7 @@ TENSOR = "__keras_tensor__"
 def functional_config(model, layer_entry):
     """Keras's config of a ``Functional`` model; ``layer_entry(layer)``: a layer's serialised
     entry (``saving.py``'s, module/class_name/config/registered_name)."""
-    x = model.inputs[0]
-    own = [x.node] + list(model.symbolic_nodes)
+    own = [x.node for x in model.inputs] + list(model.symbolic_nodes)
     own_ids = {id(n) for n in own}
 
     def node_index(node):                    # among the layer's calls in this model
@@ -52,11 +55,10 @@ def functional_config(model, layer_entry):
         return {"class_name": TENSOR, "config": {"shape": list(t.shape), "dtype": t.dtype,
                                                  "keras_history": history(t)}}
 
-    input_layer = x.node.layer
     entries = [{"module": "keras.layers", "class_name": "InputLayer",
                 "config": {"batch_shape": list(x.shape), "dtype": "float32", "sparse": False,
-                           "name": input_layer.name},
-                "registered_name": None, "name": input_layer.name, "inbound_nodes": []}]
+                           "name": x.node.layer.name},
+                "registered_name": None, "name": x.node.layer.name, "inbound_nodes": []} for x in model.inputs]
     for layer in model.layers:
         entry = layer_entry(layer)
         shape = layer.input_shape
@@ -70,7 +72,33 @@ def functional_config(model, layer_entry):
         entries.append(entry)
     return {"module": MODULE, "class_name": "Functional", "registered_name": "Functional",
             "config": {"name": model.name, "trainable": model.trainable, "layers": entries,
-                       "input_layers": history(x), "output_layers": history(model.outputs[0])}}
+                       "input_layers": references(model.input, history),
+                       "output_layers": references(model.output, history)}}
+
+
+def references(structure, history):
+    """Keras 3's ``input_layers``/``output_layers``: ``[name, node, tensor]`` of one tensor, a
+    list of them for a list, a dict of them for a dict."""
+    if isinstance(structure, dict):
+        return {k: history(t) for k, t in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        return [history(t) for t in structure]
+    return history(structure)
+
+
+def connections(model):
+    """[(layer, ['name[node][tensor]' of each input of each of its calls])], the input layers
+    first: summary's "Connected to" column (calls numbered within this model, as Keras)."""
+    own = [x.node for x in model.inputs] + list(model.symbolic_nodes)
+    own_ids = {id(n) for n in own}
+
+    def ref(t):
+        calls = [n for n in t.node.layer.inbound_nodes if id(n) in own_ids]
+        return f"{t.node.layer.name}[{next(i for i, n in enumerate(calls) if n is t.node)}][0]"
+    rows = [(x.node.layer, []) for x in model.inputs]
+    for layer in model.layers:
+        rows.append((layer, [ref(t) for n in layer.inbound_nodes if id(n) in own_ids for t in n.input_tensors]))
+    return rows
 
 
 def functional_from_config(config, make_layer, make_input, make_model):
@@ -105,6 +133,10 @@ def functional_from_config(config, make_layer, make_input, make_model):
                              f"or calls the config does not have (a loop, or a damaged file).")
 
     def tensor_of(ref):
+        if isinstance(ref, dict):                        # a dict of inputs or outputs
+            return {k: tensor_of(v) for k, v in ref.items()}
+        if isinstance(ref, list) and not _is_leaf(ref):   # a list of them (Keras writes one as a list of one)
+            return [tensor_of(r) for r in ref] if len(ref) != 1 else tensor_of(ref[0])
         ref = _leaf(ref, "input_layers/output_layers")
         key = (ref[0], int(ref[1]))
         if key not in outputs:
@@ -113,12 +145,16 @@ def functional_from_config(config, make_layer, make_input, make_model):
     return make_model(tensor_of(inner["input_layers"]), tensor_of(inner["output_layers"]), inner.get("name"))
 
 
+def _is_leaf(ref):
+    return isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str)
+
+
 def _leaf(ref, what):
     """[name, node, tensor] from a reference or a list of one (Keras writes either)."""
     if isinstance(ref, list) and len(ref) == 1 and isinstance(ref[0], list):
         ref = ref[0]
-    if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[0], str)):
-        raise NotImplementedError(f"{what} {ref!r}: models here have one input and one output.")
+    if not _is_leaf(ref):
+        raise NotImplementedError(f"{what} {ref!r}: a reference is [layer name, node index, tensor index].")
     return ref
 
 

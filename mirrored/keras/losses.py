@@ -295,9 +295,11 @@ def get(identifier):
         return identifier
     if isinstance(identifier, str) and identifier in _BY_NAME:
         return _BY_NAME[identifier]()
+    if identifier in ("mae", "mean_absolute_error"):      # Keras's function, written in ops
+        return LossFunctionWrapper(mean_absolute_error)
     if callable(identifier) and not isinstance(identifier, (str, type)):
         return LossFunctionWrapper(identifier)          # fn(y_true, y_pred), written in ops
-    raise NotImplementedError(f"loss {identifier!r} is not implemented; use one of {sorted(_BY_NAME)} "
+    raise NotImplementedError(f"loss {identifier!r} is not implemented; use one of {sorted(_BY_NAME) + ['mae']} "
                               f"or the classes losses.SparseCategoricalCrossentropy, CategoricalCrossentropy, "
                               f"MeanSquaredError, BinaryCrossentropy, or a function fn(y_true, y_pred) "
                               f"or keras.losses.Loss subclass written in ops.")

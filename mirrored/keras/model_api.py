@@ -27,16 +27,15 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context, ops
-from mirrored.keras import custom_loop, custom_step, data_adapters, functional
+from mirrored.keras import compile_utils, custom_loop, custom_step, data_adapters, functional, multi_io
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
-from mirrored.keras import saving
+from mirrored.keras import functional_config, saving
 from mirrored.keras.base_layer import Layer
 from mirrored.keras.metrics import accuracy_name
 from mirrored.keras.progbar import Progbar
 from mirrored.keras.step import check_compiled
-from mirrored.keras.engine import ReplicaProgram
 from mirrored.keras.tape import ModelOutput, input_link
 from mirrored.tensor import Tensor
 from mirrored.values import components
@@ -244,7 +243,8 @@ class ModelAPI:
         epoch's end. ``predict`` runs one batch at a time.
 
         ``jit_compile`` is accepted and changes nothing (it tunes Keras's speed, not its
-        results); ``loss_weights`` and ``weighted_metrics`` are refused.
+        results); ``weighted_metrics`` is refused. A model of several outputs takes a loss, metrics
+        and ``loss_weights`` per output, as lists or dicts keyed by output names (``compile_utils.py``).
 
         ``cuda_graph=`` (this library's old option) is deprecated: ``cuda_graph=True`` is
         ``run_eagerly=False`` and ``cuda_graph=False`` is ``run_eagerly=True``, with a
@@ -252,9 +252,10 @@ class ModelAPI:
         """
         if kwargs:
             raise TypeError(f"compile() got an unexpected keyword argument {sorted(kwargs)[0]!r}")
-        if loss_weights is not None or weighted_metrics:
-            raise NotImplementedError("compile(loss_weights=..., weighted_metrics=...) is not implemented here "
-                                      "(one output, no sample weights); leave them out.")
+        several = len(getattr(self, "outputs", ())) > 1          # outputs: compile_utils.py
+        if (loss_weights is not None and not several) or weighted_metrics:
+            raise NotImplementedError("compile(weighted_metrics=...), and loss_weights for a model of one "
+                                      "output, are not implemented here; leave them out.")
         per_execution = check_steps_per_execution(steps_per_execution)   # before anything changes
         self._check_strategy()
         run_eagerly = _eager_from(run_eagerly, cuda_graph)
@@ -265,16 +266,23 @@ class ModelAPI:
         if loss is None and not own_step:
             raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
         new_optimizer = custom_step.NoRMSprop() if optimizer == "rmsprop" else _optimizers.get(optimizer)
-        new_loss = None if loss is None else _losses.get(loss)
-        keras_step = custom_step.runs_keras_step(self, "train_step")  # own step, or a cross-replica layer's
-        device, host = compiled_metric_split(metrics, new_loss, keras_step)   # checked before any change
+        if several and loss is not None:                    # Keras 3's CompileLoss / CompileMetrics
+            new_loss = compile_utils.CompileLoss(loss, loss_weights, self)
+            device, host = [], compile_utils.OutputMetrics(metrics, self)
+        else:
+            if self.structured_io:                          # one output: [loss] or {name: loss}, as Keras
+                loss, metrics = (compile_utils.of_one_output(v, self, w) for v, w in ((loss, "loss"),
+                                                                                      (metrics, "metrics")))
+            new_loss = None if loss is None else _losses.get(loss)
+            keras_step = custom_step.runs_keras_step(self, "train_step")   # own step, cross-replica layer, several outputs
+            device, host = compiled_metric_split(metrics, new_loss, keras_step)   # checked first
         self.optimizer, self.loss = new_optimizer, new_loss
         self._metric_names = device
-        self.host_metrics = host
+        self.host_metrics = getattr(host, "metrics", host)
         custom_step.compile_metrics(self, host)
         if self.built:
             self.repack_if_trainable_changed()      # a layer frozen since the model was built
-        if self.built and self.loss is not None:
+        if self.built and self.loss is not None and not several:
             self.step.loss_mode()                   # refuses a softmax layer with from_logits=True now
         self.steps_per_execution = per_execution
         self._graphs_asked = cuda_graph is True     # an explicit request: may warn (once)
@@ -303,7 +311,7 @@ class ModelAPI:
 
     @property
     def metrics_names(self):
-        if custom_step.overrides(self, "train_step"):
+        if custom_step.overrides(self, "train_step") or self.structured_io:
             return [m.name for m in self.metrics]
         return ["loss"] + self._metric_names + [m.name for m in self.host_metrics]
 
@@ -411,7 +419,8 @@ class ModelAPI:
             logs = self._evaluate((x, y) if y is not None else x, batch_size, verbose, sample_weight=sample_weight)
         if return_dict:
             return logs
-        values = list(logs.values())
+        values = custom_step.in_keras_order(self, logs) if custom_step.runs_keras_step(self, "test_step") \
+            else list(logs.values())
         return values if len(values) > 1 else values[0]
 
     @serialised
@@ -434,7 +443,8 @@ class ModelAPI:
 
     def predict_on_batch(self, x):
         """Keras's ``predict_on_batch``: the outputs for ``x``, taken as one batch."""
-        return self.predict(x, batch_size=max(len(x), 1), verbose=0)
+        rows = custom_step.rows(x) if self.structured_io else len(x)     # several inputs: a list or dict
+        return self.predict(x, batch_size=max(rows, 1), verbose=0)
 
     def get_layer(self, name=None, index=None):
         """Keras's ``get_layer``: the layer called ``name``, or at ``index``."""
@@ -483,9 +493,11 @@ class ModelAPI:
         """Forward on this replica's device (inside strategy.run) or the first one.
 
         Returns a Tensor: probabilities after a softmax layer, else the last
-        layer's output. Inside a GradientTape it remembers the call for
-        ``tape.gradient``. Outside ``strategy.run`` it holds the model's lock (two threads
-        calling one model take turns); inside, each replica runs on its own program.
+        layer's output (a model of several outputs: its outputs as it was written, a list or a
+        dict; several inputs come as a list or a dict keyed by their names: ``multi_io.py``).
+        Inside a GradientTape it remembers the call for ``tape.gradient``. Outside
+        ``strategy.run`` it holds the model's lock (two threads calling one model take turns);
+        inside, each replica runs on its own program.
         """
         if functional.is_symbolic(inputs):           # inside another model's definition
             return self.call_symbolic(inputs)
@@ -502,6 +514,8 @@ class ModelAPI:
         return functional.call_layer(self, inputs, {})
 
     def _call(self, inputs, training, r):
+        if self.structured_io:                       # several inputs or outputs (multi_io.py)
+            return multi_io.call(self, inputs, training, r)
         if not isinstance(inputs, Tensor):
             inputs = np.asarray(inputs)
         shape = inputs.shape
@@ -509,7 +523,7 @@ class ModelAPI:
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         self.use_own_weights()
         link = input_link(inputs)                  # tapes that follow the input: they want d loss / d x
-        p = self.step.programs[r] if not link else self._input_grad_program(r)
+        p = self.step.programs[r] if not link else multi_io.input_grad_program(self, r)
         dev = p.dev
         with dev.activate():
             if isinstance(inputs, Tensor):
@@ -525,18 +539,6 @@ class ModelAPI:
         y = Tensor(result, dev, ModelOutput(self, p, x, inputs, link))
         return ops.squeeze(y, -1) if self.__dict__.get("_scalar_call") else y    # x (N,): y (N,)
 
-    def _input_grad_program(self, r):
-        """Replica ``r``'s program whose backward also gives d loss / d input (``input_grad``),
-        made on first use: a model called in a GradientTape on a tensor the tape follows (a
-        generator's output into a discriminator). The same nodes and packed weights as
-        ``step.programs[r]``, buffers of its own; ``fit`` never runs it."""
-        programs = self.__dict__.setdefault("_input_grad_programs", {})
-        if r not in programs:
-            ext = self._strategy.extended
-            programs[r] = ReplicaProgram(self.nodes, self.step.pack, r, self.step.in_dim, ext.replica_offset,
-                                         self._strategy.num_replicas_in_sync, input_grad=True)
-        return programs[r]
-
     # -- summary ------------------------------------------------------------------------------------
     def summary(self, print_fn=None):
         """Keras's table of layers, output shapes and parameter counts; a functional model's
@@ -547,10 +549,9 @@ class ModelAPI:
         if not self.built:
             raise ValueError("This model has not yet been built: give the first layer an "
                              "input_shape or call fit() first.")
-        connected = getattr(self, "connections", None)
-        rows = [] if connected is None else connected()         # functional: [(layer, inputs)]
-        if connected is None:
-            rows = [(layer, None) for layer in self.layers]
+        connected = getattr(self, "symbolic_nodes", None)        # functional: its recorded calls
+        rows = [(layer, None) for layer in self.layers] if connected is None else \
+            functional_config.connections(self)                # [(layer, inputs)], input layers first
         widths = (27, 25, 10) if connected is None else (33, 22, 12, 31)
         width = sum(widths) + len(widths)                    # a space before each column
         rule, thick = "_" * width, "=" * width

@@ -45,9 +45,9 @@ import threading
 
 import numpy as np
 
-from mirrored import recording, strategy as _strategy
+from mirrored import nest, recording, strategy as _strategy
 from mirrored.keras import saving
-from mirrored.keras import functional, model_call
+from mirrored.keras import functional, model_call, multi_io
 from mirrored.keras.base_layer import snake_case
 from mirrored.keras.dropout import Dropout
 from mirrored.keras.layers import InputLayer, Layer
@@ -69,6 +69,8 @@ class Model(Trainer, ModelAPI):
     * ``class M(keras.Model)`` with ``call(self, inputs, training=None)``: ``call`` traced
       with a symbolic input on first use (``functional.trace``), as tf.function traces it.
     """
+
+    structured_io, step_type = False, Step   # several inputs/outputs: Functional, multi_io.py
 
     def __new__(cls, *args, **kwargs):
         if cls is Model and (args or "inputs" in kwargs or "outputs" in kwargs):
@@ -195,7 +197,7 @@ class Model(Trainer, ModelAPI):
                              f"inside one strategy.scope().")
         self._output_shape = nodes[-1].layer.output_shape
         with recording.initialization():     # built inside a @function's trace: never replayed
-            self.step = Step(self, devices, self._strategy.extended.cross_device_ops)
+            self.step = self.step_type(self, devices, self._strategy.extended.cross_device_ops)
             self.step.packed_at = Layer.trainable_changes   # what fit compares (check_trainable)
         self.built = True
 
@@ -232,6 +234,9 @@ class Model(Trainer, ModelAPI):
         """Build for examples of ``input_shape`` (if need be) and check them; the shape of one
         output example. ``functional.call_layer`` records the call as one node."""
         input_shape = tuple(input_shape)
+        if self.structured_io:
+            raise NotImplementedError(f"{functional.user_line()}: the model {self.name!r} has several inputs or "
+                                      f"outputs; such a model is not used as a layer of another here.")
         if self._input_shape is None:
             self._input_shape = input_shape
         if tuple(self._input_shape) != input_shape:
@@ -285,9 +290,7 @@ class Model(Trainer, ModelAPI):
         if not self.built and not self._building and self._input_shape is not None:
             self.build()
 
-    variables = weights
-    trainable_weights = trainable_variables
-    non_trainable_weights = non_trainable_variables
+    variables, trainable_weights, non_trainable_weights = weights, trainable_variables, non_trainable_variables
 
 @saving.register_model_class
 class Sequential(Model):
@@ -347,15 +350,20 @@ class Functional(Model):
 
     def __init__(self, inputs, outputs, name=None, **kwargs):
         trainable = _keras_defaults("Model", kwargs)
-        nodes, layers, symbolic = functional.program(inputs, outputs)
+        self.structured_io = functional.structured(inputs, outputs)     # several inputs/outputs: multi_io.py
+        nodes, layers, symbolic, shape = (multi_io.engine_program(inputs, outputs) if self.structured_io
+                                          else functional.program(inputs, outputs) + (None,))
         self._setup(name or ("functional" if type(self) is Functional else snake_case(type(self).__name__)))
         self._layers = layers
         if not trainable:
             self.trainable = False
         self.symbolic_nodes = symbolic           # the recorded calls (saving, summary)
-        self.inputs = [functional.single(inputs, "inputs")]
-        self.outputs = [functional.single(outputs, "outputs")]
-        self._input_shape = tuple(self.inputs[0].shape[1:])
+        self.inputs = functional.flat_tensors(inputs, "inputs")
+        self.outputs = functional.flat_tensors(outputs, "outputs")
+        self.input_structure, self.output_structure = inputs, outputs    # as written: one, a list, a dict
+        if self.structured_io:
+            self.step_type = multi_io.StructuredStep
+        self._input_shape = self.engine_input_shape = shape or tuple(self.inputs[0].shape[1:])
         self._nodes_made = nodes
         self.build()
 
@@ -369,28 +377,20 @@ class Functional(Model):
         raise NotImplementedError("a functional model runs its recorded layer calls; call the model, model(x).")
 
     @property
-    def input(self):
-        return self.inputs[0]
+    def input_shape(self):
+        """Keras 3's: ``(None,) + one example's shape``, in the inputs' structure if several."""
+        return nest.map_structure(lambda t: t.shape, self.input_structure) if self.structured_io \
+            else super().input_shape
 
     @property
-    def output(self):
-        return self.outputs[0]
+    def output_shape(self):
+        return nest.map_structure(lambda t: t.shape, self.output_structure) if self.structured_io \
+            else super().output_shape
 
-    def connections(self):
-        """[(layer, ['name[node][tensor]' of each input of each of its calls])], the input layer
-        first: summary's "Connected to" column (calls numbered within this model, as Keras)."""
-        x = self.inputs[0]
-        own = [x.node] + list(self.symbolic_nodes)
-        own_ids = {id(n) for n in own}
-
-        def ref(t):
-            calls = [n for n in t.node.layer.inbound_nodes if id(n) in own_ids]
-            return f"{t.node.layer.name}[{next(i for i, n in enumerate(calls) if n is t.node)}][0]"
-        rows = [(x.node.layer, [])]
-        for layer in self.layers:
-            rows.append((layer, [ref(t) for n in layer.inbound_nodes if id(n) in own_ids
-                                 for t in n.input_tensors]))
-        return rows
+    input = property(lambda self: self.input_structure if self.structured_io else self.inputs[0])
+    output = property(lambda self: self.output_structure if self.structured_io else self.outputs[0])
+    #: Keras 3's: the names of the layers that make the outputs (what compile's dicts are keyed by)
+    output_names = property(lambda self: [t.node.layer.name for t in self.outputs])
 
 
 _FUNCTIONAL_SUBCLASSES = {}       # a Model subclass -> its functional twin (functional_subclass)

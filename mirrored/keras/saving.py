@@ -72,7 +72,8 @@ import zipfile
 
 import numpy as np
 
-from mirrored.keras import file_safety, functional_config, initializers, weight_shapes
+from mirrored import nest
+from mirrored.keras import compile_utils, file_safety, functional_config, initializers, weight_shapes
 from mirrored.keras import layers as L
 from mirrored.keras import losses as _losses
 from mirrored.keras import metrics as _metrics
@@ -548,14 +549,27 @@ def compile_config(model):
     ``compile_config``): the arguments of its ``compile``; None if it was never compiled."""
     if model.optimizer is None or model.loss is None or not hasattr(model.optimizer, "get_config"):
         return None                 # never compiled, or a train_step of its own with no loss/optimizer
-    loss = model.loss
+    loss, weights = model.loss, None
+    metrics = [name for name in model.metrics_names[1:] if name in _metrics.BY_NAME]
+    if isinstance(loss, compile_utils.CompileLoss):       # several outputs: the arguments as given
+        loss, weights = nest.map_structure(_loss_entry, loss.user_loss), loss.user_weights
+        given = [m.user_metrics for m in model.metrics if isinstance(m, compile_utils.OutputMetrics)]
+        metrics = given[0] if given and all(isinstance(m, str) for m in nest.flatten(given[0])) else None
+    else:
+        loss = _loss_entry(loss)
     return {
         "optimizer": _ser("keras.optimizers", type(model.optimizer).__name__, model.optimizer.get_config()),
-        "loss": _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
-            {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {}))),
-        "loss_weights": None, "metrics": [name for name in model.metrics_names[1:] if name in _metrics.BY_NAME], "weighted_metrics": None,
+        "loss": loss, "loss_weights": weights, "metrics": metrics, "weighted_metrics": None,
         "run_eagerly": model.run_eagerly, "steps_per_execution": model.steps_per_execution,
         "jit_compile": False}
+
+
+def _loss_entry(loss):
+    """One loss of a compile config: a name as given, or the loss object's serialised config."""
+    if loss is None or isinstance(loss, str):
+        return loss
+    return _ser("keras.losses", type(loss).__name__, dict(loss.get_config(), **(
+        {"ignore_class": None} if type(loss).__name__ == "SparseCategoricalCrossentropy" else {})))
 
 
 def _kwargs_for(cls, config, what):
@@ -692,6 +706,19 @@ def compile_from_config(model, compile_config):
         base = {k: v for k, v in opt["config"].items() if k in BASE_ARGUMENTS and k not in kwargs}
         opt = cls(**kwargs, **base)       # the base arguments checked there (NOT_IMPLEMENTED: defaults only)
     loss = compile_config["loss"]
+    if isinstance(loss, (list, dict)) and not (isinstance(loss, dict) and "class_name" in loss):
+        loss = {k: _loss_from_entry(v) for k, v in loss.items()} if isinstance(loss, dict) else \
+            [_loss_from_entry(v) for v in loss]                      # one per output (compile_utils.py)
+    else:
+        loss = _loss_from_entry(loss)
+    model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None,
+                  loss_weights=compile_config.get("loss_weights"),
+                  run_eagerly=bool(compile_config.get("run_eagerly")),
+                  steps_per_execution=compile_config.get("steps_per_execution"))   # checked there
+
+
+def _loss_from_entry(loss):
+    """A loss from one entry of a compile config: a name, or a serialised loss object."""
     if isinstance(loss, dict):
         cls = {"SparseCategoricalCrossentropy": _losses.SparseCategoricalCrossentropy,
                "MeanSquaredError": _losses.MeanSquaredError,
@@ -703,6 +730,4 @@ def compile_from_config(model, compile_config):
             ("label_smoothing",) if cls is _losses.CategoricalCrossentropy else ())
         loss = cls(**{k: v for k, v in loss["config"].items() if k in keys and (k != "from_logits" or
                                                                                cls is not _losses.MeanSquaredError)})
-    model.compile(optimizer=opt, loss=loss, metrics=compile_config.get("metrics") or None,
-                  run_eagerly=bool(compile_config.get("run_eagerly")),
-                  steps_per_execution=compile_config.get("steps_per_execution"))   # checked there
+    return loss

@@ -83,10 +83,11 @@ class Trainer:
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
         if self._custom_train and any(w is not None for w in weights.values()):
-            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own, or "
+            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own, "
                                       "a layer that all-reduces across replicas (BatchNormalization("
-                                      "synchronized=True): fit runs Keras's train_step for it), is not "
-                                      "implemented here: weigh the loss in a train_step of your own.")
+                                      "synchronized=True) or several inputs or outputs (fit runs Keras's "
+                                      "train_step for them) is not implemented here: weigh the loss in a "
+                                      "train_step of the model's own.")
         with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
             return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split, **weights)
@@ -95,7 +96,8 @@ class Trainer:
              initial_epoch, steps_per_epoch, validation_split, sample_weight=None, class_weight=None):
         if validation_split and validation_data is None:   # Keras: validation_data wins
             w = None if sample_weight is None else sample_weights.check(sample_weight, len(x))
-            (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split)
+            (x, y), validation_data = data_adapters.train_validation_split(x, y, validation_split,
+                                                                              self.structured_io)
             if w is not None:                              # Keras splits the weights alike
                 sample_weight, validation_data = w[:len(x)], validation_data + (w[len(x):],)
         verbose = self._verbosity(verbose)

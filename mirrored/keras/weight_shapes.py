@@ -151,7 +151,8 @@ def of_functional(config, make_layer, make_input):
         return type(type(layer).__name__, (_ShapeOnly,), {})(layer)   # errors name the class
 
     def ordered(inputs, outputs, name):
-        return functional.program(inputs, outputs)[1]
+        xs, ys = functional.flat_tensors(inputs, "inputs"), functional.flat_tensors(outputs, "outputs")
+        return functional.graph(xs, ys)[1]
 
     stand_ins = functional_config.functional_from_config(config, stand_in, make_input, ordered)
     return [(s.layer, of_layer(s.layer, s.input_shape)) for s in stand_ins]
