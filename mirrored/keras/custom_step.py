@@ -32,7 +32,10 @@ global batch.
 
 ``compute_loss`` divides each replica's summed loss by the GLOBAL batch (fit tells it, here),
 so the all-reduced SUM is the mean over the whole batch even when the shares are uneven
-(Keras 3 divides each replica's mean by the replica count: the same for even shares). Outside
+(Keras 3 divides each replica's mean by the replica count: the same for even shares). With
+``sample_weight`` each example's loss is weighed first and the sum still divided by the number
+of examples (Keras 3's ``reduce_weighted_values``); ``fit(sample_weight=/class_weight=)`` hands
+the step ``(x, y, sample_weight)`` triples, as Keras's data adapters do. Outside
 fit it divides by this replica's batch times the replica count (``tf.nn.compute_average_loss``'s
 default). The model's loss tracker (``model.metrics[0]``, named "loss") multiplies what a replica
 gives it by the replica count (Keras's ``unscale_loss_for_distribution``), so the loss fit prints
@@ -58,9 +61,10 @@ import weakref
 
 import numpy as np
 
-from mirrored import context, nest
+from mirrored import context, nest, ops
 from mirrored.input_lib import split_batch
 from mirrored.keras import metrics as _metrics
+from mirrored.keras import sample_weights
 from mirrored.keras.custom_losses import Loss
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
 from mirrored.keras.tape import GradientTape, compute_average_loss, scale_regularization_loss
@@ -161,23 +165,32 @@ def unpack_x_y_sample_weight(data):
 
 
 # -- the data --------------------------------------------------------------------------------
-def batches(model, x, y, batch_size, shuffle):
+def batches(model, x, y, batch_size, shuffle, sample_weight=None, class_weight=None):
     """The global batches of an epoch as the user's step takes them (Keras's ``data``): (x, y)
     slices of arrays, in their own shapes and dtypes, or a data set's elements as it yields
-    them; and the number of batches (None if unknown)."""
+    them; and the number of batches (None if unknown). ``sample_weight`` (arrays: one weight per
+    example) or ``class_weight`` ({class: weight}): each batch an (x, y, sample_weight) triple,
+    as Keras's data adapters hand them to ``train_step`` (``sample_weights.py``); a data set
+    carries its own weights as the third item of its elements."""
     if isinstance(x, np.ndarray) or isinstance(x, (list, tuple)) and not hasattr(x, "batch"):
         x = np.asarray(x)
         if y is not None:
             y = np.asarray(y)
             if len(x) != len(y):
                 raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        weights = None
+        if sample_weight is not None or class_weight is not None:
+            if y is None:
+                raise ValueError("sample_weight/class_weight need y (the labels) beside x.")
+            weights = sample_weights.for_arrays(y, len(y), sample_weight, class_weight)   # (N,) float32
         adapter = ArrayBatches(x, y if y is not None else np.zeros(len(x)), batch_size or 32, shuffle,
-                               model.distribute_strategy.extended)
+                               model.distribute_strategy.extended, weights)
         if y is None:
             return _XOnly(adapter), len(adapter)
         return adapter, len(adapter)
     if y is not None:
         raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
+    sample_weights.refuse_for_dataset(sample_weight)
     dataset = getattr(x, "dataset", x)          # a DistributedDataset: its global batches
     if not hasattr(dataset, "__iter__"):
         raise TypeError(f"x must be a NumPy array or a mirrored.data.Dataset, got {type(x).__name__}.")
@@ -185,7 +198,7 @@ def batches(model, x, y, batch_size, shuffle):
         steps = len(dataset)
     except TypeError:
         steps = None
-    return dataset, steps
+    return (dataset if class_weight is None else sample_weights.ByClass(dataset, class_weight)), steps
 
 
 class _XOnly:
@@ -322,23 +335,31 @@ class LossTracker(_metrics.Mean):
     """The model's own "loss" metric (Keras's ``_loss_tracker``). A replica's loss from
     ``compute_loss`` is its share of the global loss (summed over the replicas, it is the
     loss); this tracker multiplies it by the replica count (Keras's
-    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss."""
+    ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss.
+    Keras's default steps weigh each replica's value by its rows (``sample_weight=rows(x)``):
+    then the share is turned into that replica's own mean (times global batch / its rows), so
+    the weighted mean is the global loss even when the shares are uneven (7 rows: 4 + 3)."""
 
-    def __init__(self, name="loss"):
+    def __init__(self, model=None, name="loss"):
         super().__init__(name)
+        self.model = None if model is None else weakref.ref(model)
 
     def update_state(self, values, sample_weight=None):
         strategy, replica_ctx = context.top()
-        n = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
+        factor = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
+        model = self.model() if self.model is not None else None
+        global_batch = _GLOBAL_BATCH.get(model) if model is not None else None
+        if global_batch and sample_weight is not None and np.ndim(sample_weight) == 0 and sample_weight > 0:
+            factor = global_batch / float(sample_weight)      # the replica's mean of its own rows
         values = _number_array(values).astype(np.float64)
-        super().update_state(values * n, sample_weight)
+        super().update_state(values * factor, sample_weight)
 
 
 def compile_metrics(model, metrics):
     """What ``compile`` makes: the model's loss tracker and ``CompileMetrics`` of ``metrics``
     (metric objects); returns the latter."""
     compiled = _metrics.CompileMetrics(metrics)
-    _COMPILED[model] = (LossTracker(), compiled)
+    _COMPILED[model] = (LossTracker(model), compiled)
     return compiled
 
 
@@ -361,16 +382,16 @@ def model_metrics(model):
 
 def compute_loss(model, y, y_pred, sample_weight=None):
     """Keras 3's ``model.compute_loss``: the compiled loss of ``y_pred`` against ``y`` plus the
-    layers' weight penalties, as this replica's share (module docstring)."""
-    if sample_weight is not None:
-        raise NotImplementedError("compute_loss(sample_weight=...) is not implemented here: leave the "
-                                  "sample weights out (fit takes (x, y) pairs).")
+    layers' weight penalties, as this replica's share (module docstring). ``sample_weight``
+    (one weight per example, (b,) or (b, 1)) weighs each example's loss: Keras 3's
+    ``reduce_weighted_values``, ``sum_i w_i l_i`` divided by the number of EXAMPLES, not by the
+    weights' sum (here by the global batch: the replicas' shares sum to that)."""
     terms = []
     loss = model.loss
     if loss is not None:
         if y_pred is None or y is None:
             raise ValueError("compute_loss needs y and y_pred: self.compute_loss(y=y, y_pred=self(x)).")
-        terms.append(_compiled_loss(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
+        terms.append(_compiled_loss(loss, y, y_pred, _GLOBAL_BATCH.get(model), sample_weight))
     if model.losses:
         terms.append(scale_regularization_loss(model.losses))
     if not terms:
@@ -381,22 +402,53 @@ def compute_loss(model, y, y_pred, sample_weight=None):
     return total
 
 
-def _compiled_loss(loss, y, y_pred, global_batch):
-    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses over the
-    global batch (Keras's ``sum_over_batch_size``), or its sum (``"sum"``)."""
+def _compiled_loss(loss, y, y_pred, global_batch, sample_weight=None):
+    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses (each times
+    its weight, when ``sample_weight`` is given) over the global batch (Keras's
+    ``sum_over_batch_size``), or its sum (``"sum"``), or the per-example losses (``"none"``)."""
     if not isinstance(y_pred, Tensor):
         raise TypeError("compute_loss: y_pred must be the model's output, self(x, training=True).")
     b = int(y_pred.shape[0])
+    weights = None if sample_weight is None else _weights_on(sample_weight, y_pred, b)   # (b,) float32
     if isinstance(loss, Loss):                         # written in ops
         if loss.reduction == "none":
-            return loss(y, y_pred)
+            values = loss(y, y_pred)
+            return values if weights is None else values * _as_rank(weights, values.ndim)
         scale = 1.0 / (global_batch or b * _replicas())
-        return loss.shares(_as_tensor_on(y, y_pred), y_pred, b, scale)[1]
-    if loss.reduction != "sum_over_batch_size":
+        per_example, share = loss.shares(_as_tensor_on(y, y_pred), y_pred, b, scale)
+        if weights is None:
+            return share
+        weighted = ops.reduce_sum(per_example * weights)
+        return weighted if loss.reduction == "sum" else weighted * float(scale)
+    if loss.reduction != "sum_over_batch_size" and weights is None:
         return loss(y, y_pred)
     per_example = copy.copy(loss)
     per_example.reduction = "none"
-    return compute_average_loss(per_example(y, y_pred), global_batch_size=global_batch)
+    values = per_example(y, y_pred)                    # (b,) float32
+    if weights is not None:
+        values = values * weights
+    if loss.reduction == "none":
+        return values
+    if loss.reduction == "sum":
+        return ops.reduce_sum(values)
+    return compute_average_loss(values, global_batch_size=global_batch)
+
+
+def _weights_on(sample_weight, like, b):
+    """``sample_weight`` as a (b,) float32 tensor on ``like``'s device: one weight per example,
+    as Keras takes them for a model with one output (``sample_weights.check``)."""
+    if isinstance(sample_weight, Tensor):
+        if tuple(sample_weight.shape) not in ((b,), (b, 1)):
+            raise ValueError(f"sample_weight of shape {tuple(sample_weight.shape)} for {b} examples: give one "
+                             f"weight per example, shape ({b},).")
+        weights = ops.reshape(ops.cast(sample_weight, "float32"), (b,))
+        return weights if weights.dev is like.dev else to_tensor_on(weights.numpy(), like.dev)
+    return to_tensor_on(sample_weights.check(sample_weight, b), like.dev)
+
+
+def _as_rank(weights, ndim):
+    """(b,) weights as (b, 1, ...) to multiply per-element loss values of rank ``ndim``."""
+    return weights if ndim <= 1 else ops.reshape(weights, (-1,) + (1,) * (ndim - 1))
 
 
 def _replicas():

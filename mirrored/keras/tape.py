@@ -214,13 +214,17 @@ def replica_scale():
 
 
 def _scaled_sum(per_example, scale):
-    """scale * sum(per_example) as a scalar Tensor that remembers how it was made."""
+    """scale * sum(per_example) as a scalar Tensor that remembers how it was made: a loss of the
+    fused path keeps its node; one made by recorded ops (a weighted loss, ``per_example * w``)
+    is summed by ops, so the tape differentiates them."""
+    node = per_example.node
+    if node is not None and not hasattr(node, "summed"):
+        return ops.reduce_sum(per_example) * float(scale)
     dev = per_example.dev
     with dev.activate():
         total = dev.empty((1,), np.float32)
         dev.ops.sum_all(per_example.buf, total)
         dev.ops.binary_scalar("mul", total, scale, total)
-    node = per_example.node
     node = node.summed().scaled(scale) if node is not None else None
     return Tensor(total.reshape(()), dev, node)
 
