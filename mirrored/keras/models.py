@@ -48,7 +48,7 @@ import numpy as np
 from mirrored import recording, strategy as _strategy
 from mirrored.keras import saving
 from mirrored.keras import functional, model_call
-from mirrored.keras.base_layer import snake_case
+from mirrored.keras.base_layer import snake_case, unique_name
 from mirrored.keras.dropout import Dropout
 from mirrored.keras.layers import InputLayer, Layer
 from mirrored.keras.model_api import ModelAPI
@@ -86,7 +86,7 @@ class Model(Trainer, ModelAPI):
                 f"functional subclass) is not implemented here; use keras.Model(inputs, outputs), or "
                 f"define call(self, inputs, training=None).")
         trainable = _keras_defaults(type(self).__name__, kwargs)
-        self._setup(name or snake_case(type(self).__name__))
+        self._setup(name or unique_name(snake_case(type(self).__name__)))
         if not trainable:
             self.trainable = False
 
@@ -296,7 +296,7 @@ class Sequential(Model):
 
     def __init__(self, layers=None, name=None, **kwargs):
         trainable = _keras_defaults("Sequential", kwargs)
-        self._setup(name or "sequential")
+        self._setup(name or unique_name("sequential"))
         self._layers = []
         for layer in layers or []:
             self.add(layer)
@@ -348,7 +348,7 @@ class Functional(Model):
     def __init__(self, inputs, outputs, name=None, **kwargs):
         trainable = _keras_defaults("Model", kwargs)
         nodes, layers, symbolic = functional.program(inputs, outputs)
-        self._setup(name or ("functional" if type(self) is Functional else snake_case(type(self).__name__)))
+        self._setup(name or unique_name("functional" if type(self) is Functional else snake_case(type(self).__name__)))
         self._layers = layers
         if not trainable:
             self.trainable = False

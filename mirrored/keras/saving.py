@@ -61,9 +61,11 @@ Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
 """
 import contextlib
 import datetime
+import functools
 import inspect
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -215,6 +217,54 @@ def layer_keys(layers):
     return keys
 
 
+def is_container(layer):
+    """A Sequential or functional model (or a subclass of one) used as a layer: Keras 3 saves
+    its layers under its own group (``<its path>/layers/<key>``), not its weights in its
+    ``vars`` (saving_lib's ``_walk_saveable``: "layers" first for these two kinds)."""
+    return any(isinstance(layer, MODEL_CLASSES[name]) for name in ("Sequential", "Functional") if name in MODEL_CLASSES)
+
+
+def sublayers(model):
+    """The layers Keras 3 walks inside ``model``: a functional model's input layers (weightless,
+    each with a group) and then ``model.layers``; a Sequential's ``layers`` (no input layer)."""
+    inputs = [t.node.layer for t in (getattr(model, "inputs", None) or ())]
+    return inputs + model.layers
+
+
+def own_weights(layer):
+    """``[(name, shape)]`` of the variables a layer's ``vars`` group holds: none for a model
+    used as a layer (its layers hold them), else the layer's weights (trainable, then not)."""
+    return [] if is_container(layer) else [(v.name, v.shape) for v in layer.weights]
+
+
+def weight_entries(pairs, prefix="", seen=None):
+    """Keras 3's paths (relative to ``layers/``) for a container's sublayers ``pairs``
+    (``[(layer, [(name, shape)] or None)]``, in the container's order): ``[(path, layer, want)]``,
+    nested models walked into, each layer once (saving_lib's ``visited_saveables``: a layer
+    shared by two models is saved where it is met first; its key in the second is still used
+    up). Example: ``sequential`` ([]), ``sequential/layers/dense``, ``sequential/layers/dense_1``,
+    ``dense``."""
+    seen = set() if seen is None else seen
+    layers = [layer for layer, _ in pairs]
+    out = []
+    for key, (layer, want) in zip(layer_keys(layers), pairs):
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        path = prefix + key
+        if is_container(layer):
+            out.append((path, layer, []))
+            out += weight_entries([(sub, own_weights(sub)) for sub in sublayers(layer)], f"{path}/layers/", seen)
+        else:
+            out.append((path, layer, want))
+    return out
+
+
+def model_entries(model):
+    """``weight_entries`` of a built ``model``'s own layers, with their weights."""
+    return weight_entries([(layer, own_weights(layer)) for layer in sublayers(model)], seen={id(model)})
+
+
 def _write_h5(model, target, training_state=False):
     """Write ``model``'s weights (and its optimizer's state, when compiled) in Keras's layout
     to ``target`` (a path or a binary file object); ``training_state``: the layers' too, as
@@ -233,12 +283,11 @@ def _write_h5(model, target, training_state=False):
     h5py = _h5py()
     with h5py.File(target, "w") as f:
         f.create_group("vars").attrs["name"] = model.name
-        inputs = [t.node.layer for t in getattr(model, "inputs", ())]   # a functional model's InputLayer:
-        layers = inputs + model.layers                                # in Keras's model.layers (no weights)
-        for key, layer in zip(layer_keys(layers), layers):
-            group = f.create_group(f"layers/{key}/vars")
+        for path, layer, _ in model_entries(model):                # nested models walked into
+            group = f.create_group(f"layers/{path}/vars")
             group.attrs["name"] = layer.name
-            for i, w in enumerate(layer.weights):              # Keras's: trainable, then not
+            weights = [] if is_container(layer) else layer.weights  # Keras's: trainable, then not
+            for i, w in enumerate(weights):
                 group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
             for name, value in ((layer.training_state() or {}).items() if training_state else ()):
                 group.attrs[STATE_PREFIX + name] = value
@@ -273,12 +322,26 @@ def _weights_file(source, filepath):
             if base is None or not isinstance(f[base], h5py.Group):
                 raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
                                           f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
-            yield f, base, {key: group.get("vars") if isinstance(group, h5py.Group) else None
-                            for key, group in f[base].items()}
+            yield f, base, _vars_groups(f[base], h5py)
     except (file_safety.Refused, MemoryError):
         raise
     except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
         raise _not_weights(filepath, err) from err
+
+
+def _vars_groups(base, h5py, prefix=""):
+    """{path: its "vars" group or None} of every layer group under ``base`` (a file's
+    ``layers``), nested models' (``<path>/layers/<key>``) included. No data read."""
+    found = {}
+    for key, group in base.items():
+        if not isinstance(group, h5py.Group):
+            found[prefix + key] = None
+            continue
+        found[prefix + key] = group.get("vars")
+        inner = group.get("layers")
+        if isinstance(inner, h5py.Group):
+            found.update(_vars_groups(inner, h5py, f"{prefix}{key}/layers/"))
+    return found
 
 
 def _read_h5(source, filepath, model, force=False, training_state=False):
@@ -289,11 +352,14 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     ``_check_optimizer``; ``training_state``: read the layers' too (a .keras archive).
 
     Returns (the weights in ``model.set_weights``'s order, the optimizer's values or None,
-    {layer key: training state}). Changes nothing: the caller sets them."""
+    {layer path: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
     with _weights_file(source, filepath) as (f, base, groups):
-        weights = _check_layers([(layer, [(v.name, v.shape) for v in layer.weights])
-                                 for layer in model.layers], groups, filepath)
+        entries = model_entries(model)
+        per_layer = _check_layers(entries, groups, filepath)
+        by_variable = {id(v): d for (_, layer, _), datasets in zip(entries, per_layer)
+                       for v, d in zip([] if is_container(layer) else layer.weights, datasets)}
+        weights = [by_variable[id(v)] for v in model.weights]        # set_weights's order
         opt = f.get("optimizer")
         opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
                                filepath, force)
@@ -308,49 +374,64 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     return arrays, values, states
 
 
-def _check_layers(plan, groups, filepath):
-    """The datasets that a model's layers take, in ``set_weights``'s order, from ``groups``
-    ({layer key: the file's ``vars`` group or None}), each checked against its variable; no
-    data read. ``plan``: ``[(layer, [(variable name, shape)])]`` in the model's order: the
-    weights of a built model, or those a config will give it (``weight_shapes.py``)."""
+def _check_layers(entries, groups, filepath):
+    """The datasets that each layer takes, a list per entry, from ``groups`` ({layer path: the
+    file's ``vars`` group or None}, ``_vars_groups``), each checked against its variable; no
+    data read. ``entries``: ``[(path, layer, [(variable name, shape)])]`` (``weight_entries``):
+    the weights of a built model, or those a config will give it (``weight_shapes.py``)."""
     h5py = _h5py()
-    layers = [layer for layer, _ in plan]
-    keys = layer_keys(layers)
-    datasets = []
-    for key, (layer, want) in zip(keys, plan):
-        group = groups.get(key)
+    per_layer = []
+    for path, layer, want in entries:
+        group = groups.get(path)
         if group is not None and not isinstance(group, h5py.Group):
-            raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a "
+            raise file_safety.Refused(f"{filepath}: 'vars' of layer {path!r} is a {type(group).__name__}, not a "
                                       f"group: it is not a Keras 3 weights file.")
         have = len(group) if group is not None else 0
         if have != len(want):
-            raise file_safety.Refused(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
+            nested = (" Keras 3 keeps a model used as a layer's weights in its layers' groups "
+                      f"({path}/layers/<key>/vars); a file that has them in the model's own group was "
+                      f"written by an earlier version of this library: load it there and save it again."
+                      if is_container(layer) else "")
+            raise file_safety.Refused(f"{filepath}: layer {path!r} ({type(layer).__name__} {layer.name!r}) has "
                                       f"{len(want)} weight arrays in this model, the file has {have} for it "
                                       f"(the file's layers: {sorted(groups)}). Build the same model as the "
-                                      f"one saved.")
-        datasets += [file_safety.check_dataset(group.get(str(i)), shape, file_safety.FLOAT_KINDS, filepath,
-                                               f"{name} (layer {key!r})") for i, (name, shape) in enumerate(want)]
-    extra = sorted(k for k, g in groups.items() if k not in keys and g is not None and len(g))
+                                      f"one saved." + nested)
+        per_layer.append([file_safety.check_dataset(group.get(str(i)), shape, file_safety.FLOAT_KINDS, filepath,
+                                                    f"{name} (layer {path!r})") for i, (name, shape) in enumerate(want)])
+    paths = {path for path, _, _ in entries}
+    extra = sorted(k for k, g in groups.items() if k not in paths and g is not None and len(g))
     if extra:
         raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
-                                  f"(the model's layers: {keys}).")
-    return datasets
+                                  f"(the model's layers: {sorted(paths)}).")
+    return per_layer
 
 
-def _check_before_build(plan, source, filepath):
+def _check_before_build(plan, source, filepath, nested=False):
     """Before ``load_model`` builds the model a config describes: the file's weights
     (``source``) must be exactly the weights ``plan`` says that model will have
-    (``[(layer, [(name, shape)] or None)]``, ``weight_shapes.py``; nothing allocated yet),
+    (``[(layer, [(name, shape)] or None)]``, ``weight_shapes.py``; nothing allocated yet;
+    models used as layers in it are built already, each checked by this before its build),
     and the file must store the bytes they declare (``file_safety.check_stored``). Where the
     weights are unknown before the build (``None``: a subclassed model, rebuilt by its own
     ``from_config``), the layers' least possible size (``weight_shapes.minimum_count``) is
-    held to the bytes the file stores. Raises ``file_safety.Refused``; reads no data."""
+    held to the bytes the file stores. ``nested``: ``plan`` is a model used as a layer, whose
+    place in the file is not known yet: what it declares is held to the bytes the whole file
+    stores (the exact check follows, the outer model's). Raises ``file_safety.Refused``; reads
+    no data."""
     with _weights_file(source, filepath) as (_, _, groups):
-        if all(want is not None for _, want in plan):
-            file_safety.check_stored(_check_layers(plan, groups, filepath), filepath)
-            return
         stored = [d for g in groups.values() if g is not None for d in g.values()]
-        least = sum(weight_shapes.minimum_count(layer) for layer, _ in plan) * np.dtype(np.float32).itemsize
+        itemsize = np.dtype(np.float32).itemsize
+        if nested:
+            declared = sum(math.prod(shape) for _, want in plan for _, shape in (want or ()))
+            least = sum(weight_shapes.minimum_count(layer) for layer, want in plan if want is None)
+            file_safety.check_stored(stored, filepath, (declared + least) * itemsize)
+            return
+        entries = weight_entries([(layer, own_weights(layer) if is_container(layer) else want)
+                                  for layer, want in plan])
+        if all(want is not None for _, _, want in entries):
+            file_safety.check_stored([d for ds in _check_layers(entries, groups, filepath) for d in ds], filepath)
+            return
+        least = sum(weight_shapes.minimum_count(layer) for layer, _ in plan) * itemsize
         file_safety.check_stored(stored, filepath, least)
 
 
@@ -484,17 +565,17 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     # what the config describes is checked against the weights the file stores before it is
     # built (a few bytes of config can declare a huge layer); then the weights against the
     # model built, before any is read
-    model = model_from_config(config, custom_objects, before_build=lambda plan: _check_before_build(
-        plan, io.BytesIO(weights), filepath))
+    model = model_from_config(config, custom_objects, before_build=lambda plan, nested=False: _check_before_build(
+        plan, io.BytesIO(weights), filepath, nested))
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
     arrays, values, states = _read_h5(io.BytesIO(weights), filepath, model, force=True, training_state=True)
     restore = _restore_optimizer(model, values)
     model.set_weights(arrays)
     restore()
-    for key, layer in zip(layer_keys(model.layers), model.layers):   # a model of our own: an error
-        if key in states:                                            # leaves nobody a half-set one
-            layer.set_training_state(states[key], f"{filepath} (layer {key!r})")
+    for path, layer, _ in model_entries(model):                      # a model of our own: an error
+        if path in states:                                           # leaves nobody a half-set one
+            layer.set_training_state(states[path], f"{filepath} (layer {path!r})")
     return model
 
 
@@ -586,7 +667,7 @@ def _input_from_config(spec):
     return L.Input(shape=tuple(shape[1:]), name=cfg.get("name"))
 
 
-def _layer_from_config(spec, custom_objects=None):
+def _layer_from_config(spec, custom_objects=None, before_build=None):
     """A new layer from its entry in a model's config: the layers this library has, or a
     class of the user's own passed in ``custom_objects`` (rebuilt by its ``from_config``:
     code is never read from the file, only the arguments its ``get_config`` wrote)."""
@@ -598,7 +679,8 @@ def _layer_from_config(spec, custom_objects=None):
             layer.input_shape_arg = tuple(cfg["batch_input_shape"][1:])
         return layer
     if name in ("Sequential", "Functional") and isinstance(cfg.get("layers"), list):
-        return model_from_config(spec, custom_objects)     # a model used as a layer (issue 49)
+        nested = None if before_build is None else functools.partial(before_build, nested=True)
+        return model_from_config(spec, custom_objects, nested)    # a model used as a layer (issue 49)
     cls = getattr(L, name, None) if name in L.SUPPORTED else None
     if cls is None:
         raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
@@ -636,7 +718,9 @@ def model_from_config(config, custom_objects=None, before_build=None):
     built (no weight allocated): ``plan`` is ``[(layer, [(variable name, shape)])]`` in the
     model's order, the weights the config gives it (``weight_shapes.py``), or, for a
     subclassed model, ``[(layer, None)]`` for its layers so far (their weights are unknown
-    until it is built). ``load_model`` checks there that the file holds those weights."""
+    until it is built). ``load_model`` checks there that the file holds those weights. A model
+    used as a layer is made (and built) before its container: its own ``before_build`` is
+    this one with ``nested=True`` (``before_build(plan, nested=True)``)."""
     kind = config.get("class_name")
     custom = (custom_objects or {}).get(kind)
     build = config.get("build_config") or {}
@@ -653,7 +737,7 @@ def model_from_config(config, custom_objects=None, before_build=None):
         def make_layer(entry):
             key = id(entry)
             if key not in made:
-                made[key] = _layer_from_config(entry, custom_objects)
+                made[key] = _layer_from_config(entry, custom_objects, before_build)
             return made[key]
         if before_build is not None:
             before_build(weight_shapes.of_functional(config, make_layer, _input_from_config))
@@ -669,7 +753,7 @@ def model_from_config(config, custom_objects=None, before_build=None):
     model = Sequential(name=inner.get("name"))        # not built until every layer is added
     for spec in inner["layers"]:
         model.add(_input_from_config(spec) if spec["class_name"] == "InputLayer"
-                  else _layer_from_config(spec, custom_objects))
+                  else _layer_from_config(spec, custom_objects, before_build))
     shape = model.input_shape or build.get("input_shape")
     if shape and before_build is not None:
         before_build(weight_shapes.of_chain(model.layers, weight_shapes.example_shape(
