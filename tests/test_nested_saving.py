@@ -88,6 +88,37 @@ def embedding(K):
     return K.Sequential([K.Input((4,), dtype="int32"), L.Embedding(10, 3), L.Flatten(), L.Dense(2)])
 
 
+def subclassed(K):
+    """keras.io's patterns at once: a subclassed model holding a Sequential and a layer as
+    attributes, and a layer of its own holding two Dense layers ("layers inside layers").
+    Keras 3 saves a subclassed model's layers by ATTRIBUTE, in order of name; its ``layers``
+    property is one of those names, so ``zblock`` (after "layers") is saved as layers/block."""
+    L = K.layers
+
+    class Block(K.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense_a = L.Dense(3)
+            self.out = L.Dense(2)
+
+        def call(self, x):
+            return self.out(self.dense_a(x))
+
+    class Outer(K.Model):
+        def __init__(self):
+            super().__init__()
+            self.inner = K.Sequential([K.Input((5,)), L.Dense(4, activation="relu"), L.Dense(3)])
+            self.head = L.Dense(2)
+            self.zblock = Block()
+
+        def call(self, inputs, training=None):
+            return self.zblock(self.head(self.inner(inputs)))
+    model = Outer()
+    model.build((None, 5))
+    model(np.zeros((2, 5), np.float32))            # Keras builds the sublayers on a call
+    return model
+
+
 NESTED = [seq_in_seq, fun_in_fun, two_side_by_side, fun_in_seq]
 
 #: What Keras 3.15.1's saving_lib writes for each model: {vars group: number of arrays}.
@@ -104,6 +135,9 @@ KERAS_LAYOUT = {
                          "layers/add/vars": 0, "layers/dense/vars": 2},
     "fun_in_seq": {"vars": 0, "layers/functional/vars": 0, "layers/functional/layers/input_layer/vars": 0,
                    "layers/functional/layers/dense/vars": 2, "layers/dense/vars": 2},
+    "subclassed": {"vars": 0, "head/vars": 2, "inner/vars": 0, "inner/layers/dense/vars": 2,
+                   "inner/layers/dense_1/vars": 2, "layers/block/vars": 0, "layers/block/dense_a/vars": 2,
+                   "layers/block/out/vars": 2},
 }
 
 
@@ -162,6 +196,19 @@ def test_our_files_have_keras_3s_paths_for_models_inside_models(devices, rng, tm
     for model_back in (loaded, again):
         for got, w in zip(model_back.get_weights(), weights):
             np.testing.assert_array_equal(got, w)
+
+
+def test_a_subclassed_models_weights_are_saved_by_attribute_as_keras_3_does(devices, rng, tmp_path):
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        model = subclassed(tf.keras)
+        weights = randomised(model, rng)
+        model.save_weights(tmp_path / "m.weights.h5")
+        again = subclassed(tf.keras)
+        again.load_weights(tmp_path / "m.weights.h5")
+    assert layout(tmp_path / "m.weights.h5") == KERAS_LAYOUT["subclassed"]
+    for got, want in zip(again.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_trained_nested_model_saves_its_dropout_state_at_the_nested_path(devices, rng, tmp_path):
@@ -252,6 +299,25 @@ def test_our_files_load_in_keras_3_and_predict_alike(devices, rng, tmp_path, ker
     theirs.load_weights(tmp_path / "m.weights.h5")
     for model in (loaded, theirs):
         np.testing.assert_allclose(model.predict(x, verbose=0), want, **TOL)
+
+
+def test_a_subclassed_models_weights_go_both_ways(devices, rng, tmp_path, keras3):
+    devices(cpus=1)
+    x = inputs(subclassed, rng)
+    theirs = subclassed(keras3)
+    randomised(theirs, rng)
+    theirs.save_weights(tmp_path / "k.weights.h5")
+    assert layout(tmp_path / "k.weights.h5") == KERAS_LAYOUT["subclassed"]     # the table is Keras's
+    with tf.device("CPU:0"):
+        ours = subclassed(tf.keras)
+        ours.load_weights(tmp_path / "k.weights.h5")
+        np.testing.assert_allclose(ours.predict(x, verbose=0), theirs.predict(x, verbose=0), **TOL)
+        randomised(ours, rng)
+        ours.save_weights(tmp_path / "m.weights.h5")
+        want = ours.predict(x, verbose=0)
+    back = subclassed(keras3)
+    back.load_weights(tmp_path / "m.weights.h5")
+    np.testing.assert_allclose(back.predict(x, verbose=0), want, **TOL)
 
 
 def test_a_nested_model_trained_on_two_replicas_loads_in_keras_3(devices, rng, tmp_path, keras3):

@@ -436,10 +436,10 @@ def run_alone(layer, inputs, kwargs):
     ``layer.trainable_variables`` are that model's, and a tape differentiates the call as any
     model call. Shapes after the first must have the same features (the layer is built)."""
     shape = tuple(np.shape(inputs)[1:])
-    model = layer.__dict__.get("alone")
+    model = layer.__dict__.get("_alone")
     if model is None:
         model = Sequential([InputLayer(shape), layer])
-        layer.__dict__["alone"] = model
+        layer.__dict__["_alone"] = model   # private: saving walks public ones
     elif tuple(model.input_shape[1:]) != shape:
         raise ValueError(f"{type(layer).__name__} {layer.name!r} was first called on examples of shape "
                          f"{tuple(model.input_shape[1:])}, now on {shape}: call it on the same shape "

@@ -218,51 +218,117 @@ def layer_keys(layers):
 
 
 def is_container(layer):
-    """A Sequential or functional model (or a subclass of one) used as a layer: Keras 3 saves
-    its layers under its own group (``<its path>/layers/<key>``), not its weights in its
-    ``vars`` (saving_lib's ``_walk_saveable``: "layers" first for these two kinds)."""
+    """A Sequential or functional model (or a subclass of one): Keras 3 walks its ``layers``
+    first (saving_lib's ``_walk_saveable``: "layers" first for these two kinds)."""
     return any(isinstance(layer, MODEL_CLASSES[name]) for name in ("Sequential", "Functional") if name in MODEL_CLASSES)
 
 
+def _saveable(value):
+    """A layer or a model: what Keras 3's walk saves (its ``KerasSaveable``s that hold weights)."""
+    return isinstance(value, L.Layer) or ("Model" in MODEL_CLASSES and isinstance(value, MODEL_CLASSES["Model"]))
+
+
+def _walked(value):
+    """A layer or model, or a list/tuple/dict holding some: what the walk goes into."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    return _saveable(value) or isinstance(value, (list, tuple)) and any(_saveable(v) or _walked(v) for v in value)
+
+
 def sublayers(model):
-    """The layers Keras 3 walks inside ``model``: a functional model's input layers (weightless,
-    each with a group) and then ``model.layers``; a Sequential's ``layers`` (no input layer)."""
+    """The layers Keras 3 walks inside a Sequential or functional ``model``: a functional
+    model's input layers (weightless, each with a group), then ``model.layers``; a
+    Sequential's ``layers`` (no input layer)."""
     inputs = [t.node.layer for t in (getattr(model, "inputs", None) or ())]
     return inputs + model.layers
 
 
-def own_weights(layer):
-    """``[(name, shape)]`` of the variables a layer's ``vars`` group holds: none for a model
-    used as a layer (its layers hold them), else the layer's weights (trainable, then not)."""
-    return [] if is_container(layer) else [(v.name, v.shape) for v in layer.weights]
+def children(obj):
+    """What Keras 3 walks after ``obj``'s own variables (saving_lib's ``_walk_saveable``), as
+    ``[(attribute name, a layer, a model, or a list of them)]``: a Sequential's or functional
+    model's ``layers`` first; then, in order of name, the public attributes that hold layers
+    or models (a subclassed model's ``self.head = Dense(2)``; its ``layers`` property among
+    them, so a layer is reached by its attribute's name when that sorts before "layers").
+    Attributes named with ``_`` are not walked here (ours are the library's bookkeeping)."""
+    found = {k: v for k, v in vars(obj).items() if not k.startswith("_") and _walked(v)}
+    if is_container(obj):
+        return [("layers", sublayers(obj))] + sorted(found.items())
+    if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
+        found["layers"] = obj.layers
+    return sorted(found.items())
 
 
-def weight_entries(pairs, prefix="", seen=None):
-    """Keras 3's paths (relative to ``layers/``) for a container's sublayers ``pairs``
-    (``[(layer, [(name, shape)] or None)]``, in the container's order): ``[(path, layer, want)]``,
-    nested models walked into, each layer once (saving_lib's ``visited_saveables``: a layer
-    shared by two models is saved where it is met first; its key in the second is still used
-    up). Example: ``sequential`` ([]), ``sequential/layers/dense``, ``sequential/layers/dense_1``,
-    ``dense``."""
-    seen = set() if seen is None else seen
-    layers = [layer for layer, _ in pairs]
-    out = []
-    for key, (layer, want) in zip(layer_keys(layers), pairs):
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        path = prefix + key
-        if is_container(layer):
-            out.append((path, layer, []))
-            out += weight_entries([(sub, own_weights(sub)) for sub in sublayers(layer)], f"{path}/layers/", seen)
-        else:
-            out.append((path, layer, want))
+def own_weights(obj):
+    """``[(name, shape)]`` of the variables ``obj``'s own ``vars`` group holds, Keras's order:
+    a Sequential's or functional model's none (its layers hold them); a subclassed model's
+    those made on it (``add_weight``); a layer's its weights less its sublayers'."""
+    if is_container(obj):
+        return []
+    if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
+        return [(v.name, v.shape) for v in obj.own_variables]
+    inner = {id(w) for layer in obj.__dict__.get("_sublayers", ()) for w in layer.weights}
+    return [(v.name, v.shape) for v in obj.weights if id(v) not in inner]
+
+
+def _variables(obj):
+    """The variables of ``own_weights(obj)`` themselves."""
+    if is_container(obj):
+        return []
+    if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
+        return list(obj.own_variables)
+    inner = {id(w) for layer in obj.__dict__.get("_sublayers", ()) for w in layer.weights}
+    return [v for v in obj.weights if id(v) not in inner]
+
+
+def _container(items, path, seen, want_of):
+    """saving_lib's ``_save_container_state``: each item under ``path`` by its class in snake
+    case, numbered per container (a name is used up even by an item saved already)."""
+    items = list(items.values()) if isinstance(items, dict) else list(items)
+    keyed = [v for v in items if _saveable(v)]
+    out, lists = [], 0
+    keys = iter(layer_keys(keyed))
+    for value in items:
+        if _saveable(value):
+            out += _walk(value, f"{path}/{next(keys)}", seen, want_of)
+        elif isinstance(value, (list, tuple, dict)) and _walked(value):
+            out += _container(value, f"{path}/container" + (f"_{lists}" if lists else ""), seen, want_of)
+            lists += 1
     return out
 
 
-def model_entries(model):
-    """``weight_entries`` of a built ``model``'s own layers, with their weights."""
-    return weight_entries([(layer, own_weights(layer)) for layer in sublayers(model)], seen={id(model)})
+def _walk(obj, path, seen, want_of):
+    """saving_lib's ``_save_state`` from ``obj`` at ``path``: ``[(path, object, want)]``,
+    each object once (``visited_saveables``: one shared by two models is saved where it is
+    met first)."""
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    out = [(path, obj, want_of(obj))]
+    for name, value in children(obj):
+        where = f"{path}/{name}".lstrip("/")
+        out += _walk(value, where, seen, want_of) if _saveable(value) else _container(value, where, seen, want_of)
+    return out
+
+
+def weight_entries(model, want_of=own_weights):
+    """Keras 3's paths of ``model``'s weights (saving_lib's walk, nothing written):
+    ``[(path, object, want)]``, ``path`` "" for the model itself (its group is ``vars``), else
+    e.g. ``layers/sequential`` (a nested model: its own group empty),
+    ``layers/sequential/layers/dense``, ``head`` (a subclassed model's ``self.head``);
+    ``want``: ``want_of(object)``, the ``[(name, shape)]`` its group holds (``own_weights``:
+    a built model's; or what a config gives it, ``None`` where unknown)."""
+    return _walk(model, "", set(), want_of)
+
+
+def layer_key(path):
+    """How errors name an entry: its path less the leading ``layers/`` (``dense``,
+    ``sequential/layers/dense``, ``head``)."""
+    return path[len("layers/"):] if path.startswith("layers/") else path
+
+
+def group_name(path):
+    """The HDF5 group of an entry's variables: ``<path>/vars`` (``vars`` for the model)."""
+    return f"{path}/vars" if path else "vars"
 
 
 def _write_h5(model, target, training_state=False):
@@ -282,14 +348,14 @@ def _write_h5(model, target, training_state=False):
         return
     h5py = _h5py()
     with h5py.File(target, "w") as f:
-        f.create_group("vars").attrs["name"] = model.name
-        for path, layer, _ in model_entries(model):                # nested models walked into
-            group = f.create_group(f"layers/{path}/vars")
-            group.attrs["name"] = layer.name
-            weights = [] if is_container(layer) else layer.weights  # Keras's: trainable, then not
-            for i, w in enumerate(weights):
+        entries = weight_entries(model)
+        _all_reached(model, entries)                     # nothing left out of the file
+        for path, obj, _ in entries:                     # nested models and sublayers walked into
+            group = f.create_group(group_name(path))
+            group.attrs["name"] = obj.name
+            for i, w in enumerate(_variables(obj)):         # Keras's: trainable, then not
                 group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
-            for name, value in ((layer.training_state() or {}).items() if training_state else ()):
+            for name, value in ((obj.training_state() or {}).items() if training_state and path else ()):
                 group.attrs[STATE_PREFIX + name] = value
         if model.optimizer is not None and model.built:
             group = f.create_group("optimizer/vars")
@@ -310,37 +376,41 @@ def _not_weights(filepath, err):
 def _weights_file(source, filepath):
     """The open Keras 3 weights file ``source`` (a path or a file object; ``filepath`` names
     it in errors) once no link in it leads outside it (``file_safety.refuse_links``), as
-    ``(file, base group name, {layer key: its "vars" group or None})``. Any failure of h5py
-    inside, which can only be damage, is named as such (``_not_weights``); our refusals
-    (``file_safety.Refused``) pass as they are."""
+    ``(file, {path: its "vars" group, or whatever stands there})`` (``_vars_groups``). Any
+    failure of h5py inside, which can only be damage, is named as such (``_not_weights``);
+    our refusals (``file_safety.Refused``) pass as they are."""
     h5py = _h5py()
     try:
         with h5py.File(source, "r") as f:
             file_safety.refuse_links(f, filepath)
-            base = "layers" if "layers" in f else (
-                "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
-            if base is None or not isinstance(f[base], h5py.Group):
+            if not any(isinstance(f.get(name), h5py.Group) for name in ("layers", LEGACY_LAYERS, "vars")):
                 raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
                                           f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
-            yield f, base, _vars_groups(f[base], h5py)
+            yield f, _vars_groups(f, h5py)
     except (file_safety.Refused, MemoryError):
         raise
     except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
         raise _not_weights(filepath, err) from err
 
 
-def _vars_groups(base, h5py, prefix=""):
-    """{path: its "vars" group or None} of every layer group under ``base`` (a file's
-    ``layers``), nested models' (``<path>/layers/<key>``) included. No data read."""
+#: Keras 3.0's name for the ``layers`` group (read as ``layers``).
+LEGACY_LAYERS = "_layer_checkpoint_dependencies"
+
+
+def _vars_groups(f, h5py):
+    """{path: what stands at ``<path>/vars``} for every ``vars`` in the file but the
+    optimizer's (``weight_entries``' paths: "" for the model's own), whatever the nesting.
+    No data read."""
     found = {}
-    for key, group in base.items():
-        if not isinstance(group, h5py.Group):
-            found[prefix + key] = None
-            continue
-        found[prefix + key] = group.get("vars")
-        inner = group.get("layers")
-        if isinstance(inner, h5py.Group):
-            found.update(_vars_groups(inner, h5py, f"{prefix}{key}/layers/"))
+
+    def visit(name, obj):
+        parts = name.split("/")
+        if parts[-1] != "vars" or parts[0] == "optimizer" or "vars" in parts[:-1]:
+            return
+        if parts[0] == LEGACY_LAYERS:
+            parts[0] = "layers"
+        found["/".join(parts[:-1])] = obj
+    f.visititems(visit)
     return found
 
 
@@ -354,12 +424,12 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     Returns (the weights in ``model.set_weights``'s order, the optimizer's values or None,
     {layer path: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
-    with _weights_file(source, filepath) as (f, base, groups):
-        entries = model_entries(model)
+    with _weights_file(source, filepath) as (f, groups):
+        entries = weight_entries(model)
         per_layer = _check_layers(entries, groups, filepath)
-        by_variable = {id(v): d for (_, layer, _), datasets in zip(entries, per_layer)
-                       for v, d in zip([] if is_container(layer) else layer.weights, datasets)}
-        weights = [by_variable[id(v)] for v in model.weights]        # set_weights's order
+        by_variable = {id(v): d for (_, obj, _), datasets in zip(entries, per_layer)
+                       for v, d in zip(_variables(obj), datasets)}
+        weights = [by_variable[id(v)] for v in _all_reached(model, entries)]   # set_weights's order
         opt = f.get("optimizer")
         opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
                                filepath, force)
@@ -367,43 +437,60 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
         values = None if opt is None else [file_safety.read_dataset(d) for d in opt]
         states = {}
         for key, group in (groups.items() if training_state else ()):
-            names = [n for n in (group.attrs if group is not None else ()) if n.startswith(STATE_PREFIX)]
+            names = [n for n in (group.attrs if isinstance(group, h5py.Group) else ()) if n.startswith(STATE_PREFIX)]
             if names:                             # the names only, so far: read_attribute checks sizes
                 states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
-                    group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
+                    group.attrs, n, filepath, group_name(key)) for n in names}
     return arrays, values, states
 
 
 def _check_layers(entries, groups, filepath):
-    """The datasets that each layer takes, a list per entry, from ``groups`` ({layer path: the
-    file's ``vars`` group or None}, ``_vars_groups``), each checked against its variable; no
-    data read. ``entries``: ``[(path, layer, [(variable name, shape)])]`` (``weight_entries``):
+    """The datasets that each entry takes, a list per entry, from ``groups`` ({path: what
+    stands at ``<path>/vars``}, ``_vars_groups``), each checked against its variable; no
+    data read. ``entries``: ``[(path, object, [(variable name, shape)])]`` (``weight_entries``):
     the weights of a built model, or those a config will give it (``weight_shapes.py``)."""
     h5py = _h5py()
     per_layer = []
-    for path, layer, want in entries:
+    for path, obj, want in entries:
+        where, key = group_name(path), layer_key(path)
+        what = f"layer {key!r} ({type(obj).__name__} {obj.name!r})" if path else "the model's own"
         group = groups.get(path)
         if group is not None and not isinstance(group, h5py.Group):
-            raise file_safety.Refused(f"{filepath}: 'vars' of layer {path!r} is a {type(group).__name__}, not a "
-                                      f"group: it is not a Keras 3 weights file.")
+            raise file_safety.Refused(f"{filepath}: {where!r} is a {type(group).__name__}, not a group: it is "
+                                      f"not a Keras 3 weights file.")
         have = len(group) if group is not None else 0
         if have != len(want):
-            nested = (" Keras 3 keeps a model used as a layer's weights in its layers' groups "
+            nested = (" Keras 3 keeps the weights of a model used as a layer in its layers' groups "
                       f"({path}/layers/<key>/vars); a file that has them in the model's own group was "
                       f"written by an earlier version of this library: load it there and save it again."
-                      if is_container(layer) else "")
-            raise file_safety.Refused(f"{filepath}: layer {path!r} ({type(layer).__name__} {layer.name!r}) has "
-                                      f"{len(want)} weight arrays in this model, the file has {have} for it "
-                                      f"(the file's layers: {sorted(groups)}). Build the same model as the "
+                      if is_container(obj) and path else "")
+            raise file_safety.Refused(f"{filepath}: {what} has {len(want)} weight arrays in this model, the "
+                                      f"file has {have} in {where!r} (the file's weight groups: "
+                                      f"{sorted(group_name(k) for k in groups)}). Build the same model as the "
                                       f"one saved." + nested)
         per_layer.append([file_safety.check_dataset(group.get(str(i)), shape, file_safety.FLOAT_KINDS, filepath,
-                                                    f"{name} (layer {path!r})") for i, (name, shape) in enumerate(want)])
+                                                    f"{name} (layer {key!r})") for i, (name, shape) in enumerate(want)])
     paths = {path for path, _, _ in entries}
-    extra = sorted(k for k, g in groups.items() if k not in paths and g is not None and len(g))
+    extra = sorted(group_name(k) for k, g in groups.items()
+                   if k not in paths and isinstance(g, h5py.Group) and len(g))
     if extra:
         raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
-                                  f"(the model's layers: {sorted(paths)}).")
+                                  f"(the model's: {sorted(group_name(p) for p in paths)}).")
     return per_layer
+
+
+def _all_reached(model, entries):
+    """``model.weights``, each of which the walk reached (``weight_entries``): a weight held
+    where Keras 3's walk does not look (a layer kept only in an attribute named with ``_``)
+    could be neither written nor read: refused by name."""
+    reached = {id(v) for _, obj, _ in entries for v in _variables(obj)}
+    lost = [v.name for v in model.weights if id(v) not in reached]
+    if lost:
+        raise NotImplementedError(f"the weights {lost} of {model.name!r} are held where Keras 3's file layout "
+                                  f"does not look (a layer kept in an attribute whose name starts with '_', or "
+                                  f"in a structure other than a list, tuple or dict): keep it in a public "
+                                  f"attribute, self.name = layer.")
+    return model.weights
 
 
 def _check_before_build(plan, source, filepath, nested=False):
@@ -418,16 +505,19 @@ def _check_before_build(plan, source, filepath, nested=False):
     place in the file is not known yet: what it declares is held to the bytes the whole file
     stores (the exact check follows, the outer model's). Raises ``file_safety.Refused``; reads
     no data."""
-    with _weights_file(source, filepath) as (_, _, groups):
-        stored = [d for g in groups.values() if g is not None for d in g.values()]
+    h5py = _h5py()
+    with _weights_file(source, filepath) as (_, groups):
+        stored = [d for g in groups.values() if isinstance(g, h5py.Group) for d in g.values()]
         itemsize = np.dtype(np.float32).itemsize
         if nested:
             declared = sum(math.prod(shape) for _, want in plan for _, shape in (want or ()))
             least = sum(weight_shapes.minimum_count(layer) for layer, want in plan if want is None)
             file_safety.check_stored(stored, filepath, (declared + least) * itemsize)
             return
-        entries = weight_entries([(layer, own_weights(layer) if is_container(layer) else want)
-                                  for layer, want in plan])
+        wants = {id(layer): want for layer, want in plan}
+        entries = [("", None, [])] + _container([layer for layer, _ in plan], "layers", set(), lambda obj: (
+            wants[id(obj)] if id(obj) in wants and not is_container(obj) and not children(obj) else
+            own_weights(obj) if obj.built or is_container(obj) else None))
         if all(want is not None for _, _, want in entries):
             file_safety.check_stored([d for ds in _check_layers(entries, groups, filepath) for d in ds], filepath)
             return
@@ -573,9 +663,9 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     restore = _restore_optimizer(model, values)
     model.set_weights(arrays)
     restore()
-    for path, layer, _ in model_entries(model):                      # a model of our own: an error
+    for path, layer, _ in weight_entries(model):                     # a model of our own: an error
         if path in states:                                           # leaves nobody a half-set one
-            layer.set_training_state(states[path], f"{filepath} (layer {path!r})")
+            layer.set_training_state(states[path], f"{filepath} (layer {layer_key(path)!r})")
     return model
 
 
