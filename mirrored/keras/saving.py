@@ -15,10 +15,23 @@ Keras 3's ``saving_lib.save_weights_only`` writes it (keras/src/saving/saving_li
 
 ``<key>`` is NOT the layer's name (names differ from run to run): it is the layer class in
 snake case, numbered per model in order, as Keras's ``_save_container_state`` does:
-``conv2d``, ``max_pooling2d``, ``flatten``, ``dense``, ``dense_1``, ... Reading follows Keras's
-``load_weights``: the model is walked, each layer reads its group (a missing group is an
-empty one), the count and shapes must match, and the optimizer's variables are restored only
-when the model's optimizer already has as many (Keras warns and skips otherwise).
+``conv2d``, ``max_pooling2d``, ``flatten``, ``dense``, ``dense_1``, ... A functional model's
+input layer has a group too (``layers/input_layer/vars``, empty). The paths are those of
+Keras's walk (``_save_state``, ``_walk_saveable``; ``weight_entries`` here), which goes into
+whatever holds layers, so models inside models nest::
+
+    /layers/sequential/vars                    a Sequential used as a layer: its own group, empty
+    /layers/sequential/layers/dense/vars/0     ... its layers under it, keyed within it
+    /head/vars/0                               a subclassed model: its layers by ATTRIBUTE name,
+    /inner/layers/dense/vars/0                 in order of name; its ``layers`` property is one
+    /layers/block/dense_a/vars/0               of them (a layer first met there is saved there);
+                                               a layer of layers: its sublayers by attribute
+
+Each layer or model is saved once, where the walk meets it first (a layer shared by two
+models). Reading follows Keras's ``load_weights``: the model is walked, each layer reads its
+group (a missing group is an empty one), the count and shapes must match, and the
+optimizer's variables are restored only when the model's optimizer already has as many
+(Keras warns and skips otherwise).
 
 ``model.save("m.keras")`` / ``models.load_model("m.keras")``: Keras 3's zip archive,
 ``metadata.json``, ``config.json`` (the model's architecture and compile arguments, in
