@@ -233,22 +233,21 @@ def test_a_trained_nested_model_saves_its_dropout_state_at_the_nested_path(devic
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_file_with_a_nested_models_weights_in_its_own_group_says_what_happened(devices, rng, tmp_path):
-    """The layout earlier versions of this library wrote (the nested model's weights flat in
-    its own group): refused with a message that names Keras's layout."""
+def test_a_file_that_fits_neither_layout_names_keras_3s(devices, rng, tmp_path):
+    """A nested model's weights in its own group, but a layer's group missing: neither Keras's
+    layout nor the earlier one fits; the error names Keras's, and says where earlier files
+    kept a nested model's weights."""
     devices(cpus=1)
     with tf.device("CPU:0"):
         model = seq_in_seq(tf.keras)
         weights = randomised(model, rng)
-    with h5py.File(tmp_path / "old.weights.h5", "w") as f:
+    with h5py.File(tmp_path / "bad.weights.h5", "w") as f:
         f.create_group("vars").attrs["name"] = model.name
         for i, w in enumerate(weights[:4]):
             f.create_dataset(f"layers/sequential/vars/{i}", data=w)
-        for i, w in enumerate(weights[4:]):
-            f.create_dataset(f"layers/dense/vars/{i}", data=w)
-        f.create_group("layers/softmax/vars")
+        f.create_group("layers/softmax/vars")                     # layers/dense left out
     with pytest.raises(ValueError, match="earlier version of this library"):
-        model.load_weights(tmp_path / "old.weights.h5")
+        model.load_weights(tmp_path / "bad.weights.h5")
 
 
 # -- with Keras 3: both ways ------------------------------------------------------------------------
@@ -333,4 +332,25 @@ def test_a_nested_model_trained_on_two_replicas_loads_in_keras_3(devices, rng, t
     theirs = keras3.models.load_model(tmp_path / "m.keras")
     np.testing.assert_allclose(theirs.predict(x, verbose=0), model.predict(x, verbose=0), **TOL)
     for got, want in zip(theirs.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_weights_files_of_earlier_versions_still_load(devices, rng, tmp_path):
+    """The layout this library wrote before it followed Keras 3's walk (every layer of
+    ``model.layers`` at ``layers/<class key>`` with all its weights: a subclassed model's and
+    a nested model's) is still read, when Keras's layout does not fit the file."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        model = subclassed(tf.keras)
+        weights = randomised(model, rng)
+    with h5py.File(tmp_path / "old.weights.h5", "w") as f:
+        f.create_group("vars").attrs["name"] = model.name
+        for key, layer in (("sequential", model.inner), ("dense", model.head), ("block", model.zblock)):
+            f.create_group(f"layers/{key}/vars")
+            for i, w in enumerate(layer.get_weights()):
+                f.create_dataset(f"layers/{key}/vars/{i}", data=w)
+    with tf.device("CPU:0"):
+        again = subclassed(tf.keras)
+        again.load_weights(tmp_path / "old.weights.h5")
+    for got, want in zip(again.get_weights(), weights):
         np.testing.assert_array_equal(got, want)

@@ -400,7 +400,7 @@ def _weights_file(source, filepath):
                 raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
                                           f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
             yield f, _vars_groups(f, h5py)
-    except (file_safety.Refused, MemoryError):
+    except (file_safety.Refused, MemoryError, NotImplementedError):     # ours: they say what is wrong
         raise
     except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
         raise _not_weights(filepath, err) from err
@@ -438,11 +438,18 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     {layer path: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
     with _weights_file(source, filepath) as (f, groups):
-        entries = weight_entries(model)
-        per_layer = _check_layers(entries, groups, filepath)
-        by_variable = {id(v): d for (_, obj, _), datasets in zip(entries, per_layer)
-                       for v, d in zip(_variables(obj), datasets)}
-        weights = [by_variable[id(v)] for v in _all_reached(model, entries)]   # set_weights's order
+        entries, variables = weight_entries(model), lambda path, obj: _variables(obj)
+        try:
+            per_layer = _check_layers(entries, groups, filepath)
+        except file_safety.Refused as keras_layout:
+            entries, variables = _earlier_entries(model), _earlier_variables
+            try:                                          # a file of an earlier version of ours
+                per_layer = _check_layers(entries, groups, filepath)
+            except file_safety.Refused:
+                raise keras_layout from None
+        by_variable = {id(v): d for (path, obj, _), datasets in zip(entries, per_layer)
+                       for v, d in zip(variables(path, obj), datasets)}
+        weights = [by_variable[id(v)] for v in _all_reached(model, entries, variables)]   # set_weights's order
         opt = f.get("optimizer")
         opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
                                filepath, force)
@@ -492,11 +499,26 @@ def _check_layers(entries, groups, filepath):
     return per_layer
 
 
-def _all_reached(model, entries):
+def _earlier_entries(model):
+    """The layout earlier versions of this library wrote: every layer of ``model.layers``
+    (a functional model's input layers first) at ``layers/<key>`` with ALL its weights, a
+    model used as a layer's and a layer of layers' included, and a subclassed model's layers
+    keyed by class, not by attribute. Read when Keras 3's layout does not fit the file."""
+    layers = sublayers(model)
+    return [("", model, [])] + [(f"layers/{key}", layer, [(v.name, v.shape) for v in layer.weights])
+                                for key, layer in zip(layer_keys(layers), layers)]
+
+
+def _earlier_variables(path, obj):
+    """The variables ``_earlier_entries`` put at ``path``: all of the layer's."""
+    return list(obj.weights) if path else []
+
+
+def _all_reached(model, entries, variables=lambda path, obj: _variables(obj)):
     """``model.weights``, each of which the walk reached (``weight_entries``): a weight held
     where Keras 3's walk does not look (a layer kept only in an attribute named with ``_``)
     could be neither written nor read: refused by name."""
-    reached = {id(v) for _, obj, _ in entries for v in _variables(obj)}
+    reached = {id(v) for path, obj, _ in entries for v in variables(path, obj)}
     lost = [v.name for v in model.weights if id(v) not in reached]
     if lost:
         raise NotImplementedError(f"the weights {lost} of {model.name!r} are held where Keras 3's file layout "
