@@ -16,7 +16,8 @@ would show. float32 tolerance (BLAS products); the replicas' copies bitwise equa
 all-reduce, the same update on every copy). Weights come as arrays (``fit(sample_weight=)``),
 as ``class_weight``, and as a data set of (x, y, sample_weight) triples; through the guide's
 step and through Keras 3's default step (``custom_step.keras_train_step``, which runs for a
-model with a layer that talks across replicas: a ``cross_replica`` identity layer here).
+model with a layer that talks across replicas: a ``cross_replica`` identity layer here);
+and through TensorFlow's own custom loop, ``tf.nn.compute_average_loss(..., sample_weight=)``.
 
     python -m pytest -n 0 -q tests/test_custom_step_sample_weight.py
 """
@@ -177,3 +178,33 @@ def test_sample_weight_with_a_data_set_is_keras_s_error(devices, rng):
                   verbose=0)
     with pytest.raises(ValueError, match="class_weight` and `sample_weight"):
         model.fit(x, y, sample_weight=np.ones(EXAMPLES), class_weight={0: 1.0}, verbose=0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_compute_average_loss_with_sample_weight_in_a_custom_loop(devices, rng, n):
+    """TensorFlow's ``tf.nn.compute_average_loss(per_example, sample_weight=w,
+    global_batch_size=B)``: the losses times their weights, summed, over B; the course's loop
+    with it trains to the same oracle."""
+    model = build("guide's step", n, devices)
+    strategy = model.distribute_strategy
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(LR)
+        loss_object = keras.losses.MeanSquaredError(reduction="none")
+    x, y = data(rng)
+    sw = rng.uniform(0.1, 3.0, size=EXAMPLES).astype(np.float32)
+    w0 = model.get_weights()
+
+    def step(inputs):
+        xb, yb, wb = inputs
+        with tf.GradientTape() as tape:
+            per_example = loss_object(yb, model(xb, training=True))
+            loss = tf.nn.compute_average_loss(per_example, sample_weight=wb, global_batch_size=BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    data_set = tf.data.Dataset.from_tensor_slices((x[:10], y[:10], sw[:10])).batch(BATCH)   # whole batches
+    for inputs in strategy.experimental_distribute_dataset(data_set):
+        strategy.run(step, args=(inputs,))
+    check_trained(model, oracle(w0, x[:10], y[:10], sw[:10], epochs=1))
+    # a number weighs every example alike (the fused loss path keeps it)
+    per_example = np.arange(4, dtype=np.float32)
+    assert tf.nn.compute_average_loss(per_example, sample_weight=0.5, global_batch_size=8) == np.float32(0.375)
