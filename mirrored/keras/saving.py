@@ -17,18 +17,9 @@ Keras 3's ``saving_lib.save_weights_only`` writes it (keras/src/saving/saving_li
 snake case, numbered per model in order, as Keras's ``_save_container_state`` does:
 ``conv2d``, ``max_pooling2d``, ``flatten``, ``dense``, ``dense_1``, ... A functional model's
 input layer has a group too (``layers/input_layer/vars``, empty). The paths are those of
-Keras's walk (``_save_state``, ``_walk_saveable``; ``weight_entries`` here), which goes into
-whatever holds layers, so models inside models nest::
-
-    /layers/sequential/vars                    a Sequential used as a layer: its own group, empty
-    /layers/sequential/layers/dense/vars/0     ... its layers under it, keyed within it
-    /head/vars/0                               a subclassed model: its layers by ATTRIBUTE name,
-    /inner/layers/dense/vars/0                 in order of name; its ``layers`` property is one
-    /layers/block/dense_a/vars/0               of them (a layer first met there is saved there);
-                                               a layer of layers: its sublayers by attribute
-
-Each layer or model is saved once, where the walk meets it first (a layer shared by two
-models). Reading follows Keras's ``load_weights``: the model is walked, each layer reads its
+Keras's walk, which goes into models used as layers (``layers/sequential/layers/dense/vars``),
+a subclassed model's attributes (``head/vars``) and a layer's sublayers: ``weights_layout.py``.
+Reading follows Keras's ``load_weights``: the model is walked, each layer reads its
 group (a missing group is an empty one), the count and shapes must match, and the
 optimizer's variables are restored only when the model's optimizer already has as many
 (Keras warns and skips otherwise).
@@ -67,6 +58,7 @@ implies (``weight_shapes.py``, nothing allocated) are found in the file, stored
 (``_check_before_build``): a few bytes of config cannot make us build a huge layer.
 
 Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
+``weights_layout.py`` (where each weight goes: Keras 3's walk of the model),
 ``file_safety.py`` (what a file we load may not make us do),
 ``functional_config.py`` (a functional model's config),
 ``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
@@ -95,6 +87,9 @@ from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import optimizers_more  # noqa: F401 (RMSprop, Adagrad, AdamW in optimizers.NAMES)
 from mirrored.keras import schedules
 from mirrored.keras.optimizer_state import BASE_ARGUMENTS
+from mirrored.keras.weights_layout import (  # noqa: F401 (MODEL_CLASSES, register_model_class: models.py's)
+    MODEL_CLASSES, all_reached, children, container_entries, earlier_entries, earlier_variables, group_name,
+    is_container, layer_key, own_weights, register_model_class, variables_of, weight_entries)
 
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
@@ -216,134 +211,6 @@ def _check_suffix(filepath, suffix, what):
 
 
 # -- the HDF5 layout ------------------------------------------------------------------------------
-def layer_keys(layers):
-    """Keras's paths for a model's layers: class name in snake case, ``_1``, ``_2``... per class."""
-    used, keys = {}, []
-    for layer in layers:
-        name = L.snake_case(type(layer).__name__)
-        if name in used:
-            used[name] += 1
-            name = f"{name}_{used[name]}"
-        else:
-            used[name] = 0
-        keys.append(name)
-    return keys
-
-
-def is_container(layer):
-    """A Sequential or functional model (or a subclass of one): Keras 3 walks its ``layers``
-    first (saving_lib's ``_walk_saveable``: "layers" first for these two kinds)."""
-    return any(isinstance(layer, MODEL_CLASSES[name]) for name in ("Sequential", "Functional") if name in MODEL_CLASSES)
-
-
-def _saveable(value):
-    """A layer or a model: what Keras 3's walk saves (its ``KerasSaveable``s that hold weights)."""
-    return isinstance(value, L.Layer) or ("Model" in MODEL_CLASSES and isinstance(value, MODEL_CLASSES["Model"]))
-
-
-def _walked(value):
-    """A layer or model, or a list/tuple/dict holding some: what the walk goes into."""
-    if isinstance(value, dict):
-        value = list(value.values())
-    return _saveable(value) or isinstance(value, (list, tuple)) and any(_saveable(v) or _walked(v) for v in value)
-
-
-def sublayers(model):
-    """The layers Keras 3 walks inside a Sequential or functional ``model``: a functional
-    model's input layers (weightless, each with a group), then ``model.layers``; a
-    Sequential's ``layers`` (no input layer)."""
-    inputs = [t.node.layer for t in (getattr(model, "inputs", None) or ())]
-    return inputs + model.layers
-
-
-def children(obj):
-    """What Keras 3 walks after ``obj``'s own variables (saving_lib's ``_walk_saveable``), as
-    ``[(attribute name, a layer, a model, or a list of them)]``: a Sequential's or functional
-    model's ``layers`` first; then, in order of name, the public attributes that hold layers
-    or models (a subclassed model's ``self.head = Dense(2)``; its ``layers`` property among
-    them, so a layer is reached by its attribute's name when that sorts before "layers").
-    Attributes named with ``_`` are not walked here (ours are the library's bookkeeping)."""
-    found = {k: v for k, v in vars(obj).items() if not k.startswith("_") and _walked(v)}
-    if is_container(obj):
-        return [("layers", sublayers(obj))] + sorted(found.items())
-    if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
-        found["layers"] = obj.layers
-    return sorted(found.items())
-
-
-def own_weights(obj):
-    """``[(name, shape)]`` of the variables ``obj``'s own ``vars`` group holds, Keras's order:
-    a Sequential's or functional model's none (its layers hold them); a subclassed model's
-    those made on it (``add_weight``); a layer's its weights less its sublayers'."""
-    if is_container(obj):
-        return []
-    if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
-        return [(v.name, v.shape) for v in obj.own_variables]
-    inner = {id(w) for layer in obj.__dict__.get("_sublayers", ()) for w in layer.weights}
-    return [(v.name, v.shape) for v in obj.weights if id(v) not in inner]
-
-
-def _variables(obj):
-    """The variables of ``own_weights(obj)`` themselves."""
-    if is_container(obj):
-        return []
-    if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
-        return list(obj.own_variables)
-    inner = {id(w) for layer in obj.__dict__.get("_sublayers", ()) for w in layer.weights}
-    return [v for v in obj.weights if id(v) not in inner]
-
-
-def _container(items, path, seen, want_of):
-    """saving_lib's ``_save_container_state``: each item under ``path`` by its class in snake
-    case, numbered per container (a name is used up even by an item saved already)."""
-    items = list(items.values()) if isinstance(items, dict) else list(items)
-    keyed = [v for v in items if _saveable(v)]
-    out, lists = [], 0
-    keys = iter(layer_keys(keyed))
-    for value in items:
-        if _saveable(value):
-            out += _walk(value, f"{path}/{next(keys)}", seen, want_of)
-        elif isinstance(value, (list, tuple, dict)) and _walked(value):
-            out += _container(value, f"{path}/container" + (f"_{lists}" if lists else ""), seen, want_of)
-            lists += 1
-    return out
-
-
-def _walk(obj, path, seen, want_of):
-    """saving_lib's ``_save_state`` from ``obj`` at ``path``: ``[(path, object, want)]``,
-    each object once (``visited_saveables``: one shared by two models is saved where it is
-    met first)."""
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    out = [(path, obj, want_of(obj))]
-    for name, value in children(obj):
-        where = f"{path}/{name}".lstrip("/")
-        out += _walk(value, where, seen, want_of) if _saveable(value) else _container(value, where, seen, want_of)
-    return out
-
-
-def weight_entries(model, want_of=own_weights):
-    """Keras 3's paths of ``model``'s weights (saving_lib's walk, nothing written):
-    ``[(path, object, want)]``, ``path`` "" for the model itself (its group is ``vars``), else
-    e.g. ``layers/sequential`` (a nested model: its own group empty),
-    ``layers/sequential/layers/dense``, ``head`` (a subclassed model's ``self.head``);
-    ``want``: ``want_of(object)``, the ``[(name, shape)]`` its group holds (``own_weights``:
-    a built model's; or what a config gives it, ``None`` where unknown)."""
-    return _walk(model, "", set(), want_of)
-
-
-def layer_key(path):
-    """How errors name an entry: its path less the leading ``layers/`` (``dense``,
-    ``sequential/layers/dense``, ``head``)."""
-    return path[len("layers/"):] if path.startswith("layers/") else path
-
-
-def group_name(path):
-    """The HDF5 group of an entry's variables: ``<path>/vars`` (``vars`` for the model)."""
-    return f"{path}/vars" if path else "vars"
-
-
 def _write_h5(model, target, training_state=False):
     """Write ``model``'s weights (and its optimizer's state, when compiled) in Keras's layout
     to ``target`` (a path or a binary file object); ``training_state``: the layers' too, as
@@ -362,11 +229,11 @@ def _write_h5(model, target, training_state=False):
     h5py = _h5py()
     with h5py.File(target, "w") as f:
         entries = weight_entries(model)
-        _all_reached(model, entries)                     # nothing left out of the file
+        all_reached(model, entries)                     # nothing left out of the file
         for path, obj, _ in entries:                     # nested models and sublayers walked into
             group = f.create_group(group_name(path))
             group.attrs["name"] = obj.name
-            for i, w in enumerate(_variables(obj)):         # Keras's: trainable, then not
+            for i, w in enumerate(variables_of(obj)):         # Keras's: trainable, then not
                 group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
             for name, value in ((obj.training_state() or {}).items() if training_state and path else ()):
                 group.attrs[STATE_PREFIX + name] = value
@@ -438,18 +305,18 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     {layer path: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
     with _weights_file(source, filepath) as (f, groups):
-        entries, variables = weight_entries(model), lambda path, obj: _variables(obj)
+        entries, variables = weight_entries(model), lambda path, obj: variables_of(obj)
         try:
             per_layer = _check_layers(entries, groups, filepath)
         except file_safety.Refused as keras_layout:
-            entries, variables = _earlier_entries(model), _earlier_variables
+            entries, variables = earlier_entries(model), earlier_variables
             try:                                          # a file of an earlier version of ours
                 per_layer = _check_layers(entries, groups, filepath)
             except file_safety.Refused:
                 raise keras_layout from None
         by_variable = {id(v): d for (path, obj, _), datasets in zip(entries, per_layer)
                        for v, d in zip(variables(path, obj), datasets)}
-        weights = [by_variable[id(v)] for v in _all_reached(model, entries, variables)]   # set_weights's order
+        weights = [by_variable[id(v)] for v in all_reached(model, entries, variables)]   # set_weights's order
         opt = f.get("optimizer")
         opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
                                filepath, force)
@@ -499,35 +366,6 @@ def _check_layers(entries, groups, filepath):
     return per_layer
 
 
-def _earlier_entries(model):
-    """The layout earlier versions of this library wrote: every layer of ``model.layers``
-    (a functional model's input layers first) at ``layers/<key>`` with ALL its weights, a
-    model used as a layer's and a layer of layers' included, and a subclassed model's layers
-    keyed by class, not by attribute. Read when Keras 3's layout does not fit the file."""
-    layers = sublayers(model)
-    return [("", model, [])] + [(f"layers/{key}", layer, [(v.name, v.shape) for v in layer.weights])
-                                for key, layer in zip(layer_keys(layers), layers)]
-
-
-def _earlier_variables(path, obj):
-    """The variables ``_earlier_entries`` put at ``path``: all of the layer's."""
-    return list(obj.weights) if path else []
-
-
-def _all_reached(model, entries, variables=lambda path, obj: _variables(obj)):
-    """``model.weights``, each of which the walk reached (``weight_entries``): a weight held
-    where Keras 3's walk does not look (a layer kept only in an attribute named with ``_``)
-    could be neither written nor read: refused by name."""
-    reached = {id(v) for path, obj, _ in entries for v in variables(path, obj)}
-    lost = [v.name for v in model.weights if id(v) not in reached]
-    if lost:
-        raise NotImplementedError(f"the weights {lost} of {model.name!r} are held where Keras 3's file layout "
-                                  f"does not look (a layer kept in an attribute whose name starts with '_', or "
-                                  f"in a structure other than a list, tuple or dict): keep it in a public "
-                                  f"attribute, self.name = layer.")
-    return model.weights
-
-
 def _check_before_build(plan, source, filepath, nested=False):
     """Before ``load_model`` builds the model a config describes: the file's weights
     (``source``) must be exactly the weights ``plan`` says that model will have
@@ -550,7 +388,7 @@ def _check_before_build(plan, source, filepath, nested=False):
             file_safety.check_stored(stored, filepath, (declared + least) * itemsize)
             return
         wants = {id(layer): want for layer, want in plan}
-        entries = [("", None, [])] + _container([layer for layer, _ in plan], "layers", set(), lambda obj: (
+        entries = [("", None, [])] + container_entries([layer for layer, _ in plan], "layers", set(), lambda obj: (
             wants[id(obj)] if id(obj) in wants and not is_container(obj) and not children(obj) else
             own_weights(obj) if obj.built or is_container(obj) else None))
         if all(want is not None for _, _, want in entries):
@@ -707,18 +545,6 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
 # -- configs (Keras's serialize_keras_object shape) ----------------------------------------------
 def _ser(module, class_name, config):
     return {"module": module, "class_name": class_name, "config": config, "registered_name": None}
-
-
-#: The model classes ``load_model`` can rebuild, by Keras's class name: ``models.py`` registers
-#: ``Model``, ``Sequential`` and ``Functional`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
-#: so that this module, which ``models.py`` imports, need not import ``models.py``.
-MODEL_CLASSES = {}
-
-
-def register_model_class(cls):
-    """Class decorator: ``load_model`` rebuilds configs whose class_name is ``cls.__name__``."""
-    MODEL_CLASSES[cls.__name__] = cls
-    return cls
 
 
 def _layer_entry(layer):
