@@ -233,6 +233,29 @@ def test_a_trained_nested_model_saves_its_dropout_state_at_the_nested_path(devic
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_nested_model_a_config_makes_huge_is_refused_before_it_is_built(devices, rng, tmp_path, monkeypatch):
+    """A model used as a layer is made from its config before the model around it: what its
+    config declares is held to the bytes the file stores before it is built (a few bytes of
+    config must not make us allocate gigabytes)."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        seq_in_seq(tf.keras).save(tmp_path / "m.keras")
+    with zipfile.ZipFile(tmp_path / "m.keras") as zf:
+        members = {name: zf.read(name) for name in zf.namelist()}
+    config = json.loads(members["config.json"])
+    inner = next(e for e in config["config"]["layers"] if e["class_name"] == "Sequential")
+    inner["config"]["layers"][1]["config"]["units"] = 2 ** 24           # a (5, 16M) kernel: 320 MiB
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(tmp_path / "huge.keras", "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    built = []
+    monkeypatch.setattr(tf.keras.layers.Dense, "build", lambda self, shape: built.append(self))
+    with tf.device("CPU:0"), pytest.raises(ValueError, match="refusing to build it.*Nothing was built"):
+        tf.keras.models.load_model(tmp_path / "huge.keras")
+    assert not built
+
+
 def test_a_file_that_fits_neither_layout_names_keras_3s(devices, rng, tmp_path):
     """A nested model's weights in its own group, but a layer's group missing: neither Keras's
     layout nor the earlier one fits; the error names Keras's, and says where earlier files
