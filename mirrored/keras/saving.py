@@ -88,8 +88,8 @@ from mirrored.keras import optimizers_more  # noqa: F401 (RMSprop, Adagrad, Adam
 from mirrored.keras import schedules
 from mirrored.keras.optimizer_state import BASE_ARGUMENTS
 from mirrored.keras.weights_layout import (  # noqa: F401 (MODEL_CLASSES, register_model_class: models.py's)
-    MODEL_CLASSES, all_reached, children, container_entries, earlier_entries, earlier_variables, group_name,
-    is_container, layer_key, own_weights, register_model_class, variables_of, weight_entries)
+    MODEL_CLASSES, all_reached, earlier_entries, earlier_variables, group_name, is_container, layer_key,
+    planned_entries, register_model_class, variables_of, weight_entries)
 
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
@@ -387,10 +387,7 @@ def _check_before_build(plan, source, filepath, nested=False):
             least = sum(weight_shapes.minimum_count(layer) for layer, want in plan if want is None)
             file_safety.check_stored(stored, filepath, (declared + least) * itemsize)
             return
-        wants = {id(layer): want for layer, want in plan}
-        entries = [("", None, [])] + container_entries([layer for layer, _ in plan], "layers", set(), lambda obj: (
-            wants[id(obj)] if id(obj) in wants and not is_container(obj) and not children(obj) else
-            own_weights(obj) if obj.built or is_container(obj) else None))
+        entries = planned_entries(plan)
         if all(want is not None for _, _, want in entries):
             file_safety.check_stored([d for ds in _check_layers(entries, groups, filepath) for d in ds], filepath)
             return

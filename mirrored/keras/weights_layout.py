@@ -152,6 +152,23 @@ def weight_entries(model, want_of=own_weights):
     return _walk(model, "", set(), want_of)
 
 
+def planned_entries(plan):
+    """``weight_entries`` of a Sequential or functional model not made yet, from its layers'
+    ``plan`` (``[(layer, [(name, shape)] or None)]``, ``weight_shapes.py``: the weights the
+    config gives each, nothing built): a layer of the plan wants its planned weights (a layer
+    of layers: unknown, None, until it is built); a model used as a layer in it, made and
+    built already, its layers their own."""
+    wants = {id(layer): want for layer, want in plan}
+
+    def want_of(obj):
+        if is_container(obj):
+            return []
+        if id(obj) in wants and not children(obj):
+            return wants[id(obj)]
+        return own_weights(obj) if obj.built else None
+    return [("", None, [])] + container_entries([layer for layer, _ in plan], "layers", set(), want_of)
+
+
 def layer_key(path):
     """How errors name an entry: its path less the leading ``layers/`` (``dense``,
     ``sequential/layers/dense``, ``head``)."""
