@@ -135,6 +135,13 @@ KERAS_LAYOUT = {
                          "layers/add/vars": 0, "layers/dense/vars": 2},
     "fun_in_seq": {"vars": 0, "layers/functional/vars": 0, "layers/functional/layers/input_layer/vars": 0,
                    "layers/functional/layers/dense/vars": 2, "layers/dense/vars": 2},
+    "new_layers": {"vars": 0, "layers/input_layer/vars": 0, "layers/conv2d/vars": 2,
+                   "layers/batch_normalization/vars": 4, "layers/leaky_re_lu/vars": 0,
+                   "layers/average_pooling2d/vars": 0, "layers/up_sampling2d/vars": 0,
+                   "layers/conv2d_transpose/vars": 2, "layers/layer_normalization/vars": 2,
+                   "layers/global_average_pooling2d/vars": 0, "layers/global_max_pooling2d/vars": 0,
+                   "layers/concatenate/vars": 0, "layers/dense/vars": 2, "layers/softmax/vars": 0},
+    "embedding": {"vars": 0, "layers/embedding/vars": 1, "layers/flatten/vars": 0, "layers/dense/vars": 2},
     "subclassed": {"vars": 0, "head/vars": 2, "inner/vars": 0, "inner/layers/dense/vars": 2,
                    "inner/layers/dense_1/vars": 2, "layers/block/vars": 0, "layers/block/dense_a/vars": 2,
                    "layers/block/out/vars": 2},
@@ -196,6 +203,30 @@ def test_our_files_have_keras_3s_paths_for_models_inside_models(devices, rng, tm
     for model_back in (loaded, again):
         for got, w in zip(model_back.get_weights(), weights):
             np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize("make", [new_layers, embedding], ids=lambda f: f.__name__)
+def test_our_files_of_the_new_layers_have_keras_3s_paths_and_order(devices, rng, tmp_path, make):
+    """Each layer's group holds its weights in Keras's order (BatchNormalization: gamma, beta,
+    moving_mean, moving_variance), at Keras's paths; the config names Keras's classes."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        model = make(tf.keras)
+        weights = randomised(model, rng)
+        model.save(tmp_path / "m.keras")
+    with zipfile.ZipFile(tmp_path / "m.keras") as zf:
+        data = io.BytesIO(zf.read("model.weights.h5"))
+        config = json.loads(zf.read("config.json"))
+    assert layout(data) == KERAS_LAYOUT[make.__name__]
+    stored = []
+    with h5py.File(data, "r") as f:
+        for layer in model.layers:                                 # the model's order of layers
+            key = next(k for k in KERAS_LAYOUT[make.__name__] if f[k].attrs["name"] == layer.name)
+            stored += [f[key][str(i)][()] for i in range(len(f[key]))]
+    for got, want in zip(stored, weights):
+        np.testing.assert_array_equal(got, want)
+    assert [e["class_name"] for e in config["config"]["layers"]][-2:] == (
+        ["Dense", "Softmax"] if make is new_layers else ["Flatten", "Dense"])
 
 
 def test_a_subclassed_models_weights_are_saved_by_attribute_as_keras_3_does(devices, rng, tmp_path):
@@ -296,8 +327,7 @@ def test_keras_3s_files_load_here_and_predict_alike(devices, rng, tmp_path, kera
     randomised(theirs, rng)
     theirs.save(tmp_path / "k.keras")
     theirs.save_weights(tmp_path / "k.weights.h5")
-    if make in NESTED:
-        assert layout(tmp_path / "k.weights.h5") == KERAS_LAYOUT[make.__name__]   # the table is Keras's
+    assert layout(tmp_path / "k.weights.h5") == KERAS_LAYOUT[make.__name__]      # the table is Keras's
     with tf.device("CPU:0"):
         loaded = tf.keras.models.load_model(tmp_path / "k.keras")
         ours = make(tf.keras)
