@@ -217,6 +217,8 @@ def _scalar_path(op, x, y, grad):
         number = _number(other)
         same = isinstance(other, Tensor) and other.dev is t.dev and other.dtype == t.dtype and (
             other.shape in ((), t.shape)) and (other.node is None or _is_legacy(other))
+        if op in ("mul", "div") and same and other.shape != ():
+            same = False      # a loss vector times a vector (sample weights): recorded, below
         if _is_legacy(t) and (number or same):
             return tensor.elementwise(_SCALAR_OPS[op][k], t, other)      # the fused loss path
         if number and (t.dtype.kind == "f" or k == 0 or op in ("add", "mul")):

@@ -438,15 +438,30 @@ def test_a_classifier_reports_accuracy_and_saves_synchronized(devices, rng, tmp_
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def test_sample_weights_are_refused_by_name(devices, rng):
-    """fit runs Keras's train_step for such a model, whose loss here takes no sample weights:
-    fit(sample_weight=...) and evaluate(sample_weight=...) say so and name the layer's kind."""
-    devices(cpus=2)
-    with tf.distribute.MirroredStrategy(TWO).scope():
-        model = make_model((3,))
-        model.compile(keras.optimizers.SGD(LR), "mse")
-    x, t, w = rng.normal(size=(4, 3)), rng.normal(size=(4, 2)), np.ones(4)
-    with pytest.raises(NotImplementedError, match=r"fit\(sample_weight=.*synchronized=True"):
-        model.fit(x, t, sample_weight=w, verbose=0)
-    with pytest.raises(NotImplementedError, match=r"evaluate\(sample_weight=.*synchronized=True"):
-        model.evaluate(x, t, sample_weight=w, verbose=0)
+def test_sample_weights_on_two_replicas_are_one_replica_on_the_global_batch(devices, rng):
+    """fit runs Keras's train_step for such a model, and that step takes sample weights (Keras 3's
+    weighted loss): fit(sample_weight=...) on 2 synchronized replicas trains to the weights of
+    1 replica on the same batches (the BN statistics are the global batch's either way, the
+    weighted loss its share), and evaluate(sample_weight=...) gives the same score."""
+    x = rng.normal(size=(14, 3)).astype(np.float32)
+    t = rng.normal(size=(14, 2)).astype(np.float32)
+    w = rng.uniform(0.1, 2.0, size=14).astype(np.float32)
+    seed = int(rng.integers(1 << 30))
+    results = []
+    for names in (TWO, ["CPU:0"]):
+        devices(cpus=len(names))
+        with tf.distribute.MirroredStrategy(names).scope():
+            keras.utils.set_random_seed(seed)
+            model = make_model((3,), dense_first=True)
+            model.compile(keras.optimizers.SGD(LR), "mse")
+        history = model.fit(x, t, sample_weight=w, batch_size=7, epochs=1, shuffle=False, verbose=0)
+        score = model.evaluate(x, t, sample_weight=w, batch_size=7, verbose=0)
+        if len(names) == 2:
+            assert_copies_equal(model)
+        assert not np.isclose(score, model.evaluate(x, t, batch_size=7, verbose=0), rtol=1e-3)  # weights used
+        results.append((history.history["loss"], score, model.get_weights()))
+    (h2, s2, w2), (h1, s1, w1) = results
+    np.testing.assert_allclose(h2, h1, **TOL)
+    np.testing.assert_allclose(s2, s1, **TOL)
+    for a, b in zip(w2, w1):
+        np.testing.assert_allclose(a, b, **TOL)

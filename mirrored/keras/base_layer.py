@@ -62,10 +62,7 @@ class Layer:
                                       f"float32 here; leave dtype out (or 'float32').")
         if kwargs:
             raise TypeError(f"{type(self).__name__}: unexpected arguments {sorted(kwargs)}.")
-        base = snake_case(type(self).__name__)
-        n = Layer._counts.get(base, 0)
-        Layer._counts[base] = n + 1
-        self.name = name or (base if n == 0 else f"{base}_{n}")
+        self.name = name or unique_name(snake_case(type(self).__name__))
         self.input_shape_arg = tuple(input_shape) if input_shape is not None else None
         self.input_shape = self.output_shape = None
         self.built = False
@@ -274,6 +271,15 @@ def snake_case(name):
     """Keras's layer names: Dense -> dense, Conv2D -> conv2d, MaxPooling2D -> max_pooling2d."""
     name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub(r"([a-z])([A-Z])", r"\1_\2", name).lower().lstrip("_")
+
+
+def unique_name(base):
+    """Keras's automatic names, layers' and models' alike: ``base`` the first time in this
+    process, then ``base_1``, ``base_2``... (a functional config refers to layers by name, so
+    two models used as layers in one model must not share one)."""
+    n = Layer._counts.get(base, 0)
+    Layer._counts[base] = n + 1
+    return base if n == 0 else f"{base}_{n}"
 
 
 class InputLayer(Layer):

@@ -298,7 +298,8 @@ def forward(layer, state, x, training=False):
     entry = {"forward": rec, "y": y}
     if training:
         buf.pending = (key, entry)               # complete once the backward is recorded too
-    else:
+    else:                                        # a gradient may still be taken through it (keras.io's
+        entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y, added=buf.added)   # GAN: discriminator(x))
         buf.compiled[key] = entry
     buf.replaying = None
     return y

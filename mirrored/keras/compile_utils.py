@@ -31,6 +31,7 @@ import numpy as np
 from mirrored import context, nest, ops
 from mirrored.keras import losses as _losses
 from mirrored.keras import metrics as _metrics
+from mirrored.keras import sample_weights
 from mirrored.keras.custom_losses import Loss
 from mirrored.keras.tape import compute_average_loss
 from mirrored.strategy import to_tensor_on
@@ -131,26 +132,58 @@ def targets(y, names, used):
                      f"that order, or a dict keyed by those names; got {got}.")
 
 
-def share(loss, y, y_pred, global_batch):
-    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses over the
-    global batch (Keras's ``sum_over_batch_size``), or its sum (``"sum"``)."""
+def share(loss, y, y_pred, global_batch, sample_weight=None):
+    """This replica's share of ``loss(y, y_pred)``: its summed per-example losses (each times its
+    weight, when ``sample_weight`` is given: Keras 3 divides by the examples, not by the weights)
+    over the global batch (Keras's ``sum_over_batch_size``), or its sum (``"sum"``), or the
+    per-example losses (``"none"``)."""
     if not isinstance(y_pred, Tensor):
         raise TypeError("compute_loss: y_pred must be the model's output, self(x, training=True).")
     b = int(y_pred.shape[0])
+    weights = None if sample_weight is None else weights_on(sample_weight, y_pred, b)   # (b,) float32
     if _losses.takes_targets(loss):                    # float targets in the output's dtype, as Keras
         y = to_tensor_on(y, y_pred.dev)
         if y.dtype != y_pred.dtype:
             y = ops.cast(y, y_pred.dtype)
     if isinstance(loss, Loss):                         # written in ops
         if loss.reduction == "none":
-            return loss(y, y_pred)
+            values = loss(y, y_pred)
+            return values if weights is None else values * as_rank(weights, values.ndim)
         scale = 1.0 / (global_batch or b * replicas())
-        return loss.shares(to_tensor_on(y, y_pred.dev), y_pred, b, scale)[1]
-    if loss.reduction != "sum_over_batch_size":
+        per_example, total = loss.shares(to_tensor_on(y, y_pred.dev), y_pred, b, scale)
+        if weights is None:
+            return total
+        weighted = ops.reduce_sum(per_example * weights)
+        return weighted if loss.reduction == "sum" else weighted * float(scale)
+    if loss.reduction != "sum_over_batch_size" and weights is None:
         return loss(y, y_pred)
     per_example = copy.copy(loss)
     per_example.reduction = "none"
-    return compute_average_loss(per_example(y, y_pred), global_batch_size=global_batch)
+    values = per_example(y, y_pred)                    # (b,) float32
+    if weights is not None:
+        values = values * weights
+    if loss.reduction == "none":
+        return values
+    if loss.reduction == "sum":
+        return ops.reduce_sum(values)
+    return compute_average_loss(values, global_batch_size=global_batch)
+
+
+def weights_on(sample_weight, like, b):
+    """``sample_weight`` as a (b,) float32 tensor on ``like``'s device: one weight per example,
+    as Keras takes them for a model with one output (``sample_weights.check``)."""
+    if isinstance(sample_weight, Tensor):
+        if tuple(sample_weight.shape) not in ((b,), (b, 1)):
+            raise ValueError(f"sample_weight of shape {tuple(sample_weight.shape)} for {b} examples: give one "
+                             f"weight per example, shape ({b},).")
+        weights = ops.reshape(ops.cast(sample_weight, "float32"), (b,))
+        return weights if weights.dev is like.dev else to_tensor_on(weights.numpy(), like.dev)
+    return to_tensor_on(sample_weights.check(sample_weight, b), like.dev)
+
+
+def as_rank(weights, ndim):
+    """(b,) weights as (b, 1, ...) to multiply per-element loss values of rank ``ndim``."""
+    return weights if ndim <= 1 else ops.reshape(weights, (-1,) + (1,) * (ndim - 1))
 
 
 def replicas():

@@ -32,7 +32,10 @@ global batch.
 
 ``compute_loss`` divides each replica's summed loss by the GLOBAL batch (fit tells it, here),
 so the all-reduced SUM is the mean over the whole batch even when the shares are uneven
-(Keras 3 divides each replica's mean by the replica count: the same for even shares). Outside
+(Keras 3 divides each replica's mean by the replica count: the same for even shares). With
+``sample_weight`` each example's loss is weighed first and the sum still divided by the number
+of examples (Keras 3's ``reduce_weighted_values``); ``fit(sample_weight=/class_weight=)`` hands
+the step ``(x, y, sample_weight)`` triples, as Keras's data adapters do. Outside
 fit it divides by this replica's batch times the replica count (``tf.nn.compute_average_loss``'s
 default). The model's loss tracker (``model.metrics[0]``, named "loss") multiplies what a replica
 gives it by the replica count (Keras's ``unscale_loss_for_distribution``), so the loss fit prints
@@ -58,9 +61,10 @@ import weakref
 
 import numpy as np
 
-from mirrored import context, nest
+from mirrored import context, nest, ops
 from mirrored.input_lib import split_batch
 from mirrored.keras import compile_utils, metrics as _metrics
+from mirrored.keras import sample_weights
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
 from mirrored.keras.tape import GradientTape, scale_regularization_loss
 from mirrored.values import DistributedValues
@@ -159,13 +163,20 @@ def unpack_x_y_sample_weight(data):
 
 
 # -- the data --------------------------------------------------------------------------------
-def batches(model, x, y, batch_size, shuffle):
+def batches(model, x, y, batch_size, shuffle, sample_weight=None, class_weight=None):
     """The global batches of an epoch as the user's step takes them (Keras's ``data``): (x, y)
     slices of arrays, in their own shapes and dtypes, or a data set's elements as it yields
     them; and the number of batches (None if unknown). A model of several inputs or outputs
-    (``multi_io.py``) takes x and y as lists or dicts of arrays (``Columns``)."""
+    (``multi_io.py``) takes x and y as lists or dicts of arrays (``Columns``). ``sample_weight``
+    (arrays: one weight per example) or ``class_weight`` ({class: weight}): each batch an (x, y,
+    sample_weight) triple, as Keras's data adapters hand them to ``train_step``
+    (``sample_weights.py``); a data set carries its own weights as the third item of its elements."""
     if not hasattr(x, "batch") and (isinstance(x, dict) or isinstance(y, dict) or _several(model, x, "inputs")
                                     or _several(model, y, "outputs")):
+        if sample_weight is not None or class_weight is not None:
+            raise NotImplementedError("sample_weight/class_weight for a model of several inputs or outputs is "
+                                      "not implemented here: weigh each output's loss in a train_step of the "
+                                      "model's own.")
         x = Columns(x, "x") if isinstance(x, (list, tuple, dict)) else np.asarray(x)
         y = y if y is None else Columns(y, "y") if isinstance(y, (list, tuple, dict)) else np.asarray(y)
         if y is not None and len(x) != len(y):
@@ -179,13 +190,19 @@ def batches(model, x, y, batch_size, shuffle):
             y = np.asarray(y)
             if len(x) != len(y):
                 raise ValueError(f"x has {len(x)} examples but y has {len(y)}.")
+        weights = None
+        if sample_weight is not None or class_weight is not None:
+            if y is None:
+                raise ValueError("sample_weight/class_weight need y (the labels) beside x.")
+            weights = sample_weights.for_arrays(y, len(y), sample_weight, class_weight)   # (N,) float32
         adapter = ArrayBatches(x, y if y is not None else np.zeros(len(x)), batch_size or 32, shuffle,
-                               model.distribute_strategy.extended)
+                               model.distribute_strategy.extended, weights)
         if y is None:
             return _XOnly(adapter), len(adapter)
         return adapter, len(adapter)
     if y is not None:
         raise ValueError("y must be None when x is a dataset (it yields (x, y) pairs).")
+    sample_weights.refuse_for_dataset(sample_weight)
     dataset = getattr(x, "dataset", x)          # a DistributedDataset: its global batches
     if not hasattr(dataset, "__iter__"):
         raise TypeError(f"x must be a NumPy array or a mirrored.data.Dataset, got {type(x).__name__}.")
@@ -193,7 +210,7 @@ def batches(model, x, y, batch_size, shuffle):
         steps = len(dataset)
     except TypeError:
         steps = None
-    return dataset, steps
+    return (dataset if class_weight is None else sample_weights.ByClass(dataset, class_weight)), steps
 
 
 def _several(model, data, what):
@@ -370,24 +387,23 @@ class LossTracker(_metrics.Mean):
     ``compute_loss`` is its share of the global loss (summed over the replicas, it is the
     loss); this tracker multiplies it by the replica count (Keras's
     ``unscale_loss_for_distribution``), so its mean over the replicas is the global loss.
-    Given the replica's rows as ``sample_weight`` (Keras's default steps give them) while fit's
-    step knows the global batch B, it multiplies by B / rows instead: the replica's own mean,
-    weighed by its rows, which stays exact when the shares are uneven (9 rows on 2 replicas)."""
+    Keras's default steps weigh each replica's value by its rows (``sample_weight=rows(x)``):
+    then the share is turned into that replica's own mean (times global batch / its rows), so
+    the weighted mean is the global loss even when the shares are uneven (7 rows: 4 + 3)."""
 
-    def __init__(self, model, name="loss"):
+    def __init__(self, model=None, name="loss"):
         super().__init__(name)
-        self.model = weakref.ref(model)
+        self.model = None if model is None else weakref.ref(model)
 
     def update_state(self, values, sample_weight=None):
         strategy, replica_ctx = context.top()
-        n = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
+        factor = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
+        model = self.model() if self.model is not None else None
+        global_batch = _GLOBAL_BATCH.get(model) if model is not None else None
+        if global_batch and sample_weight is not None and np.ndim(sample_weight) == 0 and sample_weight > 0:
+            factor = global_batch / float(sample_weight)      # the replica's mean of its own rows
         values = _number_array(values).astype(np.float64)
-        global_batch = _GLOBAL_BATCH.get(self.model())
-        if global_batch and np.ndim(sample_weight) == 0 and sample_weight is not None:
-            rows = float(sample_weight)
-            super().update_state(values * (global_batch / rows) if rows else values * 0, sample_weight)
-            return
-        super().update_state(values * n, sample_weight)
+        super().update_state(values * factor, sample_weight)
 
 
 def compile_metrics(model, metrics):
@@ -420,19 +436,23 @@ def model_metrics(model):
 
 def compute_loss(model, y, y_pred, sample_weight=None):
     """Keras 3's ``model.compute_loss``: the compiled loss of ``y_pred`` against ``y`` plus the
-    layers' weight penalties, as this replica's share (module docstring)."""
-    if sample_weight is not None:
-        raise NotImplementedError("compute_loss(sample_weight=...) is not implemented here: leave the "
-                                  "sample weights out (fit takes (x, y) pairs).")
+    layers' weight penalties, as this replica's share (module docstring). ``sample_weight``
+    (one weight per example, (b,) or (b, 1)) weighs each example's loss: Keras 3's
+    ``reduce_weighted_values``, ``sum_i w_i l_i`` divided by the number of EXAMPLES, not by the
+    weights' sum (here by the global batch: the replicas' shares sum to that)."""
     terms = []
     loss = model.loss
     if loss is not None:
         if y_pred is None or y is None:
             raise ValueError("compute_loss needs y and y_pred: self.compute_loss(y=y, y_pred=self(x)).")
         if isinstance(loss, compile_utils.CompileLoss):          # several outputs: compile_utils.py
+            if sample_weight is not None:
+                raise NotImplementedError("compute_loss(sample_weight=...) for a model of several outputs is "
+                                          "not implemented here: weigh each output's loss in a train_step "
+                                          "of the model's own.")
             terms.append(loss(y, y_pred, _GLOBAL_BATCH.get(model)))
         else:
-            terms.append(compile_utils.share(loss, y, y_pred, _GLOBAL_BATCH.get(model)))
+            terms.append(compile_utils.share(loss, y, y_pred, _GLOBAL_BATCH.get(model), sample_weight))
     if model.losses:
         terms.append(scale_regularization_loss(model.losses))
     if not terms:

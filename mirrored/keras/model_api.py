@@ -341,11 +341,11 @@ class ModelAPI:
     def test_step(self, data):
         """Keras 3's default ``test_step`` (what a ``train_step`` of one's own is evaluated with
         when the model defines no ``test_step``, runs only if called): forward, loss, metrics."""
-        x, y = data[0], data[1]
+        x, y, sample_weight = custom_step.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
-        loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
         self.metrics[0].update_state(loss, sample_weight=custom_step.rows(x))
-        return self.compute_metrics(x, y, y_pred)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     @custom_step.default
     def predict_step(self, data):
@@ -360,12 +360,7 @@ class ModelAPI:
         else:
             x, y = data, None
         if custom_step.runs_keras_step(self, "test_step"):       # the user's test_step (custom_step.py)
-            if sample_weight is not None:
-                raise NotImplementedError("evaluate(sample_weight=...) with a test_step of the model's own, or a "
-                                          "layer that all-reduces across replicas (BatchNormalization("
-                                          "synchronized=True)), is not implemented here: weigh the loss in "
-                                          "a test_step of your own.")
-            batches, steps = custom_step.batches(self, x, y, batch_size, shuffle=False)
+            batches, steps = custom_step.batches(self, x, y, batch_size, False, sample_weight)   # triples
             logs, step = custom_step.evaluate(self, batches)
             if not step:
                 raise no_batches_error("test_function", x, None)

@@ -48,7 +48,7 @@ import numpy as np
 from mirrored import nest, recording, strategy as _strategy
 from mirrored.keras import saving
 from mirrored.keras import functional, model_call, multi_io
-from mirrored.keras.base_layer import snake_case
+from mirrored.keras.base_layer import snake_case, unique_name
 from mirrored.keras.dropout import Dropout
 from mirrored.keras.layers import InputLayer, Layer
 from mirrored.keras.model_api import ModelAPI
@@ -88,7 +88,7 @@ class Model(Trainer, ModelAPI):
                 f"functional subclass) is not implemented here; use keras.Model(inputs, outputs), or "
                 f"define call(self, inputs, training=None).")
         trainable = _keras_defaults(type(self).__name__, kwargs)
-        self._setup(name or snake_case(type(self).__name__))
+        self._setup(name or unique_name(snake_case(type(self).__name__)))
         if not trainable:
             self.trainable = False
 
@@ -299,7 +299,7 @@ class Sequential(Model):
 
     def __init__(self, layers=None, name=None, **kwargs):
         trainable = _keras_defaults("Sequential", kwargs)
-        self._setup(name or "sequential")
+        self._setup(name or unique_name("sequential"))
         self._layers = []
         for layer in layers or []:
             self.add(layer)
@@ -353,7 +353,7 @@ class Functional(Model):
         self.structured_io = functional.structured(inputs, outputs)     # several inputs/outputs: multi_io.py
         nodes, layers, symbolic, shape = (multi_io.engine_program(inputs, outputs) if self.structured_io
                                           else functional.program(inputs, outputs) + (None,))
-        self._setup(name or ("functional" if type(self) is Functional else snake_case(type(self).__name__)))
+        self._setup(name or unique_name("functional" if type(self) is Functional else snake_case(type(self).__name__)))
         self._layers = layers
         if not trainable:
             self.trainable = False
@@ -436,10 +436,10 @@ def run_alone(layer, inputs, kwargs):
     ``layer.trainable_variables`` are that model's, and a tape differentiates the call as any
     model call. Shapes after the first must have the same features (the layer is built)."""
     shape = tuple(np.shape(inputs)[1:])
-    model = layer.__dict__.get("alone")
+    model = layer.__dict__.get("_alone")
     if model is None:
         model = Sequential([InputLayer(shape), layer])
-        layer.__dict__["alone"] = model
+        layer.__dict__["_alone"] = model   # private: saving walks public ones
     elif tuple(model.input_shape[1:]) != shape:
         raise ValueError(f"{type(layer).__name__} {layer.name!r} was first called on examples of shape "
                          f"{tuple(model.input_shape[1:])}, now on {shape}: call it on the same shape "

@@ -15,10 +15,14 @@ Keras 3's ``saving_lib.save_weights_only`` writes it (keras/src/saving/saving_li
 
 ``<key>`` is NOT the layer's name (names differ from run to run): it is the layer class in
 snake case, numbered per model in order, as Keras's ``_save_container_state`` does:
-``conv2d``, ``max_pooling2d``, ``flatten``, ``dense``, ``dense_1``, ... Reading follows Keras's
-``load_weights``: the model is walked, each layer reads its group (a missing group is an
-empty one), the count and shapes must match, and the optimizer's variables are restored only
-when the model's optimizer already has as many (Keras warns and skips otherwise).
+``conv2d``, ``max_pooling2d``, ``flatten``, ``dense``, ``dense_1``, ... A functional model's
+input layer has a group too (``layers/input_layer/vars``, empty). The paths are those of
+Keras's walk, which goes into models used as layers (``layers/sequential/layers/dense/vars``),
+a subclassed model's attributes (``head/vars``) and a layer's sublayers: ``weights_layout.py``.
+Reading follows Keras's ``load_weights``: the model is walked, each layer reads its
+group (a missing group is an empty one), the count and shapes must match, and the
+optimizer's variables are restored only when the model's optimizer already has as many
+(Keras warns and skips otherwise).
 
 ``model.save("m.keras")`` / ``models.load_model("m.keras")``: Keras 3's zip archive,
 ``metadata.json``, ``config.json`` (the model's architecture and compile arguments, in
@@ -54,6 +58,7 @@ implies (``weight_shapes.py``, nothing allocated) are found in the file, stored
 (``_check_before_build``): a few bytes of config cannot make us build a huge layer.
 
 Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
+``weights_layout.py`` (where each weight goes: Keras 3's walk of the model),
 ``file_safety.py`` (what a file we load may not make us do),
 ``functional_config.py`` (a functional model's config),
 ``optimizer_state.py`` (``keras_variables``: the optimizer's state in Keras's order),
@@ -61,9 +66,11 @@ Neighbours: ``model_api.py`` (``model.save``/``save_weights``/``load_weights``),
 """
 import contextlib
 import datetime
+import functools
 import inspect
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -81,6 +88,9 @@ from mirrored.keras import optimizers as _optimizers
 from mirrored.keras import optimizers_more  # noqa: F401 (RMSprop, Adagrad, AdamW in optimizers.NAMES)
 from mirrored.keras import schedules
 from mirrored.keras.optimizer_state import BASE_ARGUMENTS
+from mirrored.keras.weights_layout import (  # noqa: F401 (MODEL_CLASSES, register_model_class: models.py's)
+    MODEL_CLASSES, all_reached, earlier_entries, earlier_variables, group_name, is_container, layer_key,
+    planned_entries, register_model_class, variables_of, weight_entries)
 
 WEIGHTS_SUFFIX = ".weights.h5"
 MODEL_SUFFIX = ".keras"
@@ -202,20 +212,6 @@ def _check_suffix(filepath, suffix, what):
 
 
 # -- the HDF5 layout ------------------------------------------------------------------------------
-def layer_keys(layers):
-    """Keras's paths for a model's layers: class name in snake case, ``_1``, ``_2``... per class."""
-    used, keys = {}, []
-    for layer in layers:
-        name = L.snake_case(type(layer).__name__)
-        if name in used:
-            used[name] += 1
-            name = f"{name}_{used[name]}"
-        else:
-            used[name] = 0
-        keys.append(name)
-    return keys
-
-
 def _write_h5(model, target, training_state=False):
     """Write ``model``'s weights (and its optimizer's state, when compiled) in Keras's layout
     to ``target`` (a path or a binary file object); ``training_state``: the layers' too, as
@@ -233,15 +229,14 @@ def _write_h5(model, target, training_state=False):
         return
     h5py = _h5py()
     with h5py.File(target, "w") as f:
-        f.create_group("vars").attrs["name"] = model.name
-        inputs = [t.node.layer for t in getattr(model, "inputs", ())]   # a functional model's InputLayer:
-        layers = inputs + model.layers                                # in Keras's model.layers (no weights)
-        for key, layer in zip(layer_keys(layers), layers):
-            group = f.create_group(f"layers/{key}/vars")
-            group.attrs["name"] = layer.name
-            for i, w in enumerate(layer.weights):              # Keras's: trainable, then not
+        entries = weight_entries(model)
+        all_reached(model, entries)                     # nothing left out of the file
+        for path, obj, _ in entries:                     # nested models and sublayers walked into
+            group = f.create_group(group_name(path))
+            group.attrs["name"] = obj.name
+            for i, w in enumerate(variables_of(obj)):         # Keras's: trainable, then not
                 group.create_dataset(str(i), data=np.asarray(w.numpy(), np.float32))
-            for name, value in ((layer.training_state() or {}).items() if training_state else ()):
+            for name, value in ((obj.training_state() or {}).items() if training_state and path else ()):
                 group.attrs[STATE_PREFIX + name] = value
         if model.optimizer is not None and model.built:
             group = f.create_group("optimizer/vars")
@@ -262,24 +257,42 @@ def _not_weights(filepath, err):
 def _weights_file(source, filepath):
     """The open Keras 3 weights file ``source`` (a path or a file object; ``filepath`` names
     it in errors) once no link in it leads outside it (``file_safety.refuse_links``), as
-    ``(file, base group name, {layer key: its "vars" group or None})``. Any failure of h5py
-    inside, which can only be damage, is named as such (``_not_weights``); our refusals
-    (``file_safety.Refused``) pass as they are."""
+    ``(file, {path: its "vars" group, or whatever stands there})`` (``_vars_groups``). Any
+    failure of h5py inside, which can only be damage, is named as such (``_not_weights``);
+    our refusals (``file_safety.Refused``) pass as they are."""
     h5py = _h5py()
     try:
         with h5py.File(source, "r") as f:
             file_safety.refuse_links(f, filepath)
-            base = "layers" if "layers" in f else (
-                "_layer_checkpoint_dependencies" if "_layer_checkpoint_dependencies" in f else None)
-            if base is None or not isinstance(f[base], h5py.Group):
+            if not any(isinstance(f.get(name), h5py.Group) for name in ("layers", LEGACY_LAYERS, "vars")):
                 raise file_safety.Refused(f"{filepath} has no 'layers' group: it is an HDF5 file but not a "
                                           f"Keras 3 weights file (top-level groups: {sorted(f.keys())}).")
-            yield f, base, {key: group.get("vars") if isinstance(group, h5py.Group) else None
-                            for key, group in f[base].items()}
-    except (file_safety.Refused, MemoryError):
+            yield f, _vars_groups(f, h5py)
+    except (file_safety.Refused, MemoryError, NotImplementedError):     # ours: they say what is wrong
         raise
     except Exception as err:      # h5py on a damaged file: OSError, KeyError, ValueError, TypeError...
         raise _not_weights(filepath, err) from err
+
+
+#: Keras 3.0's name for the ``layers`` group (read as ``layers``).
+LEGACY_LAYERS = "_layer_checkpoint_dependencies"
+
+
+def _vars_groups(f, h5py):
+    """{path: what stands at ``<path>/vars``} for every ``vars`` in the file but the
+    optimizer's (``weight_entries``' paths: "" for the model's own), whatever the nesting.
+    No data read."""
+    found = {}
+
+    def visit(name, obj):
+        parts = name.split("/")
+        if parts[-1] != "vars" or parts[0] == "optimizer" or "vars" in parts[:-1]:
+            return
+        if parts[0] == LEGACY_LAYERS:
+            parts[0] = "layers"
+        found["/".join(parts[:-1])] = obj
+    f.visititems(visit)
+    return found
 
 
 def _read_h5(source, filepath, model, force=False, training_state=False):
@@ -290,11 +303,21 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
     ``_check_optimizer``; ``training_state``: read the layers' too (a .keras archive).
 
     Returns (the weights in ``model.set_weights``'s order, the optimizer's values or None,
-    {layer key: training state}). Changes nothing: the caller sets them."""
+    {layer path: training state}). Changes nothing: the caller sets them."""
     h5py = _h5py()
-    with _weights_file(source, filepath) as (f, base, groups):
-        weights = _check_layers([(layer, [(v.name, v.shape) for v in layer.weights])
-                                 for layer in model.layers], groups, filepath)
+    with _weights_file(source, filepath) as (f, groups):
+        entries, variables = weight_entries(model), lambda path, obj: variables_of(obj)
+        try:
+            per_layer = _check_layers(entries, groups, filepath)
+        except file_safety.Refused as keras_layout:
+            entries, variables = earlier_entries(model), earlier_variables
+            try:                                          # a file of an earlier version of ours
+                per_layer = _check_layers(entries, groups, filepath)
+            except file_safety.Refused:
+                raise keras_layout from None
+        by_variable = {id(v): d for (path, obj, _), datasets in zip(entries, per_layer)
+                       for v, d in zip(variables(path, obj), datasets)}
+        weights = [by_variable[id(v)] for v in all_reached(model, entries, variables)]   # set_weights's order
         opt = f.get("optimizer")
         opt = _check_optimizer(model, opt.get("vars") if isinstance(opt, h5py.Group) else None,
                                filepath, force)
@@ -302,56 +325,74 @@ def _read_h5(source, filepath, model, force=False, training_state=False):
         values = None if opt is None else [file_safety.read_dataset(d) for d in opt]
         states = {}
         for key, group in (groups.items() if training_state else ()):
-            names = [n for n in (group.attrs if group is not None else ()) if n.startswith(STATE_PREFIX)]
+            names = [n for n in (group.attrs if isinstance(group, h5py.Group) else ()) if n.startswith(STATE_PREFIX)]
             if names:                             # the names only, so far: read_attribute checks sizes
                 states[key] = {n[len(STATE_PREFIX):]: file_safety.read_attribute(
-                    group.attrs, n, filepath, f"{base}/{key}/vars") for n in names}
+                    group.attrs, n, filepath, group_name(key)) for n in names}
     return arrays, values, states
 
 
-def _check_layers(plan, groups, filepath):
-    """The datasets that a model's layers take, in ``set_weights``'s order, from ``groups``
-    ({layer key: the file's ``vars`` group or None}), each checked against its variable; no
-    data read. ``plan``: ``[(layer, [(variable name, shape)])]`` in the model's order: the
-    weights of a built model, or those a config will give it (``weight_shapes.py``)."""
+def _check_layers(entries, groups, filepath):
+    """The datasets that each entry takes, a list per entry, from ``groups`` ({path: what
+    stands at ``<path>/vars``}, ``_vars_groups``), each checked against its variable; no
+    data read. ``entries``: ``[(path, object, [(variable name, shape)])]`` (``weight_entries``):
+    the weights of a built model, or those a config will give it (``weight_shapes.py``)."""
     h5py = _h5py()
-    layers = [layer for layer, _ in plan]
-    keys = layer_keys(layers)
-    datasets = []
-    for key, (layer, want) in zip(keys, plan):
-        group = groups.get(key)
+    per_layer = []
+    for path, obj, want in entries:
+        where, key = group_name(path), layer_key(path)
+        what = f"layer {key!r} ({type(obj).__name__} {obj.name!r})" if path else "the model's own"
+        group = groups.get(path)
         if group is not None and not isinstance(group, h5py.Group):
-            raise file_safety.Refused(f"{filepath}: 'vars' of layer {key!r} is a {type(group).__name__}, not a "
-                                      f"group: it is not a Keras 3 weights file.")
+            raise file_safety.Refused(f"{filepath}: {where!r} is a {type(group).__name__}, not a group: it is "
+                                      f"not a Keras 3 weights file.")
         have = len(group) if group is not None else 0
         if have != len(want):
-            raise file_safety.Refused(f"{filepath}: layer {key!r} ({type(layer).__name__} {layer.name!r}) has "
-                                      f"{len(want)} weight arrays in this model, the file has {have} for it "
-                                      f"(the file's layers: {sorted(groups)}). Build the same model as the "
-                                      f"one saved.")
-        datasets += [file_safety.check_dataset(group.get(str(i)), shape, file_safety.FLOAT_KINDS, filepath,
-                                               f"{name} (layer {key!r})") for i, (name, shape) in enumerate(want)]
-    extra = sorted(k for k, g in groups.items() if k not in keys and g is not None and len(g))
+            nested = (" Keras 3 keeps the weights of a model used as a layer in its layers' groups "
+                      f"({path}/layers/<key>/vars); a file that has them in the model's own group was "
+                      f"written by an earlier version of this library: load it there and save it again."
+                      if is_container(obj) and path else "")
+            raise file_safety.Refused(f"{filepath}: {what} has {len(want)} weight arrays in this model, the "
+                                      f"file has {have} in {where!r} (the file's weight groups: "
+                                      f"{sorted(group_name(k) for k in groups)}). Build the same model as the "
+                                      f"one saved." + nested)
+        per_layer.append([file_safety.check_dataset(group.get(str(i)), shape, file_safety.FLOAT_KINDS, filepath,
+                                                    f"{name} (layer {key!r})") for i, (name, shape) in enumerate(want)])
+    paths = {path for path, _, _ in entries}
+    extra = sorted(group_name(k) for k, g in groups.items()
+                   if k not in paths and isinstance(g, h5py.Group) and len(g))
     if extra:
         raise file_safety.Refused(f"{filepath} holds weights for layers this model does not have: {extra} "
-                                  f"(the model's layers: {keys}).")
-    return datasets
+                                  f"(the model's: {sorted(group_name(p) for p in paths)}).")
+    return per_layer
 
 
-def _check_before_build(plan, source, filepath):
+def _check_before_build(plan, source, filepath, nested=False):
     """Before ``load_model`` builds the model a config describes: the file's weights
     (``source``) must be exactly the weights ``plan`` says that model will have
-    (``[(layer, [(name, shape)] or None)]``, ``weight_shapes.py``; nothing allocated yet),
+    (``[(layer, [(name, shape)] or None)]``, ``weight_shapes.py``; nothing allocated yet;
+    models used as layers in it are built already, each checked by this before its build),
     and the file must store the bytes they declare (``file_safety.check_stored``). Where the
     weights are unknown before the build (``None``: a subclassed model, rebuilt by its own
     ``from_config``), the layers' least possible size (``weight_shapes.minimum_count``) is
-    held to the bytes the file stores. Raises ``file_safety.Refused``; reads no data."""
-    with _weights_file(source, filepath) as (_, _, groups):
-        if all(want is not None for _, want in plan):
-            file_safety.check_stored(_check_layers(plan, groups, filepath), filepath)
+    held to the bytes the file stores. ``nested``: ``plan`` is a model used as a layer, whose
+    place in the file is not known yet: what it declares is held to the bytes the whole file
+    stores (the exact check follows, the outer model's). Raises ``file_safety.Refused``; reads
+    no data."""
+    h5py = _h5py()
+    with _weights_file(source, filepath) as (_, groups):
+        stored = [d for g in groups.values() if isinstance(g, h5py.Group) for d in g.values()]
+        itemsize = np.dtype(np.float32).itemsize
+        if nested:
+            declared = sum(math.prod(shape) for _, want in plan for _, shape in (want or ()))
+            least = sum(weight_shapes.minimum_count(layer) for layer, want in plan if want is None)
+            file_safety.check_stored(stored, filepath, (declared + least) * itemsize)
             return
-        stored = [d for g in groups.values() if g is not None for d in g.values()]
-        least = sum(weight_shapes.minimum_count(layer) for layer, _ in plan) * np.dtype(np.float32).itemsize
+        entries = planned_entries(plan)
+        if all(want is not None for _, _, want in entries):
+            file_safety.check_stored([d for ds in _check_layers(entries, groups, filepath) for d in ds], filepath)
+            return
+        least = sum(weight_shapes.minimum_count(layer) for layer, _ in plan) * itemsize
         file_safety.check_stored(stored, filepath, least)
 
 
@@ -485,35 +526,23 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     # what the config describes is checked against the weights the file stores before it is
     # built (a few bytes of config can declare a huge layer); then the weights against the
     # model built, before any is read
-    model = model_from_config(config, custom_objects, before_build=lambda plan: _check_before_build(
-        plan, io.BytesIO(weights), filepath))
+    model = model_from_config(config, custom_objects, before_build=lambda plan, nested=False: _check_before_build(
+        plan, io.BytesIO(weights), filepath, nested))
     if compile and config.get("compile_config"):
         compile_from_config(model, config["compile_config"])
     arrays, values, states = _read_h5(io.BytesIO(weights), filepath, model, force=True, training_state=True)
     restore = _restore_optimizer(model, values)
     model.set_weights(arrays)
     restore()
-    for key, layer in zip(layer_keys(model.layers), model.layers):   # a model of our own: an error
-        if key in states:                                            # leaves nobody a half-set one
-            layer.set_training_state(states[key], f"{filepath} (layer {key!r})")
+    for path, layer, _ in weight_entries(model):                     # a model of our own: an error
+        if path in states:                                           # leaves nobody a half-set one
+            layer.set_training_state(states[path], f"{filepath} (layer {layer_key(path)!r})")
     return model
 
 
 # -- configs (Keras's serialize_keras_object shape) ----------------------------------------------
 def _ser(module, class_name, config):
     return {"module": module, "class_name": class_name, "config": config, "registered_name": None}
-
-
-#: The model classes ``load_model`` can rebuild, by Keras's class name: ``models.py`` registers
-#: ``Model``, ``Sequential`` and ``Functional`` (``register_model_class``), as Keras's ``register_keras_serializable`` does,
-#: so that this module, which ``models.py`` imports, need not import ``models.py``.
-MODEL_CLASSES = {}
-
-
-def register_model_class(cls):
-    """Class decorator: ``load_model`` rebuilds configs whose class_name is ``cls.__name__``."""
-    MODEL_CLASSES[cls.__name__] = cls
-    return cls
 
 
 def _layer_entry(layer):
@@ -600,7 +629,7 @@ def _input_from_config(spec):
     return L.Input(shape=tuple(shape[1:]), name=cfg.get("name"))
 
 
-def _layer_from_config(spec, custom_objects=None):
+def _layer_from_config(spec, custom_objects=None, before_build=None):
     """A new layer from its entry in a model's config: the layers this library has, or a
     class of the user's own passed in ``custom_objects`` (rebuilt by its ``from_config``:
     code is never read from the file, only the arguments its ``get_config`` wrote)."""
@@ -612,7 +641,8 @@ def _layer_from_config(spec, custom_objects=None):
             layer.input_shape_arg = tuple(cfg["batch_input_shape"][1:])
         return layer
     if name in ("Sequential", "Functional") and isinstance(cfg.get("layers"), list):
-        return model_from_config(spec, custom_objects)     # a model used as a layer (issue 49)
+        nested = None if before_build is None else functools.partial(before_build, nested=True)
+        return model_from_config(spec, custom_objects, nested)    # a model used as a layer (issue 49)
     cls = getattr(L, name, None) if name in L.SUPPORTED else None
     if cls is None:
         raise NotImplementedError(f"layer {name!r} is not implemented here; the layers are "
@@ -650,7 +680,9 @@ def model_from_config(config, custom_objects=None, before_build=None):
     built (no weight allocated): ``plan`` is ``[(layer, [(variable name, shape)])]`` in the
     model's order, the weights the config gives it (``weight_shapes.py``), or, for a
     subclassed model, ``[(layer, None)]`` for its layers so far (their weights are unknown
-    until it is built). ``load_model`` checks there that the file holds those weights."""
+    until it is built). ``load_model`` checks there that the file holds those weights. A model
+    used as a layer is made (and built) before its container: its own ``before_build`` is
+    this one with ``nested=True`` (``before_build(plan, nested=True)``)."""
     kind = config.get("class_name")
     custom = (custom_objects or {}).get(kind)
     build = config.get("build_config") or {}
@@ -667,7 +699,7 @@ def model_from_config(config, custom_objects=None, before_build=None):
         def make_layer(entry):
             key = id(entry)
             if key not in made:
-                made[key] = _layer_from_config(entry, custom_objects)
+                made[key] = _layer_from_config(entry, custom_objects, before_build)
             return made[key]
         if before_build is not None:
             before_build(weight_shapes.of_functional(config, make_layer, _input_from_config))
@@ -683,7 +715,7 @@ def model_from_config(config, custom_objects=None, before_build=None):
     model = Sequential(name=inner.get("name"))        # not built until every layer is added
     for spec in inner["layers"]:
         model.add(_input_from_config(spec) if spec["class_name"] == "InputLayer"
-                  else _layer_from_config(spec, custom_objects))
+                  else _layer_from_config(spec, custom_objects, before_build))
     shape = model.input_shape or build.get("input_shape")
     if shape and before_build is not None:
         before_build(weight_shapes.of_chain(model.layers, weight_shapes.example_shape(

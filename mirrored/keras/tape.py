@@ -214,15 +214,17 @@ def replica_scale():
 
 
 def _scaled_sum(per_example, scale):
-    """scale * sum(per_example) as a scalar Tensor that remembers how it was made."""
-    if isinstance(per_example.node, autodiff.Node):      # made by ops (tf.square(out - y)...): theirs
-        return ops.reduce_sum(per_example) * scale
+    """scale * sum(per_example) as a scalar Tensor that remembers how it was made: a loss of the
+    fused path keeps its node; one made by recorded ops (a weighted loss, ``per_example * w``)
+    is summed by ops, so the tape differentiates them."""
+    node = per_example.node
+    if node is not None and not hasattr(node, "summed"):
+        return ops.reduce_sum(per_example) * float(scale)
     dev = per_example.dev
     with dev.activate():
         total = dev.empty((1,), np.float32)
         dev.ops.sum_all(per_example.buf, total)
         dev.ops.binary_scalar("mul", total, scale, total)
-    node = per_example.node
     node = node.summed().scaled(scale) if node is not None else None
     return Tensor(total.reshape(()), dev, node)
 
@@ -598,9 +600,14 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     Under a strategy every replica divides by the GLOBAL batch, so the all-reduce
     SUM of the replicas' losses (and gradients) is the mean over the whole batch.
     Default ``global_batch_size``: this replica's batch × ``num_replicas_in_sync``.
+    ``sample_weight``: a number or one weight per example, multiplied in first (TF's
+    ``scale_losses_by_sample_weight``); the sum is still divided by the batch, not the weights.
     """
-    if sample_weight is not None or regularization_losses:
-        raise NotImplementedError("sample_weight and regularization_losses are not implemented.")
+    if regularization_losses:
+        raise NotImplementedError("compute_average_loss(regularization_losses=) is not implemented: add "
+                                  "tf.nn.scale_regularization_loss(model.losses) to the loss.")
+    if sample_weight is not None:
+        per_example_loss = _weighted(per_example_loss, sample_weight)
     if not isinstance(per_example_loss, Tensor):
         per_example_loss = np.asarray(per_example_loss, np.float32)
         n = global_batch_size or per_example_loss.shape[0] * _replicas()
@@ -609,6 +616,20 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         global_batch_size = per_example_loss.shape[0] * _replicas()
     scale = 1.0 / global_batch_size if global_batch_size else 0.0
     return _scaled_sum(per_example_loss, scale)
+
+
+def _weighted(per_example_loss, sample_weight):
+    """``per_example_loss * sample_weight``, the weights broadcast to the losses' shape."""
+    if not isinstance(per_example_loss, Tensor):
+        w = sample_weight.numpy() if hasattr(sample_weight, "numpy") else sample_weight
+        return np.asarray(per_example_loss, np.float32) * np.asarray(w, np.float32)
+    if isinstance(sample_weight, (int, float, np.number)) or np.ndim(sample_weight) == 0 and not isinstance(
+            sample_weight, Tensor):
+        return per_example_loss * float(sample_weight)             # a number: the fused path stays
+    w = ops.cast(ops.as_tensor(sample_weight, device=per_example_loss.dev), np.float32)
+    if w.ndim > per_example_loss.ndim:                             # (b, 1) weights for (b,) losses
+        w = ops.reshape(w, tuple(per_example_loss.shape))
+    return per_example_loss * w
 
 
 def _replicas():

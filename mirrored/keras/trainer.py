@@ -82,12 +82,6 @@ class Trainer:
             check_keras_arguments("fit", kwargs)
         self._check_strategy()
         data_adapters.check_batch_size(batch_size, "fit")
-        if self._custom_train and any(w is not None for w in weights.values()):
-            raise NotImplementedError("fit(sample_weight=/class_weight=) with a train_step of the model's own, "
-                                      "a layer that all-reduces across replicas (BatchNormalization("
-                                      "synchronized=True) or several inputs or outputs (fit runs Keras's "
-                                      "train_step for them) is not implemented here: weigh the loss in a "
-                                      "train_step of the model's own.")
         with backends.blas_threads():        # the CPU's BLAS-thread policy (backends.blas_policy)
             return self._fit(x, y, batch_size, epochs, verbose, callbacks, validation_data, shuffle,
                              initial_epoch, steps_per_epoch, validation_split, **weights)
@@ -103,7 +97,7 @@ class Trainer:
         verbose = self._verbosity(verbose)
         per_execution = self.steps_per_execution
         if self._custom_train:
-            batches, steps = custom_step.batches(self, x, y, batch_size, shuffle)
+            batches, steps = custom_step.batches(self, x, y, batch_size, shuffle, sample_weight, class_weight)
         else:
             batches, steps = data_adapters.batches(self, x, y, batch_size, shuffle, sample_weight, class_weight)
         if steps_per_epoch is not None:
