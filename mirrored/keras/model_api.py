@@ -277,6 +277,7 @@ class ModelAPI:
             keras_step = custom_step.runs_keras_step(self, "train_step")   # own step, cross-replica layer, several outputs
             device, host = compiled_metric_split(metrics, new_loss, keras_step)   # checked first
         self.optimizer, self.loss = new_optimizer, new_loss
+        self._keras_step_known = None               # fit asks custom_step.runs_keras_step again
         self._metric_names = device
         self.host_metrics = getattr(host, "metrics", host)
         custom_step.compile_metrics(self, host)

@@ -70,7 +70,7 @@ class Trainer:
         ``compile(steps_per_execution=N)``: N batches per execution (``_train_execution``),
         with the batch callbacks called once per execution, as Keras 3 calls them.
         """
-        self._custom_train = custom_step.runs_keras_step(self, "train_step")   # its own step, or Keras's
+        self._custom_train = self._runs_keras_step()           # its own step, or Keras's
         if self._custom_train and self.optimizer is None:
             raise RuntimeError("You must call `compile()` before `fit()`: model.compile(optimizer=...).")
         if not self._custom_train:
@@ -193,6 +193,14 @@ class Trainer:
             self._trainer().train(batch)
         if self.host_metrics:                        # compile(metrics=["mae", fn, Metric()])
             custom_step.update_from_programs(self, batch)
+
+    def _runs_keras_step(self):
+        """``custom_step.runs_keras_step`` for fit, asked again only when the model was built or
+        compiled since (its layers are known then): the lab's fused step never leaves this file."""
+        known = getattr(self, "_keras_step_known", None)
+        if known is None or known[0] != self.built:
+            known = self._keras_step_known = (self.built, custom_step.runs_keras_step(self, "train_step"))
+        return known[1]
 
     def _train_execution(self, batches):
         """One execution of ``compile(steps_per_execution=N)``: the training steps of
