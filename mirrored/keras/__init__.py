@@ -27,10 +27,11 @@ data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
 mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizers_more.py: RMSprop, Adagrad, AdamW; schedules.py;
 optimizer_state.py: clipping, weight decay, what Keras saves of them), metrics.py, callbacks.py, tape.py
-(GradientTape), progbar.py, random.py (keras.random: normal, uniform, SeedGenerator).
+(GradientTape), progbar.py, random.py (keras.random: normal, uniform, SeedGenerator), activations.py
+(keras.activations; a Dense's or Conv2D's activation its kernels do not apply: composed_layers.py).
 """
-from mirrored.keras import (callbacks, datasets, layers, losses, metrics, optimizers, random, regularizers,
-                            saving, utils)
+from mirrored.keras import (activations, callbacks, datasets, layers, losses, metrics, optimizers, random,
+                            regularizers, saving, utils)
 from mirrored.keras.functional import KerasTensor
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Functional, Model, Sequential

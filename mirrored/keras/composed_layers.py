@@ -28,6 +28,10 @@ ACTIVATIONS = {
 }
 
 
+#: Keras's names of the functions above (``Dense(activation=keras.activations.tanh)`` is 'tanh').
+NAMES = {function: name for name, function in ACTIVATIONS.items()}
+
+
 def activation_fn(activation, what):
     """The op for Keras's ``activation`` (a name above, None, or a callable)."""
     if activation is None:
@@ -38,6 +42,22 @@ def activation_fn(activation, what):
         raise ValueError(f"{what}: unknown activation {activation!r}; available: {sorted(ACTIVATIONS)} "
                          f"or a function of one tensor.")
     return ACTIVATIONS[activation]
+
+
+def unfused_activation(activation, fused, owner):
+    """For a library layer's ``activation`` argument (Dense, Conv2D): ``(the name it keeps, the
+    layer applied after it or None)``. The names in ``fused`` its kernels apply themselves (None:
+    linear, 'relu', Dense's final 'softmax'); any other of Keras's activations, or a function,
+    runs as an ``Activation`` of its own right after the layer, one node more in the model's
+    program (``functional.expand``): the layer's own forward then is linear (z = x W + b) and
+    the activation's gradient comes from its op's rule. Keras's layer is one layer: this
+    ``Activation`` is not in ``model.layers``, has no weights and is not saved (the owner's
+    config holds the name)."""
+    name = "linear" if activation is None else NAMES.get(activation, activation)
+    if name == "linear" or name in fused:
+        return (None if name == "linear" else name), None
+    activation_fn(name, f"{type(owner).__name__} {owner.name!r}")          # a name we have, or refused
+    return name, Activation(name, name=f"{owner.name}_activation")
 
 
 class Activation(Layer):

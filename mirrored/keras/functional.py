@@ -335,10 +335,17 @@ def expand(layer, inputs, multi, before):
     after ``before`` nodes: the call itself, or, for a model used as a layer, its own nodes
     (``model.nested_nodes()``: models within models expanded already), their tensor 0 read
     from ``inputs[0]`` and their tensor t > 0 renumbered ``before + t``. So the engine runs
-    a nested model's layers as the outer model's, with the same weights (one program)."""
+    a nested model's layers as the outer model's, with the same weights (one program). A layer
+    whose activation its kernels do not apply (``Dense(activation='tanh')``) is followed by
+    that activation's node (``composed_layers.unfused_activation``)."""
     nested = getattr(layer, "nested_nodes", None)
     if nested is None:
-        return [Node(layer, inputs, multi)]
+        after = getattr(layer, "activation_layer", None)     # Dense(activation='tanh'): a node more
+        if after is None:
+            return [Node(layer, inputs, multi)]
+        if after.input_shape != layer.output_shape:
+            after.build(layer.output_shape)                  # the owner's output, one example
+        return [Node(layer, inputs, multi), Node(after, (before + 1,), False)]
     return [Node(n.layer, tuple(inputs[0] if t == 0 else before + t for t in n.inputs), n.multi)
             for n in nested()]
 

@@ -38,10 +38,11 @@ from mirrored.keras import initializers, regularizers
 from mirrored.keras.base_layer import (  # noqa: F401 (tf.keras.layers' names, defined there)
     SUPPORTED, Conv1D, Input, InputLayer, Layer, LSTM,
     IntegerLookup, StringLookup, channels_last, image_shape, padding_arg, snake_case)
+from mirrored.keras.composed_layers import unfused_activation
 from mirrored.keras.dropout import Dropout  # noqa: F401 (tf.keras.layers.Dropout, defined there)
 from mirrored.values import Variable
 
-ACTIVATIONS = (None, "linear", "relu", "softmax")
+FUSED = ("relu", "softmax")      # Dense's activations in its own kernels (composed_layers.unfused_activation)
 FLOAT = np.dtype(np.float32)
 
 
@@ -86,14 +87,10 @@ class Dense(Layer):
         self.kernel_regularizer = regularizers.get(kernel_regularizer)
         if not isinstance(units, (int, np.integer)) or units < 1:
             raise ValueError(f"Dense: units must be a positive integer, got {units!r}.")
-        if activation not in ACTIVATIONS:
-            raise NotImplementedError(
-                f"Dense: activation {activation!r} is not implemented; this dense stack has "
-                f"None, 'relu' and 'softmax' (the ones the course lab uses).")
         if not use_bias:
             raise NotImplementedError("Dense(use_bias=False) is not implemented: every layer has a bias here.")
         self.units = int(units)
-        self.activation = None if activation == "linear" else activation
+        self.activation, self.activation_layer = unfused_activation(activation, FUSED, self)   # 'tanh'...
         self.kernel_initializer = initializers.get(kernel_initializer, "Dense kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, "Dense bias_initializer")
         self.kernel = self.bias = None
@@ -203,10 +200,7 @@ class Conv2D(Layer):
         if conv2d_kernels.pair(what, "dilation_rate", dilation_rate) != (1, 1) or groups != 1:
             raise NotImplementedError(f"{what}: dilation_rate={dilation_rate!r}, groups={groups!r} "
                                       f"are not supported; only dilation_rate=1 and groups=1 are.")
-        if activation not in (None, "linear", "relu"):
-            raise NotImplementedError(f"{what}: activation {activation!r} is not implemented; "
-                                      f"Conv2D has None and 'relu' (fused into the kernel).")
-        self.activation = None if activation == "linear" else activation
+        self.activation, self.activation_layer = unfused_activation(activation, ("relu",), self)
         self.use_bias = bool(use_bias)
         self.kernel_initializer = initializers.get(kernel_initializer, "Conv2D kernel_initializer")
         self.bias_initializer = initializers.get(bias_initializer, "Conv2D bias_initializer")
