@@ -263,8 +263,8 @@ def test_unsupported_options_name_what_is_supported():
         layers.Conv2D(2, 3, data_format="channels_first")
     with pytest.raises(NotImplementedError, match="only 'channels_last'"):
         layers.MaxPooling2D(data_format="channels_first")
-    with pytest.raises(NotImplementedError, match="None and 'relu'"):
-        layers.Conv2D(2, 3, activation="tanh")
+    with pytest.raises(ValueError, match="unknown activation 'tanhh'"):
+        layers.Conv2D(2, 3, activation="tanhh")
     with pytest.raises(NotImplementedError, match="dilation_rate=1"):
         layers.Conv2D(2, 3, dilation_rate=2)
     with pytest.raises(NotImplementedError, match="Conv2D, MaxPooling2D"):
