@@ -26,12 +26,12 @@ index would each drop the other's entry. A kernel a factory made per layer shape
 (``kernels/conv2d_v3.py``) is made again in the child from its ``KernelSpec.made_by``.
 
 Why the plan run is safe. A device part is kernel launches only (``mirrored/keras/step.py``):
-what a CUDA graph captures and replays without running its Python (``mirrored/graphs.py``).
+what a CUDA graph captures and replays without running its Python (``mirrored/program/capture.py``).
 With no launch made, the memory the step computes with is not touched (the ring's peer
 copies move gradient chunks the real run computes again). Two things its Python does at a
 first run only are put back: the buffers made on first use (an optimizer's slots, zeroed by
 a launch the plan does not make) are dropped, and the optimizer's count of updates done goes
-back (the caller's ``undo``: ``Step.rolled_back_on_error``, ``graphs.CapturedStep``). It is planned only
+back (the caller's ``undo``: ``Step.rolled_back_on_error``, ``mirrored/program/passes.py``). It is planned only
 where kernels compile and the device part sends nothing to another process: real GPUs (not
 the simulator), one worker (between workers the ring sends MPI messages from the host), the
 passes run through ``CapturedStep`` (not ``run_eagerly=True``, nor replicas on several
@@ -57,7 +57,7 @@ GPU host is measured there (``benchmarks/gpu_session.sh`` 40: the lab cold, with
 
 Neighbours: ``kernels/launch.py`` (``planned``), ``kernels/registry.py`` (``spec_of``,
 ``made_by``), ``kernels/disk_cache.py`` (where compiled kernels go, ``load``),
-``mirrored/graphs.py`` (``StepGraphs.compile_first`` calls ``before_first_run`` for fit's,
+``mirrored/program/capture.py`` (``StepGraphs.compile_first`` calls ``before_first_run`` for fit's,
 evaluate's and predict's first run of each batch shape).
 """
 import ast

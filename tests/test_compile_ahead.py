@@ -1,6 +1,6 @@
 """Compiling a step's kernels ahead of its first launch (``kernels/compile_ahead.py``, issue 40).
 
-In the simulator (nothing compiles there, so ``graphs._compile_ahead`` is made to answer as on a
+In the simulator (nothing compiles there, so ``capture._compile_ahead`` is made to answer as on a
 GPU, with ``missing`` recording what the plan found instead of loading or compiling it):
 
 * the plan run of each pass's first device part writes down exactly the kernels, with the
@@ -34,7 +34,7 @@ import pytest
 
 import mirrored as tf
 from kernels import compile_ahead, launch
-from mirrored import graphs
+from mirrored.program import capture
 from conftest import ReplayByRerun
 
 L = tf.keras.layers
@@ -54,7 +54,7 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.plans = []
-        monkeypatch.setattr(graphs, "_compile_ahead", lambda devices, ops=None: compile_ahead)
+        monkeypatch.setattr(capture, "_compile_ahead", lambda devices, ops=None: compile_ahead)
         monkeypatch.setattr(compile_ahead, "missing", self.missing)
 
     def missing(self, launches):
@@ -103,8 +103,8 @@ def _fit(n_replicas, x, y, seed, steps_per_execution):
 def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
         devices, rng, monkeypatch, n_replicas, steps_per_execution):
     devices(gpus=n_replicas)
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)  # as on a GPU
-    monkeypatch.setattr(graphs, "_Graph", ReplayByRerun)
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devs, ops=None: None)  # as on a GPU
+    monkeypatch.setattr(capture, "_Graph", ReplayByRerun)
     x = rng.standard_normal((10, 8, 8, 1)).astype(np.float32)   # batches of 4, 4 and 2
     y = rng.integers(0, 3, 10)
     seed = int(rng.integers(1 << 30))

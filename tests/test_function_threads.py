@@ -4,7 +4,7 @@ Each test is one row of the issue's table, the TensorFlow column as the expectat
 
 * a trace records its own thread's device calls (and its ``strategy.run`` replica
   threads'), never another thread's: a data loader's or a notebook timer's work is not
-  part of the function (mirrored/recording.py: the recorder is a per-thread slot the
+  part of the function (mirrored/program/recording.py: the recorder is a per-thread slot the
   boundary's wrappers consult, ``backends.BOUNDARY``);
 * concurrent calls of one function are safe, each with its own results, and the first
   call traces once (a lock per function, traced_function.py);

@@ -42,7 +42,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
-from mirrored import autodiff, backends, context, devices, ops, recording, values
+from mirrored import autodiff, backends, context, devices, ops, values
+from mirrored.program import recording
 from mirrored.keras import initializers, non_trainable
 from mirrored.keras.tape import GradientTape
 from mirrored.tensor import Tensor
@@ -215,7 +216,7 @@ def make_buffers(layer, state, b):
 # Keras runs fit's step as a tf.function: the Python of a layer's ``call`` runs when the step
 # is traced, its ops are replayed afterwards. So here: the first forward and backward of a
 # call-layer for a batch size (and training flag, and input buffers) run inside a
-# ``Recording`` (``mirrored/recording.py``, the per-thread recorder @tf.function uses); later
+# ``Recording`` (``mirrored/program/recording.py``, the per-thread recorder @tf.function uses); later
 # steps replay the launches into the same buffers, with none of the ops' Python. A ``call``
 # that reads a value on the host (an ``if`` on a tensor) cannot be replayed: it stays eager,
 # every step. Not inside another trace (a @tf.function's, whose replay covers it already).

@@ -45,9 +45,9 @@ import threading
 
 import numpy as np
 
-from mirrored import recording, strategy as _strategy
-from mirrored.keras import saving
-from mirrored.keras import functional, model_call
+from mirrored import strategy as _strategy
+from mirrored.program import recording
+from mirrored.keras import functional, model_call, saving
 from mirrored.keras.base_layer import snake_case
 from mirrored.keras.dropout import Dropout
 from mirrored.keras.layers import InputLayer, Layer

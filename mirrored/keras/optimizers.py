@@ -8,7 +8,7 @@ A step has a host part and a device part. ``begin_step`` counts the step and put
 hyper-parameter vector (Adam's alpha changes every step) in a small buffer on every device
 (``fit``'s step sends it with the inputs, in their one copy: ``step_scalars``); ``update``
 only launches kernels, which read that buffer, so a CUDA graph of the device part
-(``mirrored/graphs.py``) or a ``@function``'s replay updates with the alpha just written.
+(``mirrored/program/capture.py``) or a ``@function``'s replay updates with the alpha just written.
 The launches update every copy or none: a Ctrl-C waits for the last one.
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
@@ -27,7 +27,8 @@ import warnings
 import weakref
 
 from kernels.optimizers import adam_scalars, sgd_scalars
-from mirrored import context, recording
+from mirrored import context
+from mirrored.program import recording
 from mirrored.devices import every_device_or_none
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.custom_loop import step_of

@@ -1,7 +1,7 @@
-"""What a traced ``@mirrored.function`` call did on the devices, kept to be done again.
+"""Record: what a run of a step did on the devices, written down to be done again.
 
-``traced_function.py`` runs a function's Python once per input signature inside a
-``Recording``. While one is open, every call that crosses the *device boundary* is
+``mirrored/traced_function.py`` runs a ``@function``'s Python once per input signature
+inside a ``Recording``. While one is open, every call that crosses the *device boundary* is
 written down, whichever part of the library made it (the layers, the tape, the ring,
 the optimizer, a user's own tensor arithmetic):
 
@@ -20,7 +20,7 @@ a ``host_work`` function    ``HostCall``: the function and its arguments, called
 ``to_numpy``,               nothing: a *host read* of a device value during a trace
 ``download_into``           cannot be replayed (its value would steer Python once,
                             for ever). The recording is marked ``refused`` with the
-                            user's line, and ``traced_function.py`` runs that function eagerly
+                            user's line, and ``@function`` runs that function eagerly
 ==========================  =========================================================
 
 Allocations (``empty``, ``scratch``) are not entries: the buffers a trace made are kept
@@ -48,8 +48,9 @@ What a trace changed is kept to be put back (``Recording.roll_back``): a trace r
 eagerly, so unlike TensorFlow's symbolic one it has effects, and one that raises must
 leave none.
 
-Neighbours: ``traced_function.py`` (the tracer and the replay), ``devices.py`` and
-``backends.py`` (the boundary), ``graphs.py`` (a replay's launches as a CUDA graph).
+Neighbours: ``replay.py`` (the entries run again), ``capture.py`` (a replay's launches as
+a CUDA graph), ``mirrored/traced_function.py`` (the tracer), ``mirrored/devices.py`` and
+``mirrored/backends.py`` (the boundary); the package docstring tells the story.
 """
 import contextlib
 import functools
@@ -178,7 +179,7 @@ class HostCall:
     """Host work to run again at every replay: ``fn(*args, **kwargs)``.
 
     ``reads``/``writes``: the device buffers it read (``to_numpy``) and wrote
-    (``upload_into``) while tracing; ``traced_function.py`` may move a call that only writes
+    (``upload_into``) while tracing; ``replay.reorder`` may move a call that only writes
     to the start of the replay, and one that only reads to its end, so that the
     launches between them form one CUDA graph. ``stays``: never moved (it touches device
     memory in ways not noted here: MPI reading and writing CPU buffers in place).
@@ -497,8 +498,8 @@ def _put_back(buf, host):
 
 # --- where in the user's code ----------------------------------------------------------
 
-_LIBRARY = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p) + os.sep
-                 for p in ("mirrored", "kernels"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # above mirrored/
+_LIBRARY = tuple(os.path.join(_ROOT, p) + os.sep for p in ("mirrored", "kernels"))
 _PYTHON = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 
 

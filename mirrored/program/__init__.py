@@ -1,0 +1,52 @@
+"""The device program: what a step does on the devices, run again without its Python.
+
+A training step is Python (the model's layers, the tape, the ring, the optimizer) that ends
+in device calls: kernel launches, copies, uploads. From the second step on, the Python
+decides nothing new: the same launches on the same buffers, only the batch differs. So the
+compiled mode runs the Python once and keeps what it did on the devices. One story, four
+verbs, one file each::
+
+    record    recording.py   the first run, with a recorder at the device boundary
+                             (``backends.BOUNDARY``, per thread): every ``dev.ops.<op>``
+                             launch, copy and upload is written down as an entry with the
+                             very buffers it used; host work a step must redo each time
+                             (the optimizer's step count and Adam's alpha, a metric,
+                             ``tf.print``) is an entry too, a ``HostCall``. A host read of
+                             a device value cannot be replayed: the recording is refused and
+                             the caller runs eagerly. What the run changed can be rolled back.
+    replay    replay.py      a ``Program``: the entries run again, in order, on the same
+                             buffers, after the new inputs are copied into the input slots
+                             the recording read. On CPU devices and in the simulator this
+                             is the list itself.
+    capture   capture.py     on one GPU card a run of launches between two host calls is
+                             captured once as a CUDA graph and replayed with one driver
+                             call (``StepGraphs``: eager the first time a key is seen,
+                             captured the second, replayed after: the one first-run rule)
+    plan      kernels/compile_ahead.py, from ``passes.py``: before a key's first run on a
+                             GPU, the step's device part runs once with every launch
+                             written down and none made, and the kernels it names compile
+                             in several processes at once
+
+One key per program: what the launches depend on (the input signature of a
+``@function`` call; for ``fit``/``evaluate``/``predict`` the pass, the loss mode and the
+input buffers, i.e. the batch size, as Keras keys its ``tf.function``-wrapped
+``train_step``). One rollback rule: a run that raises leaves nothing (the recording's
+``roll_back``; the step's ``rolled_back_on_error``).
+
+Who uses it:
+
+* ``@mirrored.function`` (``mirrored/traced_function.py``): records a call per input
+  signature, replays the ``Program`` (a ``ConcreteFunction`` is one, with input slots and
+  outputs);
+* ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` (``passes.py``'s
+  ``CapturedStep``, over ``keras/step.py``'s ``Step`` through the ``StepPasses`` contract):
+  on a GPU the device part is captured per key, straight from its Python, and
+  ``steps_per_execution=N`` is one graph over N input slots (staging copies). On CPU
+  devices and in the simulator there is nothing to capture, and fit runs its step
+  eagerly, every launch from its Python.
+
+Neighbours: ``mirrored/backends.py`` and ``mirrored/devices.py`` (the device boundary the
+recorder sits at), ``mirrored/traced_function.py`` (``@function``), ``mirrored/keras/step.py``
+(the step that ``passes.py`` runs), ``kernels/compile_ahead.py`` and ``kernels/launch.py``
+(the plan: launches written down, not made).
+"""
