@@ -5,7 +5,7 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,494 in all)::
+Reading order: one training step in five files (lines at this writing; 1,498 in all)::
 
     1. keras/step.py        269  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
@@ -17,7 +17,7 @@ Reading order: one training step in five files (lines at this writing; 1,494 in 
     3. keras/layers.py      360  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
-    5. keras/optimizers.py  221  Adam/SGD ``update``: one launch per device (step 4)
+    5. keras/optimizers.py  225  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/trainer.py (fit's loop around the step), keras/models.py (Model,
    Sequential, Functional: made and built), keras/functional.py (keras.Input, layer calls, the nodes' topological order,

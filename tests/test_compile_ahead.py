@@ -116,8 +116,8 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
     original = compile_ahead.before_first_run
     firsts = []
 
-    def before_first_run(fn, args, device_id=0, children=None, undo=None):
-        result = original(fn, args, device_id, children=0, undo=undo)
+    def before_first_run(plan, device_id=0, children=None):
+        result = original(plan, device_id, children=0)
         firsts.append(len(log.runs))                  # the real run's launches start here
         return result
     monkeypatch.setattr(compile_ahead, "before_first_run", before_first_run)
@@ -148,7 +148,7 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
 def test_a_plan_run_that_raises_leaves_the_raise_to_the_real_run():
     def device_part(what):
         raise ValueError(what)
-    report = compile_ahead.before_first_run(device_part, ("bad buffers",))
+    report = compile_ahead.before_first_run(lambda: device_part("bad buffers"))
     assert report["planned"] is None and "ValueError: bad buffers" in report["error"]
 
 
@@ -306,7 +306,7 @@ def test_before_first_run_warns_once_with_what_failed_and_how_to_turn_it_off(mon
     monkeypatch.setattr(compile_ahead, "compile_all", lambda jobs, device, children: {
         "children": 2, "here": 2, "errors": ["a child exited with code 1: boom"]})
     with pytest.warns(RuntimeWarning) as caught:
-        report = compile_ahead.before_first_run(lambda: None, (), children=2)
+        report = compile_ahead.before_first_run(lambda: [], children=2)
     assert report["missing"] == 5 and report["children"] == 2 and compile_ahead.log[-1] is report
     message = str(caught[0].message)
     assert "boom" in message and "MIRRORED_COMPILE_AHEAD=0" in message and "first launch" in message
@@ -324,7 +324,7 @@ def test_children_are_as_many_as_free_cores_and_gpu_memory_allow(monkeypatch):
         monkeypatch.setattr(compile_ahead, "_free_cores", lambda: cores)
         monkeypatch.setattr(compile_ahead, "_fit_in_memory",
                             lambda: int(free // 2 // compile_ahead.CHILD_CONTEXT_BYTES))
-        report = compile_ahead.before_first_run(lambda: None, ())
+        report = compile_ahead.before_first_run(lambda: [])
         assert report["children"] == want, (cores, free, report)
     assert asked == [compile_ahead.MAX_CHILDREN, 3, 2]
 
@@ -333,7 +333,7 @@ def test_a_run_with_nothing_missing_asks_nothing_of_the_device_and_an_odd_answer
         monkeypatch):
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: [])
     monkeypatch.setattr(compile_ahead, "_fit_in_memory", lambda: pytest.fail("asked the device"))
-    assert compile_ahead.before_first_run(lambda: None, ())["children"] == 0
+    assert compile_ahead.before_first_run(lambda: [])["children"] == 0
     monkeypatch.undo()
     # the simulator's context answers NaN for its free memory: no limit from it, no error
     assert compile_ahead._fit_in_memory() == compile_ahead.MAX_CHILDREN
@@ -345,11 +345,11 @@ def test_too_few_kernels_or_cores_start_no_child(monkeypatch):
     monkeypatch.setattr(compile_ahead, "compile_all", lambda *a: started.append(a) or
                         {"children": 1, "here": 1, "errors": []})
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs[:-1])
-    assert compile_ahead.before_first_run(lambda: None, (), children=4)["children"] == 0
+    assert compile_ahead.before_first_run(lambda: [], children=4)["children"] == 0
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs)
-    assert compile_ahead.before_first_run(lambda: None, (), children=0)["children"] == 0
+    assert compile_ahead.before_first_run(lambda: [], children=0)["children"] == 0
     assert started == []
-    assert compile_ahead.before_first_run(lambda: None, (), children=4)["children"] == 1
+    assert compile_ahead.before_first_run(lambda: [], children=4)["children"] == 1
 
 
 def test_a_child_reports_a_kernel_it_cannot_make_and_goes_on():

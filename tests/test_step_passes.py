@@ -98,4 +98,4 @@ def test_the_contract_says_what_is_missing():
     with pytest.raises(NotImplementedError):
         Partial().device_part([], None, 1.0)
     assert set(vars(passes.StepPasses)) >= {"host_part", "device_part", "evaluate_part", "predict_part",
-                                           "written", "counted", "planned", "rows"}
+                                           "written", "counted", "rolled_back_on_error", "rows"}

@@ -9,7 +9,7 @@ class of ``step.Step``, whose ``programs``, ``split`` and ``copy_in`` it uses.
 step through (``mirrored/program/passes.py`` sits below keras/ and names what it needs there); the last three
 methods here fill in what the step itself does not say: the batch's rows, what a host part
 wrote, and how the optimizer's update count follows device parts that ran without their
-Python (a replay) or with it but launching nothing (a plan).
+Python (a graph replay).
 
 Neighbours: ``step.py`` (the training step), ``engine.py`` (``ReplicaProgram.forward``
 and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these), ``program/passes.py``
@@ -87,17 +87,3 @@ class InferencePasses(StepPasses):
         done = opt.updates_done
         yield
         opt.updates_done = done + steps
-
-    @contextlib.contextmanager
-    def planned(self):
-        """Around a plan run (``kernels/compile_ahead.py``): the buffers it made are dropped
-        (``rolled_back_on_error``), and the count of updates done goes back (the plan ran the update's
-        Python, not its launch)."""
-        opt = self.model.optimizer
-        done = opt.updates_done if opt is not None else None
-        with self.rolled_back_on_error():
-            try:
-                yield
-            finally:
-                if opt is not None:
-                    opt.updates_done = done

@@ -116,7 +116,10 @@ class Optimizer(OptimizerState):
                     if self.transforming:                              # clipping, weight decay
                         self.before_update(dev, w, g, key)
                     self.update_buffer(dev, w, g, key)
-            self.updates_done += 1          # on every copy: a Ctrl-C now leaves it counted (rolled_back_on_error)
+            self.count_update()             # on every copy: a Ctrl-C now leaves it counted (rolled_back_on_error)
+
+    def count_update(self):    # a host entry of the step's program: a replay counts, a dry run not
+        self.updates_done += 1
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -160,6 +163,7 @@ class Optimizer(OptimizerState):
 
 
 recording.host_method(Optimizer, "begin_step", restores="step_count")   # a @function's replay calls it
+recording.host_method(Optimizer, "count_update", restores="updates_done")
 
 
 class SGD(Optimizer):

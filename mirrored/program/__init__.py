@@ -4,16 +4,17 @@ A training step is Python (the model's layers, the tape, the ring, the optimizer
 in device calls: kernel launches, copies, uploads. From the second step on, the Python
 decides nothing new: the same launches on the same buffers, only the batch differs. So the
 compiled mode runs the Python once and keeps what it did on the devices. One story, four
-verbs, one file each::
+verbs::
 
     record    recording.py   the first run, with a recorder at the device boundary
                              (``backends.BOUNDARY``, per thread): every ``dev.ops.<op>``
                              launch, copy and upload is written down as an entry with the
                              very buffers it used; host work a step must redo each time
                              (the optimizer's step count and Adam's alpha, a metric,
-                             ``tf.print``) is an entry too, a ``HostCall``. A host read of
-                             a device value cannot be replayed: the recording is refused and
-                             the caller runs eagerly. What the run changed can be rolled back.
+                             ``tf.print``, the count of updates done) is an entry too, a
+                             ``HostCall``. A host read of a device value cannot be
+                             replayed: the recording is refused and the caller runs
+                             eagerly. What the run changed can be rolled back.
     replay    replay.py      a ``Program``: the entries run again, in order, on the same
                              buffers, after the new inputs are copied into the input slots
                              the recording read. On CPU devices and in the simulator this
@@ -22,10 +23,11 @@ verbs, one file each::
                              captured once as a CUDA graph and replayed with one driver
                              call (``StepGraphs``: eager the first time a key is seen,
                              captured the second, replayed after: the one first-run rule)
-    plan      kernels/compile_ahead.py, from ``passes.py``: before a key's first run on a
-                             GPU, the step's device part runs once with every launch
-                             written down and none made, and the kernels it names compile
-                             in several processes at once
+    plan      recording.py   a *dry* recording (``dry_run``): the step's device part run
+                             once with every kernel launch written down and none made, its
+                             host calls written down and not run; from it, before a key's
+                             first run on a GPU, ``kernels/compile_ahead.py`` compiles the
+                             kernels it names in several processes at once
 
 One key per program: what the launches depend on (the input signature of a
 ``@function`` call; for ``fit``/``evaluate``/``predict`` the pass, the loss mode and the
@@ -40,7 +42,9 @@ Who uses it:
   outputs);
 * ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` (``passes.py``'s
   ``CapturedStep``, over ``keras/step.py``'s ``Step`` through the ``StepPasses`` contract):
-  on a GPU the device part is captured per key, straight from its Python, and
+  on a GPU the device part is planned (a dry recording) and compiled ahead before a key's
+  first run, then captured per key straight from its Python (not from a recording: so its
+  one host entry, the update count, is set by ``StepPasses.counted``), and
   ``steps_per_execution=N`` is one graph over N input slots (staging copies). On CPU
   devices and in the simulator there is nothing to capture, and fit runs its step
   eagerly, every launch from its Python.

@@ -54,6 +54,7 @@ between neighbours, captured as graph edges); the package docstring tells the st
 import warnings
 
 from mirrored import devices as _dev
+from mirrored.program import recording
 
 
 def _driver_api():
@@ -150,14 +151,17 @@ class StepGraphs:
         return self._replay(key, fn, args)
 
     def compile_first(self, key, fn, args, undo):
-        """Before ``fn(*args)`` first runs under ``key``: compile the kernels it will launch,
-        several processes at once (``kernels/compile_ahead.py``; where kernels compile and
-        the device part may be planned, else nothing). ``undo``: a context manager that
-        drops every buffer made inside it when it is left by an exception (``Step.rolled_back_on_error``):
-        the plan run makes buffers and launches nothing, so nothing it made may stay."""
+        """Before ``fn(*args)`` first runs under ``key``: plan it (a dry recording,
+        ``recording.dry_run``: its launches written down, none made) and compile the kernels
+        the plan names, several processes at once (``kernels/compile_ahead.py``; where
+        kernels compile and the device part may be planned, else nothing). ``undo``: a
+        context manager that drops every buffer made inside it when it is left by an
+        exception (``Step.rolled_back_on_error``): the dry run makes buffers and launches
+        nothing, so nothing it made may stay."""
         if self.compile_ahead is not None and key not in self._planned:
             self._planned.add(key)
-            self.compile_ahead.before_first_run(fn, args, self.devices[0].gpu_id, undo=undo)
+            self.compile_ahead.before_first_run(lambda: recording.dry_run(fn, args, undo),
+                                                self.devices[0].gpu_id)
 
     def run_captured(self, key, fn, *args):
         """``run`` for launches whose buffers already exist (every kernel compiled, every

@@ -22,10 +22,11 @@ staging slot of its own (``_stage``), and the graph copies slot i back before st
 device part (``_restore``): N input slots, one program.
 
 Planned ahead. Before a key's first (eager) run, ``StepGraphs.compile_first`` runs the
-device part once with its launches written down and none made (``StepPasses.planned``
-drops what that run made and counted), and compiles the kernels it named in several
-processes at once (``kernels/compile_ahead.py``): a first run on a machine compiles them
-at their launch otherwise, one after the other.
+device part once as a dry recording, its launches written down and none made, its host
+calls (the update count) not run (``recording.dry_run``; ``rolled_back_on_error`` drops
+the buffers it made), and compiles the kernels it named in several processes at once
+(``kernels/compile_ahead.py``): a first run on a machine compiles them at their launch
+otherwise, one after the other.
 
 When. ``compile(run_eagerly=False)``, Keras's default, runs fit, evaluate and predict
 through ``CapturedStep`` on a GPU; ``run_eagerly=True`` launches every kernel from
@@ -107,11 +108,6 @@ class StepPasses:
         ``steps`` more updates are counted done, whatever ran."""
         raise NotImplementedError
 
-    def planned(self):
-        """Context manager around a plan run (``kernels/compile_ahead.py``): the Python ran,
-        nothing launched, so nothing it made or counted stays."""
-        raise NotImplementedError
-
 
 class CapturedStep:
     """A model's passes (a ``StepPasses``) with their device parts run through graphs.
@@ -139,7 +135,7 @@ class CapturedStep:
             mode = self.step.loss_mode()
             key = ("train", mode, scale) + _addresses(inputs)
             self.graphs.compile_first(key, self.step.device_part, (inputs, mode, scale),
-                                      self.step.planned)   # launches nothing: a Ctrl-C need not wait
+                                      self.step.rolled_back_on_error)   # a dry run: a Ctrl-C need not wait
             # a replay updates every copy: a Ctrl-C comes after it; one update counted (rolled_back_on_error)
             with _dev.every_device_or_none(), self.step.counted(1):
                 self.graphs.run(key, self.step.device_part, inputs, mode, scale)
@@ -155,7 +151,7 @@ class CapturedStep:
 
     def _run(self, key, fn, *args):
         """``StepGraphs.run``, its kernels compiled ahead the first time ``key`` is seen."""
-        self.graphs.compile_first(key, fn, args, self.step.planned)
+        self.graphs.compile_first(key, fn, args, self.step.rolled_back_on_error)
         return self.graphs.run(key, fn, *args)
 
     # -- compile(steps_per_execution=N): N steps, one graph ------------------------------------
@@ -189,7 +185,7 @@ class CapturedStep:
                 with step.rolled_back_on_error():
                     inputs, scale = step.host_part(batch)    # step.train, its kernels compiled ahead
                     self.graphs.compile_first(("train", mode, scale) + _addresses(inputs),
-                                              step.device_part, (inputs, mode, scale), step.planned)
+                                              step.device_part, (inputs, mode, scale), step.rolled_back_on_error)
                     step.device_part(inputs, mode, scale)
                 self.graphs._ran("eager", None)
             self.graphs.ran_once(execution)                  # all N done: the next is captured
@@ -221,7 +217,7 @@ class CapturedStep:
             for batch in batches:                            # step.evaluate, compiled ahead
                 inputs = step.inputs(batch)
                 self.graphs.compile_first(("evaluate", mode) + _addresses(inputs),
-                                          step.evaluate_part, (inputs, mode), step.planned)
+                                          step.evaluate_part, (inputs, mode), step.rolled_back_on_error)
                 step.evaluate_part(inputs, mode)
                 self.graphs._ran("eager", None)
             self.graphs.ran_once(execution)

@@ -48,6 +48,11 @@ What a trace changed is kept to be put back (``Recording.roll_back``): a trace r
 eagerly, so unlike TensorFlow's symbolic one it has effects, and one that raises must
 leave none.
 
+A *dry* recording (``Recording(dry=True)``, ``dry_run``) is a plan: the same walk through
+the step's Python, its kernel launches written down and none made (``kernels.launch.planned``
+below the boundary), its host calls written down and not run. ``capture.py`` compiles a
+step's kernels ahead from it.
+
 Neighbours: ``replay.py`` (the entries run again), ``capture.py`` (a replay's launches as
 a CUDA graph), ``mirrored/traced_function.py`` (the tracer), ``mirrored/devices.py`` and
 ``mirrored/backends.py`` (the boundary); the package docstring tells the story.
@@ -62,6 +67,7 @@ import traceback
 
 import numpy as np
 
+from kernels import launch
 from mirrored import backends, devices
 
 #: Device methods that hand a device value to the host: a trace cannot replay them.
@@ -222,9 +228,17 @@ class Recording:
 
     ``variables_made``: how many ``Variable``s the function's own code made while tracing
     (not the library's first-use state); ``no_variables``: making one raises TensorFlow's
-    ``ValueError`` (``traced_function.py``: variables on the first call only)."""
+    ``ValueError`` (``traced_function.py``: variables on the first call only).
 
-    def __init__(self, no_variables=False):
+    ``dry``: a *dry* recording (a plan, ``dry_run``): the kernel launches are written down
+    (``launches``: [(kernel, args)], by ``kernels.launch.planned``, the dry mode's half below
+    the boundary) and none is made, host calls are written down and not run (the update
+    count, a metric), and nothing is kept for a roll-back (nothing it could change changed)."""
+
+    def __init__(self, no_variables=False, dry=False):
+        self.dry = dry
+        self.launches = None          # dry: the kernel launches, written down, not made
+        self._plan = None
         self.entries = []
         self.refused = None           # (reason, (filename, line, text)) of the first refusal
         self.variables_made = 0
@@ -239,11 +253,17 @@ class Recording:
         if backends.BOUNDARY.recorder is not None:
             raise RuntimeError("this thread is already recording a trace; a @function called inside "
                                "another one's trace runs inside it (traced_function.py checks first).")
+        if self.dry:
+            self._plan = launch.planned()
+            self.launches = self._plan.__enter__()
         backends.BOUNDARY.recorder = ThreadRecorder(self)
         return self
 
     def __exit__(self, *exc):
         backends.BOUNDARY.recorder = None
+        if self._plan is not None:
+            self._plan.__exit__(*exc)
+            self._plan = None
         return False
 
     def add(self, entry):
@@ -356,7 +376,9 @@ class ThreadRecorder:
         if kind == "host":
             return self.host_call(method, (target,) + tuple(args), kwargs,
                                   None if info is None else functools.partial(_restorer, info))
-        if kind == "op":
+        if rec.dry:
+            pass                                      # a plan changes nothing it must put back
+        elif kind == "op":
             rec.keep_before(list(args) + list(kwargs.values()))
         elif kind == "write" and name in WRITES_FIRST:
             rec.keep_before(args[:1])
@@ -378,8 +400,12 @@ class ThreadRecorder:
         return result
 
     def host_call(self, fn, args, kwargs, undo_with=None, stays=False):
-        """Run host work now and write it down as a ``HostCall`` (see ``host_work``)."""
+        """Run host work now and write it down as a ``HostCall`` (see ``host_work``); in a
+        dry recording, written down only."""
         call = HostCall(fn, args, kwargs, undo_with, stays)
+        if self.recording.dry:
+            self.recording.add(call)
+            return None
         if args:
             self.recording.keep_host_state(args[0])
         self.depth, self.call = 1, call
@@ -389,6 +415,30 @@ class ThreadRecorder:
             self.depth, self.call = 0, None
         self.recording.add(call)
         return result
+
+
+class _Planned(Exception):
+    """Leaves a dry run's ``undo`` block by an exception, so that it drops what the run made."""
+
+
+def dry_run(fn, args, undo):
+    """The kernel launches ``fn(*args)`` (a device part) would make, written down by a dry
+    ``Recording`` and none made: [(kernel, args)] in launch order. What the compile-ahead
+    plan is made from (``capture.StepGraphs.compile_first``, ``kernels/compile_ahead.py``).
+
+    ``undo()``: a context manager that drops what a block made when an exception leaves it
+    (``Step.rolled_back_on_error``): the buffers a first run makes on first use (an
+    optimizer's slots, filled by a launch the dry run does not make) must not stay. The
+    host effects need no undo: host calls (the update count) are not run dry. Raises what
+    ``fn`` raised."""
+    rec = Recording(dry=True)
+    try:
+        with undo(), rec:
+            fn(*args)
+            raise _Planned
+    except _Planned:
+        pass
+    return rec.launches
 
 
 def unrecordable(reason):
