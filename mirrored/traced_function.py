@@ -93,7 +93,7 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context, devices, nest
-from mirrored.program import recording, replay
+from mirrored.program import capture, recording, replay
 from mirrored.tensor import Tensor, TensorSpec, as_function_output
 from mirrored.values import DistributedValues, Variable
 
@@ -438,7 +438,7 @@ class ConcreteFunction(replay.Program):
     ``get_concrete_function`` returns, one traced graph)."""
 
     def __init__(self, slots, entries, result):
-        super().__init__(entries)
+        super().__init__(entries, capture.ReplayGraphs.for_devices(replay.devices_of(entries)))
         self.slots = slots
         self.result = result
         self.pools = None                          # id(returned tensor) -> OutputPool (outputs)
@@ -457,7 +457,7 @@ class ConcreteFunction(replay.Program):
     def _copied(self, leaf):
         if isinstance(leaf, Tensor):
             pool = self.pools.get(id(leaf))
-            return leaf if pool is None else pool.copy_of(leaf)
+            return leaf if pool is None else Tensor(pool.copy_of(leaf), pool.dev)
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
             if any(id(t) in self.pools for t in _device_tensors(leaf)):
                 return type(leaf)([self._copied(c) for c in leaf.values])

@@ -15,10 +15,11 @@ verbs::
                              ``HostCall``. A host read of a device value cannot be
                              replayed: the recording is refused and the caller runs
                              eagerly. What the run changed can be rolled back.
-    replay    replay.py      a ``Program``: the entries run again, in order, on the same
-                             buffers, after the new inputs are copied into the input slots
-                             the recording read. On CPU devices and in the simulator this
-                             is the list itself.
+    replay    replay.py      the entries (``Launch``, ``Upload``, ``PeerCopy``, ``HostCall``:
+                             each knows how to run again) and a ``Program``: the entries
+                             run again, in order, on the same buffers, after the new inputs
+                             are copied into the input slots the recording read. On CPU
+                             devices and in the simulator this is the list itself.
     capture   capture.py     on one GPU card a run of launches between two host calls is
                              captured once as a CUDA graph and replayed with one driver
                              call (``StepGraphs``: eager the first time a key is seen,

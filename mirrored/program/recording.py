@@ -3,7 +3,8 @@
 ``mirrored/traced_function.py`` runs a ``@function``'s Python once per input signature
 inside a ``Recording``. While one is open, every call that crosses the *device boundary* is
 written down, whichever part of the library made it (the layers, the tape, the ring,
-the optimizer, a user's own tensor arithmetic):
+the optimizer, a user's own tensor arithmetic), as entries of ``replay.py`` (each entry
+class there says what it does when it runs again):
 
 ==========================  =========================================================
 the call                    what the record keeps (``Recording.entries``)
@@ -69,6 +70,7 @@ import numpy as np
 
 from kernels import launch
 from mirrored import backends, devices
+from mirrored.program import replay
 
 #: Device methods that hand a device value to the host: a trace cannot replay them.
 DEVICE_READS = {"to_numpy": "reads a device value on the host (.numpy(), float(), int(), "
@@ -117,100 +119,6 @@ def joined(recording):
         yield
     finally:
         backends.BOUNDARY.recorder = previous
-
-
-class Launch:
-    """A device call to make again: ``getattr(target, name)(*args, **kwargs)``."""
-
-    __slots__ = ("target", "name", "args", "kwargs")
-
-    def __init__(self, target, name, args, kwargs):
-        self.target, self.name, self.args, self.kwargs = target, name, args, kwargs
-
-    def run(self):
-        getattr(self.target, self.name)(*self.args, **self.kwargs)
-
-    def buffers(self):
-        return [a for a in list(self.args) + list(self.kwargs.values()) if _is_buffer(a)]
-
-    def device(self):
-        return getattr(self.target, "device", self.target)
-
-    def __repr__(self):
-        return f"Launch({self.name} on {getattr(self.device(), 'short_name', '?')})"
-
-
-class Upload:
-    """A host array the trace put on a device (a Python value: the same every replay)."""
-
-    __slots__ = ("dev", "buf", "host")
-
-    def __init__(self, dev, buf, host):
-        self.dev, self.buf, self.host = dev, buf, host
-
-    def run(self):
-        self.dev.upload_into(self.buf, self.host)
-
-    def buffers(self):
-        return [self.buf]
-
-    def device(self):
-        return self.dev
-
-
-class PeerCopy:
-    """``out = dev.copy_from(buf, src)`` made again into the same ``out``."""
-
-    __slots__ = ("dev", "out", "buf", "src")
-
-    def __init__(self, dev, out, buf, src):
-        self.dev, self.out, self.buf, self.src = dev, out, buf, src
-
-    def run(self):
-        if self.src.device_type == self.dev.device_type:
-            devices.wait_for(self.src, self.dev)        # read after write (a no-op on CPUs)
-            self.dev.copy_peer_into(self.out, self.buf, self.src)
-            devices.wait_for(self.dev, self.src)        # write after read
-        else:                                           # CPU <-> GPU: through the host
-            self.dev.upload_into(self.out, np.ascontiguousarray(self.src.to_numpy(self.buf)))
-
-    def buffers(self):
-        return [self.out, self.buf]
-
-    def device(self):
-        return self.dev
-
-
-class HostCall:
-    """Host work to run again at every replay: ``fn(*args, **kwargs)``.
-
-    ``reads``/``writes``: the device buffers it read (``to_numpy``) and wrote
-    (``upload_into``) while tracing; ``replay.reorder`` may move a call that only writes
-    to the start of the replay, and one that only reads to its end, so that the
-    launches between them form one CUDA graph. ``stays``: never moved (it touches device
-    memory in ways not noted here: MPI reading and writing CPU buffers in place).
-    ``undo()``: what puts the host state back if the replay fails after this call ran
-    (None: nothing to put back)."""
-
-    __slots__ = ("fn", "args", "kwargs", "reads", "writes", "undo_with", "stays")
-
-    def __init__(self, fn, args, kwargs, undo_with=None, stays=False):
-        self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.reads, self.writes = [], []
-        self.undo_with = undo_with
-        self.stays = stays
-
-    def run(self):
-        """Run it; returns a function that undoes its host-side effect (or None)."""
-        undo = self.undo_with(*self.args, **self.kwargs) if self.undo_with is not None else None
-        self.fn(*self.args, **self.kwargs)
-        return undo
-
-    def buffers(self):
-        return self.reads + self.writes
-
-    def __repr__(self):
-        return f"HostCall({getattr(self.fn, '__qualname__', self.fn)})"
 
 
 class Recording:
@@ -280,7 +188,7 @@ class Recording:
     def made(self, bufs):
         """Note buffers this trace made: their old contents are nobody's, nothing to keep."""
         for buf in (bufs if isinstance(bufs, (tuple, list)) else (bufs,)):
-            if _is_buffer(buf):
+            if replay.is_buffer(buf):
                 owner = devices.memory_owner(buf)
                 with self._lock:
                     self._made[id(owner)] = owner
@@ -290,7 +198,7 @@ class Recording:
         a later write in the trace keeps a copy of them first, as of buffers from before."""
         if self._made:
             for buf in values:
-                if _is_buffer(buf):
+                if replay.is_buffer(buf):
                     with self._lock:
                         self._made.pop(id(devices.memory_owner(buf)), None)
 
@@ -298,7 +206,7 @@ class Recording:
         """Before a call that may write ``values``: a host copy of each buffer among them
         that the trace did not make and has not kept yet."""
         for buf in values:
-            if not _is_buffer(buf):
+            if not replay.is_buffer(buf):
                 continue
             with self._lock:
                 if id(buf) in self._kept or id(devices.memory_owner(buf)) in self._made:
@@ -371,7 +279,7 @@ class ThreadRecorder:
         if kind == "ordering":                        # (event): recorded where it orders GPU streams
             method(target, *args, **kwargs)
             if args[0] is not None and getattr(target, "stream", None) is not None:
-                rec.add(Launch(target, name, args, {}))
+                rec.add(replay.Launch(target, name, args, {}))
             return None
         if kind == "host":
             return self.host_call(method, (target,) + tuple(args), kwargs,
@@ -388,21 +296,21 @@ class ThreadRecorder:
         finally:
             self.depth = 0
         if name == "upload_into":                     # a host value: keep a copy of it
-            rec.add(Upload(target, args[0], np.array(args[1], copy=True)))
+            rec.add(replay.Upload(target, args[0], np.array(args[1], copy=True)))
         elif kind == "from_numpy":
-            rec.add(Upload(target, result, np.array(args[0], copy=True, order="C")))
+            rec.add(replay.Upload(target, result, np.array(args[0], copy=True, order="C")))
             rec.made(result)
         elif kind == "copy_from":
-            rec.add(PeerCopy(target, result, args[0], args[1]))
+            rec.add(replay.PeerCopy(target, result, args[0], args[1]))
             rec.made(result)
         else:
-            rec.add(Launch(target, name, args, kwargs))
+            rec.add(replay.Launch(target, name, args, kwargs))
         return result
 
     def host_call(self, fn, args, kwargs, undo_with=None, stays=False):
         """Run host work now and write it down as a ``HostCall`` (see ``host_work``); in a
         dry recording, written down only."""
-        call = HostCall(fn, args, kwargs, undo_with, stays)
+        call = replay.HostCall(fn, args, kwargs, undo_with, stays)
         if self.recording.dry:
             self.recording.add(call)
             return None
@@ -523,13 +431,8 @@ def _restorer(name, owner, *args, **kwargs):
 
 
 def _note(where, buf):
-    if _is_buffer(buf):
+    if replay.is_buffer(buf):
         where.append(buf)
-
-
-def _is_buffer(value):
-    return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__") \
-        or hasattr(value, "_ary")
 
 
 def _host_copy(buf):

@@ -1,8 +1,11 @@
 """Replay: a recording's entries run again, in order, on the same buffers.
 
-``recording.py`` wrote down what one run of a step did at the device boundary: a list
-of entries (``Launch``, ``Upload``, ``PeerCopy``, ``HostCall``). A ``Program`` is that
-list made runnable again::
+``recording.py`` writes down what one run of a step did at the device boundary as a list
+of the entries defined here, each of which can run again: ``Launch`` (an op or a copy on
+the same buffers), ``Upload`` (a host value the run saw, frozen), ``PeerCopy`` (a copy from
+another device into the same buffer), ``HostCall`` (host work redone at every run: the
+optimizer's step count and Adam's alpha, the count of updates done, ``tf.print``, a
+metric). A ``Program`` is that list made runnable again::
 
     CPU devices, the simulator     the list, entry after entry (``run``): a launch calls
                                    the same op on the same buffers, a host call calls the
@@ -11,7 +14,8 @@ list made runnable again::
     one GPU card                   the list cut at its host calls (``segments``, after
                                    ``reorder`` moved what host work it could to the ends):
                                    each run of launches captured once as a CUDA graph and
-                                   replayed as one (``capture.ReplayGraphs``)
+                                   replayed as one (``capture.ReplayGraphs``, handed in
+                                   by the caller)
 
 A replay that raises puts back the host numbers its host calls changed (each
 ``HostCall.run`` hands back its undo): the step ran, or it left nothing.
@@ -28,18 +32,121 @@ import sys
 import numpy as np
 
 from mirrored import devices
-from mirrored.program import capture, recording
-from mirrored.tensor import Tensor
 
+
+# --- the entries: what a recording wrote down, each able to run again ---------------------------
+
+class Launch:
+    """A device call to make again: ``getattr(target, name)(*args, **kwargs)``."""
+
+    __slots__ = ("target", "name", "args", "kwargs")
+
+    def __init__(self, target, name, args, kwargs):
+        self.target, self.name, self.args, self.kwargs = target, name, args, kwargs
+
+    def run(self):
+        getattr(self.target, self.name)(*self.args, **self.kwargs)
+
+    def buffers(self):
+        return [a for a in list(self.args) + list(self.kwargs.values()) if is_buffer(a)]
+
+    def device(self):
+        return getattr(self.target, "device", self.target)
+
+    def __repr__(self):
+        return f"Launch({self.name} on {getattr(self.device(), 'short_name', '?')})"
+
+
+class Upload:
+    """A host array the trace put on a device (a Python value: the same every replay)."""
+
+    __slots__ = ("dev", "buf", "host")
+
+    def __init__(self, dev, buf, host):
+        self.dev, self.buf, self.host = dev, buf, host
+
+    def run(self):
+        self.dev.upload_into(self.buf, self.host)
+
+    def buffers(self):
+        return [self.buf]
+
+    def device(self):
+        return self.dev
+
+
+class PeerCopy:
+    """``out = dev.copy_from(buf, src)`` made again into the same ``out``."""
+
+    __slots__ = ("dev", "out", "buf", "src")
+
+    def __init__(self, dev, out, buf, src):
+        self.dev, self.out, self.buf, self.src = dev, out, buf, src
+
+    def run(self):
+        if self.src.device_type == self.dev.device_type:
+            devices.wait_for(self.src, self.dev)        # read after write (a no-op on CPUs)
+            self.dev.copy_peer_into(self.out, self.buf, self.src)
+            devices.wait_for(self.dev, self.src)        # write after read
+        else:                                           # CPU <-> GPU: through the host
+            self.dev.upload_into(self.out, np.ascontiguousarray(self.src.to_numpy(self.buf)))
+
+    def buffers(self):
+        return [self.out, self.buf]
+
+    def device(self):
+        return self.dev
+
+
+class HostCall:
+    """Host work to run again at every replay: ``fn(*args, **kwargs)``.
+
+    ``reads``/``writes``: the device buffers it read (``to_numpy``) and wrote
+    (``upload_into``) while tracing; ``replay.reorder`` may move a call that only writes
+    to the start of the replay, and one that only reads to its end, so that the
+    launches between them form one CUDA graph. ``stays``: never moved (it touches device
+    memory in ways not noted here: MPI reading and writing CPU buffers in place).
+    ``undo()``: what puts the host state back if the replay fails after this call ran
+    (None: nothing to put back)."""
+
+    __slots__ = ("fn", "args", "kwargs", "reads", "writes", "undo_with", "stays")
+
+    def __init__(self, fn, args, kwargs, undo_with=None, stays=False):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.reads, self.writes = [], []
+        self.undo_with = undo_with
+        self.stays = stays
+
+    def run(self):
+        """Run it; returns a function that undoes its host-side effect (or None)."""
+        undo = self.undo_with(*self.args, **self.kwargs) if self.undo_with is not None else None
+        self.fn(*self.args, **self.kwargs)
+        return undo
+
+    def buffers(self):
+        return self.reads + self.writes
+
+    def __repr__(self):
+        return f"HostCall({getattr(self.fn, '__qualname__', self.fn)})"
+
+
+def is_buffer(value):
+    """A device buffer (a NumPy array on a CPU device, a CUDA array, the simulator's)."""
+    return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__") \
+        or hasattr(value, "_ary")
+
+
+# --- a program: the entries, run again ----------------------------------------------------------
 
 class Program:
     """A recording's entries, to be run again (``run``): as a list on CPU devices and the
     simulator, as CUDA graphs between host calls on one GPU card (``graphs``, else None)."""
 
-    def __init__(self, entries):
+    def __init__(self, entries, graphs=None):
+        """``graphs``: a ``capture.ReplayGraphs`` over the devices the entries use
+        (``devices_of``), or None (a list run as it is)."""
         self.entries = list(entries)
-        self.devices = _devices_of(self.entries)
-        self.graphs = capture.ReplayGraphs.for_devices(self.devices)
+        self.graphs = graphs
         if self.graphs is None:
             self.segments = [self.entries]         # CPU (or no graphs): the list, in order
         else:
@@ -109,12 +216,12 @@ class OutputPool:
         self.allocations = 0
 
     def copy_of(self, tensor):
-        """A Tensor on a free buffer of the pool holding a copy of ``tensor``'s values."""
+        """A free buffer of the pool (on ``self.dev``) holding a copy of ``tensor``'s values."""
         buf = self._take()
         if tensor.buf.size:
             with self.dev.activate():
                 self.dev.copy_into(buf, tensor.buf)
-        return Tensor(buf, self.dev)
+        return buf
 
     def _take(self):
         for entry in self.entries:
@@ -161,7 +268,8 @@ def _run_launches(entries):
         entry.run()
 
 
-def _devices_of(entries):
+def devices_of(entries):
+    """The devices the entries run on, each once, in order of first use."""
     found = {}
     for entry in entries:
         dev = entry.device() if hasattr(entry, "device") else None
@@ -176,8 +284,8 @@ def segments(entries):
     calls (a copy from the host through a staging buffer is not captured)."""
     out, run = [], []
     for entry in entries:
-        if isinstance(entry, (recording.HostCall, recording.Upload)) or (
-                isinstance(entry, recording.PeerCopy) and entry.src.device_type != entry.dev.device_type):
+        if isinstance(entry, (HostCall, Upload)) or (
+                isinstance(entry, PeerCopy) and entry.src.device_type != entry.dev.device_type):
             if run:
                 out.append(run)
                 run = []
@@ -205,15 +313,15 @@ def reorder(entries):
     before ``apply_gradients`` would show the count after it)."""
     front, middle, back = [], [], []
     for entry in entries:
-        moves_front = (isinstance(entry, recording.Upload) or
-                       (isinstance(entry, recording.HostCall) and not entry.reads and not entry.stays))
+        moves_front = (isinstance(entry, Upload) or
+                       (isinstance(entry, HostCall) and not entry.reads and not entry.stays))
         if moves_front and not _overlaps(entry.buffers(), middle):
             front.append(entry)
         else:
             middle.append(entry)
     kept = []
     for entry in reversed(middle):
-        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes \
+        moves_back = isinstance(entry, HostCall) and entry.reads and not entry.writes \
             and not entry.stays
         if moves_back and not _overlaps(entry.buffers(), kept):
             back.append(entry)
