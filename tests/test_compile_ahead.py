@@ -172,6 +172,38 @@ def test_only_the_planning_thread_writes_its_launches_down():
     assert launches[0][0] is inner[0][0] and float(launches[0][1][1]) == 7.0
 
 
+def test_a_dry_run_writes_launches_down_and_runs_no_host_call_even_inside_a_trace(rng):
+    """``recording.dry_run`` (the plan): each kernel launch written down and none made, a
+    host call (the update count, a metric) written down and not run, what the block made
+    dropped by its ``undo``; called inside a trace, the trace records on afterwards."""
+    import contextlib
+    from numba import cuda
+    from kernels import elementwise
+    from mirrored.program import recording
+    start = rng.standard_normal(5).astype(np.float32)
+    out = cuda.to_device(start)
+    ran, undone = [], []
+    host = recording.host_work(lambda: ran.append(1))
+
+    def part():
+        elementwise.fill(out, np.float32(rng.standard_normal()))
+        host()
+
+    @contextlib.contextmanager
+    def undo():
+        try:
+            yield
+        except BaseException:
+            undone.append(1)
+            raise
+    with recording.Recording() as trace:
+        launches = recording.dry_run(part, (), undo)
+        assert recording.active() is trace
+    assert len(launches) == 1 and launches[0][0].__name__ == "fill_kernel"
+    assert not ran and undone == [1] and trace.entries == []
+    np.testing.assert_array_equal(out.copy_to_host(), start)     # nothing launched
+
+
 class FakeKernel:
     class stats:
         cache_path = "/cache"

@@ -133,6 +133,11 @@ class StepGraphs:
         """Mark ``key`` as warm: its first run (run by the caller, not by ``run``) completed."""
         self._results.setdefault(key, None)
 
+    def ran_eagerly(self):
+        """Count a device part the caller ran eagerly itself (``passes.py``'s first execution
+        of ``steps_per_execution`` steps, one single step at a time)."""
+        self._ran("eager", None)
+
     def run(self, key, fn, *args):
         """Run the device part ``fn(*args)`` of a pass; returns what ``fn`` returned the
         first time this key ran (device buffers, e.g. predict's outputs: a replay writes

@@ -187,7 +187,7 @@ class CapturedStep:
                     self.graphs.compile_first(("train", mode, scale) + _addresses(inputs),
                                               step.device_part, (inputs, mode, scale), step.rolled_back_on_error)
                     step.device_part(inputs, mode, scale)
-                self.graphs._ran("eager", None)
+                self.graphs.ran_eagerly()
             self.graphs.ran_once(execution)                  # all N done: the next is captured
             return
         with step.rolled_back_on_error():
@@ -219,7 +219,7 @@ class CapturedStep:
                 self.graphs.compile_first(("evaluate", mode) + _addresses(inputs),
                                           step.evaluate_part, (inputs, mode), step.rolled_back_on_error)
                 step.evaluate_part(inputs, mode)
-                self.graphs._ran("eager", None)
+                self.graphs.ran_eagerly()
             self.graphs.ran_once(execution)
             return
         work = []

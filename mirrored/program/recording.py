@@ -146,7 +146,7 @@ class Recording:
     def __init__(self, no_variables=False, dry=False):
         self.dry = dry
         self.launches = None          # dry: the kernel launches, written down, not made
-        self._plan = None
+        self._plan = self._outer = None
         self.entries = []
         self.refused = None           # (reason, (filename, line, text)) of the first refusal
         self.variables_made = 0
@@ -158,7 +158,8 @@ class Recording:
         self.not_kept = []             # buffers whose copy failed: a roll-back cannot restore them
 
     def __enter__(self):
-        if backends.BOUNDARY.recorder is not None:
+        self._outer = backends.BOUNDARY.recorder       # a dry run may plan inside a trace
+        if self._outer is not None and not self.dry:
             raise RuntimeError("this thread is already recording a trace; a @function called inside "
                                "another one's trace runs inside it (traced_function.py checks first).")
         if self.dry:
@@ -168,7 +169,7 @@ class Recording:
         return self
 
     def __exit__(self, *exc):
-        backends.BOUNDARY.recorder = None
+        backends.BOUNDARY.recorder = self._outer
         if self._plan is not None:
             self._plan.__exit__(*exc)
             self._plan = None
