@@ -24,7 +24,7 @@ and what this file does in its place:
 3. **Replay.** Later calls with the same key copy the new arguments' tensors into
    the input slots, then run the record: the launches in order, on the same buffers,
    with the host work recorded as callbacks run again (the optimizer's step count and
-   Adam's alpha, ``tf.print``, host metrics). No Python of the user's function, no
+   Adam's alpha, the count of updates done, ``tf.print``, host metrics). No Python of the user's function, no
    ``strategy.run`` replica threads, no tape. On CPU devices this is the launch list;
    on one GPU card the launches between two host callbacks are captured once as a
    CUDA graph and replayed as one (a ``ConcreteFunction`` is a ``program/replay.py``

@@ -30,11 +30,14 @@ verbs::
                              first run on a GPU, ``kernels/compile_ahead.py`` compiles the
                              kernels it names in several processes at once
 
-One key per program: what the launches depend on (the input signature of a
-``@function`` call; for ``fit``/``evaluate``/``predict`` the pass, the loss mode and the
-input buffers, i.e. the batch size, as Keras keys its ``tf.function``-wrapped
-``train_step``). One rollback rule: a run that raises leaves nothing (the recording's
-``roll_back``; the step's ``rolled_back_on_error``).
+The rules, the same for every user. A key says what the launches depend on (the input
+signature of a ``@function`` call; for ``fit``/``evaluate``/``predict`` the pass, the loss
+mode and the input buffers, i.e. the batch size, as Keras keys its ``tf.function``-wrapped
+``train_step``). The first run of a key is eager (it compiles kernels and makes every
+buffer); only a key whose first run completed is captured (``StepGraphs.warm``). A run that
+raises leaves nothing: a trace puts back what it changed (``Recording.roll_back``), a step
+drops what it made (``Step.rolled_back_on_error``, which is also a dry run's undo), a replay
+puts back the host numbers its host entries changed (``replay.Program.run``).
 
 Who uses it:
 
