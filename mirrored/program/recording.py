@@ -326,6 +326,19 @@ class ThreadRecorder:
         return result
 
 
+def record(fn):
+    """``fn()`` run once with its device calls written down: ``(its result, a
+    replay.Program of them)``, or ``(its result, None)`` where the run cannot be replayed (it
+    read a device value on the host: the caller runs ``fn`` eagerly from then on). What
+    ``fit``'s call-layers and a loss written in ops keep per key (``keras/call_layers.py``).
+    An ``fn`` that raises leaves what it changed, as its eager run would."""
+    rec = Recording()
+    with rec:
+        result = fn()
+    rec.forget()
+    return result, (replay.Program(rec.entries) if rec.refused is None else None)
+
+
 class _Planned(Exception):
     """Leaves a dry run's ``undo`` block by an exception, so that it drops what the run made."""
 
