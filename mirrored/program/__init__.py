@@ -50,8 +50,11 @@ Who uses it:
   first run, then captured per key straight from its Python (not from a recording: so its
   one host entry, the update count, is set by ``StepPasses.counted``), and
   ``steps_per_execution=N`` is one graph over N input slots (staging copies). On CPU
-  devices and in the simulator there is nothing to capture, and fit runs its step
-  eagerly, every launch from its Python.
+  devices and in the simulator there is nothing to capture: fit launches its built-in
+  layers from their Python every step; and
+* inside any ``fit`` step, on every kind of device, a layer whose ``call`` is made of ops
+  and a loss written in ops (``keras/call_layers.py``): each recorded once per batch size
+  (``recording.record``) and replayed as a ``Program`` after, with none of their Python.
 
 Neighbours: ``mirrored/backends.py`` and ``mirrored/devices.py`` (the device boundary the
 recorder sits at), ``mirrored/traced_function.py`` (``@function``), ``mirrored/keras/step.py``
