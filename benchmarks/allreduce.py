@@ -7,7 +7,7 @@
 What is timed: ``CrossDeviceOps._sum_in_place(buffers, devices)`` on flat float32
 buffers already on the devices (in place, as nccl-tests' all_reduce_perf), for
 ``RingAllReduce`` and ``ReductionToOneDevice``, and on a GPU the ring once more captured
-as a CUDA graph and replayed (``mirrored.graphs``, as ``fit`` runs it by default,
+as a CUDA graph and replayed (``mirrored.program.capture``, as ``fit`` runs it by default,
 ``compile(run_eagerly=False)``: the same kernels and events, without Python's cost per
 launch, which dominates the eager ring on logical GPUs); medians of CUDA-event timings after
 warm-up (``benchmarks/common.py``). Each algorithm's result is checked first
@@ -136,7 +136,7 @@ def _time_ring_graph(devs, elements, timer):
     or (None, why it was not timed)."""
     import numpy as np
     from mirrored.ring import RingAllReduce
-    from mirrored.graphs import StepGraphs
+    from mirrored.program.capture import StepGraphs
     ring = RingAllReduce()
     graphs = StepGraphs(devs, ring)
     if not graphs.enabled:
@@ -246,7 +246,7 @@ def run(args):
             "ring_mem_GBps": "5(N-1) * bytes / median ring time / 1e9",
             "copy_GBps": "2 * bytes / median device-to-device copy time / 1e9",
             "ring_graph": "the same ring captured once as a CUDA graph and replayed "
-                          "(mirrored.graphs.StepGraphs, as fit does by default)",
+                          "(mirrored.program.capture.StepGraphs, as fit does by default)",
         },
         "copy": copy,
         "results": rows,

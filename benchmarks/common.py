@@ -206,7 +206,7 @@ def time_gpu(fn, warmup=WARMUP, repeat=REPEAT, number=None, stream=None):
     call itself: the GPU then waits for each launch, and the events bracket the waits. Measured
     on an H100, every conv and pooling kernel at batch 64 was in that regime. Here ``fn``'s
     launches on ``stream`` are captured once as a graph of ``number`` calls
-    (``cuStreamBeginCapture`` ... ``cuStreamEndCapture``, as ``mirrored/graphs.py`` captures a
+    (``cuStreamBeginCapture`` ... ``cuStreamEndCapture``, as ``mirrored/program/capture.py`` captures a
     step) and the graph is replayed between two events: the GPU runs the kernels back to back,
     whatever Python costs.
 

@@ -1202,7 +1202,7 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
                     make.label = f"{model_name} ours MirroredStrategy x1 custom loop " + (
                         "@function" if compiled else "eager")
                 makers.append(make)
-        if gpu and "graph" in modes and hasattr(tf, "graphs"):
+        if gpu and "graph" in modes and (hasattr(tf, "program") or hasattr(tf, "graphs")):
             custom = args.rows == "custom"      # fit's graph x1 alone: what the custom loop is held to
             for r in (False,) if no_resident or custom else (False, True):
                 for n in RESIDENT_GRAPH_COUNTS if r else (1,) if custom else GRAPH_COUNTS:
@@ -1211,7 +1211,7 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
                     make.label = f"{model_name} ours MirroredStrategy x{n}{' resident' if r else ''} graph"
                     makers.append(make)
         elif gpu and "graph" in modes and model_name == next(iter(models)):
-            skipped.append({"name": "graph rows", "reason": "this mirrored has no mirrored.graphs"})
+            skipped.append({"name": "graph rows", "reason": "this mirrored has no CUDA-graph capture (mirrored.program)"})
         if torch is not None:
             makers.append(lambda: TorchRow(torch, tf, gpu, m, x, y, w))
             base.append(makers[-1])

@@ -9,9 +9,10 @@ an H200). Two cannot compile at once in one process: numba-cuda holds its
 Two processes can, and what one process compiles, another loads from numba's disk cache
 in milliseconds (``kernels/disk_cache.py``). So, at a step's first run:
 
-    1. plan       run the step's device part once with every launch written down and none
-                  made (``kernels.launch.planned``): the (kernel, argument types) its first
-                  real run will compile
+    1. plan       the caller runs the step's device part once as a dry recording, every
+                  launch written down and none made (``mirrored/program/recording.py``'s
+                  ``dry_run``, over ``kernels.launch.planned``): the (kernel, argument types)
+                  its first real run will compile
     2. missing    keep those neither compiled in this process nor on disk (a kernel on disk
                   is loaded now, as its launch would load it)
     3. at once    start up to ``MAX_CHILDREN`` processes (one per free core, less one for this
@@ -26,12 +27,13 @@ index would each drop the other's entry. A kernel a factory made per layer shape
 (``kernels/conv2d_v3.py``) is made again in the child from its ``KernelSpec.made_by``.
 
 Why the plan run is safe. A device part is kernel launches only (``mirrored/keras/step.py``):
-what a CUDA graph captures and replays without running its Python (``mirrored/graphs.py``).
+what a CUDA graph captures and replays without running its Python (``mirrored/program/capture.py``).
 With no launch made, the memory the step computes with is not touched (the ring's peer
-copies move gradient chunks the real run computes again). Two things its Python does at a
-first run only are put back: the buffers made on first use (an optimizer's slots, zeroed by
-a launch the plan does not make) are dropped, and the optimizer's count of updates done goes
-back (the caller's ``undo``: ``Step.rolled_back_on_error``, ``graphs.CapturedStep``). It is planned only
+copies move gradient chunks the real run computes again), and the host calls a dry
+recording writes down are not run (the optimizer's count of updates done is one). What its
+Python does at a first run only is put back: the buffers made on first use (an optimizer's
+slots, zeroed by a launch the plan does not make) are dropped (the dry run's ``undo``:
+``Step.rolled_back_on_error``, from ``mirrored/program/passes.py``). It is planned only
 where kernels compile and the device part sends nothing to another process: real GPUs (not
 the simulator), one worker (between workers the ring sends MPI messages from the host), the
 passes run through ``CapturedStep`` (not ``run_eagerly=True``, nor replicas on several
@@ -57,11 +59,10 @@ GPU host is measured there (``benchmarks/gpu_session.sh`` 40: the lab cold, with
 
 Neighbours: ``kernels/launch.py`` (``planned``), ``kernels/registry.py`` (``spec_of``,
 ``made_by``), ``kernels/disk_cache.py`` (where compiled kernels go, ``load``),
-``mirrored/graphs.py`` (``StepGraphs.compile_first`` calls ``before_first_run`` for fit's,
-evaluate's and predict's first run of each batch shape).
+``mirrored/program/capture.py`` (``StepGraphs.compile_first`` hands ``before_first_run`` the
+dry run of fit's, evaluate's and predict's first run of each batch shape).
 """
 import ast
-import contextlib
 import heapq
 import importlib
 import json
@@ -99,10 +100,6 @@ def wanted():
             and disk_cache.wanted())
 
 
-class _PlanDone(Exception):
-    """Leaves a plan run's ``undo`` block by an exception, so that it drops what it made."""
-
-
 def note():
     """One line for ``python -m mirrored info``: whether a first run compiles ahead, and with
     how many child processes at most on this machine."""
@@ -119,26 +116,20 @@ def note():
             f"to {children} child process(es) and this one; {AHEAD_VAR}=0 turns it off")
 
 
-def before_first_run(fn, args, device_id=0, children=None, undo=None):
-    """Compile what ``fn(*args)`` (a device part: launches only) will launch, before it runs
-    for the first time; ``device_id``: the CUDA device the children compile on (the first
-    replica's). ``children``: how many child processes at most (default: the free cores
-    less one, at most ``MAX_CHILDREN``, and as many contexts as fit in half the device's free
-    memory: ``CHILD_CONTEXT_BYTES``). ``undo()``: a context manager that drops every
-    buffer made inside it when an exception leaves it (``Step.rolled_back_on_error``): a device part
-    makes some buffers at its first run (an optimizer's slots, filled with zeros by a
-    launch), and the plan run makes them without the launch, so they must not stay. Never
-    raises: what is not compiled here compiles at its launch."""
+def before_first_run(plan, device_id=0, children=None):
+    """Compile what a device part will launch, before it runs for the first time. ``plan()``:
+    the launches it will make, [(kernel, args)], written down and none made (the caller's dry
+    run: ``mirrored/program/recording.py``'s ``dry_run``, over ``launch.planned``; it puts
+    back what the run made). ``device_id``: the CUDA device the children compile on (the
+    first replica's). ``children``: how many child processes at most (default: the free
+    cores less one, at most ``MAX_CHILDREN``, and as many contexts as fit in half the
+    device's free memory: ``CHILD_CONTEXT_BYTES``). Never raises: what is not compiled here
+    (a plan that raised included) compiles at its launch."""
     start = time.perf_counter()
     try:
-        with (undo or contextlib.nullcontext)():
-            with launch.planned() as launches:
-                fn(*args)
-            planned, jobs = len(launches), missing(launches)
-            del launches                     # the plan's buffers go with the undo
-            raise _PlanDone
-    except _PlanDone:
-        pass
+        launches = plan()
+        planned, jobs = len(launches), missing(launches)
+        del launches
     except Exception as err:        # noqa: BLE001 - the real run raises it, in its words
         log.append({"planned": None, "error": f"the plan run raised {type(err).__name__}: {err}"})
         return log[-1]

@@ -11,8 +11,9 @@ One place decides three things for all kernels:
   of the launch, then one driver call;
 * which argument checks need not run again (``check_array``, ``check_no_alias``
   remember what a device array passed: ``_facts``);
-* a plan run (``planned``): the launches written down, not made, so that
-  ``compile_ahead.py`` can compile a step's kernels before its first launch.
+* a plan run (``planned``): the launches written down, not made: the part below the
+  device boundary of a dry recording (``mirrored/program/recording.py``), from which
+  ``compile_ahead.py`` compiles a step's kernels before their first launch.
 
 Why ``launch`` exists: on a real GPU ``kernel[grid, block, stream]`` returns a
 new *configured* kernel object, which is cheap to keep and call again. In the
@@ -270,9 +271,10 @@ class planned:
     (kernel, args), in launch order, with nothing run and nothing compiled.
 
     Why: a step's kernels compile at their first launch, one after the other (numba-cuda's
-    compiler lock). ``kernels/compile_ahead.py`` runs the step's device part once like this
-    to learn which kernels, for which argument types, its first real run will launch, and
-    compiles them ahead, in several processes at once. Other threads launch as usual."""
+    compiler lock). A dry recording (``mirrored/program/recording.py``, ``dry_run``) runs the
+    step's device part once inside this to learn which kernels, for which argument types, its
+    first real run will launch; ``kernels/compile_ahead.py`` compiles them ahead, in several
+    processes at once. Other threads launch as usual."""
 
     def __enter__(self):
         self.before = getattr(_plans, "launches", None)

@@ -20,7 +20,7 @@ Scalars are computed once per step on the host in float64 and rounded once to fl
 (``sgd_scalars``, ``adam_scalars``: a small vector, the *hyper-parameter vector*). The
 kernels read that vector from DEVICE memory rather than take the numbers as launch
 arguments: a launch argument is frozen into a captured CUDA graph, a device buffer is
-not, so a training step captured once (``mirrored/graphs.py``) still updates with each
+not, so a training step captured once (``mirrored/program/capture.py``) still updates with each
 step's alpha once the host has copied the new vector into the buffer. The NumPy
 references read the very same float32 vector and do float32 math in the same order. The GPU may still differ from NumPy in the last bit:
 NVVM fuses ``a * b + c`` into one fused multiply-add (one rounding instead of two).

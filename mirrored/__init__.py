@@ -5,7 +5,7 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,493 in all)::
+Reading order: one training step in five files (lines at this writing; 1,492 in all)::
 
     1. keras/step.py        269  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
@@ -14,10 +14,10 @@ Reading order: one training step in five files (lines at this writing; 1,493 in 
     2. keras/engine.py      354  ReplicaProgram: one replica's program of layer nodes (a
                                  DAG in topological order) forward, the loss, backward
                                  (step 2); ParameterPack; all_reduce (step 3)
-    3. keras/layers.py      360  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
+    3. keras/layers.py      354  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
-    5. keras/optimizers.py  220  Adam/SGD ``update``: one launch per device (step 4)
+    5. keras/optimizers.py  225  Adam/SGD ``update``: one launch per device (step 4)
 
    Beside them: keras/trainer.py (fit's loop around the step), keras/models.py (Model,
    Sequential, Functional: made and built), keras/functional.py (keras.Input, layer calls, the nodes' topological order,
@@ -32,9 +32,10 @@ Reading order: one training step in five files (lines at this writing; 1,493 in 
    ``python -m benchmarks.trace_step`` counts the files one step of the lab ConvNet
    calls into.
 
-Around the step, wrapping it from outside: graphs.py (CUDA-graph capture), traced_function.py
-(``@function``: a custom loop's step traced once, then replayed; recording.py, what it
-records at the device boundary); and, apart
+Around the step, wrapping it from outside: program/ (the device program: a step's device
+calls recorded, replayed, captured as CUDA graphs, planned; its docstring tells it in one
+story), traced_function.py (``@function`` on it: a custom loop's step traced once, then
+replayed); and, apart
 from the library, the labs' measuring and drawing in lab/: lab/timing.py (phase timer,
 TimedStep), lab/scaling.py (compare strategies), lab/perf_model.py (N GPUs predicted),
 lab/viz.py (drawings).
@@ -74,7 +75,7 @@ Map of the rest:
     lab/workflow.py  the command-line lab (``python -m mirrored``) and the lab's model
     lab/labs.py   the lab notebooks' first cell (``labs.setup``)
 """
-from mirrored import config, data, datasets, distribute, errors, graphs, keras, nn, random
+from mirrored import config, data, datasets, distribute, errors, keras, nn, program, random
 from mirrored import checkpoint as train  # tf.train: Checkpoint, CheckpointManager, latest_checkpoint
 from mirrored.devices import device_scope as device
 from mirrored.distribute import (InputContext, MirroredStrategy, MultiWorkerMirroredStrategy,

@@ -486,12 +486,12 @@ class CudaOps:
 
 
 # --- the device boundary: where a trace sees each call ----------------------------------------
-# A ``@function``'s trace (recording.py) writes down every call that crosses into a device.
+# A ``@function``'s trace (program/recording.py) writes down every call that crosses into a device.
 # Which calls a thread makes belongs to that thread alone: a data loader, a notebook's timer
 # or a second caller of the same function must never land in someone else's trace. So each
 # boundary method is wrapped ONCE, when its class is made (the two ops classes here, the
 # devices' methods in devices.py), and the wrapper asks the calling thread whether it
-# records: ``BOUNDARY.recorder``, a ``threading.local`` slot that recording.py sets for the
+# records: ``BOUNDARY.recorder``, a ``threading.local`` slot that program/recording.py sets for the
 # tracing thread and for the replica threads its ``strategy.run`` starts (mirrored_run.py
 # hands the recorder on explicitly), and nobody else. Not recording: the method, one extra
 # call. Recording: ``recorder.device_call(kind, ...)`` decides what to write down.

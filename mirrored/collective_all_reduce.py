@@ -49,7 +49,7 @@ import dataclasses
 
 import numpy as np
 
-from mirrored import recording
+from mirrored.program import recording
 from mirrored.ring import RingAllReduce, record_event, wait_event
 
 

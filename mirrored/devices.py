@@ -589,7 +589,7 @@ class _Activation:
     driver calls and ~10 µs of Python each time. One step entered it six times (its input
     copy, x's and y's uploads inside it, the layers' buffers, the optimizer's scalars, the
     graph's launch), every time for the context already current. Now the step enters its
-    device once around all of it (``graphs.CapturedStep.train``) and the blocks inside
+    device once around all of it (``program/passes.py``'s ``CapturedStep.train``) and the blocks inside
     find the context current and do nothing. Blocks nest lexically (``with``), so this
     thread's record of the innermost one is exact; a different GPU inside pushes its own
     context and puts the record back when it pops. Each thread has its own record, as

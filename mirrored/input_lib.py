@@ -54,7 +54,8 @@ import numpy as np
 
 from kernels.launch import ceil_div
 from mirrored import data as _data
-from mirrored import nest, recording
+from mirrored import nest
+from mirrored.program import recording
 from mirrored.errors import OutOfRangeError, ResourceExhaustedError
 from mirrored.tensor import Tensor, TensorSpec, constant
 from mirrored.values import PerReplica

@@ -39,7 +39,8 @@ import queue
 import threading
 import weakref
 
-from mirrored import context, recording
+from mirrored import context
+from mirrored.program import recording
 from mirrored import devices as _dev
 from mirrored.errors import DeadlineExceededError
 from mirrored.values import select_replica

@@ -64,7 +64,8 @@ from mirrored import nest
 from mirrored.collective_all_reduce import CollectiveAllReduce
 from mirrored.strategy import (MirroredStrategy, Strategy, StrategyExtended, choose_devices,
                                host_components, reduce_on_host)
-from mirrored import backends, context, recording, workers as _workers
+from mirrored import backends, context, workers as _workers
+from mirrored.program import recording
 from mirrored.cross_device_ops import ReduceOp
 from mirrored.tensor import HostTensor, Tensor
 from mirrored.traced_function import reduce_in_trace

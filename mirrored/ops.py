@@ -60,7 +60,8 @@ import numbers
 import numpy as np
 
 from kernels import broadcast, unary_math
-from mirrored import autodiff, devices, recording
+from mirrored import autodiff, devices
+from mirrored.program import recording
 from mirrored import tensor
 from mirrored.errors import InvalidArgumentError
 from mirrored.tensor import Tensor, as_dtype, cast as _cast_no_grad

@@ -21,8 +21,8 @@ import threading
 import numpy as np
 
 from kernels import random_fill
-from mirrored import devices, ops, recording, tensor
-
+from mirrored import devices, ops, tensor
+from mirrored.program import recording
 #: TensorFlow's global seed when only an op seed is given (``random_seed.DEFAULT_GRAPH_SEED``).
 DEFAULT_GRAPH_SEED = 87654321
 

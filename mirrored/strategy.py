@@ -39,7 +39,8 @@ import warnings
 
 import numpy as np
 
-from mirrored import autodiff, backends, context, nest, recording
+from mirrored import autodiff, backends, context, nest
+from mirrored.program import recording
 from mirrored import devices as _dev
 from mirrored.traced_function import reduce_in_trace
 from mirrored.cross_device_ops import CrossDeviceOps, ReduceOp, ReductionToOneDevice

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 from mirrored import devices as _dev
-from mirrored import recording
+from mirrored.program import recording
 from mirrored.errors import InvalidArgumentError
 
 # dtype names, as ``tf.float32`` etc. They are NumPy dtypes: anything that

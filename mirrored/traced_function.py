@@ -1,6 +1,8 @@
 """``@mirrored.function``: trace once per input signature, then replay (TensorFlow's ``tf.function``).
 
-What TensorFlow does, and what this file does in its place:
+The API over the device program (``mirrored/program/``: record, replay, capture): the
+signature key, the input slots, the outputs, TensorFlow's rules. What TensorFlow does,
+and what this file does in its place:
 
 1. **Key.** Each call is keyed by its *input signature*: the nesting of the arguments,
    each tensor's shape, dtype and device (a ``PerReplica`` batch: each replica's), and
@@ -14,7 +16,7 @@ What TensorFlow does, and what this file does in its place:
    mismatch: TensorFlow's ``TypeError``, and nothing runs).
 2. **Trace.** The first call for a key runs the Python once, eagerly, inside a
    ``recording.Recording``: every device call the library makes on the way (each
-   ``dev.ops.<op>`` launch, copy and upload: ``recording.py``) is written down, with
+   ``dev.ops.<op>`` launch, copy and upload: ``program/recording.py``) is written down, with
    the very buffers it used. The tensors of the arguments are first copied into
    *input slots*, buffers this trace owns, so the record reads those. Python side
    effects (``print``, appending to a list) happen here only, as in TensorFlow;
@@ -22,15 +24,16 @@ What TensorFlow does, and what this file does in its place:
 3. **Replay.** Later calls with the same key copy the new arguments' tensors into
    the input slots, then run the record: the launches in order, on the same buffers,
    with the host work recorded as callbacks run again (the optimizer's step count and
-   Adam's alpha, ``tf.print``, host metrics). No Python of the user's function, no
+   Adam's alpha, the count of updates done, ``tf.print``, host metrics). No Python of the user's function, no
    ``strategy.run`` replica threads, no tape. On CPU devices this is the launch list;
    on one GPU card the launches between two host callbacks are captured once as a
-   CUDA graph and replayed as one (``graphs.StepGraphs``, ``ReplayGraphs`` below).
+   CUDA graph and replayed as one (a ``ConcreteFunction`` is a ``program/replay.py``
+   ``Program``).
 4. **Outputs.** What the function returns is copied out of the record's buffers (a
    replay rewrites those) into buffers of its device that the caller gets to keep:
    ``total_loss += step(batch)`` adds on the device, with no host read per step, and
    ``float(total_loss)`` reads it. Those buffers come from a small pool per returned
-   tensor (``OutputPool``): one is used again only once nothing holds it any more, so a
+   tensor (``replay.OutputPool``): one is used again only once nothing holds it any more, so a
    kept result (``losses.append(step(x))``) keeps its own step's value, and a loop that
    keeps nothing allocates nothing per step.
 
@@ -43,7 +46,7 @@ of a loss, an ``if`` on a tensor: Python control flow would be frozen on one val
 The call that found out has already run eagerly, completely, so nothing runs twice.
 
 **Threads.** A trace records its own thread's device calls and those of the replica
-threads its ``strategy.run`` starts, never another thread's (``recording.py``): a data
+threads its ``strategy.run`` starts, never another thread's (``program/recording.py``): a data
 loader's work, or another thread reading a tensor, is not part of the function. One call
 of a function traces or replays at a time (``Function._lock``): two threads making the
 first call at once trace it once and run it twice, and two threads replaying it each get
@@ -76,20 +79,21 @@ count, variables assigned before the error.
 every new shape traces (reduce_retracing cannot merge them), and every replay is
 already a fixed launch list (or graph).
 
-Neighbours: ``recording.py`` (what is recorded, how), ``graphs.py`` (CUDA graphs),
+Neighbours: ``program/`` (``recording.py``: what is recorded, how; ``replay.py``: the
+replay; ``capture.py``: CUDA graphs),
 ``strategy.py`` (``reduce`` calls ``reduce_in_trace``), ``keras/optimizers.py``
 (``begin_step``, a host callback), ``tensor.py`` (``tf.print``, a host callback).
 """
 import collections
 import functools
 import inspect
-import sys
 import threading
 import warnings
 
 import numpy as np
 
-from mirrored import backends, context, devices, graphs, nest, recording
+from mirrored import backends, context, devices, nest
+from mirrored.program import capture, recording, replay
 from mirrored.tensor import Tensor, TensorSpec, as_function_output
 from mirrored.values import DistributedValues, Variable
 
@@ -428,37 +432,32 @@ def _copy(tensor):
 
 # --- one trace: its record and how it is replayed ------------------------------------------
 
-class ConcreteFunction:
-    """One input signature's record: the input slots, the entries, the outputs (TensorFlow's
-    ``ConcreteFunction``: what ``get_concrete_function`` returns, one traced graph)."""
+class ConcreteFunction(replay.Program):
+    """One input signature's record: a ``replay.Program`` (the entries, run again) with the
+    call's input slots and what it returns (TensorFlow's ``ConcreteFunction``: what
+    ``get_concrete_function`` returns, one traced graph)."""
 
     def __init__(self, slots, entries, result):
+        super().__init__(entries, capture.ReplayGraphs.for_devices(replay.devices_of(entries)))
         self.slots = slots
-        self.entries = list(entries)
         self.result = result
         self.pools = None                          # id(returned tensor) -> OutputPool (outputs)
-        self.devices = _devices_of(self.entries)
-        self.graphs = ReplayGraphs.for_devices(self.devices)
-        if self.graphs is None:
-            self.segments = [self.entries]         # CPU (or no graphs): the list, in order
-        else:
-            self.segments = segments(reorder(self.entries))
 
     def outputs(self):
         """What this call returns: the record's result, each tensor the record writes
         copied into a buffer of its ``OutputPool``; a tensor it never touches (one the
         function captured and returns as it is) comes back as itself."""
         if self.pools is None:
-            buffers = [b for e in self.entries for b in e.buffers()] + [buf for _, buf in self.slots.slots]
-            self.pools = {id(t): OutputPool(t)
+            buffers = self.buffers() + [buf for _, buf in self.slots.slots]
+            self.pools = {id(t): replay.OutputPool(t)
                           for t in (t for leaf in nest.flatten(self.result) for t in _device_tensors(leaf))
-                          if _overlaps([t.buf], [_Buffers(buffers)])}
+                          if replay.touches(t.buf, buffers)}
         return nest.map_structure(self._copied, self.result)
 
     def _copied(self, leaf):
         if isinstance(leaf, Tensor):
             pool = self.pools.get(id(leaf))
-            return leaf if pool is None else pool.copy_of(leaf)
+            return leaf if pool is None else Tensor(pool.copy_of(leaf), pool.dev)
         if isinstance(leaf, DistributedValues) and not isinstance(leaf, Variable):
             if any(id(t) in self.pools for t in _device_tensors(leaf)):
                 return type(leaf)([self._copied(c) for c in leaf.values])
@@ -467,208 +466,8 @@ class ConcreteFunction:
     def replay(self, args, kwargs):
         """Run the record on a new call's tensors; returns this call's outputs."""
         self.slots.refill(args, kwargs)
-        undo = []
-        try:
-            for i, part in enumerate(self.segments):
-                if isinstance(part, list):
-                    if self.graphs is not None:
-                        self.graphs.run(("replay", id(self), i), _run_launches, part)
-                    else:
-                        _run_entries(part, undo)
-                else:
-                    _run_entries([part], undo)
-        except BaseException:
-            for restore in reversed(undo):     # the host state as before this call
-                restore()
-            raise
+        self.run()
         return self.outputs()
-
-
-#: How many buffers an ``OutputPool`` keeps. Two take turns in ``loss = step(x)``; kept
-#: results beyond this many are the caller's alone (the pool forgets them).
-POOL_SIZE = 4
-
-
-class OutputPool:
-    """The buffers one returned tensor of a trace is copied into, each used again only
-    when nothing else holds it.
-
-    Why copy at all: a replay rewrites the record's own buffers, so a result must leave
-    them. Why not one buffer, rewritten each call: the caller may keep a result
-    (``losses.append(step(x))``, read after the loop), and in TensorFlow each call's
-    tensors are its own. Why not a new buffer every call: that is an allocation per
-    returned tensor per step (on a GPU, a cudaMalloc, and numba's deferred frees that
-    synchronise the card).
-
-    When is a buffer free? When no Tensor, view or NumPy array refers to its memory.
-    Python counts references, so the pool asks (``_references``): ``sys.getrefcount`` of
-    the buffer and of the object that owns its memory (``devices.memory_owner``: the
-    array itself on a CPU, the simulator's NumPy array, the GPU allocation every view
-    counts on), compared with the counts they had when the buffer was new, held by the
-    pool alone. A returned Tensor holds the buffer; a reshape or slice of it holds the
-    owner: either keeps the buffer theirs. (A weakref on the returned Tensor would miss
-    a view that outlives it.)
-
-    In ``loss = step(x)`` the previous result is still bound while the next call runs,
-    so two buffers take turns: no allocation after the first two calls. When all
-    ``POOL_SIZE`` are held, a new buffer is made and the oldest is forgotten (it is the
-    caller's; Python frees it when they drop it). ``allocations`` counts what was made."""
-
-    def __init__(self, tensor):
-        self.dev, self.shape, self.dtype = tensor.dev, tensor.shape, tensor.dtype
-        self.entries = []              # [buffer, its owner's reference count when held by the pool alone]
-        self.oldest = 0                # the entry to forget next when all are held
-        self.allocations = 0
-
-    def copy_of(self, tensor):
-        """A Tensor on a free buffer of the pool holding a copy of ``tensor``'s values."""
-        buf = self._take()
-        if tensor.buf.size:
-            with self.dev.activate():
-                self.dev.copy_into(buf, tensor.buf)
-        return Tensor(buf, self.dev)
-
-    def _take(self):
-        for entry in self.entries:
-            if _references(entry) == entry[1]:      # as when the pool alone held it
-                return entry[0]
-        with self.dev.activate():
-            entry = [self.dev.empty(self.shape, self.dtype), 0]
-        entry[1] = _references(entry)          # the same way as the check above: the same count
-        self.allocations += 1
-        if len(self.entries) < POOL_SIZE:
-            self.entries.append(entry)
-        else:
-            self.entries[self.oldest] = entry
-            self.oldest = (self.oldest + 1) % POOL_SIZE
-        return entry[0]
-
-
-def _references(entry):
-    """References to ``entry[0]`` (an ``OutputPool`` entry's buffer) and to the object
-    owning its memory: a Tensor holds the buffer (a GPU array holds the owner, once,
-    however many Tensors hold the array), a view holds the owner."""
-    return sys.getrefcount(entry[0]), sys.getrefcount(devices.memory_owner(entry[0]))
-
-
-class _Buffers:
-    """A list of buffers where ``_overlaps`` expects entries."""
-
-    def __init__(self, buffers):
-        self._buffers = buffers
-
-    def buffers(self):
-        return self._buffers
-
-
-def _run_entries(entries, undo):
-    for entry in entries:
-        restore = entry.run()
-        if restore is not None:
-            undo.append(restore)
-
-
-def _run_launches(entries):
-    for entry in entries:
-        entry.run()
-
-
-def _devices_of(entries):
-    found = {}
-    for entry in entries:
-        dev = entry.device() if hasattr(entry, "device") else None
-        if hasattr(dev, "ops"):
-            found.setdefault(dev.name, dev)
-    return list(found.values())
-
-
-def segments(entries):
-    """The entries cut at each host callback: ``[launches...], HostCall, [launches...]``;
-    each list of launches can be captured as one CUDA graph. Uploads go with the host
-    calls (a copy from the host through a staging buffer is not captured)."""
-    out, run = [], []
-    for entry in entries:
-        if isinstance(entry, (recording.HostCall, recording.Upload)) or (
-                isinstance(entry, recording.PeerCopy) and entry.src.device_type != entry.dev.device_type):
-            if run:
-                out.append(run)
-                run = []
-            out.append(entry)
-        else:
-            run.append(entry)
-    if run:
-        out.append(run)
-    return out
-
-
-def reorder(entries):
-    """The entries with host work moved out of the launches where that changes nothing,
-    so that the launches of a step form one run (one CUDA graph):
-
-    * a host call that only writes device buffers (``begin_step``'s scalars), and an
-      upload of a traced constant, go to the front when no launch before them touches
-      what they write;
-    * a host call that only reads (``tf.print``, a metric's ``update_state``) goes to
-      the end when no launch after it touches what it read.
-
-    Order among the moved calls is kept. "Touches" is judged by address ranges, so it
-    is conservative (a launch that only reads a buffer still holds a write back); host
-    state two moved calls share is not tracked (a ``tf.print`` of the step count placed
-    before ``apply_gradients`` would show the count after it)."""
-    front, middle, back = [], [], []
-    for entry in entries:
-        moves_front = (isinstance(entry, recording.Upload) or
-                       (isinstance(entry, recording.HostCall) and not entry.reads and not entry.stays))
-        if moves_front and not _overlaps(entry.buffers(), middle):
-            front.append(entry)
-        else:
-            middle.append(entry)
-    kept = []
-    for entry in reversed(middle):
-        moves_back = isinstance(entry, recording.HostCall) and entry.reads and not entry.writes \
-            and not entry.stays
-        if moves_back and not _overlaps(entry.buffers(), kept):
-            back.append(entry)
-        else:
-            kept.append(entry)
-    return front + kept[::-1] + back[::-1]
-
-
-def _overlaps(buffers, entries):
-    spans = [_span(b) for b in buffers]
-    for entry in entries:
-        for other in entry.buffers():
-            lo, hi = _span(other)
-            if any(lo < b_hi and b_lo < hi for b_lo, b_hi in spans):
-                return True
-    return False
-
-
-def _span(buf):
-    """The address range ``[lo, hi)`` a buffer's bytes occupy."""
-    buf = getattr(buf, "_ary", buf)                   # the simulator's array inside
-    if isinstance(buf, np.ndarray):
-        lo, hi = np.byte_bounds(buf) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(buf)
-        return lo, max(hi, lo + 1)
-    cai = buf.__cuda_array_interface__
-    nbytes = int(np.prod(cai["shape"], dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
-    return cai["data"][0], cai["data"][0] + max(nbytes, 1)
-
-
-class ReplayGraphs(graphs.StepGraphs):
-    """``graphs.StepGraphs`` for a replay's runs of launches: each run (a key) is
-    captured the second time it runs and replayed as one CUDA graph after."""
-
-    @classmethod
-    def for_devices(cls, devices):
-        """The graphs of a replay over ``devices``, or None where nothing can be captured
-        (CPU devices, the simulator, several physical GPUs: the launch list is replayed)."""
-        # the launches are recorded, not summed by a cross-device op: only the card matters
-        if not devices or graphs.why_not_capturable(devices[:1]) is not None:
-            return None
-        if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
-            return None
-        return cls(devices, checked=True)      # every replica's stream joins the capture
 
 
 # --- strategy.reduce inside a trace ----------------------------------------------------------

@@ -22,7 +22,8 @@ import contextlib
 import enum
 import threading
 
-from mirrored import context, nest, recording
+from mirrored import context, nest
+from mirrored.program import recording
 from mirrored import devices as _dev
 from mirrored.tensor import Operators, Tensor, infer_host_array, as_dtype, numpy_repr
 

@@ -413,7 +413,7 @@ def tutorial_train_step(model, global_batch_size, loss_object=None):
 
 
 class ReplayByRerun:
-    """A stand-in for ``graphs._Graph`` where nothing can be captured: 'replaying' runs the
+    """A stand-in for ``capture._Graph`` where nothing can be captured: 'replaying' runs the
     device part again from Python (the same launches a graph holds), so the step's own host
     calls are counted as a captured step makes them."""
 

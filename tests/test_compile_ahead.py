@@ -1,6 +1,6 @@
 """Compiling a step's kernels ahead of its first launch (``kernels/compile_ahead.py``, issue 40).
 
-In the simulator (nothing compiles there, so ``graphs._compile_ahead`` is made to answer as on a
+In the simulator (nothing compiles there, so ``capture._compile_ahead`` is made to answer as on a
 GPU, with ``missing`` recording what the plan found instead of loading or compiling it):
 
 * the plan run of each pass's first device part writes down exactly the kernels, with the
@@ -34,7 +34,7 @@ import pytest
 
 import mirrored as tf
 from kernels import compile_ahead, launch
-from mirrored import graphs
+from mirrored.program import capture
 from conftest import ReplayByRerun
 
 L = tf.keras.layers
@@ -54,7 +54,7 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.plans = []
-        monkeypatch.setattr(graphs, "_compile_ahead", lambda devices, ops=None: compile_ahead)
+        monkeypatch.setattr(capture, "_compile_ahead", lambda devices, ops=None: compile_ahead)
         monkeypatch.setattr(compile_ahead, "missing", self.missing)
 
     def missing(self, launches):
@@ -103,8 +103,8 @@ def _fit(n_replicas, x, y, seed, steps_per_execution):
 def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
         devices, rng, monkeypatch, n_replicas, steps_per_execution):
     devices(gpus=n_replicas)
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)  # as on a GPU
-    monkeypatch.setattr(graphs, "_Graph", ReplayByRerun)
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devs, ops=None: None)  # as on a GPU
+    monkeypatch.setattr(capture, "_Graph", ReplayByRerun)
     x = rng.standard_normal((10, 8, 8, 1)).astype(np.float32)   # batches of 4, 4 and 2
     y = rng.integers(0, 3, 10)
     seed = int(rng.integers(1 << 30))
@@ -116,8 +116,8 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
     original = compile_ahead.before_first_run
     firsts = []
 
-    def before_first_run(fn, args, device_id=0, children=None, undo=None):
-        result = original(fn, args, device_id, children=0, undo=undo)
+    def before_first_run(plan, device_id=0, children=None):
+        result = original(plan, device_id, children=0)
         firsts.append(len(log.runs))                  # the real run's launches start here
         return result
     monkeypatch.setattr(compile_ahead, "before_first_run", before_first_run)
@@ -148,7 +148,7 @@ def test_the_plan_finds_what_the_first_run_launches_and_changes_nothing(
 def test_a_plan_run_that_raises_leaves_the_raise_to_the_real_run():
     def device_part(what):
         raise ValueError(what)
-    report = compile_ahead.before_first_run(device_part, ("bad buffers",))
+    report = compile_ahead.before_first_run(lambda: device_part("bad buffers"))
     assert report["planned"] is None and "ValueError: bad buffers" in report["error"]
 
 
@@ -170,6 +170,38 @@ def test_only_the_planning_thread_writes_its_launches_down():
     assert np.array_equal(out.copy_to_host(), np.full(5, 2.5, np.float32))
     assert len(launches) == 1 and len(inner) == 1
     assert launches[0][0] is inner[0][0] and float(launches[0][1][1]) == 7.0
+
+
+def test_a_dry_run_writes_launches_down_and_runs_no_host_call_even_inside_a_trace(rng):
+    """``recording.dry_run`` (the plan): each kernel launch written down and none made, a
+    host call (the update count, a metric) written down and not run, what the block made
+    dropped by its ``undo``; called inside a trace, the trace records on afterwards."""
+    import contextlib
+    from numba import cuda
+    from kernels import elementwise
+    from mirrored.program import recording
+    start = rng.standard_normal(5).astype(np.float32)
+    out = cuda.to_device(start)
+    ran, undone = [], []
+    host = recording.host_work(lambda: ran.append(1))
+
+    def part():
+        elementwise.fill(out, np.float32(rng.standard_normal()))
+        host()
+
+    @contextlib.contextmanager
+    def undo():
+        try:
+            yield
+        except BaseException:
+            undone.append(1)
+            raise
+    with recording.Recording() as trace:
+        launches = recording.dry_run(part, (), undo)
+        assert recording.active() is trace
+    assert len(launches) == 1 and launches[0][0].__name__ == "fill_kernel"
+    assert not ran and undone == [1] and trace.entries == []
+    np.testing.assert_array_equal(out.copy_to_host(), start)     # nothing launched
 
 
 class FakeKernel:
@@ -306,7 +338,7 @@ def test_before_first_run_warns_once_with_what_failed_and_how_to_turn_it_off(mon
     monkeypatch.setattr(compile_ahead, "compile_all", lambda jobs, device, children: {
         "children": 2, "here": 2, "errors": ["a child exited with code 1: boom"]})
     with pytest.warns(RuntimeWarning) as caught:
-        report = compile_ahead.before_first_run(lambda: None, (), children=2)
+        report = compile_ahead.before_first_run(lambda: [], children=2)
     assert report["missing"] == 5 and report["children"] == 2 and compile_ahead.log[-1] is report
     message = str(caught[0].message)
     assert "boom" in message and "MIRRORED_COMPILE_AHEAD=0" in message and "first launch" in message
@@ -324,7 +356,7 @@ def test_children_are_as_many_as_free_cores_and_gpu_memory_allow(monkeypatch):
         monkeypatch.setattr(compile_ahead, "_free_cores", lambda: cores)
         monkeypatch.setattr(compile_ahead, "_fit_in_memory",
                             lambda: int(free // 2 // compile_ahead.CHILD_CONTEXT_BYTES))
-        report = compile_ahead.before_first_run(lambda: None, ())
+        report = compile_ahead.before_first_run(lambda: [])
         assert report["children"] == want, (cores, free, report)
     assert asked == [compile_ahead.MAX_CHILDREN, 3, 2]
 
@@ -333,7 +365,7 @@ def test_a_run_with_nothing_missing_asks_nothing_of_the_device_and_an_odd_answer
         monkeypatch):
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: [])
     monkeypatch.setattr(compile_ahead, "_fit_in_memory", lambda: pytest.fail("asked the device"))
-    assert compile_ahead.before_first_run(lambda: None, ())["children"] == 0
+    assert compile_ahead.before_first_run(lambda: [])["children"] == 0
     monkeypatch.undo()
     # the simulator's context answers NaN for its free memory: no limit from it, no error
     assert compile_ahead._fit_in_memory() == compile_ahead.MAX_CHILDREN
@@ -345,11 +377,11 @@ def test_too_few_kernels_or_cores_start_no_child(monkeypatch):
     monkeypatch.setattr(compile_ahead, "compile_all", lambda *a: started.append(a) or
                         {"children": 1, "here": 1, "errors": []})
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs[:-1])
-    assert compile_ahead.before_first_run(lambda: None, (), children=4)["children"] == 0
+    assert compile_ahead.before_first_run(lambda: [], children=4)["children"] == 0
     monkeypatch.setattr(compile_ahead, "missing", lambda launches: jobs)
-    assert compile_ahead.before_first_run(lambda: None, (), children=0)["children"] == 0
+    assert compile_ahead.before_first_run(lambda: [], children=0)["children"] == 0
     assert started == []
-    assert compile_ahead.before_first_run(lambda: None, (), children=4)["children"] == 1
+    assert compile_ahead.before_first_run(lambda: [], children=4)["children"] == 1
 
 
 def test_a_child_reports_a_kernel_it_cannot_make_and_goes_on():

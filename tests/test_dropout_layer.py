@@ -143,7 +143,7 @@ def test_bad_dropout_arguments():
 
 
 def test_every_step_launches_the_same_arguments_and_draws_its_own_mask(devices, rng):
-    """What a CUDA graph of the step needs (mirrored/graphs.py): a training forward's dropout
+    """What a CUDA graph of the step needs (mirrored/program/capture.py): a training forward's dropout
     launches are the same, argument for argument (buffers and numbers), at every step, and
     still each step draws its own mask, the eager one for its counter: the counter lives on
     the device and a launch in the step advances it. A restored state is written into the

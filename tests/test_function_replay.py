@@ -15,7 +15,8 @@ from conftest import tutorial_train_step
 from test_one_step import OPTIMIZERS, custom_loop, make_model
 
 import mirrored as tf
-from mirrored import recording, traced_function
+from mirrored import traced_function
+from mirrored.program import recording, replay
 from mirrored.backends import CpuOps
 from mirrored.mirrored_run import ReplicaWorkers
 
@@ -120,7 +121,7 @@ def test_returned_tensors_accumulate_on_the_device(devices, rng):
 
 
 def test_kept_results_stay_their_own_and_a_loop_keeping_none_allocates_none(devices, rng, monkeypatch):
-    """Returned tensors come from a pool of buffers per output (traced_function.OutputPool):
+    """Returned tensors come from a pool of buffers per output (replay.OutputPool):
     a result the caller keeps (a list of losses, a view of one) is never rewritten by a later
     replay; where the caller keeps nothing, a replay allocates nothing on the devices."""
     devices(cpus=2)
@@ -156,7 +157,7 @@ def test_kept_results_stay_their_own_and_a_loop_keeping_none_allocates_none(devi
         np.testing.assert_array_equal(view.numpy(), want[1].reshape(1))
     assert len({float(t) for t, _ in kept}) == len(kept)
     trace, = traced_function_traces(replayed)
-    assert all(len(pool.entries) <= traced_function.POOL_SIZE for pool in trace.pools.values())
+    assert all(len(pool.entries) <= replay.POOL_SIZE for pool in trace.pools.values())
 
 
 def _count_allocations(monkeypatch, devs):
@@ -338,10 +339,12 @@ def test_the_step_reorders_into_one_run_of_launches_with_the_same_result(devices
     plain(batches[0])
     moved(batches[0])
     trace = next(iter(traced_function_traces(moved)))
-    parts = traced_function.segments(traced_function.reorder(trace.entries))
+    parts = replay.segments(replay.reorder(trace.entries))
     runs = [p for p in parts if isinstance(p, list)]
     assert len(runs) == 1, parts
-    assert [type(p).__name__ for p in parts] == ["HostCall", "list", "HostCall", "HostCall"]
+    # begin_step and the update count (Optimizer.count_update, a host entry) at the front,
+    # the metric's two host calls at the back
+    assert [type(p).__name__ for p in parts] == ["HostCall", "HostCall", "list", "HostCall", "HostCall"]
     trace.segments = parts
     for b in batches[1:]:
         plain(b)
@@ -376,13 +379,13 @@ def test_recording_catches_launches_made_by_code_holding_ops_from_before(devices
 def test_the_replay_captured_as_graphs_trains_as_eagerly(devices, rng, monkeypatch, kind, replicas):
     """Where graphs can be captured (here: ``test_graphs``'s stand-in, which records the
     launches a capture sees and replays them), a replay runs its one run of launches through
-    ``graphs.StepGraphs``: eagerly the first time, captured the second, replayed after. The
+    ``capture.StepGraphs``: eagerly the first time, captured the second, replayed after. The
     weights match the eager loop's bitwise."""
     from test_graphs import RecordedGraph
 
-    from mirrored import graphs
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devices, ops=None: None)
-    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    from mirrored.program import capture
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devices, ops=None: None)
+    monkeypatch.setattr(capture, "_Graph", RecordedGraph)
     RecordedGraph.captures = 0
     devices(cpus=replicas if kind == "CPU" else 1, gpus=replicas if kind == "GPU" else 0)
     strategy = tf.distribute.MirroredStrategy([f"{kind}:{i}" for i in range(replicas)])
@@ -493,9 +496,9 @@ def test_fit_and_a_replayed_custom_loop_taking_turns_train_as_eagerly(devices, r
     sees), train bitwise as the same turns run eagerly."""
     from test_graphs import RecordedGraph
 
-    from mirrored import graphs
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devices, ops=None: None)
-    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    from mirrored.program import capture
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devices, ops=None: None)
+    monkeypatch.setattr(capture, "_Graph", RecordedGraph)
     devices(cpus=2)
     strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
     batch, rows = 8, 40

@@ -4,7 +4,7 @@ Each test is one row of the issue's table, the TensorFlow column as the expectat
 
 * a trace records its own thread's device calls (and its ``strategy.run`` replica
   threads'), never another thread's: a data loader's or a notebook timer's work is not
-  part of the function (mirrored/recording.py: the recorder is a per-thread slot the
+  part of the function (mirrored/program/recording.py: the recorder is a per-thread slot the
   boundary's wrappers consult, ``backends.BOUNDARY``);
 * concurrent calls of one function are safe, each with its own results, and the first
   call traces once (a lock per function, traced_function.py);
@@ -242,8 +242,7 @@ def test_ctrl_c_inside_a_replayed_two_replica_step_stops_between_steps(devices, 
     entries = []
 
     def count(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith(
-                "recording.py"):
+        if event == "call" and _runs_an_entry(frame):
             entries.append(1)
     sys.setprofile(count)
     try:
@@ -260,8 +259,7 @@ def test_ctrl_c_inside_a_replayed_two_replica_step_stops_between_steps(devices, 
             seen = []
 
             def interrupt(frame, event, arg, at=at, seen=seen):
-                if event == "call" and frame.f_code.co_name == "run" and frame.f_code.co_filename.endswith(
-                        "recording.py"):
+                if event == "call" and _runs_an_entry(frame):
                     seen.append(1)
                     if len(seen) == at:
                         signal.raise_signal(signal.SIGINT)
@@ -423,3 +421,11 @@ def test_a_function_making_a_variable_on_every_call_raises_tensorflows_error(dev
         later(tf.constant(1.0), False)
         with pytest.raises(ValueError, match="singleton"):
             later(tf.constant(1.0), True)
+
+
+#: The entries' ``run`` methods (``mirrored/program/replay.py``): one call per entry replayed.
+ENTRY_RUNS = {"Launch.run", "Upload.run", "PeerCopy.run", "HostCall.run"}
+
+
+def _runs_an_entry(frame):
+    return frame.f_code.co_filename.endswith("replay.py") and frame.f_code.co_qualname in ENTRY_RUNS

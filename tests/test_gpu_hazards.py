@@ -236,7 +236,7 @@ def test_cross_device_copy_waits_both_ways(devices, monkeypatch, rng):
 # --- 5. a failed capture rejoins the streams, ends the capture, falls back to eager -------
 
 class FakeCapture:
-    """numba.cuda, the driver and its bindings as graphs.py uses them, logging every call:
+    """numba.cuda, the driver and its bindings as program/capture.py uses them, logging every call:
     ("record", event, stream), ("wait", event, stream), ("begin", stream), ("end", stream),
     ("destroy", graph), ... The capture is on between "begin" and "end"."""
 
@@ -297,13 +297,13 @@ def fake_gpus(n):
 
 
 def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(monkeypatch):
-    from mirrored import graphs
+    from mirrored.program import capture
     from mirrored.ring import RingAllReduce
     fake = FakeCapture()
-    monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
-    monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
+    monkeypatch.setattr(capture, "_driver_api", lambda: (fake, fake, fake))
+    monkeypatch.setattr(capture._dev, "cuda_mode", lambda: "real")
     devs = fake_gpus(3)
-    steps = graphs.StepGraphs(devs, RingAllReduce())
+    steps = capture.StepGraphs(devs, RingAllReduce())
     assert steps.enabled, steps.reason
     ran = []
 
@@ -333,12 +333,12 @@ def test_failed_capture_rejoins_every_stream_ends_it_and_falls_back_to_eager(mon
 
 def test_capture_that_works_still_replays_with_the_fake_driver(monkeypatch):
     # The same fakes on the good path: captured once, launched, every stream rejoined.
-    from mirrored import graphs
+    from mirrored.program import capture
     from mirrored.ring import RingAllReduce
     fake = FakeCapture()
-    monkeypatch.setattr(graphs, "_driver_api", lambda: (fake, fake, fake))
-    monkeypatch.setattr(graphs._dev, "cuda_mode", lambda: "real")
-    steps = graphs.StepGraphs(fake_gpus(2), RingAllReduce())
+    monkeypatch.setattr(capture, "_driver_api", lambda: (fake, fake, fake))
+    monkeypatch.setattr(capture._dev, "cuda_mode", lambda: "real")
+    steps = capture.StepGraphs(fake_gpus(2), RingAllReduce())
     how = []
     for _ in range(3):
         steps.run("k", lambda: None)

@@ -1,7 +1,7 @@
-"""CUDA graphs of fit, evaluate and predict (mirrored/graphs.py; compile(run_eagerly=False)).
+"""CUDA graphs of fit, evaluate and predict (mirrored/program/capture.py; compile(run_eagerly=False)).
 
 A graph cannot be captured on CPU devices or in Numba's simulator, so most of these tests
-put a stand-in in ``graphs._Graph``: ``RecordedGraph`` records the calls a pass makes on
+put a stand-in in ``capture._Graph``: ``RecordedGraph`` records the calls a pass makes on
 the devices' ops and copies without running them, and replays them with the arguments
 they were captured with (buffers by reference, numbers frozen, Python not re-run), which
 is what a CUDA graph holds. Through it, a model compiled with the default
@@ -20,7 +20,7 @@ import pytest
 
 from kernels import dropout as dropout_kernels
 import mirrored as tf
-from mirrored import graphs
+from mirrored.program import capture
 from mirrored.keras import layers as layers_mod
 
 L = tf.keras.layers
@@ -70,7 +70,7 @@ def pair(names, rng, dropout=False, n=29, din=5, batch=8, epochs=2, optimizer="a
 
 
 class RecordedGraph:
-    """A stand-in for ``graphs._Graph`` where CUDA has no graphs (see the module docstring)."""
+    """A stand-in for ``capture._Graph`` where CUDA has no graphs (see the module docstring)."""
 
     captures = 0
 
@@ -110,8 +110,8 @@ class RecordedGraph:
 @pytest.fixture
 def stand_in(monkeypatch):
     """Graphs 'enabled' on any device, captured and replayed by RecordedGraph."""
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devices, ops=None: None)
-    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devices, ops=None: None)
+    monkeypatch.setattr(capture, "_Graph", RecordedGraph)
     RecordedGraph.captures = 0
     return RecordedGraph
 
@@ -199,8 +199,8 @@ def test_step_graphs_run_each_key_eagerly_once_then_capture_once_then_replay(mon
         def close(self):
             pass
 
-    monkeypatch.setattr(graphs, "_Graph", FakeGraph)
-    sg = graphs.StepGraphs([])
+    monkeypatch.setattr(capture, "_Graph", FakeGraph)
+    sg = capture.StepGraphs([])
     sg.reason = None                                   # pretend the devices allow graphs
 
     def step(tag):
@@ -222,10 +222,10 @@ def test_a_failed_capture_warns_and_runs_eagerly_from_then_on(monkeypatch):
     class Refused:
         @classmethod
         def capture(cls, devices, fn, args):
-            raise graphs.CaptureError("cuStreamEndCapture failed: stand-in")
+            raise capture.CaptureError("cuStreamEndCapture failed: stand-in")
 
-    monkeypatch.setattr(graphs, "_Graph", Refused)
-    sg = graphs.StepGraphs([])
+    monkeypatch.setattr(capture, "_Graph", Refused)
+    sg = capture.StepGraphs([])
     sg.reason = None
     ran = []
     sg.run("k", ran.append, 1)
@@ -281,16 +281,16 @@ def test_reasons_a_step_cannot_be_captured(devices):
     devs = devices(cpus=1, gpus=2)
     cpu, two = devs[:1], devs[1:]
     assert [d.device_type for d in two] == ["GPU", "GPU"]
-    assert "CPU devices" in graphs.why_not_capturable(cpu)
-    reason = graphs.why_not_capturable(two, tf.distribute.ReductionToOneDevice())
+    assert "CPU devices" in capture.why_not_capturable(cpu)
+    reason = capture.why_not_capturable(two, tf.distribute.ReductionToOneDevice())
     assert "ReductionToOneDevice" in reason
-    reason = graphs.why_not_capturable(two, tf.distribute.RingAllReduce(trace=True))
+    reason = capture.why_not_capturable(two, tf.distribute.RingAllReduce(trace=True))
     assert "trace" in reason
     from mirrored.devices import cuda_mode
     if cuda_mode() != "real":
-        assert "simulator" in graphs.why_not_capturable(two, tf.distribute.RingAllReduce())
+        assert "simulator" in capture.why_not_capturable(two, tf.distribute.RingAllReduce())
     else:
-        assert graphs.why_not_capturable(two, tf.distribute.RingAllReduce()) is None
+        assert capture.why_not_capturable(two, tf.distribute.RingAllReduce()) is None
 
 
 def test_recompiling_drops_the_graphs(devices, rng, stand_in):

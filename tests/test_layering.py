@@ -1,7 +1,7 @@
 """No upward calls by duck typing in the compiled paths (issue 50), read with ``ast``.
 
 The import graph (``test_structure.py``) has no cycles, but a module can still depend on
-code above it without importing it: ``graphs.py`` called eleven methods of ``keras/``'s
+code above it without importing it: ``graphs.py`` (now ``program/passes.py``) called eleven methods of ``keras/``'s
 ``Step`` by name on the object it was handed. The import graph cannot see that. This
 test can, for the modules of the compiled paths (``COMPILED``):
 
@@ -12,7 +12,7 @@ test can, for the modules of the compiled paths (``COMPILED``):
 
 A name defined only in library modules it does not reach is an upward dependency by duck
 typing, and fails the test with its line. The cure is an explicit interface at the
-module's own level that the code above implements (``graphs.StepPasses``, which
+module's own level that the code above implements (``passes.StepPasses``, which
 ``keras/inference.py``'s ``InferencePasses``, hence ``keras/step.py``'s ``Step``,
 subclasses), or passing the value down (``reduce_in_trace`` takes the device, not the
 strategy).
@@ -29,9 +29,9 @@ import importlib
 
 from test_structure import MODULES, import_graph
 
-#: The compiled paths: the recorder, the function tracer, the graphs, compiling ahead,
-#: and the device program's package once it exists.
-COMPILED = ("mirrored.graphs", "mirrored.recording", "mirrored.traced_function",
+#: The compiled paths: the function tracer, compiling ahead, the kernels' launch, and the
+#: device program's package (mirrored/program/: record, replay, capture, passes).
+COMPILED = ("mirrored.traced_function",
             "kernels.compile_ahead", "kernels.launch")
 
 #: (module, name): why the name is not the library's (the scan sees only imported modules'
@@ -135,7 +135,7 @@ def test_the_compiled_paths_call_nothing_above_them_by_name():
     found = upward_uses(compiled_modules(), import_graph(), paths)
     assert not found, ("the compiled paths use names that only code above them defines (an upward "
                        "dependency the import graph cannot see): declare what they need in an "
-                       "interface at their level (graphs.StepPasses) that the code above implements, "
+                       "interface at their level (passes.StepPasses) that the code above implements, "
                        "or pass the value down:\n" + "\n".join(found))
 
 

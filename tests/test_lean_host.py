@@ -31,7 +31,7 @@ import pytest
 
 import mirrored as tf
 from mirrored import devices as devices_mod
-from mirrored import graphs
+from mirrored.program import capture, passes
 from conftest import ReplayByRerun
 
 L = tf.keras.layers
@@ -85,8 +85,8 @@ def lab_like(n_replicas, rng, rows, batch):
 @pytest.mark.parametrize("n_replicas", [1, 2])
 def test_a_captured_step_makes_its_cards_context_current_once(devices, rng, monkeypatch, n_replicas):
     devices(gpus=n_replicas)
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)
-    monkeypatch.setattr(graphs, "_Graph", ReplayByRerun)
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devs, ops=None: None)
+    monkeypatch.setattr(capture, "_Graph", ReplayByRerun)
     rows, batch = 8, 4
     model, x, y = lab_like(n_replicas, rng, rows, batch)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)   # buffers made, captured
@@ -96,14 +96,14 @@ def test_a_captured_step_makes_its_cards_context_current_once(devices, rng, monk
     copy = devices_mod.copy_host_to_device
     monkeypatch.setattr(devices_mod, "copy_host_to_device",
                         lambda dst, host, stream: (copies.append(host.nbytes), copy(dst, host, stream)))
-    train = graphs.CapturedStep.train
+    train = passes.CapturedStep.train
 
     def counted_train(self, batch):
         before, copied = counting.gpus.pushes, len(copies)
         train(self, batch)
         per_step.append(counting.gpus.pushes - before)
         copies_per_step.append(len(copies) - copied)
-    monkeypatch.setattr(graphs.CapturedStep, "train", counted_train)
+    monkeypatch.setattr(passes.CapturedStep, "train", counted_train)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     assert model._step_graphs.last == "replayed"
     steps = rows // batch

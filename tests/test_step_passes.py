@@ -1,6 +1,6 @@
-"""``graphs.StepPasses``: the contract ``CapturedStep`` runs a model's step through (issue 50).
+"""``passes.StepPasses``: the contract ``CapturedStep`` runs a model's step through (issue 50).
 
-``graphs.py`` sits below ``keras/`` and calls nothing of a step but what ``StepPasses``
+``program/passes.py`` sits below ``keras/`` and calls nothing of a step but what ``StepPasses``
 names (``tests/test_layering.py`` checks the names). One host effect of a step used to be
 patched in twice: ``fit`` through graphs raised ``optimizer.updates_done`` after the device
 part, and the device part's Python raised it too whenever it ran (the eager first run of a
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
-from mirrored import graphs
+from mirrored.program import capture, passes
 from conftest import ReplayByRerun
 from test_graphs import RecordedGraph
 
@@ -29,8 +29,8 @@ L = tf.keras.layers
 @pytest.mark.parametrize("per_execution", [1, 2])
 def test_a_captured_fit_counts_each_update_once(devices, rng, monkeypatch, stand_in, per_execution):
     devices(cpus=2)
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)   # as on a GPU
-    monkeypatch.setattr(graphs, "_Graph", stand_in)
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devs, ops=None: None)   # as on a GPU
+    monkeypatch.setattr(capture, "_Graph", stand_in)
     rows, batch, epochs = 13, 4, 3                     # batches of 4, 4, 4, 1: eager, captured, replayed
     x = rng.standard_normal((rows, 5)).astype(np.float32)
     y = rng.integers(0, 3, rows)
@@ -54,8 +54,8 @@ def test_an_execution_that_failed_midway_is_a_first_execution_again(devices, rng
     eager steps ran, so after a failed one the next was captured, its later steps' buffers
     made inside the capture (which a real CUDA graph refuses: eager for good after)."""
     devices(cpus=1)
-    monkeypatch.setattr(graphs, "why_not_capturable", lambda devs, ops=None: None)
-    monkeypatch.setattr(graphs, "_Graph", RecordedGraph)
+    monkeypatch.setattr(capture, "why_not_capturable", lambda devs, ops=None: None)
+    monkeypatch.setattr(capture, "_Graph", RecordedGraph)
     x = rng.standard_normal((4, 5)).astype(np.float32)                  # one execution: 2 batches of 2
     y = rng.integers(0, 3, 4)
     with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
@@ -87,15 +87,15 @@ def test_an_execution_that_failed_midway_is_a_first_execution_again(devices, rng
 
 def test_captured_step_takes_a_step_passes_only():
     with pytest.raises(TypeError, match="StepPasses"):
-        graphs.CapturedStep(object(), graphs.StepGraphs([]))
+        passes.CapturedStep(object(), capture.StepGraphs([]))
 
 
 def test_the_contract_says_what_is_missing():
     """A subclass that leaves a pass out is told which, not an AttributeError deep in a capture."""
-    class Partial(graphs.StepPasses):
+    class Partial(passes.StepPasses):
         def host_part(self, batch):
             return [], 1.0
     with pytest.raises(NotImplementedError):
         Partial().device_part([], None, 1.0)
-    assert set(vars(graphs.StepPasses)) >= {"host_part", "device_part", "evaluate_part", "predict_part",
-                                           "written", "counted", "planned", "rows"}
+    assert set(vars(passes.StepPasses)) >= {"host_part", "device_part", "evaluate_part", "predict_part",
+                                           "written", "counted", "rolled_back_on_error", "rows"}

@@ -1,5 +1,5 @@
 """Keras's ``compile(steps_per_execution=N)``: N batches per execution (``trainer.py``'s fit
-loop, ``model_api.py``'s evaluate, ``graphs.py``'s ``CapturedStep.train_steps``).
+loop, ``model_api.py``'s evaluate, ``program/passes.py``'s ``CapturedStep.train_steps``).
 
 What must hold, and how it is checked:
 

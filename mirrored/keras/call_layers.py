@@ -42,7 +42,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
-from mirrored import autodiff, backends, context, devices, ops, recording, values
+from mirrored import autodiff, backends, context, devices, ops, values
+from mirrored.program import recording
 from mirrored.keras import initializers, non_trainable
 from mirrored.keras.tape import GradientTape
 from mirrored.tensor import Tensor
@@ -214,9 +215,9 @@ def make_buffers(layer, state, b):
 # --- compiled: the first step's launches, replayed -----------------------------------------
 # Keras runs fit's step as a tf.function: the Python of a layer's ``call`` runs when the step
 # is traced, its ops are replayed afterwards. So here: the first forward and backward of a
-# call-layer for a batch size (and training flag, and input buffers) run inside a
-# ``Recording`` (``mirrored/recording.py``, the per-thread recorder @tf.function uses); later
-# steps replay the launches into the same buffers, with none of the ops' Python. A ``call``
+# call-layer for a batch size (and training flag, and input buffers) are recorded
+# (``mirrored/program/recording.py``'s ``record``, the recorder @tf.function uses); later steps
+# replay its ``Program`` (``replay.py``) into the same buffers, with none of the ops' Python. A ``call``
 # that reads a value on the host (an ``if`` on a tensor) cannot be replayed: it stays eager,
 # every step. Not inside another trace (a @tf.function's, whose replay covers it already).
 # Nor a layer with ``cross_replica`` (BatchNormalization(synchronized=True)) in training: its
@@ -252,17 +253,10 @@ def run_recorded(store, key, fn):
     if entry is _EAGER:
         return fn()
     if entry is not None:
-        for launch in entry[0].entries:
-            launch.run()
+        entry[0].run()
         return entry[1]
-    rec = recording.Recording()
-    with rec:
-        result = fn()
-    if rec.refused is not None:
-        store[key] = _EAGER
-        return result
-    rec.forget()
-    store[key] = (rec, result)
+    result, program = recording.record(fn)
+    store[key] = _EAGER if program is None else (program, result)
     return result
 
 
@@ -283,19 +277,15 @@ def forward(layer, state, x, training=False):
     if entry is _EAGER:
         return _forward_eager(layer, state, x, training)
     if entry is not None:                        # replay: the launches, none of the Python
-        for launch in entry["forward"].entries:
-            launch.run()
+        entry["forward"].run()
         buf.replaying = entry
         return entry["y"]
-    rec = recording.Recording()
-    with rec:
-        y = _forward_eager(layer, state, x, training)
-    if rec.refused is not None:
+    y, program = recording.record(lambda: _forward_eager(layer, state, x, training))
+    if program is None:
         buf.compiled[key] = _EAGER
         buf.pending = None
         return y
-    rec.forget()
-    entry = {"forward": rec, "y": y}
+    entry = {"forward": program, "y": y}
     if training:
         buf.pending = (key, entry)               # complete once the backward is recorded too
     else:                                        # a gradient may still be taken through it (keras.io's
@@ -313,8 +303,7 @@ def backward(layer, state, dy):
     buf = state.buffers(b)
     entry = buf.replaying
     if entry is not None and entry.get("backward") is not None and entry["dy"] == address(dy):
-        for launch in entry["backward"].entries:
-            launch.run()
+        entry["backward"].run()
         return entry["dx"]
     pending, buf.pending = buf.pending, None
     if pending is None or not _recordable():
@@ -323,14 +312,11 @@ def backward(layer, state, dy):
         return _backward_eager(layer, state, dy)
     key, entry = pending
     entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y, added=buf.added)   # kept: a later eager backward's
-    rec = recording.Recording()
-    with rec:
-        dx = _backward_eager(layer, state, dy)
-    if rec.refused is not None:
+    dx, program = recording.record(lambda: _backward_eager(layer, state, dy))
+    if program is None:
         buf.compiled[key] = _EAGER
         return dx
-    rec.forget()
-    entry.update(backward=rec, dx=dx, dy=address(dy))
+    entry.update(backward=program, dx=dx, dy=address(dy))
     buf.compiled[key] = entry
     return dx
 

@@ -11,7 +11,7 @@ import numpy as np
 from kernels import dropout as dropout_kernels           # the mask's key and the rate's check
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import random as _random
-from mirrored import recording
+from mirrored.program import recording
 from mirrored.keras.base_layer import Layer
 
 FLOAT = np.dtype(np.float32)
@@ -37,7 +37,7 @@ class Dropout(Layer):
     thread writes this step's key and counts the step) and then the mask kernel, which
     reads the key there. Neither launch takes anything from the host that changes from
     step to step, so a CUDA graph of the step (``compile(run_eagerly=False)``,
-    ``mirrored/graphs.py``) draws a new mask at every replay, the eager masks bit for bit.
+    ``mirrored/program/capture.py``) draws a new mask at every replay, the eager masks bit for bit.
     Backward applies the same mask to dy (the key is still there), in place:
     dx = dy * scale where kept.
 

@@ -342,7 +342,7 @@ class ReplicaProgram:
 
         Even the example count is summed on the device (a row of ones), so a step
         changes no host state here and can be replayed as a CUDA graph
-        (``mirrored/graphs.py``). float32 counts exactly up to 2**24 examples per epoch.
+        (``mirrored/program/capture.py``). float32 counts exactly up to 2**24 examples per epoch.
         """
         b = buf.stats.shape[1]
         self.ops.sum_axis(view(buf.stats, (3, b, 1)), self.tmp)     # (3, 1)

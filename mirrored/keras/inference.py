@@ -2,30 +2,30 @@
 
 Each pass is a host part (the inputs onto the devices, split as the training step splits
 a batch) and a device part (launches only), as the training step is, so that
-``mirrored.graphs.CapturedStep`` can capture the latter. ``InferencePasses`` is the base
+``mirrored.program.passes.CapturedStep`` can capture the latter. ``InferencePasses`` is the base
 class of ``step.Step``, whose ``programs``, ``split`` and ``copy_in`` it uses.
 
-``InferencePasses`` subclasses ``graphs.StepPasses``, the contract ``CapturedStep`` runs a
-step through (graphs.py sits below keras/ and names what it needs there); the last three
+``InferencePasses`` subclasses ``passes.StepPasses``, the contract ``CapturedStep`` runs a
+step through (``mirrored/program/passes.py`` sits below keras/ and names what it needs there); the last three
 methods here fill in what the step itself does not say: the batch's rows, what a host part
 wrote, and how the optimizer's update count follows device parts that ran without their
-Python (a replay) or with it but launching nothing (a plan).
+Python (a graph replay).
 
 Neighbours: ``step.py`` (the training step), ``engine.py`` (``ReplicaProgram.forward``
-and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these), ``graphs.py``
+and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these), ``program/passes.py``
 (``StepPasses``, the contract).
 """
 import contextlib
 
 import numpy as np
 
-from mirrored.graphs import StepPasses
+from mirrored.program.passes import StepPasses
 from mirrored.keras.data_adapters import ResidentBatch
 
 
 class InferencePasses(StepPasses):
     """Forward-only passes over ``self.programs`` (one per replica): evaluate, predict; and
-    the rest of ``graphs.StepPasses`` (the module docstring)."""
+    the rest of ``passes.StepPasses`` (the module docstring)."""
 
     def evaluate(self, batch, mode):
         """Loss and accuracy of one global batch, added to the metrics on the devices."""
@@ -63,7 +63,7 @@ class InferencePasses(StepPasses):
         """Each replica's output buffer, read to the host (waits for its device)."""
         return [program.dev.to_numpy(out) for program, out in zip(self.programs, outs)]
 
-    # -- the rest of graphs.StepPasses ------------------------------------------------------------
+    # -- the rest of passes.StepPasses ------------------------------------------------------------
     def rows(self, batch):
         """A prepared batch's number of examples (host arrays, or a ``ResidentBatch``'s row numbers)."""
         return len(batch.idx) if isinstance(batch, ResidentBatch) else len(batch[0])
@@ -87,17 +87,3 @@ class InferencePasses(StepPasses):
         done = opt.updates_done
         yield
         opt.updates_done = done + steps
-
-    @contextlib.contextmanager
-    def planned(self):
-        """Around a plan run (``kernels/compile_ahead.py``): the buffers it made are dropped
-        (``rolled_back_on_error``), and the count of updates done goes back (the plan ran the update's
-        Python, not its launch)."""
-        opt = self.model.optimizer
-        done = opt.updates_done if opt is not None else None
-        with self.rolled_back_on_error():
-            try:
-                yield
-            finally:
-                if opt is not None:
-                    opt.updates_done = done

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from mirrored import recording
+from mirrored.program import recording
 from mirrored.keras import initializers
 from mirrored.tensor import HostTensor, Tensor, TraceTimeValue
 from mirrored.values import Variable

@@ -228,14 +228,14 @@ class ModelAPI:
 
         ``run_eagerly=False`` (Keras's default; ``None`` means False, as in Keras): on a
         GPU, ``fit``, ``evaluate`` and ``predict`` capture the device part of each pass
-        once per batch shape as a CUDA graph and replay it (``mirrored/graphs.py`` says
+        once per batch shape as a CUDA graph and replay it (``mirrored/program/passes.py`` says
         how and why), as Keras compiles its step into a graph. ``run_eagerly=True``: every
         kernel is launched from Python, one by one (what labs 04 and 05 step through).
         Where there is nothing to capture (CPU devices, the CUDA simulator) both run the
         same launches eagerly, silently. The weights come out bitwise the same either way.
 
         ``steps_per_execution=N`` (Keras's; default 1): ``fit`` and ``evaluate`` run N batches
-        per execution. On a GPU with graphs the N steps are ONE graph replay (``graphs.py``,
+        per execution. On a GPU with graphs the N steps are ONE graph replay (``program/passes.py``,
         ``CapturedStep.train_steps``); elsewhere they run one after the other. The weights are
         bitwise those of N single steps. As in Keras, ``on_train_batch_begin``/``_end`` are
         called once per execution, with its first and last batch index (begin + N - 1),
@@ -384,7 +384,7 @@ class ModelAPI:
             self.use_own_weights()
             if len(chunk) > 1 and captured is not None and not self.host_metrics:
                 with self.step.rolled_back_on_error():              # out of memory: nothing stays charged
-                    captured.evaluate_steps(chunk, mode)   # one graph (graphs.py)
+                    captured.evaluate_steps(chunk, mode)   # one graph (program/passes.py)
             else:
                 for batch in chunk:
                     with self.step.rolled_back_on_error():

@@ -45,7 +45,8 @@ import threading
 
 import numpy as np
 
-from mirrored import nest, recording, strategy as _strategy
+from mirrored import nest, strategy as _strategy
+from mirrored.program import recording
 from mirrored.keras import saving
 from mirrored.keras import functional, model_call, multi_io
 from mirrored.keras.base_layer import snake_case, unique_name

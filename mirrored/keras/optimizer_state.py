@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 
 from kernels.gradient_transforms import segment_starts, transform_scalars
-from mirrored import recording
+from mirrored.program import recording
 from mirrored.keras import schedules
 
 #: Keras's optimizer arguments that are not implemented here, each with its default, the

@@ -8,7 +8,7 @@ A step has a host part and a device part. ``begin_step`` counts the step and put
 hyper-parameter vector (Adam's alpha changes every step) in a small buffer on every device
 (``fit``'s step sends it with the inputs, in their one copy: ``step_scalars``); ``update``
 only launches kernels, which read that buffer, so a CUDA graph of the device part
-(``mirrored/graphs.py``) or a ``@function``'s replay updates with the alpha just written.
+(``mirrored/program/capture.py``) or a ``@function``'s replay updates with the alpha just written.
 The launches update every copy or none: a Ctrl-C waits for the last one.
 
 An optimizer only updates: it never sums gradients itself. ``fit``'s step
@@ -27,7 +27,8 @@ import warnings
 import weakref
 
 from kernels.optimizers import adam_scalars, sgd_scalars
-from mirrored import context, recording
+from mirrored import context
+from mirrored.program import recording
 from mirrored.devices import every_device_or_none
 from mirrored.keras.optimizer_state import OptimizerState
 from mirrored.keras.custom_loop import step_of
@@ -115,7 +116,10 @@ class Optimizer(OptimizerState):
                     if self.transforming:                              # clipping, weight decay
                         self.before_update(dev, w, g, key)
                     self.update_buffer(dev, w, g, key)
-            self.updates_done += 1          # on every copy: a Ctrl-C now leaves it counted (rolled_back_on_error)
+            self.count_update()             # on every copy: a Ctrl-C now leaves it counted (rolled_back_on_error)
+
+    def count_update(self):    # a host entry of the step's program: a replay counts, a dry run not
+        self.updates_done += 1
 
     # -- Keras API
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
@@ -159,6 +163,7 @@ class Optimizer(OptimizerState):
 
 
 recording.host_method(Optimizer, "begin_step", restores="step_count")   # a @function's replay calls it
+recording.host_method(Optimizer, "count_update", restores="updates_done")
 
 
 class SGD(Optimizer):

@@ -34,7 +34,7 @@ per-example losses in ``buf.loss``, d loss/d logits (b, classes) already scaled 
     dlogits[i, :]  *= w[i]         the gradient of sum(w l) / B (a broadcast multiply)
     weight sum     += sum(w)       the accuracy's denominator (``ReplicaProgram.metric_sums[3]``)
 
-The weights are device buffers like the labels, so a captured CUDA graph (``graphs.py``)
+The weights are device buffers like the labels, so a captured CUDA graph (``mirrored/program/capture.py``)
 replays with each step's weights. The same for every loss (the fused ones and those written
 in ops, ``custom_losses.Loss.run_in``: each fills the per-example losses and dlogits first).
 

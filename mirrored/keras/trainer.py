@@ -6,7 +6,7 @@ arguments, ``_fit`` runs the epochs (callbacks, the progress line, ``steps_per_e
 batches per execution), ``_train_execution`` hands each execution's batches to the step
 (``_train_on``: one batch, all or nothing), and ``_trainer`` picks what runs the passes:
 the step itself, or the step with its device parts captured as CUDA graphs
-(``mirrored/graphs.py``'s ``CapturedStep``, on a GPU with ``run_eagerly=False``). The loss
+(``mirrored/program/passes.py``'s ``CapturedStep``, on a GPU with ``run_eagerly=False``). The loss
 and accuracy stay on the devices and are read when the progress line is drawn
 (``device_logs``). The model's inputs are checked here too (``accept_inputs``), as each
 batch is prepared.
@@ -29,7 +29,7 @@ makes an attribute of its own, and neither is used without ``Model``.
 
 Neighbours: ``models.py`` (build), ``step.py`` (the step), ``model_api.py`` (compile,
 evaluate, predict), ``data_adapters.py`` (what fit accepts), ``callbacks.py``,
-``progbar.py``, ``custom_step.py`` (a model's own ``train_step``), ``graphs.py``.
+``progbar.py``, ``custom_step.py`` (a model's own ``train_step``), ``mirrored/program/`` (the graphs).
 """
 import itertools
 import warnings
@@ -37,7 +37,8 @@ import warnings
 import numpy as np
 
 from mirrored import backends, strategy as _strategy
-from mirrored.graphs import CapturedStep, StepGraphs
+from mirrored.program.capture import StepGraphs
+from mirrored.program.passes import CapturedStep
 from mirrored.keras import callbacks as _callbacks
 from mirrored.keras import custom_loop, custom_step, data_adapters, sample_weights
 from mirrored.keras.layers import IMAGE_LAYERS, Layer
@@ -240,7 +241,7 @@ class Trainer:
 
     @property
     def _step_graphs(self):
-        """This model's CUDA graphs (``mirrored.graphs.StepGraphs``, made on first use), or
+        """This model's CUDA graphs (``mirrored.program.capture.StepGraphs``, made on first use), or
         None when it runs eagerly (``run_eagerly=True``). Their ``reason`` says why not
         where there is nothing to capture; only ``compile(cuda_graph=True)`` warns of it."""
         if self._run_eagerly or self.step is None:
@@ -258,7 +259,7 @@ class Trainer:
         return self.captured_step() or self.step
 
     def captured_step(self):
-        """The step with its device parts captured as CUDA graphs (``mirrored/graphs.py``'s
+        """The step with its device parts captured as CUDA graphs (``mirrored/program/passes.py``'s
         ``CapturedStep``, which also runs ``steps_per_execution`` batches as one graph), or
         None where the passes run eagerly (``run_eagerly=True``, or nothing to capture)."""
         graphs = self._step_graphs

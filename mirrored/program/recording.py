@@ -1,9 +1,10 @@
-"""What a traced ``@mirrored.function`` call did on the devices, kept to be done again.
+"""Record: what a run of a step did on the devices, written down to be done again.
 
-``traced_function.py`` runs a function's Python once per input signature inside a
-``Recording``. While one is open, every call that crosses the *device boundary* is
+``mirrored/traced_function.py`` runs a ``@function``'s Python once per input signature
+inside a ``Recording``. While one is open, every call that crosses the *device boundary* is
 written down, whichever part of the library made it (the layers, the tape, the ring,
-the optimizer, a user's own tensor arithmetic):
+the optimizer, a user's own tensor arithmetic), as entries of ``replay.py`` (each entry
+class there says what it does when it runs again):
 
 ==========================  =========================================================
 the call                    what the record keeps (``Recording.entries``)
@@ -20,7 +21,7 @@ a ``host_work`` function    ``HostCall``: the function and its arguments, called
 ``to_numpy``,               nothing: a *host read* of a device value during a trace
 ``download_into``           cannot be replayed (its value would steer Python once,
                             for ever). The recording is marked ``refused`` with the
-                            user's line, and ``traced_function.py`` runs that function eagerly
+                            user's line, and ``@function`` runs that function eagerly
 ==========================  =========================================================
 
 Allocations (``empty``, ``scratch``) are not entries: the buffers a trace made are kept
@@ -48,8 +49,14 @@ What a trace changed is kept to be put back (``Recording.roll_back``): a trace r
 eagerly, so unlike TensorFlow's symbolic one it has effects, and one that raises must
 leave none.
 
-Neighbours: ``traced_function.py`` (the tracer and the replay), ``devices.py`` and
-``backends.py`` (the boundary), ``graphs.py`` (a replay's launches as a CUDA graph).
+A *dry* recording (``Recording(dry=True)``, ``dry_run``) is a plan: the same walk through
+the step's Python, its kernel launches written down and none made (``kernels.launch.planned``
+below the boundary), its host calls written down and not run. ``capture.py`` compiles a
+step's kernels ahead from it.
+
+Neighbours: ``replay.py`` (the entries run again), ``capture.py`` (a replay's launches as
+a CUDA graph), ``mirrored/traced_function.py`` (the tracer), ``mirrored/devices.py`` and
+``mirrored/backends.py`` (the boundary); the package docstring tells the story.
 """
 import contextlib
 import functools
@@ -61,7 +68,9 @@ import traceback
 
 import numpy as np
 
+from kernels import launch
 from mirrored import backends, devices
+from mirrored.program import replay
 
 #: Device methods that hand a device value to the host: a trace cannot replay them.
 DEVICE_READS = {"to_numpy": "reads a device value on the host (.numpy(), float(), int(), "
@@ -112,100 +121,6 @@ def joined(recording):
         backends.BOUNDARY.recorder = previous
 
 
-class Launch:
-    """A device call to make again: ``getattr(target, name)(*args, **kwargs)``."""
-
-    __slots__ = ("target", "name", "args", "kwargs")
-
-    def __init__(self, target, name, args, kwargs):
-        self.target, self.name, self.args, self.kwargs = target, name, args, kwargs
-
-    def run(self):
-        getattr(self.target, self.name)(*self.args, **self.kwargs)
-
-    def buffers(self):
-        return [a for a in list(self.args) + list(self.kwargs.values()) if _is_buffer(a)]
-
-    def device(self):
-        return getattr(self.target, "device", self.target)
-
-    def __repr__(self):
-        return f"Launch({self.name} on {getattr(self.device(), 'short_name', '?')})"
-
-
-class Upload:
-    """A host array the trace put on a device (a Python value: the same every replay)."""
-
-    __slots__ = ("dev", "buf", "host")
-
-    def __init__(self, dev, buf, host):
-        self.dev, self.buf, self.host = dev, buf, host
-
-    def run(self):
-        self.dev.upload_into(self.buf, self.host)
-
-    def buffers(self):
-        return [self.buf]
-
-    def device(self):
-        return self.dev
-
-
-class PeerCopy:
-    """``out = dev.copy_from(buf, src)`` made again into the same ``out``."""
-
-    __slots__ = ("dev", "out", "buf", "src")
-
-    def __init__(self, dev, out, buf, src):
-        self.dev, self.out, self.buf, self.src = dev, out, buf, src
-
-    def run(self):
-        if self.src.device_type == self.dev.device_type:
-            devices.wait_for(self.src, self.dev)        # read after write (a no-op on CPUs)
-            self.dev.copy_peer_into(self.out, self.buf, self.src)
-            devices.wait_for(self.dev, self.src)        # write after read
-        else:                                           # CPU <-> GPU: through the host
-            self.dev.upload_into(self.out, np.ascontiguousarray(self.src.to_numpy(self.buf)))
-
-    def buffers(self):
-        return [self.out, self.buf]
-
-    def device(self):
-        return self.dev
-
-
-class HostCall:
-    """Host work to run again at every replay: ``fn(*args, **kwargs)``.
-
-    ``reads``/``writes``: the device buffers it read (``to_numpy``) and wrote
-    (``upload_into``) while tracing; ``traced_function.py`` may move a call that only writes
-    to the start of the replay, and one that only reads to its end, so that the
-    launches between them form one CUDA graph. ``stays``: never moved (it touches device
-    memory in ways not noted here: MPI reading and writing CPU buffers in place).
-    ``undo()``: what puts the host state back if the replay fails after this call ran
-    (None: nothing to put back)."""
-
-    __slots__ = ("fn", "args", "kwargs", "reads", "writes", "undo_with", "stays")
-
-    def __init__(self, fn, args, kwargs, undo_with=None, stays=False):
-        self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.reads, self.writes = [], []
-        self.undo_with = undo_with
-        self.stays = stays
-
-    def run(self):
-        """Run it; returns a function that undoes its host-side effect (or None)."""
-        undo = self.undo_with(*self.args, **self.kwargs) if self.undo_with is not None else None
-        self.fn(*self.args, **self.kwargs)
-        return undo
-
-    def buffers(self):
-        return self.reads + self.writes
-
-    def __repr__(self):
-        return f"HostCall({getattr(self.fn, '__qualname__', self.fn)})"
-
-
 class Recording:
     """The entries of one trace, in the order they ran; ``refused``: (why, where) of the
     first thing in it that cannot be replayed, or None.
@@ -221,9 +136,17 @@ class Recording:
 
     ``variables_made``: how many ``Variable``s the function's own code made while tracing
     (not the library's first-use state); ``no_variables``: making one raises TensorFlow's
-    ``ValueError`` (``traced_function.py``: variables on the first call only)."""
+    ``ValueError`` (``traced_function.py``: variables on the first call only).
 
-    def __init__(self, no_variables=False):
+    ``dry``: a *dry* recording (a plan, ``dry_run``): the kernel launches are written down
+    (``launches``: [(kernel, args)], by ``kernels.launch.planned``, the dry mode's half below
+    the boundary) and none is made, host calls are written down and not run (the update
+    count, a metric), and nothing is kept for a roll-back (nothing it could change changed)."""
+
+    def __init__(self, no_variables=False, dry=False):
+        self.dry = dry
+        self.launches = None          # dry: the kernel launches, written down, not made
+        self._plan = self._outer = None
         self.entries = []
         self.refused = None           # (reason, (filename, line, text)) of the first refusal
         self.variables_made = 0
@@ -235,14 +158,21 @@ class Recording:
         self.not_kept = []             # buffers whose copy failed: a roll-back cannot restore them
 
     def __enter__(self):
-        if backends.BOUNDARY.recorder is not None:
+        self._outer = backends.BOUNDARY.recorder       # a dry run may plan inside a trace
+        if self._outer is not None and not self.dry:
             raise RuntimeError("this thread is already recording a trace; a @function called inside "
                                "another one's trace runs inside it (traced_function.py checks first).")
+        if self.dry:
+            self._plan = launch.planned()
+            self.launches = self._plan.__enter__()
         backends.BOUNDARY.recorder = ThreadRecorder(self)
         return self
 
     def __exit__(self, *exc):
-        backends.BOUNDARY.recorder = None
+        backends.BOUNDARY.recorder = self._outer
+        if self._plan is not None:
+            self._plan.__exit__(*exc)
+            self._plan = None
         return False
 
     def add(self, entry):
@@ -259,7 +189,7 @@ class Recording:
     def made(self, bufs):
         """Note buffers this trace made: their old contents are nobody's, nothing to keep."""
         for buf in (bufs if isinstance(bufs, (tuple, list)) else (bufs,)):
-            if _is_buffer(buf):
+            if replay.is_buffer(buf):
                 owner = devices.memory_owner(buf)
                 with self._lock:
                     self._made[id(owner)] = owner
@@ -269,7 +199,7 @@ class Recording:
         a later write in the trace keeps a copy of them first, as of buffers from before."""
         if self._made:
             for buf in values:
-                if _is_buffer(buf):
+                if replay.is_buffer(buf):
                     with self._lock:
                         self._made.pop(id(devices.memory_owner(buf)), None)
 
@@ -277,7 +207,7 @@ class Recording:
         """Before a call that may write ``values``: a host copy of each buffer among them
         that the trace did not make and has not kept yet."""
         for buf in values:
-            if not _is_buffer(buf):
+            if not replay.is_buffer(buf):
                 continue
             with self._lock:
                 if id(buf) in self._kept or id(devices.memory_owner(buf)) in self._made:
@@ -350,12 +280,14 @@ class ThreadRecorder:
         if kind == "ordering":                        # (event): recorded where it orders GPU streams
             method(target, *args, **kwargs)
             if args[0] is not None and getattr(target, "stream", None) is not None:
-                rec.add(Launch(target, name, args, {}))
+                rec.add(replay.Launch(target, name, args, {}))
             return None
         if kind == "host":
             return self.host_call(method, (target,) + tuple(args), kwargs,
                                   None if info is None else functools.partial(_restorer, info))
-        if kind == "op":
+        if rec.dry:
+            pass                                      # a plan changes nothing it must put back
+        elif kind == "op":
             rec.keep_before(list(args) + list(kwargs.values()))
         elif kind == "write" and name in WRITES_FIRST:
             rec.keep_before(args[:1])
@@ -365,20 +297,24 @@ class ThreadRecorder:
         finally:
             self.depth = 0
         if name == "upload_into":                     # a host value: keep a copy of it
-            rec.add(Upload(target, args[0], np.array(args[1], copy=True)))
+            rec.add(replay.Upload(target, args[0], np.array(args[1], copy=True)))
         elif kind == "from_numpy":
-            rec.add(Upload(target, result, np.array(args[0], copy=True, order="C")))
+            rec.add(replay.Upload(target, result, np.array(args[0], copy=True, order="C")))
             rec.made(result)
         elif kind == "copy_from":
-            rec.add(PeerCopy(target, result, args[0], args[1]))
+            rec.add(replay.PeerCopy(target, result, args[0], args[1]))
             rec.made(result)
         else:
-            rec.add(Launch(target, name, args, kwargs))
+            rec.add(replay.Launch(target, name, args, kwargs))
         return result
 
     def host_call(self, fn, args, kwargs, undo_with=None, stays=False):
-        """Run host work now and write it down as a ``HostCall`` (see ``host_work``)."""
-        call = HostCall(fn, args, kwargs, undo_with, stays)
+        """Run host work now and write it down as a ``HostCall`` (see ``host_work``); in a
+        dry recording, written down only."""
+        call = replay.HostCall(fn, args, kwargs, undo_with, stays)
+        if self.recording.dry:
+            self.recording.add(call)
+            return None
         if args:
             self.recording.keep_host_state(args[0])
         self.depth, self.call = 1, call
@@ -388,6 +324,43 @@ class ThreadRecorder:
             self.depth, self.call = 0, None
         self.recording.add(call)
         return result
+
+
+def record(fn):
+    """``fn()`` run once with its device calls written down: ``(its result, a
+    replay.Program of them)``, or ``(its result, None)`` where the run cannot be replayed (it
+    read a device value on the host: the caller runs ``fn`` eagerly from then on). What
+    ``fit``'s call-layers and a loss written in ops keep per key (``keras/call_layers.py``).
+    An ``fn`` that raises leaves what it changed, as its eager run would."""
+    rec = Recording()
+    with rec:
+        result = fn()
+    rec.forget()
+    return result, (replay.Program(rec.entries) if rec.refused is None else None)
+
+
+class _Planned(Exception):
+    """Leaves a dry run's ``undo`` block by an exception, so that it drops what the run made."""
+
+
+def dry_run(fn, args, undo):
+    """The kernel launches ``fn(*args)`` (a device part) would make, written down by a dry
+    ``Recording`` and none made: [(kernel, args)] in launch order. What the compile-ahead
+    plan is made from (``capture.StepGraphs.compile_first``, ``kernels/compile_ahead.py``).
+
+    ``undo()``: a context manager that drops what a block made when an exception leaves it
+    (``Step.rolled_back_on_error``): the buffers a first run makes on first use (an
+    optimizer's slots, filled by a launch the dry run does not make) must not stay. The
+    host effects need no undo: host calls (the update count) are not run dry. Raises what
+    ``fn`` raised."""
+    rec = Recording(dry=True)
+    try:
+        with undo(), rec:
+            fn(*args)
+            raise _Planned
+    except _Planned:
+        pass
+    return rec.launches
 
 
 def unrecordable(reason):
@@ -472,13 +445,8 @@ def _restorer(name, owner, *args, **kwargs):
 
 
 def _note(where, buf):
-    if _is_buffer(buf):
+    if replay.is_buffer(buf):
         where.append(buf)
-
-
-def _is_buffer(value):
-    return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__") \
-        or hasattr(value, "_ary")
 
 
 def _host_copy(buf):
@@ -497,8 +465,8 @@ def _put_back(buf, host):
 
 # --- where in the user's code ----------------------------------------------------------
 
-_LIBRARY = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), p) + os.sep
-                 for p in ("mirrored", "kernels"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # above mirrored/
+_LIBRARY = tuple(os.path.join(_ROOT, p) + os.sep for p in ("mirrored", "kernels"))
 _PYTHON = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
 
 

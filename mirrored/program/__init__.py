@@ -1,0 +1,63 @@
+"""The device program: what a step does on the devices, run again without its Python.
+
+A training step is Python (the model's layers, the tape, the ring, the optimizer) that ends
+in device calls: kernel launches, copies, uploads. From the second step on, the Python
+decides nothing new: the same launches on the same buffers, only the batch differs. So the
+compiled mode runs the Python once and keeps what it did on the devices. One story, four
+verbs::
+
+    record    recording.py   the first run, with a recorder at the device boundary
+                             (``backends.BOUNDARY``, per thread): every ``dev.ops.<op>``
+                             launch, copy and upload is written down as an entry with the
+                             very buffers it used; host work a step must redo each time
+                             (the optimizer's step count and Adam's alpha, a metric,
+                             ``tf.print``, the count of updates done) is an entry too, a
+                             ``HostCall``. A host read of a device value cannot be
+                             replayed: the recording is refused and the caller runs
+                             eagerly. What the run changed can be rolled back.
+    replay    replay.py      the entries (``Launch``, ``Upload``, ``PeerCopy``, ``HostCall``:
+                             each knows how to run again) and a ``Program``: the entries
+                             run again, in order, on the same buffers, after the new inputs
+                             are copied into the input slots the recording read. On CPU
+                             devices and in the simulator this is the list itself.
+    capture   capture.py     on one GPU card a run of launches between two host calls is
+                             captured once as a CUDA graph and replayed with one driver
+                             call (``StepGraphs``: eager the first time a key is seen,
+                             captured the second, replayed after: the one first-run rule)
+    plan      recording.py   a *dry* recording (``dry_run``): the step's device part run
+                             once with every kernel launch written down and none made, its
+                             host calls written down and not run; from it, before a key's
+                             first run on a GPU, ``kernels/compile_ahead.py`` compiles the
+                             kernels it names in several processes at once
+
+The rules, the same for every user. A key says what the launches depend on (the input
+signature of a ``@function`` call; for ``fit``/``evaluate``/``predict`` the pass, the loss
+mode and the input buffers, i.e. the batch size, as Keras keys its ``tf.function``-wrapped
+``train_step``). The first run of a key is eager (it compiles kernels and makes every
+buffer); only a key whose first run completed is captured (``StepGraphs.warm``). A run that
+raises leaves nothing: a trace puts back what it changed (``Recording.roll_back``), a step
+drops what it made (``Step.rolled_back_on_error``, which is also a dry run's undo), a replay
+puts back the host numbers its host entries changed (``replay.Program.run``).
+
+Who uses it:
+
+* ``@mirrored.function`` (``mirrored/traced_function.py``): records a call per input
+  signature, replays the ``Program`` (a ``ConcreteFunction`` is one, with input slots and
+  outputs);
+* ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` (``passes.py``'s
+  ``CapturedStep``, over ``keras/step.py``'s ``Step`` through the ``StepPasses`` contract):
+  on a GPU the device part is planned (a dry recording) and compiled ahead before a key's
+  first run, then captured per key straight from its Python (not from a recording: so its
+  one host entry, the update count, is set by ``StepPasses.counted``), and
+  ``steps_per_execution=N`` is one graph over N input slots (staging copies). On CPU
+  devices and in the simulator there is nothing to capture: fit launches its built-in
+  layers from their Python every step; and
+* inside any ``fit`` step, on every kind of device, a layer whose ``call`` is made of ops
+  and a loss written in ops (``keras/call_layers.py``): each recorded once per batch size
+  (``recording.record``) and replayed as a ``Program`` after, with none of their Python.
+
+Neighbours: ``mirrored/backends.py`` and ``mirrored/devices.py`` (the device boundary the
+recorder sits at), ``mirrored/traced_function.py`` (``@function``), ``mirrored/keras/step.py``
+(the step that ``passes.py`` runs), ``kernels/compile_ahead.py`` and ``kernels/launch.py``
+(the plan: launches written down, not made).
+"""
