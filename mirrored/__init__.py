@@ -53,7 +53,7 @@ Map of the rest:
     strategy.py   MirroredStrategy, OneDeviceStrategy, replica contexts (mirrored.distribute)
     multi_worker.py  MultiWorkerMirroredStrategy: workers are MPI ranks (mpiexec -n N)
     cross_device_ops.py  CrossDeviceOps (packing, MEAN), ReductionToOneDevice, ReduceOp
-    ring_trace.py the ring's teaching trace (RingStep, RingTransfer; lab 03)
+    ring_steps.py the ring's step record (RingStep, RingTransfer; lab 03)
     collective_all_reduce.py  the ring across workers (MPI between processes)
     workers.py    MPI: rank and size, messages with deadlines, abort on failure
     launcher.py   starting workers: which mpiexec, which MPI, the command (Open MPI as root)

@@ -36,10 +36,10 @@ bitwise equal (and equal to one machine's ring with the same N and inputs), stag
 direct. A chunk staged through the host costs a device-to-host and a host-to-device
 copy per step.
 
-The trace (``trace=True``) is the one-machine trace over the N global replicas,
+The step record (``keep_steps=True``) is the one-machine record over the N global replicas,
 each ``RingTransfer`` naming its two workers (``src_worker``, ``dst_worker``).
 
-Neighbours: ``ring.py`` (the ring, its schedule and trace; this class
+Neighbours: ``ring.py`` (the ring, its schedule and step record; this class
 only replaces ``_run_ring``'s hops), ``workers.py`` (``sendrecv`` with a deadline),
 ``multi_worker.py`` (the strategy that makes one). Each all-reduce ends with
 ``workers.step_done()``: the steps it times set the deadline of every wait for a peer
@@ -73,10 +73,10 @@ class CollectiveAllReduce(RingAllReduce):
     the same size and dtype, in the same order (checked once per size and dtype).
     """
 
-    def __init__(self, workers, peer_access=True, trace=False, cuda_aware=None):
+    def __init__(self, workers, peer_access=True, keep_steps=False, cuda_aware=None):
         """``cuda_aware``: hand GPU buffers to MPI directly (True), stage them through
         host memory (False), or ask the MPI library (None: ``workers.cuda_aware``)."""
-        super().__init__(peer_access=peer_access, trace=trace)
+        super().__init__(peer_access=peer_access, keep_steps=keep_steps)
         self.workers = workers
         self._cuda_aware = cuda_aware
         self._agreed = set()        # (local devices, size, dtype) every worker has confirmed
@@ -107,9 +107,9 @@ class CollectiveAllReduce(RingAllReduce):
             return
         self._run_global_ring(buffers, devices, size, dtype)
         self.workers.step_done()        # a step's gradients summed: the clock of the deadline
-        if self.trace is not None:
-            steps = self._trace_steps(n, size, buffer_index, dtype)
-            self.trace.extend(dataclasses.replace(
+        if self.steps is not None:
+            steps = self._record_steps(n, size, buffer_index, dtype)
+            self.steps.extend(dataclasses.replace(
                 s, transfers=tuple(dataclasses.replace(t, src_worker=t.src // local, dst_worker=t.dst // local)
                                    for t in s.transfers)) for s in steps)
 

@@ -8,8 +8,8 @@ Read top to bottom: ``RingAllReduce``, its schedule as plain functions (``chunk_
 per step.
 
 Neighbours: ``cross_device_ops.py`` (``CrossDeviceOps``, the base class: packing,
-MEAN, destinations; it calls this ring's ``_sum_in_place``), ``ring_trace.py`` (the
-teaching trace, ``RingStep`` and ``RingTransfer``, also importable from here),
+MEAN, destinations; it calls this ring's ``_sum_in_place``), ``ring_steps.py`` (the
+step record, ``RingStep`` and ``RingTransfer``, also importable from here),
 ``collective_all_reduce.py`` (the same ring across MPI workers), ``kernels/allreduce.py``
 (the chunk kernels), ``devices.py`` (``enable_peer_access`` between two cards),
 ``lab/viz.py`` (the ring's pictures); ``distribute.py`` defines ``HierarchicalCopyAllReduce``,
@@ -19,7 +19,7 @@ import numpy as np
 
 from mirrored import devices as _dev
 from mirrored.cross_device_ops import CrossDeviceOps, check_distinct
-from mirrored.ring_trace import RingStep, RingTransfer, bytes_moved, initial_holds, trace_steps  # noqa: F401 (also found here)
+from mirrored.ring_steps import RingStep, RingTransfer, bytes_moved, initial_holds, record_steps  # noqa: F401 (also found here)
 
 #: The key of a device's staging buffer for chunks read from a peer (``Device.scratch``).
 STAGING = "ring staging"
@@ -82,25 +82,25 @@ class RingAllReduce(CrossDeviceOps):
     stream; after its step t device i records an event, and device i+1's step
     t+1 waits on it — nothing else. (See ``_run_ring`` for why that suffices.)
 
-    ``trace=True``: after each reduction ``self.trace`` is a list with one
+    ``keep_steps=True``: after each reduction ``self.steps`` is a list with one
     ``RingStep`` per step (per fused buffer; the list is reset on every call):
     ``phase``, ``step``, ``transfers`` (for each device: ``RingTransfer(src,
     dst, chunk, lo, hi, op)``) and ``holds`` (after the step, ``holds[d][c]`` =
     frozenset of the replica ids whose contributions chunk c on device d
     holds). The state before the first step is ``RingAllReduce.initial_holds(N)``.
-    ``step.as_dict()`` gives lists and dicts for JSON. With ``trace=False`` (the
-    default, nothing recorded) ``self.trace`` is None.
+    ``step.as_dict()`` gives lists and dicts for JSON. With ``keep_steps=False`` (the
+    default, nothing recorded) ``self.steps`` is None.
     """
 
     PHASES = ("reduce-scatter", "all-gather")
 
-    def __init__(self, peer_access=True, trace=False):
+    def __init__(self, peer_access=True, keep_steps=False):
         self.peer_access = bool(peer_access)
-        self.trace = [] if trace else None
+        self.steps = [] if keep_steps else None
         self._events = {}      # device name -> [CUDA events, one per step], reused call after call
         self._buffer_index = 0
 
-    # -- the schedule, as plain functions (the trace, the tests and the lab use them)
+    # -- the schedule, as plain functions (the step record, the tests and the lab use them)
     @staticmethod
     def chunk_bounds(size, n):
         """[(lo, hi)] of the N chunks of a buffer of ``size`` elements (balanced, maybe empty)."""
@@ -116,16 +116,16 @@ class RingAllReduce(CrossDeviceOps):
             steps.append(("all-gather", g, [(i, (i + 1) % n, (i + 1 - g) % n) for i in range(n)]))
         return steps
 
-    initial_holds = staticmethod(initial_holds)     # the state before the first step (ring_trace.py)
+    initial_holds = staticmethod(initial_holds)     # the state before the first step (ring_steps.py)
 
     @staticmethod
     def bytes_moved(size, n, itemsize=4):
-        """Bytes each device sends and receives, ring against reduce-to-one (``ring_trace.bytes_moved``)."""
+        """Bytes each device sends and receives, ring against reduce-to-one (``ring_steps.bytes_moved``)."""
         return bytes_moved(RingAllReduce.schedule(n), RingAllReduce.chunk_bounds(size, n), size, itemsize)
 
     # -- CrossDeviceOps
     def all_reduce_components(self, reduce_op, values):
-        # One reduce/batch_reduce call = one fresh trace (also when N == 1 or
+        # One reduce/batch_reduce call = one fresh step record (also when N == 1 or
         # every tensor is empty and the hook below is never called).
         self._start_call()
         return super().all_reduce_components(reduce_op, values)
@@ -135,8 +135,8 @@ class RingAllReduce(CrossDeviceOps):
         return super().all_reduce_flat(reduce_op, buffers, devices)
 
     def _start_call(self):
-        if self.trace is not None:
-            self.trace = []
+        if self.steps is not None:
+            self.steps = []
         self._buffer_index = 0
 
     def _sum_in_place(self, buffers, devices):
@@ -148,8 +148,8 @@ class RingAllReduce(CrossDeviceOps):
             return
         links = [self._link(devices[(i - 1) % n], devices[i]) for i in range(n)]
         self._run_ring(buffers, devices, links)
-        if self.trace is not None:
-            self.trace.extend(self._trace_steps(n, size, buffer_index, np.dtype(buffers[0].dtype)))
+        if self.steps is not None:
+            self.steps.extend(self._record_steps(n, size, buffer_index, np.dtype(buffers[0].dtype)))
 
     # -- checks and links
     def _check(self, buffers, devices):
@@ -273,9 +273,9 @@ class RingAllReduce(CrossDeviceOps):
         else:
             recv.ops.ring_gather_step(own, peer, lo, hi)
 
-    def _trace_steps(self, n, size, buffer_index, dtype):
-        """The teaching trace of one reduction (``ring_trace.trace_steps``)."""
-        return trace_steps(self.schedule(n), self.chunk_bounds(size, n), buffer_index, dtype, size)
+    def _record_steps(self, n, size, buffer_index, dtype):
+        """The step record of one reduction (``ring_steps.record_steps``)."""
+        return record_steps(self.schedule(n), self.chunk_bounds(size, n), buffer_index, dtype, size)
 
 
 def record_event(dev, event):

@@ -136,7 +136,7 @@ def case_train(out, gpus=0):
 
 
 def case_ring(out, cpus=1):
-    """CollectiveAllReduce against MPI's Allreduce on awkward sizes; trace names workers."""
+    """CollectiveAllReduce against MPI's Allreduce on awkward sizes; the step record names workers."""
     from mpi4py import MPI
     from mirrored import devices as registry
     from mirrored.collective_all_reduce import CollectiveAllReduce
@@ -146,7 +146,7 @@ def case_ring(out, cpus=1):
     install_abort_hook(workers)
     rank, size = comm.Get_rank(), comm.Get_size()
     devices = [d for d in registry.logical_devices() if d.device_type == "CPU"]
-    ring = CollectiveAllReduce(workers, trace=True)
+    ring = CollectiveAllReduce(workers, keep_steps=True)
     rng = np.random.default_rng([int.from_bytes(os.urandom(4), "little"), rank])
     results = {}
     for n_elems in (1, 2, 3, 5, 31, 33, 65, 1000, 4097, 10007):
@@ -159,7 +159,7 @@ def case_ring(out, cpus=1):
         mpi = np.empty_like(local_sum)
         comm.Allreduce(local_sum, mpi, op=MPI.SUM)             # MPI's own all-reduce
         every = np.concatenate(comm.allgather(np.stack(inputs)))   # (N, n) all replicas' inputs
-        steps = ring.trace
+        steps = ring.steps
         crossings = [(t.src_worker, t.dst_worker) for s in steps for t in s.transfers
                      if t.src_worker != t.dst_worker]
         results[f"ring_{n_elems}"] = np.stack([np.asarray(b) for b in buffers])

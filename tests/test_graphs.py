@@ -284,8 +284,8 @@ def test_reasons_a_step_cannot_be_captured(devices):
     assert "CPU devices" in capture.why_not_capturable(cpu)
     reason = capture.why_not_capturable(two, tf.distribute.ReductionToOneDevice())
     assert "ReductionToOneDevice" in reason
-    reason = capture.why_not_capturable(two, tf.distribute.RingAllReduce(trace=True))
-    assert "trace" in reason
+    reason = capture.why_not_capturable(two, tf.distribute.RingAllReduce(keep_steps=True))
+    assert "step record" in reason
     from mirrored.devices import cuda_mode
     if cuda_mode() != "real":
         assert "simulator" in capture.why_not_capturable(two, tf.distribute.RingAllReduce())

@@ -38,6 +38,6 @@ def test_lab_06_without_mpiexec_skips_the_worker_cells_with_a_reason(run_lab, mo
     text, images = run_lab("06_beyond_one_machine.ipynb")
     assert "MISSING: the cells that start workers are skipped" in text
     assert "skipped: no mpiexec (see the first cell), so no workers to start" in text
-    assert "skipped: no mpiexec, so no workers' trace to draw" in text
+    assert "skipped: no mpiexec, so no workers' step record to draw" in text
     assert "skipped: no mpiexec (see the first cell), so no link to measure" in text
     assert "Using MultiWorkerMirroredStrategy" not in text and images >= 1

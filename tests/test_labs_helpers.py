@@ -185,12 +185,12 @@ def test_no_text_sits_under_an_arrowhead_in_the_ring_pictures(devices, rng):
     from mirrored.ring import RingAllReduce
 
     names = [d.name for d in devices(cpus=4) if d.device_type == "CPU"]
-    strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=RingAllReduce(trace=True))
+    strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=RingAllReduce(keep_steps=True))
     grads = strategy.experimental_distribute_values_from_function(
         lambda ctx: rng.standard_normal(10).astype(np.float32))
     strategy.extended.reduce_to("SUM", grads, grads)
-    trace = strategy.extended.cross_device_ops.trace
-    for fig in (render(viz.ring_diagram(trace, initial=True)), render(viz.ring_step(trace[0]))):
+    steps = strategy.extended.cross_device_ops.steps
+    for fig in (render(viz.ring_diagram(steps, initial=True)), render(viz.ring_step(steps[0]))):
         renderer = fig.canvas.get_renderer()                # Agg, attached by render()
         points = fig.dpi / 72                               # pixels per point
         heads = []

@@ -217,7 +217,7 @@ def test_ring_across_workers_equals_mpi_allreduce(tmp_path, workers, cpus):
             assert (err <= bound).all(), f"size {size}: max error {err.max()} at {err.argmax()}"
             mpi_err = np.abs(ring[0].astype(np.float64) - g[f"mpi_{size}"])
             assert (mpi_err <= 2 * bound).all(), f"size {size}: ring vs MPI_Allreduce {mpi_err.max()}"
-            # the trace: 2(N-1) steps, and every step crosses each worker boundary once
+            # the step record: 2(N-1) steps, and every step crosses each worker boundary once
             assert int(g[f"steps_{size}"]) == 2 * (n - 1)
             crossings = {tuple(c) for c in g[f"crossings_{size}"]}
             assert crossings == {(w, (w + 1) % workers) for w in range(workers)}

@@ -6,7 +6,7 @@ What is checked, and on what:
   GPUs, sizes 0, 1, N-1, N+1, primes (and one large buffer on CPU), float32 and
   int32: every device ends with *bitwise* the same result, equal to a float64
   NumPy sum within float32 rounding, and a rerun gives the same bits;
-* the teaching trace of a 4-device ring against the textbook schedule;
+* the step record of a 4-device ring against the textbook schedule;
 * the staged path (no peer access), fusion in batch_reduce, MEAN, agreement
   with ReductionToOneDevice, a property test over (N, size);
 * bad input is refused before anything runs, every input left as it was.
@@ -188,11 +188,11 @@ def expected_holds(n, phase, step, d, c):
 def test_trace_of_a_4_ring_is_the_textbook_schedule(devices, rng):
     devs = cpu_devices(devices, 4)
     size = 10                                            # chunks [0,2) [2,5) [5,7) [7,10)
-    ring = RingAllReduce(trace=True)
+    ring = RingAllReduce(keep_steps=True)
     ring.reduce("SUM", per_replica(make_inputs(rng, 4, size, np.float32), devs))
-    assert len(ring.trace) == 2 * (4 - 1) and all(isinstance(s, RingStep) for s in ring.trace)
+    assert len(ring.steps) == 2 * (4 - 1) and all(isinstance(s, RingStep) for s in ring.steps)
     bounds = [(0, 2), (2, 5), (5, 7), (7, 10)]
-    for step, (phase, index, chunks) in zip(ring.trace, TEXTBOOK_4):
+    for step, (phase, index, chunks) in zip(ring.steps, TEXTBOOK_4):
         assert (step.phase, step.step, step.size, step.dtype) == (phase, index, size, "float32")
         op = "add" if phase == "reduce-scatter" else "copy"
         assert step.transfers == tuple(RingTransfer(i, (i + 1) % 4, c, *bounds[c], op)
@@ -201,31 +201,31 @@ def test_trace_of_a_4_ring_is_the_textbook_schedule(devices, rng):
             for c in range(4):
                 assert step.holds[d][c] == expected_holds(4, phase, index, d, c), (phase, index, d, c)
     # Two states spelled out, to read along the class docstring:
-    after_rs0 = ring.trace[0].holds
+    after_rs0 = ring.steps[0].holds
     assert [after_rs0[d][(d - 1) % 4] for d in range(4)] == [{3, 0}, {0, 1}, {1, 2}, {2, 3}]
-    after_rs = ring.trace[2].holds                        # device i has all of chunk i+1
+    after_rs = ring.steps[2].holds                        # device i has all of chunk i+1
     assert [after_rs[d][(d + 1) % 4] for d in range(4)] == [frozenset(range(4))] * 4
-    assert all(c == frozenset(range(4)) for dev in ring.trace[-1].holds for c in dev)
-    as_dict = ring.trace[0].as_dict()                     # JSON-friendly form for notebooks
+    assert all(c == frozenset(range(4)) for dev in ring.steps[-1].holds for c in dev)
+    as_dict = ring.steps[0].as_dict()                     # JSON-friendly form for notebooks
     assert as_dict["transfers"][0] == {"src": 0, "dst": 1, "chunk": 0, "lo": 0, "hi": 2, "op": "add"}
     assert as_dict["holds"][1][0] == [0, 1]
 
 
 def test_trace_is_reset_per_call_and_covers_each_fused_buffer(devices, rng):
     devs = cpu_devices(devices, 3)
-    ring = RingAllReduce(trace=True)
+    ring = RingAllReduce(keep_steps=True)
     f, i = make_inputs(rng, 3, 5, np.float32), make_inputs(rng, 3, 4, np.int32)
     ring.batch_reduce("SUM", [(per_replica(f, devs), None), (per_replica(i, devs), None)])
-    assert [(s.buffer, s.dtype) for s in ring.trace] == [(0, "float32")] * 4 + [(1, "int32")] * 4
+    assert [(s.buffer, s.dtype) for s in ring.steps] == [(0, "float32")] * 4 + [(1, "int32")] * 4
     ring.reduce("SUM", per_replica(f, devs))
-    assert len(ring.trace) == 4
-    ring.reduce("SUM", per_replica(f[:1], devs[:1]))      # one replica: nothing to do, empty trace
-    assert ring.trace == []
-    assert RingAllReduce().trace is None                  # tracing off by default
+    assert len(ring.steps) == 4
+    ring.reduce("SUM", per_replica(f[:1], devs[:1]))      # one replica: nothing to do, empty record
+    assert ring.steps == []
+    assert RingAllReduce().steps is None                  # no record by default
     flat = [np.full(6, i + 1, np.float32) for i in range(3)]   # already fused buffers
     for _ in range(2):
         ring.all_reduce_flat("SUM", flat, devs)
-        assert len(ring.trace) == 4
+        assert len(ring.steps) == 4
     assert_bitwise_equal(flat, "all_reduce_flat")
     np.testing.assert_array_equal(flat[0], np.full(6, 6 * 3, np.float32))   # (1+2+3), then x3
 
@@ -298,9 +298,9 @@ def test_batch_reduce_fuses_shapes_and_dtypes(kind, n, devices, rng):
     devs = cpu_devices(devices, n) if kind == "CPU" else gpu_devices(devices, n)
     values = [[x.reshape(shape) for x in make_inputs(rng, n, int(np.prod(shape)), dtype)]
               for shape, dtype in FUSED]
-    ring = RingAllReduce(trace=True)
+    ring = RingAllReduce(keep_steps=True)
     out = ring.batch_reduce("SUM", [(per_replica(xs, devs), None) for xs in values])
-    assert len({s.buffer for s in ring.trace}) == 2          # one fused buffer per dtype
+    assert len({s.buffer for s in ring.steps}) == 2          # one fused buffer per dtype
     for (shape, _), xs, mirrored_value in zip(FUSED, values, out):
         got = results(mirrored_value)
         assert got[0].shape == shape

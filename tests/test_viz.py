@@ -1,7 +1,7 @@
 """mirrored.lab.viz: every picture is a Figure with the expected panels and marks.
 
 The figures are drawn from real data where the library makes it (a ring
-all-reduce trace over logical CPU devices) and rendered to PNG bytes with the
+all-reduce's step record over logical CPU devices) and rendered to PNG bytes with the
 Agg backend, so a drawing error cannot hide until a notebook runs. Bad input
 must fail with a message that says what was expected.
 """
@@ -27,10 +27,10 @@ def render(fig):
     assert buf.getvalue()[:4] == b"\x89PNG"
 
 
-def ring_trace(devices, rng, n, size=10, dtypes=(np.float32,)):
+def ring_steps(devices, rng, n, size=10, dtypes=(np.float32,)):
     devices(cpus=n)
     names = [f"CPU:{i}" for i in range(n)]
-    ring = RingAllReduce(trace=True)
+    ring = RingAllReduce(keep_steps=True)
     pairs = []
     for dtype in dtypes:
         comps = []
@@ -39,7 +39,7 @@ def ring_trace(devices, rng, n, size=10, dtypes=(np.float32,)):
                 comps.append(tf.constant((rng.standard_normal(size) * 10).astype(dtype)))
         pairs.append((PerReplica(comps), None))
     ring.batch_reduce("SUM", pairs)
-    return ring.trace
+    return ring.steps
 
 
 def cells(ax):
@@ -53,8 +53,8 @@ def arrows(ax):
 # --- ring ---------------------------------------------------------------------------
 
 def test_ring_diagram_of_a_4_ring_has_one_panel_per_step(devices, rng):
-    trace = ring_trace(devices, rng, 4)
-    fig = viz.ring_diagram(trace)
+    steps = ring_steps(devices, rng, 4)
+    fig = viz.ring_diagram(steps)
     assert isinstance(fig, Figure)
     assert len(fig.axes) == 6 == 2 * (4 - 1)
     assert [ax.get_title() for ax in fig.axes] == [
@@ -70,30 +70,30 @@ def test_ring_diagram_of_a_4_ring_has_one_panel_per_step(devices, rng):
 
 
 def test_ring_diagram_initial_panel_and_layout(devices, rng):
-    trace = ring_trace(devices, rng, 3)
-    fig = viz.ring_diagram(trace, initial=True)
+    steps = ring_steps(devices, rng, 3)
+    fig = viz.ring_diagram(steps, initial=True)
     titled = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titled[0].startswith("before step 0") and len(titled) == 1 + 4
     first = fig.axes[0]
     assert sorted(t.get_text() for t in first.texts) == ["g0"] * 3 + ["g1"] * 3 + ["g2"] * 3
     assert arrows(first) == []
-    fig = viz.ring_diagram([s.as_dict() for s in trace], ncols=2)   # JSON form, 2 per row
+    fig = viz.ring_diagram([s.as_dict() for s in steps], ncols=2)   # JSON form, 2 per row
     assert len(fig.axes) == 4
     render(fig)
 
 
 def test_ring_diagram_draws_one_fused_buffer(devices, rng):
-    trace = ring_trace(devices, rng, 3, dtypes=(np.float32, np.int32))
-    assert len(trace) == 8                                # two fused buffers, 4 steps each
-    assert len(viz.ring_diagram(trace).axes) == 4
-    assert len(viz.ring_diagram(trace, buffer=1).axes) == 4
+    steps = ring_steps(devices, rng, 3, dtypes=(np.float32, np.int32))
+    assert len(steps) == 8                                # two fused buffers, 4 steps each
+    assert len(viz.ring_diagram(steps).axes) == 4
+    assert len(viz.ring_diagram(steps, buffer=1).axes) == 4
     with pytest.raises(ValueError, match="buffers"):
-        viz.ring_diagram(trace, buffer=5)
+        viz.ring_diagram(steps, buffer=5)
 
 
 def test_ring_step_cells_arrows_and_labels(devices, rng):
-    trace = ring_trace(devices, rng, 4)
-    fig = viz.ring_step(trace[0], 4)
+    steps = ring_steps(devices, rng, 4)
+    fig = viz.ring_step(steps[0], 4)
     assert isinstance(fig, Figure) and len(fig.axes) == 1
     ax = fig.axes[0]
     assert ax.get_title() == "reduce-scatter step 0"
@@ -102,13 +102,13 @@ def test_ring_step_cells_arrows_and_labels(devices, rng):
     for expected in ("g0+g1", "g1+g2", "g2+g3", "g0+g3"):
         assert expected in labels
     assert labels.count("+=") + sum(t.startswith("+= from") for t in labels) == 4
-    ag = viz.ring_step(trace[3], legend=False).axes[0]
+    ag = viz.ring_step(steps[3], legend=False).axes[0]
     assert ag.get_title() == "all-gather step 0" and ag.get_legend() is None
     assert any(t.get_text().startswith("= from") for t in ag.texts)
     # the dict form and an existing axes
     other = Figure()
     ax2 = other.add_subplot()
-    assert viz.ring_step(trace[2].as_dict(), ax=ax2) is other
+    assert viz.ring_step(steps[2].as_dict(), ax=ax2) is other
     assert sum(t.get_text() == "SUM" for t in ax2.texts) == 4   # one finished chunk per device
     before = viz.ring_step(None, 4).axes[0]
     assert before.get_title().startswith("before step 0") and arrows(before) == []
@@ -116,21 +116,21 @@ def test_ring_step_cells_arrows_and_labels(devices, rng):
 
 
 def test_ring_bad_input_says_what_to_pass(devices, rng):
-    trace = ring_trace(devices, rng, 4)
+    steps = ring_steps(devices, rng, 4)
     with pytest.raises(ValueError, match="n_devices=3"):
-        viz.ring_step(trace[0], 3)
+        viz.ring_step(steps[0], 3)
     with pytest.raises(ValueError, match=">= 2"):
         viz.ring_step(None, 1)
     with pytest.raises(ValueError, match="needs n_devices"):
         viz.ring_step(None)
-    with pytest.raises(TypeError, match="RingAllReduce\\(trace=True\\)"):
+    with pytest.raises(TypeError, match="RingAllReduce\\(keep_steps=True\\)"):
         viz.ring_step(np.zeros(3))
     with pytest.raises(ValueError, match="keys"):
         viz.ring_step({"phase": "all-gather"})
-    with pytest.raises(ValueError, match="trace is empty"):
+    with pytest.raises(ValueError, match="step record is empty"):
         viz.ring_diagram([])
-    with pytest.raises(ValueError, match="trace is empty"):
-        viz.ring_diagram(RingAllReduce().trace)            # tracing was off: None
+    with pytest.raises(ValueError, match="step record is empty"):
+        viz.ring_diagram(RingAllReduce().steps)            # recording was off: None
 
 
 # --- timeline -------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 The labs draw with these functions so that a notebook cell stays one line and
 every lab draws the same thing the same way. Each function
 
-* takes plain data the library already produces (a ``RingAllReduce(trace=True)``
-  trace, a list of timed events, benchmark rows, a batch size),
+* takes plain data the library already produces (a ``RingAllReduce(keep_steps=True)``
+  step record, a list of timed events, benchmark rows, a batch size),
 * draws on the matplotlib ``ax`` you pass, or on a new figure when ``ax`` is None,
 * returns the matplotlib ``Figure`` (never calls ``plt.show()``: a notebook shows a
   returned figure by itself, a script calls ``fig.savefig(...)``), and
@@ -15,7 +15,7 @@ What is here:
     ring_step(step, n_devices)   one step of a ring all-reduce: a devices x chunks grid,
                                  each cell coloured by how many replicas' gradients the
                                  chunk holds, arrows for the chunks that move this step
-    ring_diagram(trace)          every step of a trace, one panel each (2(N-1) panels)
+    ring_diagram(steps)          every step of a reduction, one panel each (2(N-1) panels)
     timeline(events)             Gantt chart: one lane per replica, one colour per phase
     scaling_plot(rows)           samples/s against the number of replicas, ideal line,
                                  scaling efficiency written at each point
@@ -36,7 +36,7 @@ Returning a bare ``Figure`` (not a pyplot one) means nothing piles up in pyplot'
 registry; Jupyter displays it once the inline backend is active (``%matplotlib
 inline``, the first line of every lab).
 
-Neighbours: ``ring.py`` and ``ring_trace.py`` (``RingAllReduce``: ``trace``, ``RingStep``,
+Neighbours: ``ring.py`` and ``ring_steps.py`` (``RingAllReduce``: ``steps``, ``RingStep``,
 ``initial_holds``, ``schedule``), ``input_lib.py`` (``rebatch_bounds``), the timing
 helpers that produce events and rows (``timing.py``, ``scaling.py``, ``perf_model.py``),
 ``kernels/gemm.py`` (the tile sizes ``gemm_mapping`` draws), and ``labs/`` (which call
@@ -108,10 +108,10 @@ def _step_fields(step):
         try:
             phase, index, transfers, holds = step.phase, step.step, step.transfers, step.holds
         except AttributeError:
-            raise TypeError(f"ring_step: expected one step of a RingAllReduce(trace=True) trace "
+            raise TypeError(f"ring_step: expected one step of a RingAllReduce(keep_steps=True) record "
                             f"(a RingStep, or its .as_dict()), got {type(step).__name__}. "
-                            f"Reduce something with ring = RingAllReduce(trace=True), then "
-                            f"draw ring.trace[0].") from None
+                            f"Reduce something with ring = RingAllReduce(keep_steps=True), then "
+                            f"draw ring.steps[0].") from None
         transfers = [(t.src, t.dst, t.chunk, t.op) for t in transfers]
     holds = [[frozenset(c) for c in dev] for dev in holds]
     return phase, index, transfers, holds
@@ -127,7 +127,7 @@ def _check_holds(holds, n_devices, what):
     if n != n_devices or any(len(dev) != n_devices for dev in holds):
         raise ValueError(f"{what}: the step describes {n} devices x "
                          f"{len(holds[0]) if holds else 0} chunks but n_devices={n_devices}; a ring "
-                         f"of N devices cuts every buffer into N chunks. Pass the N the trace "
+                         f"of N devices cuts every buffer into N chunks. Pass the N the record "
                          f"was made with (or leave n_devices out).")
     return n_devices
 
@@ -227,7 +227,7 @@ def _step_title(phase, index):
 def ring_step(step, n_devices=None, ax=None, device_names=None, legend=True):
     """Draw one step of a ring all-reduce; returns the Figure.
 
-    ``step`` is one element of ``RingAllReduce(trace=True).trace`` (a ``RingStep``,
+    ``step`` is one element of ``RingAllReduce(keep_steps=True).steps`` (a ``RingStep``,
     or its ``.as_dict()``), or ``None`` for the state before the first step.
     Rows are devices, columns are chunks of the flat gradient buffer; cell
     (d, c) shows whose gradients chunk c on device d holds *after* the step
@@ -264,30 +264,30 @@ def ring_step(step, n_devices=None, ax=None, device_names=None, legend=True):
     return fig
 
 
-def ring_diagram(trace, n_devices=None, initial=False, ncols=None, device_names=None,
+def ring_diagram(record, n_devices=None, initial=False, ncols=None, device_names=None,
                  buffer=None, fig=None):
-    """Every step of a ring all-reduce trace, one panel per step; returns the Figure.
+    """Every step of a ring all-reduce's step record, one panel per step; returns the Figure.
 
-    ``trace``: ``RingAllReduce(trace=True).trace`` after a reduction (or a list of
+    ``record``: ``RingAllReduce(keep_steps=True).steps`` after a reduction (or a list of
     ``RingStep.as_dict()``s). A ring of N devices has 2(N-1) steps: N-1 of
     reduce-scatter (first row of panels) then N-1 of all-gather (second row).
     ``initial=True`` adds a first panel with the state before step 0.
-    ``buffer``: which fused buffer to draw when the trace covers several (a
+    ``buffer``: which fused buffer to draw when the record covers several (a
     ``batch_reduce`` of several dtypes); default the first. ``ncols``: panels
     per row (default N-1, so each phase gets its own row). ``fig``: draw into
     this (empty) figure instead of a new one. One shared legend at the bottom.
     """
-    steps = list(trace or [])
+    steps = list(record or [])
     if not steps:
-        raise ValueError("ring_diagram: the trace is empty. Make one with ring = "
-                         "RingAllReduce(trace=True); ring.reduce('SUM', per_replica_value) over "
-                         "2 or more devices; then pass ring.trace (one replica, or an empty "
+        raise ValueError("ring_diagram: the step record is empty. Make one with ring = "
+                         "RingAllReduce(keep_steps=True); ring.reduce('SUM', per_replica_value) over "
+                         "2 or more devices; then pass ring.steps (one replica, or an empty "
                          "buffer, has no steps to draw).")
     fields = [_step_fields(s) for s in steps]
     buffers = [s.get("buffer", 0) if isinstance(s, dict) else getattr(s, "buffer", 0) for s in steps]
     chosen = buffers[0] if buffer is None else buffer
     if chosen not in buffers:
-        raise ValueError(f"ring_diagram: the trace has buffers {sorted(set(buffers))}, not {buffer!r}.")
+        raise ValueError(f"ring_diagram: the record has buffers {sorted(set(buffers))}, not {buffer!r}.")
     fields = [f for f, b in zip(fields, buffers) if b == chosen]
     n = _check_holds(fields[0][3], n_devices, "ring_diagram")
     for f in fields:

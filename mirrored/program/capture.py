@@ -81,8 +81,8 @@ def why_not_capturable(devices, cross_device_ops=None):
         if not isinstance(cross_device_ops, RingAllReduce):
             return (f"the gradients are summed by {type(cross_device_ops).__name__}; only "
                     f"RingAllReduce keeps its buffers and events from one call to the next")
-        if cross_device_ops.trace is not None:
-            return "the ring records a teaching trace on every call, which a replay would skip"
+        if cross_device_ops.steps is not None:
+            return "the ring keeps a step record on every call (keep_steps=True), which a replay would skip"
         if len({d.gpu_id for d in devices}) > 1:
             return ("the replicas sit on several physical GPUs; this capture covers one GPU "
                     "(logical GPUs of one card)")

@@ -1,14 +1,14 @@
-"""The ring's teaching trace: what moved in each step and what every chunk holds after it.
+"""The ring's step record: what moved in each step and what every chunk holds after it.
 
-``RingAllReduce(trace=True)`` (``ring.py``) records, after each reduction, one ``RingStep``
+``RingAllReduce(keep_steps=True)`` (``ring.py``) records, after each reduction, one ``RingStep``
 per step of its schedule: the ``RingTransfer`` of every device and the set of replicas
 whose contributions each chunk holds. Lab 03 steps through them and ``mirrored.lab.viz``
-draws them. Nothing here computes the sum: ``trace_steps`` replays the ring's schedule
+draws them. Nothing here computes the sum: ``record_steps`` replays the ring's schedule
 with sets of replica ids instead of numbers. Frozen dataclasses, so that a notebook can
 keep, compare and draw them.
 
 Neighbours: ``ring.py`` (the ring, its ``schedule`` and ``chunk_bounds``),
-``collective_all_reduce.py`` (the same trace across workers), ``lab/viz.py``.
+``collective_all_reduce.py`` (the same record across workers), ``lab/viz.py``.
 """
 import dataclasses
 
@@ -76,7 +76,7 @@ def initial_holds(n):
     return tuple(tuple(frozenset([d]) for _ in range(n)) for d in range(n))
 
 
-def trace_steps(schedule, bounds, buffer_index, dtype, size):
+def record_steps(schedule, bounds, buffer_index, dtype, size):
     """Replay a ring's ``schedule`` (``RingAllReduce.schedule(n)``) over chunks of
     ``bounds`` symbolically: sets of replica ids instead of numbers; one ``RingStep`` each."""
     holds = [list(row) for row in initial_holds(len(bounds))]
