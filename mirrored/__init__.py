@@ -29,7 +29,7 @@ Reading order: one training step in five files (lines at this writing; 1,492 in 
    (``dev.activate``, buffers), backends.py (``dev.ops``: the op on a GPU, our kernels,
    or a CPU, NumPy); then kernels/: gemm.py, activations.py, softmax_xent.py,
    reduction.py, allreduce.py, optimizers.py (each with its NumPy reference).
-   ``python -m benchmarks.trace_step`` counts the files one step of the lab ConvNet
+   ``python -m benchmarks.step_path`` counts the files one step of the lab ConvNet
    calls into.
 
 Around the step, wrapping it from outside: program/ (the device program: a step's device

@@ -318,7 +318,7 @@ class DatasetBatches:
         self.residence = None            # input_lib.Residence when fit may place the data unasked
         devices = replica_devices(model)
         # Never on CPUs, where a gather costs what a copy costs (read here, not asked of
-        # input_lib: a CPU fit's step stays out of that file, tests/test_trace_step.py)
+        # input_lib: a CPU fit's step stays out of that file, tests/test_step_path.py)
         on_gpus = input_lib.AUTO_PLACE_ON_GPUS and all(dev.device_type == "GPU" for dev in devices)
         if place and on_gpus and (dist is None or dist.options is None) and not takes_targets(model.loss):
             self.residence = Residence(devices)

@@ -207,7 +207,7 @@ class OptimizerState:
     def _choose_path(self):
         """Plain SGD or Adam (no schedule, no clipping, no weight decay) keep their old step: the
         per-step vector is ``_scalars`` alone and nothing runs before the update, so their step
-        never enters this file (tests/test_trace_step.py counts the files a step crosses)."""
+        never enters this file (tests/test_step_path.py counts the files a step crosses)."""
         self.transforming = self.weight_decay is not None or self.clip() is not None
         self.step_vector = self.hyper_vector if self.transforming or self.schedule is not None else self._scalars
 

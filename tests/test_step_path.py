@@ -1,12 +1,12 @@
-"""benchmarks/trace_step.py: the counts it reports are the counts of the calls it saw.
+"""benchmarks/step_path.py: the counts it reports are the counts of the calls it saw.
 
 The program's counting is checked on made-up call sequences against a second, plainer
 count (``itertools.groupby`` for the jumps), and its spans on made-up nested events;
-then it traces the lab ConvNet on 2 logical CPUs, and every number it reports must agree
+then it follows the lab ConvNet's step on 2 logical CPUs, and every number it reports must agree
 with the others (sums, subsets, the scopes nested). No number is a target here: the
-program reports them (``python -m benchmarks.trace_step``).
+program reports them (``python -m benchmarks.step_path``).
 
-    python -m pytest -q tests/test_trace_step.py
+    python -m pytest -q tests/test_step_path.py
 """
 import itertools
 import json
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import trace_step
+from benchmarks import step_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_summarise_counts_calls_files_functions_and_jumps(rng, n):
     calls = random_calls(rng, n)
     for prefix in ("", "mirrored/", "kernels/"):
         mine = [c for c in calls if c[0].startswith(prefix)]
-        got = trace_step.summarise(calls, prefix)
+        got = step_path.summarise(calls, prefix)
         assert got["calls"] == len(mine)
         assert got["functions"] == len(set(mine))
         assert got["per_file"] == {f: sum(1 for c in mine if c[0] == f) for f in FILES
@@ -50,21 +50,21 @@ def test_span_runs_from_the_start_call_to_the_end_return_on_the_start_thread():
           ("call", *B, 1), ("call", *B, 1), ("return", *B, 1),  # a nested update: not yet the end
           ("call", *C, 1), ("return", *C, 1), ("return", *B, 1),
           ("call", *C, 1), ("return", *A, 1)]
-    assert trace_step.span(ev, A, B) == [A, C, B, B, B, C]
-    assert trace_step.span(ev, A) == [A, C, B, B, B, C, C]
+    assert step_path.span(ev, A, B) == [A, C, B, B, B, C]
+    assert step_path.span(ev, A) == [A, C, B, B, B, C, C]
     with pytest.raises(ValueError, match="never called"):
-        trace_step.span(ev, ("m/s.py", "nothing"))
+        step_path.span(ev, ("m/s.py", "nothing"))
     with pytest.raises(ValueError, match="never returned"):
-        trace_step.span(ev[:-1], A)
+        step_path.span(ev[:-1], A)
 
 
-def test_the_lab_convnet_trace_is_consistent(tmp_path):
+def test_the_lab_convnet_step_path_is_consistent(tmp_path):
     # In a process of its own, as the README runs it: a test before it in the same worker
     # (a strategy's scope or a replica context left behind) must not put files on the path.
-    out = tmp_path / "trace.json"
+    out = tmp_path / "step_path.json"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}   # CPU devices
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.trace_step", "--replicas", "2", "--batch", "33",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_path", "--replicas", "2", "--batch", "33",
                            "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())["scopes"]

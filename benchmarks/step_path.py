@@ -1,8 +1,8 @@
 """How far one training step travels through the code: calls, files, functions, jumps.
 
-    python -m benchmarks.trace_step                      # lab ConvNet, 2 logical CPUs, batch 128
-    python -m benchmarks.trace_step --json /tmp/trace.json
-    python -m benchmarks.trace_step --replicas 1 --batch 64
+    python -m benchmarks.step_path                      # lab ConvNet, 2 logical CPUs, batch 128
+    python -m benchmarks.step_path --json /tmp/step_path.json
+    python -m benchmarks.step_path --replicas 1 --batch 64
 
 A student who follows one step of ``fit`` through the library opens every file the
 step's calls land in. This program counts them. It builds the course lab's ConvNet
@@ -139,7 +139,7 @@ def lab_convnet(replicas=2, batch=128, seed=0):
     return model, tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
 
 
-def trace(model, dataset):
+def follow(model, dataset):
     """Trace ``model.fit(dataset, epochs=1)`` (after one warm-up fit): every scope's counts,
     over the library (``all``) and over ``mirrored/`` alone (``mirrored``)."""
     model.fit(dataset, epochs=1, verbose=0)                       # warm-up: buffers, compiled loops
@@ -174,7 +174,7 @@ def main(argv=None):
     parser.add_argument("--json", metavar="OUT", help="also write the counts as JSON to OUT")
     args = parser.parse_args(argv)
     model, dataset = lab_convnet(args.replicas, args.batch)
-    result = trace(model, dataset)
+    result = follow(model, dataset)
     print(f"One fit step of the lab ConvNet, {args.replicas} logical CPU(s), batch {args.batch}:")
     print(table(result))
     if args.json:
