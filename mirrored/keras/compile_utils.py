@@ -29,6 +29,7 @@ import copy
 import numpy as np
 
 from mirrored import context, nest, ops
+from mirrored.program import recording
 from mirrored.keras import losses as _losses
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import sample_weights
@@ -108,9 +109,7 @@ class CompileLoss:
             tracker = next(trackers, None)
             b = int(p.shape[0])
             if tracker is not None and b:
-                mean = float(np.asarray(value.numpy() if hasattr(value, "numpy") else value)) * \
-                    (global_batch or b) / b
-                tracker.update_state(np.float64(mean), sample_weight=b)
+                track(tracker, value, (global_batch or b) / b, b)
             term = value * weight if weight != 1.0 else value
             total = term if total is None else total + term
         return total
@@ -184,6 +183,15 @@ def weights_on(sample_weight, like, b):
 def as_rank(weights, ndim):
     """(b,) weights as (b, 1, ...) to multiply per-element loss values of rank ``ndim``."""
     return weights if ndim <= 1 else ops.reshape(weights, (-1,) + (1,) * (ndim - 1))
+
+
+@recording.host_work
+def track(tracker, share, scale, rows):
+    """``tracker`` given this replica's mean loss (its ``share`` of the global batch's, times
+    ``scale``), weighed by its ``rows``: host work, which a traced step's replay does again
+    with that replay's value (``keras/traced_step.py``)."""
+    mean = float(np.asarray(share.numpy() if hasattr(share, "numpy") else share)) * scale
+    tracker.update_state(np.float64(mean), sample_weight=rows)
 
 
 def replicas():

@@ -45,12 +45,13 @@ The logs: the dict ``train_step`` returns, nested dicts flattened and the keys s
 ``pythonify_logs``). When its keys are those of ``model.metrics`` (the compiled metrics' dict
 flattened), the logs are those metrics' results, read after every replica has updated them (the
 metrics here are one host copy that every replica adds to: ``metrics.py``), as Keras's
-``_get_metrics_result_or_logs`` does; otherwise each value is summed over the replicas (Keras's
-"auto" reduction: the replicas' shares of a returned loss sum to the loss).
+``_get_metrics_result_or_logs`` does; otherwise each value is the mean over the replicas (Keras
+3's ``reduce_per_replica(reduction="auto")``, "mean" under MirroredStrategy: a metric's result,
+the same on every replica here, stays itself).
 
-Eager: the step runs as Python every batch (``run_eagerly=True`` in Keras's terms). A
-``@tf.function`` trace would freeze the metrics' ``result()`` (host values), which the guide's
-step returns, so it would fall back to eager anyway (``recording.unrecordable``).
+fit's step is traced and replayed as Keras wraps it in ``tf.function`` (``traced_step.py``: its
+Python once per input signature; ``compile(run_eagerly=True)``: every batch); evaluate's and
+predict's run as Python every batch.
 
 Neighbours: ``trainer.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
 ``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``compile_utils.py`` (a
@@ -62,11 +63,14 @@ import weakref
 import numpy as np
 
 from mirrored import context, nest, ops
+from mirrored.program import recording
 from mirrored.input_lib import split_batch
 from mirrored.keras import compile_utils, metrics as _metrics
 from mirrored.keras import sample_weights
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
 from mirrored.keras.tape import GradientTape, scale_regularization_loss
+from mirrored.keras.traced_step import TracedStep, flatten
+from mirrored.tensor import HostTensor
 from mirrored.values import DistributedValues
 
 _DEFAULTS = set()                              # the library's own train_step, test_step, predict_step
@@ -276,6 +280,12 @@ def run_step(model, name, batch):
     shares = split_batch(batch, strategy.extended, _devices(model))
     _GLOBAL_BATCH[model] = _global_size(batch)
     try:
+        if name == "train_step" and not model.run_eagerly:      # Keras's tf.function (traced_step.py)
+            traced = getattr(model, "train_function", None)       # Keras's name; compile resets it
+            if traced is None:
+                traced = model.train_function = TracedStep(model, step_function(model, name))
+            if not traced.eager:
+                return traced(shares, lambda: metric_results(model))
         return strategy.run(step_function(model, name), args=(shares,))
     finally:
         _GLOBAL_BATCH.pop(model, None)
@@ -322,17 +332,6 @@ def _number_array(value):
 
 
 # -- the logs -----------------------------------------------------------------------------------
-def flatten(logs):
-    """Keras's ``pythonify_logs``: nested dicts flattened, keys sorted."""
-    out = {}
-    for key, value in sorted(logs.items()):
-        if isinstance(value, dict):
-            out.update(flatten(value))
-        else:
-            out[key] = value
-    return out
-
-
 def metric_results(model):
     """{name: float} of every metric in ``model.metrics`` (the compiled ones' dict flattened)."""
     return {k: _to_float(v) for k, v in flatten({m.name: m.result() for m in model.metrics}).items()}
@@ -350,7 +349,16 @@ def logs(model, result):
     known = metric_results(model)
     if set(known) == set(flat):                  # Keras's _get_metrics_result_or_logs
         return {key: known[key] for key in flat}
-    return {key: _summed(value) for key, value in flat.items()}
+    # a metric's result() read inside the step, by each replica while the others may still be
+    # adding to it: read once more now that every replica is done (one value, whatever the timing)
+    return {key: known[key] if key in known and _read_on_host(value) else _replica_mean(value)
+            for key, value in flat.items()}
+
+
+def _read_on_host(value):
+    """True when every replica's ``value`` is a host value (what a metric's ``result()`` gives)."""
+    parts = value.values if isinstance(value, DistributedValues) else (value,)
+    return all(isinstance(part, HostTensor) for part in parts)
 
 
 def in_keras_order(model, logs):
@@ -365,9 +373,11 @@ def in_keras_order(model, logs):
     return [logs[n] for n in names if n in logs] + [logs[k] for k in sorted(logs) if k not in names]
 
 
-def _summed(value):
+def _replica_mean(value):
+    """Keras 3's "auto" reduction of a step's returned value: the mean over the replicas."""
     parts = value.values if isinstance(value, DistributedValues) else (value,)
-    return float(sum(_to_float(p) for p in parts))
+    mean = sum(_to_float(p) for p in parts) / len(parts)
+    return float(mean) if np.ndim(mean) == 0 else mean
 
 
 def _to_float(value):
@@ -396,14 +406,20 @@ class LossTracker(_metrics.Mean):
         self.model = None if model is None else weakref.ref(model)
 
     def update_state(self, values, sample_weight=None):
+        """The factor (from the replica context and the batch: Python, decided when a step
+        traces), then the values added (host work: a traced step's replay adds its own)."""
         strategy, replica_ctx = context.top()
         factor = strategy.num_replicas_in_sync if replica_ctx is not None and strategy is not None else 1
         model = self.model() if self.model is not None else None
         global_batch = _GLOBAL_BATCH.get(model) if model is not None else None
         if global_batch and sample_weight is not None and np.ndim(sample_weight) == 0 and sample_weight > 0:
             factor = global_batch / float(sample_weight)      # the replica's mean of its own rows
-        values = _number_array(values).astype(np.float64)
-        super().update_state(values * factor, sample_weight)
+        self.add_scaled(values, factor, sample_weight)
+
+    @recording.host_work
+    def add_scaled(self, values, factor, sample_weight=None):
+        """``values`` (read on the host now) times ``factor`` into the running mean."""
+        super().update_state(_number_array(values).astype(np.float64) * factor, sample_weight)
 
 
 def compile_metrics(model, metrics):

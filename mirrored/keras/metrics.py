@@ -73,6 +73,9 @@ class Metric:
     def result(self):
         """The current value as a host scalar (has ``.numpy()``). Inside a ``@function``'s
         trace it would be frozen: that function then runs eagerly (with a warning)."""
+        active = recording.active()
+        if active is not None and active.results_read_after:     # fit reads it after each replay
+            return TraceTimeValue.wrap(self._value())
         recording.unrecordable("it reads a metric's result(), a host value a trace would freeze "
                                "(read it outside the function)")
         return HostTensor.wrap(self._value())

@@ -309,6 +309,7 @@ class ModelAPI:
         if self._graphs is not None:
             self._graphs.close()
         self._run_eagerly, self._graphs, self._captured = bool(value), None, None
+        self.train_function = None                  # Keras's traced train_step (traced_step.py)
 
     @property
     def metrics_names(self):

@@ -156,6 +156,9 @@ class Recording:
         self._kept = {}                # id(buffer) -> (buffer, its host copy before the trace wrote it)
         self._undo = []                # host state to put back, in order
         self.not_kept = []             # buffers whose copy failed: a roll-back cannot restore them
+        # True: a metric's result() read in this trace is read again by the caller after every
+        # replay (fit's traced train_step: keras/traced_step.py), so it refuses nothing
+        self.results_read_after = False
 
     def __enter__(self):
         self._outer = backends.BOUNDARY.recorder       # a dry run may plan inside a trace
