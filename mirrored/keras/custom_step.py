@@ -56,7 +56,8 @@ predict's run as Python every batch.
 Neighbours: ``trainer.py`` (fit's loop calls ``train``), ``model_api.py`` (evaluate, predict,
 ``compute_loss``, ``metrics``), ``metrics.py`` (the metric objects), ``compile_utils.py`` (a
 loss's share; losses and metrics per output), ``multi_io.py`` (models of several inputs or
-outputs, which run here), ``tape.py``, ``input_lib.py`` (``split_batch``).
+outputs, which run here), ``traced_step.py`` (fit's step as a tf.function), ``tape.py``,
+``input_lib.py`` (``split_batch``).
 """
 import weakref
 
