@@ -5,7 +5,7 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,493 in all)::
+Reading order: one training step in five files (lines at this writing; 1,487 in all)::
 
     1. keras/step.py        269  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
@@ -14,7 +14,7 @@ Reading order: one training step in five files (lines at this writing; 1,493 in 
     2. keras/engine.py      354  ReplicaProgram: one replica's program of layer nodes (a
                                  DAG in topological order) forward, the loss, backward
                                  (step 2); ParameterPack; all_reduce (step 3)
-    3. keras/layers.py      360  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
+    3. keras/layers.py      354  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own
                                  forward and backward, through ``dev.ops``
     4. ring.py              290  RingAllReduce: the ring that sums the packed gradients (step 3)
     5. keras/optimizers.py  220  Adam/SGD ``update``: one launch per device (step 4)

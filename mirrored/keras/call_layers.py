@@ -164,6 +164,8 @@ def output_shape(layer, shape):
     with private_tapes(), values.replica_copies(0), dev.activate():
         xs = [ops.zeros((1,) + tuple(s), device=dev) for s in shapes]
         y = run_call(layer, xs if isinstance(shape, list) else xs[0], False)
+    if isinstance(y, tuple):                     # several outputs: a list of shapes (functional.py refuses it)
+        return [tuple(t.shape[1:]) for t in y]
     return tuple(y.shape[1:])
 
 
@@ -180,17 +182,35 @@ def _device_for(layer):
 
 
 def run_call(layer, inputs, training):
-    """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor."""
+    """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor,
+    or a tuple of them where ``call`` returns several (keras.io's VAE ``Encoder``: a tuple)."""
     kwargs = {"training": bool(training)} if takes_training(type(layer).call) else {}
-    y = layer.call(inputs, **kwargs)
-    if isinstance(y, (list, tuple, dict)):
-        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a "
-                                  f"{type(y).__name__}; a layer in a model returns one tensor here.")
-    y = ops.as_tensor(y)
-    if y.dtype != FLOAT:
-        raise TypeError(f"{type(layer).__name__} {layer.name!r}: call returned a {y.dtype} tensor; "
-                        f"layers compute in float32 here: cast it, tf.cast(y, tf.float32).")
-    return y
+    _calls.running = getattr(_calls, "running", 0) + 1          # inside a call: see ``inside_call``
+    try:
+        y = layer.call(inputs, **kwargs)
+    finally:
+        _calls.running -= 1
+    if isinstance(y, dict):
+        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a dict; a "
+                                  f"layer returns a tensor or a tuple of tensors here.")
+    ys = tuple(ops.as_tensor(t) for t in y) if isinstance(y, (list, tuple)) else (ops.as_tensor(y),)
+    for t in ys:
+        if t.dtype != FLOAT:
+            raise TypeError(f"{type(layer).__name__} {layer.name!r}: call returned a {t.dtype} tensor; "
+                            f"layers compute in float32 here: cast it, tf.cast(y, tf.float32).")
+    return ys if isinstance(y, (list, tuple)) else ys[0]
+
+
+def inside_call():
+    """True while some layer's ``call`` runs in this thread: a library layer called on data
+    there runs as its ops (``inline_ops``), the caller's tape recording them."""
+    return getattr(_calls, "running", 0) > 0
+
+
+#: {library layer class: fn(layer, x) -> y}: the layer's computation as ops, for a call on data
+#: inside another layer's ``call`` (``Dense``: ``composed_layers.dense_as_ops``, registered by
+#: ``keras/__init__.py``); the layer's weights are then read like ``add_weight``'s
+inline_ops = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,6 +385,10 @@ def _forward_eager(layer, state, x, training=False):
                 added = _calls.in_model
             finally:
                 _calls.in_model = None
+    if isinstance(y, tuple):
+        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned {len(y)} tensors; a "
+                                  f"layer that is one node of a model returns one tensor here (a model "
+                                  f"whose call uses it runs its call as one node: model_call.py).")
     want = (b,) + tuple(layer.output_shape)
     if y.shape != want:
         raise ValueError(f"{type(layer).__name__} {layer.name!r}: call returned shape {y.shape} for a "
@@ -423,10 +447,11 @@ def add_loss(layer, loss):
     layer.__dict__.setdefault("_added_losses", []).append(ops.as_tensor(loss))
 
 
-def _clear_added_losses(layer):
+def clear_added_losses(layer):
+    """Forget what ``add_loss`` kept for ``layer`` and its sublayers (Keras: at each outermost call)."""
     layer.__dict__["_added_losses"] = []
     for sub in layer.__dict__.get("_sublayers", ()):
-        _clear_added_losses(sub)
+        clear_added_losses(sub)
 
 
 def eager_call(layer, inputs, kwargs):
@@ -450,7 +475,7 @@ def _eager_call(layer, inputs, kwargs, outermost):
     if not layer.built:
         layer.build([x.shape[1:] for x in xs] if multi else xs[0].shape[1:])
     if outermost:                                # after build: its trial call may add some too
-        _clear_added_losses(layer)
+        clear_added_losses(layer)
     return run_call(layer, xs if multi else xs[0], kwargs.get("training") or False)
 
 

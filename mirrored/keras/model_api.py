@@ -27,7 +27,8 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context, ops
-from mirrored.keras import compile_utils, custom_loop, custom_step, data_adapters, functional, multi_io
+from mirrored.keras import call_layers, compile_utils, custom_loop, custom_step, data_adapters, functional, model_call
+from mirrored.keras import multi_io
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -127,8 +128,14 @@ class ModelAPI:
     @property
     def losses(self):
         """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
-        ``model.losses``), on this replica's copies inside ``strategy.run``."""
-        return [loss for layer in self.layers for loss in layer.losses]
+        ``model.losses``), on this replica's copies inside ``strategy.run``; then the values the
+        last ``model(x)`` gave ``add_loss`` (the model's own ``self.add_loss`` first, as Keras)."""
+        own = list(self.__dict__.get("_added_losses", ()))
+        return own + [loss for layer in self.layers for loss in layer.losses]
+
+    def add_loss(self, loss):
+        """Keras's ``self.add_loss(value)`` in a subclassed model's ``call`` (``call_layers.add_loss``)."""
+        call_layers.add_loss(self, loss)
 
     def use_own_weights(self):
         """Make this model's packed buffers the storage of its weights again, where a model
@@ -518,6 +525,8 @@ class ModelAPI:
         self.accept_inputs(shape, inputs.dtype, "inputs")
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         self.use_own_weights()
+        if model_call.runs_eagerly(self):           # a call of layers and ops: op by op (model_call.py)
+            return model_call.call_eagerly(self, inputs, training, r, self.step.programs[r].dev)
         link = input_link(inputs)                  # tapes that follow the input: they want d loss / d x
         p = self.step.programs[r] if not link else multi_io.input_grad_program(self, r)
         dev = p.dev
