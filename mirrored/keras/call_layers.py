@@ -15,6 +15,7 @@ its own; the base ``Layer`` hands those to this module:
 
     forward(state, x)    x wrapped as a Tensor on the replica's device; ``call`` run under a
                          private GradientTape that watches x and the layer's variables;
+                         new tensors (``tf.ones``, ``keras.random.normal``) made on that device;
                          every variable read there is replica r's copy (``values.replica_copies``:
                          the views into r's packed buffer, ``engine.ParameterPack``); the tape
                          and the output kept for the backward; y's buffer returned
@@ -161,7 +162,7 @@ def output_shape(layer, shape):
         return tuple(compute(_with_batch(shape)))[1:]
     dev = _device_for(layer)
     shapes = shape if isinstance(shape, list) else [shape]
-    with private_tapes(), values.replica_copies(0), dev.activate():
+    with private_tapes(), values.replica_copies(0), devices.device_scope(dev):
         xs = [ops.zeros((1,) + tuple(s), device=dev) for s in shapes]
         y = run_call(layer, xs if isinstance(shape, list) else xs[0], False)
     if isinstance(y, tuple):                     # several outputs: a list of shapes (functional.py refuses it)
@@ -375,7 +376,7 @@ def _forward_eager(layer, state, x, training=False):
     buf = state.buffers(b)
     xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]
     tape = GradientTape(persistent=True)         # a replayed step may walk it again (backward)
-    with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
+    with private_tapes(), values.replica_copies(state.replica_id), devices.device_scope(dev):
         with tape:
             tape.watch(xs)
             tape.watch(list(layer.trainable_weights))
@@ -407,7 +408,7 @@ def _backward_eager(layer, state, dy):
     slots = {id(w): i for i, w in enumerate(layer.weights)}        # state.grads: every weight's
     need = state.need_dx if isinstance(state.need_dx, tuple) else (state.need_dx,)
     asked = [x for x, wanted in zip(buf.xs, need) if wanted]     # dx only where a layer before needs it
-    with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
+    with private_tapes(), values.replica_copies(state.replica_id), devices.device_scope(dev):
         seed = Tensor(view(dy, buf.y.shape), dev)
         # the layer's added losses join fit's loss, each scaled 1/N per replica (Keras scales
         # model.losses so under MirroredStrategy): d/d value = 1/N (``state.penalty_factor``)

@@ -54,8 +54,7 @@ def dense_as_ops(layer, x):
     if not layer.built:
         layer.build(tuple(x.shape[1:]))
     y = ops.matmul(x, layer.kernel) + layer.bias                  # (b, units)
-    y = activation_fn(layer.activation, f"Dense {layer.name!r}")(y)
-    return y if layer.activation_layer is None else layer.activation_layer(y)
+    return activation_fn(layer.activation, f"Dense {layer.name!r}")(y)     # relu, sigmoid, ...
 
 
 def unfused_activation(activation, fused, owner):

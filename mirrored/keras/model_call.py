@@ -46,7 +46,7 @@ layer's ``call`` runs in the engine), ``functional.py`` (the traced path).
 """
 import numpy as np
 
-from mirrored import ops, values
+from mirrored import devices, ops, values
 from mirrored.keras import call_layers, functional
 from mirrored.keras.base_layer import Layer
 from mirrored.tensor import Tensor
@@ -84,7 +84,7 @@ def call_eagerly(model, inputs, training, replica, dev):
     call_layers.clear_added_losses(model)
     for layer in model.layers:
         call_layers.clear_added_losses(layer)
-    with values.replica_copies(replica), dev.activate():
+    with values.replica_copies(replica), devices.device_scope(dev):
         x = inputs if isinstance(inputs, Tensor) else ops.as_tensor(np.asarray(inputs, np.float32), device=dev)
         return call_layers.eager_call(model.nodes[0].layer, x, {"training": training})
 
