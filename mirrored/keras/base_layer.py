@@ -180,6 +180,12 @@ class Layer:
         return found
 
     @property
+    def reported_losses(self):
+        """[(term, index)] the engine reports with the penalties: what ``call`` gives ``add_loss``
+        (``call_layers.AddedLosses``); the gradient is the layer's own backward's."""
+        return call_layers.reported_losses(self)
+
+    @property
     def losses(self):
         """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``), then
         the terms its ``call`` (and its sublayers') gave ``add_loss`` in the last call."""

@@ -186,11 +186,12 @@ def run_call(layer, inputs, training):
     """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor,
     or a tuple of them where ``call`` returns several (keras.io's VAE ``Encoder``: a tuple)."""
     kwargs = {"training": bool(training)} if takes_training(type(layer).call) else {}
-    _calls.running = getattr(_calls, "running", 0) + 1          # inside a call: see ``inside_call``
+    running = _calls.__dict__.setdefault("running", [])        # the calls under way: ``inside_call``
+    running.append(layer)
     try:
         y = layer.call(inputs, **kwargs)
     finally:
-        _calls.running -= 1
+        running.pop()
     if isinstance(y, dict):
         raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a dict; a "
                                   f"layer returns a tensor or a tuple of tensors here.")
@@ -205,7 +206,7 @@ def run_call(layer, inputs, training):
 def inside_call():
     """True while some layer's ``call`` runs in this thread: a library layer called on data
     there runs as its ops (``inline_ops``), the caller's tape recording them."""
-    return getattr(_calls, "running", 0) > 0
+    return bool(getattr(_calls, "running", None))
 
 
 #: {library layer class: fn(layer, x) -> y}: the layer's computation as ops, for a call on data
@@ -372,6 +373,8 @@ def _forward_eager(layer, state, x, training=False):
     b = parts[0].shape[0]
     dev = state.dev
     if b == 0 and not (training and meets_others(layer)):    # a replica with no rows this step
+        if layer.__dict__.get("adds_losses"):
+            state.ops.fill(AddedLosses.of(layer).sum_on(dev), 0.0)
         return dev.empty((0,) + tuple(layer.output_shape), FLOAT)
     buf = state.buffers(b)
     xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]
@@ -395,6 +398,9 @@ def _forward_eager(layer, state, x, training=False):
         raise ValueError(f"{type(layer).__name__} {layer.name!r}: call returned shape {y.shape} for a "
                          f"batch of {b}, expected {want} (the output shape it gave when built).")
     buf.tape, buf.xs, buf.y, buf.added = tape, xs, y, added
+    if layer.__dict__.get("adds_losses"):        # fit's reported loss includes them (``AddedLosses``)
+        total = ops.reshape(functools.reduce(ops.add, added), (1,)) if added else ops.zeros((1,), device=dev)
+        dev.copy_into(AddedLosses.of(layer).sum_on(dev), total.buf)
     return y.buf
 
 
@@ -440,12 +446,51 @@ def add_loss(layer, loss):
     layer's ``losses`` until its next outermost call (Keras clears them then), for the tape of a
     custom loop (``loss += sum(layer.losses)``). In a model's forward: kept for the layer's
     backward, which adds the term's gradient x 1/N to the model's (``_backward_eager``), as
-    fit's loss is the compiled loss plus the added ones. fit's reported loss leaves them out."""
+    fit's loss is the compiled loss plus the added ones; fit reports that sum (``AddedLosses``)."""
+    for running in getattr(_calls, "running", ()):              # these calls add losses: fit reports them
+        running.__dict__["adds_losses"] = True
     collecting = getattr(_calls, "in_model", None)
     if collecting is not None:
         collecting.append(ops.as_tensor(loss))
         return
     layer.__dict__.setdefault("_added_losses", []).append(ops.as_tensor(loss))
+
+
+class AddedLosses:
+    """The sum of what a layer's ``call`` gave ``add_loss`` in its last forward on each device, in
+    the engine's penalty form (``engine.ReplicaProgram.penalties``: ``value_into``, ``add_gradient``),
+    so that fit and evaluate report loss = compiled loss + added losses, as Keras does. The
+    gradient is not here: the layer's backward adds it (``_backward_eager``)."""
+
+    @staticmethod
+    def of(layer):
+        found = layer.__dict__.get("added_losses_term")
+        if found is None:
+            found = layer.__dict__["added_losses_term"] = AddedLosses()
+        return found
+
+    def __init__(self):
+        self.sums = {}                           # id(device) -> (device, (1,) float32 buffer)
+
+    def sum_on(self, dev):
+        """The buffer the forward on ``dev`` writes its sum into (the same one every step)."""
+        entry = self.sums.get(id(dev))
+        if entry is None or entry[0] is not dev:
+            entry = self.sums[id(dev)] = (dev, dev.empty((1,), FLOAT))
+            dev.ops.fill(entry[1], 0.0)
+        return entry[1]
+
+    def value_into(self, dev, weights, out):
+        dev.copy_into(out, self.sum_on(dev))
+
+    def add_gradient(self, dev, weights, grads, factor):
+        """Nothing: the layer's backward adds the added losses' gradient."""
+
+
+def reported_losses(layer):
+    """[(AddedLosses, every weight)] for a layer whose ``call`` adds losses, else []: the
+    engine's penalties besides the regularizers (``base_layer.Layer.reported_losses``)."""
+    return [(AddedLosses.of(layer), slice(None))] if layer.__dict__.get("adds_losses") else []
 
 
 def clear_added_losses(layer):
