@@ -300,6 +300,36 @@ def test_losses_hold_an_inner_dense_kernel_penalty(devices):
     np.testing.assert_allclose(float(penalty.numpy()), 1e-3 * np.sum(kernel ** 2), **TOL)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_add_loss_in_fit_with_and_without_a_compiled_loss(devices, replicas):
+    """The guide's functional model of one ActivityRegularizationLayer (no weights at all):
+    ``compile(optimizer="adam", loss="mse")`` reports MSE + the added term,
+    ``compile(optimizer="adam")`` the added term alone."""
+    devices(cpus=2)
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    x, y = np.random.random((2, 3)), np.random.random((2, 3))
+    with strategy.scope():
+        inputs = keras.Input(shape=(3,))
+        outputs = ActivityRegularizationLayer()(inputs)
+        model = keras.Model(inputs, outputs)
+    added = 1e-2 * np.mean(x)                    # on 2 replicas: each row's own, averaged over rows
+    model.compile(optimizer="adam", loss="mse")
+    history = model.fit(x, y, verbose=0)
+    np.testing.assert_allclose(history.history["loss"][0], np.mean((x - y) ** 2) + added, **TOL)
+    model.compile(optimizer="adam")
+    history = model.fit(x, y, verbose=0)
+    np.testing.assert_allclose(history.history["loss"][0], added, **TOL)
+
+
+def test_compile_without_a_loss_refuses_a_model_that_adds_none(devices):
+    devices(cpus=1)
+    inputs = keras.Input(shape=(3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="adam")
+    with pytest.raises(ValueError, match="No loss to compute.*add_loss"):
+        model.fit(np.zeros((2, 3)), np.zeros((2, 2)), verbose=0)
+
+
 def test_get_config_and_from_config():
     layer = LazyLinear(64)
     config = layer.get_config()

@@ -28,7 +28,7 @@ import numpy as np
 
 from mirrored import backends, context, ops
 from mirrored.keras import call_layers, compile_utils, custom_loop, custom_step, data_adapters, functional, model_call
-from mirrored.keras import multi_io
+from mirrored.keras import custom_losses, multi_io
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -270,8 +270,8 @@ class ModelAPI:
         if optimizer == "rmsprop" and not own_step:
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
-        if loss is None and not own_step:
-            raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
+        if loss is None and not own_step:            # Keras: the add_loss terms alone (custom_losses.py)
+            loss = custom_losses.AddedLossesOnly(self)
         new_optimizer = custom_step.NoRMSprop() if optimizer == "rmsprop" else _optimizers.get(optimizer)
         if several and loss is not None:                    # Keras 3's CompileLoss / CompileMetrics
             new_loss = compile_utils.CompileLoss(loss, loss_weights, self)

@@ -185,10 +185,8 @@ class Model(Trainer, ModelAPI):
                     f"here. Use a new layer for each call.")
         self.nodes = nodes
         variables = self.weights
-        if not variables:
-            raise ValueError(f"a model here needs at least one layer with weights (a Dense layer); "
-                             f"{self.name!r} has none.")
-        devices = [c.value().dev for c in components(variables[0])]
+        devices = [c.value().dev for c in components(variables[0])] if variables else \
+            list(self._strategy.extended.devices)
         if any(len(components(v)) != len(devices) for v in variables) or \
                 len(devices) != len(self._strategy.extended.worker_devices):
             self.nodes = None
