@@ -440,3 +440,39 @@ def test_the_guides_vae_trains_with_adam_and_its_random_draws(devices):
     history = vae.fit(x_train, x_train, epochs=4, batch_size=16, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert_replicas_equal(vae)
+
+
+def test_real_keras_reads_the_vaes_weights_and_we_read_its(devices, tmp_path):
+    """Where Keras 3 is installed (skipped otherwise): the guide's VAE classes, their source run
+    again with Keras's own ``keras``, ``layers`` and ``ops``; .weights.h5 files go both ways and
+    the encoders' z_mean and the decoders' outputs agree."""
+    import inspect
+    import os
+    os.environ.setdefault("KERAS_BACKEND", "numpy")
+    real = pytest.importorskip("keras")
+    devices(cpus=1)
+    source = "\n".join(inspect.getsource(c) for c in (Sampling, Encoder, Decoder, VariationalAutoEncoder))
+    theirs_ns = {"keras": real, "layers": real.layers, "ops": real.ops}
+    exec(source, theirs_ns)                                           # noqa: S102 (the guide's classes)
+    x = np.random.default_rng().uniform(0, 1, (4, 7)).astype(np.float32)
+
+    def outputs(vae):
+        z_mean = vae.encoder(x)[0]
+        return np.asarray(z_mean), np.asarray(vae.decoder(z_mean))
+
+    ours = VariationalAutoEncoder(7, 4, 3)
+    ours(x)
+    ours.set_weights([np.random.default_rng().standard_normal(w.shape).astype(np.float32) * 0.5
+                      for w in ours.get_weights()])
+    ours.save_weights(tmp_path / "ours.weights.h5")
+    theirs = theirs_ns["VariationalAutoEncoder"](7, 4, 3)
+    theirs(x)
+    theirs.load_weights(tmp_path / "ours.weights.h5")
+    for a, b in zip(outputs(theirs), (t.numpy() for t in (ours.encoder(x)[0], ours.decoder(ours.encoder(x)[0])))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    theirs.save_weights(tmp_path / "theirs.weights.h5")
+    back = VariationalAutoEncoder(7, 4, 3)
+    back(x)
+    back.load_weights(tmp_path / "theirs.weights.h5")
+    for a, b in zip(back.get_weights(), theirs.get_weights()):
+        np.testing.assert_array_equal(a, np.asarray(b))

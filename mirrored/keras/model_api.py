@@ -564,6 +564,7 @@ class ModelAPI:
         lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
         for i, (layer, inputs) in enumerate(rows):
             shape = (layer.output_shape if hasattr(layer, "nested_nodes") else   # a model: one row, as Keras
+                     [(None,) + s for s in layer.output_shape] if isinstance(layer.output_shape, list) else
                      (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg))
             params = int(sum(np.prod(w.shape) for w in layer.weights))
             cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]
