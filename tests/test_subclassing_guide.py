@@ -246,6 +246,26 @@ def assert_replicas_equal(model):
             np.testing.assert_array_equal(c, copies[0])
 
 
+# --- keras.ops: Keras 3's names for the op table's rows ----------------------------------------
+def test_keras_ops_compute_what_numpy_does(devices):
+    devices(cpus=1)
+    rng = np.random.default_rng()
+    a = rng.uniform(0.5, 2, (3, 4)).astype(np.float32)
+    b = rng.uniform(0.5, 2, (4, 2)).astype(np.float32)
+    x = a.astype(np.float64)
+    cases = [(ops.matmul(a, b), x @ b), (ops.sum(a, axis=0), x.sum(0)), (ops.mean(a), x.mean()),
+             (ops.max(a, axis=1, keepdims=True), x.max(1, keepdims=True)), (ops.min(a), x.min()),
+             (ops.square(a), x ** 2), (ops.exp(a), np.exp(x)), (ops.log(a), np.log(x)),
+             (ops.sqrt(a), np.sqrt(x)), (ops.power(a, 3.0), x ** 3), (ops.clip(a, 1.0, 1.5), np.clip(x, 1, 1.5)),
+             (ops.concatenate([a, a], axis=1), np.concatenate([x, x], 1)), (ops.ones((2, 3)), np.ones((2, 3))),
+             (ops.zeros((2,)), np.zeros(2)), (ops.relu(a - 1), np.maximum(x - 1, 0)),
+             (ops.sigmoid(a), 1 / (1 + np.exp(-x))), (ops.reshape(a, (4, 3)), x.reshape(4, 3)),
+             (ops.transpose(a), x.T), (ops.argmax(a, axis=1), x.argmax(1)), (ops.argmax(a), x.argmax())]
+    for got, want in cases:
+        np.testing.assert_allclose(np.asarray(got.numpy(), np.float64), want, rtol=1e-6, atol=1e-6)
+    assert ops.shape(a) == (3, 4) and isinstance(ops.shape(a)[0], int)
+
+
 # --- the tests, in the guide's order -------------------------------------------------------------
 def test_linear_with_add_weight_in_init(devices):
     devices(cpus=1)

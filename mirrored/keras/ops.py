@@ -21,7 +21,7 @@ power, maximum, minimum, where = _tf.pow, _tf.maximum, _tf.minimum, _tf.where
 negative, absolute, abs, square, sqrt = _tf.negative, _tf.abs, _tf.abs, _tf.square, _tf.sqrt  # noqa: A001
 exp, log, tanh, sign = _tf.exp, _tf.log, _tf.tanh, _tf.sign
 floor, ceil, round = _tf.floor, _tf.ceil, _tf.round  # noqa: A001
-matmul, transpose, reshape, expand_dims = _tf.matmul, _tf.transpose, _tf.reshape, _tf.expand_dims
+matmul, transpose, expand_dims = _tf.matmul, _tf.transpose, _tf.expand_dims
 stack, cast, stop_gradient = _tf.stack, _tf.cast, _tf.stop_gradient
 zeros_like, ones_like, convert_to_tensor = _tf.zeros_like, _tf.ones_like, _tf.as_tensor
 
@@ -38,22 +38,28 @@ def zeros(shape, dtype="float32"):
 
 
 def sum(x, axis=None, keepdims=False):  # noqa: A001 (keras.ops.sum)
-    return _tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+    return _tf.reduce_sum(_tf.as_tensor(x), axis=axis, keepdims=keepdims)   # a tensor, for arrays too
 
 
 def mean(x, axis=None, keepdims=False):
-    return _tf.reduce_mean(x, axis=axis, keepdims=keepdims)
+    return _tf.reduce_mean(_tf.as_tensor(x), axis=axis, keepdims=keepdims)
 
 
 def max(x, axis=None, keepdims=False):  # noqa: A001
-    return _tf.reduce_max(x, axis=axis, keepdims=keepdims)
+    return _tf.reduce_max(_tf.as_tensor(x), axis=axis, keepdims=keepdims)
 
 
 def min(x, axis=None, keepdims=False):  # noqa: A001
-    return _tf.reduce_min(x, axis=axis, keepdims=keepdims)
+    return _tf.reduce_min(_tf.as_tensor(x), axis=axis, keepdims=keepdims)
+
+
+def reshape(x, new_shape):
+    return _tf.reshape(_tf.as_tensor(x), new_shape)
 
 
 def argmax(x, axis=None):
+    """Keras's ``argmax``: over the flattened tensor when ``axis`` is None."""
+    x = _tf.as_tensor(x)
     return _tf.argmax(_tf.reshape(x, (-1,)) if axis is None else x, axis=0 if axis is None else axis)
 
 
@@ -62,7 +68,7 @@ def concatenate(xs, axis=0):
 
 
 def squeeze(x, axis=None):
-    return _tf.squeeze(x, axis=axis)
+    return _tf.squeeze(_tf.as_tensor(x), axis=axis)
 
 
 def clip(x, x_min, x_max):
