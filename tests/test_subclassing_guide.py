@@ -179,6 +179,29 @@ class VariationalAutoEncoder(keras.Model):
         return reconstructed
 
 
+# --- the same VAE in the TensorFlow guide's spelling (tf.shape, tf.random.normal, tf.exp) -------
+class TFSampling(layers.Layer):
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        batch = tf.shape(z_mean)[0]
+        dim = tf.shape(z_mean)[1]
+        epsilon = tf.random.normal(shape=(batch, dim))
+        return z_mean + tf.exp(0.5 * z_log_var) * epsilon
+
+
+class TFVariationalAutoEncoder(VariationalAutoEncoder):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.encoder.sampling = TFSampling()
+
+    def call(self, inputs):
+        z_mean, z_log_var, z = self.encoder(inputs)
+        reconstructed = self.decoder(z)
+        kl_loss = -0.5 * tf.reduce_mean(z_log_var - tf.square(z_mean) - tf.exp(z_log_var) + 1)
+        self.add_loss(kl_loss)
+        return reconstructed
+
+
 # --- the oracle's pieces ----------------------------------------------------------------------
 def f64(ws):
     return [np.asarray(w, np.float64) for w in ws]
@@ -235,8 +258,21 @@ def fixed_epsilon(monkeypatch):
             holder["eps"] = np.random.default_rng().standard_normal(dim).astype(np.float32)
         return ops.ones((batch, dim)) * holder["eps"]          # on the device of the call
 
+    def tf_normal(shape, mean=0.0, stddev=1.0, dtype=None, seed=None, name=None):
+        return normal([int(n) for n in shape])
+
     monkeypatch.setattr(keras.random, "normal", normal)
+    monkeypatch.setattr(tf.random, "normal", tf_normal)
     return holder
+
+
+@pytest.fixture
+def on_cpu(devices):
+    """One CPU device, and new tensors there (a machine with a GPU, or the CUDA simulator, would
+    otherwise take the eager examples: TensorFlow places on a GPU first)."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        yield
 
 
 def assert_replicas_equal(model):
@@ -247,8 +283,7 @@ def assert_replicas_equal(model):
 
 
 # --- keras.ops: Keras 3's names for the op table's rows ----------------------------------------
-def test_keras_ops_compute_what_numpy_does(devices):
-    devices(cpus=1)
+def test_keras_ops_compute_what_numpy_does(on_cpu):
     rng = np.random.default_rng()
     a = rng.uniform(0.5, 2, (3, 4)).astype(np.float32)
     b = rng.uniform(0.5, 2, (4, 2)).astype(np.float32)
@@ -267,8 +302,7 @@ def test_keras_ops_compute_what_numpy_does(devices):
 
 
 # --- the tests, in the guide's order -------------------------------------------------------------
-def test_linear_with_add_weight_in_init(devices):
-    devices(cpus=1)
+def test_linear_with_add_weight_in_init(on_cpu):
     x = ops.ones((2, 2))
     linear_layer = Linear(4, 2)
     y = linear_layer(x)
@@ -278,8 +312,7 @@ def test_linear_with_add_weight_in_init(devices):
     np.testing.assert_array_equal(b, 0)
 
 
-def test_compute_sum_keeps_a_non_trainable_total(devices):
-    devices(cpus=1)
+def test_compute_sum_keeps_a_non_trainable_total(on_cpu):
     x = ops.ones((2, 2))
     my_sum = ComputeSum(2)
     np.testing.assert_array_equal(my_sum(x).numpy(), [2.0, 2.0])
@@ -287,8 +320,7 @@ def test_compute_sum_keeps_a_non_trainable_total(devices):
     assert (len(my_sum.weights), len(my_sum.non_trainable_weights), my_sum.trainable_weights) == (1, 1, [])
 
 
-def test_lazy_linear_and_the_mlp_block_track_their_weights(devices):
-    devices(cpus=1)
+def test_lazy_linear_and_the_mlp_block_track_their_weights(on_cpu):
     rng = np.random.default_rng()
     x = rng.standard_normal((3, 64)).astype(np.float32)
     mlp = MLPBlock()
@@ -299,8 +331,7 @@ def test_lazy_linear_and_the_mlp_block_track_their_weights(devices):
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_add_loss_is_reset_at_each_outermost_call(devices):
-    devices(cpus=1)
+def test_add_loss_is_reset_at_each_outermost_call(on_cpu):
     layer = OuterLayer()
     assert len(layer.losses) == 0                # never called yet
     _ = layer(ops.zeros((1, 1)))
@@ -311,8 +342,7 @@ def test_add_loss_is_reset_at_each_outermost_call(devices):
     np.testing.assert_allclose(float(layer.losses[0].numpy()), 1e-2 * np.mean(x.astype(np.float64)), **TOL)
 
 
-def test_losses_hold_an_inner_dense_kernel_penalty(devices):
-    devices(cpus=1)
+def test_losses_hold_an_inner_dense_kernel_penalty(on_cpu):
     layer = OuterLayerWithKernelRegularizer()
     _ = layer(ops.zeros((1, 1)))
     (penalty,) = layer.losses
@@ -341,8 +371,7 @@ def test_add_loss_in_fit_with_and_without_a_compiled_loss(devices, replicas):
     np.testing.assert_allclose(history.history["loss"][0], added, **TOL)
 
 
-def test_compile_without_a_loss_refuses_a_model_that_adds_none(devices):
-    devices(cpus=1)
+def test_compile_without_a_loss_refuses_a_model_that_adds_none(on_cpu):
     inputs = keras.Input(shape=(3,))
     model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
     model.compile(optimizer="adam")
@@ -358,8 +387,7 @@ def test_get_config_and_from_config():
     assert (new_layer.units, new_layer.name) == (64, layer.name)
 
 
-def test_custom_dropout_drops_in_training_only(devices):
-    devices(cpus=1)
+def test_custom_dropout_drops_in_training_only(on_cpu):
     x = np.random.default_rng().uniform(1, 2, (4, 8)).astype(np.float32)
     layer = CustomDropout(0.5)
     np.testing.assert_array_equal(layer(x).numpy(), x)
@@ -369,8 +397,7 @@ def test_custom_dropout_drops_in_training_only(devices):
     assert 0 < kept.sum() < x.size
 
 
-def test_the_vae_eagerly_lists_its_kl_loss(devices, fixed_epsilon):
-    devices(cpus=1)
+def test_the_vae_eagerly_lists_its_kl_loss(on_cpu, fixed_epsilon):
     x = np.random.default_rng().uniform(0, 1, (5, 7)).astype(np.float32)
     vae = VariationalAutoEncoder(7, 4, 3)
     reconstructed = vae(x)
@@ -445,6 +472,48 @@ def test_the_vae_fit_matches_a_float64_oracle(devices, fixed_epsilon, replicas):
     assert_replicas_equal(vae)
     # Keras reports the compiled loss plus the added ones (the KL term), averaged over the epoch
     np.testing.assert_allclose(history.history["loss"][0], np.mean(losses), **TOL)
+
+
+def test_the_tf_spelling_of_the_vae_trains_in_the_guides_loop_and_in_fit(devices, fixed_epsilon):
+    """The TensorFlow-era guide's loop, word for word on one device (``loss += sum(vae.losses)``),
+    then fit on 2 replicas from the same start: both against the float64 oracle."""
+    devices(cpus=2)
+    rng = np.random.default_rng()
+    lr, batch, steps = 0.5, 6, 2
+    x_train = rng.uniform(0, 1, (batch * steps, 7)).astype(np.float32)
+    with tf.device("CPU:0"):
+        vae = TFVariationalAutoEncoder(7, 4, 3)
+        vae.build((None, 7))
+        start = [w.numpy() for w in vae.trainable_weights]
+        optimizer = keras.optimizers.SGD(learning_rate=lr)
+        mse_loss_fn = keras.losses.MeanSquaredError()
+        loss_metric = keras.metrics.Mean()
+        train_dataset = tf.data.Dataset.from_tensor_slices(x_train).batch(batch)
+        for step, x_batch_train in enumerate(train_dataset):
+            with tf.GradientTape() as tape:
+                reconstructed = vae(x_batch_train)
+                loss = mse_loss_fn(x_batch_train, reconstructed)
+                loss += sum(vae.losses)  # Add KLD regularization loss
+            grads = tape.gradient(loss, vae.trainable_weights)
+            optimizer.apply_gradients(zip(grads, vae.trainable_weights))
+            loss_metric(loss)
+    eps = fixed_epsilon["eps"].astype(np.float64)
+    want, losses = sgd_oracle(start, np.split(x_train, steps), eps, lr)
+    for got, w in zip(vae.trainable_weights, want):
+        np.testing.assert_allclose(got.numpy(), w, **TOL)
+    np.testing.assert_allclose(float(loss_metric.result()), np.mean(losses), **TOL)
+
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        vae = TFVariationalAutoEncoder(7, 4, 3)
+        vae.compile(keras.optimizers.SGD(learning_rate=lr), loss=keras.losses.MeanSquaredError())
+        vae.build((None, 7))
+    vae.set_weights(start)
+    history = vae.fit(x_train, x_train, epochs=1, batch_size=batch, shuffle=False, verbose=0)
+    for got, w in zip(vae.trainable_weights, want):
+        np.testing.assert_allclose(got.numpy(), w, **TOL)
+    np.testing.assert_allclose(history.history["loss"][0], np.mean(losses), **TOL)
+    assert_replicas_equal(vae)
 
 
 def test_the_guides_vae_trains_with_adam_and_its_random_draws(devices):

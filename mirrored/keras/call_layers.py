@@ -30,6 +30,13 @@ call is one node to them, whose backward is the engine's. Called on a Tensor out
 tape that is open. The output shape for a model: Keras's ``compute_output_shape`` if the
 layer defines it, else ``call`` run once on a batch of one example of zeros.
 
+Inside a ``call`` (any layer's, while ``run_call`` runs it): a layer written with ``call`` runs
+its own, and may return a tuple (keras.io's VAE ``Encoder``: ``z_mean, z_log_var, z``); a
+library layer with an entry in ``inline_ops`` (Dense) runs as its ops. A layer that is one node
+of a model returns one tensor (a model whose ``call`` needs more runs it as one node:
+``model_call.py``). What ``call`` gives ``add_loss`` trains (the backward above) and is reported
+in fit's loss (``AddedLosses``, in the engine's penalty form).
+
 Neighbours: ``base_layer.py`` (``Layer.add_weight``, the protocol's defaults that call
 here), ``composed_layers.py`` (Activation, ReLU, Reshape, ... written this way),
 ``mirrored/ops.py`` (the ops), ``keras/tape.py`` (the tape).
