@@ -379,6 +379,52 @@ def test_compile_without_a_loss_refuses_a_model_that_adds_none(on_cpu):
         model.fit(np.zeros((2, 3)), np.zeros((2, 2)), verbose=0)
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_model_losses_in_the_guides_custom_loop(devices, replicas):
+    """The guide's loop snippet (``loss_value += sum(model.losses)``) on a functional model
+    Dense -> ActivityRegularizationLayer: after ``model(x)``, ``model.losses`` holds this call's
+    term (not the build's trial on zeros), and the weights move as a float64 oracle says. Under
+    N replicas each replica adds its share, ``tf.nn.scale_regularization_loss``, as TF's guides do."""
+    devices(cpus=2)
+    rng = np.random.default_rng()
+    lr, batch, steps, rate = 0.1, 4, 2, float(rng.uniform(0.5, 2))
+    x = rng.standard_normal((batch * steps, 3)).astype(np.float32)
+    y = rng.standard_normal((batch * steps, 2)).astype(np.float32)
+    strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    with strategy.scope():
+        inputs = keras.Input(shape=(3,))
+        model = keras.Model(inputs, ActivityRegularizationLayer(rate)(keras.layers.Dense(2)(inputs)))
+        optimizer = keras.optimizers.SGD(learning_rate=lr)
+        loss_fn = keras.losses.MeanSquaredError()
+    w, b = f64(model.get_weights())
+    seen = []
+
+    def step(x_batch_train, y_batch_train):
+        with tf.GradientTape() as tape:
+            logits = model(x_batch_train)
+            loss_value = loss_fn(y_batch_train, logits)
+            (term,) = model.losses
+            seen.append((x_batch_train.numpy().astype(np.float64), float(term.numpy())))
+            loss_value += tf.nn.scale_regularization_loss(sum(model.losses))
+        grads = tape.gradient(loss_value, model.trainable_weights)
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    for xb, yb in strategy.experimental_distribute_dataset(dataset):
+        strategy.run(step, args=(xb, yb))
+    for s in range(steps):
+        xb, yb = x[s * batch:(s + 1) * batch].astype(np.float64), y[s * batch:(s + 1) * batch]
+        for x_r, term in [t for t in seen if t[0].shape[0] and np.isin(t[0], xb).all()]:
+            np.testing.assert_allclose(term, rate * np.mean(x_r @ w + b), **TOL)   # this call's term
+        out = xb @ w + b
+        dout = 2 * (out - yb) / out.size + rate / out.size                   # mse + rate * mean(out)
+        w, b = w - lr * xb.T @ dout, b - lr * dout.sum(0)
+    np.testing.assert_allclose(model.get_weights()[0], w, **TOL)
+    np.testing.assert_allclose(model.get_weights()[1], b, **TOL)
+    assert len(seen) == steps * replicas
+    assert_replicas_equal(model)
+
+
 def test_get_config_and_from_config():
     layer = LazyLinear(64)
     config = layer.get_config()

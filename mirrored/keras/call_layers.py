@@ -172,6 +172,7 @@ def output_shape(layer, shape):
     with private_tapes(), values.replica_copies(0), devices.device_scope(dev):
         xs = [ops.zeros((1,) + tuple(s), device=dev) for s in shapes]
         y = run_call(layer, xs if isinstance(shape, list) else xs[0], False)
+    clear_added_losses(layer)                    # the trial's add_loss values are no call's
     if isinstance(y, tuple):                     # several outputs: a list of shapes (functional.py refuses it)
         return [tuple(t.shape[1:]) for t in y]
     return tuple(y.shape[1:])
@@ -382,6 +383,7 @@ def _forward_eager(layer, state, x, training=False):
     if b == 0 and not (training and meets_others(layer)):    # a replica with no rows this step
         if layer.__dict__.get("adds_losses"):
             state.ops.fill(AddedLosses.of(layer).sum_on(dev), 0.0)
+            layer.__dict__.setdefault("added_by_replica", {})[state.replica_id] = []
         return dev.empty((0,) + tuple(layer.output_shape), FLOAT)
     buf = state.buffers(b)
     xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]
@@ -408,6 +410,7 @@ def _forward_eager(layer, state, x, training=False):
     if layer.__dict__.get("adds_losses"):        # fit's reported loss includes them (``AddedLosses``)
         total = ops.reshape(functools.reduce(ops.add, added), (1,)) if added else ops.zeros((1,), device=dev)
         dev.copy_into(AddedLosses.of(layer).sum_on(dev), total.buf)
+        layer.__dict__.setdefault("added_by_replica", {})[state.replica_id] = list(added)   # layer.losses
     return y.buf
 
 
@@ -500,9 +503,20 @@ def reported_losses(layer):
     return [(AddedLosses.of(layer), slice(None))] if layer.__dict__.get("adds_losses") else []
 
 
+def added_in_model(layer):
+    """The values ``call`` gave ``add_loss`` in the layer's last forward as a node of a model, on
+    this replica (``model(x)``, inside ``strategy.run`` each replica's own): for ``layer.losses``.
+    They are the forward's own values; their gradient is the model node's backward's (1/N each,
+    as fit's), so ``loss += sum(model.losses)`` after ``model(x)`` adds the right value."""
+    _, replica_ctx = context.top()
+    replica = replica_ctx.local_replica_id if replica_ctx is not None else 0
+    return list(layer.__dict__.get("added_by_replica", {}).get(replica, ()))
+
+
 def clear_added_losses(layer):
     """Forget what ``add_loss`` kept for ``layer`` and its sublayers (Keras: at each outermost call)."""
     layer.__dict__["_added_losses"] = []
+    layer.__dict__.pop("added_by_replica", None)
     for sub in layer.__dict__.get("_sublayers", ()):
         clear_added_losses(sub)
 

@@ -69,6 +69,8 @@ def built(model, input_shape, scalars):
     """The model's one layer, built (its output shape: call run once on zeros)."""
     layer = ModelCall(model, scalars)
     layer.build(input_shape)
+    for owner in [model] + model.layers:         # the trial call's add_loss values are no call's
+        call_layers.clear_added_losses(owner)
     return layer
 
 
