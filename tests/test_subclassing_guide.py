@@ -518,6 +518,9 @@ def test_the_vae_fit_matches_a_float64_oracle(devices, fixed_epsilon, replicas):
     assert_replicas_equal(vae)
     # Keras reports the compiled loss plus the added ones (the KL term), averaged over the epoch
     np.testing.assert_allclose(history.history["loss"][0], np.mean(losses), **TOL)
+    evaluated = vae.evaluate(x_train, x_train, batch_size=batch, verbose=0)     # evaluate's too
+    np.testing.assert_allclose(evaluated, np.mean([vae_forward(want, xb, eps)[0] for xb in
+                                                   np.split(x_train.astype(np.float64), steps)]), **TOL)
 
 
 def test_the_tf_spelling_of_the_vae_trains_in_the_guides_loop_and_in_fit(devices, fixed_epsilon):
