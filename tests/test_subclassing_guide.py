@@ -425,6 +425,22 @@ def test_model_losses_in_the_guides_custom_loop(devices, replicas):
     assert_replicas_equal(model)
 
 
+def test_a_conv_layer_inside_a_call_of_layers_and_ops_is_refused_by_name(on_cpu):
+    """Only Dense (and layers written with call) run as ops inside such a call: Conv2D says so."""
+    class ConvThenScale(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.conv = keras.layers.Conv2D(2, 3)
+            self.flat = keras.layers.Flatten()
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.dense(self.flat(self.conv(x))) * 2.0     # ops on a layer's output
+
+    with pytest.raises(NotImplementedError, match=r"Conv2D 'conv2d.*\['Dense'\].*functional model"):
+        ConvThenScale()(np.zeros((2, 5, 5, 1), np.float32))
+
+
 def test_get_config_and_from_config():
     layer = LazyLinear(64)
     config = layer.get_config()

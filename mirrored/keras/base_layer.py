@@ -74,8 +74,10 @@ class Layer:
         symbolic output (``keras/functional.py``). Data goes through a model, not a layer."""
         if call_layers.is_call_layer(self) and not functional.is_symbolic(inputs):
             return call_layers.eager_call(self, inputs, kwargs)      # layer(x) on data
-        if type(self) in call_layers.inline_ops and call_layers.inside_call() and not functional.is_symbolic(inputs):
-            return call_layers.inline_ops[type(self)](self, inputs)    # Dense(x) inside a call: its ops
+        if call_layers.inside_call() and not functional.is_symbolic(inputs):
+            y = call_layers.call_inline(self, inputs)                 # Dense(x) inside a call: its ops
+            if y is not None:
+                return y
         if Layer.run_alone is not None and not functional.is_symbolic(inputs) \
                 and not isinstance(inputs, (list, tuple, dict)):
             return Layer.run_alone(self, inputs, kwargs)               # Dense(2)(x) on data

@@ -211,6 +211,21 @@ def run_call(layer, inputs, training):
     return ys if isinstance(y, (list, tuple)) else ys[0]
 
 
+@contextlib.contextmanager
+def model_owned():
+    """Inside: the calls run for a model (a node's forward, ``model_call.ModelCall``), whose
+    weights are the model's packed ones."""
+    _calls.owned = getattr(_calls, "owned", 0) + 1
+    try:
+        yield
+    finally:
+        _calls.owned -= 1
+
+
+def in_model():
+    return getattr(_calls, "owned", 0) > 0
+
+
 def inside_call():
     """True while some layer's ``call`` runs in this thread: a library layer called on data
     there runs as its ops (``inline_ops``), the caller's tape recording them."""
@@ -221,6 +236,22 @@ def inside_call():
 #: inside another layer's ``call`` (``Dense``: ``composed_layers.dense_as_ops``, registered by
 #: ``keras/__init__.py``); the layer's weights are then read like ``add_weight``'s
 inline_ops = {}
+
+
+def call_inline(layer, inputs):
+    """A library layer called on data inside another layer's ``call``: its ops (``inline_ops``).
+    Without them: None outside any model (the caller runs it alone: ``models.run_alone``), a
+    clear refusal inside one (its kernels run only as a node of a model's program)."""
+    run = inline_ops.get(type(layer))
+    if run is None:
+        if not in_model():
+            return None
+        raise NotImplementedError(
+            f"{type(layer).__name__} {layer.name!r} was called on a tensor inside a layer's or model's call "
+            f"that runs op by op (a call that mixes layers and ops, or a layer written with call); here "
+            f"only {sorted(c.__name__ for c in inline_ops)} and layers written with call run there. Call it "
+            f"on the model's input in a call made of layers only, or in a functional model.")
+    return run(layer, inputs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,7 +425,8 @@ def _forward_eager(layer, state, x, training=False):
             tape.watch(list(layer.trainable_weights))
             added, _calls.in_model = [], []      # add_loss collects into this list (see add_loss)
             try:
-                y = run_call(layer, xs if multi else xs[0], training)
+                with model_owned():
+                    y = run_call(layer, xs if multi else xs[0], training)
                 added = _calls.in_model
             finally:
                 _calls.in_model = None

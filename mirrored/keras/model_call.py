@@ -109,7 +109,8 @@ class ModelCall(Layer):
         if self.scalars:                         # the engine keeps a feature axis; Keras's call has none
             inputs = ops.squeeze(inputs, -1)
         kwargs = {"training": training} if call_layers.takes_training(call) else {}
-        y = call(self.model, inputs, **kwargs)
+        with call_layers.model_owned():          # its layers' weights are the model's packed ones
+            y = call(self.model, inputs, **kwargs)
         y = ops.as_tensor(y)
         return ops.expand_dims(y, -1) if self.scalars and y.ndim == 1 else y
 
