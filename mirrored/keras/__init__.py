@@ -27,11 +27,11 @@ data_adapters.py (arrays, datasets, resident data), saving.py (Keras 3's
 losses.py, regularizers.py (L2), utils.py (to_categorical), datasets.py (keras.datasets:
 mnist, fashion_mnist, cifar10), optimizers.py (SGD, Adam; optimizers_more.py: RMSprop, Adagrad, AdamW; schedules.py;
 optimizer_state.py: clipping, weight decay, what Keras saves of them), metrics.py, callbacks.py, tape.py
-(GradientTape), progbar.py, random.py (keras.random: normal, uniform, SeedGenerator), activations.py
-(keras.activations; a Dense's or Conv2D's activation its kernels do not apply: composed_layers.py).
+(GradientTape), progbar.py, random.py (keras.random: normal, uniform, SeedGenerator), ops.py (keras.ops),
+activations.py (keras.activations; a Dense's or Conv2D's activation its kernels do not apply: composed_layers.py).
 """
-from mirrored.keras import (activations, callbacks, datasets, layers, losses, metrics, optimizers, random,
-                            regularizers, saving, utils)
+from mirrored.keras import (activations, callbacks, datasets, layers, losses, metrics, ops, optimizers,
+                            random, regularizers, saving, utils)
 from mirrored.keras.functional import KerasTensor
 from mirrored.keras.layers import Input
 from mirrored.keras.models import Functional, Model, Sequential
@@ -45,6 +45,9 @@ for _module in (merging, composed_layers,     # Activation, ReLU, Reshape, Lambd
     for _name in _module.__all__:
         setattr(layers, _name, getattr(_module, _name))
 del _name, _module
+# A Dense called on data inside another layer's call runs as its ops (composed_layers.dense_as_ops).
+from mirrored.keras import call_layers  # noqa: E402
+call_layers.inline_ops[layers.Dense] = composed_layers.dense_as_ops
 # RMSprop, Adagrad, AdamW and keras.optimizers.schedules (optimizers_more.py) as tf.keras.optimizers.*:
 # set on the optimizers module here, so that optimizers.py, a file of the reading order, does not grow.
 from mirrored.keras import optimizers_more

@@ -74,6 +74,10 @@ class Layer:
         symbolic output (``keras/functional.py``). Data goes through a model, not a layer."""
         if call_layers.is_call_layer(self) and not functional.is_symbolic(inputs):
             return call_layers.eager_call(self, inputs, kwargs)      # layer(x) on data
+        if call_layers.inside_call() and not functional.is_symbolic(inputs):
+            y = call_layers.call_inline(self, inputs)                 # Dense(x) inside a call: its ops
+            if y is not None:
+                return y
         if Layer.run_alone is not None and not functional.is_symbolic(inputs) \
                 and not isinstance(inputs, (list, tuple, dict)):
             return Layer.run_alone(self, inputs, kwargs)               # Dense(2)(x) on data
@@ -178,6 +182,12 @@ class Layer:
         return found
 
     @property
+    def reported_losses(self):
+        """[(term, index)] the engine reports with the penalties: what ``call`` gives ``add_loss``
+        (``call_layers.AddedLosses``); the gradient is the layer's own backward's."""
+        return call_layers.reported_losses(self)
+
+    @property
     def losses(self):
         """The penalties of this layer's weights as scalar tensors (Keras's ``layer.losses``), then
         the terms its ``call`` (and its sublayers') gave ``add_loss`` in the last call."""
@@ -185,7 +195,9 @@ class Layer:
 
     @property
     def added_losses(self):
-        return list(self.__dict__.get("_added_losses", ())) + [
+        """What ``call`` (and its sublayers') gave ``add_loss`` in the last call: an eager
+        ``layer(x)``, or this layer's forward as a node of a model on this replica."""
+        return list(self.__dict__.get("_added_losses", ())) + call_layers.added_in_model(self) + [
             t for layer in self.__dict__.get("_sublayers", ()) for t in layer.added_losses]
 
     def output_shape_for(self, input_shape):

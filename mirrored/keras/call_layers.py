@@ -15,6 +15,7 @@ its own; the base ``Layer`` hands those to this module:
 
     forward(state, x)    x wrapped as a Tensor on the replica's device; ``call`` run under a
                          private GradientTape that watches x and the layer's variables;
+                         new tensors (``tf.ones``, ``keras.random.normal``) made on that device;
                          every variable read there is replica r's copy (``values.replica_copies``:
                          the views into r's packed buffer, ``engine.ParameterPack``); the tape
                          and the output kept for the backward; y's buffer returned
@@ -28,6 +29,13 @@ call is one node to them, whose backward is the engine's. Called on a Tensor out
 (``layer(x)``), the layer builds on first use and runs ``call`` as it is, recorded by any
 tape that is open. The output shape for a model: Keras's ``compute_output_shape`` if the
 layer defines it, else ``call`` run once on a batch of one example of zeros.
+
+Inside a ``call`` (any layer's, while ``run_call`` runs it): a layer written with ``call`` runs
+its own, and may return a tuple (keras.io's VAE ``Encoder``: ``z_mean, z_log_var, z``); a
+library layer with an entry in ``inline_ops`` (Dense) runs as its ops. A layer that is one node
+of a model returns one tensor (a model whose ``call`` needs more runs it as one node:
+``model_call.py``). What ``call`` gives ``add_loss`` trains (the backward above) and is reported
+in fit's loss (``AddedLosses``, in the engine's penalty form).
 
 Neighbours: ``base_layer.py`` (``Layer.add_weight``, the protocol's defaults that call
 here), ``composed_layers.py`` (Activation, ReLU, Reshape, ... written this way),
@@ -162,9 +170,12 @@ def output_shape(layer, shape):
         return tuple(compute(_with_batch(shape)))[1:]
     dev = _device_for(layer)
     shapes = shape if isinstance(shape, list) else [shape]
-    with private_tapes(), values.replica_copies(0), dev.activate():
+    with private_tapes(), values.replica_copies(0), devices.device_scope(dev):
         xs = [ops.zeros((1,) + tuple(s), device=dev) for s in shapes]
         y = run_call(layer, xs if isinstance(shape, list) else xs[0], False)
+    clear_added_losses(layer)                    # the trial's add_loss values are no call's
+    if isinstance(y, tuple):                     # several outputs: a list of shapes (functional.py refuses it)
+        return [tuple(t.shape[1:]) for t in y]
     return tuple(y.shape[1:])
 
 
@@ -181,17 +192,67 @@ def _device_for(layer):
 
 
 def run_call(layer, inputs, training):
-    """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor."""
+    """``layer.call(inputs)``, with ``training=`` where ``call`` takes it; the output as a Tensor,
+    or a tuple of them where ``call`` returns several (keras.io's VAE ``Encoder``: a tuple)."""
     kwargs = {"training": bool(training)} if takes_training(type(layer).call) else {}
-    y = layer.call(inputs, **kwargs)
-    if isinstance(y, (list, tuple, dict)):
-        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a "
-                                  f"{type(y).__name__}; a layer in a model returns one tensor here.")
-    y = ops.as_tensor(y)
-    if y.dtype != FLOAT:
-        raise TypeError(f"{type(layer).__name__} {layer.name!r}: call returned a {y.dtype} tensor; "
-                        f"layers compute in float32 here: cast it, tf.cast(y, tf.float32).")
-    return y
+    running = _calls.__dict__.setdefault("running", [])        # the calls under way: ``inside_call``
+    running.append(layer)
+    try:
+        y = layer.call(inputs, **kwargs)
+    finally:
+        running.pop()
+    if isinstance(y, dict):
+        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned a dict; a "
+                                  f"layer returns a tensor or a tuple of tensors here.")
+    ys = tuple(ops.as_tensor(t) for t in y) if isinstance(y, (list, tuple)) else (ops.as_tensor(y),)
+    for t in ys:
+        if t.dtype != FLOAT:
+            raise TypeError(f"{type(layer).__name__} {layer.name!r}: call returned a {t.dtype} tensor; "
+                            f"layers compute in float32 here: cast it, tf.cast(y, tf.float32).")
+    return ys if isinstance(y, (list, tuple)) else ys[0]
+
+
+@contextlib.contextmanager
+def model_owned():
+    """Inside: the calls run for a model (a node's forward, ``model_call.ModelCall``), whose
+    weights are the model's packed ones."""
+    _calls.owned = getattr(_calls, "owned", 0) + 1
+    try:
+        yield
+    finally:
+        _calls.owned -= 1
+
+
+def in_model():
+    return getattr(_calls, "owned", 0) > 0
+
+
+def inside_call():
+    """True while some layer's ``call`` runs in this thread: a library layer called on data
+    there runs as its ops (``inline_ops``), the caller's tape recording them."""
+    return bool(getattr(_calls, "running", None))
+
+
+#: {library layer class: fn(layer, x) -> y}: the layer's computation as ops, for a call on data
+#: inside another layer's ``call`` (``Dense``: ``composed_layers.dense_as_ops``, registered by
+#: ``keras/__init__.py``); the layer's weights are then read like ``add_weight``'s
+inline_ops = {}
+
+
+def call_inline(layer, inputs):
+    """A library layer called on data inside another layer's ``call``: its ops (``inline_ops``).
+    Without them: None outside any model (the caller runs it alone: ``models.run_alone``), a
+    clear refusal inside one (its kernels run only as a node of a model's program)."""
+    run = inline_ops.get(type(layer))
+    if run is None:
+        if not in_model():
+            return None
+        raise NotImplementedError(
+            f"{type(layer).__name__} {layer.name!r} was called on a tensor inside a layer's or model's call "
+            f"that runs op by op (a call that mixes layers and ops, or a layer written with call); here "
+            f"only {sorted(c.__name__ for c in inline_ops)} and layers written with call run there. Call it "
+            f"on the model's input in a call made of layers only, or in a functional model.")
+    return run(layer, inputs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -337,25 +398,37 @@ def _forward_eager(layer, state, x, training=False):
     b = parts[0].shape[0]
     dev = state.dev
     if b == 0 and not (training and meets_others(layer)):    # a replica with no rows this step
+        if layer.__dict__.get("adds_losses"):
+            state.ops.fill(AddedLosses.of(layer).sum_on(dev), 0.0)
+            layer.__dict__.setdefault("added_by_replica", {})[state.replica_id] = []
         return dev.empty((0,) + tuple(layer.output_shape), FLOAT)
     buf = state.buffers(b)
     xs = [Tensor(view(p, (b,) + tuple(s)), dev) for p, s in zip(parts, shapes)]
     tape = GradientTape(persistent=True)         # a replayed step may walk it again (backward)
-    with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
+    with private_tapes(), values.replica_copies(state.replica_id), devices.device_scope(dev):
         with tape:
             tape.watch(xs)
             tape.watch(list(layer.trainable_weights))
             added, _calls.in_model = [], []      # add_loss collects into this list (see add_loss)
             try:
-                y = run_call(layer, xs if multi else xs[0], training)
+                with model_owned():
+                    y = run_call(layer, xs if multi else xs[0], training)
                 added = _calls.in_model
             finally:
                 _calls.in_model = None
+    if isinstance(y, tuple):
+        raise NotImplementedError(f"{type(layer).__name__} {layer.name!r}: call returned {len(y)} tensors; a "
+                                  f"layer that is one node of a model returns one tensor here (a model "
+                                  f"whose call uses it runs its call as one node: model_call.py).")
     want = (b,) + tuple(layer.output_shape)
     if y.shape != want:
         raise ValueError(f"{type(layer).__name__} {layer.name!r}: call returned shape {y.shape} for a "
                          f"batch of {b}, expected {want} (the output shape it gave when built).")
     buf.tape, buf.xs, buf.y, buf.added = tape, xs, y, added
+    if layer.__dict__.get("adds_losses"):        # fit's reported loss includes them (``AddedLosses``)
+        total = ops.reshape(functools.reduce(ops.add, added), (1,)) if added else ops.zeros((1,), device=dev)
+        dev.copy_into(AddedLosses.of(layer).sum_on(dev), total.buf)
+        layer.__dict__.setdefault("added_by_replica", {})[state.replica_id] = list(added)   # layer.losses
     return y.buf
 
 
@@ -369,7 +442,7 @@ def _backward_eager(layer, state, dy):
     slots = {id(w): i for i, w in enumerate(layer.weights)}        # state.grads: every weight's
     need = state.need_dx if isinstance(state.need_dx, tuple) else (state.need_dx,)
     asked = [x for x, wanted in zip(buf.xs, need) if wanted]     # dx only where a layer before needs it
-    with private_tapes(), values.replica_copies(state.replica_id), dev.activate():
+    with private_tapes(), values.replica_copies(state.replica_id), devices.device_scope(dev):
         seed = Tensor(view(dy, buf.y.shape), dev)
         # the layer's added losses join fit's loss, each scaled 1/N per replica (Keras scales
         # model.losses so under MirroredStrategy): d/d value = 1/N (``state.penalty_factor``)
@@ -401,7 +474,9 @@ def add_loss(layer, loss):
     layer's ``losses`` until its next outermost call (Keras clears them then), for the tape of a
     custom loop (``loss += sum(layer.losses)``). In a model's forward: kept for the layer's
     backward, which adds the term's gradient x 1/N to the model's (``_backward_eager``), as
-    fit's loss is the compiled loss plus the added ones. fit's reported loss leaves them out."""
+    fit's loss is the compiled loss plus the added ones; fit reports that sum (``AddedLosses``)."""
+    for running in getattr(_calls, "running", ()):              # these calls add losses: fit reports them
+        running.__dict__["adds_losses"] = True
     collecting = getattr(_calls, "in_model", None)
     if collecting is not None:
         collecting.append(ops.as_tensor(loss))
@@ -409,10 +484,59 @@ def add_loss(layer, loss):
     layer.__dict__.setdefault("_added_losses", []).append(ops.as_tensor(loss))
 
 
-def _clear_added_losses(layer):
+class AddedLosses:
+    """The sum of what a layer's ``call`` gave ``add_loss`` in its last forward on each device, in
+    the engine's penalty form (``engine.ReplicaProgram.penalties``: ``value_into``, ``add_gradient``),
+    so that fit and evaluate report loss = compiled loss + added losses, as Keras does. The
+    gradient is not here: the layer's backward adds it (``_backward_eager``)."""
+
+    @staticmethod
+    def of(layer):
+        found = layer.__dict__.get("added_losses_term")
+        if found is None:
+            found = layer.__dict__["added_losses_term"] = AddedLosses()
+        return found
+
+    def __init__(self):
+        self.sums = {}                           # id(device) -> (device, (1,) float32 buffer)
+
+    def sum_on(self, dev):
+        """The buffer the forward on ``dev`` writes its sum into (the same one every step)."""
+        entry = self.sums.get(id(dev))
+        if entry is None or entry[0] is not dev:
+            entry = self.sums[id(dev)] = (dev, dev.empty((1,), FLOAT))
+            dev.ops.fill(entry[1], 0.0)
+        return entry[1]
+
+    def value_into(self, dev, weights, out):
+        dev.copy_into(out, self.sum_on(dev))
+
+    def add_gradient(self, dev, weights, grads, factor):
+        """Nothing: the layer's backward adds the added losses' gradient."""
+
+
+def reported_losses(layer):
+    """[(AddedLosses, every weight)] for a layer whose ``call`` adds losses, else []: the
+    engine's penalties besides the regularizers (``base_layer.Layer.reported_losses``)."""
+    return [(AddedLosses.of(layer), slice(None))] if layer.__dict__.get("adds_losses") else []
+
+
+def added_in_model(layer):
+    """The values ``call`` gave ``add_loss`` in the layer's last forward as a node of a model, on
+    this replica (``model(x)``, inside ``strategy.run`` each replica's own): for ``layer.losses``.
+    They are the forward's own values; their gradient is the model node's backward's (1/N each,
+    as fit's), so ``loss += sum(model.losses)`` after ``model(x)`` adds the right value."""
+    _, replica_ctx = context.top()
+    replica = replica_ctx.local_replica_id if replica_ctx is not None else 0
+    return list(layer.__dict__.get("added_by_replica", {}).get(replica, ()))
+
+
+def clear_added_losses(layer):
+    """Forget what ``add_loss`` kept for ``layer`` and its sublayers (Keras: at each outermost call)."""
     layer.__dict__["_added_losses"] = []
+    layer.__dict__.pop("added_by_replica", None)
     for sub in layer.__dict__.get("_sublayers", ()):
-        _clear_added_losses(sub)
+        clear_added_losses(sub)
 
 
 def eager_call(layer, inputs, kwargs):
@@ -436,7 +560,7 @@ def _eager_call(layer, inputs, kwargs, outermost):
     if not layer.built:
         layer.build([x.shape[1:] for x in xs] if multi else xs[0].shape[1:])
     if outermost:                                # after build: its trial call may add some too
-        _clear_added_losses(layer)
+        clear_added_losses(layer)
     return run_call(layer, xs if multi else xs[0], kwargs.get("training") or False)
 
 

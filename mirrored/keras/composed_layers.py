@@ -1,6 +1,7 @@
 """Keras's layers that are a few ops each, written with ``call`` (``call_layers.py`` runs them in
 a model, their gradients from the ops' rules): ``Activation``, ``ReLU``, ``LeakyReLU``,
-``Softmax``, ``Reshape``, ``Rescaling``, ``Lambda``.
+``Softmax``, ``Reshape``, ``Rescaling``, ``Lambda``; and ``dense_as_ops``, a Dense called on data
+inside another layer's ``call``.
 
 Each has Keras 3's arguments and config keys (``get_config``), so a ``.keras`` file holds
 them, except ``Lambda``: its function lives in memory only, and a file's Lambda is refused.
@@ -42,6 +43,18 @@ def activation_fn(activation, what):
         raise ValueError(f"{what}: unknown activation {activation!r}; available: {sorted(ACTIVATIONS)} "
                          f"or a function of one tensor.")
     return ACTIVATIONS[activation]
+
+
+def dense_as_ops(layer, x):
+    """``Dense(...)(x)`` on data inside another layer's ``call`` (keras.io's VAE: an ``Encoder``
+    made of Dense layers): built on first use, then ``activation(x @ kernel + bias)`` as ops, so
+    the tape of that ``call`` differentiates it and the weights are read as ``add_weight``'s are
+    (replica r's copies in a model's forward). ``call_layers.inline_ops`` maps Dense here."""
+    x = ops.as_tensor(x)
+    if not layer.built:
+        layer.build(tuple(x.shape[1:]))
+    y = ops.matmul(x, layer.kernel) + layer.bias                  # (b, units)
+    return activation_fn(layer.activation, f"Dense {layer.name!r}")(y)     # relu, sigmoid, ...
 
 
 def unfused_activation(activation, fused, owner):

@@ -184,3 +184,23 @@ def mean_absolute_error(y_true, y_pred):
 
 
 mse, MSE, mae, MAE = mean_squared_error, mean_squared_error, mean_absolute_error, mean_absolute_error
+
+
+class AddedLossesOnly(Loss):
+    """``compile(optimizer)`` with no loss, for a model whose layers call ``add_loss`` (keras.io's
+    subclassing guide: "the model already has a loss to minimize"): the compiled part is zero
+    (its values 0 x the output, so the gradient flows as zeros), fit trains on the added losses
+    and reports them (``call_layers.AddedLosses``). A model that adds none has nothing to train:
+    the first step says so, as Keras's "No loss to compute"."""
+
+    def __init__(self, model):
+        super().__init__(name="loss")
+        self.model = model
+
+    def call(self, y_true, y_pred):
+        nodes = self.model.nodes or ()
+        if not any(node.layer.reported_losses or node.layer.regularized for node in nodes):
+            raise ValueError(f"No loss to compute: {self.model.name!r} was compiled with no loss and none of "
+                             f"its layers calls add_loss or has a regularizer. Give compile a loss, e.g. "
+                             f"model.compile(optimizer='adam', loss='mse').")
+        return 0.0 * ops.reduce_mean(y_pred, axis=-1)            # (b,): zeros, connected to y_pred

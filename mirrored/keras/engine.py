@@ -179,7 +179,7 @@ class ReplicaProgram:
                     state.fused, following.fused = following, state
         #: [(state, regularizer, index of the weight)]: every penalty, once per layer (keras/regularizers.py)
         self.penalties = [(state, reg, i) for state in self.states if state.accumulate is None
-                          for reg, i in state.layer.regularized]
+                          for reg, i in state.layer.regularized + state.layer.reported_losses]
         self.classes = self.nodes[-1].layer.output_shape[-1]
         self.softmax_output = getattr(self.nodes[-1].layer, "activation", None) == "softmax"
         self._loss_buffers, self._grad_sums = {}, {}   # b -> _LossBuffers; (tensor, b) -> its gradient's

@@ -63,6 +63,11 @@ def user_line():
     return "<unknown>"
 
 
+class Untraceable(NotImplementedError):
+    """A subclassed model's ``call`` that cannot be traced into layer nodes: ops on symbolic
+    tensors, or a layer returning several tensors. ``model_call.py`` runs such a call as one node."""
+
+
 class KerasTensor:
     """A symbolic tensor: shape and dtype, no data (Keras 3's ``KerasTensor``).
 
@@ -114,7 +119,7 @@ class KerasTensor:
         self._no_value(".numpy()")
 
     def _op(self, name, layer):
-        raise NotImplementedError(
+        raise Untraceable(
             f"{user_line()}: `{name}` on symbolic tensors is not implemented here: use the "
             f"layer, keras.layers.{layer}()([a, b]), which Keras records the same way.")
 
@@ -208,6 +213,10 @@ def call_layer(layer, inputs, kwargs):
         layer.output_shape_for(shapes)           # checks the shapes before any weight exists
         layer.build(shapes)
         out_shape = layer.output_shape
+    if isinstance(out_shape, list):
+        raise Untraceable(f"{user_line()}: {name} returns {len(out_shape)} tensors; a layer called on symbolic "
+                          f"tensors returns one here. Inside a subclassed model's call it works (the call "
+                          f"then runs as one node, model_call.py).")
     node = SymbolicNode(layer, list(inputs) if multi else inputs, multi)
     layer.inbound_nodes.append(node)
     node.output = KerasTensor(out_shape, node, len(layer.inbound_nodes) - 1)

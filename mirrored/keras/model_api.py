@@ -27,7 +27,8 @@ import warnings
 import numpy as np
 
 from mirrored import backends, context, ops
-from mirrored.keras import compile_utils, custom_loop, custom_step, data_adapters, functional, multi_io
+from mirrored.keras import call_layers, compile_utils, custom_loop, custom_step, data_adapters, functional, model_call
+from mirrored.keras import custom_losses, multi_io
 from mirrored.keras import metrics as _metrics
 from mirrored.keras import losses as _losses
 from mirrored.keras import optimizers as _optimizers
@@ -127,8 +128,14 @@ class ModelAPI:
     @property
     def losses(self):
         """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
-        ``model.losses``), on this replica's copies inside ``strategy.run``."""
-        return [loss for layer in self.layers for loss in layer.losses]
+        ``model.losses``), on this replica's copies inside ``strategy.run``; then the values the
+        last ``model(x)`` gave ``add_loss`` (the model's own ``self.add_loss`` first, as Keras)."""
+        own = list(self.__dict__.get("_added_losses", ()))
+        return own + [loss for layer in self.layers for loss in layer.losses]
+
+    def add_loss(self, loss):
+        """Keras's ``self.add_loss(value)`` in a subclassed model's ``call`` (``call_layers.add_loss``)."""
+        call_layers.add_loss(self, loss)
 
     def use_own_weights(self):
         """Make this model's packed buffers the storage of its weights again, where a model
@@ -263,8 +270,8 @@ class ModelAPI:
         if optimizer == "rmsprop" and not own_step:
             raise NotImplementedError("RMSprop (Keras's default optimizer) is not implemented; "
                                       "pass optimizer='adam' or 'sgd'.")
-        if loss is None and not own_step:
-            raise ValueError("compile needs a loss, e.g. loss='sparse_categorical_crossentropy'.")
+        if loss is None and not own_step:            # Keras: the add_loss terms alone (custom_losses.py)
+            loss = custom_losses.AddedLossesOnly(self)
         new_optimizer = custom_step.NoRMSprop() if optimizer == "rmsprop" else _optimizers.get(optimizer)
         if several and loss is not None:                    # Keras 3's CompileLoss / CompileMetrics
             new_loss = compile_utils.CompileLoss(loss, loss_weights, self)
@@ -519,6 +526,8 @@ class ModelAPI:
         self.accept_inputs(shape, inputs.dtype, "inputs")
         features = int(np.prod(shape[1:], dtype=np.int64))   # Flatten; explicit, so 0 rows work
         self.use_own_weights()
+        if model_call.runs_eagerly(self):           # a call of layers and ops: op by op (model_call.py)
+            return model_call.call_eagerly(self, inputs, training, r, self.step.programs[r].dev)
         link = input_link(inputs)                  # tapes that follow the input: they want d loss / d x
         p = self.step.programs[r] if not link else multi_io.input_grad_program(self, r)
         dev = p.dev
@@ -556,6 +565,7 @@ class ModelAPI:
         lines = [f'Model: "{self.name}"', rule, " " + " ".join(f"{h:<{w}}" for h, w in zip(head, widths)), thick]
         for i, (layer, inputs) in enumerate(rows):
             shape = (layer.output_shape if hasattr(layer, "nested_nodes") else   # a model: one row, as Keras
+                     [(None,) + s for s in layer.output_shape] if isinstance(layer.output_shape, list) else
                      (None,) + tuple(layer.output_shape if layer.built else layer.input_shape_arg))
             params = int(sum(np.prod(w.shape) for w in layer.weights))
             cells = [f"{layer.name} ({type(layer).__name__})", str(shape), str(params)]

@@ -23,12 +23,72 @@ Examples may be scalars (x of shape (N,)): Keras hands ``call`` the batch as it 
 built for examples of shape (1,) and ``ModelCall`` squeezes that axis before ``call`` and adds
 it back to a (b,) output; ``predict`` gives (N, 1) where Keras gives (N,).
 
+The same path runs a model whose ``call`` mixes layers and ops on their outputs, as keras.io's
+VAE (guide "Making new layers and models via subclassing") writes it:
+
+    def call(self, inputs):
+        z_mean, z_log_var, z = self.encoder(inputs)            # a layer returning a tuple
+        reconstructed = self.decoder(z)
+        kl_loss = -0.5 * ops.mean(z_log_var - ops.square(z_mean) - ops.exp(z_log_var) + 1)
+        self.add_loss(kl_loss)
+        return reconstructed
+
+Tracing it into layer nodes fails (``functional.Untraceable``: ops on symbolic tensors, a layer
+of several outputs), so ``untraceable`` says so and the model is this one node: its layers run
+their ``call``s eagerly inside it, a Dense as its ops (``composed_layers.dense_as_ops``), and the
+value given to ``self.add_loss`` joins fit's loss (``call_layers.add_loss``). Called on data
+outside fit (``vae(x)`` under a custom loop's GradientTape), such a model runs its ``call`` op by
+op (``call_eagerly``), so the tape sees every op and ``vae.losses`` holds the added terms as
+tensors on the tape, which ``loss += sum(vae.losses)`` differentiates.
+
 Neighbours: ``models.py`` (``Model._program`` picks this path), ``call_layers.py`` (how a
 layer's ``call`` runs in the engine), ``functional.py`` (the traced path).
 """
-from mirrored import ops
-from mirrored.keras import call_layers
+import numpy as np
+
+from mirrored import devices, ops, values
+from mirrored.keras import call_layers, functional
 from mirrored.keras.base_layer import Layer
+from mirrored.tensor import Tensor
+
+
+def untraceable(model, input_shape, input_layer):
+    """True when ``model.call`` cannot be traced into layer nodes (``functional.Untraceable``);
+    remembered, as ``call_eagerly`` asks it of every call. The failed trace may have built
+    layers: their weights are the model's all the same."""
+    if "_untraceable" not in model.__dict__:
+        try:
+            functional.trace(model, input_shape, True, input_layer(shape=input_shape))
+            model.__dict__["_untraceable"] = False
+        except functional.Untraceable:
+            model.__dict__["_untraceable"] = True
+    return model.__dict__["_untraceable"]
+
+
+def built(model, input_shape, scalars):
+    """The model's one layer, built (its output shape: call run once on zeros)."""
+    layer = ModelCall(model, scalars)
+    layer.build(input_shape)
+    for owner in [model] + model.layers:         # the trial call's add_loss values are no call's
+        call_layers.clear_added_losses(owner)
+    return layer
+
+
+def runs_eagerly(model):
+    """A built model whose ``call`` could not be traced (``untraceable``): ``model(x)`` runs it op by op."""
+    return bool(model.__dict__.get("_untraceable")) and model.nodes is not None
+
+
+def call_eagerly(model, inputs, training, replica, dev):
+    """``model(x)`` on data for such a model: its ``call`` on this replica's copies of the weights,
+    on ``dev``, recorded by any open tape; the losses ``add_loss`` kept before are forgotten
+    first (Keras: ``model.losses`` holds the last call's)."""
+    call_layers.clear_added_losses(model)
+    for layer in model.layers:
+        call_layers.clear_added_losses(layer)
+    with values.replica_copies(replica), devices.device_scope(dev):
+        x = inputs if isinstance(inputs, Tensor) else ops.as_tensor(np.asarray(inputs, np.float32), device=dev)
+        return call_layers.eager_call(model.nodes[0].layer, x, {"training": training})
 
 
 class ModelCall(Layer):
@@ -49,7 +109,8 @@ class ModelCall(Layer):
         if self.scalars:                         # the engine keeps a feature axis; Keras's call has none
             inputs = ops.squeeze(inputs, -1)
         kwargs = {"training": training} if call_layers.takes_training(call) else {}
-        y = call(self.model, inputs, **kwargs)
+        with call_layers.model_owned():          # its layers' weights are the model's packed ones
+            y = call(self.model, inputs, **kwargs)
         y = ops.as_tensor(y)
         return ops.expand_dims(y, -1) if self.scalars and y.ndim == 1 else y
 

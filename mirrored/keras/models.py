@@ -186,10 +186,8 @@ class Model(Trainer, ModelAPI):
                     f"here. Use a new layer for each call.")
         self.nodes = nodes
         variables = self.weights
-        if not variables:
-            raise ValueError(f"a model here needs at least one layer with weights (a Dense layer); "
-                             f"{self.name!r} has none.")
-        devices = [c.value().dev for c in components(variables[0])]
+        devices = [c.value().dev for c in components(variables[0])] if variables else \
+            list(self._strategy.extended.devices)
         if any(len(components(v)) != len(devices) for v in variables) or \
                 len(devices) != len(self._strategy.extended.worker_devices):
             self.nodes = None
@@ -211,10 +209,8 @@ class Model(Trainer, ModelAPI):
                                       f"subclass of keras.Model defines it (or use keras.Model(inputs, "
                                       f"outputs) or Sequential).")
         scalars = self.__dict__.get("_scalar_call", False)         # x of shape (N,): accept_inputs
-        if self.own_variables or scalars:               # ops on its own variables
-            layer = model_call.ModelCall(self, scalars)
-            layer.build(input_shape)                 # its output shape: call run once on zeros
-            return [Node(layer, (0,), False)]
+        if self.own_variables or scalars or model_call.untraceable(self, input_shape, InputLayer):
+            return [Node(model_call.built(self, input_shape, scalars), (0,), False)]   # call as one node
         nodes, layers, _ = functional.trace(self, input_shape, True, InputLayer(shape=input_shape))
         other, _, _ = functional.trace(self, input_shape, False, InputLayer(shape=input_shape))
         if not functional.same_program(nodes, other, lambda layer: isinstance(layer, Dropout)):

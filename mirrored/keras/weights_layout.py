@@ -86,8 +86,10 @@ def children(obj):
     model's ``layers`` first; then, in order of name, the public attributes that hold layers
     or models (a subclassed model's ``self.head = Dense(2)``; its ``layers`` property among
     them, so a layer is reached by its attribute's name when that sorts before "layers").
-    Attributes named with ``_`` are not walked here (ours are the library's bookkeeping)."""
-    found = {k: v for k, v in vars(obj).items() if not k.startswith("_") and _walked(v)}
+    Attributes named with ``_`` are not walked here (ours are the library's bookkeeping), nor
+    a model's ``nodes`` (its program: the layers met already, or ``model_call.ModelCall``)."""
+    skip = ("nodes",) if _saveable(obj) and hasattr(obj, "nested_nodes") else ()
+    found = {k: v for k, v in vars(obj).items() if not k.startswith("_") and k not in skip and _walked(v)}
     if is_container(obj):
         return [("layers", sublayers(obj))] + sorted(found.items())
     if "Model" in MODEL_CLASSES and isinstance(obj, MODEL_CLASSES["Model"]):
