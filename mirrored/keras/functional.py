@@ -14,7 +14,7 @@ Three ways to write a model, one program::
 
     class MyModel(keras.Model):                                        call() is run once per input
         def call(self, inputs, training=None): ...                     shape on symbolic tensors
-                                                                       (``trace``), as tf.function traces
+                                                                       (``call_symbolically``), as tf.function traces
 
 A ``KerasTensor`` holds a shape (batch axis ``None``), a dtype and ``keras_history``:
 (the layer that made it, which of that layer's calls, 0), as Keras 3's does. Calling a
@@ -359,7 +359,7 @@ def expand(layer, inputs, multi, before):
             for n in nested()]
 
 
-def trace(model, input_shape, training, input_layer):
+def call_symbolically(model, input_shape, training, input_layer):
     """Run a subclassed model's ``call`` on a symbolic input of ``input_shape`` (one example's
     shape): the program it builds (``program``'s answer). ``input_layer``: an ``InputLayer``
     made by the caller (this file does not import the layers)."""

@@ -9,7 +9,7 @@
         def call(self, x):
             return self.w * x + self.b
 
-Such a ``call`` cannot be traced into a program of layers (``functional.trace``): ``self.w *
+Such a ``call`` cannot be turned into a program of layers (``functional.call_symbolically``): ``self.w *
 x`` needs the value of x. So the model becomes ONE node whose layer, ``ModelCall``, is a
 layer written with ``call`` (``call_layers.py``): the engine runs the model's ``call`` on the
 replica's batch under a private tape, and its backward is that tape's gradient. The weights
@@ -58,7 +58,7 @@ def untraceable(model, input_shape, input_layer):
     layers: their weights are the model's all the same."""
     if "_untraceable" not in model.__dict__:
         try:
-            functional.trace(model, input_shape, True, input_layer(shape=input_shape))
+            functional.call_symbolically(model, input_shape, True, input_layer(shape=input_shape))
             model.__dict__["_untraceable"] = False
         except functional.Untraceable:
             model.__dict__["_untraceable"] = True

@@ -68,7 +68,7 @@ class Model(Trainer, ModelAPI):
     * ``keras.Model(inputs, outputs)``: a ``Functional`` model, the nodes between them;
     * ``Sequential([...])``: a chain of nodes;
     * ``class M(keras.Model)`` with ``call(self, inputs, training=None)``: ``call`` traced
-      with a symbolic input on first use (``functional.trace``), as tf.function traces it.
+      with a symbolic input on first use (``functional.call_symbolically``), as tf.function traces it.
     """
 
     structured_io, step_type = False, Step   # several inputs/outputs: Functional, multi_io.py
@@ -211,8 +211,8 @@ class Model(Trainer, ModelAPI):
         scalars = self.__dict__.get("_scalar_call", False)         # x of shape (N,): accept_inputs
         if self.own_variables or scalars or model_call.untraceable(self, input_shape, InputLayer):
             return [Node(model_call.built(self, input_shape, scalars), (0,), False)]   # call as one node
-        nodes, layers, _ = functional.trace(self, input_shape, True, InputLayer(shape=input_shape))
-        other, _, _ = functional.trace(self, input_shape, False, InputLayer(shape=input_shape))
+        nodes, layers, _ = functional.call_symbolically(self, input_shape, True, InputLayer(shape=input_shape))
+        other, _, _ = functional.call_symbolically(self, input_shape, False, InputLayer(shape=input_shape))
         if not functional.same_program(nodes, other, lambda layer: isinstance(layer, Dropout)):
             raise NotImplementedError(
                 f"{type(self).__name__}.call builds a different model when training is True than when "
