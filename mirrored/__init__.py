@@ -92,7 +92,7 @@ from mirrored.tensor import (Tensor, TensorShape, TensorSpec, add_n, as_dtype, b
 from mirrored import image, ops
 from mirrored import ops as math   # tf.math: the same functions
 from mirrored.ops import (abs, add, argmax, argmin, broadcast_to, cast, ceil, clip_by_value, concat, gather,  # noqa: A004
-                          cos, divide, equal, exp, expand_dims, eye, fill, floor, greater, greater_equal,
+                          gather_nd, cos, divide, equal, exp, expand_dims, eye, fill, floor, greater, greater_equal,
                           less, less_equal, linspace, log, logical_and, logical_not, logical_or, logical_xor, matmul,
                           maximum, minimum, multiply, negative, newaxis, not_equal, one_hot, ones, ones_like,
                           pow, rank, reduce_all, reduce_any, reduce_max, reduce_mean, reduce_min, reduce_prod,

@@ -899,6 +899,30 @@ def gather(params, indices, validate_indices=None, axis=None, batch_dims=0, name
     return transpose(out, rest[:a] + list(range(k)) + rest[a:])
 
 
+def gather_nd(params, indices, batch_dims=0, name=None):
+    """``tf.gather_nd``: ``indices`` (..., k) integers, each last row an index into the first k
+    axes of ``params``; the result's shape is indices.shape[:-1] + params.shape[k:].
+
+    Written as a ``gather`` of the flattened first k axes at the row-major flat index
+    ``sum_j indices[..., j] * stride_j`` (the strides of params.shape[:k]): its gradient is
+    gather's, an index outside the params gives zeros (TensorFlow's GPU kernel)."""
+    if batch_dims:
+        raise NotImplementedError("gather_nd(batch_dims=...) is not implemented; gather each batch row.")
+    x = as_tensor(params)
+    idx = as_tensor(indices, device=x.dev)
+    if idx.dtype.kind not in "iu" or idx.ndim < 1:
+        raise InvalidArgumentError(f"gather_nd: indices must be integers of rank >= 1 (the last axis "
+                                   f"indexes params), got {idx.dtype} of shape {idx.shape}.")
+    k = idx.shape[-1]
+    if k > x.ndim:
+        raise InvalidArgumentError(f"gather_nd: index rows of length {k} for params of rank {x.ndim}; "
+                                   f"each row indexes at most every axis of params.")
+    strides = np.cumprod((x.shape[1:k] + (1,))[::-1])[::-1].astype(idx.dtype)   # row-major, (k,)
+    flat = reduce_sum(idx * as_tensor(strides, device=x.dev), axis=-1)          # indices.shape[:-1]
+    rows = reshape(x, (int(np.prod(x.shape[:k], dtype=np.int64)),) + tuple(x.shape[k:]))
+    return gather(rows, flat)
+
+
 # --- creation -------------------------------------------------------------------------------
 
 def zeros(shape, dtype=np.float32, name=None, device=None):

@@ -422,6 +422,27 @@ def test_python_control_flow_on_a_tensor_in_a_traced_function_is_never_a_stale_b
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_gather_nd_and_its_gradient(on, rng, dev):
+    """``tf.gather_nd``: NumPy's ``p[tuple(index row)]`` for each last-axis row of the indices
+    (rows of every length up to params' rank, indices of any leading shape); the gradient (a
+    scatter-add) against central differences; bad indices refused by name."""
+    with on(dev):
+        p = rng.normal(size=(3, 4, 2))
+        for k, lead in ((1, (2,)), (2, (3,)), (3, (2, 2)), (2, (1, 2))):
+            idx = np.stack([rng.integers(0, p.shape[j], lead) for j in range(k)], axis=-1)
+            want = lambda v, idx=idx, k=k: np.stack([v[tuple(r)] for r in idx.reshape(-1, k)]).reshape(
+                idx.shape[:-1] + v.shape[k:])
+            y, (g,) = tape_grads(lambda t, idx=idx: tf.gather_nd(t, idx) * 2.0, [p])
+            np.testing.assert_allclose(y.numpy(), want(p) * 2.0, rtol=1e-6)
+            np.testing.assert_allclose(g.numpy(), numeric_grad(lambda v, w=want: w(v) * 2.0, [p], 0),
+                                       rtol=1e-6, atol=1e-8)
+        with pytest.raises(InvalidArgumentError, match="rows of length 4 for params of rank 3"):
+            tf.gather_nd(p, np.zeros((2, 4), np.int64))
+        with pytest.raises(InvalidArgumentError, match="must be integers"):
+            tf.gather_nd(p, np.zeros((2, 1), np.float32))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_gather_along_each_axis_and_its_gradient(on, rng, dev):
     """``tf.gather``: np.take's values on every axis, indices of any shape; the gradient (a
     scatter-add: repeated indices add up) against central differences; out of range: zeros."""
