@@ -135,6 +135,11 @@ class Operators:
     def __getitem__(self, key):
         return OPERATORS["getitem"](self, key)
 
+    def ref(self):
+        """A hashable reference to this tensor or variable (TensorFlow's ``ref()``: a dict or set
+        key, ``.deref()`` gives the object back)."""
+        return _Ref(self)
+
 
 class Tensor(Operators):
     """An array on one device. Create with ``mirrored.constant`` or from ops."""
@@ -255,10 +260,6 @@ class Tensor(Operators):
         return OPERATORS["invert"](self)
 
     __hash__ = None
-
-    def ref(self):
-        """A hashable reference to this tensor (TensorFlow's ``Tensor.ref()``)."""
-        return _Ref(self)
 
     def get_shape(self):
         """The shape as a ``TensorShape`` (TensorFlow's ``Tensor.get_shape``)."""

@@ -210,6 +210,9 @@ def test_tensorflow_dtype_rules(cpu):
     with pytest.raises(TypeError, match="unhashable"):
         {f: 1}
     assert {f.ref(): 1}[f.ref()] == 1
+    v = tf.Variable([1.0, 2.0])                     # a variable's ref too (TF's Variable.ref())
+    keys = {v.ref(): "v", f.ref(): "f"}
+    assert keys[v.ref()] == "v" and v.ref().deref() is v and v.ref() != tf.Variable([1.0, 2.0]).ref()
 
 
 def test_nested_tapes_give_second_derivatives(cpu, rng):
