@@ -141,10 +141,12 @@ class Recording:
     ``dry``: a *dry* recording (a plan, ``dry_run``): the kernel launches are written down
     (``launches``: [(kernel, args)], by ``kernels.launch.planned``, the dry mode's half below
     the boundary) and none is made, host calls are written down and not run (the update
-    count, a metric), and nothing is kept for a roll-back (nothing it could change changed)."""
+    count, a metric), and nothing is kept for a roll-back (nothing it could change changed).
+    ``undoable=False``: nothing kept either (``record``'s callers do not roll a run back)."""
 
-    def __init__(self, no_variables=False, dry=False):
+    def __init__(self, no_variables=False, dry=False, undoable=True):
         self.dry = dry
+        self.undoable = undoable and not dry    # False: nothing kept for a roll-back
         self.launches = None          # dry: the kernel launches, written down, not made
         self._plan = self._outer = None
         self.entries = []
@@ -285,7 +287,7 @@ class ThreadRecorder:
         if kind == "host":
             return self.host_call(method, (target,) + tuple(args), kwargs,
                                   None if info is None else functools.partial(_restorer, info))
-        if rec.dry:
+        if not rec.undoable:
             pass                                      # a plan changes nothing it must put back
         elif kind == "op":
             rec.keep_before(list(args) + list(kwargs.values()))
@@ -315,7 +317,7 @@ class ThreadRecorder:
         if self.recording.dry:
             self.recording.add(call)
             return None
-        if args:
+        if args and self.recording.undoable:
             self.recording.keep_host_state(args[0])
         self.depth, self.call = 1, call
         try:
@@ -326,17 +328,56 @@ class ThreadRecorder:
         return result
 
 
-def record(fn):
+def record(fn, graphs=None, key=None):
     """``fn()`` run once with its device calls written down: ``(its result, a
     replay.Program of them)``, or ``(its result, None)`` where the run cannot be replayed (it
-    read a device value on the host: the caller runs ``fn`` eagerly from then on). What
-    ``fit``'s call-layers and a loss written in ops keep per key (``keras/call_layers.py``).
-    An ``fn`` that raises leaves what it changed, as its eager run would."""
-    rec = Recording()
+    read a device value on the host: the caller runs ``fn`` eagerly from then on). ``graphs``
+    and ``key``: the program's CUDA graphs and its key among them (``replay.Program``). What
+    ``Programs`` keeps per key, and ``fit``'s call-layers and a loss written in ops
+    (``keras/call_layers.py``). An ``fn`` that raises leaves what it changed, as its eager
+    run would (nothing is kept for a roll-back)."""
+    rec = Recording(undoable=False)
     with rec:
         result = fn()
-    rec.forget()
-    return result, (replay.Program(rec.entries) if rec.refused is None else None)
+    return result, (replay.Program(rec.entries, graphs, key) if rec.refused is None else None)
+
+
+class Programs:
+    """Recorded programs by key: the one first-run rule, for ``fit``, ``evaluate`` and
+    ``predict`` (``passes.py``) as for a ``@function`` (``traced_function.py``).
+
+    ``run(key, fn, *args)``: the first time ``key`` is seen, ``fn(*args)`` runs eagerly and
+    is recorded (it compiles the kernels and makes every buffer); later, its ``Program``
+    is replayed (on a GPU, its runs of launches captured at the first replay and replayed
+    as graphs: ``graphs``) and the first run's result returned (the same buffers, which
+    the replay rewrote). A first run that raised keeps nothing: the next one is a first run
+    again. A run that cannot be recorded (a host read) runs eagerly every time."""
+
+    def __init__(self, graphs=None, on_first_run=None):
+        """``graphs``: the programs' CUDA graphs (``capture.StepGraphs``) or None;
+        ``on_first_run()``: called after each first run (the graphs count it, as eager)."""
+        self.graphs, self.on_first_run = graphs, on_first_run
+        self.known = {}                # key -> (Program, or None: eager every time; first result)
+
+    def program(self, key):
+        """The recorded ``Program`` of ``key``, or None (not seen, or not recordable)."""
+        return self.known.get(key, (None, None))[0]
+
+    def run(self, key, fn, *args):
+        known = self.known.get(key)
+        if known is None:
+            if active() is not None:               # inside a trace: the launches are the trace's
+                return fn(*args)
+            result, program = record(lambda: fn(*args), self.graphs, key)
+            self.known[key] = (program, result)
+            if self.on_first_run is not None:
+                self.on_first_run()
+            return result
+        program, result = known
+        if program is None:
+            return fn(*args)
+        program.run()
+        return result
 
 
 class _Planned(Exception):
