@@ -110,8 +110,8 @@ class StepGraphs:
     the caller; ``run`` captures the key the first time it is asked and replays it after."""
 
     def __init__(self, devices, cross_device_ops=None, checked=False):
-        """``checked``: the caller has found the launches capturable over ``devices`` (a
-        ``@function``'s replay: ``ReplayGraphs``), else ``why_not_capturable``."""
+        """``checked``: the caller has found the launches capturable over ``devices``
+        (``for_program``), else ``why_not_capturable``."""
         self.devices = list(devices)
         self.reason = None if checked else why_not_capturable(self.devices, cross_device_ops)
         self._graphs = {}          # key -> _Graph
@@ -119,6 +119,17 @@ class StepGraphs:
         self.last = None           # how the last run ran: "eager" or "replayed"
         self.compile_ahead = _compile_ahead(self.devices, cross_device_ops)   # None: not here
         self._planned = set()      # the keys whose kernels were compiled ahead
+
+    @classmethod
+    def for_program(cls, devices):
+        """The graphs of a ``@function``'s program over ``devices``, or None where nothing can
+        be captured (CPU devices, the simulator, several physical GPUs: the list is replayed)."""
+        # the launches are recorded, not summed by a cross-device op: only the card matters
+        if not devices or why_not_capturable(devices[:1]) is not None:
+            return None
+        if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
+            return None
+        return cls(devices, checked=True)      # every replica's stream joins the capture
 
     @property
     def enabled(self):
@@ -175,22 +186,6 @@ class StepGraphs:
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
-
-
-class ReplayGraphs(StepGraphs):
-    """``StepGraphs`` for a ``@function``'s program (``replay.Program``): each run of launches
-    captured at the program's first replay and replayed as one CUDA graph after."""
-
-    @classmethod
-    def for_devices(cls, devices):
-        """The graphs of a replay over ``devices``, or None where nothing can be captured
-        (CPU devices, the simulator, several physical GPUs: the launch list is replayed)."""
-        # the launches are recorded, not summed by a cross-device op: only the card matters
-        if not devices or why_not_capturable(devices[:1]) is not None:
-            return None
-        if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
-            return None
-        return cls(devices, checked=True)      # every replica's stream joins the capture
 
 
 class _Graph:

@@ -14,7 +14,7 @@ metric). A ``Program`` is that list made runnable again::
     one GPU card                   the list cut at its host calls (``segments``, after
                                    ``reorder`` moved what host work it could to the ends):
                                    each run of launches captured once as a CUDA graph and
-                                   replayed as one (``capture.ReplayGraphs``, handed in
+                                   replayed as one (``capture.StepGraphs``, handed in
                                    by the caller)
 
 A replay that raises puts back the host numbers its host calls changed (each
