@@ -7,7 +7,7 @@ they were captured with (buffers by reference, numbers frozen, Python not re-run
 is what a CUDA graph holds. Through it, a model compiled with the default
 (``run_eagerly=False``) must train, evaluate and predict bitwise like ``run_eagerly=True``,
 dropout included (each replay a new mask); a Dropout that passed its key from the host
-(the old layer) is shown to fail that test. Also: the first-run rule (recording.Programs over StepGraphs), why a step
+(the old layer) is shown to fail that test. Also: the first-run rule (a recorded program over StepGraphs), why a step
 cannot be captured, the default's silence where nothing can be, ``cuda_graph=`` as a
 deprecated alias. On a real GPU: the same comparison with real graphs.
 
@@ -180,12 +180,12 @@ def test_run_eagerly_true_never_captures_and_the_attribute_switches(devices, rng
     assert model._step_graphs is None and graphs_before._graphs == {}   # closed
 
 
-def test_programs_record_each_key_once_then_capture_once_then_replay(devices, monkeypatch):
-    """The one first-run rule (``recording.Programs`` over ``capture.StepGraphs``), the CUDA
-    part replaced by a recorder: a key's first run is eager and recorded, its first replay
-    captures the recorded launches, later ones replay the graph; the Python runs once per key.
-    (Before the graphs took their first run from the recording, a key ran eagerly once, was
-    captured from its Python the second time, replayed after: the same calls, one rule less.)"""
+def test_a_recorded_program_is_captured_at_its_first_replay_then_replayed(devices, monkeypatch):
+    """The one first-run rule (``recording.record``, then ``replay.Program.run`` over
+    ``capture.StepGraphs``), the CUDA part replaced by a recorder: a key's first run is eager
+    and recorded, its first replay captures the recorded launches, later ones replay the
+    graph; the Python runs once per key. (Before, the graphs ran a key eagerly once, captured
+    it from its Python the second time and replayed it after: the same calls, one rule less.)"""
     dev = devices(cpus=1)[0]
     calls, captured = [], []
 
@@ -207,16 +207,22 @@ def test_programs_record_each_key_once_then_capture_once_then_replay(devices, mo
     monkeypatch.setattr(capture, "_Graph", FakeGraph)
     sg = capture.StepGraphs([dev])
     sg.reason = None                                   # pretend the devices allow graphs
-    programs = recording.Programs(sg, on_first_run=sg.ran_eagerly)
     buf = dev.from_numpy(np.zeros(3, np.float32))
 
     def step(tag):
         calls.append(("eager", tag))                   # the Python: a key's first run only
         dev.ops.binary_scalar("add", buf, 1.0, buf)
         return f"buffers of {tag}"
-    got, how = [], []
+    known, got, how = {}, [], []
     for key in ["a", "a", "a", "b", "a", "b"]:
-        got.append(programs.run((key,), step, key))        # a program's key is a tuple
+        if key not in known:                           # what passes.CapturedStep._run does
+            result, program = recording.record(lambda: step(key), sg, (key,))
+            known[key] = program, result
+            sg.ran_eagerly()
+        else:
+            program, result = known[key]
+            program.run()
+        got.append(result)
         how.append(sg.last)
     assert how == ["eager", "replayed", "replayed", "eager", "replayed", "replayed"]
     assert got == ["buffers of a"] * 3 + ["buffers of b", "buffers of a", "buffers of b"]

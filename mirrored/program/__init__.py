@@ -35,7 +35,7 @@ signature of a ``@function`` call; for ``fit``/``evaluate``/``predict`` the pass
 mode and the input buffers, i.e. the batch size, as Keras keys its ``tf.function``-wrapped
 ``train_step``). The first run of a key is eager and recorded (it compiles kernels and makes
 every buffer); a key whose first run completed is replayed, its launches captured at the
-first replay on a GPU (``recording.Programs``; a ``@function``'s trace the same way). A
+first replay on a GPU (``passes.CapturedStep._run``; a ``@function``'s trace the same way). A
 run that raises leaves nothing: a trace puts back what it changed (``Recording.roll_back``),
 a step drops what it made (``Step.rolled_back_on_error``, which is also a dry run's undo), a
 replay puts back the host numbers its host entries changed (``replay.Program.run``).
@@ -47,7 +47,7 @@ Who uses it:
   outputs);
 * ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` on a GPU (``passes.py``'s
   ``CapturedStep``, over ``keras/step.py``'s ``Step`` through the ``StepPasses`` contract):
-  each device part recorded once per key (``recording.Programs``), planned and compiled
+  each device part recorded once per key (``recording.record``), planned and compiled
   ahead before (a dry recording), replayed after, the update count one of its host
   entries; ``steps_per_execution=N`` is one program over N input slots, put together from
   the N steps' recordings. On CPU devices and in the simulator there is nothing to

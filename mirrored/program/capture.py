@@ -40,7 +40,7 @@ a capture has run, so running the step eagerly then is a complete step.
 ``StepGraphs.run(key, fn)`` captures ``fn``'s launches the first time ``key`` is asked and
 replays them from then on. What it captures is a recorded program's run of launches
 (``replay.Program``): the key's first run was that recording, eager (it compiled the kernels
-and made every buffer), so the first replay can be captured (``recording.Programs``, the one
+and made every buffer), so the first replay can be captured (``recording.record``, the one
 first-run rule, for ``fit``'s passes in ``passes.py`` and a ``@function``'s trace alike).
 Where there is nothing to capture (CPU devices, Numba's CUDA simulator, replicas on several
 physical GPUs) nobody asks it (``reason`` says why).
@@ -49,7 +49,7 @@ So Dropout draws a new mask at every replay, the eager one for the same counter
 (``kernels/dropout.py``, ``keras/layers.py``).
 
 Neighbours: ``replay.py`` (a recorded program, whose runs of launches these graphs hold),
-``recording.py`` (``Programs``: a key's first run, recorded), ``passes.py`` (fit's passes),
+``recording.py`` (``record``: a key's first run, recorded), ``passes.py`` (fit's passes),
 ``ring.py`` (the ring: events between neighbours, captured as graph edges); the package
 docstring tells the story.
 """
@@ -106,7 +106,7 @@ def _compile_ahead(devices, cross_device_ops):
 
 class StepGraphs:
     """The CUDA graphs of recorded programs' runs of launches, one graph per key (see the
-    module docstring). A key's first run is its recording (``recording.Programs``), made by
+    module docstring). A key's first run is its recording (``recording.record``), made by
     the caller; ``run`` captures the key the first time it is asked and replays it after."""
 
     def __init__(self, devices, cross_device_ops=None, checked=False):
@@ -137,7 +137,7 @@ class StepGraphs:
 
     def ran_eagerly(self):
         """Count a run the caller made eagerly itself: a key's first run, recorded
-        (``recording.Programs``, a ``@function``'s trace)."""
+        (``passes.CapturedStep._run``, a ``@function``'s trace)."""
         self.last = "eager"
         self.counts["eager"] += 1
 

@@ -1,4 +1,4 @@
-"""fit's, evaluate's and predict's passes as recorded programs (``recording.Programs``).
+"""fit's, evaluate's and predict's passes as recorded programs (``recording.record``).
 
 A pass is a *host part* (a batch split onto the replicas' input buffers, the optimizer's
 scalars for this step: eager) and a *device part* (forward, loss, backward, all-reduce,
@@ -34,7 +34,7 @@ Python (what labs 04 and 05 step through). The default stays silent where nothin
 be captured (it is the default); the old ``compile(cuda_graph=True)``, an explicit
 request for graphs, warns there once. The weights come out bitwise the same either way.
 
-Neighbours: ``recording.py`` (``Programs``: record once per key, replay after),
+Neighbours: ``recording.py`` (``record``: a key's first run, recorded),
 ``replay.py`` (a program's entries), ``capture.py`` (the graphs), ``keras/step.py`` and
 ``keras/inference.py`` (the step; ``StepPasses`` is its contract here), ``keras/trainer.py``
 (``captured_step``), ``keras/model_api.py`` (``compile``); the package docstring tells the story.
@@ -110,7 +110,7 @@ class CapturedStep:
     ``train(batch)``, ``evaluate(batch, mode)`` and ``predict(xb)`` do what ``Step``'s
     methods of those names do (the same host part, the same launches), but each device
     part is recorded once per key (the pass, the replicas' input buffers, so the batch
-    shape) and replayed after (``programs``, a ``recording.Programs`` over ``graphs``).
+    shape) and replayed after (``_run``: the first-run rule).
     """
 
     def __init__(self, step, graphs):
@@ -121,7 +121,7 @@ class CapturedStep:
             raise TypeError(f"CapturedStep runs a StepPasses (program/passes.py's contract), "
                             f"got {type(step).__name__}.")
         self.step, self.graphs = step, graphs
-        self.programs = recording.Programs(graphs, on_first_run=graphs.ran_eagerly)
+        self.known = {}            # key -> (its Program, or None: eager every time; its first result)
         self.executions = {}       # an execution's shape -> its N-step programs by key (first run done)
 
     def train(self, batch):
@@ -142,11 +142,30 @@ class CapturedStep:
         return self.step.read_outputs(outs)
 
     def _run(self, key, fn, *args):
-        """``key``'s program run (recorded the first time, its kernels compiled ahead
-        before); a run updates every copy or none (a Ctrl-C comes after it)."""
-        self.graphs.compile_first(key, fn, args, self.step.rolled_back_on_error)   # a dry run
+        """The device part ``fn(*args)`` under ``key``: the one first-run rule, as a
+        ``@function``'s. The first time, it runs eagerly and is recorded (it compiles the
+        kernels, planned and compiled ahead before, and makes every buffer); after, its
+        recording is replayed (``replay.Program``: on a GPU captured as CUDA graphs at its
+        first replay) and the first run's result returned (the same buffers, rewritten). A
+        first run that raised keeps nothing: the next is a first run again. One that could
+        not be recorded (a host read) runs eagerly every time. A run updates every copy or
+        none (a Ctrl-C comes after it)."""
+        known = self.known.get(key)
+        if known is None and recording.active() is not None:
+            return fn(*args)                   # inside a @function's trace: its launches are the trace's
+        if known is None:
+            self.graphs.compile_first(key, fn, args, self.step.rolled_back_on_error)   # a dry run
         with _dev.every_device_or_none():
-            return self.programs.run(key, fn, *args)
+            if known is None:
+                result, program = recording.record(lambda: fn(*args), self.graphs, key)
+                self.known[key] = (program, result)
+                self.graphs.ran_eagerly()
+                return result
+            program, result = known
+            if program is None:
+                return fn(*args)
+            program.run()
+            return result
 
     # -- compile(steps_per_execution=N): N steps, one program ------------------------------------
     def train_steps(self, batches):
@@ -216,11 +235,11 @@ class CapturedStep:
         key = (kind, mode) + tuple(single[2:] + _staged_addresses(staged) for single, _, staged in work)
         program = made.get(key)
         if program is None:
-            singles = [self.programs.program(single) for single, _, _ in work]
+            singles = [self.known.get(single, (None,))[0] for single, _, _ in work]
             if any(p is None for p in singles):
                 for (single, args, staged) in work:
                     _restore(staged)
-                    self.programs.run(single, fn, *args)
+                    self._run(single, fn, *args)
                 return
             entries = [entry for (_, _, staged), single in zip(work, singles)
                        for entry in [replay.Launch(dev, "copy_into", (buf, copy), {})

@@ -333,51 +333,13 @@ def record(fn, graphs=None, key=None):
     replay.Program of them)``, or ``(its result, None)`` where the run cannot be replayed (it
     read a device value on the host: the caller runs ``fn`` eagerly from then on). ``graphs``
     and ``key``: the program's CUDA graphs and its key among them (``replay.Program``). What
-    ``Programs`` keeps per key, and ``fit``'s call-layers and a loss written in ops
-    (``keras/call_layers.py``). An ``fn`` that raises leaves what it changed, as its eager
+    ``fit``'s passes keep per key (``passes.py``), and ``fit``'s call-layers and a loss
+    written in ops (``keras/call_layers.py``). An ``fn`` that raises leaves what it changed, as its eager
     run would (nothing is kept for a roll-back)."""
     rec = Recording(undoable=False)
     with rec:
         result = fn()
     return result, (replay.Program(rec.entries, graphs, key) if rec.refused is None else None)
-
-
-class Programs:
-    """Recorded programs by key: the one first-run rule, for ``fit``, ``evaluate`` and
-    ``predict`` (``passes.py``) as for a ``@function`` (``traced_function.py``).
-
-    ``run(key, fn, *args)``: the first time ``key`` is seen, ``fn(*args)`` runs eagerly and
-    is recorded (it compiles the kernels and makes every buffer); later, its ``Program``
-    is replayed (on a GPU, its runs of launches captured at the first replay and replayed
-    as graphs: ``graphs``) and the first run's result returned (the same buffers, which
-    the replay rewrote). A first run that raised keeps nothing: the next one is a first run
-    again. A run that cannot be recorded (a host read) runs eagerly every time."""
-
-    def __init__(self, graphs=None, on_first_run=None):
-        """``graphs``: the programs' CUDA graphs (``capture.StepGraphs``) or None;
-        ``on_first_run()``: called after each first run (the graphs count it, as eager)."""
-        self.graphs, self.on_first_run = graphs, on_first_run
-        self.known = {}                # key -> (Program, or None: eager every time; first result)
-
-    def program(self, key):
-        """The recorded ``Program`` of ``key``, or None (not seen, or not recordable)."""
-        return self.known.get(key, (None, None))[0]
-
-    def run(self, key, fn, *args):
-        known = self.known.get(key)
-        if known is None:
-            if active() is not None:               # inside a trace: the launches are the trace's
-                return fn(*args)
-            result, program = record(lambda: fn(*args), self.graphs, key)
-            self.known[key] = (program, result)
-            if self.on_first_run is not None:
-                self.on_first_run()
-            return result
-        program, result = known
-        if program is None:
-            return fn(*args)
-        program.run()
-        return result
 
 
 class _Planned(Exception):
