@@ -56,7 +56,6 @@ docstring tells the story.
 import warnings
 
 from mirrored import devices as _dev
-from mirrored.program import recording
 
 
 def _driver_api():
@@ -93,17 +92,6 @@ def why_not_capturable(devices, cross_device_ops=None):
     return None
 
 
-def _compile_ahead(devices, cross_device_ops):
-    """``kernels.compile_ahead`` where a step's first run compiles kernels and its device
-    part may be planned (real GPUs, one worker: that module's docstring), else None."""
-    if any(d.device_type != "GPU" for d in devices) or _dev.cuda_mode() != "real":
-        return None
-    if getattr(getattr(cross_device_ops, "workers", None), "size", 1) > 1:
-        return None
-    from kernels import compile_ahead
-    return compile_ahead if compile_ahead.wanted() else None
-
-
 class StepGraphs:
     """The CUDA graphs of recorded programs' runs of launches, one graph per key (see the
     module docstring). A key's first run is its recording (``recording.record``), made by
@@ -117,8 +105,6 @@ class StepGraphs:
         self._graphs = {}          # key -> _Graph
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         self.last = None           # how the last run ran: "eager" or "replayed"
-        self.compile_ahead = _compile_ahead(self.devices, cross_device_ops)   # None: not here
-        self._planned = set()      # the keys whose kernels were compiled ahead
 
     @classmethod
     def for_program(cls, devices):
@@ -168,19 +154,6 @@ class StepGraphs:
         graph.launch()
         self.last = "replayed"
         self.counts["replayed"] += 1
-
-    def compile_first(self, key, fn, args, undo):
-        """Before ``fn(*args)`` first runs under ``key``: plan it (a dry recording,
-        ``recording.dry_run``: its launches written down, none made) and compile the kernels
-        the plan names, several processes at once (``kernels/compile_ahead.py``; where
-        kernels compile and the device part may be planned, else nothing). ``undo``: a
-        context manager that drops every buffer made inside it when it is left by an
-        exception (``Step.rolled_back_on_error``): the dry run makes buffers and launches
-        nothing, so nothing it made may stay."""
-        if self.compile_ahead is not None and key not in self._planned:
-            self._planned.add(key)
-            self.compile_ahead.before_first_run(lambda: recording.dry_run(fn, args, undo),
-                                                self.devices[0].gpu_id)
 
     def close(self):
         for graph in self._graphs.values():

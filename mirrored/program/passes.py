@@ -21,12 +21,12 @@ of its own (``_stage``); the program is, for each step i, the copies back from s
 then step i's own recorded program (``_run_steps``): put together from the recordings, no
 Python run again.
 
-Planned ahead. Before a key's first (eager) run, ``StepGraphs.compile_first`` runs the
-device part once as a dry recording, its launches written down and none made, its host
-calls (the update count) not run (``recording.dry_run``; ``rolled_back_on_error`` drops
-the buffers it made), and compiles the kernels it named in several processes at once
-(``kernels/compile_ahead.py``): a first run on a machine compiles them at their launch
-otherwise, one after the other.
+Planned ahead. Before a key's first (eager) run on a GPU, ``_run`` runs the device part
+once as a dry recording, its launches written down and none made, its host calls (the
+update count) not run (``recording.dry_run``; ``rolled_back_on_error`` drops the buffers it
+made), and compiles the kernels it named in several processes at once
+(``kernels/compile_ahead.py``, ``_compile_ahead``): a first run on a machine compiles them
+at their launch otherwise, one after the other.
 
 When. ``compile(run_eagerly=False)``, Keras's default, runs fit, evaluate and predict
 through ``CapturedStep`` on a GPU; ``run_eagerly=True`` launches every kernel from
@@ -122,6 +122,7 @@ class CapturedStep:
                             f"got {type(step).__name__}.")
         self.step, self.graphs = step, graphs
         self.known = {}            # key -> (its Program, or None: eager every time; its first result)
+        self.compile_ahead = _compile_ahead(step.devices)      # None: kernels are not compiled ahead here
         self.executions = {}       # an execution's shape -> its N-step programs by key (first run done)
 
     def train(self, batch):
@@ -153,8 +154,9 @@ class CapturedStep:
         known = self.known.get(key)
         if known is None and recording.active() is not None:
             return fn(*args)                   # inside a @function's trace: its launches are the trace's
-        if known is None:
-            self.graphs.compile_first(key, fn, args, self.step.rolled_back_on_error)   # a dry run
+        if known is None and self.compile_ahead is not None:        # planned: a dry run, then
+            self.compile_ahead.before_first_run(                       # the kernels it names compiled
+                lambda: recording.dry_run(fn, args, self.step.rolled_back_on_error), self.step.devices[0].gpu_id)
         with _dev.every_device_or_none():
             if known is None:
                 result, program = recording.record(lambda: fn(*args), self.graphs, key)
@@ -246,6 +248,16 @@ class CapturedStep:
                                      for dev, buf, copy in staged] + single.entries]
             program = made[key] = replay.Program(entries, self.graphs, key)
         program.run()
+
+
+def _compile_ahead(devices):
+    """``kernels.compile_ahead`` where a step's first run compiles kernels (real GPUs: that
+    module's docstring; ``CapturedStep`` runs where graphs can be captured, so one worker),
+    else None."""
+    if any(d.device_type != "GPU" for d in devices) or _dev.cuda_mode() != "real":
+        return None
+    from kernels import compile_ahead
+    return compile_ahead if compile_ahead.wanted() else None
 
 
 def _stage(slot, written):

@@ -349,7 +349,7 @@ class _Planned(Exception):
 def dry_run(fn, args, undo):
     """The kernel launches ``fn(*args)`` (a device part) would make, written down by a dry
     ``Recording`` and none made: [(kernel, args)] in launch order. What the compile-ahead
-    plan is made from (``capture.StepGraphs.compile_first``, ``kernels/compile_ahead.py``).
+    plan is made from (``passes.CapturedStep._run``, ``kernels/compile_ahead.py``).
 
     ``undo()``: a context manager that drops what a block made when an exception leaves it
     (``Step.rolled_back_on_error``): the buffers a first run makes on first use (an
