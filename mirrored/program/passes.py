@@ -166,7 +166,8 @@ class CapturedStep:
             program, result = known
             if program is None:
                 return fn(*args)
-            program.run()
+            with self.step.devices[0].activate():      # the card's context, for the launches
+                program.run()
             return result
 
     # -- compile(steps_per_execution=N): N steps, one program ------------------------------------
@@ -247,7 +248,8 @@ class CapturedStep:
                        for entry in [replay.Launch(dev, "copy_into", (buf, copy), {})
                                      for dev, buf, copy in staged] + single.entries]
             program = made[key] = replay.Program(entries, self.graphs, key)
-        program.run()
+        with self.step.devices[0].activate():
+            program.run()
 
 
 def _compile_ahead(devices):
