@@ -59,7 +59,7 @@ GPU host is measured there (``benchmarks/gpu_session.sh`` 40: the lab cold, with
 
 Neighbours: ``kernels/launch.py`` (``planned``), ``kernels/registry.py`` (``spec_of``,
 ``made_by``), ``kernels/disk_cache.py`` (where compiled kernels go, ``load``),
-``mirrored/program/capture.py`` (``StepGraphs.compile_first`` hands ``before_first_run`` the
+``mirrored/program/passes.py`` (``CapturedStep._run`` hands ``before_first_run`` the
 dry run of fit's, evaluate's and predict's first run of each batch shape).
 """
 import ast

@@ -438,7 +438,9 @@ class ConcreteFunction(replay.Program):
     ``get_concrete_function`` returns, one traced graph)."""
 
     def __init__(self, slots, entries, result):
-        super().__init__(entries, capture.ReplayGraphs.for_devices(replay.devices_of(entries)))
+        super().__init__(entries, capture.StepGraphs.for_program(replay.devices_of(entries)))
+        if self.graphs is not None:
+            self.graphs.ran_eagerly()              # the trace was the first run: the next is captured
         self.slots = slots
         self.result = result
         self.pools = None                          # id(returned tensor) -> OutputPool (outputs)

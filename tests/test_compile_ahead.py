@@ -1,6 +1,6 @@
 """Compiling a step's kernels ahead of its first launch (``kernels/compile_ahead.py``, issue 40).
 
-In the simulator (nothing compiles there, so ``capture._compile_ahead`` is made to answer as on a
+In the simulator (nothing compiles there, so ``passes._compile_ahead`` is made to answer as on a
 GPU, with ``missing`` recording what the plan found instead of loading or compiling it):
 
 * the plan run of each pass's first device part writes down exactly the kernels, with the
@@ -34,7 +34,7 @@ import pytest
 
 import mirrored as tf
 from kernels import compile_ahead, launch
-from mirrored.program import capture
+from mirrored.program import capture, passes
 from conftest import ReplayByRerun
 
 L = tf.keras.layers
@@ -54,7 +54,7 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.plans = []
-        monkeypatch.setattr(capture, "_compile_ahead", lambda devices, ops=None: compile_ahead)
+        monkeypatch.setattr(passes, "_compile_ahead", lambda devices, ops=None: compile_ahead)
         monkeypatch.setattr(compile_ahead, "missing", self.missing)
 
     def missing(self, launches):

@@ -7,7 +7,7 @@ they were captured with (buffers by reference, numbers frozen, Python not re-run
 is what a CUDA graph holds. Through it, a model compiled with the default
 (``run_eagerly=False``) must train, evaluate and predict bitwise like ``run_eagerly=True``,
 dropout included (each replay a new mask); a Dropout that passed its key from the host
-(the old layer) is shown to fail that test. Also: StepGraphs's bookkeeping, why a step
+(the old layer) is shown to fail that test. Also: the first-run rule (a recorded program over StepGraphs), why a step
 cannot be captured, the default's silence where nothing can be, ``cuda_graph=`` as a
 deprecated alias. On a real GPU: the same comparison with real graphs.
 
@@ -20,7 +20,7 @@ import pytest
 
 from kernels import dropout as dropout_kernels
 import mirrored as tf
-from mirrored.program import capture
+from mirrored.program import capture, recording
 from mirrored.keras import layers as layers_mod
 
 L = tf.keras.layers
@@ -180,42 +180,56 @@ def test_run_eagerly_true_never_captures_and_the_attribute_switches(devices, rng
     assert model._step_graphs is None and graphs_before._graphs == {}   # closed
 
 
-def test_step_graphs_run_each_key_eagerly_once_then_capture_once_then_replay(monkeypatch):
-    """The bookkeeping of StepGraphs.run, with the CUDA part replaced by a recorder."""
+def test_a_recorded_program_is_captured_at_its_first_replay_then_replayed(devices, monkeypatch):
+    """The one first-run rule (``recording.record``, then ``replay.Program.run`` over
+    ``capture.StepGraphs``), the CUDA part replaced by a recorder: a key's first run is eager
+    and recorded, its first replay captures the recorded launches, later ones replay the
+    graph; the Python runs once per key. (Before, the graphs ran a key eagerly once, captured
+    it from its Python the second time and replayed it after: the same calls, one rule less.)"""
+    dev = devices(cpus=1)[0]
     calls, captured = [], []
 
     class FakeGraph:
-        def __init__(self, fn, args):
-            self.fn, self.args = fn, args
+        def __init__(self, key):
+            self.key = key
 
         def launch(self):
-            calls.append(("replay",) + self.args)
+            calls.append(("replay", self.key))
 
         @classmethod
-        def capture(cls, devices, fn, args):
-            captured.append(args)
-            return cls(fn, args)
+        def capture(cls, devs, fn, args):
+            captured.append([entry.name for entry in args[0]])
+            return cls(len(captured))
 
         def close(self):
             pass
 
     monkeypatch.setattr(capture, "_Graph", FakeGraph)
-    sg = capture.StepGraphs([])
+    sg = capture.StepGraphs([dev])
     sg.reason = None                                   # pretend the devices allow graphs
+    buf = dev.from_numpy(np.zeros(3, np.float32))
 
     def step(tag):
-        calls.append(("eager", tag))
+        calls.append(("eager", tag))                   # the Python: a key's first run only
+        dev.ops.binary_scalar("add", buf, 1.0, buf)
         return f"buffers of {tag}"
-    got, how = [], []
+    known, got, how = {}, [], []
     for key in ["a", "a", "a", "b", "a", "b"]:
-        got.append(sg.run(key, step, key))
+        if key not in known:                           # what passes.CapturedStep._run does
+            result, program = recording.record(lambda: step(key), sg, (key,))
+            known[key] = program, result
+            sg.ran_eagerly()
+        else:
+            program, result = known[key]
+            program.run()
+        got.append(result)
         how.append(sg.last)
     assert how == ["eager", "replayed", "replayed", "eager", "replayed", "replayed"]
     assert got == ["buffers of a"] * 3 + ["buffers of b", "buffers of a", "buffers of b"]
-    assert captured == [("a",), ("b",)]                # each key captured exactly once
-    assert calls == [("eager", "a"), ("replay", "a"), ("replay", "a"), ("eager", "b"),
-                     ("replay", "a"), ("replay", "b")]
-    assert sg.counts == {"eager": 2, "captured": 2, "replayed": 4}
+    assert captured == [["binary_scalar"], ["binary_scalar"]]   # each key captured exactly once
+    assert calls == [("eager", "a"), ("replay", 1), ("replay", 1), ("eager", "b"),
+                     ("replay", 1), ("replay", 2)]
+    assert sg.counts == {"eager": 2, "captured": 2, "replayed": 4} and sorted(sg._graphs) == [("a",), ("b",)]
 
 
 def test_a_failed_capture_warns_and_runs_eagerly_from_then_on(monkeypatch):
@@ -228,11 +242,10 @@ def test_a_failed_capture_warns_and_runs_eagerly_from_then_on(monkeypatch):
     sg = capture.StepGraphs([])
     sg.reason = None
     ran = []
-    sg.run("k", ran.append, 1)
     with pytest.warns(RuntimeWarning, match="stand-in.*runs eagerly"):
-        sg.run("k", ran.append, 2)                     # the capture fails: run it eagerly now
-    sg.run("k", ran.append, 3)
-    assert ran == [1, 2, 3] and not sg.enabled and "failed" in sg.reason
+        sg.run("k", ran.append, 1)                     # the capture fails: run it eagerly now
+    sg.run("k", ran.append, 2)
+    assert ran == [1, 2] and not sg.enabled and "failed" in sg.reason
 
 
 # --- where there is nothing to capture ----------------------------------------------------------

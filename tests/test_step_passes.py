@@ -5,12 +5,12 @@ names (``tests/test_layering.py`` checks the names). One host effect of a step u
 patched in twice: ``fit`` through graphs raised ``optimizer.updates_done`` after the device
 part, and the device part's Python raised it too whenever it ran (the eager first run of a
 key, the capture, and, with the simulator's stand-in, every replay), so one step counted as
-two. ``StepPasses.counted(n)`` makes it one rule: after n steps' device parts, n more
-updates, however often their Python ran. Checked with two stand-ins for a CUDA graph, on
-CPU devices: one that runs the Python while capturing and not at a replay (a real graph),
-one that runs it only at each replay (``conftest.ReplayByRerun``). And one first-run rule
-(``StepGraphs.warm``): a key is warm once its first run completed, for a pass and for an
-execution of ``steps_per_execution`` steps alike.
+two. Now the update count is an entry of the step's recorded program (``Optimizer.count_update``,
+a ``HostCall``): each run of the program counts once, however the graphs run its launches.
+Checked with two stand-ins for a CUDA graph, on CPU devices: one that records the launches
+while capturing and replays them (a real graph), one that reruns them at each replay
+(``conftest.ReplayByRerun``). And one first-run rule: an execution of ``steps_per_execution``
+steps is one program once its first run, N single steps, completed.
 
     python -m pytest -q tests/test_step_passes.py
 """
@@ -49,10 +49,12 @@ def test_a_captured_fit_counts_each_update_once(devices, rng, monkeypatch, stand
 
 @pytest.mark.parametrize("fit", [True, False])
 def test_an_execution_that_failed_midway_is_a_first_execution_again(devices, rng, monkeypatch, fit):
-    """One first-run rule (``StepGraphs.warm``): a key is warm once its first run completed.
-    The N-step executions of steps_per_execution marked their batch sizes warm before the N
-    eager steps ran, so after a failed one the next was captured, its later steps' buffers
-    made inside the capture (which a real CUDA graph refuses: eager for good after)."""
+    """One first-run rule: an execution's shape is one program once its first run completed.
+    The N-step executions of steps_per_execution once marked their batch sizes done before
+    the N single steps ran, so after a failed one the next was captured, its later steps'
+    buffers made inside the capture (which a real CUDA graph refuses: eager for good after).
+    Now: after a failed execution the next runs as N single steps (no N-step program), and
+    the one after it as one program, put together from the steps' recordings."""
     devices(cpus=1)
     monkeypatch.setattr(capture, "why_not_capturable", lambda devs, ops=None: None)
     monkeypatch.setattr(capture, "_Graph", RecordedGraph)
@@ -77,12 +79,13 @@ def test_an_execution_that_failed_midway_is_a_first_execution_again(devices, rng
     with pytest.raises(MemoryError):
         run()
     sg = model._step_graphs
-    before = dict(sg.counts)
-    run()                                                                # the 2 steps, eagerly
-    assert sg.counts["captured"] == before["captured"] and sg.counts["eager"] == before["eager"] + 2, \
-        (before, sg.counts)
-    run()                                                                # now warm: one capture
-    assert sg.counts["captured"] == before["captured"] + 1, sg.counts
+
+    def executions():
+        return sorted(k for k in sg._graphs if k[0] in ("train steps", "evaluate steps"))
+    run()                                                                # the 2 steps, one by one
+    assert executions() == [], sg._graphs
+    run()                                                                # now one program: one capture
+    assert len(executions()) == 1, sg._graphs
 
 
 def test_captured_step_takes_a_step_passes_only():
@@ -98,4 +101,4 @@ def test_the_contract_says_what_is_missing():
     with pytest.raises(NotImplementedError):
         Partial().device_part([], None, 1.0)
     assert set(vars(passes.StepPasses)) >= {"host_part", "device_part", "evaluate_part", "predict_part",
-                                           "written", "counted", "rolled_back_on_error", "rows"}
+                                           "written", "rolled_back_on_error", "rows"}

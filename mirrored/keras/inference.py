@@ -2,20 +2,18 @@
 
 Each pass is a host part (the inputs onto the devices, split as the training step splits
 a batch) and a device part (launches only), as the training step is, so that
-``mirrored.program.passes.CapturedStep`` can capture the latter. ``InferencePasses`` is the base
+``mirrored.program.passes.CapturedStep`` can record and replay the latter. ``InferencePasses`` is the base
 class of ``step.Step``, whose ``programs``, ``split`` and ``copy_in`` it uses.
 
 ``InferencePasses`` subclasses ``passes.StepPasses``, the contract ``CapturedStep`` runs a
-step through (``mirrored/program/passes.py`` sits below keras/ and names what it needs there); the last three
-methods here fill in what the step itself does not say: the batch's rows, what a host part
-wrote, and how the optimizer's update count follows device parts that ran without their
-Python (a graph replay).
+step through (``mirrored/program/passes.py`` sits below keras/ and names what it needs there); the last two
+methods here fill in what the step itself does not say: the batch's rows and what a host part
+wrote.
 
 Neighbours: ``step.py`` (the training step), ``engine.py`` (``ReplicaProgram.forward``
 and ``loss``), ``model_api.py`` (``evaluate`` and ``predict`` call these), ``program/passes.py``
 (``StepPasses``, the contract).
 """
-import contextlib
 
 import numpy as np
 
@@ -76,14 +74,3 @@ class InferencePasses(StepPasses):
         if training:
             written += [(dev, self.model.optimizer.hyper[dev.name]) for dev in self.devices]
         return written
-
-    @contextlib.contextmanager
-    def counted(self, steps):
-        """``steps`` updates counted done once the block ends (``updates_done``: what ``rolled_back_on_error``
-        compares), whether their Python ran in it once (an eager run, a capture), twice (a
-        capture, then its first replay) or not at all (a replay). A block that raises leaves the
-        count as the Python left it: an update that ran is counted, one that did not is not."""
-        opt = self.model.optimizer
-        done = opt.updates_done
-        yield
-        opt.updates_done = done + steps

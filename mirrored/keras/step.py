@@ -18,7 +18,7 @@ A step is a *host part* (1, every buffer the step needs, and the optimizer's per
 scalars: one copy per device) and a *device part* (2-4: kernel launches; the update count).
 A step that raises leaves no trace (``rolled_back_on_error``: the step count and the memory as before).
 Nothing here times or captures: ``mirrored.lab.timing.TimedStep`` times each phase, and
-``mirrored.program.passes.CapturedStep`` runs the device part through a CUDA graph; both wrap
+``mirrored.program.passes.CapturedStep`` records the device part and replays it; both wrap
 this step from outside and launch exactly the same kernels.
 
 A custom training loop runs this same step: ``model(x, training=True)`` and ``tape.gradient``
@@ -101,7 +101,7 @@ class Step(InferencePasses):
         return [(x, y) for x, y, _ in loaded], scale
 
     def device_part(self, inputs, mode, scale):
-        """Steps 2-4: kernel launches (a CUDA graph holds them) and the update count (program/passes.py's StepPasses)."""
+        """Steps 2-4: kernel launches and the update count (a recorded program replays them: program/passes.py)."""
         for program, (x, y) in zip(self.programs, inputs):
             self.forward_backward(program, x, y, mode, scale)  # 2. forward, loss, backward per replica
         self.reduce_and_update(self.model.optimizer)           # 3-4. below

@@ -5,7 +5,7 @@ A student following one ``fit`` step reads this file, then ``step.py``: ``fit`` 
 arguments, ``_fit`` runs the epochs (callbacks, the progress line, ``steps_per_execution``
 batches per execution), ``_train_execution`` hands each execution's batches to the step
 (``_train_on``: one batch, all or nothing), and ``_trainer`` picks what runs the passes:
-the step itself, or the step with its device parts captured as CUDA graphs
+the step itself, or the step with its device parts recorded and replayed as CUDA graphs
 (``mirrored/program/passes.py``'s ``CapturedStep``, on a GPU with ``run_eagerly=False``). The loss
 and accuracy stay on the devices and are read when the progress line is drawn
 (``device_logs``). The model's inputs are checked here too (``accept_inputs``), as each
@@ -205,7 +205,7 @@ class Trainer:
 
     def _train_execution(self, batches):
         """One execution of ``compile(steps_per_execution=N)``: the training steps of
-        ``batches`` (1 to N), in order. On a GPU with graphs, one replay runs them all
+        ``batches`` (1 to N), in order. On a GPU with graphs, one program runs them all
         (``CapturedStep.train_steps``); elsewhere they run one after the other, each all or
         nothing, so a failure keeps the steps before it (counted, every copy updated).
         A model with its own ``train_step`` runs that on each (``custom_step.py``)."""

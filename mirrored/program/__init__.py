@@ -21,9 +21,9 @@ verbs::
                              are copied into the input slots the recording read. On CPU
                              devices and in the simulator this is the list itself.
     capture   capture.py     on one GPU card a run of launches between two host calls is
-                             captured once as a CUDA graph and replayed with one driver
-                             call (``StepGraphs``: eager the first time a key is seen,
-                             captured the second, replayed after: the one first-run rule)
+                             captured once as a CUDA graph, at a program's first replay
+                             (its recording was the first run), and replayed with one
+                             driver call after (``StepGraphs``)
     plan      recording.py   a *dry* recording (``dry_run``): the step's device part run
                              once with every kernel launch written down and none made, its
                              host calls written down and not run; from it, before a key's
@@ -33,25 +33,25 @@ verbs::
 The rules, the same for every user. A key says what the launches depend on (the input
 signature of a ``@function`` call; for ``fit``/``evaluate``/``predict`` the pass, the loss
 mode and the input buffers, i.e. the batch size, as Keras keys its ``tf.function``-wrapped
-``train_step``). The first run of a key is eager (it compiles kernels and makes every
-buffer); only a key whose first run completed is captured (``StepGraphs.warm``). A run that
-raises leaves nothing: a trace puts back what it changed (``Recording.roll_back``), a step
-drops what it made (``Step.rolled_back_on_error``, which is also a dry run's undo), a replay
-puts back the host numbers its host entries changed (``replay.Program.run``).
+``train_step``). The first run of a key is eager and recorded (it compiles kernels and makes
+every buffer); a key whose first run completed is replayed, its launches captured at the
+first replay on a GPU (``passes.CapturedStep._run``; a ``@function``'s trace the same way). A
+run that raises leaves nothing: a trace puts back what it changed (``Recording.roll_back``),
+a step drops what it made (``Step.rolled_back_on_error``, which is also a dry run's undo), a
+replay puts back the host numbers its host entries changed (``replay.Program.run``).
 
 Who uses it:
 
 * ``@mirrored.function`` (``mirrored/traced_function.py``): records a call per input
   signature, replays the ``Program`` (a ``ConcreteFunction`` is one, with input slots and
   outputs);
-* ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` (``passes.py``'s
+* ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` on a GPU (``passes.py``'s
   ``CapturedStep``, over ``keras/step.py``'s ``Step`` through the ``StepPasses`` contract):
-  on a GPU the device part is planned (a dry recording) and compiled ahead before a key's
-  first run, then captured per key straight from its Python (not from a recording: so its
-  one host entry, the update count, is set by ``StepPasses.counted``), and
-  ``steps_per_execution=N`` is one graph over N input slots (staging copies). On CPU
-  devices and in the simulator there is nothing to capture: fit launches its built-in
-  layers from their Python every step; and
+  each device part recorded once per key (``recording.record``), planned and compiled
+  ahead before (a dry recording), replayed after, the update count one of its host
+  entries; ``steps_per_execution=N`` is one program over N input slots, put together from
+  the N steps' recordings. On CPU devices and in the simulator there is nothing to
+  capture: fit launches its built-in layers from their Python every step; and
 * inside any ``fit`` step, on every kind of device, a layer whose ``call`` is made of ops
   and a loss written in ops (``keras/call_layers.py``): each recorded once per batch size
   (``recording.record``) and replayed as a ``Program`` after, with none of their Python.

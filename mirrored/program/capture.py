@@ -12,7 +12,7 @@ How, with the CUDA driver API that numba-cuda itself calls (``cuda.bindings``)::
 
     cuStreamBeginCapture(s0)          work queued on stream s0 is now recorded, not run
     fork.record(s0); fork.wait(s_i)   every other replica's stream joins the capture
-    step(...)                         the very same Python function an eager step runs
+    launches(...)                     a recorded program's launches, run again (replay.py)
     join_i.record(s_i); join_i.wait(s0)   ... and joins back
     graph = cuStreamEndCapture(s0)
     exe = cuGraphInstantiate(graph, 0)
@@ -37,24 +37,25 @@ capture, so no stream is left inside a broken capture, and ``StepGraphs.run`` wa
 with the error and runs this step, and every later one, eagerly. Nothing queued during
 a capture has run, so running the step eagerly then is a complete step.
 
-``StepGraphs.run(key, fn)`` runs ``fn`` eagerly the first time ``key`` is seen (it
-compiles the kernels and makes every buffer), captures it the second time, and replays
-it from then on: the one first-run rule, for ``fit``'s passes (``passes.py``) and for a
-recorded program's runs of launches (``ReplayGraphs``, ``replay.py``). Where there is
-nothing to capture (CPU devices, Numba's CUDA simulator, replicas on several physical
-GPUs) it runs ``fn`` eagerly every time and ``reason`` says why.
+``StepGraphs.run(key, fn)`` captures ``fn``'s launches the first time ``key`` is asked and
+replays them from then on. What it captures is a recorded program's run of launches
+(``replay.Program``): the key's first run was that recording, eager (it compiled the kernels
+and made every buffer), so the first replay can be captured (``recording.record``, the one
+first-run rule, for ``fit``'s passes in ``passes.py`` and a ``@function``'s trace alike).
+Where there is nothing to capture (CPU devices, Numba's CUDA simulator, replicas on several
+physical GPUs) nobody asks it (``reason`` says why).
 
 So Dropout draws a new mask at every replay, the eager one for the same counter
 (``kernels/dropout.py``, ``keras/layers.py``).
 
-Neighbours: ``passes.py`` (fit's, evaluate's and predict's passes run through these
-graphs), ``replay.py`` (a recorded program's launches), ``ring.py`` (the ring: events
-between neighbours, captured as graph edges); the package docstring tells the story.
+Neighbours: ``replay.py`` (a recorded program, whose runs of launches these graphs hold),
+``recording.py`` (``record``: a key's first run, recorded), ``passes.py`` (fit's passes),
+``ring.py`` (the ring: events between neighbours, captured as graph edges); the package
+docstring tells the story.
 """
 import warnings
 
 from mirrored import devices as _dev
-from mirrored.program import recording
 
 
 def _driver_api():
@@ -91,97 +92,49 @@ def why_not_capturable(devices, cross_device_ops=None):
     return None
 
 
-def _compile_ahead(devices, cross_device_ops):
-    """``kernels.compile_ahead`` where a step's first run compiles kernels and its device
-    part may be planned (real GPUs, one worker: that module's docstring), else None."""
-    if any(d.device_type != "GPU" for d in devices) or _dev.cuda_mode() != "real":
-        return None
-    if getattr(getattr(cross_device_ops, "workers", None), "size", 1) > 1:
-        return None
-    from kernels import compile_ahead
-    return compile_ahead if compile_ahead.wanted() else None
-
-
 class StepGraphs:
-    """The captured device parts of a step, one graph per key (see the module docstring)."""
+    """The CUDA graphs of recorded programs' runs of launches, one graph per key (see the
+    module docstring). A key's first run is its recording (``recording.record``), made by
+    the caller; ``run`` captures the key the first time it is asked and replays it after."""
 
     def __init__(self, devices, cross_device_ops=None, checked=False):
-        """``checked``: the caller has found the launches capturable over ``devices`` (a
-        recorded program's replay: ``ReplayGraphs``), else ``why_not_capturable``."""
+        """``checked``: the caller has found the launches capturable over ``devices``
+        (``for_program``), else ``why_not_capturable``."""
         self.devices = list(devices)
         self.reason = None if checked else why_not_capturable(self.devices, cross_device_ops)
         self._graphs = {}          # key -> _Graph
-        self._results = {}         # key -> what the device part returned the first time
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
         self.last = None           # how the last run ran: "eager" or "replayed"
-        self.compile_ahead = _compile_ahead(self.devices, cross_device_ops)   # None: not here
-        self._planned = set()      # the keys whose kernels were compiled ahead
+
+    @classmethod
+    def for_program(cls, devices):
+        """The graphs of a ``@function``'s program over ``devices``, or None where nothing can
+        be captured (CPU devices, the simulator, several physical GPUs: the list is replayed)."""
+        # the launches are recorded, not summed by a cross-device op: only the card matters
+        if not devices or why_not_capturable(devices[:1]) is not None:
+            return None
+        if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
+            return None
+        return cls(devices, checked=True)      # every replica's stream joins the capture
 
     @property
     def enabled(self):
         return self.reason is None
 
-    def warm(self, key):
-        """True once a run under ``key`` has completed: the first run of a key compiles its
-        kernels and makes every buffer it uses, so only after it may the key be captured.
-        A first run that raised did not complete: the next one is a first run again. The
-        one first-run rule, kept by ``run`` and asked by ``CapturedStep``'s executions of
-        N steps (``ran_once`` marks those)."""
-        return self.enabled and key in self._results
-
-    def ran_once(self, key):
-        """Mark ``key`` as warm: its first run (run by the caller, not by ``run``) completed."""
-        self._results.setdefault(key, None)
-
     def ran_eagerly(self):
-        """Count a device part the caller ran eagerly itself (``passes.py``'s first execution
-        of ``steps_per_execution`` steps, one single step at a time)."""
-        self._ran("eager", None)
+        """Count a run the caller made eagerly itself: a key's first run, recorded
+        (``passes.CapturedStep._run``, a ``@function``'s trace)."""
+        self.last = "eager"
+        self.counts["eager"] += 1
 
     def run(self, key, fn, *args):
-        """Run the device part ``fn(*args)`` of a pass; returns what ``fn`` returned the
-        first time this key ran (device buffers, e.g. predict's outputs: a replay writes
-        into the same ones). ``self.last`` says how it ran: "eager" or "replayed".
-
-        ``key`` must name everything the launches depend on: the pass, the buffers'
-        addresses, the batch sizes, the loss mode. A key seen for the first time runs
-        eagerly (it compiles kernels and allocates buffers); the second time it is
-        captured, and from then on the graph is replayed.
-        """
-        if not self.warm(key):
-            result = fn(*args)                           # not kept if it raises: not warm
-            if self.enabled:
-                self._results[key] = result
-            return self._ran("eager", result)
-        return self._replay(key, fn, args)
-
-    def compile_first(self, key, fn, args, undo):
-        """Before ``fn(*args)`` first runs under ``key``: plan it (a dry recording,
-        ``recording.dry_run``: its launches written down, none made) and compile the kernels
-        the plan names, several processes at once (``kernels/compile_ahead.py``; where
-        kernels compile and the device part may be planned, else nothing). ``undo``: a
-        context manager that drops every buffer made inside it when it is left by an
-        exception (``Step.rolled_back_on_error``): the dry run makes buffers and launches
-        nothing, so nothing it made may stay."""
-        if self.compile_ahead is not None and key not in self._planned:
-            self._planned.add(key)
-            self.compile_ahead.before_first_run(lambda: recording.dry_run(fn, args, undo),
-                                                self.devices[0].gpu_id)
-
-    def run_captured(self, key, fn, *args):
-        """``run`` for launches whose buffers already exist (every kernel compiled, every
-        buffer made: ``CapturedStep.train_steps`` ran the same steps eagerly before):
-        captured the first time this key is seen, replayed from then on."""
-        if not self.enabled:
-            return self._ran("eager", fn(*args))
-        self._results.setdefault(key, None)
-        return self._replay(key, fn, args)
-
-    def _replay(self, key, fn, args):
-        """Capture ``fn(*args)`` under ``key`` if not yet done (or run it eagerly, for
-        good, if it cannot be captured), then replay it."""
-        graph = self._graphs.get(key)
-        if graph is None:
+        """Replay the launches ``fn(*args)`` makes, as one graph: captured the first time
+        ``key`` is asked (the key's first run, its recording, compiled every kernel and made
+        every buffer), replayed from then on. ``key`` must name everything the launches
+        depend on (a program and its run of launches). ``self.last``: "replayed", or "eager"
+        where the graph cannot be captured (``fn`` then runs as it is)."""
+        graph = self._graphs.get(key) if self.enabled else None
+        if graph is None and self.enabled:
             try:
                 graph = _Graph.capture(self.devices, fn, args)
             except CaptureError as err:
@@ -190,38 +143,22 @@ class StepGraphs:
                 self.reason = f"capturing the step as a CUDA graph failed ({err})"
                 warnings.warn(f"CUDA graphs (compile(run_eagerly=False)): {self.reason}; this and "
                               f"every later step runs eagerly (same results, more launch overhead).",
-                              RuntimeWarning, stacklevel=3)
-                return self._ran("eager", fn(*args))
-            self._graphs[key] = graph
-            self.counts["captured"] += 1
+                              RuntimeWarning, stacklevel=4)
+            else:
+                self._graphs[key] = graph
+                self.counts["captured"] += 1
+        if graph is None:
+            fn(*args)
+            self.ran_eagerly()
+            return
         graph.launch()
-        return self._ran("replayed", self._results[key])
-
-    def _ran(self, how, result):
-        self.last = how
-        self.counts[how] += 1
-        return result
+        self.last = "replayed"
+        self.counts["replayed"] += 1
 
     def close(self):
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
-
-
-class ReplayGraphs(StepGraphs):
-    """``StepGraphs`` for a recorded program's runs of launches (``replay.Program``): each
-    run (a key) is captured the second time it runs and replayed as one CUDA graph after."""
-
-    @classmethod
-    def for_devices(cls, devices):
-        """The graphs of a replay over ``devices``, or None where nothing can be captured
-        (CPU devices, the simulator, several physical GPUs: the launch list is replayed)."""
-        # the launches are recorded, not summed by a cross-device op: only the card matters
-        if not devices or why_not_capturable(devices[:1]) is not None:
-            return None
-        if len({getattr(d, "gpu_id", None) for d in devices}) > 1:
-            return None
-        return cls(devices, checked=True)      # every replica's stream joins the capture
 
 
 class _Graph:

@@ -141,10 +141,12 @@ class Recording:
     ``dry``: a *dry* recording (a plan, ``dry_run``): the kernel launches are written down
     (``launches``: [(kernel, args)], by ``kernels.launch.planned``, the dry mode's half below
     the boundary) and none is made, host calls are written down and not run (the update
-    count, a metric), and nothing is kept for a roll-back (nothing it could change changed)."""
+    count, a metric), and nothing is kept for a roll-back (nothing it could change changed).
+    ``undoable=False``: nothing kept either (``record``'s callers do not roll a run back)."""
 
-    def __init__(self, no_variables=False, dry=False):
+    def __init__(self, no_variables=False, dry=False, undoable=True):
         self.dry = dry
+        self.undoable = undoable and not dry    # False: nothing kept for a roll-back
         self.launches = None          # dry: the kernel launches, written down, not made
         self._plan = self._outer = None
         self.entries = []
@@ -288,7 +290,7 @@ class ThreadRecorder:
         if kind == "host":
             return self.host_call(method, (target,) + tuple(args), kwargs,
                                   None if info is None else functools.partial(_restorer, info))
-        if rec.dry:
+        if not rec.undoable:
             pass                                      # a plan changes nothing it must put back
         elif kind == "op":
             rec.keep_before(list(args) + list(kwargs.values()))
@@ -318,7 +320,7 @@ class ThreadRecorder:
         if self.recording.dry:
             self.recording.add(call)
             return None
-        if args:
+        if args and self.recording.undoable:
             self.recording.keep_host_state(args[0])
         self.depth, self.call = 1, call
         try:
@@ -329,17 +331,18 @@ class ThreadRecorder:
         return result
 
 
-def record(fn):
+def record(fn, graphs=None, key=None):
     """``fn()`` run once with its device calls written down: ``(its result, a
     replay.Program of them)``, or ``(its result, None)`` where the run cannot be replayed (it
-    read a device value on the host: the caller runs ``fn`` eagerly from then on). What
-    ``fit``'s call-layers and a loss written in ops keep per key (``keras/call_layers.py``).
-    An ``fn`` that raises leaves what it changed, as its eager run would."""
-    rec = Recording()
+    read a device value on the host: the caller runs ``fn`` eagerly from then on). ``graphs``
+    and ``key``: the program's CUDA graphs and its key among them (``replay.Program``). What
+    ``fit``'s passes keep per key (``passes.py``), and ``fit``'s call-layers and a loss
+    written in ops (``keras/call_layers.py``). An ``fn`` that raises leaves what it changed, as its eager
+    run would (nothing is kept for a roll-back)."""
+    rec = Recording(undoable=False)
     with rec:
         result = fn()
-    rec.forget()
-    return result, (replay.Program(rec.entries) if rec.refused is None else None)
+    return result, (replay.Program(rec.entries, graphs, key) if rec.refused is None else None)
 
 
 class _Planned(Exception):
@@ -349,7 +352,7 @@ class _Planned(Exception):
 def dry_run(fn, args, undo):
     """The kernel launches ``fn(*args)`` (a device part) would make, written down by a dry
     ``Recording`` and none made: [(kernel, args)] in launch order. What the compile-ahead
-    plan is made from (``capture.StepGraphs.compile_first``, ``kernels/compile_ahead.py``).
+    plan is made from (``passes.CapturedStep._run``, ``kernels/compile_ahead.py``).
 
     ``undo()``: a context manager that drops what a block made when an exception leaves it
     (``Step.rolled_back_on_error``): the buffers a first run makes on first use (an

@@ -14,7 +14,7 @@ metric). A ``Program`` is that list made runnable again::
     one GPU card                   the list cut at its host calls (``segments``, after
                                    ``reorder`` moved what host work it could to the ends):
                                    each run of launches captured once as a CUDA graph and
-                                   replayed as one (``capture.ReplayGraphs``, handed in
+                                   replayed as one (``capture.StepGraphs``, handed in
                                    by the caller)
 
 A replay that raises puts back the host numbers its host calls changed (each
@@ -142,11 +142,13 @@ class Program:
     """A recording's entries, to be run again (``run``): as a list on CPU devices and the
     simulator, as CUDA graphs between host calls on one GPU card (``graphs``, else None)."""
 
-    def __init__(self, entries, graphs=None):
-        """``graphs``: a ``capture.ReplayGraphs`` over the devices the entries use
-        (``devices_of``), or None (a list run as it is)."""
+    def __init__(self, entries, graphs=None, key=None):
+        """``graphs``: a ``capture.StepGraphs`` over the devices the entries use
+        (``devices_of``), or None (a list run as it is); ``key``: this program's name among
+        those graphs' keys (its first run of launches is ``key``, the next ``key + (1,)``...)."""
         self.entries = list(entries)
         self.graphs = graphs
+        self.key = ("replay", id(self)) if key is None else key
         if self.graphs is None:
             self.segments = [self.entries]         # CPU (or no graphs): the list, in order
         else:
@@ -158,16 +160,14 @@ class Program:
 
     def run(self):
         """Replay every entry once; a failure puts the host state back as it was."""
-        undo = []
+        undo, runs = [], 0
         try:
-            for i, part in enumerate(self.segments):
-                if isinstance(part, list):
-                    if self.graphs is not None:
-                        self.graphs.run(("replay", id(self), i), _run_launches, part)
-                    else:
-                        _run_entries(part, undo)
+            for part in self.segments:
+                if isinstance(part, list) and self.graphs is not None:
+                    self.graphs.run(self.key + ((runs,) if runs else ()), _run_launches, part)
+                    runs += 1
                 else:
-                    _run_entries([part], undo)
+                    _run_entries(part if isinstance(part, list) else [part], undo)
         except BaseException:
             for restore in reversed(undo):     # the host state as before this run
                 restore()
