@@ -30,7 +30,8 @@
 #                     (TESTS40: steps_per_execution, lean_host, auto_resident, kernel_cache,
 #                     kernel_disk_cache, function_replay, graphs, compile_ahead; issue 48's
 #                     op kernels and ops, issue 50's threaded tf.function: kernels_tf_ops, ops,
-#                     function_threads)
+#                     function_threads; issue 49's ring inside a forward and traced train_step:
+#                     sync_batchnorm, custom_train_step)
 #   custom_loop.log, .json  benchmarks.training --models convnet --rows custom --no-resident
 #                     --epochs 3: fit eager and graph x1, the custom loop eager and under
 #                     @function, PyTorch eager and CUDA graph (issue 41: @function / fit graph
@@ -174,7 +175,7 @@ fi
 : "${CUSTOM_LOOP_ARGS=--models convnet --rows custom --no-resident --epochs 3}"
 # The test files issues 40 and 41 left waiting for a card: their gpu-marked tests, and the
 # real-CUDA path of the rest (captured graphs, uploads, the kernel cache's loads)
-: "${TESTS40=tests/test_steps_per_execution.py tests/test_lean_host.py tests/test_auto_resident.py tests/test_kernel_cache.py tests/test_kernel_disk_cache.py tests/test_function_replay.py tests/test_graphs.py tests/test_compile_ahead.py tests/test_kernels_tf_ops.py tests/test_ops.py tests/test_function_threads.py}"
+: "${TESTS40=tests/test_steps_per_execution.py tests/test_lean_host.py tests/test_auto_resident.py tests/test_kernel_cache.py tests/test_kernel_disk_cache.py tests/test_function_replay.py tests/test_graphs.py tests/test_compile_ahead.py tests/test_kernels_tf_ops.py tests/test_ops.py tests/test_function_threads.py tests/test_sync_batchnorm.py tests/test_custom_train_step.py}"
 : "${VERSIONS_S:=45}" "${TRAINING_S:=310}" "${COURSE_LAB_S:=90}" "${BREAKDOWN_S:=85}"
 : "${KERNELS_S:=170}" "${LAUNCH_S:=60}" "${PROFILE_S:=180}" "${PROFILE_TIMES_S:=90}" "${EXPORT_S:=30}"
 : "${MEMCHECK_S:=120}" "${RACECHECK_S:=110}" "${SYNCCHECK_S:=90}" "${TESTS_S:=200}" "${XDIST:=12}"

@@ -156,7 +156,8 @@ PLAN40_FILES = ["course_lab.json", "course_lab.log", "custom_loop.json", "custom
 TESTS40 = ["tests/test_steps_per_execution.py", "tests/test_lean_host.py", "tests/test_auto_resident.py",
            "tests/test_kernel_cache.py", "tests/test_kernel_disk_cache.py", "tests/test_function_replay.py",
            "tests/test_graphs.py", "tests/test_compile_ahead.py", "tests/test_kernels_tf_ops.py",
-           "tests/test_ops.py", "tests/test_function_threads.py"]
+           "tests/test_ops.py", "tests/test_function_threads.py", "tests/test_sync_batchnorm.py",
+           "tests/test_custom_train_step.py"]
 
 
 def full_mnist(tmp_path):
