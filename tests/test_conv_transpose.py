@@ -9,6 +9,7 @@ import pytest
 
 import mirrored as tf
 from mirrored.values import components
+from oracles import numeric_grad
 
 TOL = dict(rtol=2e-4, atol=2e-5)
 
@@ -60,15 +61,6 @@ def conv_ref(z, kernel, strides, out_hw):
                     if 0 <= r < hh and 0 <= q < ww:
                         y[:, i, j, :] += z[:, r, q, :] @ kernel[a, b]
     return y
-
-
-def numeric_grad(f, x, eps=1e-6):
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        d = np.zeros_like(x)
-        d[i] = eps
-        g[i] = (f(x + d) - f(x - d)) / (2 * eps)
-    return g
 
 
 CASES = [  # (padding, strides, kernel_size, input (h, w, c), filters)

@@ -12,6 +12,7 @@ import pytest
 
 import mirrored as tf
 from mirrored.values import components
+from oracles import numeric_grad
 
 TOL = dict(rtol=2e-4, atol=2e-5)        # float32 ops against float64
 
@@ -52,15 +53,6 @@ def avg_pool_ref(x, pool, strides, padding):
             win = x[:, max(r0, 0):min(r0 + ph, h), max(c0, 0):min(c0 + pw, w), :]   # real cells only
             out[:, i, j, :] = win.mean(axis=(1, 2))
     return out
-
-
-def numeric_grad(f, x, eps=1e-6):
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        d = np.zeros_like(x)
-        d[i] = eps
-        g[i] = (f(x + d) - f(x - d)) / (2 * eps)
-    return g
 
 
 LAYERS = [   # (make, float64 reference of y given x, input shape)

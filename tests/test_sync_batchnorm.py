@@ -20,6 +20,7 @@ import pytest
 import mirrored as tf
 from mirrored import keras
 from mirrored.values import PerReplica, components
+from oracles import numeric_grad
 
 TOL = dict(rtol=1e-3, atol=1e-4)        # float32 sums (E[x**2] - E[x]**2) against float64
 EPS, MOMENTUM, LR = 1e-3, 0.8, 0.1
@@ -58,15 +59,6 @@ def forward(params, x, shares=1):
 def loss(params, x, t):
     """Keras's MSE over the global batch (each replica's share / B, summed by the all-reduce)."""
     return ((forward(params, x)[0] - t) ** 2).mean(-1).mean()
-
-
-def numeric_grad(f, x, eps=1e-6):
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        d = np.zeros_like(x)
-        d[i] = eps
-        g[i] = (f(x + d) - f(x - d)) / (2 * eps)
-    return g
 
 
 def sgd_step(params, x, t):
