@@ -859,17 +859,17 @@ def unstack(value, num=None, axis=0, name=None):
 def shape(input, out_type=np.int32, name=None):  # noqa: A002
     """The shape as a 1-D int32 tensor (``tf.shape``)."""
     x = as_tensor(input)
-    return tensor.constant(np.array(x.shape, as_dtype(out_type)), device=x.dev)
+    return tensor.StaticTensor.of(np.array(x.shape, as_dtype(out_type)), x.dev)   # known on the host
 
 
 def size(input, out_type=np.int32, name=None):  # noqa: A002
     x = as_tensor(input)
-    return tensor.constant(np.array(int(np.prod(x.shape, dtype=np.int64)), as_dtype(out_type)), device=x.dev)
+    return tensor.StaticTensor.of(np.array(int(np.prod(x.shape, dtype=np.int64)), as_dtype(out_type)), x.dev)
 
 
 def rank(input, name=None):  # noqa: A002
     x = as_tensor(input)
-    return tensor.constant(np.int32(x.ndim), device=x.dev)
+    return tensor.StaticTensor.of(np.array(x.ndim, np.int32), x.dev)
 
 
 def gather(params, indices, validate_indices=None, axis=None, batch_dims=0, name=None):

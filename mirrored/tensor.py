@@ -326,6 +326,44 @@ def symbolic_text(t):
     return f'Tensor("traced", shape={t.shape}, dtype={t.dtype})'
 
 
+class StaticTensor(Tensor):
+    """A tensor whose value is known on the host from the moment it is made, because shapes
+    alone decide it: ``tf.shape(x)``, ``tf.size(x)``, ``tf.rank(x)``, and integer indexing and
+    slicing of them (``tf.shape(x)[0]``). Reading it needs no device read, so a ``@function``
+    may use it as a Python value (``keras.random.normal(shape=(tf.shape(x)[0], 8))``, keras.io's
+    GAN) without refusing its trace: the shapes are part of the trace's input signature, as
+    TensorFlow's static shapes are. On the device it is an ordinary int32 tensor."""
+
+    __slots__ = ("_static",)
+
+    @classmethod
+    def of(cls, value, device):
+        """``value`` (a host array of integers) as a tensor on ``device`` that knows it."""
+        made = constant(value, device=device)
+        static = cls(made._buf, made._device)
+        static._static = np.array(value, made.dtype)
+        return static
+
+    def numpy(self):
+        return self._static[()] if self._static.ndim == 0 else self._static.copy()
+
+    def __array__(self, dtype=None, copy=None):
+        return np.array(self._static, dtype=dtype)
+
+    def __iter__(self):
+        if not self.shape:
+            raise TypeError("iterating over a scalar (shape ()) Tensor is not allowed, as in TensorFlow.")
+        return (type(self).of(row, self._device) for row in self._static)
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        if isinstance(key, (int, np.integer, slice)) and isinstance(out, Tensor):
+            static = type(self)(out._buf, out._device, out._node)
+            static._static = np.array(self._static[key], self._static.dtype)
+            return static
+        return out
+
+
 class HostTensor(np.ndarray):
     """A value on the host: a NumPy array that also answers ``.numpy()``.
 

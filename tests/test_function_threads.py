@@ -430,3 +430,26 @@ ENTRY_RUNS = {"Launch.run", "Upload.run", "PeerCopy.run", "HostCall.run"}
 
 def _runs_an_entry(frame):
     return frame.f_code.co_filename.endswith("replay.py") and frame.f_code.co_qualname in ENTRY_RUNS
+
+
+def test_a_shape_read_as_python_inside_a_function_is_traced_not_eager(devices, rng):
+    """``tf.shape(x)[0]`` used as a Python number inside a ``@function`` (keras.io's GAN:
+    ``keras.random.normal(shape=(tf.shape(x)[0], 8))``) is known from the shapes, which key
+    the trace: the function traces once per shape and replays, with no eager fallback, and
+    each call's values are its own."""
+    devices(cpus=1)
+    with tf.device("CPU:0"):
+        @tf.function
+        def pad_rows(x):
+            n = tf.shape(x)[0]
+            width = [int(d) for d in tf.shape(x)][1]
+            return tf.concat([x, tf.zeros((n, 1))], axis=1) * float(width) + float(tf.size(x)) + float(tf.rank(x))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", traced_function.EagerFallbackWarning)
+            for rows in (3, 3, 5, 3):
+                x = rng.standard_normal((rows, 2)).astype(np.float32)
+                want = np.concatenate([x, np.zeros((rows, 1), np.float32)], axis=1) * 2.0 + rows * 2 + 2
+                np.testing.assert_allclose(pad_rows(x).numpy(), want, rtol=1e-6)
+        assert pad_rows.experimental_get_tracing_count() == 2
+        assert tf.shape(tf.constant([[1.0, 2.0]])).numpy().tolist() == [1, 2]

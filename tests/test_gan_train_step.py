@@ -22,12 +22,14 @@ The losses fit reports are the trackers' means of what the replicas gave them.
     python -m pytest -n 0 -q tests/test_gan_train_step.py
 """
 import threading
+import warnings
 
 import numpy as np
 import pytest
 
 import mirrored as tf
 from mirrored import keras
+from mirrored.traced_function import EagerFallbackWarning
 from mirrored.values import components
 
 LATENT, DATA, HIDDEN, SLOPE = 3, 2, 4, 0.2
@@ -262,3 +264,24 @@ def test_keras_io_gan_trains_by_fit_to_a_float64_oracle(devices, rng, monkeypatc
     d_losses, g_losses = zip(*given)                             # every replica's value, every step
     np.testing.assert_allclose(history.history["d_loss"][-1], np.mean(d_losses), **TOL)
     np.testing.assert_allclose(history.history["g_loss"][-1], np.mean(g_losses), **TOL)
+
+
+def test_the_gan_traced_by_fit_replays_the_eager_run_bit_for_bit(devices, rng):
+    """The same GAN, its draws left on the devices: fit traces its train_step once (Keras's
+    tf.function) and replays it, with fresh draws each replay, to the weights and logs of
+    running its Python every batch (run_eagerly=True), bit for bit, on 2 replicas."""
+    devices(cpus=2)
+    real = rng.normal(size=(STEPS * BATCH, DATA)).astype(np.float32)
+    results = []
+    for eagerly in (False, True):
+        keras.utils.set_random_seed(5)
+        gan, discriminator, generator = models(tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]))
+        gan.run_eagerly = eagerly
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", EagerFallbackWarning)         # traced, not fallen back
+            history = gan.fit(tf.data.Dataset.from_tensor_slices(real).batch(BATCH), epochs=2, verbose=0).history
+        results.append((discriminator.get_weights() + generator.get_weights(), history))
+    (traced, h_traced), (eager, h_eager) = results
+    for a, b in zip(traced, eager):
+        np.testing.assert_array_equal(a, b)
+    assert h_traced == h_eager
