@@ -70,8 +70,7 @@ from mirrored.keras import compile_utils, metrics as _metrics
 from mirrored.keras import sample_weights
 from mirrored.keras.data_adapters import ArrayBatches, ResidentBatch
 from mirrored.keras.tape import GradientTape, scale_regularization_loss
-from mirrored.keras.traced_step import TracedStep, flatten
-from mirrored.tensor import HostTensor
+from mirrored.keras.traced_step import TracedStep, flatten, read_on_host
 from mirrored.values import DistributedValues
 
 _DEFAULTS = set()                              # the library's own train_step, test_step, predict_step
@@ -286,7 +285,7 @@ def run_step(model, name, batch):
             if traced is None:
                 traced = model.train_function = TracedStep(model, step_function(model, name))
             if not traced.eager:
-                return traced(shares, lambda: metric_results(model))
+                return traced(shares, lambda: metric_results(model).keys())
         return strategy.run(step_function(model, name), args=(shares,))
     finally:
         _GLOBAL_BATCH.pop(model, None)
@@ -352,14 +351,8 @@ def logs(model, result):
         return {key: known[key] for key in flat}
     # a metric's result() read inside the step, by each replica while the others may still be
     # adding to it: read once more now that every replica is done (one value, whatever the timing)
-    return {key: known[key] if key in known and _read_on_host(value) else _replica_mean(value)
+    return {key: known[key] if key in known and read_on_host(value) else _replica_mean(value)
             for key, value in flat.items()}
-
-
-def _read_on_host(value):
-    """True when every replica's ``value`` is a host value (what a metric's ``result()`` gives)."""
-    parts = value.values if isinstance(value, DistributedValues) else (value,)
-    return all(isinstance(part, HostTensor) for part in parts)
 
 
 def in_keras_order(model, logs):

@@ -29,7 +29,7 @@ import threading
 
 from mirrored import nest
 from mirrored.program import recording
-from mirrored.tensor import TraceTimeValue
+from mirrored.tensor import HostTensor
 from mirrored.traced_function import function
 from mirrored.values import DistributedValues
 
@@ -41,7 +41,7 @@ class TracedStep:
         self.strategy = model.distribute_strategy
         self.step = step                         # what each replica runs on its share
         self.function = function(self._body)
-        self.host_keys = set()                   # the dict's keys whose values are read after
+        self.read_after = {}                     # key -> its value when traced (custom_step.logs reads it again)
         self.eager = False                       # a returned host value no metric gives again
         self._local = threading.local()          # what this thread's trace found
 
@@ -54,29 +54,29 @@ class TracedStep:
             active.results_read_after = True
         result = self.strategy.run(self.step, args=(shares,))
         if not isinstance(result, dict):
-            self._local.traced = (set(), result)
+            self._local.traced = ({}, result)
             return result
         flat = flatten(result)
-        host = {key for key, value in flat.items() if _read_on_host(value)}
+        host = {key: value for key, value in flat.items() if read_on_host(value)}
         self._local.traced = (host, flat)
         return {key: value for key, value in flat.items() if key not in host}
 
-    def __call__(self, shares, metric_results):
-        """The step on ``shares``: its result, a dict's host values read again from the metrics
-        (``metric_results()``: every metric's result now, ``custom_step.metric_results``)."""
+    def __call__(self, shares, metric_names):
+        """The step on ``shares``: its result, a dict's host values put back as they were when
+        traced, for ``custom_step.logs`` to read again from the metrics (``metric_names()``:
+        the names it can read, ``custom_step.metric_results``' keys)."""
         self._local.traced = None
         out = self.function(shares)
         traced, self._local.traced = self._local.traced, None
         if traced is not None:                   # this call traced: its Python ran
             host, first = traced
-            if host - set(metric_results()):     # a host value no metric gives again
+            if set(host) - set(metric_names()):  # a host value no metric gives again
                 self.eager = True
                 return first
-            self.host_keys |= host
-        if not self.host_keys or not isinstance(out, dict):
+            self.read_after.update(host)
+        if not self.read_after or not isinstance(out, dict):
             return out
-        known = metric_results()
-        return dict(out, **{key: known[key] for key in self.host_keys})
+        return dict(out, **self.read_after)
 
 
 def flatten(logs):
@@ -90,7 +90,8 @@ def flatten(logs):
     return out
 
 
-def _read_on_host(value):
-    """True for a value read on the host while tracing (a metric's result), on any replica."""
+def read_on_host(value):
+    """True when every replica's ``value`` is a host value (what a metric's ``result()`` gives:
+    a ``HostTensor``, a ``TraceTimeValue`` while tracing)."""
     parts = value.values if isinstance(value, DistributedValues) else nest.flatten(value)
-    return any(isinstance(part, TraceTimeValue) for part in parts)
+    return all(isinstance(part, HostTensor) for part in parts)
