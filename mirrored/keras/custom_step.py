@@ -63,7 +63,7 @@ import weakref
 
 import numpy as np
 
-from mirrored import context, nest, ops
+from mirrored import context, nest
 from mirrored.program import recording
 from mirrored.input_lib import split_batch
 from mirrored.keras import compile_utils, metrics as _metrics
