@@ -3,11 +3,14 @@
     python -m benchmarks.step_path                      # lab ConvNet, 2 logical CPUs, batch 128
     python -m benchmarks.step_path --json /tmp/step_path.json
     python -m benchmarks.step_path --replicas 1 --batch 64
+    python -m benchmarks.step_path --replayed           # the default fit: the step replayed
 
 A student who follows one step of ``fit`` through the library opens every file the
 step's calls land in. This program counts them. It builds the course lab's ConvNet
 (``mirrored.lab.workflow.make_model``) under ``MirroredStrategy`` over ``--replicas``
-logical CPUs, runs one warm-up ``fit`` (every buffer made, every loop compiled), then
+logical CPUs, compiled with ``run_eagerly=True`` (the step's Python runs every step: what a
+student follows, and what ``fit``'s default records once per batch size and then replays,
+``mirrored/program/passes.py``), runs one warm-up ``fit`` (every buffer made, every loop compiled), then
 ``fit`` of ONE batch with ``sys.setprofile`` (and ``threading.setprofile``) on, and
 records every call of a Python function in the project's own files (``mirrored/`` and
 ``kernels/``; NumPy, Numba and the tests are not counted). Each recorded call is one
@@ -28,6 +31,10 @@ The table lists each file's calls in each scope. The counts are exact for this m
 batch and replica count: a call made once per layer or per replica is counted each
 time. Compiled loops (Numba) and C functions are one call of the Python function
 that calls them, or none.
+
+``--replayed`` follows the default instead (``run_eagerly=False``): after the warm-up, the
+step's device part is a recorded program replayed (``replay.Program.run``), so there is no
+``step`` scope, only ``fit`` and ``batch``.
 
 Neighbours: benchmarks/breakdown.py (where one step's TIME goes, part by part),
 mirrored/__init__.py (the reading order this measures against).
@@ -120,9 +127,10 @@ def summarise(calls, prefix=""):
             "jumps": jumps, "per_file": dict(per_file.most_common())}
 
 
-def lab_convnet(replicas=2, batch=128, seed=0):
+def lab_convnet(replicas=2, batch=128, seed=0, run_eagerly=True):
     """The lab ConvNet under MirroredStrategy over ``replicas`` logical CPUs (made here if
-    there are not yet that many), and a one-batch data set of ``batch`` random examples."""
+    there are not yet that many), compiled with ``run_eagerly``, and a one-batch data set of
+    ``batch`` random examples."""
     cpus = tf.config.list_physical_devices("CPU")
     try:
         tf.config.set_logical_device_configuration(
@@ -133,19 +141,21 @@ def lab_convnet(replicas=2, batch=128, seed=0):
     strategy = tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
     with strategy.scope():
         model = workflow.make_model("conv")
+    model.run_eagerly = run_eagerly
     rng = np.random.default_rng(seed)
     x = rng.random((batch, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, batch)
     return model, tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
 
 
-def follow(model, dataset):
-    """Trace ``model.fit(dataset, epochs=1)`` (after one warm-up fit): every scope's counts,
-    over the library (``all``) and over ``mirrored/`` alone (``mirrored``)."""
+def follow(model, dataset, scopes=tuple(SCOPES)):
+    """Trace ``model.fit(dataset, epochs=1)`` (after one warm-up fit): each of ``scopes``'
+    counts, over the library (``all``) and over ``mirrored/`` alone (``mirrored``)."""
     model.fit(dataset, epochs=1, verbose=0)                       # warm-up: buffers, compiled loops
     events = record(lambda: model.fit(dataset, epochs=1, verbose=0))
     result = {}
-    for scope, (start, end) in SCOPES.items():
+    for scope in scopes:
+        start, end = SCOPES[scope]
         calls = span(events, start, end)
         result[scope] = {"all": summarise(calls), "mirrored": summarise(calls, "mirrored/")}
     return result
@@ -172,15 +182,19 @@ def main(argv=None):
     parser.add_argument("--replicas", type=int, default=2, help="logical CPUs (default 2)")
     parser.add_argument("--batch", type=int, default=128, help="global batch (default 128)")
     parser.add_argument("--json", metavar="OUT", help="also write the counts as JSON to OUT")
+    parser.add_argument("--replayed", action="store_true",
+                        help="follow the default fit (run_eagerly=False): the step replayed")
     args = parser.parse_args(argv)
-    model, dataset = lab_convnet(args.replicas, args.batch)
-    result = follow(model, dataset)
-    print(f"One fit step of the lab ConvNet, {args.replicas} logical CPU(s), batch {args.batch}:")
+    model, dataset = lab_convnet(args.replicas, args.batch, run_eagerly=not args.replayed)
+    result = follow(model, dataset, ("fit", "batch") if args.replayed else tuple(SCOPES))
+    how = "replayed (the default)" if args.replayed else "its Python (run_eagerly=True)"
+    print(f"One fit step of the lab ConvNet, {how}, {args.replicas} logical CPU(s), batch {args.batch}:")
     print(table(result))
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"replicas": args.replicas, "batch": args.batch, "scopes": result}, f, indent=1)
+            json.dump({"replicas": args.replicas, "batch": args.batch, "replayed": args.replayed,
+                       "scopes": result}, f, indent=1)
         os.replace(tmp, args.json)
     return result
 

@@ -5,13 +5,13 @@
 data pipelines and Keras-style models. Each name behaves as TensorFlow documents
 it; the README lists them.
 
-Reading order: one training step in five files (lines at this writing; 1,492 in all)::
+Reading order: one training step in five files (lines at this writing; 1,500 in all)::
 
     1. keras/step.py        269  Step.train: the whole step in four visible calls --
                                    split -> forward_backward -> all_reduce -> update;
                                  ``fit`` (keras/trainer.py) calls it once per batch, and a
                                  custom loop's ``apply_gradients`` runs its steps 3-4
-    2. keras/engine.py      354  ReplicaProgram: one replica's program of layer nodes (a
+    2. keras/engine.py      362  ReplicaProgram: one replica's program of layer nodes (a
                                  DAG in topological order) forward, the loss, backward
                                  (step 2); ParameterPack; all_reduce (step 3)
     3. keras/layers.py      354  Flatten, Dense, Conv2D, MaxPooling2D: each layer's own

@@ -312,9 +312,10 @@ class HostReadingDense(SimpleDense):
 
 @pytest.mark.parametrize("layer_class", [CountingDense, HostReadingDense])
 def test_fit_replays_a_call_layers_launches_bitwise_as_running_its_python(devices, rng, layer_class):
-    """fit records a call-layer's first forward/backward per batch size and replays the launches
-    after (Keras traces its train step); the weights are bitwise those of running the Python
-    every step (``call_layers.layer_settings.eager``). A call that reads the host runs every step."""
+    """fit records its step's first run per batch size, a call-layer's forward/backward with
+    it, and replays the launches after (Keras traces its train step); the weights are bitwise
+    those of running the Python every step (``run_eagerly=True``, and
+    ``call_layers.layer_settings.eager``). A call that reads the host runs every step."""
     from mirrored.keras import call_layers
     from test_custom_losses import my_huber
     strategy = _strategy(devices, 2)
@@ -326,7 +327,7 @@ def test_fit_replays_a_call_layers_launches_bitwise_as_running_its_python(device
         try:
             with strategy.scope():
                 model = tf.keras.Sequential([layer_class(4, activation="relu", input_shape=(3,)), layer_class(2)])
-            model.compile(loss=my_huber, optimizer=tf.keras.optimizers.SGD(0.1))
+            model.compile(loss=my_huber, optimizer=tf.keras.optimizers.SGD(0.1), run_eagerly=eager)
             if results:
                 model.set_weights(results[0][0])
             start = model.get_weights()

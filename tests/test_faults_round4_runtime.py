@@ -127,21 +127,27 @@ def go_on_with_fit(model, data, ref, what):
     assert_consistent(model, ref, what + ", then one more epoch")
 
 
-def interrupted(run, delay):
-    """Run ``run()`` with a SIGINT sent to this (the main) thread after ``delay`` seconds;
-    True if a KeyboardInterrupt stopped it. A signal that comes after ``run`` returned is
-    caught here too (the sleep lets its handler run inside the try)."""
-    timer = threading.Timer(delay, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
+def interrupted(run, span):
+    """Run ``run()`` (``LONG`` epochs) with a SIGINT sent to this (the main) thread at a
+    random moment of its first ``span`` seconds (how long ``EPOCHS`` epochs took); returns
+    (True if a KeyboardInterrupt stopped it, the span for the next trial). A signal that
+    comes after ``run`` returned is caught here too (the sleep lets its handler run inside
+    the try); a run that ended first shows the span was too long (the machine's load
+    changed: the first run compiled, a neighbour finished), and the next one is shorter."""
+    timer = threading.Timer(random.uniform(0, span), signal.pthread_kill,
+                            args=(threading.main_thread().ident, signal.SIGINT))
+    started = time.perf_counter()
     try:
         timer.start()
         run()
+        took = time.perf_counter() - started
         timer.cancel()
         timer.join()
         time.sleep(0.001)
     except KeyboardInterrupt:
         timer.join()
-        return True
-    return False
+        return True, span
+    return False, min(span, took * EPOCHS / LONG)
 
 
 # --- 1. Ctrl-C in fit ------------------------------------------------------------------------
@@ -156,8 +162,9 @@ def test_sigint_at_random_moments_of_fit_never_leaves_the_replicas_different(two
     with hang_guard():
         for trial in range(TRIALS):
             model = build(two_cpus, init)
-            hits += interrupted(lambda: model.fit(*data, batch_size=BATCH, epochs=LONG, shuffle=False,
-                                                  verbose=0), random.uniform(0, span))
+            landed, span = interrupted(lambda: model.fit(*data, batch_size=BATCH, epochs=LONG, shuffle=False,
+                                                         verbose=0), span)
+            hits += landed
             what = f"trial {trial}, after {int(model.optimizer.iterations)} steps"
             assert_consistent(model, ref, what)
             go_on_with_fit(model, data, ref, what)
@@ -283,7 +290,8 @@ def test_sigint_at_random_moments_of_a_custom_loop_never_leaves_the_replicas_dif
     with hang_guard():
         for trial in range(TRIALS):
             model = build(two_cpus, ref[0])
-            hits += interrupted(lambda: custom_loop(two_cpus, model, data, LONG), random.uniform(0, span))
+            landed, span = interrupted(lambda: custom_loop(two_cpus, model, data, LONG), span)
+            hits += landed
             what = f"trial {trial}, after {int(model.optimizer.iterations)} steps"
             assert_consistent(model, ref, what)
             go_on_with_loop(two_cpus, model, data, ref, what)

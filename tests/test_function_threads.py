@@ -281,6 +281,66 @@ def test_ctrl_c_inside_a_replayed_two_replica_step_stops_between_steps(devices, 
         signal.signal(signal.SIGINT, previous)
 
 
+def test_ctrl_c_inside_every_entry_of_a_two_step_replay_stops_at_a_step_boundary(devices, rng):
+    """Deterministic, the issue's second case: a ``@function`` whose body is TWO training
+    steps of 2 replicas, SIGINT raised as the replay finishes its k-th entry, for every k of
+    the replay. The replay goes on to its end (a Ctrl-C is held until the function's replay
+    is done), so both steps ran on both replicas: the copies bitwise equal and the weights
+    those of an eager twin that took the same steps."""
+    strategy, (model, twin), batches = _two_replica_setup(devices, rng, steps=2)
+    train_step, twin_step = tutorial_train_step(model, 8), tutorial_train_step(twin, 8)
+
+    @tf.function
+    def two_steps(first, second):
+        strategy.run(train_step, args=(first,))
+        return strategy.run(train_step, args=(second,))
+
+    def twin_steps(first, second):
+        strategy.run(twin_step, args=(first,))
+        strategy.run(twin_step, args=(second,))
+
+    two_steps(batches[0], batches[1])                   # traced: the first run
+    twin_steps(batches[0], batches[1])
+    entries = []
+
+    def count(frame, event, arg):
+        if event == "return" and _runs_an_entry(frame):
+            entries.append(1)
+    sys.setprofile(count)
+    try:
+        two_steps(batches[1], batches[0])
+    finally:
+        sys.setprofile(None)
+    twin_steps(batches[1], batches[0])
+    assert len(entries) > 20, len(entries)             # two steps' launches, both replicas
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # the handler this test relies on
+    try:
+        for at in range(1, len(entries) + 1):
+            seen = []
+
+            def interrupt(frame, event, arg, at=at, seen=seen):
+                if event == "return" and _runs_an_entry(frame):
+                    seen.append(1)
+                    if len(seen) == at:
+                        signal.raise_signal(signal.SIGINT)
+            sys.setprofile(interrupt)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    two_steps(batches[0], batches[1])
+            finally:
+                sys.setprofile(None)
+            assert len(seen) == len(entries), f"SIGINT after entry {at}: the replay stopped midway"
+            twin_steps(batches[0], batches[1])
+            for copies in _replica_weights(model):
+                np.testing.assert_array_equal(copies[0], copies[1], err_msg=f"replicas differ (SIGINT at entry {at})")
+            assert int(model.optimizer.iterations) == int(twin.optimizer.iterations)
+        for a, b in zip(model.get_weights(), twin.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_returned_variable_is_its_value_at_that_call(devices):
     devices(cpus=1)
     with tf.device("CPU:0"):

@@ -260,7 +260,11 @@ def test_the_default_is_silent_and_trains_like_eager_where_nothing_is_captured(d
     eager, graphed, (a, b), said = pair([f"{kind}:{i}" for i in range(n)], rng, **sizes)
     assert_same(a, b)
     assert not said, said                              # the default does not warn
-    assert graphed.run_eagerly is False and graphed._trainer() is graphed.step
+    # nothing captured: each pass's recorded program replayed as a list (program/replay.py)
+    captured = graphed._trainer()
+    assert graphed.run_eagerly is False and captured is not graphed.step
+    assert captured.known and all(program.graphs is None for program, _ in captured.known.values())
+    assert captured.graphs.counts["captured"] == 0
     want = "CPU devices" if kind == "CPU" else "simulator"
     assert want in graphed._step_graphs.reason
 

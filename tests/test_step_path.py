@@ -96,3 +96,26 @@ def test_the_lab_convnet_step_path_is_consistent(tmp_path):
              if result[s]["mirrored"]["files"] > most[s]}
     assert not grown, f"more mirrored/ files on one step's path than {most}: {grown}"
     assert "mirrored/keras/callbacks.py" not in step
+
+
+def test_the_default_fit_replays_the_step_through_no_more_files(tmp_path):
+    """``--replayed``: fit's default (``run_eagerly=False``) replays the recorded step after the
+    warm-up, so the layers' Python is off the path and the program's replay is on it; the
+    reading order's bound holds there too (issue 50: one device program, on CPU devices too)."""
+    out = tmp_path / "replayed.json"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_path", "--replicas", "2", "--batch", "33",
+                           "--replayed", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())["scopes"]
+    assert list(result) == ["fit", "batch"]
+    batch = result["batch"]["all"]["per_file"]
+    assert "mirrored/program/replay.py" in batch and "mirrored/program/passes.py" in batch
+    for f in ("mirrored/ring.py", "mirrored/keras/layers.py", "mirrored/program/recording.py"):
+        assert f not in batch, f                     # the layers', the ring's Python: not run again
+    most = {"fit": 15, "batch": 11}
+    grown = {s: sorted(result[s]["mirrored"]["per_file"]) for s in most
+             if result[s]["mirrored"]["files"] > most[s]}
+    assert not grown, f"more mirrored/ files on the replayed step's path than {most}: {grown}"

@@ -376,6 +376,7 @@ def _release(model, residence):
     if held is not None and step is not None and step.resident_loader is not None \
             and step.resident_loader.resident is held:
         step.resident_loader = None
+        model.forget_programs()                     # they read the buffers it held
 
 
 class ResidentBatch:

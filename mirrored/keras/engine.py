@@ -42,6 +42,7 @@ import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored.keras import custom_loop, non_trainable, sample_weights
+from mirrored.program import recording
 from mirrored.tensor import Tensor
 from mirrored.values import components
 
@@ -245,11 +246,15 @@ class ReplicaProgram:
             xs = [values[t] for t in node.inputs] if node.multi else values[node.inputs[0]]
             values.append(state.layer.forward(state, xs, training))
         self.logits = x = values[-1]                             # (b, classes)
+        self.ran_forward(values[0], x)        # set by a replay too: a host entry (host_method, below)
         if probabilities and self.softmax_output and self.last_b:
             probs = self.loss_buffers(self.last_b).probs
             self.ops.softmax(x, probs)
             return probs
         return x
+
+    def ran_forward(self, x, logits):
+        self.x, self.last_b, self.logits = x, x.shape[0], logits
 
     def loss(self, labels, mode, scale, with_grad=True):
         """Per-example loss of the last forward (added to the metrics on the device)
@@ -352,3 +357,6 @@ class ReplicaProgram:
         """(loss sum, correct count, examples, sum of sample weights) so far — the one host read."""
         loss, correct, seen, weights = self.dev.to_numpy(self.metric_sums)
         return float(loss), float(correct), int(seen), float(weights)
+
+
+recording.host_method(ReplicaProgram, "ran_forward")     # a replay sets the last forward's buffers

@@ -214,7 +214,7 @@ class Trainer:
         captured = self.captured_step() if self.built else None   # the first batch builds the model
         if self.built and self._claimed != custom_loop.MOVES[0]:
             self.use_own_weights()
-        if len(batches) > 1 and captured is not None and not self.host_metrics:
+        if len(batches) > 1 and captured is not None and captured.graphs.enabled and not self.host_metrics:
             captured.train_steps([data_adapters.prepare(self, batch) for batch in batches])
             return
         for batch in batches:
@@ -250,7 +250,7 @@ class Trainer:
             self._graphs = StepGraphs(self.step.devices, self._strategy.extended.cross_device_ops)
             if self._graphs.reason and self._graphs_asked:
                 warnings.warn(f"compile(cuda_graph=True): {self._graphs.reason}; fit, evaluate and "
-                              f"predict run eagerly (the same launches, one by one).", stacklevel=5)
+                              f"predict replay their recorded launches one by one.", stacklevel=5)
         return self._graphs
 
     def _trainer(self):
@@ -263,11 +263,17 @@ class Trainer:
         ``CapturedStep``, which also runs ``steps_per_execution`` batches as one graph), or
         None where the passes run eagerly (``run_eagerly=True``, or nothing to capture)."""
         graphs = self._step_graphs
-        if graphs is None or graphs.reason is not None:     # None: graphs are used
+        if graphs is None:                                  # run_eagerly=True
             return None
         if self._captured is None or self._captured.graphs is not graphs:
             self._captured = CapturedStep(self.step, graphs)
         return self._captured
+
+    def forget_programs(self):
+        """Drop the recorded programs of fit's, evaluate's and predict's passes (a buffer they
+        read is going: ``data_adapters``' resident data set released); the next runs record."""
+        if self._captured is not None:
+            self._captured.forget()
 
     # -- the model's side of the loop -------------------------------------------------------
     @property

@@ -125,22 +125,36 @@ class CapturedStep:
         self.compile_ahead = _compile_ahead(step.devices)      # None: kernels are not compiled ahead here
         self.executions = {}       # an execution's shape -> its N-step programs by key (first run done)
 
+    def forget(self):
+        """Drop every program (and its graphs): a buffer they read is going (a data set kept
+        on the devices leaves them, with the buffer its row numbers and scalars went up in)."""
+        self.known.clear()
+        self.executions.clear()
+        self.graphs.close()
+
     def train(self, batch):
         # The first device's context made current once for the whole step: the uploads,
         # buffers and launch inside find it current (devices.py, ``_Activation``).
         with self.step.devices[0].activate():
             inputs, scale = self.step.host_part(batch)
             mode = self.step.loss_mode()
-            self._run(("train", mode, scale) + _addresses(inputs), self.step.device_part, inputs, mode, scale)
+            self._run(self._key(("train", mode, scale), inputs, True), self.step.device_part, inputs, mode, scale)
 
     def evaluate(self, batch, mode):
         inputs = self.step.inputs(batch)
-        self._run(("evaluate", mode) + _addresses(inputs), self.step.evaluate_part, inputs, mode)
+        self._run(self._key(("evaluate", mode), inputs, False), self.step.evaluate_part, inputs, mode)
 
     def predict(self, xb):
         inputs = self.step.predict_inputs(xb)
-        outs = self._run(("predict",) + _addresses(inputs), self.step.predict_part, inputs)
+        outs = self._run(self._key(("predict",), inputs, False), self.step.predict_part, inputs)
         return self.step.read_outputs(outs)
+
+    def _key(self, kind, inputs, training):
+        """A device part's key: ``kind`` (the pass, the loss mode) and the addresses of every
+        buffer its host part wrote for it (``StepPasses.written``: the replicas' inputs, so
+        the batch size, and a training step's optimizer scalars, which go up with a copied
+        batch and with a resident batch's row numbers into different buffers)."""
+        return kind + tuple(_address(buf) for _, buf in self.step.written(inputs, training))
 
     def _run(self, key, fn, *args):
         """The device part ``fn(*args)`` under ``key``: the one first-run rule, as a
@@ -159,7 +173,7 @@ class CapturedStep:
                 lambda: recording.dry_run(fn, args, self.step.rolled_back_on_error), self.step.devices[0].gpu_id)
         with _dev.every_device_or_none():
             if known is None:
-                result, program = recording.record(lambda: fn(*args), self.graphs, key)
+                result, program = recording.record(lambda: fn(*args), self.graphs if self.graphs.enabled else None, key)
                 self.known[key] = (program, result)
                 self.graphs.ran_eagerly()
                 return result
@@ -207,7 +221,7 @@ class CapturedStep:
             work = []
             for slot, batch in enumerate(batches):
                 inputs, scale = step.host_part(batch)
-                work.append((("train", mode, scale) + _addresses(inputs), (inputs, mode, scale),
+                work.append((self._key(("train", mode, scale), inputs, True), (inputs, mode, scale),
                              _stage(slot, step.written(inputs, training=True))))
             with _dev.every_device_or_none():                # N updates of every copy, or none
                 self._run_steps(self.executions[execution], "train steps", mode, step.device_part, work)
@@ -225,7 +239,7 @@ class CapturedStep:
         work = []
         for slot, batch in enumerate(batches):
             inputs = step.inputs(batch)
-            work.append((("evaluate", mode) + _addresses(inputs), (inputs, mode),
+            work.append((self._key(("evaluate", mode), inputs, False), (inputs, mode),
                          _stage(slot, step.written(inputs, training=False))))
         self._run_steps(self.executions[execution], "evaluate steps", mode, step.evaluate_part, work)
 
@@ -285,17 +299,6 @@ def _restore(staged):
 
 def _staged_addresses(staged):
     return tuple((_address(buf), _address(copy)) for _, buf, copy in staged)
-
-
-def _addresses(inputs):
-    """The replicas' input buffers (x, y) as addresses: what a captured graph reads."""
-    return tuple(tuple(_address(buf) for buf in _buffers(xy)) for xy in inputs)
-
-
-def _buffers(xy):
-    """A replica's input buffers: (x, y), or (x, (y, sample weights)) (``keras/sample_weights.py``)."""
-    x, y = xy
-    return (x,) + (y if isinstance(y, tuple) else (y,))
 
 
 def _address(buf):

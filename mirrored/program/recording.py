@@ -289,7 +289,7 @@ class ThreadRecorder:
             return None
         if kind == "host":
             return self.host_call(method, (target,) + tuple(args), kwargs,
-                                  None if info is None else functools.partial(_restorer, info))
+                                  None if info is None else functools.partial(replay.restorer, info))
         if not rec.undoable:
             pass                                      # a plan changes nothing it must put back
         elif kind == "op":
@@ -393,7 +393,7 @@ def host_work(fn=None, *, restores=None, stays=False):
     (``HostCall.stays``: the all-reduce across workers, ``collective_all_reduce.py``)."""
     if fn is None:
         return lambda f: host_work(f, restores=restores, stays=stays)
-    undo_with = None if restores is None else functools.partial(_restorer, restores)
+    undo_with = None if restores is None else functools.partial(replay.restorer, restores)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -442,12 +442,6 @@ def host_method(cls, name, restores=None):
     now, at the device boundary (``backends.at_boundary``), so ``fit``'s every step calls
     it through one plain wrapper there and never passes through this file."""
     setattr(cls, name, backends.at_boundary("host", vars(cls)[name], restores))
-
-
-def _restorer(name, owner, *args, **kwargs):
-    """A function that sets ``owner.<name>`` back to its value now."""
-    value = getattr(owner, name)
-    return lambda: setattr(owner, name, value)
 
 
 def _note(where, buf):

@@ -130,6 +130,13 @@ class HostCall:
         return f"HostCall({getattr(self.fn, '__qualname__', self.fn)})"
 
 
+def restorer(name, owner, *args, **kwargs):
+    """A ``HostCall``'s undo for host work that changes ``owner.<name>`` (``host_work``'s
+    ``restores``): a function that sets it back to its value now."""
+    value = getattr(owner, name)
+    return lambda: setattr(owner, name, value)
+
+
 def is_buffer(value):
     """A device buffer (a NumPy array on a CPU device, a CUDA array, the simulator's)."""
     return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__") \
