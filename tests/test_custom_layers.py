@@ -314,29 +314,24 @@ class HostReadingDense(SimpleDense):
 def test_fit_replays_a_call_layers_launches_bitwise_as_running_its_python(devices, rng, layer_class):
     """fit records its step's first run per batch size, a call-layer's forward/backward with
     it, and replays the launches after (Keras traces its train step); the weights are bitwise
-    those of running the Python every step (``run_eagerly=True``, and
-    ``call_layers.layer_settings.eager``). A call that reads the host runs every step."""
-    from mirrored.keras import call_layers
+    those of running the Python every step (``run_eagerly=True``). A call that reads the host
+    runs every step."""
     from test_custom_losses import my_huber
     strategy = _strategy(devices, 2)
     x = rng.random((40, 3)).astype(np.float32)
     y = (3 * rng.random((40, 2))).astype(np.float32)
     results = []
     for eager in (False, True):
-        call_layers.layer_settings.eager = eager
-        try:
-            with strategy.scope():
-                model = tf.keras.Sequential([layer_class(4, activation="relu", input_shape=(3,)), layer_class(2)])
-            model.compile(loss=my_huber, optimizer=tf.keras.optimizers.SGD(0.1), run_eagerly=eager)
-            if results:
-                model.set_weights(results[0][0])
-            start = model.get_weights()
-            layer_class.calls = 0
-            history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
-            results.append((start, model.get_weights(), history.history["loss"], layer_class.calls))
-            _assert_replicas_equal(model)
-        finally:
-            call_layers.layer_settings.eager = False
+        with strategy.scope():
+            model = tf.keras.Sequential([layer_class(4, activation="relu", input_shape=(3,)), layer_class(2)])
+        model.compile(loss=my_huber, optimizer=tf.keras.optimizers.SGD(0.1), run_eagerly=eager)
+        if results:
+            model.set_weights(results[0][0])
+        start = model.get_weights()
+        layer_class.calls = 0
+        history = model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+        results.append((start, model.get_weights(), history.history["loss"], layer_class.calls))
+        _assert_replicas_equal(model)
     (_, replayed, loss_r, calls_r), (_, eager_w, loss_e, calls_e) = results
     for a, b, w0 in zip(replayed, eager_w, results[0][0]):
         np.testing.assert_array_equal(a, b)

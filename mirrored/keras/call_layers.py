@@ -50,8 +50,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
-from mirrored import autodiff, backends, context, devices, ops, values
-from mirrored.program import recording
+from mirrored import autodiff, context, devices, ops, values
 from mirrored.keras import initializers, non_trainable
 from mirrored.keras.tape import GradientTape
 from mirrored.tensor import Tensor
@@ -268,118 +267,27 @@ def takes_training(call):
 # --- the engine's protocol ----------------------------------------------------------------
 
 def make_buffers(layer, state, b):
-    """What the forward keeps for the backward, per batch size: its tape, inputs and output;
-    and the recorded passes (``compiled``, below)."""
-    return SimpleNamespace(tape=None, xs=None, y=None, added=[], compiled={}, pending=None, replaying=None)
+    """What the forward keeps for the backward, per batch size: its tape, inputs and output."""
+    return SimpleNamespace(tape=None, xs=None, y=None, added=[])
 
 
-# --- compiled: the first step's launches, replayed -----------------------------------------
-# Keras runs fit's step as a tf.function: the Python of a layer's ``call`` runs when the step
-# is traced, its ops are replayed afterwards. So here: the first forward and backward of a
-# call-layer for a batch size (and training flag, and input buffers) are recorded
-# (``mirrored/program/recording.py``'s ``record``, the recorder @tf.function uses); later steps
-# replay its ``Program`` (``replay.py``) into the same buffers, with none of the ops' Python. A ``call``
-# that reads a value on the host (an ``if`` on a tensor) cannot be replayed: it stays eager,
-# every step. Not inside another trace (a @tf.function's, whose replay covers it already).
-# Nor a layer with ``cross_replica`` (BatchNormalization(synchronized=True)) in training: its
-# all-reduce is a merge point run by whichever replica thread arrives last, so one replica's own
-# replay could not redo it; it runs eagerly every step (inside a @tf.function trace the replicas
-# share one record, which keeps the all-reduce where it ran).
-
-_EAGER = "eager"                                 # this key's call cannot be replayed
-
-
-def address(buf):
-    """Where a buffer's data starts (a key: the same buffer every step, or not)."""
-    cai = getattr(buf, "__cuda_array_interface__", None)
-    return cai["data"][0] if cai is not None else buf.__array_interface__["data"][0]
-
-
-def _recordable():
-    return backends.BOUNDARY.recorder is None and not getattr(layer_settings, "eager", False)
-
-
-#: ``layer_settings.eager = True`` (per thread) runs call-layers' Python every step (debugging).
-layer_settings = threading.local()
-
-
-def run_recorded(store, key, fn):
-    """``fn()`` the first time for ``key`` (its device calls recorded), the recorded launches
-    replayed after; ``store`` keeps them (a dict of the caller's). Returns the first call's
-    result (the same buffers every time). A ``fn`` that reads the device on the host runs
-    eagerly every time (``custom_losses.Loss.run_in``: a loss written in ops, in fit)."""
-    if not _recordable():
-        return fn()
-    entry = store.get(key)
-    if entry is _EAGER:
-        return fn()
-    if entry is not None:
-        entry[0].run()
-        return entry[1]
-    result, program = recording.record(fn)
-    store[key] = _EAGER if program is None else (program, result)
-    return result
-
+# Keras runs fit's step as a tf.function: the Python of a layer's ``call`` runs when the step is
+# traced, its ops are replayed afterwards. Here the same, one level up: ``forward`` and
+# ``backward`` run the Python, and ``fit`` (``mirrored/program/passes.py``) or a ``@function``
+# records the whole step once per key and replays its launches, these layers' among them. Run
+# eagerly (``run_eagerly=True``, an eager custom loop) the Python runs every step, as in Keras.
 
 def forward(layer, state, x, training=False):
     """x: (b,) + input shape (a list for a layer called on several) -> y's buffer: the layer's
-    ``call`` run (and recorded, the first time), or its recorded launches replayed."""
-    parts = list(x) if isinstance(x, (list, tuple)) else [x]
-    b = parts[0].shape[0]
-    if training and meets_others(layer):         # it meets the other replicas: never replayed alone
-        if b:
-            state.buffers(b).replaying = None    # not a replay (an evaluate's may have been): backward
-        return _forward_eager(layer, state, x, training)
-    if b == 0 or not _recordable():
-        return _forward_eager(layer, state, x, training)
-    buf = state.buffers(b)
-    key = (bool(training),) + tuple(address(p) for p in parts)
-    entry = buf.compiled.get(key)
-    if entry is _EAGER:
-        return _forward_eager(layer, state, x, training)
-    if entry is not None:                        # replay: the launches, none of the Python
-        entry["forward"].run()
-        buf.replaying = entry
-        return entry["y"]
-    y, program = recording.record(lambda: _forward_eager(layer, state, x, training))
-    if program is None:
-        buf.compiled[key] = _EAGER
-        buf.pending = None
-        return y
-    entry = {"forward": program, "y": y}
-    if training:
-        buf.pending = (key, entry)               # complete once the backward is recorded too
-    else:                                        # a gradient may still be taken through it (keras.io's
-        entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y, added=buf.added)   # GAN: discriminator(x))
-        buf.compiled[key] = entry
-    buf.replaying = None
-    return y
+    ``call`` run under a private tape (``_forward_eager``)."""
+    return _forward_eager(layer, state, x, training)
 
 
 def backward(layer, state, dy):
-    """The gradient of the last forward (``_backward_eager``), or the recorded one replayed."""
-    b = dy.shape[0]
-    if b == 0:                                   # a cross-replica layer on a replica with no rows
+    """The gradient of the last forward (``_backward_eager``)."""
+    if dy.shape[0] == 0:                         # a cross-replica layer on a replica with no rows
         return _backward_eager(layer, state, dy) if state.buffers(0).tape is not None else None
-    buf = state.buffers(b)
-    entry = buf.replaying
-    if entry is not None and entry.get("backward") is not None and entry["dy"] == address(dy):
-        entry["backward"].run()
-        return entry["dx"]
-    pending, buf.pending = buf.pending, None
-    if pending is None or not _recordable():
-        if entry is not None:                    # a replayed forward: its tape is the recorded one's
-            buf.tape, buf.xs, buf.y, buf.added = entry["tape"], entry["xs"], entry["y_tensor"], entry["added"]
-        return _backward_eager(layer, state, dy)
-    key, entry = pending
-    entry.update(tape=buf.tape, xs=buf.xs, y_tensor=buf.y, added=buf.added)   # kept: a later eager backward's
-    dx, program = recording.record(lambda: _backward_eager(layer, state, dy))
-    if program is None:
-        buf.compiled[key] = _EAGER
-        return dx
-    entry.update(backward=program, dx=dx, dy=address(dy))
-    buf.compiled[key] = entry
-    return dx
+    return _backward_eager(layer, state, dy)
 
 
 def meets_others(layer):

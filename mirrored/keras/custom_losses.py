@@ -29,7 +29,7 @@ import numpy as np
 
 from kernels.launch import view   # a reshape made once per buffer (numba-cuda types each new view)
 from mirrored import ops
-from mirrored.keras.call_layers import address, private_tapes, run_recorded
+from mirrored.keras.call_layers import private_tapes
 from mirrored.keras.tape import GradientTape, replica_scale
 from mirrored.tensor import Tensor
 from mirrored.values import Variable
@@ -107,14 +107,8 @@ class Loss:
         """The loss of the program's last forward against ``labels`` (b, outputs) float32:
         per-example means into ``buf.loss``, zeros into ``buf.correct`` (no accuracy), and,
         when ``grad`` is given, d(scale x the sum of the per-example means)/d logits into it.
-        Its ops run once per key (batch size, buffers, scale) and are replayed after, as Keras
-        traces its train step (``call_layers.run_recorded``)."""
-        key = (id(program), program.last_b, float(scale), address(program.logits), address(labels),
-               address(buf.loss), None if grad is None else address(grad))
-        store = self.__dict__.setdefault("_recorded", {})      # fit's steps: recorded once, replayed
-        run_recorded(store, key, lambda: self._run_in(program, labels, buf, grad, scale))
-
-    def _run_in(self, program, labels, buf, grad, scale):
+        Its ops' Python runs when fit's step is recorded, its launches are replayed after
+        with the step's (``mirrored/program/passes.py``), as Keras traces its train step."""
         dev, b = program.dev, program.last_b
         logits = Tensor(program.logits, dev)
         y_true = Tensor(view(labels, logits.shape), dev)

@@ -233,13 +233,13 @@ class ModelAPI:
                 cuda_graph=None, **kwargs):
         """Keras's ``compile``: optimizer, loss, ``metrics=['accuracy']``, ``run_eagerly``.
 
-        ``run_eagerly=False`` (Keras's default; ``None`` means False, as in Keras): on a
-        GPU, ``fit``, ``evaluate`` and ``predict`` capture the device part of each pass
-        once per batch shape as a CUDA graph and replay it (``mirrored/program/passes.py`` says
-        how and why), as Keras compiles its step into a graph. ``run_eagerly=True``: every
-        kernel is launched from Python, one by one (what labs 04 and 05 step through).
-        Where there is nothing to capture (CPU devices, the CUDA simulator) both run the
-        same launches eagerly, silently. The weights come out bitwise the same either way.
+        ``run_eagerly=False`` (Keras's default; ``None`` means False, as in Keras): ``fit``,
+        ``evaluate`` and ``predict`` record the device part of each pass once per batch
+        shape and replay it (``mirrored/program/passes.py`` says how and why), as Keras
+        compiles its step into a graph: on a GPU captured as a CUDA graph, on CPU devices
+        and in the CUDA simulator the launch list. ``run_eagerly=True``: the step's Python
+        runs every step, each kernel launched from it (what labs 04 and 05 step through).
+        The weights come out bitwise the same either way.
 
         ``steps_per_execution=N`` (Keras's; default 1): ``fit`` and ``evaluate`` run N batches
         per execution. On a GPU with graphs the N steps are ONE graph replay (``program/passes.py``,
@@ -308,7 +308,7 @@ class ModelAPI:
     @property
     def run_eagerly(self):
         """Keras's attribute: True launches every kernel from Python; False (the default)
-        replays fit's, evaluate's and predict's device parts as CUDA graphs on a GPU."""
+        replays fit's, evaluate's and predict's recorded device parts (CUDA graphs on a GPU)."""
         return self._run_eagerly
 
     @run_eagerly.setter

@@ -5,8 +5,8 @@ A student following one ``fit`` step reads this file, then ``step.py``: ``fit`` 
 arguments, ``_fit`` runs the epochs (callbacks, the progress line, ``steps_per_execution``
 batches per execution), ``_train_execution`` hands each execution's batches to the step
 (``_train_on``: one batch, all or nothing), and ``_trainer`` picks what runs the passes:
-the step itself, or the step with its device parts recorded and replayed as CUDA graphs
-(``mirrored/program/passes.py``'s ``CapturedStep``, on a GPU with ``run_eagerly=False``). The loss
+the step itself (``run_eagerly=True``), or the step with its device parts recorded and
+replayed (``mirrored/program/passes.py``'s ``CapturedStep``: CUDA graphs on a GPU). The loss
 and accuracy stay on the devices and are read when the progress line is drawn
 (``device_logs``). The model's inputs are checked here too (``accept_inputs``), as each
 batch is prepared.
@@ -255,13 +255,14 @@ class Trainer:
 
     def _trainer(self):
         """What runs fit's, evaluate's and predict's passes: the step itself, or the step
-        with its device parts captured as CUDA graphs (``captured_step``)."""
+        with its device parts recorded and replayed (``captured_step``)."""
         return self.captured_step() or self.step
 
     def captured_step(self):
-        """The step with its device parts captured as CUDA graphs (``mirrored/program/passes.py``'s
+        """The step with its device parts recorded and replayed (``mirrored/program/passes.py``'s
         ``CapturedStep``, which also runs ``steps_per_execution`` batches as one graph), or
-        None where the passes run eagerly (``run_eagerly=True``, or nothing to capture)."""
+        None where the passes run eagerly (``run_eagerly=True``). Where nothing can be captured
+        (CPU devices, the simulator) its programs replay as lists."""
         graphs = self._step_graphs
         if graphs is None:                                  # run_eagerly=True
             return None

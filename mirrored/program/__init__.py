@@ -45,16 +45,17 @@ Who uses it:
 * ``@mirrored.function`` (``mirrored/traced_function.py``): records a call per input
   signature, replays the ``Program`` (a ``ConcreteFunction`` is one, with input slots and
   outputs);
-* ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False`` on a GPU (``passes.py``'s
-  ``CapturedStep``, over ``keras/step.py``'s ``Step`` through the ``StepPasses`` contract):
-  each device part recorded once per key (``recording.record``), planned and compiled
-  ahead before (a dry recording), replayed after, the update count one of its host
-  entries; ``steps_per_execution=N`` is one program over N input slots, put together from
-  the N steps' recordings. On CPU devices and in the simulator there is nothing to
-  capture: fit launches its built-in layers from their Python every step; and
-* inside any ``fit`` step, on every kind of device, a layer whose ``call`` is made of ops
-  and a loss written in ops (``keras/call_layers.py``): each recorded once per batch size
-  (``recording.record``) and replayed as a ``Program`` after, with none of their Python.
+* ``fit``, ``evaluate``, ``predict`` with ``run_eagerly=False``, Keras's default, on every
+  kind of device (``passes.py``'s ``CapturedStep``, over ``keras/step.py``'s ``Step`` through
+  the ``StepPasses`` contract): each device part recorded once per key (``recording.record``),
+  replayed after (a list on CPU devices and in the simulator, graphs on a GPU, planned and
+  compiled ahead there before its first run: a dry recording), the update count one of its
+  host entries; ``steps_per_execution=N`` on a GPU is one program over N input slots, put
+  together from the N steps' recordings (on CPU devices the N steps replay one by one, each
+  all or nothing). A layer whose ``call`` is made of ops and a loss written in ops
+  (``keras/call_layers.py``, ``keras/custom_losses.py``) are part of the step: their Python
+  runs when it is recorded, their launches are replayed with it. ``run_eagerly=True``
+  runs the step's Python every step (what labs 04 and 05 step through).
 
 Neighbours: ``mirrored/backends.py`` and ``mirrored/devices.py`` (the device boundary the
 recorder sits at), ``mirrored/traced_function.py`` (``@function``), ``mirrored/keras/step.py``

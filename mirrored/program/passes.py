@@ -29,10 +29,12 @@ made), and compiles the kernels it named in several processes at once
 at their launch otherwise, one after the other.
 
 When. ``compile(run_eagerly=False)``, Keras's default, runs fit, evaluate and predict
-through ``CapturedStep`` on a GPU; ``run_eagerly=True`` launches every kernel from
-Python (what labs 04 and 05 step through). The default stays silent where nothing can
-be captured (it is the default); the old ``compile(cuda_graph=True)``, an explicit
-request for graphs, warns there once. The weights come out bitwise the same either way.
+through ``CapturedStep`` on every kind of device (where nothing can be captured, CPU
+devices and the simulator, its programs replay as lists); ``run_eagerly=True`` runs the
+step's Python, launching every kernel from it (what labs 04 and 05 step through). The
+default stays silent where nothing can be captured (it is the default); the old
+``compile(cuda_graph=True)``, an explicit request for graphs, warns there once. The
+weights come out bitwise the same either way.
 
 Neighbours: ``recording.py`` (``record``: a key's first run, recorded),
 ``replay.py`` (a program's entries), ``capture.py`` (the graphs), ``keras/step.py`` and
