@@ -9,6 +9,8 @@ replica on the global batch holds), which the oracle uses too.
 
     python -m pytest -q tests/test_subclassing_guide.py
 """
+import sys
+
 import numpy as np
 import pytest
 
@@ -510,6 +512,40 @@ def test_the_vae_custom_loop_matches_a_float64_oracle(devices, fixed_epsilon, re
         np.testing.assert_allclose(got.numpy(), w, **TOL)
     assert_replicas_equal(vae)
     np.testing.assert_allclose(float(loss_metric.result()), np.mean(losses), **TOL)   # the replicas' sum
+
+
+def test_each_replica_reads_its_own_added_losses_under_thread_switches(devices, fixed_epsilon):
+    """The race behind a once-in-a-suite failure of the custom loop above on 2 replicas: the
+    values ``call`` gave ``add_loss`` during ``vae(x)`` (an untraceable model, run op by op:
+    ``model_call.call_eagerly``) were one list per layer shared by the replica threads, so one
+    replica's call could clear or append to it between the other's call and its read of
+    ``vae.losses``, which then held the other replica's KL term (on the other device), none, or
+    two. With the interpreter switching threads every microsecond that shows within a few
+    steps; each replica must read exactly its own term, on its own device, every step."""
+    devices(cpus=2)
+    x = np.random.default_rng().uniform(0, 1, (8, 7)).astype(np.float32)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        vae = VariationalAutoEncoder(7, 4, 3)
+        vae.build((None, 7))
+    dist_x = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(8))))
+
+    wrong = []                                   # list.append: safe from both threads
+
+    def step(x_batch):
+        y = vae(x_batch)
+        on = [t.device for t in vae.losses]
+        if on != [y.device]:
+            wrong.append(f"a replica on {y.device} read losses on {on}")
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(60):
+            strategy.run(step, args=(dist_x,))
+    finally:
+        sys.setswitchinterval(before)
+    assert not wrong, f"{len(wrong)} of 120 reads: {wrong[:3]}"
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -197,7 +197,7 @@ class Layer:
     def added_losses(self):
         """What ``call`` (and its sublayers') gave ``add_loss`` in the last call: an eager
         ``layer(x)``, or this layer's forward as a node of a model on this replica."""
-        return list(self.__dict__.get("_added_losses", ())) + call_layers.added_in_model(self) + [
+        return call_layers.added_eagerly(self) + call_layers.added_in_model(self) + [
             t for layer in self.__dict__.get("_sublayers", ()) for t in layer.added_losses]
 
     def output_shape_for(self, input_shape):

@@ -389,7 +389,8 @@ def add_loss(layer, loss):
     if collecting is not None:
         collecting.append(ops.as_tensor(loss))
         return
-    layer.__dict__.setdefault("_added_losses", []).append(ops.as_tensor(loss))
+    kept = layer.__dict__.setdefault("added_eagerly", {})      # replica id -> [term]: see added_eagerly
+    kept.setdefault(_replica(), []).append(ops.as_tensor(loss))
 
 
 class AddedLosses:
@@ -434,15 +435,33 @@ def added_in_model(layer):
     this replica (``model(x)``, inside ``strategy.run`` each replica's own): for ``layer.losses``.
     They are the forward's own values; their gradient is the model node's backward's (1/N each,
     as fit's), so ``loss += sum(model.losses)`` after ``model(x)`` adds the right value."""
+    return list(layer.__dict__.get("added_by_replica", {}).get(_replica(), ()))
+
+
+def added_eagerly(layer):
+    """The values ``call`` gave ``add_loss`` in the layer's last eager call (``layer(x)``, or
+    ``model(x)`` run op by op: ``model_call.call_eagerly``) on this replica: for ``layer.losses``.
+
+    Kept per replica, as ``added_by_replica`` is: inside ``strategy.run`` the replicas are
+    threads that call the same layer object at the same time. One list for all of them let
+    replica 1's call clear or append to it between replica 0's call and its read of
+    ``vae.losses``, which then held replica 1's term (on the other device), none, or both."""
+    return list(layer.__dict__.get("added_eagerly", {}).get(_replica(), ()))
+
+
+def _replica():
+    """This thread's replica id inside ``strategy.run``, else 0: whose added losses to keep or read."""
     _, replica_ctx = context.top()
-    replica = replica_ctx.local_replica_id if replica_ctx is not None else 0
-    return list(layer.__dict__.get("added_by_replica", {}).get(replica, ()))
+    return replica_ctx.local_replica_id if replica_ctx is not None else 0
 
 
 def clear_added_losses(layer):
-    """Forget what ``add_loss`` kept for ``layer`` and its sublayers (Keras: at each outermost call)."""
-    layer.__dict__["_added_losses"] = []
-    layer.__dict__.pop("added_by_replica", None)
+    """Forget what ``add_loss`` kept for ``layer`` and its sublayers (Keras: at each outermost
+    call), on this replica only: the other replicas' threads may be between their own call and
+    their read of ``losses`` (``added_eagerly``)."""
+    replica = _replica()
+    layer.__dict__.get("added_eagerly", {}).pop(replica, None)
+    layer.__dict__.get("added_by_replica", {}).pop(replica, None)
     for sub in layer.__dict__.get("_sublayers", ()):
         clear_added_losses(sub)
 

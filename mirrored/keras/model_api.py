@@ -130,7 +130,7 @@ class ModelAPI:
         """The layers' weight penalties as scalar tensors (``kernel_regularizer``; Keras's
         ``model.losses``), on this replica's copies inside ``strategy.run``; then the values the
         last ``model(x)`` gave ``add_loss`` (the model's own ``self.add_loss`` first, as Keras)."""
-        own = list(self.__dict__.get("_added_losses", ()))
+        own = call_layers.added_eagerly(self)          # this replica's (call_layers.added_eagerly)
         return own + [loss for layer in self.layers for loss in layer.losses]
 
     def add_loss(self, loss):
