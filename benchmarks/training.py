@@ -29,7 +29,9 @@ samples/s compares replica counts fairly. Rows, each with the same initial weigh
               with run_eagerly=True (every kernel launched from Python). On a GPU also
               MirroredStrategy 1, 2 and 4 compiled with run_eagerly=False, Keras's default
               ("graph": the device part of each step replayed as one CUDA graph), copied,
-              and 1 and 2 resident. ``--modes eager,graph`` picks which of the two kinds run.
+              and 1 and 2 resident; on CPU devices, with ``--rows custom``, MirroredStrategy 1
+              "graph" (there: the recorded launch list replayed, no CUDA graph, beside the
+              custom loop's @function replay). ``--modes eager,graph`` picks which kinds run.
               With the eager rows, MirroredStrategy x1 trained by the tutorial's custom
               loop (strategy.run, GradientTape, apply_gradients, strategy.reduce) instead
               of fit: eagerly, and under @tf.function (traced, then replayed)
@@ -1202,8 +1204,8 @@ def time_models(args, tf, kind, gpu, models, x, y, weights, torch, timer, fixed_
                     make.label = f"{model_name} ours MirroredStrategy x1 custom loop " + (
                         "@function" if compiled else "eager")
                 makers.append(make)
-        if gpu and "graph" in modes and (hasattr(tf, "program") or hasattr(tf, "graphs")):
-            custom = args.rows == "custom"      # fit's graph x1 alone: what the custom loop is held to
+        custom = args.rows == "custom"          # fit's graph x1 alone: what the custom loop is held to
+        if (gpu or custom) and "graph" in modes and (hasattr(tf, "program") or hasattr(tf, "graphs")):
             for r in (False,) if no_resident or custom else (False, True):
                 for n in RESIDENT_GRAPH_COUNTS if r else (1,) if custom else GRAPH_COUNTS:
                     make = lambda n=n, r=r: OursRow(tf, kind, "mirrored", n, r, m, x, y, w, graph=True)  # noqa: E731
@@ -1300,9 +1302,10 @@ def main(argv=None):
     modes = set(args.modes.split(","))
     if not modes or not modes <= set(MODES):
         parser.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
-    if "graph" in modes and not gpu:
+    if "graph" in modes and not gpu and args.rows != "custom":
         skipped.append({"name": "graph rows", "reason": "no GPU: there are no CUDA graphs to replay "
-                        "(run_eagerly=False runs the same launches eagerly on CPU devices)"})
+                        "(run_eagerly=False replays the recorded launch list on CPU devices: "
+                        "--rows custom times it, MirroredStrategy x1 graph)"})
 
     import mirrored as tf
     phys = tf.config.list_physical_devices(kind)[0]

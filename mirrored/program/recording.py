@@ -1,7 +1,8 @@
 """Record: what a run of a step did on the devices, written down to be done again.
 
 ``mirrored/traced_function.py`` runs a ``@function``'s Python once per input signature
-inside a ``Recording``. While one is open, every call that crosses the *device boundary* is
+inside a ``Recording``, and ``passes.py`` a ``fit``/``evaluate``/``predict`` pass's device
+part once per key (``record``). While one is open, every call that crosses the *device boundary* is
 written down, whichever part of the library made it (the layers, the tape, the ring,
 the optimizer, a user's own tensor arithmetic), as entries of ``replay.py`` (each entry
 class there says what it does when it runs again):
@@ -51,8 +52,8 @@ leave none.
 
 A *dry* recording (``Recording(dry=True)``, ``dry_run``) is a plan: the same walk through
 the step's Python, its kernel launches written down and none made (``kernels.launch.planned``
-below the boundary), its host calls written down and not run. ``capture.py`` compiles a
-step's kernels ahead from it.
+below the boundary), its host calls written down and not run. ``passes.py`` plans from it
+before a key's first run on a GPU: ``kernels/compile_ahead.py`` compiles the kernels it names.
 
 Neighbours: ``replay.py`` (the entries run again), ``capture.py`` (a replay's launches as
 a CUDA graph), ``mirrored/traced_function.py`` (the tracer), ``mirrored/devices.py`` and
