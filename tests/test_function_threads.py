@@ -239,38 +239,18 @@ def test_ctrl_c_inside_a_replayed_two_replica_step_stops_between_steps(devices, 
 
     step(batches[0])
     strategy.run(twin_step, args=(batches[0],))
-    entries = []
-
-    def count(frame, event, arg):
-        if event == "call" and _runs_an_entry(frame):
-            entries.append(1)
-    sys.setprofile(count)
-    try:
-        step(batches[1])
-    finally:
-        sys.setprofile(None)
+    entries = _entries_run(lambda: step(batches[1]), "call")
     strategy.run(twin_step, args=(batches[1],))
-    assert len(entries) > 10, len(entries)
+    assert entries > 10, entries
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # the handler this test relies on
     try:
         for trial in range(4):
-            at = int(rng.integers(1, len(entries) + 1))
-            seen = []
-
-            def interrupt(frame, event, arg, at=at, seen=seen):
-                if event == "call" and _runs_an_entry(frame):
-                    seen.append(1)
-                    if len(seen) == at:
-                        signal.raise_signal(signal.SIGINT)
+            at = int(rng.integers(1, entries + 1))
             b = batches[2 if trial % 2 == 0 else 1]
-            sys.setprofile(interrupt)
-            try:
-                with pytest.raises(KeyboardInterrupt):
-                    step(b)
-            finally:
-                sys.setprofile(None)
-            assert len(seen) >= at
+            with pytest.raises(KeyboardInterrupt):
+                _entries_run(lambda: step(b), "call", sigint_at=at)
+            assert _entries_run.seen[0] >= at
             strategy.run(twin_step, args=(b,))
             for copies in _replica_weights(model):
                 np.testing.assert_array_equal(copies[0], copies[1], err_msg=f"replicas differ (SIGINT at entry {at})")
@@ -301,36 +281,16 @@ def test_ctrl_c_inside_every_entry_of_a_two_step_replay_stops_at_a_step_boundary
 
     two_steps(batches[0], batches[1])                   # traced: the first run
     twin_steps(batches[0], batches[1])
-    entries = []
-
-    def count(frame, event, arg):
-        if event == "return" and _runs_an_entry(frame):
-            entries.append(1)
-    sys.setprofile(count)
-    try:
-        two_steps(batches[1], batches[0])
-    finally:
-        sys.setprofile(None)
+    entries = _entries_run(lambda: two_steps(batches[1], batches[0]), "return")
     twin_steps(batches[1], batches[0])
-    assert len(entries) > 20, len(entries)             # two steps' launches, both replicas
+    assert entries > 20, entries                        # two steps' launches, both replicas
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # the handler this test relies on
     try:
-        for at in range(1, len(entries) + 1):
-            seen = []
-
-            def interrupt(frame, event, arg, at=at, seen=seen):
-                if event == "return" and _runs_an_entry(frame):
-                    seen.append(1)
-                    if len(seen) == at:
-                        signal.raise_signal(signal.SIGINT)
-            sys.setprofile(interrupt)
-            try:
-                with pytest.raises(KeyboardInterrupt):
-                    two_steps(batches[0], batches[1])
-            finally:
-                sys.setprofile(None)
-            assert len(seen) == len(entries), f"SIGINT after entry {at}: the replay stopped midway"
+        for at in range(1, entries + 1):
+            with pytest.raises(KeyboardInterrupt):
+                _entries_run(lambda: two_steps(batches[0], batches[1]), "return", sigint_at=at)
+            assert _entries_run.seen[0] == entries, f"SIGINT after entry {at}: the replay stopped midway"
             twin_steps(batches[0], batches[1])
             for copies in _replica_weights(model):
                 np.testing.assert_array_equal(copies[0], copies[1], err_msg=f"replicas differ (SIGINT at entry {at})")
@@ -490,6 +450,25 @@ ENTRY_RUNS = {"Launch.run", "Upload.run", "PeerCopy.run", "HostCall.run"}
 
 def _runs_an_entry(frame):
     return frame.f_code.co_filename.endswith("replay.py") and frame.f_code.co_qualname in ENTRY_RUNS
+
+
+def _entries_run(fn, event, sigint_at=None):
+    """Run ``fn()`` counting the replay entries it runs (their ``run``'s ``event``: "call" as
+    an entry starts, "return" as it ends); with ``sigint_at=k``, SIGINT is raised at the k-th.
+    Returns the count (``_entries_run.seen[0]``: the count so far, when ``fn`` raised)."""
+    seen = _entries_run.seen = [0]
+
+    def profile(frame, what, arg):
+        if what == event and _runs_an_entry(frame):
+            seen[0] += 1
+            if seen[0] == sigint_at:
+                signal.raise_signal(signal.SIGINT)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen[0]
 
 
 def test_a_shape_read_as_python_inside_a_function_is_traced_not_eager(devices, rng):
