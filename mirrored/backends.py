@@ -16,6 +16,7 @@ above can reuse buffers step after step.
 
 When a kernel file gains a new op, it gets one method here in each class.
 """
+import contextlib
 import functools
 import threading
 import types
@@ -61,6 +62,25 @@ def target_loss(ops, mode, pred, targets, loss, grad, correct, scale=1.0):
         return ops.categorical_xent(pred, targets, loss, grad, correct, scale, mode[1])
     ops.regression_loss(mode, pred, targets, loss, grad, scale)
     return ops.fill(correct, 0.0)
+
+
+def uses_blas(method):
+    """A ``CpuOps`` method that calls NumPy's BLAS (a GEMM; a conv's im2col product): run
+    at the CPU's BLAS-thread policy (``blas_threads``, below) wherever it is called from.
+
+    fit, evaluate, predict, ``strategy.run``, a ``@function``'s call, ``model(x)`` and
+    ``tape.gradient`` open a policy block around all of their products; inside one this
+    costs one check (``_OPEN_BLOCKS``). Anything else (an eager ``tf.matmul``, a layer
+    called on its own) gets a block of its own per op (~10-25 us), rather than OpenBLAS's
+    default of one spinning thread per core (issue 25; the first-run note in
+    ``blas_threads``)."""
+    @functools.wraps(method)
+    def under_policy(self, *args, **kwargs):
+        if _OPEN_BLOCKS:                        # fit's, a model call's ...: the count is set
+            return method(self, *args, **kwargs)
+        with blas_threads():
+            return method(self, *args, **kwargs)
+    return under_policy
 
 
 class CpuOps:
@@ -109,6 +129,7 @@ class CpuOps:
         return allreduce.ring_gather_step_ref(own, peer, lo, hi)
 
     # the dense layer stack (kernels/gemm.py, activations.py, softmax_xent.py)
+    @uses_blas
     def gemm(self, a, b, out, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
         if (beta == 0.0 and alpha == 1.0 and out is not None and out.ndim == 2 and out.flags.c_contiguous
                 and a.dtype == b.dtype == out.dtype == np.float32):
@@ -150,11 +171,13 @@ class CpuOps:
 
     # images (kernels/conv2d.py, pooling.py: the references; kernels/cpu_loops.py: the same
     # math in one compiled pass each) and dropout (kernels/dropout.py), NHWC
+    @uses_blas
     def conv2d(self, x, kernel, bias, out, strides, padding, relu=False):
         cols = self._cols(x, kernel, strides, padding)                # im2col's matrix, reused
         self._cols_hold.pop(cols.shape, None)
         return cpu_loops.conv2d_forward(x, kernel, bias, out, strides, padding, relu, cols)  # = conv2d_ref
 
+    @uses_blas
     def conv2d_backward(self, x, kernel, dy, dx, dw, db, strides, padding):
         # = conv2d_backward_ref; dx is None for a first layer (nothing needs it: not computed)
         cols = self._cols(x, kernel, strides, padding)
@@ -176,6 +199,7 @@ class CpuOps:
     # Conv2D(relu) then MaxPooling2D as one op each way (layers.Conv2D.fuse_next): the
     # activation is never written out; its backward takes the ReLU's mask from the pooled
     # output. = max_pool_ref(conv2d_ref(..., relu=True)) bitwise, and its backward.
+    @uses_blas
     def conv2d_relu_pool(self, x, kernel, bias, out, arg, strides, padding, pool_size=2,
                          pool_strides=None, pool_padding="valid"):
         if cpu_conv1.pays(kernel.shape, dx_needed=False):
@@ -199,6 +223,7 @@ class CpuOps:
         # anyway): the lab's 43,264 x 9 columns are not made twice.
         return x.ctypes.data, x.shape, x.strides, tuple(kernel.shape[:3]), str(strides), str(padding)
 
+    @uses_blas
     def conv2d_relu_pool_backward(self, x, kernel, dy, arg, y, dz, dx, dw, db, strides, padding,
                                   pool_size=2, pool_strides=None, pool_padding="valid"):
         # conv2d_relu_pool's backward in one op: dw, db and dx (None: not computed) from the
@@ -548,7 +573,9 @@ del _ops_class, _name
 # with one other busy process, the lab ConvNet's step went from 12 ms to 123-137 ms (one
 # of OpenBLAS's threads descheduled, the other spinning for it; issue 25). So, by
 # default, fit/evaluate/predict run with ONE BLAS thread (``blas_threads``, through
-# threadpoolctl, restored when they return); the images of a batch can be spread over
+# threadpoolctl, restored when they return), and so do the custom loop's calls (``model(x)``,
+# ``tape.gradient``, ``strategy.run``, a ``@function``) and any other op that calls the BLAS
+# (``uses_blas``); the images of a batch can be spread over
 # cores by our own compiled loops instead (kernels/cpu_loops.py, MIRRORED_CPU_PARALLEL).
 # No environment variable is set: a user's own OPENBLAS_NUM_THREADS / OMP_NUM_THREADS
 # (read by the BLAS at start) is respected, and MIRRORED_BLAS_THREADS chooses the count.
@@ -699,7 +726,20 @@ class blas_threads:
 
     ``with backends.blas_threads(): model.fit(...)`` is what fit, evaluate and predict do
     (keras/trainer.py), and the custom loop's steps (``strategy.run``, a ``@function``'s
-    call). Only the process's BLAS is touched (threadpoolctl), never the environment.
+    call), and, called eagerly outside those, ``model(x)`` and ``tape.gradient`` (through
+    ``call_block``) and each op that calls the BLAS (``uses_blas``). Only the process's
+    BLAS is touched (threadpoolctl), never the environment.
+
+    Why the eager calls too: keras.io's "Writing a training loop from scratch" calls
+    ``model(x)`` under a tape, ``tape.gradient`` and ``optimizer.apply`` eagerly, outside
+    ``strategy.run``; before they were covered, its GEMMs (32 x 784 x 64, large enough for
+    OpenBLAS to split) ran on OpenBLAS's two spinning threads. On this 2-core machine with
+    one other busy process, an epoch of its 1,563 steps took 4-62 s (median step up to 48 ms),
+    now 0.8-2.8 s (0.5 ms); which of two identical loops was slow followed the scheduler, not
+    which came first (36.8 s then 2.8 s in one process; 6.3 then 11.3 s in another), and
+    Numba's first-use compiling is 0.1-1 s of it. The two blocks cost ~45 us of the step's
+    ~480 (measured with the BLAS at one thread throughout). ``optimizer.apply_gradients``
+    calls no BLAS (the updates are compiled loops): it opens no block.
 
     Nested policy blocks (fit's validation pass; ``strategy.run`` inside a ``@function``
     or inside a loop the user wrapped in one block) keep the outer count and cost
@@ -740,3 +780,15 @@ class blas_threads:
     def _close(self):
         with _POLICY_LOCK:
             _OPEN_BLOCKS.discard(self)
+
+
+_NO_BLOCK = contextlib.nullcontext()
+
+
+def call_block():
+    """The policy block for an entry point called once per step, from anywhere (``model(x)``,
+    ``tape.gradient``): a new ``blas_threads()`` where no block is open (an eager custom loop:
+    one set and one restore around all of the call's products), else nothing at all (inside
+    fit, ``strategy.run`` or a ``@function``, whose block set the count: not even the
+    nested block's lock)."""
+    return _NO_BLOCK if _OPEN_BLOCKS else blas_threads()

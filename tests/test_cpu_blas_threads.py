@@ -202,3 +202,64 @@ def test_a_ctrl_c_inside_a_policy_block_does_not_switch_the_policy_off_for_later
     finally:
         monkeypatch.delenv("MIRRORED_BLAS_THREADS")
         backends.set_blas_threads(start)
+
+
+@pytest.mark.skipif(backends.blas_info()["threads"] is None, reason="no BLAS whose threads we can set")
+def test_an_eager_loop_outside_strategy_run_runs_at_the_policys_thread_count(monkeypatch, devices, rng):
+    """keras.io's "Writing a training loop from scratch": ``model(x)`` under a tape,
+    ``tape.gradient`` and ``optimizer.apply`` called eagerly, no ``strategy.run``, no
+    ``@function``. Every product runs at the policy's count, as in fit (before, at whatever
+    the BLAS had: OpenBLAS's one spinning thread per core, 4-62 s an epoch instead of 1-3 s
+    on a busy 2-core machine); ``model(x)`` and ``tape.gradient`` set it once each and give
+    the BLAS back, not once per product; an eager ``tf.matmul`` gets the policy too; inside an
+    outer block nothing is set."""
+    from mirrored.backends import cpu_loops
+    for var in backends.BLAS_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MIRRORED_BLAS_THREADS", "2")
+    start = 3                                          # not the policy's count: a missed set shows
+    devices(cpus=1)
+    with tf.distribute.MirroredStrategy(["CPU:0"]).scope():     # the CPU backend, called as the
+        inputs = tf.keras.Input(shape=(12,))                  # guide does: outside strategy.run
+        h = tf.keras.layers.Dense(8, activation="relu")(inputs)
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(4)(h))
+        optimizer = tf.keras.optimizers.Adam(1e-3)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = rng.standard_normal((6, 12)).astype(np.float32), rng.integers(0, 4, 6)
+    seen, sets = [], []                                # the BLAS's count at each product; each set
+    original = cpu_loops.matmul_split
+    monkeypatch.setattr(cpu_loops, "matmul_split",
+                        lambda *a: seen.append(backends.blas_info()["threads"]) or original(*a))
+    monkeypatch.setattr(backends, "set_blas_threads", lambda n, _o=backends.set_blas_threads:
+                        sets.append(n) or _o(n))
+
+    def step(outside=start):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss_value = loss_fn(y, logits)
+        assert backends.blas_info()["threads"] == outside        # given back after the call
+        grads = tape.gradient(loss_value, model.trainable_weights)
+        assert backends.blas_info()["threads"] == outside
+        optimizer.apply(grads, model.trainable_weights)
+
+    backends.set_blas_threads(start)
+    try:
+        for _ in range(2):
+            seen.clear(), sets.clear()
+            step()
+            # forward: 2 products; backward: 2 dW + 1 dx (the first layer's dx is not needed)
+            assert seen == [2] * 5
+            assert sets == [2, start, 2, start]        # model(x), then tape.gradient: a set, a restore
+        seen.clear(), sets.clear()
+        with tf.device("CPU:0"):
+            tf.matmul(tf.constant(x), tf.constant(x.T))    # an op on its own: its own block
+        assert seen == [2] and sets == [2, start]
+        seen.clear(), sets.clear()
+        with backends.blas_threads():                  # a user's block around the loop: one set
+            step(outside=2)
+            step(outside=2)
+        assert seen == [2] * 10 and sets == [2, start]
+        assert backends.blas_info()["threads"] == start
+    finally:
+        monkeypatch.undo()
+        backends.set_blas_threads(start)

@@ -506,10 +506,13 @@ class ModelAPI:
         if functional.is_symbolic(inputs):           # inside another model's definition
             return self.call_symbolic(inputs)
         strategy, replica_ctx = context.top()
-        if replica_ctx is not None and strategy is self._strategy:
-            return self._call(inputs, training, replica_ctx.local_replica_id)
-        with self._lock:
-            return self._call(inputs, training, 0)
+        # The CPU's BLAS-thread policy, as fit's: an eager loop (keras.io's guide) calls the
+        # model outside strategy.run; inside one, or fit, this is nothing (backends.call_block).
+        with backends.call_block():
+            if replica_ctx is not None and strategy is self._strategy:
+                return self._call(inputs, training, replica_ctx.local_replica_id)
+            with self._lock:
+                return self._call(inputs, training, 0)
 
     def call_symbolic(self, inputs):
         """The model called on a symbolic tensor (inside another model's definition or a

@@ -32,7 +32,7 @@ import numpy as np
 
 from kernels.elementwise import CAST_DTYPES      # the dtypes the device cast is compiled for
 from kernels.softmax_xent import LABEL_DTYPE      # the one label type the loss kernels take
-from mirrored import autodiff, context, nest, ops
+from mirrored import autodiff, backends, context, nest, ops
 from mirrored.keras import custom_loop
 from mirrored.tensor import Tensor, add_n, identity
 from mirrored.values import Variable
@@ -313,11 +313,14 @@ class GradientTape:
             flat = list(sources.values())
         node = getattr(target, "node", None)
         legacy = node is not None and hasattr(node, "summed") and output_gradients is None
-        if legacy and isinstance(node.summed(), _Scaled) and all(not isinstance(s, Tensor) for s in flat) \
-                and not any(self in l.output.link for l, _ in node.summed().losses):   # no model upstream
-            result = self._fused_gradient(node.summed(), flat)
-        else:
-            result = self._graph_gradient(target, flat, output_gradients)
+        # The backward's products at the CPU's BLAS-thread policy, as fit's (an eager loop
+        # calls this outside strategy.run; inside one it is nothing: backends.call_block).
+        with backends.call_block():
+            if legacy and isinstance(node.summed(), _Scaled) and all(not isinstance(s, Tensor) for s in flat) \
+                    and not any(self in l.output.link for l, _ in node.summed().losses):   # no model upstream
+                result = self._fused_gradient(node.summed(), flat)
+            else:
+                result = self._graph_gradient(target, flat, output_gradients)
         if unconnected == "zero":
             result = [ops.zeros_like(s) if g is None else g for s, g in zip(flat, result)]
         if isinstance(structure, dict):
