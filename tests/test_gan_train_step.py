@@ -31,6 +31,7 @@ import mirrored as tf
 from mirrored import keras
 from mirrored.traced_function import EagerFallbackWarning
 from mirrored.values import components
+from oracles import bce_logits, leaky_mlp, leaky_mlp_backward
 
 LATENT, DATA, HIDDEN, SLOPE = 3, 2, 4, 0.2
 LR, BATCH, STEPS = 0.01, 6, 3          # 6 rows: 3 per replica on 2
@@ -139,26 +140,6 @@ class Draws:
 
 
 # -- the float64 oracle ----------------------------------------------------------------------------
-def net(w, x):
-    """Dense -> LeakyReLU -> Dense, with what its backward needs."""
-    h = x @ w[0] + w[1]
-    a = np.where(h > 0, h, SLOPE * h)
-    return a @ w[2] + w[3], (x, h, a)
-
-
-def net_backward(w, saved, dout):
-    """(weight gradients, d input) of ``net`` for d output ``dout``."""
-    x, h, a = saved
-    dh = (dout @ w[2].T) * np.where(h > 0, 1.0, SLOPE)
-    return [x.T @ dh, dh.sum(0), a.T @ dout, dout.sum(0)], dh @ w[0].T
-
-
-def bce_logits(logits, y, scale):
-    """``scale`` x the mean binary cross-entropy on logits, and its gradient."""
-    loss = np.mean(np.maximum(logits, 0) - logits * y + np.log1p(np.exp(-np.abs(logits))))
-    return scale * loss, scale * (1 / (1 + np.exp(-logits)) - y) / logits.size
-
-
 class SGD:
     """Plain SGD in float64."""
 
@@ -195,21 +176,21 @@ def oracle_step(gw, dw, d_adam, g_sgd, shares, n):
     dgrads, losses = None, []
     for real, z1, noise, _ in shares:
         b = len(real)
-        combined = np.concatenate([net(gw, z1)[0], real])
+        combined = np.concatenate([leaky_mlp(gw, z1, SLOPE)[0], real])
         labels = np.concatenate([np.ones((b, 1)), np.zeros((b, 1))]) + 0.05 * noise
-        logits, saved = net(dw, combined)
+        logits, saved = leaky_mlp(dw, combined, SLOPE)
         d_loss, dlogits = bce_logits(logits, labels, 1.0 / n)     # Keras 3: the mean times 1/N
-        grads, _ = net_backward(dw, saved, dlogits)
+        grads, _ = leaky_mlp_backward(dw, saved, dlogits, SLOPE)
         dgrads = grads if dgrads is None else [a + g for a, g in zip(dgrads, grads)]
         losses.append([d_loss])
     dw = d_adam.apply(dw, dgrads)
     ggrads = None
     for (real, _, _, z2), replica_losses in zip(shares, losses):
-        fake, gsaved = net(gw, z2)
-        logits, dsaved = net(dw, fake)
+        fake, gsaved = leaky_mlp(gw, z2, SLOPE)
+        logits, dsaved = leaky_mlp(dw, fake, SLOPE)
         g_loss, dlogits = bce_logits(logits, np.zeros((len(real), 1)), 1.0 / n)
-        _, dfake = net_backward(dw, dsaved, dlogits)
-        grads, _ = net_backward(gw, gsaved, dfake)
+        _, dfake = leaky_mlp_backward(dw, dsaved, dlogits, SLOPE)
+        grads, _ = leaky_mlp_backward(gw, gsaved, dfake, SLOPE)
         ggrads = grads if ggrads is None else [a + g for a, g in zip(ggrads, grads)]
         replica_losses.append(g_loss)
     return g_sgd.apply(gw, ggrads), dw, losses

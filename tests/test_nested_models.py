@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import mirrored as tf
+from oracles import bce_logits, leaky_mlp, leaky_mlp_backward
 
 keras = tf.keras
 L = keras.layers
@@ -241,27 +242,6 @@ def _gan(strategy):
     return generator, discriminator
 
 
-def _net(w, x):
-    """float64: Dense -> LeakyReLU -> Dense, with what its backward needs."""
-    h = x @ w[0] + w[1]
-    a = np.where(h > 0, h, SLOPE * h)
-    return a @ w[2] + w[3], (x, h, a)
-
-
-def _net_backward(w, saved, dout):
-    """(weight gradients, d input) of ``_net`` for d output ``dout``."""
-    x, h, a = saved
-    da = dout @ w[2].T
-    dh = da * np.where(h > 0, 1.0, SLOPE)
-    return [x.T @ dh, dh.sum(0), a.T @ dout, dout.sum(0)], dh @ w[0].T
-
-
-def _bce_logits(lo, y):
-    """Mean binary cross-entropy on logits, and its gradient (float64)."""
-    loss = np.mean(np.maximum(lo, 0) - lo * y + np.log1p(np.exp(-np.abs(lo))))
-    return loss, (1 / (1 + np.exp(-lo)) - y) / lo.size
-
-
 def test_gradients_flow_from_a_discriminator_into_a_generator_and_its_input(devices, rng):
     strategy = _strategy(devices, 1)
     generator, discriminator = _gan(strategy)
@@ -278,7 +258,7 @@ def test_gradients_flow_from_a_discriminator_into_a_generator_and_its_input(devi
     dw = [w.astype(np.float64) for w in discriminator.get_weights()]
 
     def loss(gw, z):
-        return _bce_logits(_net(dw, _net(gw, z)[0])[0], 0.0)[0]
+        return bce_logits(leaky_mlp(dw, leaky_mlp(gw, z, SLOPE)[0], SLOPE)[0], 0.0)[0]
     eps = 1e-6                                    # central differences of the composed float64 loss
     for i, (g, w) in enumerate(zip(grads, [z.astype(np.float64)] + gw)):
         numeric = np.zeros_like(w)
@@ -329,16 +309,16 @@ def test_keras_io_gan_loop_trains_to_a_float64_oracle_and_replicas_stay_equal(de
         strategy.run(step, args=(z, real_images))
         # the oracle: the same two SGD steps in float64
         zs, rs = latent[s * batch:(s + 1) * batch].astype(np.float64), real[s * batch:(s + 1) * batch]
-        fake = _net(gw, zs)[0]
-        lo, saved = _net(dw, np.concatenate([fake, rs]))
-        _, dlo = _bce_logits(lo, np.concatenate([np.ones((batch, 1)), np.zeros((batch, 1))]))
-        dgrads, _ = _net_backward(dw, saved, dlo)
+        fake = leaky_mlp(gw, zs, SLOPE)[0]
+        lo, saved = leaky_mlp(dw, np.concatenate([fake, rs]), SLOPE)
+        _, dlo = bce_logits(lo, np.concatenate([np.ones((batch, 1)), np.zeros((batch, 1))]))
+        dgrads, _ = leaky_mlp_backward(dw, saved, dlo, SLOPE)
         dw = [w - lr * g for w, g in zip(dw, dgrads)]
-        fake, gsaved = _net(gw, zs)
-        lo, dsaved = _net(dw, fake)
-        _, dlo = _bce_logits(lo, np.zeros((batch, 1)))
-        _, dfake = _net_backward(dw, dsaved, dlo)
-        ggrads, _ = _net_backward(gw, gsaved, dfake)
+        fake, gsaved = leaky_mlp(gw, zs, SLOPE)
+        lo, dsaved = leaky_mlp(dw, fake, SLOPE)
+        _, dlo = bce_logits(lo, np.zeros((batch, 1)))
+        _, dfake = leaky_mlp_backward(dw, dsaved, dlo, SLOPE)
+        ggrads, _ = leaky_mlp_backward(gw, gsaved, dfake, SLOPE)
         gw = [w - lr * g for w, g in zip(gw, ggrads)]
     for model, oracle in ((discriminator, dw), (generator, gw)):
         for v, want in zip(model.trainable_weights, oracle):
