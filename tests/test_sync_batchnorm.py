@@ -164,6 +164,23 @@ def test_a_replica_that_raises_before_the_backward_all_reduce_releases_the_other
     assert time.monotonic() - start < 30
 
 
+def outputs_and_dx(model, xr, tr, global_batch, optimizer=None):
+    """One replica's share of a custom-loop step (``strategy.run``'s function): the model's
+    outputs and d loss / d x for the mean squared error over ``global_batch`` examples
+    (``tf.nn.compute_average_loss``); with ``optimizer``, the weights' gradients applied too."""
+    xr, tr = tf.constant(xr), tf.constant(tr)
+    with tf.GradientTape() as tape:
+        tape.watch(xr)
+        out = model(xr, training=True)
+        per_example = tf.reduce_mean(tf.square(out - tr), axis=-1)
+        loss_r = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+    weights = model.trainable_variables if optimizer is not None else []
+    grads = tape.gradient(loss_r, [xr] + weights)
+    if optimizer is not None:
+        optimizer.apply_gradients(zip(grads[1:], weights))
+    return out, tf.identity(grads[0])
+
+
 # --- the layer: a custom loop, fit, evaluate ---------------------------------------------------------
 @pytest.mark.parametrize("shape, n", [((3,), 2), ((2, 2, 3), 2), ((3,), 3)])
 def test_replicas_in_a_custom_loop_compute_one_replica_on_the_global_batch(devices, rng, shape, n):
@@ -183,16 +200,7 @@ def test_replicas_in_a_custom_loop_compute_one_replica_on_the_global_batch(devic
     params, mm, mv = unpack(model)
 
     def step(xr, tr):
-        xr, tr = tf.constant(xr), tf.constant(tr)
-        with tf.GradientTape() as tape:
-            tape.watch(xr)
-            out = model(xr, training=True)
-            per_example = tf.reduce_mean(tf.square(out - tr), axis=-1)
-            loss_r = tf.nn.compute_average_loss(per_example, global_batch_size=b)
-        grads = tape.gradient(loss_r, [xr] + model.trainable_variables)
-        dx = tf.identity(grads[0])
-        optimizer.apply_gradients(zip(grads[1:], model.trainable_variables))
-        return out, dx
+        return outputs_and_dx(model, xr, tr, b, optimizer)
 
     for s in range(len(x)):
         out, dx = strategy.run(step, args=(shares(x[s], n), shares(t[s], n)))
@@ -376,12 +384,7 @@ def test_on_two_simulated_gpus(devices, rng):
     params, mm, mv = unpack(model)
 
     def step(xr, tr):
-        xr, tr = tf.constant(xr), tf.constant(tr)
-        with tf.GradientTape() as tape:
-            tape.watch(xr)
-            out = model(xr, training=True)
-            loss_r = tf.nn.compute_average_loss(tf.reduce_mean(tf.square(out - tr), axis=-1), global_batch_size=5)
-        return out, tf.identity(tape.gradient(loss_r, xr))
+        return outputs_and_dx(model, xr, tr, 5)
 
     out, dx = strategy.run(step, args=(shares(x[0]), shares(t[0])))
     xs, ts = x[0].astype(np.float64), t[0].astype(np.float64)
