@@ -190,7 +190,7 @@ def track(tracker, share, scale, rows):
     """``tracker`` given this replica's mean loss (its ``share`` of the global batch's, times
     ``scale``), weighed by its ``rows``: host work, which a traced step's replay does again
     with that replay's value (``keras/traced_step.py``)."""
-    mean = float(np.asarray(share.numpy() if hasattr(share, "numpy") else share)) * scale
+    mean = float(_metrics.host_array(share)) * scale
     tracker.update_state(np.float64(mean), sample_weight=rows)
 
 

@@ -324,11 +324,7 @@ def predict(model, data_batches, most=None):
 
 def _concat(value):
     parts = value.values if isinstance(value, DistributedValues) else (value,)
-    return np.concatenate([np.atleast_1d(_number_array(p)) for p in parts], axis=0)
-
-
-def _number_array(value):
-    return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    return np.concatenate([np.atleast_1d(_metrics.host_array(p)) for p in parts], axis=0)
 
 
 # -- the logs -----------------------------------------------------------------------------------
@@ -375,7 +371,7 @@ def _replica_mean(value):
 
 
 def _to_float(value):
-    arr = _number_array(value)
+    arr = _metrics.host_array(value)
     return float(arr) if arr.size == 1 else arr
 
 
@@ -413,7 +409,7 @@ class LossTracker(_metrics.Mean):
     @recording.host_work
     def add_scaled(self, values, factor, sample_weight=None):
         """``values`` (read on the host now) times ``factor`` into the running mean."""
-        super().update_state(_number_array(values).astype(np.float64) * factor, sample_weight)
+        super().update_state(_metrics.host_array(values).astype(np.float64) * factor, sample_weight)
 
 
 def compile_metrics(model, metrics):

@@ -23,7 +23,8 @@ from mirrored.tensor import HostTensor, Tensor, TraceTimeValue
 from mirrored.values import Variable
 
 
-def _host(value):
+def host_array(value):
+    """``value`` (a tensor, a variable, an array or a number) as a NumPy array on the host."""
     if isinstance(value, Tensor) or hasattr(value, "numpy"):
         return np.asarray(value.numpy())
     return np.asarray(value)
@@ -99,7 +100,7 @@ def _weighted(values, sample_weight):
     their shape (a (B,) weight over (B, d) values weighs each row); None counts each value once."""
     if sample_weight is None:
         return float(values.sum()), float(values.size)
-    w = _host(sample_weight).astype(np.float64)
+    w = host_array(sample_weight).astype(np.float64)
     while w.ndim > values.ndim and w.shape[-1:] == (1,):       # (B, 1) weights of (B,) values
         w = w.reshape(w.shape[:-1])
     while w.ndim < values.ndim:                                # (B,) weights of (B, d) values
@@ -117,7 +118,7 @@ class Mean(Metric):
 
     @recording.host_work
     def update_state(self, values, sample_weight=None):
-        self.add(_host(values).astype(np.float64), sample_weight)
+        self.add(host_array(values).astype(np.float64), sample_weight)
 
     def add(self, values, sample_weight=None):
         """Add float64 host ``values`` (weighted) to the running sums, under the lock."""
@@ -153,7 +154,7 @@ class MeanMetricWrapper(Mean):
 
     def values(self, y_true, y_pred):
         """The function's values for a batch, as float64 host numbers."""
-        return _host(self.fn(y_true, y_pred, **self.fn_kwargs)).astype(np.float64)
+        return host_array(self.fn(y_true, y_pred, **self.fn_kwargs)).astype(np.float64)
 
 
 class _HostMetric(MeanMetricWrapper):
@@ -163,7 +164,7 @@ class _HostMetric(MeanMetricWrapper):
         super().__init__(None, name, dtype)
 
     def values(self, y_true, y_pred):
-        y_true, y_pred = _same_rank(_host(y_true).astype(np.float64), _host(y_pred).astype(np.float64))
+        y_true, y_pred = _same_rank(host_array(y_true).astype(np.float64), host_array(y_pred).astype(np.float64))
         if y_true.shape != y_pred.shape and y_true.size != y_pred.size:
             raise ValueError(f"{type(self).__name__} {self.name!r}: targets of shape {y_true.shape} for "
                              f"predictions of shape {y_pred.shape}; give one target per output.")
@@ -209,8 +210,8 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
         super().__init__(None, name, dtype)
 
     def values(self, y_true, y_pred):
-        preds = _host(y_pred)
-        labels = _host(y_true).reshape(preds.shape[:-1]) if preds.ndim else _host(y_true)
+        preds = host_array(y_pred)
+        labels = host_array(y_true).reshape(preds.shape[:-1]) if preds.ndim else host_array(y_true)
         return (preds.argmax(axis=-1) == labels).astype(np.float64)
 
 
@@ -222,8 +223,8 @@ class CategoricalAccuracy(MeanMetricWrapper):
         super().__init__(None, name, dtype)
 
     def values(self, y_true, y_pred):
-        labels = _host(y_true)
-        preds = _host(y_pred)
+        labels = host_array(y_true)
+        preds = host_array(y_pred)
         if labels.shape != preds.shape:
             raise ValueError(f"CategoricalAccuracy: labels {labels.shape} and predictions {preds.shape} "
                              f"must have the same shape (one-hot labels: keras.utils.to_categorical); "
@@ -266,7 +267,7 @@ class _Accuracy(MeanMetricWrapper):
         super().__init__(None, name)
 
     def values(self, y_true, y_pred):
-        y_true, y_pred = _host(y_true), _host(y_pred)
+        y_true, y_pred = host_array(y_true), host_array(y_pred)
         if y_pred.shape[-1:] == (1,):
             kind = BinaryAccuracy
         elif y_true.ndim < y_pred.ndim or y_true.shape[-1:] == (1,):
