@@ -390,7 +390,7 @@ class ModelAPI:
                 break
             mode, captured = self.step.loss_mode(), self.captured_step()   # the model is built by now
             self.use_own_weights()
-            if len(chunk) > 1 and captured is not None and captured.graphs.enabled and not self.host_metrics:
+            if self.runs_as_one_program(captured, chunk):
                 with self.step.rolled_back_on_error():              # out of memory: nothing stays charged
                     captured.evaluate_steps(chunk, mode)   # one graph (program/passes.py)
             else:

@@ -214,7 +214,7 @@ class Trainer:
         captured = self.captured_step() if self.built else None   # the first batch builds the model
         if self.built and self._claimed != custom_loop.MOVES[0]:
             self.use_own_weights()
-        if len(batches) > 1 and captured is not None and captured.graphs.enabled and not self.host_metrics:
+        if self.runs_as_one_program(captured, batches):
             captured.train_steps([data_adapters.prepare(self, batch) for batch in batches])
             return
         for batch in batches:
@@ -269,6 +269,12 @@ class Trainer:
         if self._captured is None or self._captured.graphs is not graphs:
             self._captured = CapturedStep(self.step, graphs)
         return self._captured
+
+    def runs_as_one_program(self, captured, batches):
+        """True where an execution of ``batches`` runs as ONE program (``CapturedStep.train_steps``
+        / ``evaluate_steps``): several batches, graphs captured (a GPU), no host metrics (they read
+        each step's outputs). Elsewhere each batch runs on its own, all or nothing."""
+        return len(batches) > 1 and captured is not None and captured.graphs.enabled and not self.host_metrics
 
     def forget_programs(self):
         """Drop the recorded programs of fit's, evaluate's and predict's passes (a buffer they

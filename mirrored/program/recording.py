@@ -88,11 +88,6 @@ SINGLETON_VARIABLES = ("tf.function only supports singleton tf.Variables created
                        "the first call).")
 
 
-def thread_recorder():
-    """The calling thread's ``ThreadRecorder``, or None (it records nothing)."""
-    return backends.BOUNDARY.recorder
-
-
 def active():
     """The ``Recording`` the calling thread records into, or None (no trace on this thread)."""
     recorder = backends.BOUNDARY.recorder
